@@ -1,0 +1,302 @@
+//! planarian's own settings, read the way containers.conf is read:
+//!
+//! 1. built-in defaults;
+//! 2. `/usr/share/planarian/planarian.conf` (the distribution's file);
+//! 3. `/etc/planarian/planarian.conf` (the sysadmin's file);
+//! 4. `/etc/planarian/planarian.conf.d/*.conf`, in lexical order;
+//! 5. for a non-root user, `$XDG_CONFIG_HOME/planarian/planarian.conf`
+//!    (`~/.config/planarian/planarian.conf`).
+//!
+//! Each later file overrides only the keys it sets. `PLANARIAN_CONFIG=FILE` replaces 2–5 by that
+//! one file (as `CONTAINERS_CONF` does). A container can override a few settings with
+//! annotations `io.planarian.<table>.<key>` (see [`ANNOTATION_KEYS`]); paths of the binaries
+//! that run as root and the store location are deliberately not among them.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+pub const SYSTEM_FILES: &[&str] = &["/usr/share/planarian/planarian.conf", "/etc/planarian/planarian.conf"];
+pub const DROPIN_DIR: &str = "/etc/planarian/planarian.conf.d";
+
+/// Settings a container may override by annotation, as `table.key`.
+pub const ANNOTATION_KEYS: &[&str] = &[
+    "checkpoint.full_dump_interval",
+    "zfs.parent_dataset",
+    "store.retention",
+];
+pub const ANNOTATION_PREFIX: &str = "io.planarian.";
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub runtime: RuntimeConfig,
+    pub store: StoreConfig,
+    pub checkpoint: CheckpointConfig,
+    pub zfs: ZfsConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct RuntimeConfig {
+    /// crun, by absolute path; when unset the usual locations are searched.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub crun_path: Option<PathBuf>,
+    /// criu, by absolute path; when unset the usual locations are searched.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_path: Option<PathBuf>,
+    /// zfs, by absolute path; when unset the usual locations are searched.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zfs_path: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreConfig {
+    /// Where statepoints live. Never inside Podman's checkpoint directory.
+    pub path: PathBuf,
+    /// How many committed statepoints to keep per container (0 = keep all).
+    pub retention: u32,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// A full memory dump every this many statepoints of a branch (k of Algorithm 1).
+    pub full_dump_interval: u32,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct ZfsConfig {
+    /// Parent dataset under which containers get their own rootfs datasets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent_dataset: Option<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            runtime: RuntimeConfig::default(),
+            store: StoreConfig::default(),
+            checkpoint: CheckpointConfig::default(),
+            zfs: ZfsConfig::default(),
+        }
+    }
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig { path: PathBuf::from("/var/lib/planarian"), retention: 64 }
+    }
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig { full_dump_interval: 8 }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("annotation {key}: {message}")]
+    Annotation { key: String, message: String },
+}
+
+/// The files that make up the configuration, in the order they apply.
+pub fn config_files() -> Vec<PathBuf> {
+    if let Some(p) = std::env::var_os("PLANARIAN_CONFIG") {
+        return vec![PathBuf::from(p)];
+    }
+    let mut files: Vec<PathBuf> = SYSTEM_FILES.iter().map(PathBuf::from).collect();
+    if let Ok(rd) = std::fs::read_dir(DROPIN_DIR) {
+        let mut dropins: Vec<PathBuf> = rd
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "conf"))
+            .collect();
+        dropins.sort();
+        files.extend(dropins);
+    }
+    if !nix::unistd::geteuid().is_root() {
+        let base = std::env::var_os("XDG_CONFIG_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".config")));
+        if let Some(base) = base {
+            files.push(base.join("planarian/planarian.conf"));
+        }
+    }
+    files
+}
+
+impl Config {
+    /// Loads the configuration from [`config_files`]. Missing files are skipped, except a file
+    /// named by `PLANARIAN_CONFIG`, which must exist.
+    pub fn load() -> Result<Config, ConfigError> {
+        let explicit = std::env::var_os("PLANARIAN_CONFIG").is_some();
+        let mut merged = toml::Table::new();
+        for path in config_files() {
+            let text = match std::fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => continue,
+                Err(source) => return Err(ConfigError::Read { path, source }),
+            };
+            let table = parse_layer(&path, &text)?;
+            merge(&mut merged, table);
+        }
+        Self::from_table(merged).map_err(|message| ConfigError::Parse {
+            path: PathBuf::from("(merged configuration)"),
+            message,
+        })
+    }
+
+    fn from_table(table: toml::Table) -> Result<Config, String> {
+        toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| e.message().to_string())
+    }
+
+    /// Applies a container's `io.planarian.*` annotations on top of this configuration.
+    pub fn with_annotations<'a>(
+        &self,
+        annotations: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<Config, ConfigError> {
+        let mut table: toml::Table = toml::Value::try_from(self)
+            .ok()
+            .and_then(|v| v.as_table().cloned())
+            .unwrap_or_default();
+        for (key, value) in annotations {
+            let Some(setting) = key.strip_prefix(ANNOTATION_PREFIX) else { continue };
+            if !ANNOTATION_KEYS.contains(&setting) {
+                return Err(ConfigError::Annotation {
+                    key: key.to_string(),
+                    message: format!(
+                        "not a per-container setting (allowed: {})",
+                        ANNOTATION_KEYS.iter().map(|k| format!("{ANNOTATION_PREFIX}{k}")).collect::<Vec<_>>().join(", ")
+                    ),
+                });
+            }
+            let (t, k) = setting.split_once('.').expect("ANNOTATION_KEYS are table.key");
+            let v = match value.parse::<i64>() {
+                Ok(n) => toml::Value::Integer(n),
+                Err(_) => toml::Value::String(value.to_string()),
+            };
+            table
+                .entry(t.to_string())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+                .as_table_mut()
+                .expect("config tables are tables")
+                .insert(k.to_string(), v);
+        }
+        Self::from_table(table).map_err(|message| ConfigError::Annotation {
+            key: "io.planarian.*".into(),
+            message,
+        })
+    }
+}
+
+/// Parses one file and checks it on its own, so an error names the file it is in.
+fn parse_layer(path: &Path, text: &str) -> Result<toml::Table, ConfigError> {
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| ConfigError::Parse {
+        path: path.to_path_buf(),
+        message: e.to_string().lines().next().unwrap_or_default().to_string(),
+    })?;
+    Config::from_table(table.clone())
+        .map_err(|message| ConfigError::Parse { path: path.to_path_buf(), message })?;
+    Ok(table)
+}
+
+/// Merges `over` into `base`: tables key by key, anything else replaced.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layered(files: &[&str]) -> Result<Config, ConfigError> {
+        let mut merged = toml::Table::new();
+        for (i, text) in files.iter().enumerate() {
+            merge(&mut merged, parse_layer(Path::new(&format!("file{i}")), text)?);
+        }
+        Ok(Config::from_table(merged).unwrap())
+    }
+
+    #[test]
+    fn defaults() {
+        let c = layered(&[]).unwrap();
+        assert_eq!(c.store.path, Path::new("/var/lib/planarian"));
+        assert_eq!(c.checkpoint.full_dump_interval, 8);
+        assert_eq!(c.runtime.crun_path, None);
+    }
+
+    #[test]
+    fn later_files_override_only_their_keys() {
+        let c = layered(&[
+            "[runtime]\ncrun_path = \"/opt/crun\"\n[store]\npath = \"/srv/pl\"\n",
+            "[store]\nretention = 3\n",
+        ])
+        .unwrap();
+        assert_eq!(c.runtime.crun_path.as_deref(), Some(Path::new("/opt/crun")));
+        assert_eq!(c.store.path, Path::new("/srv/pl"));
+        assert_eq!(c.store.retention, 3);
+    }
+
+    #[test]
+    fn unknown_key_names_the_file() {
+        let e = layered(&["[runtime]\ncrun = \"/x\"\n"]).unwrap_err().to_string();
+        assert!(e.starts_with("file0: "), "{e}");
+        assert!(e.contains("crun"), "{e}");
+    }
+
+    #[test]
+    fn syntax_error_names_the_file() {
+        let e = layered(&["", "[store\n"]).unwrap_err().to_string();
+        assert!(e.starts_with("file1: "), "{e}");
+    }
+
+    #[test]
+    fn annotations_override_allowed_settings() {
+        let c = Config::default()
+            .with_annotations([
+                ("io.planarian.checkpoint.full_dump_interval", "3"),
+                ("io.planarian.zfs.parent_dataset", "tank/sandboxes"),
+                ("org.opencontainers.image.title", "ignored"),
+            ])
+            .unwrap();
+        assert_eq!(c.checkpoint.full_dump_interval, 3);
+        assert_eq!(c.zfs.parent_dataset.as_deref(), Some("tank/sandboxes"));
+        assert_eq!(c.store, Config::default().store);
+    }
+
+    #[test]
+    fn annotations_cannot_choose_binaries() {
+        let e = Config::default()
+            .with_annotations([("io.planarian.runtime.crun_path", "/tmp/evil")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a per-container setting"), "{e}");
+    }
+
+    #[test]
+    fn annotation_of_wrong_type_is_an_error() {
+        assert!(Config::default()
+            .with_annotations([("io.planarian.checkpoint.full_dump_interval", "often")])
+            .is_err());
+    }
+
+    #[test]
+    fn shipped_default_file_parses_to_the_defaults() {
+        let text = include_str!("../../containers-conf/planarian.conf");
+        let c = layered(&[text]).unwrap();
+        assert_eq!(c, Config::default());
+    }
+}

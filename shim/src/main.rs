@@ -1,0 +1,107 @@
+//! `planarian`: an OCI runtime for Podman, layered over crun.
+//!
+//! Every OCI verb that planarian does not own is executed by crun with the very same arguments,
+//! stdio and environment (the process is replaced, so exit codes and signals are crun's own).
+//! planarian owns checkpoint/restore (statepoints, not yet in this build) and its own verbs
+//! (`doctor`, `install`).
+
+mod cli;
+mod config;
+mod doctor;
+mod install;
+mod log;
+mod tools;
+
+use cli::Invocation;
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The OCI runtime-spec version crun and planarian speak.
+pub const SPEC_VERSION: &str = "1.0.0";
+
+fn main() {
+    let inv = Invocation::parse(std::env::args_os().skip(1).collect());
+    let code = match run(&inv) {
+        Ok(code) => code,
+        Err(msg) => {
+            log::error(&inv, &msg);
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
+fn run(inv: &Invocation) -> Result<i32, String> {
+    match inv.verb() {
+        None if inv.has_global_flag("--version") || inv.has_global_flag("-v") => Ok(version()),
+        None if inv.args.is_empty() || inv.has_global_flag("--help") || inv.has_global_flag("-h") => {
+            print!("{}", HELP);
+            Ok(0)
+        }
+        Some("help") => {
+            print!("{}", HELP);
+            Ok(0)
+        }
+        // Statepoints are not implemented in this build: say so instead of pretending, so that
+        // Podman's probe (`checkpoint --help`) reports checkpointing as unsupported.
+        Some(verb @ ("checkpoint" | "restore")) => Err(format!(
+            "{verb} is not supported by this build of planarian yet (statepoints are not implemented)"
+        )),
+        Some("doctor") => doctor::main(inv.verb_args()),
+        Some("install") => install::main(inv.verb_args()),
+        _ => Err(passthrough(inv)),
+    }
+}
+
+/// Replaces this process by crun with the same arguments. Returns only on failure.
+fn passthrough(inv: &Invocation) -> String {
+    let crun = match crun_path() {
+        Ok(p) => p,
+        Err(e) => return e,
+    };
+    let err = Command::new(&crun).args(&inv.args).exec();
+    format!("cannot execute {}: {err}", crun.display())
+}
+
+fn crun_path() -> Result<std::path::PathBuf, String> {
+    let cfg = config::Config::load().map_err(|e| e.to_string())?;
+    tools::locate("crun", cfg.runtime.crun_path.as_deref(), "[runtime] crun_path").map_err(|e| e.to_string())
+}
+
+fn version() -> i32 {
+    println!("planarian version {VERSION}");
+    println!("spec: {SPEC_VERSION}");
+    match crun_path() {
+        Ok(crun) => {
+            let out = Command::new(&crun).arg("--version").output();
+            let first = out
+                .ok()
+                .and_then(|o| String::from_utf8(o.stdout).ok())
+                .and_then(|s| s.lines().next().map(str::to_owned))
+                .unwrap_or_else(|| "unknown version".into());
+            println!("runtime: {first} ({})", crun.display());
+        }
+        Err(e) => println!("runtime: {e}"),
+    }
+    println!("statepoints: not implemented in this build");
+    0
+}
+
+const HELP: &str = "\
+planarian: an OCI runtime for Podman, layered over crun, that gives sandboxes statepoints.
+
+Usage: planarian [GLOBAL FLAGS] VERB [ARGS...]
+
+OCI verbs (executed by crun with the same arguments):
+  create start state kill delete exec ps pause resume update features spec list run
+OCI verbs owned by planarian:
+  checkpoint restore        not implemented in this build
+Planarian's own verbs:
+  doctor [--json]           check that this host can run planarian, and how to fix what is missing
+  install [--prefix DIR]    install the binary and register it with Podman (containers.conf.d)
+
+Global flags (as runc/crun): --root DIR --log FILE --log-format text|json --log-level L --debug
+  --systemd-cgroup --cgroup-manager M; any other flag is passed to crun untouched.
+Configuration: /etc/planarian/planarian.conf (see `planarian doctor`).
+";
