@@ -11,11 +11,6 @@ pub fn error(inv: &Invocation, msg: &str) {
     write_log(inv, "error", msg);
 }
 
-pub fn warn(inv: &Invocation, msg: &str) {
-    eprintln!("planarian: warning: {msg}");
-    write_log(inv, "warning", msg);
-}
-
 fn write_log(inv: &Invocation, level: &str, msg: &str) {
     let Some(path) = &inv.log else { return };
     let line = format_line(inv.log_format, level, msg, SystemTime::now());

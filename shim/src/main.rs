@@ -7,6 +7,7 @@
 
 mod cli;
 mod config;
+mod config_cmd;
 mod doctor;
 mod install;
 mod log;
@@ -50,6 +51,7 @@ fn run(inv: &Invocation) -> Result<i32, String> {
         )),
         Some("doctor") => doctor::main(inv.verb_args()),
         Some("install") => install::main(inv.verb_args()),
+        Some("config") => config_cmd::main(inv, inv.verb_args()),
         _ => Err(passthrough(inv)),
     }
 }
@@ -66,6 +68,10 @@ fn passthrough(inv: &Invocation) -> String {
 
 fn crun_path() -> Result<std::path::PathBuf, String> {
     let cfg = config::Config::load().map_err(|e| e.to_string())?;
+    crun_from(&cfg)
+}
+
+fn crun_from(cfg: &config::Config) -> Result<std::path::PathBuf, String> {
     tools::locate("crun", cfg.runtime.crun_path.as_deref(), "[runtime] crun_path").map_err(|e| e.to_string())
 }
 
@@ -100,6 +106,7 @@ OCI verbs owned by planarian:
 Planarian's own verbs:
   doctor [--json]           check that this host can run planarian, and how to fix what is missing
   install [--prefix DIR]    install the binary and register it with Podman (containers.conf.d)
+  config [CONTAINER]        the effective configuration, with a container's io.planarian.* annotations
 
 Global flags (as runc/crun): --root DIR --log FILE --log-format text|json --log-level L --debug
   --systemd-cgroup --cgroup-manager M; any other flag is passed to crun untouched.

@@ -1,1 +1,218 @@
-//! placeholder
+//! Helpers for the system tests: real Podman, conmon and crun, driven through `--runtime`.
+//!
+//! The tests need a host that can run containers (tests/vm/run provides one). Where the stack is
+//! missing, a test reports SKIPPED on stderr and returns; with `PLANARIAN_REQUIRE_SYSTEM=1`
+//! (set by tests/run inside the guest) a missing stack fails the test instead, so nothing is
+//! silently skipped where it matters.
+
+use std::ffi::OsStr;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+pub const BUSYBOX: &str = "localhost/planarian-test/busybox";
+pub const DEBIAN: &str = "localhost/planarian-test/debian";
+
+/// The planarian binary the tests run: the installed one if present (what Podman calls),
+/// else the one cargo built.
+pub fn planarian_bin() -> PathBuf {
+    let installed = PathBuf::from("/usr/local/bin/planarian");
+    if installed.exists() {
+        return installed;
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/planarian")
+}
+
+fn stack_problem() -> Option<String> {
+    static PROBLEM: OnceLock<Option<String>> = OnceLock::new();
+    PROBLEM
+        .get_or_init(|| {
+            if !nix::unistd::geteuid().is_root() {
+                return Some("not root".into());
+            }
+            let out = Command::new("podman")
+                .args(["--runtime", "planarian", "run", "--rm", BUSYBOX, "true"])
+                .output();
+            match out {
+                Err(e) => Some(format!("podman: {e}")),
+                Ok(o) if !o.status.success() => Some(format!(
+                    "podman --runtime planarian cannot run a container here: {}",
+                    String::from_utf8_lossy(&o.stderr).trim()
+                )),
+                Ok(_) => None,
+            }
+        })
+        .clone()
+}
+
+/// True when the real stack is here. Otherwise prints SKIPPED (or panics when the stack is
+/// required) and returns false.
+pub fn stack_available(test: &str) -> bool {
+    match stack_problem() {
+        None => true,
+        Some(why) => {
+            if std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_some() {
+                panic!("{test}: the real stack is required here but missing: {why}");
+            }
+            // Straight to the stderr handle: libtest captures eprintln!, and a skip must be seen.
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED {test}: needs Podman + crun able to run containers (tests/run uses the guest): {why}"
+            );
+            false
+        }
+    }
+}
+
+#[macro_export]
+macro_rules! require_stack {
+    () => {
+        if !$crate::stack_available(module_path!()) {
+            return;
+        }
+    };
+}
+
+/// The result of one command.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Run {
+    pub fn ok(&self) -> &Self {
+        assert_eq!(self.code, Some(0), "command failed: {self:?}");
+        self
+    }
+    pub fn out(&self) -> String {
+        self.stdout.trim().to_string()
+    }
+}
+
+impl From<Output> for Run {
+    fn from(o: Output) -> Run {
+        Run {
+            code: o.status.code(),
+            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        }
+    }
+}
+
+/// Runs a command and returns what it did.
+pub fn cmd<I, S>(program: &str, args: I) -> Run
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"))
+        .into()
+}
+
+/// `podman --runtime RUNTIME ARGS…`.
+pub fn podman(runtime: &str, args: &[&str]) -> Run {
+    let mut all = vec!["--runtime", runtime];
+    all.extend_from_slice(args);
+    cmd("podman", all)
+}
+
+/// A container name unique to this test process.
+pub fn name(tag: &str) -> String {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("pltest-{tag}-{}-{n}", std::process::id())
+}
+
+/// Removes a container when dropped, so a failing test leaves nothing running.
+pub struct Cleanup(pub String);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = Command::new("podman")
+            .args(["rm", "-f", "-t", "0", &self.0])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// Polls `f` until it returns true or `timeout` passes.
+pub fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + timeout;
+    while Instant::now() < end {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    f()
+}
+
+/// Runs a command on a new pseudo-terminal as its controlling terminal, types `input` into it,
+/// and returns everything the terminal showed and the exit code.
+pub fn run_on_pty(program: &str, args: &[&str], input: &str, timeout: Duration) -> (String, Option<i32>) {
+    use nix::pty::openpty;
+    use std::io::{Read, Write};
+    use std::os::unix::process::CommandExt;
+
+    let pty = openpty(None, None).expect("openpty");
+    let slave_fd = pty.slave.as_raw_fd();
+    let mut child = unsafe {
+        Command::new(program)
+            .args(args)
+            .stdin(Stdio::from(pty.slave.try_clone().unwrap()))
+            .stdout(Stdio::from(pty.slave.try_clone().unwrap()))
+            .stderr(Stdio::from(pty.slave.try_clone().unwrap()))
+            .pre_exec(move || {
+                nix::unistd::setsid().map_err(std::io::Error::from)?;
+                if nix::libc::ioctl(slave_fd, nix::libc::TIOCSCTTY as _, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            })
+            .spawn()
+            .expect("spawn on pty")
+    };
+    drop(pty.slave);
+    let mut master = std::fs::File::from(pty.master);
+    // Read on a thread: the master returns EIO once every slave fd is closed.
+    let mut reader = master.try_clone().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        let mut all = Vec::new();
+        while let Ok(n) = reader.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            all.extend_from_slice(&buf[..n]);
+        }
+        let _ = tx.send(String::from_utf8_lossy(&all).into_owned());
+    });
+    // Give the shell time to start before typing.
+    std::thread::sleep(Duration::from_secs(3));
+    master.write_all(input.as_bytes()).unwrap();
+    let end = Instant::now() + timeout;
+    let code = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st.code();
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    drop(master);
+    let output = rx.recv_timeout(Duration::from_secs(5)).unwrap_or_default();
+    (output, code)
+}
