@@ -21,7 +21,6 @@ fn write_log(inv: &Invocation, level: &str, msg: &str) {
 
 fn format_line(format: LogFormat, level: &str, msg: &str, now: SystemTime) -> String {
     let time = rfc3339(now);
-    let msg = format!("planarian: {msg}");
     match format {
         LogFormat::Json => {
             let v = serde_json::json!({ "level": level, "msg": msg, "time": time });
@@ -31,7 +30,7 @@ fn format_line(format: LogFormat, level: &str, msg: &str, now: SystemTime) -> St
             "time={} level={} msg={}\n",
             serde_json::Value::String(time),
             level,
-            serde_json::Value::String(msg)
+            serde_json::Value::String(msg.to_string())
         ),
     }
 }
@@ -87,7 +86,7 @@ mod tests {
         assert!(line.ends_with('\n'));
         let v: serde_json::Value = serde_json::from_str(line.trim_end()).unwrap();
         assert_eq!(v["level"], "error");
-        assert_eq!(v["msg"], "planarian: crun \"x\" not found");
+        assert_eq!(v["msg"], "crun \"x\" not found");
         assert_eq!(v["time"], "1970-01-01T00:00:00.000000000Z");
     }
 
@@ -96,7 +95,7 @@ mod tests {
         let line = format_line(LogFormat::Text, "error", "a b", UNIX_EPOCH);
         assert_eq!(
             line,
-            "time=\"1970-01-01T00:00:00.000000000Z\" level=error msg=\"planarian: a b\"\n"
+            "time=\"1970-01-01T00:00:00.000000000Z\" level=error msg=\"a b\"\n"
         );
     }
 }

@@ -8,6 +8,13 @@
 mod cli;
 mod config;
 mod config_cmd;
+mod container;
+mod criu;
+mod freezer;
+mod restore;
+mod rootfs;
+mod snapshot;
+mod store;
 mod doctor;
 mod install;
 mod log;
@@ -44,11 +51,8 @@ fn run(inv: &Invocation) -> Result<i32, String> {
             print!("{}", HELP);
             Ok(0)
         }
-        // Statepoints are not implemented in this build: say so instead of pretending, so that
-        // Podman's probe (`checkpoint --help`) reports checkpointing as unsupported.
-        Some(verb @ ("checkpoint" | "restore")) => Err(format!(
-            "{verb} is not supported by this build of planarian yet (statepoints are not implemented)"
-        )),
+        Some("checkpoint") => snapshot::main(inv, inv.verb_args()),
+        Some("restore") => restore::main(inv, inv.verb_args()),
         Some("doctor") => doctor::main(inv.verb_args()),
         Some("install") => install::main(inv.verb_args()),
         Some("config") => config_cmd::main(inv, inv.verb_args()),

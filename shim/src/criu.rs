@@ -1,0 +1,235 @@
+//! Driving the `criu` command line: the options a container needs, derived from its OCI config
+//! the way crun derives them, built in one place.
+
+use crate::container::Spec;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+pub struct DumpPlan<'a> {
+    pub pid: i32,
+    pub images_dir: &'a Path,
+    pub spec: &'a Spec,
+    pub freeze_cgroup: Option<&'a Path>,
+    pub netns_inode: Option<u64>,
+    /// Relative to `images_dir`.
+    pub prev_images_dir: Option<&'a str>,
+    pub tcp_established: bool,
+    pub file_locks: bool,
+}
+
+pub struct RestorePlan<'a> {
+    pub images_dir: &'a Path,
+    pub work_dir: &'a Path,
+    pub root: &'a Path,
+    pub spec: &'a Spec,
+    pub pid_file: &'a Path,
+    pub cgroup_root: Option<String>,
+    /// The fd (in the restoring process) of the container's new network namespace.
+    pub netns_fd: Option<i32>,
+    /// (fd, key) pairs: the restored tasks get our fd `fd` where they had `key` (e.g. `pipe:[123]`).
+    pub inherit_fds: Vec<(i32, String)>,
+    pub action_scripts: Vec<PathBuf>,
+    pub tcp_established: bool,
+    pub file_locks: bool,
+}
+
+fn push(v: &mut Vec<OsString>, items: &[&str]) {
+    v.extend(items.iter().map(OsString::from));
+}
+
+/// Masked paths that are regular files on the host are bind mounts of /dev/null in the
+/// container: external mounts for CRIU (directories are tmpfs mounts CRIU dumps itself).
+fn masked_files(spec: &Spec) -> impl Iterator<Item = &String> {
+    spec.masked_paths.iter().filter(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file()))
+}
+
+pub fn dump_args(p: &DumpPlan) -> Vec<OsString> {
+    let mut a: Vec<OsString> = Vec::new();
+    push(&mut a, &["dump", "--tree", &p.pid.to_string()]);
+    a.push("--images-dir".into());
+    a.push(p.images_dir.into());
+    a.push("--work-dir".into());
+    a.push(p.images_dir.into());
+    push(&mut a, &["--log-file", "dump.log", "-v4", "--leave-running", "--track-mem", "--manage-cgroups"]);
+    a.push("--root".into());
+    a.push(p.spec.root.clone().into());
+    if let Some(cg) = p.freeze_cgroup {
+        a.push("--freeze-cgroup".into());
+        a.push(cg.into());
+    }
+    if let Some(prev) = p.prev_images_dir {
+        push(&mut a, &["--prev-images-dir", prev]);
+    }
+    for (dest, _) in &p.spec.binds {
+        push(&mut a, &["--ext-mount-map", &format!("{dest}:{dest}")]);
+    }
+    for f in masked_files(p.spec) {
+        push(&mut a, &["--ext-mount-map", &format!("{f}:{f}")]);
+    }
+    if let Some(ino) = p.netns_inode {
+        push(&mut a, &["--external", &format!("net[{ino}]:extRootNetNS")]);
+    }
+    if p.tcp_established {
+        a.push("--tcp-established".into());
+    }
+    if p.file_locks {
+        a.push("--file-locks".into());
+    }
+    a
+}
+
+pub fn restore_args(p: &RestorePlan) -> Vec<OsString> {
+    let mut a: Vec<OsString> = Vec::new();
+    a.push("restore".into());
+    a.push("--images-dir".into());
+    a.push(p.images_dir.into());
+    a.push("--work-dir".into());
+    a.push(p.work_dir.into());
+    push(&mut a, &["--log-file", "restore.log", "-v4", "--restore-detached", "--restore-sibling", "--manage-cgroups"]);
+    a.push("--pidfile".into());
+    a.push(p.pid_file.into());
+    a.push("--root".into());
+    a.push(p.root.into());
+    if let Some(cg) = &p.cgroup_root {
+        push(&mut a, &["--cgroup-root", cg]);
+    }
+    for (dest, src) in &p.spec.binds {
+        push(&mut a, &["--ext-mount-map", &format!("{dest}:{src}")]);
+    }
+    for f in masked_files(p.spec) {
+        push(&mut a, &["--ext-mount-map", &format!("{f}:/dev/null")]);
+    }
+    if let Some(fd) = p.netns_fd {
+        push(&mut a, &["--inherit-fd", &format!("fd[{fd}]:extRootNetNS")]);
+    }
+    for (fd, key) in &p.inherit_fds {
+        push(&mut a, &["--inherit-fd", &format!("fd[{fd}]:{key}")]);
+    }
+    for s in &p.action_scripts {
+        a.push("--action-script".into());
+        a.push(s.into());
+    }
+    if p.tcp_established {
+        a.push("--tcp-established".into());
+    }
+    if p.file_locks {
+        a.push("--file-locks".into());
+    }
+    a
+}
+
+/// Runs criu; on failure, the error names the log and quotes its last error line.
+pub fn run(criu: &Path, args: &[OsString], log: &Path, keep_stdio: bool) -> Result<(), String> {
+    let mut cmd = Command::new(criu);
+    cmd.args(args).stdin(Stdio::null());
+    if !keep_stdio {
+        cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+    } else {
+        // The restored tasks inherit our stdio (conmon's pipes): CRIU itself must not write there.
+        cmd.stdin(Stdio::inherit()).stdout(Stdio::inherit()).stderr(Stdio::inherit());
+    }
+    let out = cmd.output().map_err(|e| format!("cannot run {}: {e}", criu.display()))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let why = text
+        .lines()
+        .rev()
+        .find(|l| l.contains("Error") || l.contains("error"))
+        .map(|l| l.trim().to_string())
+        .or_else(|| String::from_utf8_lossy(&out.stderr).lines().last().map(|l| l.trim().to_string()))
+        .unwrap_or_else(|| format!("exit status {}", out.status));
+    let verb = args.first().and_then(|a| a.to_str()).unwrap_or("criu");
+    Err(format!("criu {verb} failed: {why} (log: {})", log.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A spec whose masked paths are a regular file (on the host) and a missing path.
+    fn spec() -> Spec {
+        let file = std::env::temp_dir().join(format!("planarian-masked-{}", std::process::id()));
+        std::fs::write(&file, "").unwrap();
+        Spec {
+            root: "/merged".into(),
+            binds: vec![("/etc/hosts".into(), "/run/ud/hosts".into())],
+            masked_paths: vec![file.display().to_string(), "/nonexistent/firmware".into()],
+            ..Default::default()
+        }
+    }
+
+    fn masked_file() -> String {
+        std::env::temp_dir().join(format!("planarian-masked-{}", std::process::id())).display().to_string()
+    }
+
+    fn s(v: &[OsString]) -> String {
+        v.iter().map(|x| x.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ")
+    }
+
+    #[test]
+    fn dump_options_for_a_podman_container() {
+        let sp = spec();
+        let a = s(&dump_args(&DumpPlan {
+            pid: 42,
+            images_dir: Path::new("/st/sp1/criu"),
+            spec: &sp,
+            freeze_cgroup: Some(Path::new("/sys/fs/cgroup/x")),
+            netns_inode: Some(4026532),
+            prev_images_dir: None,
+            tcp_established: true,
+            file_locks: false,
+        }));
+        assert!(a.starts_with("dump --tree 42 --images-dir /st/sp1/criu"), "{a}");
+        for want in [
+            "--leave-running",
+            "--track-mem",
+            "--root /merged",
+            "--freeze-cgroup /sys/fs/cgroup/x",
+            "--ext-mount-map /etc/hosts:/etc/hosts",
+            "--external net[4026532]:extRootNetNS",
+            "--tcp-established",
+        ] {
+            assert!(a.contains(want), "{want} missing from {a}");
+        }
+        // A masked regular file is an external mount; a path missing on the host is not.
+        let f = masked_file();
+        assert!(a.contains(&format!("--ext-mount-map {f}:{f}")), "{a}");
+        assert!(!a.contains("/nonexistent/firmware"), "{a}");
+        assert!(!a.contains("--file-locks") && !a.contains("--prev-images-dir"), "{a}");
+    }
+
+    #[test]
+    fn restore_maps_mounts_netns_and_stdio() {
+        let sp = spec();
+        let a = s(&restore_args(&RestorePlan {
+            images_dir: Path::new("/st/sp1/criu"),
+            work_dir: Path::new("/w"),
+            root: Path::new("/b/criu-root"),
+            spec: &sp,
+            pid_file: Path::new("/run/pidfile"),
+            cgroup_root: Some("/libpod_parent/libpod-abc".into()),
+            netns_fd: Some(7),
+            inherit_fds: vec![(1, "pipe:[123]".into())],
+            action_scripts: vec![],
+            tcp_established: false,
+            file_locks: true,
+        }));
+        for want in [
+            "--restore-detached",
+            "--restore-sibling",
+            "--pidfile /run/pidfile",
+            "--root /b/criu-root",
+            "--cgroup-root /libpod_parent/libpod-abc",
+            "--ext-mount-map /etc/hosts:/run/ud/hosts",
+            "--inherit-fd fd[7]:extRootNetNS",
+            "--inherit-fd fd[1]:pipe:[123]",
+            "--file-locks",
+        ] {
+            assert!(a.contains(want), "{want} missing from {a}");
+        }
+        assert!(a.contains(&format!("--ext-mount-map {}:/dev/null", masked_file())), "{a}");
+    }
+}

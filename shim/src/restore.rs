@@ -1,0 +1,216 @@
+//! The `restore` verb conmon calls for `podman container restore`: CRIU restore of a statepoint
+//! from planarian's store into the bundle Podman prepared, as a sibling (so conmon, a child
+//! subreaper, becomes the restored init's parent), then crun is told about the container so that
+//! `podman exec/stop/kill/rm` keep working.
+
+use crate::cli::Invocation;
+use crate::config::Config;
+use crate::container::{self, Spec};
+use crate::criu;
+use crate::snapshot::MARKER;
+use crate::store::{read_manifest, ContainerStore, Status};
+use clap::Parser;
+use std::ffi::OsString;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+#[derive(Parser, Debug)]
+#[command(name = "planarian restore", about = "Restore a container from a statepoint", args_override_self = true)]
+pub struct RestoreArgs {
+    #[arg(long, short = 'b')]
+    pub bundle: Option<PathBuf>,
+    #[arg(long)]
+    pub pid_file: Option<PathBuf>,
+    #[arg(long, short = 'd')]
+    pub detach: bool,
+    #[arg(long)]
+    pub image_path: Option<PathBuf>,
+    #[arg(long)]
+    pub work_path: Option<PathBuf>,
+    #[arg(long)]
+    pub no_pivot: bool,
+    #[arg(long)]
+    pub no_new_keyring: bool,
+    #[arg(long)]
+    pub preserve_fds: Option<u32>,
+    #[arg(long)]
+    pub tcp_established: bool,
+    #[arg(long)]
+    pub file_locks: bool,
+    #[arg(long)]
+    pub ext_unix_sk: bool,
+    #[arg(long)]
+    pub shell_job: bool,
+    #[arg(long)]
+    pub manage_cgroups_mode: Option<String>,
+    #[arg(long)]
+    pub lsm_profile: Option<String>,
+    #[arg(long)]
+    pub lsm_mount_context: Option<String>,
+    #[arg(long)]
+    pub console_socket: Option<PathBuf>,
+    pub container_id: String,
+}
+
+/// Which statepoint a Podman checkpoint directory stands for.
+pub fn read_marker(image_path: &Path) -> Result<(String, String), String> {
+    let p = image_path.join(MARKER);
+    let data = std::fs::read(&p).map_err(|_| {
+        format!("{} holds no planarian statepoint (was it checkpointed by another runtime?)", image_path.display())
+    })?;
+    let v: serde_json::Value = serde_json::from_slice(&data).map_err(|e| format!("{}: {e}", p.display()))?;
+    match (v["container-id"].as_str(), v["statepoint-id"].as_str()) {
+        (Some(c), Some(s)) => Ok((c.to_string(), s.to_string())),
+        _ => Err(format!("{} is malformed", p.display())),
+    }
+}
+
+pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
+    let a = match RestoreArgs::try_parse_from(std::iter::once(OsString::from("restore")).chain(args.iter().cloned())) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return Ok(e.exit_code());
+        }
+    };
+    let cfg = Config::load().map_err(|e| e.to_string())?;
+    let criu_bin = crate::tools::locate("criu", cfg.runtime.criu_path.as_deref(), "[runtime] criu_path").map_err(|e| e.to_string())?;
+    let bundle = match &a.bundle {
+        Some(b) => b.clone(),
+        None => std::env::current_dir().map_err(|e| e.to_string())?,
+    };
+    let image_path = a.image_path.clone().unwrap_or_else(|| bundle.join("checkpoint"));
+    let (ctr_id, sp_id) = read_marker(&image_path)?;
+    let spec = Spec::load(&bundle)?;
+    let cfg = cfg
+        .with_annotations(spec.annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .map_err(|e| e.to_string())?;
+    let store = ContainerStore::new(&cfg.store.path, &ctr_id);
+    // A rollback that started this restore holds the lock and has handed it over.
+    let _lock = if take_handoff(&store, &a.container_id) { None } else { Some(store.lock(true)?) };
+    let sp_dir = store.statepoint_dir(&sp_id);
+    let m = read_manifest(&sp_dir.join("manifest.json")).map_err(|_| format!("unknown statepoint {sp_id} of container {ctr_id}"))?;
+    if m.status != Status::Committed {
+        return Err(format!("statepoint {sp_id} is not committed"));
+    }
+    if spec.terminal {
+        return Err("planarian cannot restore terminal (-t) containers yet".into());
+    }
+
+    let pid_file = a.pid_file.clone().unwrap_or_else(|| bundle.join("pidfile"));
+    let work = a.work_path.clone().unwrap_or_else(|| bundle.clone());
+    let images = sp_dir.join(&m.local_state.criu_checkpoint_path);
+    let restore_work = work.join("planarian-restore");
+    std::fs::create_dir_all(&restore_work).map_err(|e| format!("cannot create {}: {e}", restore_work.display()))?;
+    // CRIU creates its pid file exclusively, and Podman may have left one: CRIU writes its own,
+    // planarian writes the one conmon reads.
+    let criu_pid_file = restore_work.join("pidfile");
+    let _ = std::fs::remove_file(&criu_pid_file);
+
+    // CRIU's root must be a mount point: bind the rootfs Podman mounted.
+    let criu_root = bundle.join("criu-root");
+    let _root_mount = BindMount::new(&spec.root, &criu_root)?;
+    let netns: Option<OwnedFd> = match &spec.netns_path {
+        Some(p) => Some(open_inheritable(p)?),
+        None => None,
+    };
+    let descriptors: Vec<String> = std::fs::read(sp_dir.join("descriptors.json"))
+        .ok()
+        .and_then(|d| serde_json::from_slice(&d).ok())
+        .unwrap_or_default();
+    let inherit_fds = descriptors
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.starts_with("pipe:"))
+        .map(|(i, t)| (i as i32, t.clone()))
+        .collect();
+    let plan = criu::RestorePlan {
+        images_dir: &images,
+        work_dir: &restore_work,
+        root: &criu_root,
+        spec: &spec,
+        pid_file: &criu_pid_file,
+        cgroup_root: spec.cgroup_relpath(),
+        netns_fd: netns.as_ref().map(|f| f.as_raw_fd()),
+        inherit_fds,
+        action_scripts: vec![],
+        tcp_established: a.tcp_established || m.options.tcp_established,
+        file_locks: a.file_locks || m.options.file_locks,
+    };
+    criu::run(&criu_bin, &criu::restore_args(&plan), &restore_work.join("restore.log"), true)?;
+    drop(netns);
+    let pid: i32 = std::fs::read_to_string(&criu_pid_file)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .ok_or_else(|| format!("criu restore wrote no pid to {}", criu_pid_file.display()))?;
+    crate::install::write_atomic(&pid_file, pid.to_string().as_bytes(), 0o644)?;
+    register_with_crun(inv, &a.container_id, pid, &bundle, &spec)?;
+    store.set_head(Some(&sp_id))?;
+    Ok(0)
+}
+
+/// A handoff is a rollback's note that it holds the lock for the restore it started.
+pub fn take_handoff(store: &ContainerStore, ctr_id: &str) -> bool {
+    let p = store.dir.join("handoff");
+    let Ok(text) = std::fs::read_to_string(&p) else { return false };
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    let holder_alive = v["pid"].as_i64().is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+    holder_alive && v["container-id"].as_str() == Some(ctr_id)
+}
+
+fn open_inheritable(p: &Path) -> Result<OwnedFd, String> {
+    use nix::fcntl::{open, OFlag};
+    use nix::sys::stat::Mode;
+    // Without O_CLOEXEC: criu inherits it.
+    open(p, OFlag::O_RDONLY, Mode::empty()).map_err(|e| format!("cannot open {}: {e}", p.display()))
+}
+
+struct BindMount {
+    target: PathBuf,
+}
+
+impl BindMount {
+    fn new(source: &Path, target: &Path) -> Result<BindMount, String> {
+        use nix::mount::{mount, MsFlags};
+        std::fs::create_dir_all(target).map_err(|e| format!("cannot create {}: {e}", target.display()))?;
+        mount(Some(source), target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+            .map_err(|e| format!("cannot bind {} on {}: {e}", source.display(), target.display()))?;
+        let _ = mount(None::<&str>, target, None::<&str>, MsFlags::MS_PRIVATE | MsFlags::MS_REC, None::<&str>);
+        Ok(BindMount { target: target.to_path_buf() })
+    }
+}
+
+impl Drop for BindMount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.target, nix::mount::MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(&self.target);
+    }
+}
+
+/// Writes crun's record of a running container (`<root>/<id>/status` and the config), as crun
+/// itself does after a restore, so later crun verbs know it.
+fn register_with_crun(inv: &Invocation, id: &str, pid: i32, bundle: &Path, spec: &Spec) -> Result<(), String> {
+    let descriptors: Vec<String> = (0..3)
+        .map(|i| std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default())
+        .collect();
+    let root = inv.root.clone().unwrap_or_else(|| PathBuf::from("/run/crun"));
+    let dir = root.join(id);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let systemd = inv.has_global_flag("--systemd-cgroup");
+    let status = serde_json::json!({
+        "pid": pid,
+        "process-start-time": container::start_time(pid).unwrap_or(0),
+        "cgroup-path": spec.cgroup_relpath().unwrap_or_default(),
+        "scope": "",
+        "rootfs": spec.root.display().to_string(),
+        "systemd-cgroup": systemd,
+        "bundle": bundle.display().to_string(),
+        "created": crate::log::rfc3339(std::time::SystemTime::now()),
+        "owner": "root",
+        "detached": true,
+        "external_descriptors": serde_json::to_string(&descriptors).unwrap_or_default(),
+    });
+    std::fs::copy(bundle.join("config.json"), dir.join("config.json"))
+        .map_err(|e| format!("cannot copy config.json to {}: {e}", dir.display()))?;
+    crate::install::write_atomic(&dir.join("status"), serde_json::to_string_pretty(&status).unwrap().as_bytes(), 0o700)
+}

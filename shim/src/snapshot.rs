@@ -1,0 +1,319 @@
+//! The snapshot protocol and the `checkpoint` verb Podman calls.
+//!
+//! exclusive lock → freeze the cgroup → CRIU dump (tasks left frozen) → files → remote hooks →
+//! manifest committed → thaw (or kill, when Podman did not ask to leave the container running).
+//! A failure anywhere discards the partial statepoint and leaves the container running.
+
+use crate::cli::Invocation;
+use crate::config::Config;
+use crate::container::{self, Container};
+use crate::criu;
+use crate::freezer::Freezer;
+use crate::rootfs::{CopyRootfs, Rootfs};
+use crate::store::{self, ContainerStore, Manifest, Status};
+use clap::Parser;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The marker planarian leaves in Podman's checkpoint directory: which statepoint it is.
+pub const MARKER: &str = "planarian-statepoint.json";
+
+#[derive(Parser, Debug)]
+#[command(name = "planarian checkpoint", about = "Create a statepoint of a running container", args_override_self = true)]
+pub struct CheckpointArgs {
+    /// Where Podman expects the checkpoint images.
+    #[arg(long)]
+    pub image_path: Option<PathBuf>,
+    /// Where Podman expects logs and stats.
+    #[arg(long)]
+    pub work_path: Option<PathBuf>,
+    #[arg(long)]
+    pub leave_running: bool,
+    #[arg(long)]
+    pub tcp_established: bool,
+    #[arg(long)]
+    pub file_locks: bool,
+    #[arg(long)]
+    pub ext_unix_sk: bool,
+    #[arg(long)]
+    pub shell_job: bool,
+    /// Podman's --pre-checkpoint: a memory pre-dump into --image-path, no statepoint.
+    #[arg(long)]
+    pub pre_dump: bool,
+    /// Podman's --with-previous (relative to --image-path).
+    #[arg(long)]
+    pub parent_path: Option<PathBuf>,
+    #[arg(long)]
+    pub manage_cgroups_mode: Option<String>,
+    /// A name for the new statepoint (planarian's own flag).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// A description of the state (planarian's own flag).
+    #[arg(long)]
+    pub description: Option<String>,
+    pub container_id: String,
+}
+
+/// Everything one statepoint operation needs.
+pub struct Ctx {
+    pub cfg: Config,
+    pub crun: PathBuf,
+    pub criu: PathBuf,
+    pub ctr: Container,
+    pub store: ContainerStore,
+    pub root: Option<PathBuf>,
+}
+
+impl Ctx {
+    pub fn load(inv: &Invocation, id: &str) -> Result<Ctx, String> {
+        let cfg = Config::load().map_err(|e| e.to_string())?;
+        let crun = crate::crun_from(&cfg)?;
+        let criu = crate::tools::locate("criu", cfg.runtime.criu_path.as_deref(), "[runtime] criu_path").map_err(|e| e.to_string())?;
+        let ctr = Container::load(&crun, inv.root.as_deref(), id)?;
+        let cfg = cfg
+            .with_annotations(ctr.spec.annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .map_err(|e| e.to_string())?;
+        let store = ContainerStore::new(&cfg.store.path, &ctr.id);
+        Ok(Ctx { cfg, crun, criu, ctr, store, root: inv.root.clone() })
+    }
+
+    /// Undoes what a crashed planarian may have left: a cgroup it froze, pending statepoints.
+    /// Call with the exclusive lock held.
+    pub fn recover(&self) {
+        let marker = self.store.dir.join("frozen-by-planarian");
+        if let Ok(dir) = std::fs::read_to_string(&marker) {
+            let _ = std::fs::write(Path::new(dir.trim()).join("cgroup.freeze"), "0");
+            let _ = std::fs::remove_file(&marker);
+        }
+        self.store.discard_stale();
+    }
+}
+
+pub struct SnapshotRequest {
+    pub tcp_established: bool,
+    pub file_locks: bool,
+    pub leave_running: bool,
+    pub internal: bool,
+    pub name: Option<String>,
+    pub description: Option<String>,
+}
+
+/// Takes a statepoint. With the exclusive lock held by the caller.
+pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
+    let t0 = Instant::now();
+    let pid = ctx.ctr.running_pid()?;
+    if ctx.ctr.spec.terminal {
+        return Err(format!(
+            "container {} has a terminal (-t): planarian cannot checkpoint terminal containers yet",
+            ctx.ctr.id
+        ));
+    }
+    if let Some(n) = &req.name {
+        if ctx.store.find(n).is_ok() {
+            return Err(format!("a statepoint named {n} already exists"));
+        }
+    }
+    let upperdir = container::overlay_upperdir_of(pid)?
+        .ok_or_else(|| format!("container {}'s rootfs is not an overlay: no copy-based file path for it", ctx.ctr.id))?;
+    let netns_inode = match &ctx.ctr.spec.netns_path {
+        Some(p) => Some({
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(p).map_err(|e| format!("cannot stat network namespace {}: {e}", p.display()))?.ino()
+        }),
+        None => None,
+    };
+    let freezer = Freezer::of_pid(pid)?;
+
+    let id = ctx.store.next_id();
+    let dir = ctx.store.statepoint_dir(&id);
+    let images = dir.join("criu");
+    std::fs::create_dir_all(&images).map_err(|e| format!("cannot create {}: {e}", images.display()))?;
+    let mut m = Manifest {
+        statepoint_id: id.clone(),
+        parent_statepoint_id: ctx.store.head(),
+        branch_id: ctx.ctr.id.clone(),
+        container_id: ctx.ctr.id.clone(),
+        timestamp: crate::log::rfc3339(std::time::SystemTime::now()),
+        name: req.name.clone(),
+        state_evidence: store::Evidence { state_description: req.description.clone().unwrap_or_default(), prior_outcomes: vec![] },
+        local_state: store::LocalState {
+            criu_checkpoint_path: "criu".into(),
+            zfs_snapshot: None,
+            rootfs_backend: "copy".into(),
+            rootfs_copy_path: Some("rootfs".into()),
+            rootfs_upperdir: Some(upperdir.display().to_string()),
+        },
+        remote_state: vec![],
+        status: Status::Pending,
+        internal: req.internal,
+        options: store::Options {
+            tcp_established: req.tcp_established,
+            file_locks: req.file_locks,
+            leave_running: req.leave_running,
+        },
+        measurements: store::Measurements::default(),
+    };
+    let fail = |e: String| -> String {
+        let _ = std::fs::remove_dir_all(&dir);
+        e
+    };
+    ctx.store.write_manifest(&m).map_err(fail)?;
+    record_descriptors(pid, &dir).map_err(fail)?;
+
+    // Stop the world for the whole window.
+    let marker = ctx.store.dir.join("frozen-by-planarian");
+    let was_frozen = freezer.is_frozen();
+    let tf = Instant::now();
+    if !was_frozen {
+        std::fs::write(&marker, freezer.dir().display().to_string()).map_err(|e| fail(format!("cannot write {}: {e}", marker.display())))?;
+        if let Err(e) = freezer.freeze() {
+            let _ = std::fs::remove_file(&marker);
+            return Err(fail(e));
+        }
+    }
+    m.measurements.freeze_ms = ms(tf);
+    let thaw = || {
+        if !was_frozen {
+            let _ = freezer.thaw();
+            let _ = std::fs::remove_file(&marker);
+        }
+    };
+
+    let result = (|| -> Result<(), String> {
+        let td = Instant::now();
+        let args = criu::dump_args(&criu::DumpPlan {
+            pid,
+            images_dir: &images,
+            spec: &ctx.ctr.spec,
+            freeze_cgroup: Some(freezer.dir()),
+            netns_inode,
+            prev_images_dir: None,
+            tcp_established: req.tcp_established,
+            file_locks: req.file_locks,
+        });
+        criu::run(&ctx.criu, &args, &images.join("dump.log"), false)?;
+        m.measurements.criu_dump_ms = ms(td);
+        if !was_frozen && !freezer.is_frozen() {
+            return Err("the container thawed during the dump: the statepoint would not be consistent".into());
+        }
+        let tr = Instant::now();
+        CopyRootfs { upperdir: upperdir.clone() }.snapshot(&dir.join("rootfs"))?;
+        m.measurements.rootfs_ms = ms(tr);
+        m.measurements.criu_bytes = store::du(&images);
+        m.measurements.rootfs_bytes = store::du(&dir.join("rootfs"));
+        m.measurements.frozen_ms = ms(tf);
+        m.measurements.total_ms = ms(t0);
+        m.status = Status::Committed;
+        ctx.store.write_manifest(&m)
+    })();
+    if let Err(e) = result {
+        thaw();
+        return Err(fail(e));
+    }
+    if !req.leave_running {
+        // Kill while still frozen, so nothing runs past the statepoint.
+        let _ = std::process::Command::new(&ctx.crun).args(crun_root_args(ctx)).args(["kill", &ctx.ctr.id, "KILL"]).status();
+    }
+    thaw();
+    if !req.internal {
+        ctx.store.set_head(Some(&id))?;
+        enforce_retention(ctx);
+    }
+    Ok(m)
+}
+
+pub fn crun_root_args(ctx: &Ctx) -> Vec<OsString> {
+    match &ctx.root {
+        Some(r) => vec!["--root".into(), r.clone().into()],
+        None => vec![],
+    }
+}
+
+fn ms(t: Instant) -> f64 {
+    (t.elapsed().as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// Where the container's fds 0–2 pointed (pipes to conmon, /dev/null, a tty), for restore.
+fn record_descriptors(pid: i32, dir: &Path) -> Result<(), String> {
+    let fds: Vec<String> = (0..3)
+        .map(|i| {
+            std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default()
+        })
+        .collect();
+    crate::install::write_atomic(&dir.join("descriptors.json"), serde_json::to_string(&fds).unwrap().as_bytes(), 0o644)
+}
+
+fn enforce_retention(ctx: &Ctx) {
+    let keep = ctx.cfg.store.retention as usize;
+    if keep == 0 {
+        return;
+    }
+    let committed = ctx.store.committed();
+    let head = ctx.store.head();
+    let excess = committed.len().saturating_sub(keep);
+    for m in committed.iter().filter(|m| Some(&m.statepoint_id) != head.as_ref()).take(excess) {
+        let _ = ctx.store.remove(&m.statepoint_id);
+    }
+}
+
+/// Leaves what Podman expects after a checkpoint: `inventory.img` at the image path (Podman
+/// checks it before a restore), our marker, the CRIU log and stats in the work path.
+pub fn leave_for_podman(m: &Manifest, sp_dir: &Path, image_path: &Path, work_path: Option<&Path>) -> Result<(), String> {
+    std::fs::create_dir_all(image_path).map_err(|e| format!("cannot create {}: {e}", image_path.display()))?;
+    let images = sp_dir.join(&m.local_state.criu_checkpoint_path);
+    std::fs::copy(images.join("inventory.img"), image_path.join("inventory.img"))
+        .map_err(|e| format!("cannot copy inventory.img to {}: {e}", image_path.display()))?;
+    let marker = serde_json::json!({ "container-id": m.container_id, "statepoint-id": m.statepoint_id });
+    crate::install::write_atomic(&image_path.join(MARKER), marker.to_string().as_bytes(), 0o644)?;
+    if let Some(w) = work_path {
+        for f in ["stats-dump", "dump.log"] {
+            let _ = std::fs::copy(images.join(f), w.join(f));
+        }
+    }
+    Ok(())
+}
+
+pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
+    let a = match CheckpointArgs::try_parse_from(std::iter::once(OsString::from("checkpoint")).chain(args.iter().cloned())) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return Ok(e.exit_code());
+        }
+    };
+    let ctx = Ctx::load(inv, &a.container_id)?;
+    let pid = ctx.ctr.running_pid()?;
+    if a.pre_dump {
+        let image_path = a.image_path.as_deref().ok_or("--pre-dump needs --image-path")?;
+        std::fs::create_dir_all(image_path).map_err(|e| format!("cannot create {}: {e}", image_path.display()))?;
+        let out = std::process::Command::new(&ctx.criu)
+            .args(["pre-dump", "--tree", &pid.to_string(), "--track-mem", "--log-file", "dump.log", "--images-dir"])
+            .arg(image_path)
+            .output()
+            .map_err(|e| e.to_string())?;
+        return if out.status.success() { Ok(0) } else { Err(format!("criu pre-dump failed (log: {}/dump.log)", image_path.display())) };
+    }
+    let _lock = ctx.store.lock(true)?;
+    ctx.recover();
+    let m = take(
+        &ctx,
+        &SnapshotRequest {
+            tcp_established: a.tcp_established,
+            file_locks: a.file_locks,
+            leave_running: a.leave_running,
+            internal: false,
+            name: a.name.clone(),
+            description: a.description.clone(),
+        },
+    )?;
+    if let Some(ip) = &a.image_path {
+        leave_for_podman(&m, &ctx.store.statepoint_dir(&m.statepoint_id), ip, a.work_path.as_deref())?;
+    }
+    eprintln!("planarian: statepoint {} of {} committed", m.statepoint_id, short(&ctx.ctr.id));
+    Ok(0)
+}
+
+pub fn short(id: &str) -> &str {
+    &id[..id.len().min(12)]
+}

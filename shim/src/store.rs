@@ -1,0 +1,334 @@
+//! The statepoint registry: one directory per statepoint with its manifest, per container a
+//! lock and a ledger.
+//!
+//! ```text
+//! <store>/containers/<container-id>/
+//!     lock                     flock: exclusive for snapshot/rollback, shared for tool calls
+//!     frozen-by-planarian      present while planarian holds the cgroup frozen
+//!     head                     the statepoint the running sandbox continues from
+//!     handoff                  a rollback handing its lock to the restore it started
+//!     statepoints/<id>/        manifest.json, criu/ (images), rootfs/ (copy-based files)
+//! ```
+
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Pending,
+    Committed,
+    Discarded,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+pub struct Evidence {
+    pub state_description: String,
+    pub prior_outcomes: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+pub struct LocalState {
+    /// Relative to the statepoint directory.
+    pub criu_checkpoint_path: String,
+    pub zfs_snapshot: Option<String>,
+    /// Which rootfs path this statepoint used: "copy" or "zfs".
+    pub rootfs_backend: String,
+    /// The copy of the writable layer (copy backend), relative to the statepoint directory.
+    pub rootfs_copy_path: Option<String>,
+    /// The container's writable layer when the statepoint was taken.
+    pub rootfs_upperdir: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+pub struct RemoteState {
+    pub external_endpoint: Option<String>,
+    pub mcp_call_position: Option<u64>,
+    pub hook_path: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+pub struct Options {
+    pub tcp_established: bool,
+    pub file_locks: bool,
+    pub leave_running: bool,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+pub struct Measurements {
+    pub freeze_ms: f64,
+    pub criu_dump_ms: f64,
+    pub rootfs_ms: f64,
+    pub frozen_ms: f64,
+    pub total_ms: f64,
+    pub criu_bytes: u64,
+    pub rootfs_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+pub struct Manifest {
+    pub statepoint_id: String,
+    pub parent_statepoint_id: Option<String>,
+    pub branch_id: String,
+    pub container_id: String,
+    pub timestamp: String,
+    pub name: Option<String>,
+    pub state_evidence: Evidence,
+    pub local_state: LocalState,
+    pub remote_state: Vec<RemoteState>,
+    pub status: Status,
+    /// Internal statepoints (the safety copy a rollback takes) are not listed.
+    #[serde(default)]
+    pub internal: bool,
+    pub options: Options,
+    pub measurements: Measurements,
+}
+
+/// One container's part of the store.
+#[derive(Debug, Clone)]
+pub struct ContainerStore {
+    pub dir: PathBuf,
+}
+
+impl ContainerStore {
+    pub fn new(store: &Path, container_id: &str) -> ContainerStore {
+        ContainerStore { dir: store.join("containers").join(container_id) }
+    }
+
+    pub fn exists(&self) -> bool {
+        self.dir.exists()
+    }
+
+    pub fn statepoint_dir(&self, id: &str) -> PathBuf {
+        self.dir.join("statepoints").join(id)
+    }
+
+    /// Takes the container's lock, exclusive or shared; released when the file is dropped,
+    /// and by the kernel if planarian dies.
+    pub fn lock(&self, exclusive: bool) -> Result<File, String> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| format!("cannot create {}: {e}", self.dir.display()))?;
+        let path = self.dir.join("lock");
+        let f = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        let r = if exclusive { f.lock() } else { f.lock_shared() };
+        r.map_err(|e| format!("cannot lock {}: {e}", path.display()))?;
+        Ok(f)
+    }
+
+    pub fn head(&self) -> Option<String> {
+        std::fs::read_to_string(self.dir.join("head")).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
+    }
+
+    pub fn set_head(&self, id: Option<&str>) -> Result<(), String> {
+        match id {
+            Some(id) => crate::install::write_atomic(&self.dir.join("head"), id.as_bytes(), 0o644),
+            None => match std::fs::remove_file(self.dir.join("head")) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(format!("cannot clear head: {e}")),
+            },
+        }
+    }
+
+    /// All statepoints with a readable manifest, oldest first.
+    pub fn manifests(&self) -> Vec<Manifest> {
+        let mut v: Vec<Manifest> = std::fs::read_dir(self.dir.join("statepoints"))
+            .map(|rd| {
+                rd.filter_map(Result::ok)
+                    .filter_map(|e| read_manifest(&e.path().join("manifest.json")).ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort_by_key(|m| seq_of(&m.statepoint_id));
+        v
+    }
+
+    pub fn committed(&self) -> Vec<Manifest> {
+        self.manifests().into_iter().filter(|m| m.status == Status::Committed && !m.internal).collect()
+    }
+
+    /// Finds a committed statepoint by id or name.
+    pub fn find(&self, key: &str) -> Result<Manifest, String> {
+        let all = self.manifests();
+        all.iter()
+            .find(|m| m.status == Status::Committed && (m.statepoint_id == key || m.name.as_deref() == Some(key)))
+            .cloned()
+            .ok_or_else(|| format!("unknown statepoint {key} (see `planarian statepoint list`)"))
+    }
+
+    /// The next statepoint id: sp1, sp2, … (never reused within a container).
+    pub fn next_id(&self) -> String {
+        let counter = self.dir.join("counter");
+        let last: u64 = std::fs::read_to_string(&counter).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
+        let max_dir = self.manifests().iter().map(|m| seq_of(&m.statepoint_id)).max().unwrap_or(0);
+        let n = last.max(max_dir) + 1;
+        let _ = crate::install::write_atomic(&counter, n.to_string().as_bytes(), 0o644);
+        format!("sp{n}")
+    }
+
+    pub fn write_manifest(&self, m: &Manifest) -> Result<(), String> {
+        let path = self.statepoint_dir(&m.statepoint_id).join("manifest.json");
+        let data = serde_json::to_vec_pretty(m).map_err(|e| e.to_string())?;
+        crate::install::write_atomic(&path, &data, 0o644)
+    }
+
+    /// Removes statepoints a crashed planarian left pending. Call with the exclusive lock held.
+    pub fn discard_stale(&self) {
+        for m in self.manifests() {
+            if m.status != Status::Committed {
+                let _ = std::fs::remove_dir_all(self.statepoint_dir(&m.statepoint_id));
+            }
+        }
+        // Directories without a manifest are partial creations too.
+        if let Ok(rd) = std::fs::read_dir(self.dir.join("statepoints")) {
+            for e in rd.filter_map(Result::ok) {
+                if !e.path().join("manifest.json").exists() {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+    }
+
+    pub fn remove(&self, id: &str) -> Result<(), String> {
+        let dir = self.statepoint_dir(id);
+        // Mark it discarded first, so a crash half-way leaves no committed statepoint without files.
+        if let Ok(mut m) = read_manifest(&dir.join("manifest.json")) {
+            m.status = Status::Discarded;
+            self.write_manifest(&m)?;
+        }
+        std::fs::remove_dir_all(&dir).map_err(|e| format!("cannot remove {}: {e}", dir.display()))?;
+        if self.head().as_deref() == Some(id) {
+            self.set_head(None)?;
+        }
+        Ok(())
+    }
+}
+
+pub fn read_manifest(path: &Path) -> Result<Manifest, String> {
+    let data = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    serde_json::from_slice(&data).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn seq_of(id: &str) -> u64 {
+    id.trim_start_matches("sp").parse().unwrap_or(0)
+}
+
+/// Size of a directory tree in bytes (allocated blocks, so sparse files count what they use).
+pub fn du(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = std::fs::symlink_metadata(path) else { return 0 };
+    let mut total = md.blocks() * 512;
+    if md.is_dir() {
+        if let Ok(rd) = std::fs::read_dir(path) {
+            for e in rd.filter_map(Result::ok) {
+                total += du(&e.path());
+            }
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("planarian-store-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    fn manifest(id: &str, status: Status) -> Manifest {
+        Manifest {
+            statepoint_id: id.into(),
+            parent_statepoint_id: None,
+            branch_id: "c".into(),
+            container_id: "c".into(),
+            timestamp: "t".into(),
+            name: None,
+            state_evidence: Evidence::default(),
+            local_state: LocalState::default(),
+            remote_state: vec![],
+            status,
+            internal: false,
+            options: Options::default(),
+            measurements: Measurements::default(),
+        }
+    }
+
+    #[test]
+    fn ids_are_sequential_and_never_reused() {
+        let root = tmp("ids");
+        let s = ContainerStore::new(&root, "c");
+        std::fs::create_dir_all(&s.dir).unwrap();
+        assert_eq!(s.next_id(), "sp1");
+        s.write_manifest(&manifest("sp1", Status::Committed)).unwrap();
+        assert_eq!(s.next_id(), "sp2");
+        s.remove("sp1").unwrap();
+        assert_eq!(s.next_id(), "sp3");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn stale_pending_statepoints_are_discarded_and_committed_kept() {
+        let root = tmp("stale");
+        let s = ContainerStore::new(&root, "c");
+        s.write_manifest(&manifest("sp1", Status::Committed)).unwrap();
+        s.write_manifest(&manifest("sp2", Status::Pending)).unwrap();
+        std::fs::create_dir_all(s.statepoint_dir("sp3").join("criu")).unwrap();
+        s.discard_stale();
+        let ids: Vec<String> = s.manifests().into_iter().map(|m| m.statepoint_id).collect();
+        assert_eq!(ids, vec!["sp1"]);
+        assert!(!s.statepoint_dir("sp3").exists());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn find_by_id_or_name_only_committed() {
+        let root = tmp("find");
+        let s = ContainerStore::new(&root, "c");
+        let mut m = manifest("sp1", Status::Committed);
+        m.name = Some("deps-installed".into());
+        s.write_manifest(&m).unwrap();
+        s.write_manifest(&manifest("sp2", Status::Pending)).unwrap();
+        assert_eq!(s.find("deps-installed").unwrap().statepoint_id, "sp1");
+        assert_eq!(s.find("sp1").unwrap().statepoint_id, "sp1");
+        let e = s.find("sp2").unwrap_err();
+        assert!(e.starts_with("unknown statepoint sp2"), "{e}");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn manifest_has_the_papers_field_names() {
+        let v = serde_json::to_value(manifest("sp1", Status::Committed)).unwrap();
+        for k in ["statepoint-id", "parent-statepoint-id", "branch-id", "timestamp", "name", "state-evidence", "local-state", "remote-state", "status"] {
+            assert!(v.get(k).is_some(), "missing {k}");
+        }
+        assert!(v["local-state"].get("criu-checkpoint-path").is_some());
+        assert!(v["local-state"].get("zfs-snapshot").is_some());
+        assert_eq!(v["status"], "committed");
+    }
+
+    #[test]
+    fn exclusive_lock_excludes() {
+        let root = tmp("lock");
+        let s = ContainerStore::new(&root, "c");
+        let held = s.lock(true).unwrap();
+        let f = File::options().write(true).open(s.dir.join("lock")).unwrap();
+        assert!(f.try_lock_shared().is_err());
+        drop(held);
+        assert!(f.try_lock_shared().is_ok());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}
