@@ -9,7 +9,6 @@ pub struct Container {
     pub id: String,
     pub status: String,
     pub pid: Option<i32>,
-    pub bundle: PathBuf,
     pub spec: Spec,
 }
 
@@ -119,7 +118,6 @@ impl Container {
             id: id.to_string(),
             status: st["status"].as_str().unwrap_or("unknown").to_string(),
             pid: st["pid"].as_i64().filter(|p| *p > 0).map(|p| p as i32),
-            bundle,
             spec,
         })
     }
@@ -131,16 +129,6 @@ impl Container {
             (s, _) => Err(format!("container {} is not running (it is {s})", self.id)),
         }
     }
-}
-
-/// The cgroup v2 directory a process lives in.
-pub fn cgroup_dir_of(pid: i32) -> Result<PathBuf, String> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).map_err(|e| format!("cannot read /proc/{pid}/cgroup: {e}"))?;
-    let rel = text
-        .lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .ok_or_else(|| "planarian needs cgroup v2 (no unified cgroup found for the container)".to_string())?;
-    Ok(PathBuf::from("/sys/fs/cgroup").join(rel.trim().trim_start_matches('/')))
 }
 
 /// The upper (writable) directory of the overlay mounted as a process's root, if it is one.

@@ -11,9 +11,12 @@ mod config_cmd;
 mod container;
 mod criu;
 mod freezer;
+mod podman;
 mod restore;
+mod rollback;
 mod rootfs;
 mod snapshot;
+mod statepoint_cmd;
 mod store;
 mod doctor;
 mod install;
@@ -53,6 +56,9 @@ fn run(inv: &Invocation) -> Result<i32, String> {
         }
         Some("checkpoint") => snapshot::main(inv, inv.verb_args()),
         Some("restore") => restore::main(inv, inv.verb_args()),
+        Some("rollback") => rollback::main(inv, inv.verb_args()),
+        Some("snapshot") => statepoint_cmd::snapshot_main(inv.verb_args()),
+        Some("statepoint") => statepoint_cmd::main(inv.verb_args()),
         Some("doctor") => doctor::main(inv.verb_args()),
         Some("install") => install::main(inv.verb_args()),
         Some("config") => config_cmd::main(inv, inv.verb_args()),
@@ -105,8 +111,14 @@ Usage: planarian [GLOBAL FLAGS] VERB [ARGS...]
 
 OCI verbs (executed by crun with the same arguments):
   create start state kill delete exec ps pause resume update features spec list run
-OCI verbs owned by planarian:
-  checkpoint restore        not implemented in this build
+OCI verbs owned by planarian (called by Podman and conmon):
+  checkpoint                a new statepoint (podman container checkpoint [--leave-running])
+  restore                   restore the statepoint a checkpoint left (podman container restore)
+Statepoints:
+  snapshot CTR [--name N] [--description D]    take a statepoint of a running container
+  rollback CTR STATEPOINT                      processes and files back to a statepoint
+  statepoint list CTR [--json] | show CTR SP | set CTR SP [--name N] [--description D]
+             [--outcome TEXT] | rm CTR SP...
 Planarian's own verbs:
   doctor [--json]           check that this host can run planarian, and how to fix what is missing
   install [--prefix DIR]    install the binary and register it with Podman (containers.conf.d)

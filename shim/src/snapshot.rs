@@ -124,6 +124,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         None => None,
     };
     let freezer = Freezer::of_pid(pid)?;
+    let rootfs = CopyRootfs { upperdir: upperdir.clone() };
 
     let id = ctx.store.next_id();
     let dir = ctx.store.statepoint_dir(&id);
@@ -140,7 +141,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         local_state: store::LocalState {
             criu_checkpoint_path: "criu".into(),
             zfs_snapshot: None,
-            rootfs_backend: "copy".into(),
+            rootfs_backend: rootfs.backend().into(),
             rootfs_copy_path: Some("rootfs".into()),
             rootfs_upperdir: Some(upperdir.display().to_string()),
         },
@@ -198,7 +199,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
             return Err("the container thawed during the dump: the statepoint would not be consistent".into());
         }
         let tr = Instant::now();
-        CopyRootfs { upperdir: upperdir.clone() }.snapshot(&dir.join("rootfs"))?;
+        rootfs.snapshot(&dir.join("rootfs"))?;
         m.measurements.rootfs_ms = ms(tr);
         m.measurements.criu_bytes = store::du(&images);
         m.measurements.rootfs_bytes = store::du(&dir.join("rootfs"));

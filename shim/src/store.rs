@@ -102,10 +102,6 @@ impl ContainerStore {
         ContainerStore { dir: store.join("containers").join(container_id) }
     }
 
-    pub fn exists(&self) -> bool {
-        self.dir.exists()
-    }
-
     pub fn statepoint_dir(&self, id: &str) -> PathBuf {
         self.dir.join("statepoints").join(id)
     }

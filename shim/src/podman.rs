@@ -1,0 +1,70 @@
+//! The few things planarian asks Podman: which container a name means, where its files are, and
+//! to restore it (so that Podman, conmon and the network stay in charge of the container).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone)]
+pub struct PodmanContainer {
+    pub id: String,
+    pub name: String,
+    pub status: String,
+    pub runtime: String,
+    /// The bundle (Podman's userdata directory).
+    pub bundle: PathBuf,
+    pub upperdir: Option<PathBuf>,
+}
+
+pub fn podman() -> Result<PathBuf, String> {
+    crate::tools::locate("podman", None, "PATH").map_err(|e| e.to_string())
+}
+
+/// Looks a container up by name or ID.
+pub fn inspect(name: &str) -> Result<PodmanContainer, String> {
+    let out = Command::new(podman()?)
+        .args(["container", "inspect", "--format", "json", name])
+        .output()
+        .map_err(|e| format!("cannot run podman: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("no such container {name}"));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("podman inspect {name}: {e}"))?;
+    let c = &v[0];
+    let s = |x: &serde_json::Value| x.as_str().unwrap_or_default().to_string();
+    Ok(PodmanContainer {
+        id: s(&c["Id"]),
+        name: s(&c["Name"]),
+        status: s(&c["State"]["Status"]),
+        runtime: s(&c["OCIRuntime"]),
+        bundle: PathBuf::from(s(&c["StaticDir"])),
+        upperdir: c["GraphDriver"]["Data"]["UpperDir"].as_str().map(PathBuf::from),
+    })
+}
+
+/// Runs a podman command; the error is Podman's own last line.
+pub fn run(args: &[&str]) -> Result<(), String> {
+    let out = Command::new(podman()?).args(args).output().map_err(|e| format!("cannot run podman: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        let err = String::from_utf8_lossy(&out.stderr);
+        Err(format!("podman {}: {}", args.first().copied().unwrap_or(""), err.lines().last().unwrap_or("failed").trim()))
+    }
+}
+
+/// Waits until Podman has cleaned up after the container's processes ended (storage unmounted).
+pub fn wait_stopped(id: &str, upperdir: Option<&Path>, timeout: Duration) -> Result<(), String> {
+    let end = Instant::now() + timeout;
+    loop {
+        let c = inspect(id)?;
+        let unmounted = upperdir.is_none_or(|u| !crate::container::upperdir_mounted(u));
+        if matches!(c.status.as_str(), "exited" | "stopped" | "configured" | "created") && unmounted {
+            return Ok(());
+        }
+        if Instant::now() > end {
+            return Err(format!("container {id} did not stop within {} s (it is {})", timeout.as_secs(), c.status));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

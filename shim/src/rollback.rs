@@ -1,0 +1,123 @@
+//! `planarian rollback CTR STATEPOINT`: the container returns to a statepoint, under the same ID,
+//! and Podman sees it running.
+//!
+//! exclusive lock → a safety statepoint of the current state (processes killed while frozen) →
+//! the files of the statepoint put in place (the previous ones kept aside) → `podman container
+//! restore`, which calls `planarian restore` through conmon. If any step fails, the container is
+//! brought back to exactly where it was: the previous files and the safety statepoint.
+
+use crate::cli::Invocation;
+use crate::config::Config;
+use crate::podman::{self, PodmanContainer};
+use crate::rootfs::{CopyRootfs, Rootfs};
+use crate::snapshot::{self, Ctx, SnapshotRequest};
+use crate::store::{ContainerStore, Manifest};
+use std::ffi::OsString;
+use std::time::Duration;
+
+pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
+    let args: Vec<&str> = args.iter().filter_map(|a| a.to_str()).collect();
+    let [ctr, sp] = args[..] else {
+        return Err("usage: planarian rollback CONTAINER STATEPOINT".into());
+    };
+    let pc = planarian_container(ctr)?;
+    let cfg = Config::load().map_err(|e| e.to_string())?;
+    let store = ContainerStore::new(&cfg.store.path, &pc.id);
+    let lock = store.lock(true)?;
+    let target = store.find(sp)?;
+    rollback(inv, &pc, &store, &target)?;
+    drop(lock);
+    println!("{} rolled back to {}", pc.name, target.statepoint_id);
+    Ok(0)
+}
+
+/// A container that exists and runs on planarian, or a clear error.
+pub fn planarian_container(name: &str) -> Result<PodmanContainer, String> {
+    let pc = podman::inspect(name)?;
+    if pc.runtime != "planarian" {
+        return Err(format!("container {name} is not run by planarian (its runtime is {})", pc.runtime));
+    }
+    Ok(pc)
+}
+
+fn rollback(inv: &Invocation, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest) -> Result<(), String> {
+    let upperdir = pc.upperdir.clone().ok_or("the container has no overlay writable layer")?;
+    let saved = store.statepoint_dir(&target.statepoint_id).join(target.local_state.rootfs_copy_path.as_deref().unwrap_or("rootfs"));
+    if !saved.exists() {
+        return Err(format!("statepoint {}'s files are missing from {}", target.statepoint_id, saved.display()));
+    }
+
+    // 1. Keep the current state until the restore succeeded.
+    let safety = match pc.status.as_str() {
+        "running" | "paused" => {
+            let ctx = Ctx::load(inv, &pc.id)?;
+            ctx.recover();
+            let m = snapshot::take(
+                &ctx,
+                &SnapshotRequest {
+                    tcp_established: target.options.tcp_established,
+                    file_locks: target.options.file_locks,
+                    leave_running: false,
+                    internal: true,
+                    name: None,
+                    description: Some(format!("before rollback to {}", target.statepoint_id)),
+                },
+            )?;
+            podman::wait_stopped(&pc.id, Some(&upperdir), Duration::from_secs(60))?;
+            Some(m)
+        }
+        _ => None,
+    };
+
+    // 2. Files, then processes.
+    let result = CopyRootfs { upperdir: upperdir.clone() }
+        .restore(&saved)
+        .and_then(|files| match podman_restore(store, pc, target) {
+            Ok(()) => {
+                files.commit();
+                Ok(())
+            }
+            Err(e) => {
+                files.undo().map_err(|u| format!("{e}; and putting the previous files back failed: {u}"))?;
+                Err(e)
+            }
+        });
+
+    match (result, safety) {
+        (Ok(()), Some(s)) => {
+            let _ = store.remove(&s.statepoint_id);
+            Ok(())
+        }
+        (Ok(()), None) => Ok(()),
+        (Err(e), Some(s)) => {
+            // 3. Back to where it was.
+            let back = podman_restore(store, pc, &s);
+            let _ = store.remove(&s.statepoint_id);
+            match back {
+                Ok(()) => Err(format!("rollback failed, the container is as it was before: {e}")),
+                Err(b) => Err(format!("rollback failed: {e}; restoring the previous state failed too: {b} (its statepoint is kept)")),
+            }
+        }
+        (Err(e), None) => Err(format!("rollback failed, the container is as it was before: {e}")),
+    }
+}
+
+/// Asks Podman to restore the container from statepoint `m`, handing our lock to the restore.
+fn podman_restore(store: &ContainerStore, pc: &PodmanContainer, m: &Manifest) -> Result<(), String> {
+    let image_path = pc.bundle.join("checkpoint");
+    let _ = std::fs::remove_dir_all(&image_path);
+    snapshot::leave_for_podman(m, &store.statepoint_dir(&m.statepoint_id), &image_path, None)?;
+    let handoff = serde_json::json!({ "container-id": pc.id, "pid": std::process::id() });
+    crate::install::write_atomic(&store.dir.join("handoff"), handoff.to_string().as_bytes(), 0o644)?;
+    let mut args = vec!["container", "restore"];
+    if m.options.tcp_established {
+        args.push("--tcp-established");
+    }
+    args.push(&pc.id);
+    let r = podman::run(&args);
+    let _ = std::fs::remove_file(store.dir.join("handoff"));
+    if r.is_err() {
+        let _ = std::fs::remove_dir_all(&image_path);
+    }
+    r
+}

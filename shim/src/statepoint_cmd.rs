@@ -1,0 +1,190 @@
+//! The user and harness CLI over the registry:
+//!
+//!   planarian snapshot CTR [--name N] [--description D]     (= podman container checkpoint --leave-running)
+//!   planarian statepoint list CTR [--json]
+//!   planarian statepoint show CTR SP
+//!   planarian statepoint set CTR SP [--name N] [--description D] [--outcome TEXT]
+//!   planarian statepoint rm CTR SP
+
+use crate::config::Config;
+use crate::rollback::planarian_container;
+use crate::store::{ContainerStore, Manifest};
+use std::ffi::OsString;
+
+fn strs(args: &[OsString]) -> Vec<String> {
+    args.iter().map(|a| a.to_string_lossy().into_owned()).collect()
+}
+
+/// Splits `--flag value` options from positional arguments.
+fn split(args: &[String], flags: &[&str], switches: &[&str]) -> Result<(Vec<String>, Vec<(String, String)>), String> {
+    let (mut pos, mut opts) = (Vec::new(), Vec::new());
+    let mut i = 0;
+    while i < args.len() {
+        let a = &args[i];
+        if let Some((k, v)) = a.split_once('=').filter(|(k, _)| flags.contains(k)) {
+            opts.push((k.to_string(), v.to_string()));
+        } else if flags.contains(&a.as_str()) {
+            let v = args.get(i + 1).ok_or_else(|| format!("{a} needs a value"))?;
+            opts.push((a.clone(), v.clone()));
+            i += 1;
+        } else if switches.contains(&a.as_str()) {
+            opts.push((a.clone(), String::new()));
+        } else if a.starts_with('-') {
+            return Err(format!("unknown option {a}"));
+        } else {
+            pos.push(a.clone());
+        }
+        i += 1;
+    }
+    Ok((pos, opts))
+}
+
+fn opt<'a>(opts: &'a [(String, String)], k: &str) -> Option<&'a str> {
+    opts.iter().rev().find(|(f, _)| f == k).map(|(_, v)| v.as_str())
+}
+
+fn container_store(name: &str) -> Result<(crate::podman::PodmanContainer, ContainerStore), String> {
+    let pc = planarian_container(name)?;
+    let cfg = Config::load().map_err(|e| e.to_string())?;
+    let store = ContainerStore::new(&cfg.store.path, &pc.id);
+    Ok((pc, store))
+}
+
+pub fn snapshot_main(args: &[OsString]) -> Result<i32, String> {
+    let (pos, opts) = split(&strs(args), &["--name", "--description"], &[])?;
+    let [ctr] = &pos[..] else { return Err("usage: planarian snapshot CONTAINER [--name N] [--description D]".into()) };
+    let (pc, store) = container_store(ctr)?;
+    if let Some(n) = opt(&opts, "--name") {
+        if store.find(n).is_ok() {
+            return Err(format!("a statepoint named {n} already exists"));
+        }
+    }
+    let before = store.committed().last().map(|m| m.statepoint_id.clone());
+    crate::podman::run(&["container", "checkpoint", "--leave-running", &pc.id])?;
+    let mut m = store.committed().pop().filter(|m| Some(&m.statepoint_id) != before.as_ref()).ok_or("the checkpoint committed no statepoint")?;
+    // The checkpoint directory Podman keeps is only a pointer into planarian's store.
+    let _ = std::fs::remove_dir_all(pc.bundle.join("checkpoint"));
+    m.name = opt(&opts, "--name").map(String::from);
+    if let Some(d) = opt(&opts, "--description") {
+        m.state_evidence.state_description = d.to_string();
+    }
+    store.write_manifest(&m)?;
+    println!("{}", m.statepoint_id);
+    Ok(0)
+}
+
+pub fn main(args: &[OsString]) -> Result<i32, String> {
+    let args = strs(args);
+    let Some((sub, rest)) = args.split_first() else {
+        return Err("usage: planarian statepoint list|show|set|rm CONTAINER …".into());
+    };
+    match sub.as_str() {
+        "list" | "ls" => {
+            let (pos, opts) = split(rest, &[], &["--json"])?;
+            let [ctr] = &pos[..] else { return Err("usage: planarian statepoint list CONTAINER [--json]".into()) };
+            let (_, store) = container_store(ctr)?;
+            let list = store.committed();
+            if opt(&opts, "--json").is_some() {
+                println!("{}", serde_json::to_string_pretty(&list).map_err(|e| e.to_string())?);
+            } else {
+                print!("{}", table(&list, store.head().as_deref()));
+            }
+            Ok(0)
+        }
+        "show" | "inspect" => {
+            let [ctr, sp] = rest else { return Err("usage: planarian statepoint show CONTAINER STATEPOINT".into()) };
+            let (_, store) = container_store(ctr)?;
+            println!("{}", serde_json::to_string_pretty(&store.find(sp)?).map_err(|e| e.to_string())?);
+            Ok(0)
+        }
+        "set" => {
+            let (pos, opts) = split(rest, &["--name", "--description", "--outcome"], &[])?;
+            let [ctr, sp] = &pos[..] else {
+                return Err("usage: planarian statepoint set CONTAINER STATEPOINT [--name N] [--description D] [--outcome TEXT]".into());
+            };
+            let (_, store) = container_store(ctr)?;
+            let _lock = store.lock(true)?;
+            let mut m = store.find(sp)?;
+            if let Some(n) = opt(&opts, "--name") {
+                if store.find(n).is_ok_and(|o| o.statepoint_id != m.statepoint_id) {
+                    return Err(format!("a statepoint named {n} already exists"));
+                }
+                m.name = Some(n.to_string()).filter(|n| !n.is_empty());
+            }
+            if let Some(d) = opt(&opts, "--description") {
+                m.state_evidence.state_description = d.to_string();
+            }
+            for (k, v) in &opts {
+                if k == "--outcome" {
+                    m.state_evidence.prior_outcomes.push(v.clone());
+                }
+            }
+            store.write_manifest(&m)?;
+            Ok(0)
+        }
+        "rm" => {
+            let [ctr, sps @ ..] = rest else { return Err("usage: planarian statepoint rm CONTAINER STATEPOINT…".into()) };
+            if sps.is_empty() {
+                return Err("usage: planarian statepoint rm CONTAINER STATEPOINT…".into());
+            }
+            let (_, store) = container_store(ctr)?;
+            let _lock = store.lock(true)?;
+            // Check them all first: a bad name changes nothing.
+            let found: Vec<Manifest> = sps.iter().map(|s| store.find(s)).collect::<Result<_, _>>()?;
+            for m in found {
+                store.remove(&m.statepoint_id)?;
+                println!("{}", m.statepoint_id);
+            }
+            Ok(0)
+        }
+        other => Err(format!("unknown statepoint command {other} (list, show, set, rm)")),
+    }
+}
+
+fn table(list: &[Manifest], head: Option<&str>) -> String {
+    let mut out = format!("{:<6} {:<18} {:<7} {:<24} {:>9} {:>9} {:>9}  {}\n", "ID", "NAME", "PARENT", "CREATED", "MEMORY", "FILES", "TOOK", "DESCRIPTION");
+    for m in list {
+        let mark = if head == Some(m.statepoint_id.as_str()) { "*" } else { "" };
+        out.push_str(&format!(
+            "{:<6} {:<18} {:<7} {:<24} {:>9} {:>9} {:>9}  {}\n",
+            format!("{}{mark}", m.statepoint_id),
+            m.name.as_deref().unwrap_or("-"),
+            m.parent_statepoint_id.as_deref().unwrap_or("-"),
+            &m.timestamp[..m.timestamp.len().min(19)],
+            human(m.measurements.criu_bytes),
+            human(m.measurements.rootfs_bytes),
+            format!("{:.0}ms", m.measurements.total_ms),
+            m.state_evidence.state_description
+        ));
+    }
+    out
+}
+
+fn human(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 => format!("{:.1}GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.1}MiB", b as f64 / (1u64 << 20) as f64),
+        b => format!("{:.0}KiB", b as f64 / 1024.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_and_positionals() {
+        let a: Vec<String> = ["c", "--name=x", "sp1", "--outcome", "failed: tests", "--outcome", "ok"].iter().map(|s| s.to_string()).collect();
+        let (pos, opts) = split(&a, &["--name", "--outcome"], &[]).unwrap();
+        assert_eq!(pos, vec!["c", "sp1"]);
+        assert_eq!(opt(&opts, "--name"), Some("x"));
+        assert_eq!(opts.iter().filter(|(k, _)| k == "--outcome").count(), 2);
+        assert!(split(&["--bogus".to_string()], &[], &[]).is_err());
+    }
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(human(3 << 20), "3.0MiB");
+        assert_eq!(human(2048), "2KiB");
+    }
+}
