@@ -57,7 +57,7 @@ fn run(inv: &Invocation) -> Result<i32, String> {
         Some("checkpoint") => snapshot::main(inv, inv.verb_args()),
         Some("restore") => restore::main(inv, inv.verb_args()),
         Some("rollback") => rollback::main(inv, inv.verb_args()),
-        Some("snapshot") => statepoint_cmd::snapshot_main(inv.verb_args()),
+        Some("snapshot") => statepoint_cmd::snapshot_main(inv, inv.verb_args()),
         Some("statepoint") => statepoint_cmd::main(inv.verb_args()),
         Some("doctor") => doctor::main(inv.verb_args()),
         Some("install") => install::main(inv.verb_args()),

@@ -283,6 +283,18 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
             return Ok(e.exit_code());
         }
     };
+    let result = checkpoint(inv, &a);
+    if let (Err(e), Some(w)) = (&result, &a.work_path) {
+        // Podman shows only the exit status of a failed checkpoint and points users at dump.log.
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(w.join("dump.log")) {
+            let _ = writeln!(f, "planarian: {e}");
+        }
+    }
+    result
+}
+
+fn checkpoint(inv: &Invocation, a: &CheckpointArgs) -> Result<i32, String> {
     let ctx = Ctx::load(inv, &a.container_id)?;
     let pid = ctx.ctr.running_pid()?;
     if a.pre_dump {

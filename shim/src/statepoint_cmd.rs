@@ -50,25 +50,27 @@ fn container_store(name: &str) -> Result<(crate::podman::PodmanContainer, Contai
     Ok((pc, store))
 }
 
-pub fn snapshot_main(args: &[OsString]) -> Result<i32, String> {
-    let (pos, opts) = split(&strs(args), &["--name", "--description"], &[])?;
+pub fn snapshot_main(inv: &crate::cli::Invocation, args: &[OsString]) -> Result<i32, String> {
+    let (pos, opts) = split(&strs(args), &["--name", "--description"], &["--tcp-established", "--file-locks"])?;
     let [ctr] = &pos[..] else { return Err("usage: planarian snapshot CONTAINER [--name N] [--description D]".into()) };
-    let (pc, store) = container_store(ctr)?;
-    if let Some(n) = opt(&opts, "--name") {
-        if store.find(n).is_ok() {
-            return Err(format!("a statepoint named {n} already exists"));
-        }
+    let pc = planarian_container(ctr)?;
+    if !matches!(pc.status.as_str(), "running" | "paused") {
+        return Err(format!("container {ctr} is not running (it is {})", pc.status));
     }
-    let before = store.committed().last().map(|m| m.statepoint_id.clone());
-    crate::podman::run(&["container", "checkpoint", "--leave-running", &pc.id])?;
-    let mut m = store.committed().pop().filter(|m| Some(&m.statepoint_id) != before.as_ref()).ok_or("the checkpoint committed no statepoint")?;
-    // The checkpoint directory Podman keeps is only a pointer into planarian's store.
-    let _ = std::fs::remove_dir_all(pc.bundle.join("checkpoint"));
-    m.name = opt(&opts, "--name").map(String::from);
-    if let Some(d) = opt(&opts, "--description") {
-        m.state_evidence.state_description = d.to_string();
-    }
-    store.write_manifest(&m)?;
+    let ctx = crate::snapshot::Ctx::load(inv, &pc.id)?;
+    let _lock = ctx.store.lock(true)?;
+    ctx.recover();
+    let m = crate::snapshot::take(
+        &ctx,
+        &crate::snapshot::SnapshotRequest {
+            tcp_established: opt(&opts, "--tcp-established").is_some(),
+            file_locks: opt(&opts, "--file-locks").is_some(),
+            leave_running: true,
+            internal: false,
+            name: opt(&opts, "--name").map(String::from),
+            description: opt(&opts, "--description").map(String::from),
+        },
+    )?;
     println!("{}", m.statepoint_id);
     Ok(0)
 }

@@ -175,17 +175,12 @@ fn inspect_and_info_name_the_runtime() {
 }
 
 #[test]
-fn checkpoint_is_honestly_unsupported_in_this_build() {
+fn podman_sees_checkpoint_support() {
     require_stack!();
+    // Podman's probe: `checkpoint --help` must exit 0 for checkpoint/restore to be supported.
     let probe = cmd(planarian_bin().to_str().unwrap(), ["checkpoint", "--help"]);
-    assert_ne!(probe.code, Some(0), "{probe:?}");
-    let n = name("ckpt");
-    let _c = Cleanup(n.clone());
-    podman("planarian", &["run", "-d", "--name", &n, BUSYBOX, "sleep", "600"]).ok();
-    let r = podman("planarian", &["container", "checkpoint", "--leave-running", &n]);
-    assert_ne!(r.code, Some(0), "{r:?}");
-    assert!(r.stderr.to_lowercase().contains("checkpoint"), "{r:?}");
-    assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &n]).out(), "running");
+    assert_eq!(probe.code, Some(0), "{probe:?}");
+    assert!(probe.stdout.contains("--leave-running"), "{probe:?}");
 }
 
 #[test]

@@ -1,0 +1,406 @@
+//! Statepoints through plain Podman and `planarian rollback`, asserting real state: a memory
+//! checksum and a counter inside the sandbox, file contents, and what Podman reports.
+
+use planarian_system_tests::*;
+use std::path::Path;
+use std::time::Duration;
+
+/// A sandbox process that holds `MiB` of seeded random memory and a counter, and acts on commands
+/// written to /tmp/cmd: `SEQ tick` (counter + 1) or `SEQ dirty OFFSET LEN` (rewrites memory). After
+/// each command it publishes `SEQ COUNTER SHA256(memory)` to /tmp/state atomically.
+const WORKLOAD: &str = r#"
+import hashlib, os, random, sys, time
+random.seed(7)
+buf = bytearray(random.randbytes(int(sys.argv[1]) << 20))
+n = 0
+seq = 0
+def publish():
+    with open("/tmp/.state", "w") as f:
+        f.write("%d %d %s\n" % (seq, n, hashlib.sha256(buf).hexdigest()))
+    os.rename("/tmp/.state", "/tmp/state")
+publish()
+while True:
+    try:
+        cmd = open("/tmp/cmd").read().split()
+    except FileNotFoundError:
+        time.sleep(0.05)
+        continue
+    os.remove("/tmp/cmd")
+    seq = int(cmd[0])
+    if cmd[1] == "tick":
+        n += 1
+    elif cmd[1] == "dirty":
+        off, ln = int(cmd[2]), int(cmd[3])
+        buf[off:off + ln] = os.urandom(ln)
+    publish()
+"#;
+
+struct Sandbox {
+    name: String,
+    seq: u64,
+    _cleanup: Cleanup,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct State {
+    counter: u64,
+    checksum: String,
+}
+
+impl Sandbox {
+    fn start(tag: &str, mib: u32, extra: &[&str]) -> Sandbox {
+        let name = name(tag);
+        let mib = mib.to_string();
+        let mut args = vec!["run", "-d", "--name", &name];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&[DEBIAN, "python3", "-c", WORKLOAD, &mib]);
+        podman("planarian", &args).ok();
+        let sb = Sandbox { name: name.clone(), seq: 0, _cleanup: Cleanup(name) };
+        assert!(wait_for(Duration::from_secs(60), || sb.read().is_some()), "workload did not start");
+        sb
+    }
+
+    fn read(&self) -> Option<(u64, State)> {
+        let r = podman("planarian", &["exec", &self.name, "cat", "/tmp/state"]);
+        let mut f = r.stdout.split_whitespace();
+        let seq = f.next()?.parse().ok()?;
+        let counter = f.next()?.parse().ok()?;
+        let checksum = f.next()?.to_string();
+        Some((seq, State { counter, checksum }))
+    }
+
+    fn state(&self) -> State {
+        self.read().expect("state readable").1
+    }
+
+    /// Sends a command and waits for the workload to publish its effect.
+    fn send(&mut self, cmd: &str) -> State {
+        self.seq += 1000;
+        let seq = self.seq;
+        podman("planarian", &["exec", &self.name, "sh", "-c", &format!("echo '{seq} {cmd}' > /tmp/.cmd && mv /tmp/.cmd /tmp/cmd")]).ok();
+        let mut last = None;
+        assert!(
+            wait_for(Duration::from_secs(60), || {
+                last = self.read();
+                last.as_ref().is_some_and(|(s, _)| *s == seq)
+            }),
+            "command {cmd} not acknowledged: {last:?}"
+        );
+        last.unwrap().1
+    }
+
+    fn sh(&self, script: &str) -> Run {
+        podman("planarian", &["exec", &self.name, "sh", "-c", script])
+    }
+
+    fn snapshot(&self, name: &str) -> String {
+        let r = cmd(planarian_bin().to_str().unwrap(), ["snapshot", &self.name, "--name", name]);
+        r.ok();
+        r.out()
+    }
+
+    fn rollback(&mut self, sp: &str) {
+        let r = cmd(planarian_bin().to_str().unwrap(), ["rollback", &self.name, sp]);
+        r.ok();
+        assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &self.name]).out(), "running");
+        // The restored process continues from the statepoint's sequence number.
+        self.seq = self.read().expect("state after rollback").0;
+    }
+
+    fn statepoints(&self) -> Vec<serde_json::Value> {
+        let r = cmd(planarian_bin().to_str().unwrap(), ["statepoint", "list", &self.name, "--json"]);
+        r.ok();
+        serde_json::from_str::<serde_json::Value>(&r.stdout).unwrap().as_array().unwrap().clone()
+    }
+}
+
+#[test]
+fn rollback_restores_memory_checksum_and_counter() {
+    require_stack!();
+    let mut sb = Sandbox::start("mem", 64, &[]);
+    sb.send("tick");
+    let at_sp = sb.send("tick");
+    assert_eq!(at_sp.counter, 2);
+    let sp = sb.snapshot("two-ticks");
+    sb.send("tick");
+    let dirty = sb.send("dirty 1048576 65536");
+    assert_eq!(dirty.counter, 3);
+    assert_ne!(dirty.checksum, at_sp.checksum);
+
+    sb.rollback(&sp);
+    assert_eq!(sb.state(), at_sp, "the published state is the statepoint's");
+    // The live process recomputes its checksum from memory: it must be the statepoint's.
+    let after = sb.send("tick");
+    assert_eq!(after.counter, 3, "the counter continues from the statepoint");
+    assert_eq!(after.checksum, at_sp.checksum, "memory is exactly the statepoint's");
+    // Rolling back twice to the same statepoint works too.
+    sb.send("dirty 0 4096");
+    sb.rollback(&sp);
+    let again = sb.send("tick");
+    assert_eq!((again.counter, &again.checksum), (3, &at_sp.checksum));
+    // Podman's tooling still works on the restored container.
+    assert!(sb.sh("echo exec-ok").stdout.contains("exec-ok"));
+    podman("planarian", &["pause", &sb.name]).ok();
+    podman("planarian", &["unpause", &sb.name]).ok();
+    podman("planarian", &["stop", "-t", "2", &sb.name]).ok();
+    podman("planarian", &["rm", &sb.name]).ok();
+}
+
+#[test]
+fn rollback_makes_files_exactly_what_they_were() {
+    require_stack!();
+    let mut sb = Sandbox::start("files", 8, &[]);
+    sb.sh("mkdir -p /work/src && echo v1 > /work/src/main.py && echo conf-v1 > /etc/app.conf").ok();
+    let listing = "find /work /etc/app.conf /etc/debian_version /etc/motd /opt -maxdepth 3 2>/dev/null | sort; cat /work/src/main.py /etc/app.conf /etc/debian_version 2>&1";
+    let at_sp = sb.sh(listing).stdout;
+    let sp = sb.snapshot("files-v1");
+    // New files, new directories, modified files, deleted and overwritten image files.
+    sb.sh("echo v2 > /work/src/main.py; mkdir -p /opt/new/deep && echo x > /opt/new/deep/f; echo junk > /etc/motd; rm /etc/debian_version; echo conf-v2 > /etc/app.conf; rm -rf /work/src").ok();
+    assert_ne!(sb.sh(listing).stdout, at_sp);
+    sb.rollback(&sp);
+    assert_eq!(sb.sh(listing).stdout, at_sp);
+    // /etc/motd of the image was overwritten after the statepoint: back to the image's content.
+    assert_ne!(sb.sh("cat /etc/motd").stdout, "junk\n");
+}
+
+#[test]
+fn chains_roll_back_in_any_order() {
+    require_stack!();
+    let mut sb = Sandbox::start("chain", 16, &[]);
+    let mut expected = Vec::new();
+    for i in 1..=3 {
+        sb.send("tick");
+        let st = sb.send(&format!("dirty {} 8192", i * 100_000));
+        sb.sh(&format!("echo {i} > /root/version; touch /root/only-in-{i}")).ok();
+        let sp = sb.snapshot(&format!("step-{i}"));
+        expected.push((sp, st, format!("{i}\n")));
+    }
+    sb.send("dirty 0 100000");
+    sb.sh("echo 4 > /root/version").ok();
+    let ids: Vec<String> = sb.statepoints().iter().map(|m| m["statepoint-id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ids, expected.iter().map(|e| e.0.clone()).collect::<Vec<_>>());
+    for k in [0usize, 2, 1] {
+        let (sp, st, version) = &expected[k];
+        sb.rollback(sp);
+        let now = sb.send("tick");
+        assert_eq!(now.counter, st.counter + 1, "counter after rollback to {sp}");
+        assert_eq!(now.checksum, st.checksum, "memory after rollback to {sp}");
+        assert_eq!(&sb.sh("cat /root/version").stdout, version, "files after rollback to {sp}");
+        let only = sb.sh("ls /root | grep only-in | tr '\\n' ' '").out();
+        let want: Vec<String> = (1..=k + 1).map(|i| format!("only-in-{i}")).collect();
+        assert_eq!(only, want.join(" "), "files after rollback to {sp}");
+    }
+    // Every statepoint is still there.
+    assert_eq!(sb.statepoints().len(), 3);
+}
+
+#[test]
+fn podman_checkpoint_creates_new_statepoints_and_restore_brings_it_back() {
+    require_stack!();
+    let mut sb = Sandbox::start("podman", 8, &[]);
+    sb.send("tick");
+    // Podman's own command, with a repeated flag as Podman itself sends it; --print-stats too.
+    let r = podman("planarian", &["container", "checkpoint", "--leave-running", "--print-stats", &sb.name]);
+    r.ok();
+    let stats: serde_json::Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}: {}", r.stdout));
+    let dump = &stats["container_statistics"][0]["criu_statistics"];
+    assert!(dump["pages_written"].as_u64().unwrap_or(0) > 0, "{stats}");
+    assert_eq!(sb.statepoints().len(), 1);
+    let at_sp2 = sb.send("tick");
+    // Without --leave-running Podman stops the container after the statepoint.
+    podman("planarian", &["container", "checkpoint", &sb.name]).ok();
+    assert_eq!(sb.statepoints().len(), 2, "each checkpoint is a new statepoint");
+    assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out(), "exited");
+    podman("planarian", &["container", "restore", &sb.name]).ok();
+    assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out(), "running");
+    sb.seq = sb.read().unwrap().0;
+    let after = sb.send("tick");
+    assert_eq!((after.counter, &after.checksum), (at_sp2.counter + 1, &at_sp2.checksum));
+    // The restored init is conmon's child and Podman's tooling works.
+    let logs = podman("planarian", &["logs", &sb.name]);
+    logs.ok();
+    podman("planarian", &["kill", "-s", "KILL", &sb.name]).ok();
+    assert!(wait_for(Duration::from_secs(30), || {
+        podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out() == "exited"
+    }));
+    podman("planarian", &["rm", &sb.name]).ok();
+}
+
+#[test]
+fn listening_tcp_socket_survives_rollback() {
+    require_stack!();
+    let n = name("tcp");
+    let _c = Cleanup(n.clone());
+    podman("planarian", &["run", "-d", "--name", &n, DEBIAN, "python3", "-c",
+        "import socket,time; s=socket.socket(); s.bind(('0.0.0.0', 8080)); s.listen(); open('/tmp/up','w').close(); time.sleep(100000)"]).ok();
+    assert!(wait_for(Duration::from_secs(60), || podman("planarian", &["exec", &n, "test", "-e", "/tmp/up"]).code == Some(0)));
+    let listening = || podman("planarian", &["exec", &n, "sh", "-c", "grep -c ':1F90 00000000:0000 0A' /proc/net/tcp"]).out();
+    assert_eq!(listening(), "1");
+    podman("planarian", &["container", "checkpoint", "--leave-running", "--tcp-established", &n]).ok();
+    let sp = cmd(planarian_bin().to_str().unwrap(), ["statepoint", "list", &n, "--json"]);
+    let sps: serde_json::Value = serde_json::from_str(&sp.stdout).unwrap();
+    assert_eq!(sps[0]["options"]["tcp-established"], true);
+    cmd(planarian_bin().to_str().unwrap(), ["rollback", &n, "sp1"]).ok();
+    assert_eq!(listening(), "1", "the listening socket is back after rollback");
+}
+
+#[test]
+fn bad_input_is_a_clear_error_and_changes_nothing() {
+    require_stack!();
+    let mut sb = Sandbox::start("bad", 4, &[]);
+    let before = sb.send("tick");
+    let pl = planarian_bin();
+    let pl = pl.to_str().unwrap();
+    let r = cmd(pl, ["rollback", &sb.name, "sp42"]);
+    assert_eq!(r.code, Some(1));
+    assert_eq!(r.stderr.trim(), "planarian: unknown statepoint sp42 (see `planarian statepoint list`)");
+    assert_eq!(sb.send("tick").counter, before.counter + 1, "the sandbox kept running");
+
+    let r = cmd(pl, ["rollback", "pltest-no-such-container", "sp1"]);
+    assert_eq!((r.code, r.stderr.trim()), (Some(1), "planarian: no such container pltest-no-such-container"));
+
+    let other = name("crun");
+    let _o = Cleanup(other.clone());
+    podman("crun", &["run", "-d", "--name", &other, BUSYBOX, "sleep", "600"]).ok();
+    let r = cmd(pl, ["rollback", &other, "sp1"]);
+    assert_eq!(r.code, Some(1));
+    assert!(r.stderr.contains("is not run by planarian (its runtime is crun)"), "{r:?}");
+
+    let stopped = name("stopped");
+    let _s = Cleanup(stopped.clone());
+    podman("planarian", &["create", "--name", &stopped, BUSYBOX, "sleep", "600"]).ok();
+    let r = cmd(pl, ["snapshot", &stopped]);
+    assert_eq!(r.code, Some(1));
+    assert_eq!(r.stderr.trim(), format!("planarian: container {stopped} is not running (it is created)"));
+    assert!(sb.statepoints().is_empty());
+}
+
+/// Replaces criu by a wrapper for one test: a real criu that gets killed mid-dump, or one that
+/// hangs so that planarian itself can be killed mid-checkpoint. Restores the config on drop.
+struct CriuWrapper {
+    dropin: &'static Path,
+    script: std::path::PathBuf,
+}
+
+impl CriuWrapper {
+    fn new(body: &str) -> CriuWrapper {
+        let script = std::env::temp_dir().join(format!("pltest-criu-{}", std::process::id()));
+        std::fs::write(&script, format!("#!/bin/bash\n{body}\n")).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let dropin = Path::new("/etc/planarian/planarian.conf.d/zz-test-criu.conf");
+        std::fs::create_dir_all(dropin.parent().unwrap()).unwrap();
+        std::fs::write(dropin, format!("[runtime]\ncriu_path = \"{}\"\n", script.display())).unwrap();
+        CriuWrapper { dropin, script }
+    }
+}
+
+impl Drop for CriuWrapper {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.dropin);
+        let _ = std::fs::remove_file(&self.script);
+    }
+}
+
+#[test]
+fn criu_killed_mid_dump_leaves_no_statepoint_and_the_sandbox_running() {
+    require_stack!();
+    let mut sb = Sandbox::start("kill", 32, &[]);
+    let sp = sb.snapshot("good");
+    let before = sb.send("tick");
+    {
+        let _w = CriuWrapper::new("/usr/sbin/criu \"$@\" & c=$!\n[ \"$1\" = dump ] && { sleep 0.3; kill -9 $c; }\nwait $c");
+        let r = cmd(planarian_bin().to_str().unwrap(), ["snapshot", &sb.name]);
+        assert_ne!(r.code, Some(0), "{r:?}");
+        assert!(r.stderr.contains("criu dump failed"), "{r:?}");
+    }
+    let ids: Vec<String> = sb.statepoints().iter().map(|m| m["statepoint-id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ids, vec![sp.clone()], "no statepoint was committed");
+    let after = sb.send("tick");
+    assert_eq!((after.counter, &after.checksum), (before.counter + 1, &before.checksum), "running, as it was");
+    sb.rollback(&sp);
+}
+
+#[test]
+fn planarian_killed_mid_checkpoint_is_recovered_by_the_next_one() {
+    require_stack!();
+    let mut sb = Sandbox::start("crash", 8, &[]);
+    let before = sb.send("tick");
+    let child = {
+        let _w = CriuWrapper::new("sleep 600");
+        let child = std::process::Command::new(planarian_bin())
+            .args(["snapshot", &sb.name])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        // Wait until the container is frozen by the checkpoint in progress, then kill planarian
+        // (and everything it started) the hard way.
+        assert!(wait_for(Duration::from_secs(60), || cmd("sh", ["-c", "pgrep -f 'sleep 600' >/dev/null"]).code == Some(0)));
+        std::thread::sleep(Duration::from_millis(500));
+        let _ = cmd("pkill", ["-9", "-f", "planarian checkpoint"]);
+        let _ = cmd("pkill", ["-9", "-f", "sleep 600"]);
+        child
+    };
+    let mut child = child;
+    let _ = child.wait();
+    // The next statepoint operation thaws the sandbox and drops the half-made statepoint.
+    let sp = sb.snapshot("after-crash");
+    assert_eq!(sb.statepoints().len(), 1, "only the new statepoint is committed");
+    let after = sb.send("tick");
+    assert_eq!((after.counter, &after.checksum), (before.counter + 1, &before.checksum));
+    sb.rollback(&sp);
+}
+
+#[test]
+fn disk_full_while_copying_files_leaves_no_statepoint() {
+    require_stack!();
+    // A store too small for the container's files.
+    let store = Path::new("/var/lib/planarian-small");
+    std::fs::create_dir_all(store).unwrap();
+    cmd("mount", ["-t", "tmpfs", "-o", "size=3m", "tmpfs", store.to_str().unwrap()]).ok();
+    let dropin = Path::new("/etc/planarian/planarian.conf.d/zz-test-small-store.conf");
+    std::fs::write(dropin, format!("[store]\npath = \"{}\"\n", store.display())).unwrap();
+    struct Undo<'a>(&'a Path, &'a Path);
+    impl Drop for Undo<'_> {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(self.0);
+            let _ = std::process::Command::new("umount").arg(self.1).status();
+        }
+    }
+    let _undo = Undo(dropin, store);
+    let n = name("full");
+    let _c = Cleanup(n.clone());
+    podman("planarian", &["run", "-d", "--name", &n, BUSYBOX, "sh", "-c", "dd if=/dev/urandom of=/big bs=1M count=4 2>/dev/null; touch /ready; sleep 100000"]).ok();
+    assert!(wait_for(Duration::from_secs(60), || podman("planarian", &["exec", &n, "test", "-e", "/ready"]).code == Some(0)));
+    let r = cmd(planarian_bin().to_str().unwrap(), ["snapshot", &n]);
+    assert_eq!(r.code, Some(1), "{r:?}");
+    assert!(r.stderr.contains("No space left on device"), "{r:?}");
+    let list = cmd(planarian_bin().to_str().unwrap(), ["statepoint", "list", &n, "--json"]);
+    assert_eq!(list.out(), "[]");
+    assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &n]).out(), "running");
+    assert!(podman("planarian", &["exec", &n, "echo", "alive"]).stdout.contains("alive"), "the sandbox is not frozen");
+}
+
+#[test]
+fn concurrent_checkpoints_serialise() {
+    require_stack!();
+    let sb = Sandbox::start("conc", 8, &[]);
+    let pl = planarian_bin();
+    let spawn = || {
+        std::process::Command::new(&pl)
+            .args(["snapshot", &sb.name])
+            .output()
+            .unwrap()
+    };
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(spawn);
+        let b = s.spawn(spawn);
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert!(a.status.success() && b.status.success(), "{a:?} {b:?}");
+    let mut ids = vec![String::from_utf8_lossy(&a.stdout).trim().to_string(), String::from_utf8_lossy(&b.stdout).trim().to_string()];
+    ids.sort();
+    assert_eq!(ids, vec!["sp1", "sp2"]);
+    assert_eq!(sb.statepoints().len(), 2);
+}
