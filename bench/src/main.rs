@@ -2,6 +2,12 @@
 //!
 //!   planarian-bench passthrough [--iterations N] [--planarian PATH] [--crun PATH]
 //!
+//!   planarian-bench statepoint [--mem MiB] [--files MiB] [--iterations N]
+//!
+//! `statepoint`: snapshot and rollback latency of a sandbox holding MEM MiB of memory and FILES
+//! MiB of files, planarian against the Full-snapshot baseline (Podman's own `container checkpoint
+//! --export` + `container restore --import` under runc -- Debian's crun has no CRIU -- which copies everything every time).
+//!
 //! `passthrough`: the cost of planarian's pass-through path, `planarian state ID` against
 //! `crun state ID` on the same running container (started through Podman), interleaved so
 //! that drift affects both alike. Needs the real stack (run it with bench/run).
@@ -13,8 +19,10 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let code = match args.first().map(String::as_str) {
         Some("passthrough") => passthrough(&args[1..]),
+        Some("statepoint") => statepoint(&args[1..]),
         _ => {
             eprintln!("usage: planarian-bench passthrough [--iterations N] [--planarian PATH] [--crun PATH]");
+            eprintln!("       planarian-bench statepoint [--mem MiB] [--files MiB] [--iterations N]");
             2
         }
     };
@@ -131,4 +139,133 @@ fn passthrough(args: &[String]) -> i32 {
     }
     let _ = std::fs::remove_dir(empty);
     0
+}
+
+/// A workload: MEM MiB of random memory in a python process, FILES MiB of files, and a little
+/// change (1 % of memory, one file) between statepoints.
+const WORKLOAD: &str = r#"
+import os, sys, time
+buf = bytearray(os.urandom(int(sys.argv[1]) << 20))
+open("/tmp/up", "w").close()
+while True:
+    if os.path.exists("/tmp/dirty"):
+        os.remove("/tmp/dirty")
+        n = len(buf) // 100
+        buf[0:n] = os.urandom(n)
+        open("/tmp/dirtied", "w").close()
+    time.sleep(0.05)
+"#;
+
+fn start_workload(runtime: &str, name: &str, mem: u32, files: u32) -> Result<(), String> {
+    run_quiet("podman", &["--runtime", runtime, "run", "-d", "--name", name, "localhost/planarian-test/debian",
+        "python3", "-c", WORKLOAD, &mem.to_string()])?;
+    run_quiet("podman", &["exec", name, "sh", "-c", &format!(
+        "mkdir -p /data && i=0; while [ $i -lt {files} ]; do head -c 1048576 /dev/urandom > /data/f$i; i=$((i+1)); done")])?;
+    wait_file(name, "/tmp/up")
+}
+
+fn wait_file(name: &str, path: &str) -> Result<(), String> {
+    let end = Instant::now() + Duration::from_secs(300);
+    while Instant::now() < end {
+        if run_quiet("podman", &["exec", name, "test", "-e", path]).is_ok() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Err(format!("{name}: {path} did not appear"))
+}
+
+fn dirty(name: &str) -> Result<(), String> {
+    let _ = run_quiet("podman", &["exec", name, "rm", "-f", "/tmp/dirtied"]);
+    run_quiet("podman", &["exec", name, "sh", "-c", "touch /tmp/dirty; head -c 65536 /dev/urandom > /data/changed"])?;
+    wait_file(name, "/tmp/dirtied")
+}
+
+fn timed(f: impl FnOnce() -> Result<(), String>) -> Result<Duration, String> {
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed())
+}
+
+fn dir_bytes(p: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = std::fs::symlink_metadata(p) else { return 0 };
+    let mut total = md.blocks() * 512;
+    if md.is_dir() {
+        for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
+            total += dir_bytes(&e.path());
+        }
+    }
+    total
+}
+
+fn statepoint(args: &[String]) -> i32 {
+    let mem: u32 = flag(args, "--mem").and_then(|s| s.parse().ok()).unwrap_or(256);
+    let files: u32 = flag(args, "--files").and_then(|s| s.parse().ok()).unwrap_or(64);
+    let iterations: usize = flag(args, "--iterations").and_then(|s| s.parse().ok()).unwrap_or(3);
+    match statepoint_inner(mem, files, iterations) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("planarian-bench: {e}");
+            1
+        }
+    }
+}
+
+fn statepoint_inner(mem: u32, files: u32, iterations: usize) -> Result<(), String> {
+    let pid = std::process::id();
+    let (pl, full) = (format!("plbench-pl-{pid}"), format!("plbench-full-{pid}"));
+    let export = std::env::temp_dir().join(format!("plbench-{pid}.tar"));
+    let export_s = export.to_str().unwrap().to_string();
+    let cleanup = || {
+        for n in [&pl, &full] {
+            let _ = run_quiet("podman", &["rm", "-f", "-t", "0", n]);
+        }
+        let _ = std::fs::remove_file(&export);
+    };
+    let result = (|| -> Result<(), String> {
+        start_workload("planarian", &pl, mem, files)?;
+        start_workload("runc", &full, mem, files)?;
+        let (mut pl_snap, mut pl_rb, mut full_snap, mut full_rb) = (vec![], vec![], vec![], vec![]);
+        let (mut pl_bytes, mut full_bytes) = (0u64, 0u64);
+        let store = std::path::Path::new("/var/lib/planarian/containers");
+        for i in 0..iterations {
+            dirty(&pl)?;
+            let mut sp = String::new();
+            pl_snap.push(timed(|| {
+                sp = run_quiet("/usr/local/bin/planarian", &["snapshot", &pl])?;
+                Ok(())
+            })?);
+            let id = run_quiet("podman", &["inspect", "--format", "{{.Id}}", &pl])?;
+            pl_bytes = dir_bytes(&store.join(&id).join("statepoints").join(&sp));
+            dirty(&pl)?;
+            pl_rb.push(timed(|| run_quiet("/usr/local/bin/planarian", &["rollback", &pl, &sp]).map(|_| ()))?);
+
+            dirty(&full)?;
+            full_snap.push(timed(|| {
+                run_quiet("podman", &["container", "checkpoint", "--leave-running", "--compress", "none", "--export", &export_s, &full]).map(|_| ())
+            })?);
+            full_bytes = std::fs::metadata(&export).map(|m| m.len()).unwrap_or(0);
+            dirty(&full)?;
+            full_rb.push(timed(|| {
+                run_quiet("podman", &["rm", "-f", "-t", "0", &full])?;
+                run_quiet("podman", &["container", "restore", "--import", &export_s, "--name", &full]).map(|_| ())
+            })?);
+            eprintln!("iteration {} of {iterations} done", i + 1);
+        }
+        let med = |v: &mut Vec<Duration>| -> f64 {
+            v.sort();
+            v[v.len() / 2].as_secs_f64() * 1e3
+        };
+        let (ps, pr, fs, fr) = (med(&mut pl_snap), med(&mut pl_rb), med(&mut full_snap), med(&mut full_rb));
+        println!("statepoint cost: {mem} MiB memory, {files} MiB files, 1 % of memory + 64 KiB of files changed between statepoints; median of {iterations} (ms)");
+        println!("| operation | planarian (copy path, full dumps) | Full-snapshot (podman --export/--import) | Full-snapshot / planarian |");
+        println!("|---|---:|---:|---:|");
+        println!("| snapshot | {ps:.0} | {fs:.0} | {:.2}x |", fs / ps);
+        println!("| rollback | {pr:.0} | {fr:.0} | {:.2}x |", fr / pr);
+        println!("| bytes written per snapshot | {} | {} | {:.2}x |", pl_bytes, full_bytes, full_bytes as f64 / pl_bytes.max(1) as f64);
+        Ok(())
+    })();
+    cleanup();
+    result
 }

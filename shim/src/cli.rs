@@ -114,6 +114,31 @@ impl Invocation {
     }
 }
 
+/// Options of `crun exec` that take a separate value.
+const EXEC_VALUE_FLAGS: &[&str] = &[
+    "--apparmor", "--console-socket", "--cwd", "--cap", "--env", "-e", "--process", "-p",
+    "--process-label", "--pid-file", "--preserve-fds", "--user", "-u", "--cgroup",
+];
+
+/// The container ID of an `exec` invocation: its first positional argument.
+pub fn exec_container_id(args: &[OsString]) -> Option<&str> {
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i].to_str()?;
+        if a == "--" {
+            return args.get(i + 1)?.to_str();
+        }
+        if !a.starts_with('-') {
+            return Some(a);
+        }
+        if !a.contains('=') && EXEC_VALUE_FLAGS.contains(&a) {
+            i += 1;
+        }
+        i += 1;
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,6 +192,16 @@ mod tests {
         let i = inv(&["--version"]);
         assert_eq!(i.verb(), None);
         assert!(i.has_global_flag("--version"));
+    }
+
+    #[test]
+    fn exec_container_id_as_conmon_sends_it() {
+        let a: Vec<OsString> = ["--detach", "--process", "/tmp/p.json", "--pid-file", "/x/pid", "--console-socket=/s", "-e", "A=1", "abc123", "sh"]
+            .iter()
+            .map(OsString::from)
+            .collect();
+        assert_eq!(exec_container_id(&a), Some("abc123"));
+        assert_eq!(exec_container_id(&[OsString::from("-d")]), None);
     }
 
     #[test]

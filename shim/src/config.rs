@@ -33,6 +33,15 @@ pub struct Config {
     pub store: StoreConfig,
     pub checkpoint: CheckpointConfig,
     pub zfs: ZfsConfig,
+    pub hooks: HooksConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct HooksConfig {
+    /// Remote-state hooks (executables, absolute paths), captured in this order at every
+    /// statepoint and compensated in reverse order on rollback. See shim/src/remote.rs.
+    pub remote: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
@@ -80,6 +89,7 @@ impl Default for Config {
             store: StoreConfig::default(),
             checkpoint: CheckpointConfig::default(),
             zfs: ZfsConfig::default(),
+            hooks: HooksConfig::default(),
         }
     }
 }

@@ -12,6 +12,7 @@ mod container;
 mod criu;
 mod freezer;
 mod podman;
+mod remote;
 mod restore;
 mod rollback;
 mod rootfs;
@@ -68,12 +69,41 @@ fn run(inv: &Invocation) -> Result<i32, String> {
 
 /// Replaces this process by crun with the same arguments. Returns only on failure.
 fn passthrough(inv: &Invocation) -> String {
-    let crun = match crun_path() {
+    let cfg = match config::Config::load() {
+        Ok(c) => c,
+        Err(e) => return e.to_string(),
+    };
+    let crun = match crun_from(&cfg) {
         Ok(p) => p,
         Err(e) => return e,
     };
+    // A tool call (exec) takes the container's shared lock, so it cannot start while a snapshot
+    // or rollback holds the exclusive one. crun inherits the locked fd and holds it until it exits.
+    let _lock = match inv.verb() {
+        Some("exec") => match cli::exec_container_id(inv.verb_args()) {
+            Some(id) => match shared_tool_lock(&cfg, id) {
+                Ok(l) => l,
+                Err(e) => return e,
+            },
+            None => None,
+        },
+        _ => None,
+    };
     let err = Command::new(&crun).args(&inv.args).exec();
     format!("cannot execute {}: {err}", crun.display())
+}
+
+/// The shared lock of a container that has statepoints, as an fd crun will inherit.
+fn shared_tool_lock(cfg: &config::Config, id: &str) -> Result<Option<std::fs::File>, String> {
+    let store = store::ContainerStore::new(&cfg.store.path, id);
+    if !store.dir.exists() {
+        return Ok(None);
+    }
+    let f = store.lock(false)?;
+    use std::os::fd::AsRawFd;
+    nix::fcntl::fcntl(&f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()))
+        .map_err(|e| format!("cannot pass the container lock to crun (fd {}): {e}", f.as_raw_fd()))?;
+    Ok(Some(f))
 }
 
 fn crun_path() -> Result<std::path::PathBuf, String> {

@@ -69,9 +69,9 @@ fn rollback(inv: &Invocation, pc: &PodmanContainer, store: &ContainerStore, targ
         _ => None,
     };
 
-    // 2. Files, then processes.
-    let result = CopyRootfs { upperdir: upperdir.clone() }
-        .restore(&saved)
+    // 2. Remote state first (the sandbox is stopped, nothing calls out), then files, processes.
+    let result = crate::remote::compensate(&target.remote_state, &pc.id)
+        .and_then(|()| CopyRootfs { upperdir: upperdir.clone() }.restore(&saved))
         .and_then(|files| match podman_restore(store, pc, target) {
             Ok(()) => {
                 files.commit();

@@ -201,6 +201,8 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         let tr = Instant::now();
         rootfs.snapshot(&dir.join("rootfs"))?;
         m.measurements.rootfs_ms = ms(tr);
+        // Remote positions, with the sandbox still frozen: consistent with files and processes.
+        m.remote_state = crate::remote::capture(&ctx.cfg.hooks.remote, &ctx.ctr.id)?;
         m.measurements.criu_bytes = store::du(&images);
         m.measurements.rootfs_bytes = store::du(&dir.join("rootfs"));
         m.measurements.frozen_ms = ms(tf);

@@ -404,3 +404,113 @@ fn concurrent_checkpoints_serialise() {
     assert_eq!(ids, vec!["sp1", "sp2"]);
     assert_eq!(sb.statepoints().len(), 2);
 }
+
+/// A remote-state hook for the test: a "service" whose state is a position in a file; it logs
+/// every call. (The MCP state-proxy sidecar implements the same contract for real databases.)
+struct Hook {
+    dropin: &'static Path,
+    dir: std::path::PathBuf,
+}
+
+impl Hook {
+    fn new(fail_capture: bool) -> Hook {
+        let dir = std::env::temp_dir().join(format!("pltest-hook-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("position"), "0").unwrap();
+        let d = dir.display();
+        let capture = if fail_capture {
+            "echo 'service unreachable' >&2; exit 1".to_string()
+        } else {
+            format!("echo \"{{\\\"external-endpoint\\\": \\\"test-service\\\", \\\"mcp-call-position\\\": $(cat {d}/position)}}\"")
+        };
+        let script = format!(
+            "#!/bin/sh\necho \"$@\" >> {d}/calls\ncase $1 in\n capture) {capture};;\n compensate) echo $3 > {d}/position;;\nesac\n"
+        );
+        let hook = dir.join("hook");
+        std::fs::write(&hook, script).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let dropin = Path::new("/etc/planarian/planarian.conf.d/zz-test-hook.conf");
+        std::fs::create_dir_all(dropin.parent().unwrap()).unwrap();
+        std::fs::write(dropin, format!("[hooks]\nremote = [\"{}\"]\n", hook.display())).unwrap();
+        Hook { dropin, dir }
+    }
+
+    fn set_position(&self, p: u64) {
+        std::fs::write(self.dir.join("position"), p.to_string()).unwrap();
+    }
+
+    fn position(&self) -> String {
+        std::fs::read_to_string(self.dir.join("position")).unwrap().trim().to_string()
+    }
+
+    fn calls(&self) -> Vec<String> {
+        std::fs::read_to_string(self.dir.join("calls")).unwrap_or_default().lines().map(|l| l.split(' ').next().unwrap().to_string()).collect()
+    }
+}
+
+impl Drop for Hook {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.dropin);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[test]
+fn remote_hooks_record_positions_and_compensate_before_the_restore() {
+    require_stack!();
+    let hook = Hook::new(false);
+    let mut sb = Sandbox::start("hook", 8, &[]);
+    hook.set_position(5);
+    let at_sp = sb.send("tick");
+    let sp = sb.snapshot("remote-5");
+    let m = &sb.statepoints()[0];
+    assert_eq!(m["remote-state"][0]["mcp-call-position"], 5);
+    assert_eq!(m["remote-state"][0]["external-endpoint"], "test-service");
+    hook.set_position(9);
+    sb.send("tick");
+    sb.rollback(&sp);
+    assert_eq!(hook.position(), "5", "the remote state was compensated back to the statepoint");
+    assert_eq!(sb.send("tick").counter, at_sp.counter + 1);
+    // compensate came after the safety capture and before the restore's own work.
+    assert_eq!(hook.calls(), vec!["capture", "capture", "compensate"]);
+}
+
+#[test]
+fn a_failing_remote_hook_leaves_no_statepoint() {
+    require_stack!();
+    let mut sb = Sandbox::start("hookfail", 8, &[]);
+    let before = sb.send("tick");
+    let _hook = Hook::new(true);
+    let r = cmd(planarian_bin().to_str().unwrap(), ["snapshot", &sb.name]);
+    assert_eq!(r.code, Some(1));
+    assert!(r.stderr.contains("capture failed: service unreachable"), "{r:?}");
+    assert!(sb.statepoints().is_empty());
+    assert_eq!(sb.send("tick").counter, before.counter + 1, "the sandbox runs on");
+}
+
+#[test]
+fn exec_waits_for_a_snapshot_in_progress() {
+    require_stack!();
+    let sb = Sandbox::start("execlock", 8, &[]);
+    sb.snapshot("first");
+    let _w = CriuWrapper::new("[ \"$1\" = dump ] && sleep 5\nexec /usr/sbin/criu \"$@\"");
+    let pl = planarian_bin();
+    let start = std::time::Instant::now();
+    let (snap_end, exec_end, exec_ok) = std::thread::scope(|s| {
+        let snap = s.spawn(|| {
+            let ok = std::process::Command::new(&pl).args(["snapshot", &sb.name]).stdout(std::process::Stdio::null()).status().unwrap().success();
+            (ok, start.elapsed())
+        });
+        // Once the container is frozen, a tool call must wait for the snapshot to finish.
+        assert!(wait_for(Duration::from_secs(30), || cmd("sh", ["-c", "ls /var/lib/planarian/containers/*/frozen-by-planarian"]).code == Some(0)));
+        let r = podman("planarian", &["exec", &sb.name, "echo", "tool-call"]);
+        let exec_end = start.elapsed();
+        let (ok, snap_end) = snap.join().unwrap();
+        assert!(ok, "the snapshot failed");
+        (snap_end, exec_end, r.stdout.contains("tool-call"))
+    });
+    assert!(exec_ok);
+    assert!(exec_end + Duration::from_millis(500) >= snap_end, "exec finished at {exec_end:?}, before the snapshot ended at {snap_end:?}");
+    assert_eq!(sb.statepoints().len(), 2);
+}

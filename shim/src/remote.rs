@@ -1,0 +1,110 @@
+//! Remote-state hooks: the `capture`/`compensate` interface of the paper.
+//!
+//! A hook is an executable named in planarian.conf (`[hooks] remote = ["/path/hook", …]`), run
+//! as root with no PATH assumptions:
+//!
+//! * `HOOK capture CONTAINER-ID` — during a snapshot, with the sandbox frozen: print one JSON
+//!   object `{"external-endpoint": "…", "mcp-call-position": N}` and exit 0. Any failure means
+//!   the statepoint is not committed.
+//! * `HOOK compensate CONTAINER-ID POSITION` — during a rollback, before files and processes are
+//!   restored: undo every remote change after POSITION and exit 0, or exit non-zero with one
+//!   line on stderr (the rollback then stops, and the sandbox is brought back as it was).
+//!
+//! Hooks are captured in the configured order and compensated in reverse order. None is
+//! configured by default; the MCP state-proxy sidecar implements this contract.
+
+use crate::store::RemoteState;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+pub fn capture(hooks: &[PathBuf], container_id: &str) -> Result<Vec<RemoteState>, String> {
+    hooks
+        .iter()
+        .map(|hook| {
+            let out = run(hook, &["capture", container_id])?;
+            let v: serde_json::Value = serde_json::from_str(out.trim())
+                .map_err(|e| format!("remote hook {} capture printed no JSON object: {e}", hook.display()))?;
+            let position = v["mcp-call-position"]
+                .as_u64()
+                .ok_or_else(|| format!("remote hook {} capture gave no mcp-call-position", hook.display()))?;
+            Ok(RemoteState {
+                external_endpoint: v["external-endpoint"].as_str().map(String::from),
+                mcp_call_position: Some(position),
+                hook_path: Some(hook.display().to_string()),
+            })
+        })
+        .collect()
+}
+
+/// Compensates each recorded remote state back to its position, in reverse order.
+pub fn compensate(states: &[RemoteState], container_id: &str) -> Result<(), String> {
+    for st in states.iter().rev() {
+        let (Some(hook), Some(pos)) = (&st.hook_path, st.mcp_call_position) else { continue };
+        run(Path::new(hook), &["compensate", container_id, &pos.to_string()])?;
+    }
+    Ok(())
+}
+
+fn run(hook: &Path, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(hook)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run remote hook {}: {e}", hook.display()))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(format!(
+            "remote hook {} {} failed: {}",
+            hook.display(),
+            args[0],
+            err.lines().last().unwrap_or("no message").trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn script(tag: &str, body: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let p = std::env::temp_dir().join(format!("planarian-hook-{tag}-{}", std::process::id()));
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    }
+
+    #[test]
+    fn capture_and_compensate_in_reverse_order() {
+        let log = std::env::temp_dir().join(format!("planarian-hook-log-{}", std::process::id()));
+        let _ = std::fs::remove_file(&log);
+        let body = |n: u32| {
+            format!(
+                "case $1 in capture) echo '{{\"external-endpoint\": \"db{n}\", \"mcp-call-position\": {n}}}';; compensate) echo \"{n} $2 $3\" >> {};; esac",
+                log.display()
+            )
+        };
+        let hooks = vec![script("a", &body(1)), script("b", &body(2))];
+        let st = capture(&hooks, "ctr").unwrap();
+        assert_eq!(st[0].mcp_call_position, Some(1));
+        assert_eq!(st[1].external_endpoint.as_deref(), Some("db2"));
+        compensate(&st, "ctr").unwrap();
+        assert_eq!(std::fs::read_to_string(&log).unwrap(), "2 ctr 2\n1 ctr 1\n");
+        for h in hooks {
+            std::fs::remove_file(h).unwrap();
+        }
+        std::fs::remove_file(log).unwrap();
+    }
+
+    #[test]
+    fn failures_are_one_clear_line() {
+        let h = script("bad", "echo 'connection refused' >&2; exit 3");
+        let e = capture(std::slice::from_ref(&h), "c").unwrap_err();
+        assert!(e.ends_with("capture failed: connection refused"), "{e}");
+        let garbage = script("garbage", "echo not-json");
+        assert!(capture(std::slice::from_ref(&garbage), "c").unwrap_err().contains("no JSON"));
+        std::fs::remove_file(h).unwrap();
+        std::fs::remove_file(garbage).unwrap();
+    }
+}
