@@ -114,6 +114,30 @@ impl Invocation {
     }
 }
 
+/// Parses the arguments of one of planarian's own verbs with clap. On `--help` or a usage error,
+/// clap's text is printed and the exit code returned as `Err`.
+pub fn parse_verb<T: clap::Parser>(verb: &str, args: &[OsString]) -> Result<T, i32> {
+    T::try_parse_from(std::iter::once(OsString::from(verb)).chain(args.iter().cloned())).map_err(|e| {
+        let _ = e.print();
+        e.exit_code()
+    })
+}
+
+/// The CRIU-related flags `checkpoint` and `restore` share (runc/crun spelling).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct CriuFlags {
+    #[arg(long)]
+    pub tcp_established: bool,
+    #[arg(long)]
+    pub file_locks: bool,
+    #[arg(long)]
+    pub ext_unix_sk: bool,
+    #[arg(long)]
+    pub shell_job: bool,
+    #[arg(long)]
+    pub manage_cgroups_mode: Option<String>,
+}
+
 /// Options of `crun exec` that take a separate value.
 const EXEC_VALUE_FLAGS: &[&str] = &[
     "--apparmor", "--console-socket", "--cwd", "--cap", "--env", "-e", "--process", "-p",

@@ -57,12 +57,9 @@ impl Check {
 }
 
 pub fn main(args: &[OsString]) -> Result<i32, String> {
-    let args = match Args::try_parse_from(std::iter::once(OsString::from("doctor")).chain(args.iter().cloned())) {
+    let args: Args = match crate::cli::parse_verb("doctor", args) {
         Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return Ok(e.exit_code());
-        }
+        Err(code) => return Ok(code),
     };
     let checks = run_checks();
     let failed = checks.iter().filter(|c| c.status == Status::Fail).count();

@@ -25,12 +25,9 @@ struct Args {
 }
 
 pub fn main(args: &[OsString]) -> Result<i32, String> {
-    let args = match Args::try_parse_from(std::iter::once(OsString::from("install")).chain(args.iter().cloned())) {
+    let args: Args = match crate::cli::parse_verb("install", args) {
         Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return Ok(e.exit_code());
-        }
+        Err(code) => return Ok(code),
     };
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the running binary: {e}"))?;
     let bin = args.prefix.join("bin/planarian");

@@ -33,16 +33,8 @@ pub struct RestoreArgs {
     pub no_new_keyring: bool,
     #[arg(long)]
     pub preserve_fds: Option<u32>,
-    #[arg(long)]
-    pub tcp_established: bool,
-    #[arg(long)]
-    pub file_locks: bool,
-    #[arg(long)]
-    pub ext_unix_sk: bool,
-    #[arg(long)]
-    pub shell_job: bool,
-    #[arg(long)]
-    pub manage_cgroups_mode: Option<String>,
+    #[command(flatten)]
+    pub criu: crate::cli::CriuFlags,
     #[arg(long)]
     pub lsm_profile: Option<String>,
     #[arg(long)]
@@ -66,12 +58,9 @@ pub fn read_marker(image_path: &Path) -> Result<(String, String), String> {
 }
 
 pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
-    let a = match RestoreArgs::try_parse_from(std::iter::once(OsString::from("restore")).chain(args.iter().cloned())) {
+    let a: RestoreArgs = match crate::cli::parse_verb("restore", args) {
         Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return Ok(e.exit_code());
-        }
+        Err(code) => return Ok(code),
     };
     let cfg = Config::load().map_err(|e| e.to_string())?;
     let criu_bin = crate::tools::locate("criu", cfg.runtime.criu_path.as_deref(), "[runtime] criu_path").map_err(|e| e.to_string())?;
@@ -134,8 +123,8 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         netns_fd: netns.as_ref().map(|f| f.as_raw_fd()),
         inherit_fds,
         action_scripts: vec![],
-        tcp_established: a.tcp_established || m.options.tcp_established,
-        file_locks: a.file_locks || m.options.file_locks,
+        tcp_established: a.criu.tcp_established || m.options.tcp_established,
+        file_locks: a.criu.file_locks || m.options.file_locks,
     };
     criu::run(&criu_bin, &criu::restore_args(&plan), &restore_work.join("restore.log"), true)?;
     drop(netns);

@@ -30,22 +30,14 @@ pub struct CheckpointArgs {
     pub work_path: Option<PathBuf>,
     #[arg(long)]
     pub leave_running: bool,
-    #[arg(long)]
-    pub tcp_established: bool,
-    #[arg(long)]
-    pub file_locks: bool,
-    #[arg(long)]
-    pub ext_unix_sk: bool,
-    #[arg(long)]
-    pub shell_job: bool,
+    #[command(flatten)]
+    pub criu: crate::cli::CriuFlags,
     /// Podman's --pre-checkpoint: a memory pre-dump into --image-path, no statepoint.
     #[arg(long)]
     pub pre_dump: bool,
     /// Podman's --with-previous (relative to --image-path).
     #[arg(long)]
     pub parent_path: Option<PathBuf>,
-    #[arg(long)]
-    pub manage_cgroups_mode: Option<String>,
     /// A name for the new statepoint (planarian's own flag).
     #[arg(long)]
     pub name: Option<String>,
@@ -278,12 +270,9 @@ pub fn leave_for_podman(m: &Manifest, sp_dir: &Path, image_path: &Path, work_pat
 }
 
 pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
-    let a = match CheckpointArgs::try_parse_from(std::iter::once(OsString::from("checkpoint")).chain(args.iter().cloned())) {
+    let a: CheckpointArgs = match crate::cli::parse_verb("checkpoint", args) {
         Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return Ok(e.exit_code());
-        }
+        Err(code) => return Ok(code),
     };
     let result = checkpoint(inv, &a);
     if let (Err(e), Some(w)) = (&result, &a.work_path) {
@@ -314,8 +303,8 @@ fn checkpoint(inv: &Invocation, a: &CheckpointArgs) -> Result<i32, String> {
     let m = take(
         &ctx,
         &SnapshotRequest {
-            tcp_established: a.tcp_established,
-            file_locks: a.file_locks,
+            tcp_established: a.criu.tcp_established,
+            file_locks: a.criu.file_locks,
             leave_running: a.leave_running,
             internal: false,
             name: a.name.clone(),
@@ -331,4 +320,56 @@ fn checkpoint(inv: &Invocation, a: &CheckpointArgs) -> Result<i32, String> {
 
 pub fn short(id: &str) -> &str {
     &id[..id.len().min(12)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::restore::RestoreArgs;
+
+    fn os(v: &[&str]) -> Vec<OsString> {
+        v.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn accepts_exactly_what_podman_sends_to_checkpoint() {
+        let a: CheckpointArgs = crate::cli::parse_verb(
+            "checkpoint",
+            &os(&["--image-path", "/u/checkpoint", "--work-path", "/u", "--leave-running", "--tcp-established",
+                "--file-locks", "--leave-running", "abc"]),
+        )
+        .unwrap();
+        assert!(a.leave_running && a.criu.tcp_established && a.criu.file_locks);
+        assert_eq!(a.image_path.as_deref(), Some(Path::new("/u/checkpoint")));
+        assert_eq!(a.container_id, "abc");
+        let pre: CheckpointArgs =
+            crate::cli::parse_verb("checkpoint", &os(&["--image-path", "/u/pre-checkpoint", "--work-path", "/u", "--pre-dump", "abc"])).unwrap();
+        assert!(pre.pre_dump);
+        let prev: CheckpointArgs = crate::cli::parse_verb(
+            "checkpoint",
+            &os(&["--image-path", "/u/checkpoint", "--work-path", "/u", "--parent-path", "../pre-checkpoint", "abc"]),
+        )
+        .unwrap();
+        assert_eq!(prev.parent_path.as_deref(), Some(Path::new("../pre-checkpoint")));
+    }
+
+    #[test]
+    fn accepts_exactly_what_conmon_sends_to_restore() {
+        let a: RestoreArgs = crate::cli::parse_verb(
+            "restore",
+            &os(&["--bundle", "/u", "--pid-file", "/r/pidfile", "--no-new-keyring", "--detach", "--image-path", "/u/checkpoint",
+                "--work-path", "/u", "--tcp-established", "--lsm-mount-context=system_u:object_r:x", "--console-socket",
+                "/tmp/conmon-term.X", "abc"]),
+        )
+        .unwrap();
+        assert!(a.detach && a.criu.tcp_established);
+        assert_eq!(a.console_socket.as_deref(), Some(Path::new("/tmp/conmon-term.X")));
+        assert_eq!(a.container_id, "abc");
+    }
+
+    #[test]
+    fn help_exits_zero_for_podmans_probe() {
+        assert_eq!(crate::cli::parse_verb::<CheckpointArgs>("checkpoint", &os(&["--help"])).unwrap_err(), 0);
+        assert_ne!(crate::cli::parse_verb::<CheckpointArgs>("checkpoint", &os(&["--bogus", "x"])).unwrap_err(), 0);
+    }
 }

@@ -514,3 +514,40 @@ fn exec_waits_for_a_snapshot_in_progress() {
     assert!(exec_end + Duration::from_millis(500) >= snap_end, "exec finished at {exec_end:?}, before the snapshot ended at {snap_end:?}");
     assert_eq!(sb.statepoints().len(), 2);
 }
+
+#[test]
+fn registry_cli_names_removes_and_retains() {
+    require_stack!();
+    let mut sb = Sandbox::start("registry", 4, &[]);
+    let pl = planarian_bin();
+    let pl = pl.to_str().unwrap();
+    let sp1 = cmd(pl, ["snapshot", &sb.name]).out();
+    cmd(pl, ["statepoint", "set", &sb.name, &sp1, "--name", "base", "--description", "clean checkout", "--outcome", "tests failed"]).ok();
+    let m: serde_json::Value = serde_json::from_str(&cmd(pl, ["statepoint", "show", &sb.name, "base"]).stdout).unwrap();
+    assert_eq!(m["statepoint-id"], sp1.as_str());
+    assert_eq!(m["state-evidence"]["state-description"], "clean checkout");
+    assert_eq!(m["state-evidence"]["prior-outcomes"][0], "tests failed");
+    assert_eq!(m["status"], "committed");
+    let table = cmd(pl, ["statepoint", "list", &sb.name]).stdout;
+    assert!(table.lines().nth(1).is_some_and(|l| l.contains("base") && l.contains("clean checkout")), "{table}");
+
+    // A bad id among good ones changes nothing.
+    let sp2 = cmd(pl, ["snapshot", &sb.name]).out();
+    let r = cmd(pl, ["statepoint", "rm", &sb.name, &sp2, "sp99"]);
+    assert_eq!(r.code, Some(1));
+    assert_eq!(sb.statepoints().len(), 2);
+    cmd(pl, ["statepoint", "rm", &sb.name, &sp2]).ok();
+    assert_eq!(sb.statepoints().len(), 1);
+
+    // Retention: only the newest N are kept.
+    let dropin = Path::new("/etc/planarian/planarian.conf.d/zz-test-retention.conf");
+    std::fs::write(dropin, "[store]\nretention = 2\n").unwrap();
+    let ids: Vec<String> = (0..3).map(|_| cmd(pl, ["snapshot", &sb.name]).out()).collect();
+    let _ = std::fs::remove_file(dropin);
+    let kept: Vec<String> = sb.statepoints().iter().map(|m| m["statepoint-id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(kept, ids[1..].to_vec());
+    // The kept ones restore.
+    let before = sb.send("tick");
+    sb.rollback(&ids[1]);
+    assert_eq!(sb.send("tick").checksum, before.checksum);
+}
