@@ -73,6 +73,12 @@ impl Spec {
         }
     }
 
+    /// The configuration for this container: `cfg` with its `io.planarian.*` annotations applied.
+    pub fn configure(&self, cfg: &crate::config::Config) -> Result<crate::config::Config, String> {
+        cfg.with_annotations(self.annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .map_err(|e| e.to_string())
+    }
+
     /// The cgroup path (relative to the cgroup root) the container's processes live in, for the
     /// cgroupfs manager (`/a/b`) and the systemd one (`slice:prefix:name`).
     pub fn cgroup_relpath(&self) -> Option<String> {

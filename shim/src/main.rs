@@ -115,6 +115,10 @@ fn crun_from(cfg: &config::Config) -> Result<std::path::PathBuf, String> {
     tools::locate("crun", cfg.runtime.crun_path.as_deref(), "[runtime] crun_path").map_err(|e| e.to_string())
 }
 
+fn criu_from(cfg: &config::Config) -> Result<std::path::PathBuf, String> {
+    tools::locate("criu", cfg.runtime.criu_path.as_deref(), "[runtime] criu_path").map_err(|e| e.to_string())
+}
+
 fn version() -> i32 {
     println!("planarian version {VERSION}");
     println!("spec: {SPEC_VERSION}");

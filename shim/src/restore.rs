@@ -63,7 +63,7 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         Err(code) => return Ok(code),
     };
     let cfg = Config::load().map_err(|e| e.to_string())?;
-    let criu_bin = crate::tools::locate("criu", cfg.runtime.criu_path.as_deref(), "[runtime] criu_path").map_err(|e| e.to_string())?;
+    let criu_bin = crate::criu_from(&cfg)?;
     let bundle = match &a.bundle {
         Some(b) => b.clone(),
         None => std::env::current_dir().map_err(|e| e.to_string())?,
@@ -71,9 +71,7 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     let image_path = a.image_path.clone().unwrap_or_else(|| bundle.join("checkpoint"));
     let (ctr_id, sp_id) = read_marker(&image_path)?;
     let spec = Spec::load(&bundle)?;
-    let cfg = cfg
-        .with_annotations(spec.annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .map_err(|e| e.to_string())?;
+    let cfg = spec.configure(&cfg)?;
     let store = ContainerStore::new(&cfg.store.path, &ctr_id);
     // A rollback that started this restore holds the lock and has handed it over.
     let _lock = if take_handoff(&store, &a.container_id) { None } else { Some(store.lock(true)?) };

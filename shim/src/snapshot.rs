@@ -61,11 +61,9 @@ impl Ctx {
     pub fn load(inv: &Invocation, id: &str) -> Result<Ctx, String> {
         let cfg = Config::load().map_err(|e| e.to_string())?;
         let crun = crate::crun_from(&cfg)?;
-        let criu = crate::tools::locate("criu", cfg.runtime.criu_path.as_deref(), "[runtime] criu_path").map_err(|e| e.to_string())?;
+        let criu = crate::criu_from(&cfg)?;
         let ctr = Container::load(&crun, inv.root.as_deref(), id)?;
-        let cfg = cfg
-            .with_annotations(ctr.spec.annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .map_err(|e| e.to_string())?;
+        let cfg = ctr.spec.configure(&cfg)?;
         let store = ContainerStore::new(&cfg.store.path, &ctr.id);
         Ok(Ctx { cfg, crun, criu, ctr, store, root: inv.root.clone() })
     }
