@@ -20,7 +20,11 @@ fn pages_written(dir: &Path) -> u64 {
 
 fn criu(args: &[&str], dir: &Path) {
     let st = Command::new("criu").args(args).current_dir(dir).stdin(Stdio::null()).status().unwrap();
-    assert!(st.success(), "criu {args:?} failed (logs in {})", dir.display());
+    if !st.success() {
+        let log = std::fs::read_to_string(dir.join("dump.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(25).collect();
+        panic!("criu {args:?} failed; end of its log:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+    }
 }
 
 /// A process with 64 MiB of memory rewriting one page every 200 ms; dump, restore (with or
@@ -70,7 +74,9 @@ fn first_dump_after_restore_is_incremental_with_the_pre_resume_hook() {
     let hooked = second_dump_pages(&base.join("hook"), true);
     let _ = std::fs::remove_dir_all(base);
     eprintln!("first dump after restore: {plain} pages without the hook, {hooked} with it");
-    // 64 MiB is 16384 pages: without the hook CRIU dumps them all again.
+    // 64 MiB is 16384 pages: without the hook CRIU dumps them all again. With it, only what
+    // changed since the restore: a few pages, or one 2 MiB transparent huge page (512 pages,
+    // soft-dirty is tracked per PMD) when khugepaged collapsed the page being rewritten.
     assert!(plain > 16_384, "{plain}");
-    assert!(hooked < 200, "{hooked}");
+    assert!(hooked < 1_200, "{hooked}");
 }
