@@ -157,6 +157,45 @@ pub fn rewrite_dump_uptime(path: &Path, usec: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// What CRIU's `stats-dump` image says about the memory of one dump.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DumpStats {
+    pub pages_scanned: u64,
+    pub pages_skipped_parent: u64,
+    pub pages_written: u64,
+}
+
+const SERVICE_MAGIC: u32 = 0x5510_5940;
+
+/// Reads a `stats-dump` image: service magic, stats magic, then one length-prefixed StatsEntry
+/// whose field 1 is the DumpStatsEntry (pages_scanned 5, pages_skipped_parent 6, pages_written 7).
+pub fn dump_stats(image: &[u8]) -> Result<DumpStats, ImageError> {
+    let word = |at: usize| image.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()));
+    let mut at = if word(0).ok_or(ImageError::Short)? == SERVICE_MAGIC { 8 } else { 4 };
+    let n = word(at).ok_or(ImageError::Short)? as usize;
+    at += 4;
+    let msg = image.get(at..at + n).ok_or(ImageError::Length { declared: n, actual: image.len().saturating_sub(at) })?;
+    let mut out = DumpStats::default();
+    for (field, rec) in records(msg)? {
+        if field != 1 {
+            continue;
+        }
+        let mut pos = 1;
+        let len = read_varint(rec, &mut pos)? as usize;
+        for (f, r) in records(&rec[pos..pos + len])? {
+            let mut p = 1;
+            let slot = match f {
+                5 => &mut out.pages_scanned,
+                6 => &mut out.pages_skipped_parent,
+                7 => &mut out.pages_written,
+                _ => continue,
+            };
+            *slot = read_varint(r, &mut p)?;
+        }
+    }
+    Ok(out)
+}
+
 /// Clock ticks to CRIU's dump_uptime unit, microseconds.
 pub fn ticks_to_usec(ticks: u64, clk_tck: u64) -> u64 {
     ticks * 1_000_000 / clk_tck
@@ -272,6 +311,22 @@ mod tests {
         assert!(matches!(set_dump_uptime(&bad, 1), Err(ImageError::Magic(_))));
         let truncated = &REAL[..REAL.len() - 1];
         assert!(matches!(set_dump_uptime(truncated, 1), Err(ImageError::Length { .. })));
+    }
+
+    #[test]
+    fn reads_pages_from_a_stats_image() {
+        // StatsEntry { dump: { freezing_time 1: 5, pages_scanned 5: 300, pages_skipped_parent 6: 290,
+        // pages_written 7: 10 } }, framed as CRIU frames it.
+        let dump = [0x08, 0x05, 0x28, 0xac, 0x02, 0x30, 0xa2, 0x02, 0x38, 0x0a];
+        let mut entry = vec![0x0a, dump.len() as u8];
+        entry.extend_from_slice(&dump);
+        let mut img = SERVICE_MAGIC.to_le_bytes().to_vec();
+        img.extend_from_slice(&0x5709_3306u32.to_le_bytes());
+        img.extend_from_slice(&(entry.len() as u32).to_le_bytes());
+        img.extend_from_slice(&entry);
+        let s = dump_stats(&img).unwrap();
+        assert_eq!(s, DumpStats { pages_scanned: 300, pages_skipped_parent: 290, pages_written: 10 });
+        assert!(dump_stats(&img[..12]).is_err());
     }
 
     #[test]

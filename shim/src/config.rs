@@ -56,6 +56,9 @@ pub struct RuntimeConfig {
     /// zfs, by absolute path; when unset the usual locations are searched.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zfs_path: Option<PathBuf>,
+    /// planarian-criu-hooks (the pre-resume hook); when unset, the one beside planarian.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_hooks_path: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]

@@ -120,9 +120,12 @@ pub fn restore_args(p: &RestorePlan) -> Vec<OsString> {
 }
 
 /// Runs criu; on failure, the error names the log and quotes its last error line.
-pub fn run(criu: &Path, args: &[OsString], log: &Path, keep_stdio: bool) -> Result<(), String> {
+pub fn run(criu: &Path, args: &[OsString], log: &Path, keep_stdio: bool, envs: &[(&str, &Path)]) -> Result<(), String> {
     let mut cmd = Command::new(criu);
     cmd.args(args).stdin(Stdio::null());
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
     if !keep_stdio {
         cmd.stdout(Stdio::null()).stderr(Stdio::piped());
     } else {

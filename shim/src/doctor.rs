@@ -101,6 +101,10 @@ pub fn run_checks() -> Vec<Check> {
     };
     checks.push(check_crun(&cfg));
     checks.extend(check_criu(&cfg));
+    checks.push(match crate::criu_hooks_from(&cfg) {
+        Ok(p) => Check::pass("pre-resume hook", format!("{}: dumps stay incremental after a restore", p.display())).optional(),
+        Err(e) => Check::fail("pre-resume hook", false, format!("{e}: the first dump after every restore is full"), "run `planarian install` from the build directory, or set [runtime] criu_hooks_path"),
+    });
     checks.push(check_cgroup());
     checks.push(check_zfs(&cfg));
     checks.push(check_store(&cfg));

@@ -33,6 +33,15 @@ pub fn main(args: &[OsString]) -> Result<i32, String> {
     let bin = args.prefix.join("bin/planarian");
     install_file(&exe, &bin)?;
     println!("installed {}", bin.display());
+    // The pre-resume hook CRIU runs on restore goes beside it (where the shim looks for it).
+    let hooks_src = exe.with_file_name("planarian-criu-hooks");
+    let hooks = args.prefix.join("bin/planarian-criu-hooks");
+    if hooks_src.exists() {
+        install_file(&hooks_src, &hooks)?;
+        println!("installed {}", hooks.display());
+    } else {
+        println!("warning: {} not found: restores will work, but the dump after each one will be full", hooks_src.display());
+    }
 
     let dropin = args.containers_conf_dir.join("planarian.conf");
     write_atomic(&dropin, render_dropin(&bin, args.default_runtime).as_bytes(), 0o644)?;

@@ -5,6 +5,7 @@
 //! planarian owns checkpoint/restore (statepoints, not yet in this build) and its own verbs
 //! (`doctor`, `install`).
 
+mod chain;
 mod cli;
 mod config;
 mod config_cmd;
@@ -117,6 +118,13 @@ fn crun_from(cfg: &config::Config) -> Result<std::path::PathBuf, String> {
 
 fn criu_from(cfg: &config::Config) -> Result<std::path::PathBuf, String> {
     tools::locate("criu", cfg.runtime.criu_path.as_deref(), "[runtime] criu_path").map_err(|e| e.to_string())
+}
+
+/// The pre-resume hook: configured, or installed beside this binary.
+fn criu_hooks_from(cfg: &config::Config) -> Result<std::path::PathBuf, String> {
+    let beside = std::env::current_exe().ok().and_then(|e| Some(e.parent()?.join("planarian-criu-hooks")));
+    let configured = cfg.runtime.criu_hooks_path.as_deref().or(beside.as_deref());
+    tools::locate("planarian-criu-hooks", configured, "[runtime] criu_hooks_path").map_err(|e| e.to_string())
 }
 
 fn version() -> i32 {

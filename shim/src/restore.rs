@@ -87,6 +87,7 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     let pid_file = a.pid_file.clone().unwrap_or_else(|| bundle.join("pidfile"));
     let work = a.work_path.clone().unwrap_or_else(|| bundle.clone());
     let images = sp_dir.join(&m.local_state.criu_checkpoint_path);
+    crate::chain::complete(&images)?;
     let restore_work = work.join("planarian-restore");
     std::fs::create_dir_all(&restore_work).map_err(|e| format!("cannot create {}: {e}", restore_work.display()))?;
     // CRIU creates its pid file exclusively, and Podman may have left one: CRIU writes its own,
@@ -111,6 +112,10 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         .filter(|(_, t)| t.starts_with("pipe:"))
         .map(|(i, t)| (i as i32, t.clone()))
         .collect();
+    // The pre-resume hook of Algorithm 1; without it the restore works and the next dump is full.
+    let epoch_file = restore_work.join("epoch");
+    let _ = std::fs::remove_file(&epoch_file);
+    let hooks = crate::criu_hooks_from(&cfg);
     let plan = criu::RestorePlan {
         images_dir: &images,
         work_dir: &restore_work,
@@ -120,11 +125,11 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         cgroup_root: spec.cgroup_relpath(),
         netns_fd: netns.as_ref().map(|f| f.as_raw_fd()),
         inherit_fds,
-        action_scripts: vec![],
+        action_scripts: hooks.iter().cloned().collect(),
         tcp_established: a.criu.tcp_established || m.options.tcp_established,
         file_locks: a.criu.file_locks || m.options.file_locks,
     };
-    criu::run(&criu_bin, &criu::restore_args(&plan), &restore_work.join("restore.log"), true)?;
+    criu::run(&criu_bin, &criu::restore_args(&plan), &restore_work.join("restore.log"), true, &[("PLANARIAN_EPOCH_FILE", &epoch_file)])?;
     drop(netns);
     let pid: i32 = std::fs::read_to_string(&criu_pid_file)
         .ok()
@@ -133,7 +138,20 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     crate::install::write_atomic(&pid_file, pid.to_string().as_bytes(), 0o644)?;
     register_with_crun(inv, &a.container_id, pid, &bundle, &spec)?;
     store.set_head(Some(&sp_id))?;
+    let epoch = hooks.and_then(|_| read_epoch(&epoch_file, &restore_work));
+    crate::chain::after_restore(&store, &m, epoch, container::start_time(pid).unwrap_or(0))?;
     Ok(0)
+}
+
+/// E in microseconds, as the pre-resume hook recorded it ("E CLK_TCK", in clock ticks).
+fn read_epoch(file: &Path, work: &Path) -> Result<u64, String> {
+    let missing = || format!("the pre-resume hook recorded no epoch (see {}/restore.log)", work.display());
+    let text = std::fs::read_to_string(file).map_err(|_| missing())?;
+    let mut f = text.split_whitespace().map(|x| x.parse::<u64>());
+    match (f.next(), f.next()) {
+        (Some(Ok(e)), Some(Ok(clk))) if clk > 0 => Ok(criu_hooks::ticks_to_usec(e, clk)),
+        _ => Err(missing()),
+    }
 }
 
 /// A handoff is a rollback's note that it holds the lock for the restore it started.

@@ -118,6 +118,8 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
 
     let id = ctx.store.next_id();
     let dir = ctx.store.statepoint_dir(&id);
+    let init_start = container::start_time(pid).unwrap_or(0);
+    let plan = crate::chain::plan(&ctx.store, &id, init_start, ctx.cfg.checkpoint.full_dump_interval);
     let images = dir.join("criu");
     std::fs::create_dir_all(&images).map_err(|e| format!("cannot create {}: {e}", images.display()))?;
     let mut m = Manifest {
@@ -144,6 +146,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
             leave_running: req.leave_running,
         },
         measurements: store::Measurements::default(),
+        chain: store::Chain { prev_images_dir: plan.prev_images_dir.clone(), depth: plan.depth, full_reason: plan.full_reason.clone() },
     };
     let fail = |e: String| -> String {
         let _ = std::fs::remove_dir_all(&dir);
@@ -179,12 +182,16 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
             spec: &ctx.ctr.spec,
             freeze_cgroup: Some(freezer.dir()),
             netns_inode,
-            prev_images_dir: None,
+            prev_images_dir: plan.prev_images_dir.as_deref(),
             tcp_established: req.tcp_established,
             file_locks: req.file_locks,
         });
-        criu::run(&ctx.criu, &args, &images.join("dump.log"), false)?;
+        criu::run(&ctx.criu, &args, &images.join("dump.log"), false, &[])?;
         m.measurements.criu_dump_ms = ms(td);
+        if let Some(st) = crate::chain::dump_stats(&images) {
+            m.measurements.pages_written = st.pages_written;
+            m.measurements.pages_skipped_parent = st.pages_skipped_parent;
+        }
         if !was_frozen && !freezer.is_frozen() {
             return Err("the container thawed during the dump: the statepoint would not be consistent".into());
         }
@@ -209,6 +216,9 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         let _ = std::process::Command::new(&ctx.crun).args(crun_root_args(ctx)).args(["kill", &ctx.ctr.id, "KILL"]).status();
     }
     thaw();
+    if req.leave_running {
+        crate::chain::after_dump(&ctx.store, &m, init_start)?;
+    }
     if !req.internal {
         ctx.store.set_head(Some(&id))?;
         enforce_retention(ctx);

@@ -69,6 +69,24 @@ pub struct Measurements {
     pub total_ms: f64,
     pub criu_bytes: u64,
     pub rootfs_bytes: u64,
+    /// From CRIU's stats: memory pages written by this dump and found in the parent instead.
+    #[serde(default)]
+    pub pages_written: u64,
+    #[serde(default)]
+    pub pages_skipped_parent: u64,
+}
+
+/// Where this statepoint's memory dump sits in its incremental chain (Algorithm 1).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+pub struct Chain {
+    /// The parent images, relative to this statepoint's images (CRIU's `--prev-images-dir`);
+    /// none for a full dump.
+    pub prev_images_dir: Option<String>,
+    /// Incremental dumps since the last full one.
+    pub depth: u32,
+    /// Why this dump is full, when it is.
+    pub full_reason: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -89,6 +107,8 @@ pub struct Manifest {
     pub internal: bool,
     pub options: Options,
     pub measurements: Measurements,
+    #[serde(default)]
+    pub chain: Chain,
 }
 
 /// One container's part of the store.
@@ -182,7 +202,7 @@ impl ContainerStore {
     /// Removes statepoints a crashed planarian left pending. Call with the exclusive lock held.
     pub fn discard_stale(&self) {
         for m in self.manifests() {
-            if m.status != Status::Committed {
+            if m.status == Status::Pending {
                 let _ = std::fs::remove_dir_all(self.statepoint_dir(&m.statepoint_id));
             }
         }
@@ -196,17 +216,24 @@ impl ContainerStore {
         }
     }
 
+    /// Removes a statepoint from the registry. Its memory images stay while a later dump of the
+    /// chain links to them (see chain::collect); its files go at once.
     pub fn remove(&self, id: &str) -> Result<(), String> {
         let dir = self.statepoint_dir(id);
         // Mark it discarded first, so a crash half-way leaves no committed statepoint without files.
-        if let Ok(mut m) = read_manifest(&dir.join("manifest.json")) {
-            m.status = Status::Discarded;
-            self.write_manifest(&m)?;
+        let mut m = read_manifest(&dir.join("manifest.json"))?;
+        m.status = Status::Discarded;
+        self.write_manifest(&m)?;
+        if let Some(copy) = &m.local_state.rootfs_copy_path {
+            let p = dir.join(copy);
+            if p.exists() {
+                std::fs::remove_dir_all(&p).map_err(|e| format!("cannot remove {}: {e}", p.display()))?;
+            }
         }
-        std::fs::remove_dir_all(&dir).map_err(|e| format!("cannot remove {}: {e}", dir.display()))?;
         if self.head().as_deref() == Some(id) {
             self.set_head(None)?;
         }
+        crate::chain::collect(self);
         Ok(())
     }
 }
@@ -236,7 +263,7 @@ pub fn du(path: &Path) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn tmp(tag: &str) -> PathBuf {
@@ -245,7 +272,7 @@ mod tests {
         d
     }
 
-    fn manifest(id: &str, status: Status) -> Manifest {
+    pub(crate) fn manifest(id: &str, status: Status) -> Manifest {
         Manifest {
             statepoint_id: id.into(),
             parent_statepoint_id: None,
@@ -260,6 +287,7 @@ mod tests {
             internal: false,
             options: Options::default(),
             measurements: Measurements::default(),
+            chain: Chain::default(),
         }
     }
 

@@ -1,0 +1,364 @@
+//! Incremental chains across restore, rollback and fork (Algorithm 1 of the paper).
+//!
+//! Every dump runs with `--track-mem` and, until the branch reaches the full-dump interval k,
+//! `--prev-images-dir` pointing at the *base* of the running process tree:
+//!
+//! * after a dump, the base is that statepoint's images (CRIU cleared the soft-dirty bits);
+//! * after a restore, the base is a directory of the container's own (`bases/bN`): hard links to
+//!   the restored statepoint's `pagemap*`/`pages*` images, its `parent` link, and a copy of its
+//!   `inventory.img` whose `dump_uptime` is E, the epoch the pre-resume hook waited out after
+//!   clearing the soft-dirty bits. The statepoint's own images are never changed, so another
+//!   branch (the source of a fork, a second fork) that uses them keeps its own, correct base.
+//!
+//! `<store>/containers/<id>/base` records the base with the start time of the container's init:
+//! a different process tree (a restarted container) is never dumped against it. No base, or a
+//! restore whose hook recorded no E, makes the next dump full, and the manifest says why.
+//!
+//! All links are relative, so a chain survives Podman deleting its checkpoint directory and
+//! the store being moved. Removing a statepoint keeps its images while a later dump or base
+//! links to them; [`collect`] deletes what nothing reaches any more.
+
+use crate::store::{ContainerStore, Manifest, Status};
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+use std::path::{Component, Path, PathBuf};
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+pub struct Base {
+    /// The images the next dump builds on, relative to the container's store directory.
+    pub images: Option<String>,
+    /// Incremental dumps between those images and the last full dump.
+    pub depth: u32,
+    /// Start time (clock ticks) of the container's init when the base was recorded.
+    pub init_start_time: u64,
+    /// Why the next dump is full, when there is no base.
+    pub full_reason: Option<String>,
+}
+
+/// How the next dump relates to its parent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DumpChain {
+    /// `--prev-images-dir`, relative to the new images directory; None for a full dump.
+    pub prev_images_dir: Option<String>,
+    pub depth: u32,
+    pub full_reason: Option<String>,
+}
+
+fn base_file(store: &ContainerStore) -> PathBuf {
+    store.dir.join("base")
+}
+
+pub fn read_base(store: &ContainerStore) -> Option<Base> {
+    serde_json::from_slice(&std::fs::read(base_file(store)).ok()?).ok()
+}
+
+pub fn write_base(store: &ContainerStore, b: &Base) -> Result<(), String> {
+    crate::install::write_atomic(&base_file(store), serde_json::to_string_pretty(b).unwrap().as_bytes(), 0o644)
+}
+
+/// What the next dump of the tree whose init started at `init_start` builds on, for a new
+/// statepoint `sp_id`, with a full dump every `k` statepoints.
+pub fn plan(store: &ContainerStore, sp_id: &str, init_start: u64, k: u32) -> DumpChain {
+    let full = |why: &str| DumpChain { prev_images_dir: None, depth: 0, full_reason: Some(why.to_string()) };
+    let Some(base) = read_base(store) else {
+        return full("first statepoint of this process tree");
+    };
+    let Some(images) = base.images else {
+        return full(base.full_reason.as_deref().unwrap_or("no incremental base"));
+    };
+    if base.init_start_time != init_start {
+        return full("the container was restarted since its last statepoint");
+    }
+    if base.depth + 1 >= k.max(1) {
+        return full(&format!("full-dump interval reached ({k})"));
+    }
+    if !store.dir.join(&images).join("inventory.img").exists() {
+        return full(&format!("the base images {images} are gone"));
+    }
+    let new_images = Path::new("statepoints").join(sp_id).join("criu");
+    DumpChain { prev_images_dir: Some(relative(&new_images, Path::new(&images))), depth: base.depth + 1, full_reason: None }
+}
+
+/// After a committed dump of a running tree: the next dump builds on these images.
+pub fn after_dump(store: &ContainerStore, m: &Manifest, init_start: u64) -> Result<(), String> {
+    write_base(
+        store,
+        &Base {
+            images: Some(format!("statepoints/{}/{}", m.statepoint_id, m.local_state.criu_checkpoint_path)),
+            depth: m.chain.depth,
+            init_start_time: init_start,
+            full_reason: None,
+        },
+    )
+}
+
+/// After a restore of statepoint `m`: a base of the container's own, with `dump_uptime` = E (µs),
+/// or, when the hook recorded no E, a note that the next dump must be full.
+pub fn after_restore(store: &ContainerStore, m: &Manifest, epoch_usec: Result<u64, String>, init_start: u64) -> Result<(), String> {
+    let base = match epoch_usec {
+        Ok(e) => {
+            let images = store.statepoint_dir(&m.statepoint_id).join(&m.local_state.criu_checkpoint_path);
+            let name = new_base_dir(store, &images, e)?;
+            Base { images: Some(name), depth: m.chain.depth, init_start_time: init_start, full_reason: None }
+        }
+        Err(why) => Base { images: None, depth: 0, init_start_time: init_start, full_reason: Some(why) },
+    };
+    write_base(store, &base)?;
+    collect(store);
+    Ok(())
+}
+
+/// Creates `bases/bN` from `images` with a rewritten inventory; returns its store-relative path.
+fn new_base_dir(store: &ContainerStore, images: &Path, dump_uptime_usec: u64) -> Result<String, String> {
+    let bases = store.dir.join("bases");
+    std::fs::create_dir_all(&bases).map_err(|e| format!("cannot create {}: {e}", bases.display()))?;
+    let n = std::fs::read_dir(&bases)
+        .map(|rd| rd.filter_map(Result::ok).filter_map(|e| e.file_name().to_str()?.strip_prefix('b')?.parse::<u64>().ok()).max().unwrap_or(0))
+        .unwrap_or(0)
+        + 1;
+    let rel = format!("bases/b{n}");
+    let dir = store.dir.join(&rel);
+    let tmp = store.dir.join(format!("bases/.b{n}.tmp"));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let r = link_images(images, &tmp, &store.dir, &dir).and_then(|()| {
+        let inv = std::fs::read(images.join("inventory.img")).map_err(|e| format!("cannot read {}/inventory.img: {e}", images.display()))?;
+        let new = criu_hooks::set_dump_uptime(&inv, dump_uptime_usec).map_err(|e| format!("{}/inventory.img: {e}", images.display()))?;
+        crate::install::write_atomic(&tmp.join("inventory.img"), &new, 0o644)?;
+        std::fs::rename(&tmp, &dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))
+    });
+    if r.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    r.map(|()| rel)
+}
+
+/// Fills `into` (which will be renamed to `final_dir`, under `ctr_dir`) with hard links to the
+/// memory images of `images` and a `parent` link to the same directory `images`'s points at.
+pub fn link_images(images: &Path, into: &Path, ctr_dir: &Path, final_dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(into).map_err(|e| format!("cannot create {}: {e}", into.display()))?;
+    let rd = std::fs::read_dir(images).map_err(|e| format!("cannot read {}: {e}", images.display()))?;
+    for e in rd.filter_map(Result::ok) {
+        let name = e.file_name();
+        let s = name.to_string_lossy();
+        if s.starts_with("pagemap") || s.starts_with("pages-") {
+            std::fs::hard_link(e.path(), into.join(&name))
+                .map_err(|err| format!("cannot link {} into {}: {err}", e.path().display(), into.display()))?;
+        }
+    }
+    if let Some(parent) = parent_of(images) {
+        let target = relative(final_dir.strip_prefix(ctr_dir).unwrap_or(final_dir), parent.strip_prefix(ctr_dir).unwrap_or(&parent));
+        std::os::unix::fs::symlink(&target, into.join("parent")).map_err(|e| format!("cannot link parent in {}: {e}", into.display()))?;
+    }
+    Ok(())
+}
+
+/// The directory an images directory's `parent` link points at (lexically resolved).
+pub fn parent_of(images: &Path) -> Option<PathBuf> {
+    let target = std::fs::read_link(images.join("parent")).ok()?;
+    Some(normalize(&images.join(target)))
+}
+
+/// `to` relative to `from` (both relative to the same root, or both absolute), lexically.
+pub fn relative(from: &Path, to: &Path) -> String {
+    let (from, to) = (normalize(from), normalize(to));
+    let f: Vec<Component> = from.components().collect();
+    let t: Vec<Component> = to.components().collect();
+    let common = f.iter().zip(&t).take_while(|(a, b)| a == b).count();
+    let mut out = PathBuf::new();
+    for _ in common..f.len() {
+        out.push("..");
+    }
+    for c in &t[common..] {
+        out.push(c);
+    }
+    out.display().to_string()
+}
+
+fn normalize(p: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in p.components() {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::CurDir => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Deletes bases and the images of removed statepoints that no statepoint, and not the current
+/// base, reaches through `parent` links any more. Call with the exclusive lock held.
+pub fn collect(store: &ContainerStore) {
+    let manifests = store.manifests();
+    let mut roots: Vec<PathBuf> = manifests
+        .iter()
+        .filter(|m| m.status != Status::Discarded)
+        .map(|m| store.statepoint_dir(&m.statepoint_id).join(&m.local_state.criu_checkpoint_path))
+        .collect();
+    if let Some(images) = read_base(store).and_then(|b| b.images) {
+        roots.push(store.dir.join(images));
+    }
+    let mut live: HashSet<PathBuf> = HashSet::new();
+    for mut dir in roots {
+        loop {
+            let dir_n = normalize(&dir);
+            if !live.insert(dir_n.clone()) {
+                break;
+            }
+            match parent_of(&dir_n) {
+                Some(p) => dir = p,
+                None => break,
+            }
+        }
+    }
+    for m in manifests.iter().filter(|m| m.status == Status::Discarded) {
+        let sp = store.statepoint_dir(&m.statepoint_id);
+        if !live.contains(&normalize(&sp.join(&m.local_state.criu_checkpoint_path))) {
+            let _ = std::fs::remove_dir_all(sp);
+        }
+    }
+    if let Ok(rd) = std::fs::read_dir(store.dir.join("bases")) {
+        for e in rd.filter_map(Result::ok) {
+            if !live.contains(&normalize(&e.path())) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+}
+
+/// Pages CRIU scanned, skipped because the parent had them, and wrote, for the dump in `images`.
+pub fn dump_stats(images: &Path) -> Option<criu_hooks::DumpStats> {
+    criu_hooks::dump_stats(&std::fs::read(images.join("stats-dump")).ok()?).ok()
+}
+
+/// The chain of image directories a restore of `images` reads, newest first.
+pub fn chain_of(images: &Path) -> Vec<PathBuf> {
+    let mut out = vec![normalize(images)];
+    while let Some(p) = parent_of(out.last().unwrap()) {
+        if out.contains(&p) || out.len() > 4096 {
+            break;
+        }
+        out.push(p);
+    }
+    out
+}
+
+/// Whether every directory of the chain of `images` is present (a restore can read it).
+pub fn complete(images: &Path) -> Result<(), String> {
+    for d in chain_of(images) {
+        if !d.join("inventory.img").exists() {
+            return Err(format!("the incremental chain of {} is broken at {}", images.display(), d.display()));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::tests::manifest;
+
+    fn tmp(tag: &str) -> ContainerStore {
+        let d = std::env::temp_dir().join(format!("planarian-chain-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let s = ContainerStore::new(&d, "c");
+        std::fs::create_dir_all(&s.dir).unwrap();
+        s
+    }
+
+    /// A fake dump: a statepoint with an inventory, one pages file, optionally a parent link.
+    fn dump(s: &ContainerStore, id: &str, prev: Option<&str>, depth: u32) -> Manifest {
+        let mut m = manifest(id, Status::Committed);
+        m.local_state.criu_checkpoint_path = "criu".into();
+        m.chain.depth = depth;
+        m.chain.prev_images_dir = prev.map(String::from);
+        let images = s.statepoint_dir(id).join("criu");
+        std::fs::create_dir_all(&images).unwrap();
+        std::fs::write(images.join("inventory.img"), include_bytes!("../../criu-hooks/tests/fixtures/inventory-3.17.img")).unwrap();
+        std::fs::write(images.join("pages-1.img"), id).unwrap();
+        std::fs::write(images.join("pagemap-1.img"), id).unwrap();
+        if let Some(p) = prev {
+            std::os::unix::fs::symlink(p, images.join("parent")).unwrap();
+        }
+        s.write_manifest(&m).unwrap();
+        m
+    }
+
+    #[test]
+    fn relative_paths() {
+        assert_eq!(relative(Path::new("statepoints/sp2/criu"), Path::new("statepoints/sp1/criu")), "../../sp1/criu");
+        assert_eq!(relative(Path::new("statepoints/sp3/criu"), Path::new("bases/b1")), "../../../bases/b1");
+        assert_eq!(relative(Path::new("bases/b2"), Path::new("statepoints/sp1/criu")), "../../statepoints/sp1/criu");
+    }
+
+    #[test]
+    fn plans_full_then_incremental_until_k() {
+        let s = tmp("plan");
+        assert_eq!(plan(&s, "sp1", 7, 3).full_reason.as_deref(), Some("first statepoint of this process tree"));
+        let m1 = dump(&s, "sp1", None, 0);
+        after_dump(&s, &m1, 7).unwrap();
+        let p2 = plan(&s, "sp2", 7, 3);
+        assert_eq!((p2.prev_images_dir.as_deref(), p2.depth), (Some("../../sp1/criu"), 1));
+        // The chain is relative to the new images directory, as CRIU wants it.
+        let m2 = dump(&s, "sp2", Some("../../sp1/criu"), 1);
+        after_dump(&s, &m2, 7).unwrap();
+        assert_eq!(plan(&s, "sp3", 7, 3).depth, 2, "k = 3: sp1 full, sp2 and sp3 incremental");
+        let p3 = plan(&s, "sp3", 7, 2);
+        assert!(p3.prev_images_dir.is_none() && p3.full_reason.unwrap().contains("interval"), "k = 2: sp3 is full");
+        // Another process tree (restarted container) never builds on this base.
+        assert!(plan(&s, "sp3", 8, 100).full_reason.unwrap().contains("restarted"));
+        std::fs::remove_dir_all(s.dir.parent().unwrap().parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_restore_gets_its_own_base_and_leaves_the_statepoint_untouched() {
+        let s = tmp("base");
+        let m1 = dump(&s, "sp1", None, 0);
+        let m2 = dump(&s, "sp2", Some("../../sp1/criu"), 1);
+        after_restore(&s, &m2, Ok(99_000_000), 42).unwrap();
+        let b = read_base(&s).unwrap();
+        assert_eq!((b.images.as_deref(), b.depth, b.init_start_time), (Some("bases/b1"), 1, 42));
+        let base = s.dir.join("bases/b1");
+        assert_eq!(criu_hooks::dump_uptime(&std::fs::read(base.join("inventory.img")).unwrap()).unwrap(), Some(99_000_000));
+        let orig = s.statepoint_dir("sp2").join("criu/inventory.img");
+        assert_eq!(criu_hooks::dump_uptime(&std::fs::read(orig).unwrap()).unwrap(), Some(23_270_000));
+        // The base reaches sp1 through its own parent link, and the next dump goes through it.
+        assert_eq!(parent_of(&base), Some(s.statepoint_dir("sp1").join("criu")));
+        assert_eq!(plan(&s, "sp3", 42, 8).prev_images_dir.as_deref(), Some("../../../bases/b1"));
+        assert_eq!(std::fs::read_to_string(base.join("pages-1.img")).unwrap(), "sp2");
+        let _ = m1;
+        // No recorded E: the next dump is full and says why.
+        after_restore(&s, &m2, Err("the pre-resume hook recorded no epoch".into()), 43).unwrap();
+        let p = plan(&s, "sp3", 43, 8);
+        assert_eq!(p.full_reason.as_deref(), Some("the pre-resume hook recorded no epoch"));
+        // b1 is no longer the base and nothing links to it: collected.
+        assert!(!base.exists());
+        std::fs::remove_dir_all(s.dir.parent().unwrap().parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn removing_a_middle_statepoint_keeps_the_chain_restorable() {
+        let s = tmp("gc");
+        dump(&s, "sp1", None, 0);
+        dump(&s, "sp2", Some("../../sp1/criu"), 1);
+        let m3 = dump(&s, "sp3", Some("../../sp2/criu"), 2);
+        s.remove("sp2").unwrap();
+        collect(&s);
+        // sp2 is gone from the registry but its images stay: sp3 needs them.
+        assert!(s.find("sp2").is_err());
+        assert!(s.statepoint_dir("sp2").join("criu/pages-1.img").exists());
+        let chain = chain_of(&s.statepoint_dir("sp3").join("criu"));
+        assert_eq!(chain.len(), 3);
+        complete(&s.statepoint_dir("sp3").join("criu")).unwrap();
+        // Once sp3 is removed too, nothing needs sp2's images, and sp1 is still a statepoint.
+        s.remove("sp3").unwrap();
+        collect(&s);
+        assert!(!s.statepoint_dir("sp2").exists() && !s.statepoint_dir("sp3").exists());
+        assert!(s.statepoint_dir("sp1").join("criu/pages-1.img").exists());
+        let _ = m3;
+        std::fs::remove_dir_all(s.dir.parent().unwrap().parent().unwrap()).unwrap();
+    }
+}
