@@ -5,6 +5,8 @@
 //! (set by tests/run inside the guest) a missing stack fails the test instead, so nothing is
 //! silently skipped where it matters.
 
+pub mod sandbox;
+
 use std::ffi::OsStr;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
@@ -215,4 +217,22 @@ pub fn run_on_pty(program: &str, args: &[&str], input: &str, timeout: Duration) 
     drop(master);
     let output = rx.recv_timeout(Duration::from_secs(5)).unwrap_or_default();
     (output, code)
+}
+
+/// A planarian.conf drop-in for the duration of one test.
+pub struct DropIn(PathBuf);
+
+impl DropIn {
+    pub fn new(name: &str, content: &str) -> DropIn {
+        let p = PathBuf::from(format!("/etc/planarian/planarian.conf.d/{name}.conf"));
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, content).unwrap();
+        DropIn(p)
+    }
+}
+
+impl Drop for DropIn {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }

@@ -1,0 +1,159 @@
+//! A sandbox with known memory and files, driven through Podman and planarian.
+
+use crate::*;
+use std::time::Duration;
+
+/// A sandbox process that holds `MiB` of seeded random memory and a counter, and acts on commands
+/// written to /tmp/cmd: `SEQ tick` (counter + 1), `SEQ dirty OFFSET LEN` (rewrites memory),
+/// `SEQ fork SEED [PID]` (a child forked without exec, with PID when given, whose first MiB is
+/// rewritten from SEED; it answers /tmp/childcmd with `SEQ SHA256(its memory)` in /tmp/childstate)
+/// and `SEQ reap` (kills the child). After each command it publishes `SEQ COUNTER SHA256(memory)`
+/// to /tmp/state atomically.
+pub const WORKLOAD: &str = r#"
+import hashlib, os, random, sys, time
+random.seed(7)
+buf = bytearray(random.randbytes(int(sys.argv[1]) << 20))
+n = 0
+seq = 0
+def publish():
+    with open("/tmp/.state", "w") as f:
+        f.write("%d %d %s\n" % (seq, n, hashlib.sha256(buf).hexdigest()))
+    os.rename("/tmp/.state", "/tmp/state")
+publish()
+while True:
+    try:
+        cmd = open("/tmp/cmd").read().split()
+    except FileNotFoundError:
+        time.sleep(0.05)
+        continue
+    os.remove("/tmp/cmd")
+    seq = int(cmd[0])
+    if cmd[1] == "tick":
+        n += 1
+    elif cmd[1] == "dirty":
+        off, ln = int(cmd[2]), int(cmd[3])
+        buf[off:off + ln] = os.urandom(ln)
+    elif cmd[1] == "fork":
+        if len(cmd) > 3:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(int(cmd[3]) - 1))
+        child = os.fork()
+        if child == 0:
+            buf[0:1 << 20] = random.Random(int(cmd[2])).randbytes(1 << 20)
+            while True:
+                try:
+                    c = open("/tmp/childcmd").read().split()
+                except FileNotFoundError:
+                    time.sleep(0.05)
+                    continue
+                os.remove("/tmp/childcmd")
+                with open("/tmp/.childstate", "w") as f:
+                    f.write("%s %d %s\n" % (c[0], os.getpid(), hashlib.sha256(buf).hexdigest()))
+                os.rename("/tmp/.childstate", "/tmp/childstate")
+    elif cmd[1] == "reap":
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    publish()
+"#;
+
+pub struct Sandbox {
+    pub name: String,
+    pub seq: u64,
+    _cleanup: Cleanup,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct State {
+    pub counter: u64,
+    pub checksum: String,
+}
+
+impl Sandbox {
+    pub fn start(tag: &str, mib: u32, extra: &[&str]) -> Sandbox {
+        let name = name(tag);
+        let mib = mib.to_string();
+        let mut args = vec!["run", "-d", "--name", &name];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&[DEBIAN, "python3", "-c", WORKLOAD, &mib]);
+        podman("planarian", &args).ok();
+        let sb = Sandbox { name: name.clone(), seq: 0, _cleanup: Cleanup(name) };
+        assert!(wait_for(Duration::from_secs(60), || sb.read().is_some()), "workload did not start");
+        sb
+    }
+
+    pub fn read(&self) -> Option<(u64, State)> {
+        let r = podman("planarian", &["exec", &self.name, "cat", "/tmp/state"]);
+        let mut f = r.stdout.split_whitespace();
+        let seq = f.next()?.parse().ok()?;
+        let counter = f.next()?.parse().ok()?;
+        let checksum = f.next()?.to_string();
+        Some((seq, State { counter, checksum }))
+    }
+
+    pub fn state(&self) -> State {
+        self.read().expect("state readable").1
+    }
+
+    /// Sends a command and waits for the workload to publish its effect.
+    pub fn send(&mut self, cmd: &str) -> State {
+        self.seq += 1000;
+        let seq = self.seq;
+        podman("planarian", &["exec", &self.name, "sh", "-c", &format!("echo '{seq} {cmd}' > /tmp/.cmd && mv /tmp/.cmd /tmp/cmd")]).ok();
+        let mut last = None;
+        assert!(
+            wait_for(Duration::from_secs(60), || {
+                last = self.read();
+                last.as_ref().is_some_and(|(s, _)| *s == seq)
+            }),
+            "command {cmd} not acknowledged: {last:?}"
+        );
+        last.unwrap().1
+    }
+
+    pub fn sh(&self, script: &str) -> Run {
+        podman("planarian", &["exec", &self.name, "sh", "-c", script])
+    }
+
+    pub fn snapshot(&self, name: &str) -> String {
+        let r = cmd(planarian_bin().to_str().unwrap(), ["snapshot", &self.name, "--name", name]);
+        r.ok();
+        r.out()
+    }
+
+    pub fn rollback(&mut self, sp: &str) {
+        let r = cmd(planarian_bin().to_str().unwrap(), ["rollback", &self.name, sp]);
+        r.ok();
+        assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &self.name]).out(), "running");
+        // The restored process continues from the statepoint's sequence number.
+        self.seq = self.read().expect("state after rollback").0;
+    }
+
+    /// Asks the forked child for (its pid, the checksum of its memory), computed now.
+    pub fn child(&mut self) -> (u64, String) {
+        self.seq += 1000;
+        let seq = self.seq;
+        self.sh(&format!("echo {seq} > /tmp/.childcmd && mv /tmp/.childcmd /tmp/childcmd")).ok();
+        let mut last = String::new();
+        assert!(
+            wait_for(Duration::from_secs(60), || {
+                last = self.sh("cat /tmp/childstate 2>/dev/null").stdout;
+                last.split_whitespace().next() == Some(&seq.to_string())
+            }),
+            "the child did not answer: {last:?}"
+        );
+        let f: Vec<&str> = last.split_whitespace().collect();
+        (f[1].parse().unwrap(), f[2].to_string())
+    }
+
+    /// The manifest of one statepoint.
+    pub fn manifest(&self, sp: &str) -> serde_json::Value {
+        self.statepoints().into_iter().find(|m| m["statepoint-id"] == sp).unwrap_or_else(|| panic!("no statepoint {sp}"))
+    }
+
+    pub fn statepoints(&self) -> Vec<serde_json::Value> {
+        let r = cmd(planarian_bin().to_str().unwrap(), ["statepoint", "list", &self.name, "--json"]);
+        r.ok();
+        serde_json::from_str::<serde_json::Value>(&r.stdout).unwrap().as_array().unwrap().clone()
+    }
+}
+

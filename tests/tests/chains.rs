@@ -1,0 +1,155 @@
+//! Algorithm 1 through the whole product: statepoints of a container stay incremental across
+//! rollback and the full-dump interval, memory is exact after every restore, a process that
+//! reuses a PID after a restore is dumped in full, and a failed pre-resume hook costs a full dump,
+//! never a corrupt one. Pages come from CRIU's own stats, recorded in each manifest.
+
+use planarian_system_tests::sandbox::*;
+use planarian_system_tests::*;
+
+/// 64 MiB is 16384 pages. An incremental dump of a 64 KiB change writes a few pages, or one or two
+/// transparent huge pages (512 pages each: soft-dirty is tracked per PMD), plus Python's heap.
+const FULL: u64 = 16_384;
+const INCREMENTAL: u64 = 2_048;
+
+fn pages(sb: &Sandbox, sp: &str) -> u64 {
+    sb.manifest(sp)["measurements"]["pages-written"].as_u64().unwrap()
+}
+
+fn chain(sb: &Sandbox, sp: &str) -> serde_json::Value {
+    sb.manifest(sp)["chain"].clone()
+}
+
+fn assert_incremental(sb: &Sandbox, sp: &str, depth: u64) {
+    let (p, c) = (pages(sb, sp), chain(sb, sp));
+    assert!(p < INCREMENTAL, "{sp} should be incremental: {p} pages, chain {c}");
+    assert!(c["prev-images-dir"].is_string(), "{sp}: {c}");
+    assert_eq!(c["depth"], depth, "{sp}: {c}");
+}
+
+fn assert_full(sb: &Sandbox, sp: &str, why: &str) {
+    let (p, c) = (pages(sb, sp), chain(sb, sp));
+    assert!(p > FULL, "{sp} should be a full dump: {p} pages, chain {c}");
+    assert!(c["prev-images-dir"].is_null() && c["full-reason"].as_str().unwrap_or("").contains(why), "{sp}: {c}");
+}
+
+#[test]
+fn dumps_stay_incremental_across_rollback_and_the_full_dump_interval() {
+    require_stack!();
+    let mut sb = Sandbox::start("inc", 64, &["--annotation", "io.planarian.checkpoint.full_dump_interval=3"]);
+    let s1 = sb.send("tick");
+    let sp1 = sb.snapshot("a1");
+    assert_full(&sb, &sp1, "first statepoint");
+
+    sb.send("dirty 1048576 65536");
+    let s2 = sb.send("tick");
+    let sp2 = sb.snapshot("a2");
+    assert_incremental(&sb, &sp2, 1);
+    assert_eq!(chain(&sb, &sp2)["prev-images-dir"], format!("../../{sp1}/criu"));
+
+    // The first dump after a rollback builds on the restored statepoint.
+    sb.rollback(&sp1);
+    assert_eq!(sb.send("tick").checksum, s1.checksum, "memory after rollback to {sp1}");
+    sb.send("dirty 9437184 65536");
+    let s3 = sb.send("tick");
+    let sp3 = sb.snapshot("a3");
+    assert_incremental(&sb, &sp3, 1);
+    assert!(chain(&sb, &sp3)["prev-images-dir"].as_str().unwrap().contains("bases/"), "{}", chain(&sb, &sp3));
+
+    sb.rollback(&sp2);
+    assert_eq!(sb.send("tick").checksum, s2.checksum, "memory after rollback to {sp2}");
+    sb.send("dirty 20971520 65536");
+    let s4 = sb.send("tick");
+    let sp4 = sb.snapshot("a4");
+    assert_incremental(&sb, &sp4, 2);
+
+    // k = 3: the fourth dump of the chain is full.
+    sb.send("dirty 0 4096");
+    let sp5 = sb.snapshot("a5");
+    assert_full(&sb, &sp5, "interval");
+
+    // Every statepoint restores exactly, through bases and chains.
+    for (sp, st) in [(&sp3, &s3), (&sp4, &s4), (&sp1, &s1)] {
+        sb.rollback(sp);
+        assert_eq!(sb.send("tick").checksum, st.checksum, "memory after rollback to {sp}");
+    }
+
+    // Removing sp2 from the middle of sp4's chain keeps sp4 restorable.
+    cmd(planarian_bin().to_str().unwrap(), ["statepoint", "rm", &sb.name, &sp2]).ok();
+    sb.send("dirty 0 1000000");
+    sb.rollback(&sp4);
+    assert_eq!(sb.send("tick").checksum, s4.checksum, "memory after rollback to {sp4} without {sp2}");
+    // sp4 is at depth 2: the next dump would be the chain's fourth, so it is full.
+    let sp6 = sb.snapshot("a6");
+    assert_full(&sb, &sp6, "interval");
+}
+
+#[test]
+fn podman_restore_is_an_incremental_base_too() {
+    require_stack!();
+    let mut sb = Sandbox::start("podinc", 64, &[]);
+    sb.send("dirty 0 65536");
+    podman("planarian", &["container", "checkpoint", &sb.name]).ok();
+    podman("planarian", &["container", "restore", &sb.name]).ok();
+    let st = sb.send("dirty 4194304 65536");
+    let sp = sb.snapshot("after-podman-restore");
+    assert_incremental(&sb, &sp, 1);
+    sb.send("dirty 0 1000000");
+    sb.rollback(&sp);
+    assert_eq!(sb.send("tick").checksum, st.checksum);
+}
+
+#[test]
+fn a_process_reusing_a_pid_after_restore_is_dumped_in_full() {
+    require_stack!();
+    // The workload picks its child's PID through ns_last_pid, which needs CAP_SYS_ADMIN in the
+    // container and a writable /proc/sys.
+    let mut sb = Sandbox::start("pidreuse", 16, &["--cap-add", "SYS_ADMIN", "--security-opt", "unmask=/proc/sys"]);
+    sb.send("fork 1 100");
+    let (pid_a, sum_a) = sb.child();
+    assert_eq!(pid_a, 100);
+    let sp1 = sb.snapshot("with-a");
+    sb.rollback(&sp1);
+    assert_eq!(sb.child(), (100, sum_a.clone()), "the child restores exactly");
+
+    // After the restore, a new child forked without exec gets the same PID 100, with different
+    // memory. CRIU must see that it started after the base (E) and dump it in full: taken from
+    // the parent images, its pages would be child A's.
+    sb.send("reap");
+    sb.send("fork 2 100");
+    let (pid_b, sum_b) = sb.child();
+    assert_eq!(pid_b, 100);
+    assert_ne!(sum_b, sum_a);
+    let st = sb.send("tick");
+    let sp2 = sb.snapshot("with-b");
+    assert!(chain(&sb, &sp2)["prev-images-dir"].is_string(), "{}", chain(&sb, &sp2));
+    sb.send("reap");
+    sb.send("dirty 0 1000000");
+    sb.rollback(&sp2);
+    assert_eq!(sb.child(), (100, sum_b), "the child that reused PID 100 restores with its own memory");
+    assert_eq!(sb.send("tick").checksum, st.checksum);
+}
+
+#[test]
+fn a_failed_pre_resume_hook_makes_the_next_dump_full_not_corrupt() {
+    require_stack!();
+    let mut sb = Sandbox::start("hookfail", 64, &[]);
+    let sp1 = sb.snapshot("h1");
+    let script = std::env::temp_dir().join(format!("pltest-hook-{}", std::process::id()));
+    std::fs::write(&script, "#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = pre-resume ] && exit 1\nexit 0\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let _dropin = DropIn::new("zz-test-failing-hook", &format!("[runtime]\ncriu_hooks_path = \"{}\"\n", script.display()));
+    sb.rollback(&sp1);
+    let st = sb.send("dirty 1048576 65536");
+    let sp2 = sb.snapshot("h2");
+    assert_full(&sb, &sp2, "recorded no epoch");
+    drop(_dropin);
+    sb.send("dirty 0 1000000");
+    sb.rollback(&sp2);
+    assert_eq!(sb.send("tick").checksum, st.checksum);
+    // With the hook back, the dump after this restore is incremental again.
+    sb.send("dirty 4194304 65536");
+    let sp3 = sb.snapshot("h3");
+    assert_incremental(&sb, &sp3, 1);
+    let _ = std::fs::remove_file(script);
+}
