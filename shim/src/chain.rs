@@ -109,14 +109,24 @@ pub fn after_restore(store: &ContainerStore, m: &Manifest, epoch_usec: Result<u6
     Ok(())
 }
 
-/// Creates `bases/bN` from `images` with a rewritten inventory; returns its store-relative path.
-fn new_base_dir(store: &ContainerStore, images: &Path, dump_uptime_usec: u64) -> Result<String, String> {
+/// The number of the next `bases/bN` (never reused while an older one exists).
+fn next_base(store: &ContainerStore) -> Result<u64, String> {
     let bases = store.dir.join("bases");
     std::fs::create_dir_all(&bases).map_err(|e| format!("cannot create {}: {e}", bases.display()))?;
-    let n = std::fs::read_dir(&bases)
-        .map(|rd| rd.filter_map(Result::ok).filter_map(|e| e.file_name().to_str()?.strip_prefix('b')?.parse::<u64>().ok()).max().unwrap_or(0))
-        .unwrap_or(0)
-        + 1;
+    let max = std::fs::read_dir(&bases)
+        .map(|rd| {
+            rd.filter_map(Result::ok)
+                .filter_map(|e| e.file_name().to_str()?.trim_start_matches('.').strip_prefix('b')?.trim_end_matches(".tmp").parse::<u64>().ok())
+                .max()
+                .unwrap_or(0)
+        })
+        .unwrap_or(0);
+    Ok(max + 1)
+}
+
+/// Creates `bases/bN` from `images` with a rewritten inventory; returns its store-relative path.
+fn new_base_dir(store: &ContainerStore, images: &Path, dump_uptime_usec: u64) -> Result<String, String> {
+    let n = next_base(store)?;
     let rel = format!("bases/b{n}");
     let dir = store.dir.join(&rel);
     let tmp = store.dir.join(format!("bases/.b{n}.tmp"));
@@ -229,6 +239,37 @@ pub fn collect(store: &ContainerStore) {
     }
 }
 
+/// Gives another container's store its own copy of the chain of `images` (hard links, no data
+/// copied): the newest directory becomes `into`, the older ones `bases/bN` of that store, each
+/// with a `parent` link to the next. The source can then be removed without breaking the copy.
+pub fn link_chain(images: &Path, store: &ContainerStore, into: &Path) -> Result<Option<String>, String> {
+    let chain = chain_of(images);
+    let mut parent: Option<PathBuf> = None;
+    for (i, src) in chain.iter().enumerate().rev() {
+        let dest = if i == 0 {
+            into.to_path_buf()
+        } else {
+            store.dir.join(format!("bases/b{}", next_base(store)?))
+        };
+        std::fs::create_dir_all(&dest).map_err(|e| format!("cannot create {}: {e}", dest.display()))?;
+        let rd = std::fs::read_dir(src).map_err(|e| format!("cannot read {}: {e}", src.display()))?;
+        for e in rd.filter_map(Result::ok) {
+            if e.file_type().is_ok_and(|t| t.is_file()) {
+                let to = dest.join(e.file_name());
+                if std::fs::hard_link(e.path(), &to).is_err() {
+                    std::fs::copy(e.path(), &to).map_err(|err| format!("cannot copy {}: {err}", e.path().display()))?;
+                }
+            }
+        }
+        if let Some(p) = &parent {
+            std::os::unix::fs::symlink(relative(&dest, p), dest.join("parent"))
+                .map_err(|e| format!("cannot link parent in {}: {e}", dest.display()))?;
+        }
+        parent = Some(dest);
+    }
+    Ok(std::fs::read_link(into.join("parent")).ok().map(|p| p.display().to_string()))
+}
+
 /// Pages CRIU scanned, skipped because the parent had them, and wrote, for the dump in `images`.
 pub fn dump_stats(images: &Path) -> Option<criu_hooks::DumpStats> {
     criu_hooks::dump_stats(&std::fs::read(images.join("stats-dump")).ok()?).ok()
@@ -337,6 +378,24 @@ mod tests {
         // b1 is no longer the base and nothing links to it: collected.
         assert!(!base.exists());
         std::fs::remove_dir_all(s.dir.parent().unwrap().parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_linked_chain_survives_removing_the_source() {
+        let s = tmp("fork-src");
+        dump(&s, "sp1", None, 0);
+        dump(&s, "sp2", Some("../../sp1/criu"), 1);
+        let f = tmp("fork-dst");
+        let into = f.statepoint_dir("sp1").join("criu");
+        let prev = link_chain(&s.statepoint_dir("sp2").join("criu"), &f, &into).unwrap();
+        assert_eq!(prev.as_deref(), Some("../../../bases/b1"));
+        std::fs::remove_dir_all(s.dir.parent().unwrap().parent().unwrap()).unwrap();
+        let chain = chain_of(&into);
+        assert_eq!(chain.len(), 2);
+        assert_eq!(std::fs::read_to_string(into.join("pages-1.img")).unwrap(), "sp2");
+        assert_eq!(std::fs::read_to_string(chain[1].join("pages-1.img")).unwrap(), "sp1");
+        complete(&into).unwrap();
+        std::fs::remove_dir_all(f.dir.parent().unwrap().parent().unwrap()).unwrap();
     }
 
     #[test]

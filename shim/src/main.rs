@@ -11,6 +11,7 @@ mod config;
 mod config_cmd;
 mod container;
 mod criu;
+mod fork;
 mod freezer;
 mod podman;
 mod remote;
@@ -59,6 +60,7 @@ fn run(inv: &Invocation) -> Result<i32, String> {
         Some("checkpoint") => snapshot::main(inv, inv.verb_args()),
         Some("restore") => restore::main(inv, inv.verb_args()),
         Some("rollback") => rollback::main(inv, inv.verb_args()),
+        Some("fork") => fork::main(inv, inv.verb_args()),
         Some("snapshot") => statepoint_cmd::snapshot_main(inv, inv.verb_args()),
         Some("statepoint") => statepoint_cmd::main(inv.verb_args()),
         Some("doctor") => doctor::main(inv.verb_args()),
@@ -159,6 +161,7 @@ OCI verbs owned by planarian (called by Podman and conmon):
 Statepoints:
   snapshot CTR [--name N] [--description D]    take a statepoint of a running container
   rollback CTR STATEPOINT                      processes and files back to a statepoint
+  fork CTR STATEPOINT --name NEW               a new container running from a statepoint
   statepoint list CTR [--json] | show CTR SP | set CTR SP [--name N] [--description D]
              [--outcome TEXT] | rm CTR SP...
 Planarian's own verbs:

@@ -81,6 +81,37 @@ impl Sandbox {
         sb
     }
 
+    /// A sandbox that already runs (e.g. a fork), removed at the end of the test.
+    pub fn attach(name: &str) -> Sandbox {
+        let mut sb = Sandbox { name: name.to_string(), seq: 0, _cleanup: Cleanup(name.to_string()) };
+        sb.seq = sb.read().expect("the workload runs").0;
+        sb
+    }
+
+    /// Memory pages CRIU wrote for a statepoint, and where its dump sits in its chain.
+    pub fn pages(&self, sp: &str) -> u64 {
+        self.manifest(sp)["measurements"]["pages-written"].as_u64().unwrap()
+    }
+
+    pub fn chain(&self, sp: &str) -> serde_json::Value {
+        self.manifest(sp)["chain"].clone()
+    }
+
+    /// An incremental dump at `depth`: fewer than `max_pages` pages written, a parent recorded.
+    pub fn assert_incremental(&self, sp: &str, depth: u64, max_pages: u64) {
+        let (p, c) = (self.pages(sp), self.chain(sp));
+        assert!(p < max_pages, "{sp} should be incremental: {p} pages, chain {c}");
+        assert!(c["prev-images-dir"].is_string(), "{sp}: {c}");
+        assert_eq!(c["depth"], depth, "{sp}: {c}");
+    }
+
+    /// A full dump (more than `min_pages` pages) whose recorded reason contains `why`.
+    pub fn assert_full(&self, sp: &str, why: &str, min_pages: u64) {
+        let (p, c) = (self.pages(sp), self.chain(sp));
+        assert!(p > min_pages, "{sp} should be a full dump: {p} pages, chain {c}");
+        assert!(c["prev-images-dir"].is_null() && c["full-reason"].as_str().unwrap_or("").contains(why), "{sp}: {c}");
+    }
+
     pub fn read(&self) -> Option<(u64, State)> {
         let r = podman("planarian", &["exec", &self.name, "cat", "/tmp/state"]);
         let mut f = r.stdout.split_whitespace();

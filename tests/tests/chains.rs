@@ -11,25 +11,16 @@ use planarian_system_tests::*;
 const FULL: u64 = 16_384;
 const INCREMENTAL: u64 = 2_048;
 
-fn pages(sb: &Sandbox, sp: &str) -> u64 {
-    sb.manifest(sp)["measurements"]["pages-written"].as_u64().unwrap()
-}
-
-fn chain(sb: &Sandbox, sp: &str) -> serde_json::Value {
-    sb.manifest(sp)["chain"].clone()
-}
-
 fn assert_incremental(sb: &Sandbox, sp: &str, depth: u64) {
-    let (p, c) = (pages(sb, sp), chain(sb, sp));
-    assert!(p < INCREMENTAL, "{sp} should be incremental: {p} pages, chain {c}");
-    assert!(c["prev-images-dir"].is_string(), "{sp}: {c}");
-    assert_eq!(c["depth"], depth, "{sp}: {c}");
+    sb.assert_incremental(sp, depth, INCREMENTAL);
 }
 
 fn assert_full(sb: &Sandbox, sp: &str, why: &str) {
-    let (p, c) = (pages(sb, sp), chain(sb, sp));
-    assert!(p > FULL, "{sp} should be a full dump: {p} pages, chain {c}");
-    assert!(c["prev-images-dir"].is_null() && c["full-reason"].as_str().unwrap_or("").contains(why), "{sp}: {c}");
+    sb.assert_full(sp, why, FULL);
+}
+
+fn chain(sb: &Sandbox, sp: &str) -> serde_json::Value {
+    sb.chain(sp)
 }
 
 #[test]

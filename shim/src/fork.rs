@@ -1,0 +1,123 @@
+//! `planarian fork CTR STATEPOINT --name NEW`: a new, independent Podman container running from a
+//! statepoint of CTR, while CTR keeps running untouched.
+//!
+//! Podman stays in charge of the new container, so `podman ps/exec/logs/stop/rm` work on it:
+//!
+//! 1. `podman container clone CTR NEW` copies CTR's configuration (image, command, annotations,
+//!    network mode) into a new container with its own ID, writable layer and, when it runs, its
+//!    own network namespace;
+//! 2. `podman container init` + `stop` make Podman write NEW's OCI config (its mounts, its
+//!    rootfs) into NEW's bundle, which a restore reads — a never-started container has none;
+//! 3. NEW gets a statepoint of its own: the statepoint's memory images and every older image of
+//!    its chain hard-linked into NEW's store (no data copied; removing CTR later breaks nothing),
+//!    and its files put in NEW's writable layer (copied: this is the copy-based file path);
+//! 4. `podman container restore NEW` runs `planarian restore` through conmon, exactly as for a
+//!    rollback, so NEW's first snapshot is incremental on its own base.
+//!
+//! Any failure removes NEW and its store; CTR is never changed.
+
+use crate::cli::Invocation;
+use crate::config::Config;
+use crate::podman;
+use crate::rootfs::{CopyRootfs, Rootfs};
+use crate::store::{ContainerStore, Manifest, Status};
+use clap::Parser;
+use std::ffi::OsString;
+use std::time::Duration;
+
+#[derive(Parser, Debug)]
+#[command(name = "planarian fork", about = "Start a new container from a statepoint of a container")]
+struct Args {
+    /// The container to fork.
+    container: String,
+    /// Its statepoint (id or name).
+    statepoint: String,
+    /// The new container's name.
+    #[arg(long)]
+    name: String,
+}
+
+pub fn main(_inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
+    let a: Args = match crate::cli::parse_verb("fork", args) {
+        Ok(a) => a,
+        Err(code) => return Ok(code),
+    };
+    let src = crate::rollback::planarian_container(&a.container)?;
+    let cfg = Config::load().map_err(|e| e.to_string())?;
+    let src_store = ContainerStore::new(&cfg.store.path, &src.id);
+    let target = src_store.find(&a.statepoint)?;
+    if podman::inspect(&a.name).is_ok() {
+        return Err(format!("a container named {} already exists", a.name));
+    }
+    podman::run(&["container", "clone", &src.id, &a.name])?;
+    let r = fork_into(&cfg, &src, &src_store, &target, &a.name);
+    if let Err(e) = r {
+        let removed = podman::inspect(&a.name).ok();
+        let _ = podman::run(&["rm", "-f", &a.name]);
+        if let Some(c) = removed {
+            let _ = std::fs::remove_dir_all(ContainerStore::new(&cfg.store.path, &c.id).dir);
+        }
+        return Err(format!("fork failed, nothing was created: {e}"));
+    }
+    let new = podman::inspect(&a.name)?;
+    println!("{} forked from {} at {} ({})", a.name, src.name, target.statepoint_id, new.id);
+    Ok(0)
+}
+
+fn fork_into(cfg: &Config, src: &podman::PodmanContainer, src_store: &ContainerStore, target: &Manifest, name: &str) -> Result<(), String> {
+    podman::run(&["container", "init", name])?;
+    podman::run(&["container", "stop", "-t", "0", name])?;
+    let new = podman::inspect(name)?;
+    let upperdir = new.upperdir.clone().ok_or("the new container has no overlay writable layer")?;
+    podman::wait_stopped(&new.id, Some(&upperdir), Duration::from_secs(60))?;
+    let store = ContainerStore::new(&cfg.store.path, &new.id);
+    let m = {
+        // The source's lock, so that no removal or retention runs while its images are linked.
+        let _lock = src_store.lock(true)?;
+        let m = link_statepoint(src, src_store, target, &store)?;
+        let saved = store.statepoint_dir(&m.statepoint_id).join(m.local_state.rootfs_copy_path.as_deref().unwrap_or("rootfs"));
+        CopyRootfs { upperdir }.restore(&saved)?.commit();
+        m
+    };
+    crate::snapshot::leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None)?;
+    let mut args = vec!["container", "restore"];
+    if m.options.tcp_established {
+        args.push("--tcp-established");
+    }
+    args.push(&new.id);
+    podman::run(&args)
+}
+
+/// The new container's first statepoint: the source statepoint's images, files and descriptors,
+/// hard-linked into the new store.
+fn link_statepoint(src: &podman::PodmanContainer, src_store: &ContainerStore, target: &Manifest, store: &ContainerStore) -> Result<Manifest, String> {
+    let id = store.next_id();
+    let from = src_store.statepoint_dir(&target.statepoint_id);
+    let dir = store.statepoint_dir(&id);
+    let images = dir.join(&target.local_state.criu_checkpoint_path);
+    let prev = crate::chain::link_chain(&from.join(&target.local_state.criu_checkpoint_path), store, &images)?;
+    std::fs::copy(from.join("descriptors.json"), dir.join("descriptors.json")).map_err(|e| format!("cannot copy descriptors.json: {e}"))?;
+    if let Some(copy) = &target.local_state.rootfs_copy_path {
+        let out = std::process::Command::new(crate::tools::locate("cp", None, "PATH").map_err(|e| e.to_string())?)
+            .args(["-a", "--link", "--no-target-directory"])
+            .arg(from.join(copy))
+            .arg(dir.join(copy))
+            .output()
+            .map_err(|e| format!("cannot run cp: {e}"))?;
+        if !out.status.success() {
+            return Err(format!("cannot link the statepoint's files: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        }
+    }
+    let mut m = target.clone();
+    m.statepoint_id = id;
+    m.parent_statepoint_id = None;
+    m.container_id = store.dir.file_name().unwrap().to_string_lossy().into_owned();
+    m.branch_id = m.container_id.clone();
+    m.timestamp = crate::log::rfc3339(std::time::SystemTime::now());
+    m.state_evidence.prior_outcomes.push(format!("forked from {} at {}", src.name, target.statepoint_id));
+    m.chain.prev_images_dir = prev;
+    m.status = Status::Committed;
+    store.write_manifest(&m)?;
+    store.set_head(Some(&m.statepoint_id))?;
+    Ok(m)
+}

@@ -1,0 +1,79 @@
+//! `planarian fork`: new containers running from a statepoint, independent of each other and of
+//! the source, each snapshotting incrementally and rolling back within its own branch.
+
+use planarian_system_tests::sandbox::*;
+use planarian_system_tests::*;
+
+fn fork(src: &Sandbox, sp: &str, tag: &str) -> Sandbox {
+    let new = name(tag);
+    let r = cmd(planarian_bin().to_str().unwrap(), ["fork", &src.name, sp, "--name", &new]);
+    r.ok();
+    assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &new]).out(), "running");
+    Sandbox::attach(&new)
+}
+
+#[test]
+fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
+    require_stack!();
+    let mut src = Sandbox::start("fsrc", 64, &[]);
+    src.sh("echo base > /root/f").ok();
+    let at_sp = src.send("tick");
+    let sp = src.snapshot("fork-point");
+    src.send("dirty 0 65536");
+    src.sh("echo src > /root/f").ok();
+    let src_state = src.send("tick");
+
+    let mut a = fork(&src, &sp, "fa");
+    let mut b = fork(&src, &sp, "fb");
+    let ps = podman("planarian", &["ps", "--format", "{{.Names}}"]).stdout;
+    assert!(ps.contains(&a.name) && ps.contains(&b.name) && ps.contains(&src.name), "{ps}");
+    for f in [&mut a, &mut b] {
+        assert_eq!(f.state(), at_sp, "{} starts at the statepoint", f.name);
+        let now = f.send("tick");
+        assert_eq!((now.counter, &now.checksum), (at_sp.counter + 1, &at_sp.checksum), "{}", f.name);
+        assert_eq!(f.sh("cat /root/f").stdout, "base\n", "{}", f.name);
+    }
+
+    // They diverge; each takes an incremental statepoint of its own and rolls back to it.
+    a.sh("echo a > /root/f").ok();
+    let sa = a.send("dirty 1048576 65536");
+    b.sh("echo b > /root/f").ok();
+    let sb_ = b.send("dirty 8388608 65536");
+    assert_ne!(sa.checksum, sb_.checksum);
+    let spa = a.snapshot("a1");
+    let spb = b.snapshot("b1");
+    a.assert_incremental(&spa, 1, 2_048);
+    b.assert_incremental(&spb, 1, 2_048);
+    for (f, spx, st, file) in [(&mut a, &spa, &sa, "a\n"), (&mut b, &spb, &sb_, "b\n")] {
+        f.send("dirty 0 1000000");
+        f.sh("echo junk > /root/f").ok();
+        f.rollback(spx);
+        assert_eq!(f.send("tick").checksum, st.checksum, "{} after rollback", f.name);
+        assert_eq!(f.sh("cat /root/f").stdout, file, "{} after rollback", f.name);
+    }
+    // A fork's statepoint list is its own; the fork point is its first statepoint.
+    assert_eq!(a.statepoints().len(), 2);
+
+    // The source never noticed.
+    assert_eq!(src.send("tick").checksum, src_state.checksum);
+    assert_eq!(src.sh("cat /root/f").stdout, "src\n");
+
+    // Removing the source breaks nothing: a fork's chain is its own.
+    podman("planarian", &["rm", "-f", &src.name]).ok();
+    a.send("dirty 0 4096");
+    a.rollback(&a.statepoints()[0]["statepoint-id"].as_str().unwrap().to_string());
+    let back = a.send("tick");
+    assert_eq!(back.checksum, at_sp.checksum);
+    assert_eq!(a.sh("cat /root/f").stdout, "base\n");
+    podman("planarian", &["stop", "-t", "2", &b.name]).ok();
+}
+
+#[test]
+fn fork_of_an_unknown_statepoint_creates_nothing() {
+    require_stack!();
+    let src = Sandbox::start("fbad", 8, &[]);
+    let new = name("fnot");
+    let r = cmd(planarian_bin().to_str().unwrap(), ["fork", &src.name, "sp999", "--name", &new]);
+    assert!(r.code != Some(0) && r.stderr.contains("unknown statepoint sp999"), "{r:?}");
+    assert_ne!(podman("planarian", &["container", "exists", &new]).code, Some(0));
+}
