@@ -8,6 +8,14 @@
 //! MiB of files, planarian against the Full-snapshot baseline (Podman's own `container checkpoint
 //! --export` + `container restore --import` under runc -- Debian's crun has no CRIU -- which copies everything every time).
 //!
+//!   planarian-bench chains [--mem MiB] [--files MiB]
+//!
+//! `chains`: the paper's snapshot/rollback/fork cost figure. The same workload (MEM MiB of
+//! memory, 1 % of it rewritten as one contiguous run between steps, FILES MiB of files) under
+//! three systems, one after the other in the same run: planarian; CRIU-inc (CRIU's own
+//! incremental dumps: planarian with the pre-resume hook off, so every dump after a restore is
+//! full); Full-snapshot (a full dump and a full copy every time: full-dump interval 1).
+//!
 //! `passthrough`: the cost of planarian's pass-through path, `planarian state ID` against
 //! `crun state ID` on the same running container (started through Podman), interleaved so
 //! that drift affects both alike. Needs the real stack (run it with bench/run).
@@ -20,9 +28,11 @@ fn main() {
     let code = match args.first().map(String::as_str) {
         Some("passthrough") => passthrough(&args[1..]),
         Some("statepoint") => statepoint(&args[1..]),
+        Some("chains") => chains(&args[1..]),
         _ => {
             eprintln!("usage: planarian-bench passthrough [--iterations N] [--planarian PATH] [--crun PATH]");
             eprintln!("       planarian-bench statepoint [--mem MiB] [--files MiB] [--iterations N]");
+            eprintln!("       planarian-bench chains [--mem MiB] [--files MiB]");
             2
         }
     };
@@ -275,4 +285,104 @@ fn statepoint_inner(mem: u32, files: u32, iterations: usize) -> Result<(), Strin
     })();
     cleanup();
     result
+}
+
+/// One measured operation: wall time, bytes the statepoint store gained, memory pages written.
+#[derive(Default, Clone, Copy)]
+struct Cost {
+    ms: f64,
+    bytes: u64,
+    pages: u64,
+}
+
+const PLANARIAN: &str = "/usr/local/bin/planarian";
+
+fn manifest(ctr: &str, sp: &str) -> Result<serde_json::Value, String> {
+    let out = run_quiet(PLANARIAN, &["statepoint", "show", ctr, sp])?;
+    serde_json::from_str(&out).map_err(|e| format!("statepoint show {ctr} {sp}: {e}"))
+}
+
+fn snapshot_cost(ctr: &str) -> Result<(String, Cost), String> {
+    let t = Instant::now();
+    let sp = run_quiet(PLANARIAN, &["snapshot", ctr])?;
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    let m = manifest(ctr, &sp)?;
+    let meas = &m["measurements"];
+    let bytes = meas["criu-bytes"].as_u64().unwrap_or(0) + meas["rootfs-bytes"].as_u64().unwrap_or(0);
+    Ok((sp, Cost { ms, bytes, pages: meas["pages-written"].as_u64().unwrap_or(0) }))
+}
+
+/// Second snapshot, rollback, first snapshot after the rollback, fork, first snapshot in the fork.
+fn chains_system(tag: &str, annotation: Option<&str>, mem: u32, files: u32) -> Result<[Cost; 5], String> {
+    let pid = std::process::id();
+    let (ctr, fork) = (format!("plbench-{tag}-{pid}"), format!("plbench-{tag}-fork-{pid}"));
+    let mut run = vec!["--runtime", "planarian", "run", "-d", "--name", &ctr];
+    if let Some(a) = annotation {
+        run.extend(["--annotation", a]);
+    }
+    let mem_s = mem.to_string();
+    run.extend(["localhost/planarian-test/debian", "python3", "-c", WORKLOAD, &mem_s]);
+    let result = (|| -> Result<[Cost; 5], String> {
+        run_quiet("podman", &run)?;
+        run_quiet("podman", &["exec", &ctr, "sh", "-c", &format!(
+            "mkdir -p /data && i=0; while [ $i -lt {files} ]; do head -c 1048576 /dev/urandom > /data/f$i; i=$((i+1)); done")])?;
+        wait_file(&ctr, "/tmp/up")?;
+        let (sp1, _) = snapshot_cost(&ctr)?;
+        dirty(&ctr)?;
+        let (_, second) = snapshot_cost(&ctr)?;
+        dirty(&ctr)?;
+        let t = Instant::now();
+        run_quiet(PLANARIAN, &["rollback", &ctr, &sp1])?;
+        let rollback = Cost { ms: t.elapsed().as_secs_f64() * 1e3, ..Cost::default() };
+        dirty(&ctr)?;
+        let (sp3, after_rollback) = snapshot_cost(&ctr)?;
+        let t = Instant::now();
+        run_quiet(PLANARIAN, &["fork", &ctr, &sp3, "--name", &fork])?;
+        let fork_cost = Cost { ms: t.elapsed().as_secs_f64() * 1e3, ..Cost::default() };
+        dirty(&fork)?;
+        let (_, after_fork) = snapshot_cost(&fork)?;
+        Ok([second, rollback, after_rollback, fork_cost, after_fork])
+    })();
+    for n in [&fork, &ctr] {
+        if let Ok(id) = run_quiet("podman", &["inspect", "--format", "{{.Id}}", n]) {
+            let _ = run_quiet("podman", &["rm", "-f", "-t", "0", n]);
+            let _ = std::fs::remove_dir_all(std::path::Path::new("/var/lib/planarian/containers").join(id));
+        }
+    }
+    result
+}
+
+fn chains(args: &[String]) -> i32 {
+    let mem: u32 = flag(args, "--mem").and_then(|s| s.parse().ok()).unwrap_or(256);
+    let files: u32 = flag(args, "--files").and_then(|s| s.parse().ok()).unwrap_or(64);
+    let systems = [
+        ("planarian", None),
+        ("CRIU-inc", Some("io.planarian.checkpoint.pre_resume_hook=false")),
+        ("Full-snapshot", Some("io.planarian.checkpoint.full_dump_interval=1")),
+    ];
+    let mut results = Vec::new();
+    for (tag, annotation) in systems {
+        eprintln!("measuring {tag} ...");
+        match chains_system(&tag.to_lowercase(), annotation, mem, files) {
+            Ok(r) => results.push(r),
+            Err(e) => {
+                eprintln!("planarian-bench: {tag}: {e}");
+                return 1;
+            }
+        }
+    }
+    let mb = |b: u64| b as f64 / (1 << 20) as f64;
+    println!("snapshot/rollback/fork cost: {mem} MiB memory ({} pages), {files} MiB files; 1 % of memory rewritten (one contiguous run) + 64 KiB of files between steps", (mem as u64) << 8);
+    println!("| operation | planarian ms | CRIU-inc ms | Full-snapshot ms | CRIU-inc / planarian | Full / planarian | pages written (pl / inc / full) | MiB written (pl / inc / full) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    let names = ["second snapshot", "rollback", "first snapshot after rollback", "fork", "first snapshot in the fork"];
+    for (i, n) in names.iter().enumerate() {
+        let (p, c, f) = (results[0][i], results[1][i], results[2][i]);
+        let pages = if p.pages + c.pages + f.pages > 0 { format!("{} / {} / {}", p.pages, c.pages, f.pages) } else { "-".into() };
+        let bytes = if p.bytes + c.bytes + f.bytes > 0 { format!("{:.1} / {:.1} / {:.1}", mb(p.bytes), mb(c.bytes), mb(f.bytes)) } else { "-".into() };
+        println!("| {n} | {:.0} | {:.0} | {:.0} | {:.2}x | {:.2}x | {pages} | {bytes} |", p.ms, c.ms, f.ms, c.ms / p.ms, f.ms / p.ms);
+    }
+    let p = &results[0];
+    println!("planarian: first snapshot after rollback / second snapshot = {:.2}x; first in fork / second = {:.2}x", p[2].ms / p[0].ms, p[4].ms / p[0].ms);
+    0
 }

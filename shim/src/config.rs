@@ -21,6 +21,7 @@ pub const DROPIN_DIR: &str = "/etc/planarian/planarian.conf.d";
 /// Settings a container may override by annotation, as `table.key`.
 pub const ANNOTATION_KEYS: &[&str] = &[
     "checkpoint.full_dump_interval",
+    "checkpoint.pre_resume_hook",
     "zfs.parent_dataset",
     "store.retention",
 ];
@@ -75,6 +76,9 @@ pub struct StoreConfig {
 pub struct CheckpointConfig {
     /// A full memory dump every this many statepoints of a branch (k of Algorithm 1).
     pub full_dump_interval: u32,
+    /// Run the pre-resume hook on restore, so the first dump after a restore is incremental.
+    /// Off, every restore is followed by a full dump (CRIU's own behaviour).
+    pub pre_resume_hook: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
@@ -105,7 +109,7 @@ impl Default for StoreConfig {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { full_dump_interval: 8 }
+        CheckpointConfig { full_dump_interval: 8, pre_resume_hook: true }
     }
 }
 
@@ -190,9 +194,10 @@ impl Config {
                 });
             }
             let (t, k) = setting.split_once('.').expect("ANNOTATION_KEYS are table.key");
-            let v = match value.parse::<i64>() {
-                Ok(n) => toml::Value::Integer(n),
-                Err(_) => toml::Value::String(value.to_string()),
+            let v = match (value.parse::<i64>(), value.parse::<bool>()) {
+                (Ok(n), _) => toml::Value::Integer(n),
+                (_, Ok(b)) => toml::Value::Boolean(b),
+                _ => toml::Value::String(value.to_string()),
             };
             table
                 .entry(t.to_string())
@@ -286,6 +291,8 @@ mod tests {
             ])
             .unwrap();
         assert_eq!(c.checkpoint.full_dump_interval, 3);
+        let off = Config::default().with_annotations([("io.planarian.checkpoint.pre_resume_hook", "false")]).unwrap();
+        assert!(!off.checkpoint.pre_resume_hook);
         assert_eq!(c.zfs.parent_dataset.as_deref(), Some("tank/sandboxes"));
         assert_eq!(c.store, Config::default().store);
     }

@@ -115,7 +115,11 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     // The pre-resume hook of Algorithm 1; without it the restore works and the next dump is full.
     let epoch_file = restore_work.join("epoch");
     let _ = std::fs::remove_file(&epoch_file);
-    let hooks = crate::criu_hooks_from(&cfg);
+    let hooks = if cfg.checkpoint.pre_resume_hook {
+        crate::criu_hooks_from(&cfg)
+    } else {
+        Err("the pre-resume hook is off (checkpoint.pre_resume_hook)".to_string())
+    };
     let plan = criu::RestorePlan {
         images_dir: &images,
         work_dir: &restore_work,
