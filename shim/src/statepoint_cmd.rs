@@ -144,15 +144,17 @@ pub fn main(args: &[OsString]) -> Result<i32, String> {
 }
 
 fn table(list: &[Manifest], head: Option<&str>) -> String {
-    let mut out = format!("{:<6} {:<18} {:<7} {:<24} {:>9} {:>9} {:>9}  {}\n", "ID", "NAME", "PARENT", "CREATED", "MEMORY", "FILES", "TOOK", "DESCRIPTION");
+    let mut out = format!("{:<6} {:<18} {:<7} {:<24} {:<6} {:>9} {:>9} {:>9}  {}\n", "ID", "NAME", "PARENT", "CREATED", "DUMP", "MEMORY", "FILES", "TOOK", "DESCRIPTION");
     for m in list {
         let mark = if head == Some(m.statepoint_id.as_str()) { "*" } else { "" };
         out.push_str(&format!(
-            "{:<6} {:<18} {:<7} {:<24} {:>9} {:>9} {:>9}  {}\n",
+            "{:<6} {:<18} {:<7} {:<24} {:<6} {:>9} {:>9} {:>9}  {}\n",
             format!("{}{mark}", m.statepoint_id),
             m.name.as_deref().unwrap_or("-"),
             m.parent_statepoint_id.as_deref().unwrap_or("-"),
             &m.timestamp[..m.timestamp.len().min(19)],
+            // Full dump, or incremental at depth N of its chain.
+            if m.chain.prev_images_dir.is_some() { format!("inc{}", m.chain.depth) } else { "full".into() },
             human(m.measurements.criu_bytes),
             human(m.measurements.rootfs_bytes),
             format!("{:.0}ms", m.measurements.total_ms),
