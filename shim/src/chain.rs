@@ -412,6 +412,15 @@ mod tests {
         let chain = chain_of(&s.statepoint_dir("sp3").join("criu"));
         assert_eq!(chain.len(), 3);
         complete(&s.statepoint_dir("sp3").join("criu")).unwrap();
+        // Moving the whole store keeps every chain whole: all links are relative.
+        let root = s.dir.parent().unwrap().parent().unwrap().to_path_buf();
+        let moved = root.with_extension("moved");
+        let _ = std::fs::remove_dir_all(&moved);
+        std::fs::rename(&root, &moved).unwrap();
+        let m = ContainerStore::new(&moved, "c");
+        assert_eq!(chain_of(&m.statepoint_dir("sp3").join("criu")).len(), 3);
+        complete(&m.statepoint_dir("sp3").join("criu")).unwrap();
+        std::fs::rename(&moved, &root).unwrap();
         // Once sp3 is removed too, nothing needs sp2's images, and sp1 is still a statepoint.
         s.remove("sp3").unwrap();
         collect(&s);

@@ -3,7 +3,7 @@
 //!
 //! Podman stays in charge of the new container, so `podman ps/exec/logs/stop/rm` work on it:
 //!
-//! 1. `podman container clone CTR NEW` copies CTR's configuration (image, command, annotations,
+//! 1. `podman --runtime planarian container clone CTR NEW` copies CTR's configuration (image, command, annotations,
 //!    network mode) into a new container with its own ID, writable layer and, when it runs, its
 //!    own network namespace;
 //! 2. `podman container init` + `stop` make Podman write NEW's OCI config (its mounts, its
@@ -49,7 +49,8 @@ pub fn main(_inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     if podman::inspect(&a.name).is_ok() {
         return Err(format!("a container named {} already exists", a.name));
     }
-    podman::run(&["container", "clone", &src.id, &a.name])?;
+    // A clone gets the engine's default runtime unless told: the fork must run on planarian too.
+    podman::run(&["--runtime", &src.runtime, "container", "clone", &src.id, &a.name])?;
     let r = fork_into(&cfg, &src, &src_store, &target, &a.name);
     if let Err(e) = r {
         let removed = podman::inspect(&a.name).ok();

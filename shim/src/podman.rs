@@ -49,7 +49,17 @@ pub fn run(args: &[&str]) -> Result<(), String> {
         Ok(())
     } else {
         let err = String::from_utf8_lossy(&out.stderr);
-        Err(format!("podman {}: {}", args.first().copied().unwrap_or(""), err.lines().last().unwrap_or("failed").trim()))
+        // Name the command, not its flags: "podman container clone: Error: …".
+        let mut what = Vec::new();
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            if a == &"--runtime" {
+                it.next();
+            } else if !a.starts_with('-') && what.len() < 2 {
+                what.push(*a);
+            }
+        }
+        Err(format!("podman {}: {}", what.join(" "), err.lines().last().unwrap_or("failed").trim()))
     }
 }
 
