@@ -33,7 +33,8 @@ impl std::fmt::Display for ImageError {
 
 impl std::error::Error for ImageError {}
 
-fn read_varint(b: &[u8], pos: &mut usize) -> Result<u64, ImageError> {
+/// Reads one protobuf varint at `pos`, advancing it.
+pub fn read_varint(b: &[u8], pos: &mut usize) -> Result<u64, ImageError> {
     let mut v = 0u64;
     for shift in (0..64).step_by(7) {
         let byte = *b.get(*pos).ok_or(ImageError::Protobuf("varint runs past the end"))?;
@@ -46,7 +47,8 @@ fn read_varint(b: &[u8], pos: &mut usize) -> Result<u64, ImageError> {
     Err(ImageError::Protobuf("varint too long"))
 }
 
-fn write_varint(out: &mut Vec<u8>, mut v: u64) {
+/// Appends one protobuf varint.
+pub fn write_varint(out: &mut Vec<u8>, mut v: u64) {
     loop {
         let byte = (v & 0x7f) as u8;
         v >>= 7;
@@ -59,7 +61,7 @@ fn write_varint(out: &mut Vec<u8>, mut v: u64) {
 }
 
 /// The fields of one protobuf message as (field number, the record's bytes including its key).
-fn records(msg: &[u8]) -> Result<Vec<(u64, &[u8])>, ImageError> {
+pub fn records(msg: &[u8]) -> Result<Vec<(u64, &[u8])>, ImageError> {
     let mut out = Vec::new();
     let mut pos = 0;
     while pos < msg.len() {
@@ -255,6 +257,36 @@ pub fn uptime_ticks(proc: &Path, clk_tck: u64) -> Option<u64> {
     let (whole, frac) = secs.split_once('.').unwrap_or((secs, "0"));
     let hundredths: u64 = format!("{frac:0<2}")[..2].parse().ok()?;
     Some(whole.parse::<u64>().ok()? * clk_tck + hundredths * clk_tck / 100)
+}
+
+/// The pre-resume step of Algorithm 1 for the tree restored under `init`: clear the soft-dirty
+/// bits of every process, E = 1 + the latest start time of its threads, wait until the uptime
+/// reaches E, then record "E CLK_TCK" in `out` (temp file + rename: present only on success).
+pub fn pre_resume(init: i32, out: &Path) -> Result<(), String> {
+    use std::time::{Duration, Instant};
+    let proc = Path::new("/proc");
+    let clk = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .ok_or("cannot read CLK_TCK")? as u64;
+    let tree = restored_tree(proc, init);
+    if tree.is_empty() {
+        return Err(format!("no restored process under {init}"));
+    }
+    for pid in &tree {
+        clear_soft_dirty(proc, *pid).map_err(|e| format!("clear_refs of {pid}: {e}"))?;
+    }
+    let e = epoch(proc, &tree).ok_or("no start time of the restored threads")?;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while uptime_ticks(proc, clk).ok_or("cannot read /proc/uptime")? < e {
+        if Instant::now() > deadline {
+            return Err(format!("uptime did not reach E = {e} ticks"));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let tmp = out.with_extension("tmp");
+    std::fs::write(&tmp, format!("{e} {clk}\n")).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, out).map_err(|e| format!("cannot record E: {e}"))
 }
 
 #[cfg(test)]

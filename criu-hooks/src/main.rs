@@ -8,9 +8,7 @@
 //! CRIU only logs a failing pre-resume script, so success is the recorded file: the shim treats a
 //! restore without it as no valid incremental base and makes the next dump full.
 
-use criu_hooks::{clear_soft_dirty, epoch, restored_tree, uptime_ticks};
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 fn main() {
     // A tool for the shim and for operators: planarian-criu-hooks set-dump-uptime INVENTORY USEC
@@ -38,32 +36,10 @@ fn main() {
 }
 
 fn pre_resume() -> Result<(), String> {
-    let proc = Path::new("/proc");
     let init: i32 = std::env::var("CRTOOLS_INIT_PID")
         .ok()
         .and_then(|p| p.parse().ok())
         .ok_or("CRTOOLS_INIT_PID is not set")?;
     let out = std::env::var_os("PLANARIAN_EPOCH_FILE").ok_or("PLANARIAN_EPOCH_FILE is not set")?;
-    let clk = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .ok_or("cannot read CLK_TCK")? as u64;
-    let tree = restored_tree(proc, init);
-    if tree.is_empty() {
-        return Err(format!("no restored process under {init}"));
-    }
-    for pid in &tree {
-        clear_soft_dirty(proc, *pid).map_err(|e| format!("clear_refs of {pid}: {e}"))?;
-    }
-    let e = epoch(proc, &tree).ok_or("no start time of the restored threads")?;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while uptime_ticks(proc, clk).ok_or("cannot read /proc/uptime")? < e {
-        if Instant::now() > deadline {
-            return Err(format!("uptime did not reach E = {e} ticks"));
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let tmp = Path::new(&out).with_extension("tmp");
-    std::fs::write(&tmp, format!("{e} {clk}\n")).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, &out).map_err(|e| format!("cannot record E: {e}"))
+    criu_hooks::pre_resume(init, Path::new(&out))
 }

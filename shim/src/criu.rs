@@ -40,7 +40,7 @@ fn push(v: &mut Vec<OsString>, items: &[&str]) {
 
 /// Masked paths that are regular files on the host are bind mounts of /dev/null in the
 /// container: external mounts for CRIU (directories are tmpfs mounts CRIU dumps itself).
-fn masked_files(spec: &Spec) -> impl Iterator<Item = &String> {
+pub(crate) fn masked_files(spec: &Spec) -> impl Iterator<Item = &String> {
     spec.masked_paths.iter().filter(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file()))
 }
 

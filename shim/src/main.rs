@@ -11,6 +11,7 @@ mod config;
 mod config_cmd;
 mod container;
 mod criu;
+mod criu_rpc;
 mod fork;
 mod freezer;
 mod podman;

@@ -80,8 +80,8 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     if m.status != Status::Committed {
         return Err(format!("statepoint {sp_id} is not committed"));
     }
-    if spec.terminal {
-        return Err("planarian cannot restore terminal (-t) containers yet".into());
+    if spec.terminal && a.console_socket.is_none() {
+        return Err("a container with a terminal (-t) is restored only with --console-socket".into());
     }
 
     let pid_file = a.pid_file.clone().unwrap_or_else(|| bundle.join("pidfile"));
@@ -115,10 +115,13 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     // The pre-resume hook of Algorithm 1; without it the restore works and the next dump is full.
     let epoch_file = restore_work.join("epoch");
     let _ = std::fs::remove_file(&epoch_file);
-    let hooks = if cfg.checkpoint.pre_resume_hook {
-        crate::criu_hooks_from(&cfg)
-    } else {
+    // (Through CRIU's RPC, for a terminal, the same step runs in-process: no binary needed.)
+    let hooks = if !cfg.checkpoint.pre_resume_hook {
         Err("the pre-resume hook is off (checkpoint.pre_resume_hook)".to_string())
+    } else if spec.terminal {
+        Ok(None)
+    } else {
+        crate::criu_hooks_from(&cfg).map(Some)
     };
     let plan = criu::RestorePlan {
         images_dir: &images,
@@ -129,22 +132,56 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         cgroup_root: spec.cgroup_relpath(),
         netns_fd: netns.as_ref().map(|f| f.as_raw_fd()),
         inherit_fds,
-        action_scripts: hooks.iter().cloned().collect(),
+        action_scripts: hooks.iter().flatten().cloned().collect(),
         tcp_established: a.criu.tcp_established || m.options.tcp_established,
         file_locks: a.criu.file_locks || m.options.file_locks,
     };
-    criu::run(&criu_bin, &criu::restore_args(&plan), &restore_work.join("restore.log"), true, &[("PLANARIAN_EPOCH_FILE", &epoch_file)])?;
+    let pid: i32 = if spec.terminal {
+        restore_terminal(&criu_bin, &plan, a.console_socket.as_deref().unwrap(), hooks.is_ok(), &epoch_file)?
+    } else {
+        criu::run(&criu_bin, &criu::restore_args(&plan), &restore_work.join("restore.log"), true, &[("PLANARIAN_EPOCH_FILE", &epoch_file)])?;
+        std::fs::read_to_string(&criu_pid_file)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .ok_or_else(|| format!("criu restore wrote no pid to {}", criu_pid_file.display()))?
+    };
     drop(netns);
-    let pid: i32 = std::fs::read_to_string(&criu_pid_file)
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .ok_or_else(|| format!("criu restore wrote no pid to {}", criu_pid_file.display()))?;
     crate::install::write_atomic(&pid_file, pid.to_string().as_bytes(), 0o644)?;
     register_with_crun(inv, &a.container_id, pid, &bundle, &spec)?;
     store.set_head(Some(&sp_id))?;
     let epoch = hooks.and_then(|_| read_epoch(&epoch_file, &restore_work));
     crate::chain::after_restore(&store, &m, epoch, container::start_time(pid).unwrap_or(0))?;
     Ok(0)
+}
+
+/// A terminal container, through CRIU's RPC: the new terminal's master goes to conmon's console
+/// socket, and the pre-resume step of Algorithm 1 runs here. Returns the restored init's pid.
+fn restore_terminal(criu_bin: &Path, plan: &criu::RestorePlan, console: &Path, hook: bool, epoch_file: &Path) -> Result<i32, String> {
+    let mut root: Option<i32> = None;
+    let mut console_sent = false;
+    let pid = crate::criu_rpc::restore(criu_bin, plan, |n| {
+        match n.script.as_str() {
+            "setup-namespaces" | "post-restore" => root = root.or(n.pid),
+            "pre-resume" if hook => {
+                // As with the action script, a failure here only costs a full next dump.
+                let r = root.ok_or_else(|| "criu named no root task".to_string()).and_then(|r| criu_hooks::pre_resume(r, epoch_file));
+                if let Err(e) = r {
+                    let _ = std::fs::write(plan.work_dir.join("pre-resume.err"), e);
+                }
+            }
+            "orphan-pts-master" => {
+                let master = n.fd.ok_or("criu sent no terminal")?;
+                crate::criu_rpc::send_console(console, &master)?;
+                console_sent = true;
+            }
+            _ => {}
+        }
+        Ok(())
+    })?;
+    if !console_sent {
+        return Err("criu restored the container without its terminal".into());
+    }
+    Ok(pid)
 }
 
 /// E in microseconds, as the pre-resume hook recorded it ("E CLK_TCK", in clock ticks).

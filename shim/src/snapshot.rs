@@ -93,12 +93,6 @@ pub struct SnapshotRequest {
 pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
     let t0 = Instant::now();
     let pid = ctx.ctr.running_pid()?;
-    if ctx.ctr.spec.terminal {
-        return Err(format!(
-            "container {} has a terminal (-t): planarian cannot checkpoint terminal containers yet",
-            ctx.ctr.id
-        ));
-    }
     if let Some(n) = &req.name {
         if ctx.store.find(n).is_ok() {
             return Err(format!("a statepoint named {n} already exists"));
@@ -176,7 +170,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
 
     let result = (|| -> Result<(), String> {
         let td = Instant::now();
-        let args = criu::dump_args(&criu::DumpPlan {
+        let plan = criu::DumpPlan {
             pid,
             images_dir: &images,
             spec: &ctx.ctr.spec,
@@ -185,8 +179,13 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
             prev_images_dir: plan.prev_images_dir.as_deref(),
             tcp_established: req.tcp_established,
             file_locks: req.file_locks,
-        });
-        criu::run(&ctx.criu, &args, &images.join("dump.log"), false, &[])?;
+        };
+        if ctx.ctr.spec.terminal {
+            // The terminal's slave needs orphan_pts_master, which only CRIU's RPC has.
+            crate::criu_rpc::dump(&ctx.criu, &plan)?;
+        } else {
+            criu::run(&ctx.criu, &criu::dump_args(&plan), &images.join("dump.log"), false, &[])?;
+        }
         m.measurements.criu_dump_ms = ms(td);
         if let Some(st) = crate::chain::dump_stats(&images) {
             m.measurements.pages_written = st.pages_written;

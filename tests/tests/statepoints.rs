@@ -443,3 +443,34 @@ fn registry_cli_names_removes_and_retains() {
     sb.rollback(&ids[1]);
     assert_eq!(sb.send("tick").checksum, before.checksum);
 }
+
+#[test]
+fn terminal_container_snapshots_rolls_back_and_keeps_its_console() {
+    require_stack!();
+    let mut sb = Sandbox::start("tty", 16, &["-t"]);
+    assert!(sb.sh("readlink /proc/1/fd/0").stdout.starts_with("/dev/pts/"), "the workload runs on a terminal");
+    sb.send("tick");
+    let at_sp = sb.send("tick");
+    let sp = sb.snapshot("on-a-terminal");
+    sb.send("dirty 0 65536");
+    sb.rollback(&sp);
+    let now = sb.send("tick");
+    assert_eq!((now.counter, &now.checksum), (at_sp.counter + 1, &at_sp.checksum));
+    // The restored process has a terminal again, and conmon reads it: output reaches podman logs.
+    assert!(sb.sh("readlink /proc/1/fd/1").stdout.starts_with("/dev/pts/"));
+    sb.sh("echo console-after-rollback > /proc/1/fd/1").ok();
+    assert!(
+        wait_for(std::time::Duration::from_secs(20), || podman("planarian", &["logs", &sb.name]).stdout.contains("console-after-rollback")),
+        "podman logs: {}",
+        podman("planarian", &["logs", &sb.name]).stdout
+    );
+    // Podman's own checkpoint and restore of a terminal container.
+    podman("planarian", &["container", "checkpoint", &sb.name]).ok();
+    podman("planarian", &["container", "restore", &sb.name]).ok();
+    assert_eq!(sb.send("tick").checksum, at_sp.checksum);
+    sb.sh("echo console-after-restore > /proc/1/fd/1").ok();
+    assert!(wait_for(std::time::Duration::from_secs(20), || podman("planarian", &["logs", &sb.name]).stdout.contains("console-after-restore")));
+    // The dump after the restore stayed incremental (the pre-resume step ran in-process).
+    let sp2 = sb.snapshot("after-restore");
+    sb.assert_incremental(&sp2, 1, 2_048);
+}
