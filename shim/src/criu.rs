@@ -136,16 +136,19 @@ pub fn run(criu: &Path, args: &[OsString], log: &Path, keep_stdio: bool, envs: &
     if out.status.success() {
         return Ok(());
     }
-    let text = std::fs::read_to_string(log).unwrap_or_default();
-    let why = text
-        .lines()
-        .rev()
-        .find(|l| l.contains("Error") || l.contains("error"))
-        .map(|l| l.trim().to_string())
+    let why = first_error(log)
         .or_else(|| String::from_utf8_lossy(&out.stderr).lines().last().map(|l| l.trim().to_string()))
         .unwrap_or_else(|| format!("exit status {}", out.status));
     let verb = args.first().and_then(|a| a.to_str()).unwrap_or("criu");
     Err(format!("criu {verb} failed: {why} (log: {})", log.display()))
+}
+
+/// The cause CRIU logged: its first error line (the last ones only say "Dumping FAILED").
+pub fn first_error(log: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(log).ok()?;
+    let mut errors = text.lines().filter(|l| l.contains("Error") || l.contains("error"));
+    let first = errors.next()?.trim().to_string();
+    Some(first)
 }
 
 #[cfg(test)]

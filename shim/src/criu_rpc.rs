@@ -266,7 +266,7 @@ fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, mut on_notify: impl FnMu
                 let why = r
                     .errmsg
                     .filter(|m| !m.is_empty())
-                    .or_else(|| last_error_line(log))
+                    .or_else(|| crate::criu::first_error(log))
                     .unwrap_or_else(|| format!("errno {}", r.errno.unwrap_or(0)));
                 let verb = if kind == REQ_DUMP { "dump" } else { "restore" };
                 return Err(format!("criu {verb} failed: {why} (log: {})", log.display()));
@@ -277,11 +277,6 @@ fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, mut on_notify: impl FnMu
     drop(ours);
     let _ = child.wait();
     result
-}
-
-fn last_error_line(log: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(log).ok()?;
-    text.lines().rev().find(|l| l.contains("Error") || l.contains("error")).map(|l| l.trim().to_string())
 }
 
 pub fn dump(criu: &Path, p: &DumpPlan) -> Result<(), String> {

@@ -143,6 +143,8 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         chain: store::Chain { prev_images_dir: plan.prev_images_dir.clone(), depth: plan.depth, full_reason: plan.full_reason.clone() },
     };
     let fail = |e: String| -> String {
+        // Keep CRIU's log of the failed attempt where an operator finds it; nothing else stays.
+        let _ = std::fs::copy(images.join("dump.log"), ctx.store.dir.join("failed-dump.log"));
         let _ = std::fs::remove_dir_all(&dir);
         e
     };
