@@ -172,7 +172,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
 
     let result = (|| -> Result<(), String> {
         let td = Instant::now();
-        let plan = criu::DumpPlan {
+        let incremental = criu::DumpPlan {
             pid,
             images_dir: &images,
             spec: &ctx.ctr.spec,
@@ -182,11 +182,25 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
             tcp_established: req.tcp_established,
             file_locks: req.file_locks,
         };
-        if ctx.ctr.spec.terminal {
-            // The terminal's slave needs orphan_pts_master, which only CRIU's RPC has.
-            crate::criu_rpc::dump(&ctx.criu, &plan)?;
-        } else {
-            criu::run(&ctx.criu, &criu::dump_args(&plan), &images.join("dump.log"), false, &[])?;
+        let dump = |p: &criu::DumpPlan| {
+            if ctx.ctr.spec.terminal {
+                // The terminal's slave needs orphan_pts_master, which only CRIU's RPC has.
+                crate::criu_rpc::dump(&ctx.criu, p)
+            } else {
+                criu::run(&ctx.criu, &criu::dump_args(p), &images.join("dump.log"), false, &[])
+            }
+        };
+        if let Err(e) = dump(&incremental) {
+            if plan.prev_images_dir.is_none() {
+                return Err(e);
+            }
+            // An incremental dump CRIU refused is retried in full, still frozen: slower, never
+            // wrong. Its log stays beside the images, and the manifest says why.
+            let _ = std::fs::rename(images.join("dump.log"), dir.join("dump-incremental-failed.log"));
+            let _ = std::fs::remove_dir_all(&images);
+            std::fs::create_dir_all(&images).map_err(|e| format!("cannot create {}: {e}", images.display()))?;
+            dump(&criu::DumpPlan { prev_images_dir: None, ..incremental })?;
+            m.chain = store::Chain { prev_images_dir: None, depth: 0, full_reason: Some(format!("the incremental dump failed ({e}); dumped in full")) };
         }
         m.measurements.criu_dump_ms = ms(td);
         if let Some(st) = crate::chain::dump_stats(&images) {

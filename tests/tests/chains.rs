@@ -144,3 +144,28 @@ fn a_failed_pre_resume_hook_makes_the_next_dump_full_not_corrupt() {
     assert_incremental(&sb, &sp3, 1);
     let _ = std::fs::remove_file(script);
 }
+
+#[test]
+fn an_incremental_dump_criu_refuses_is_retried_in_full() {
+    require_stack!();
+    let mut sb = Sandbox::start("retry", 16, &[]);
+    let sp1 = sb.snapshot("r1");
+    sb.rollback(&sp1);
+    // Damage the base the next dump builds on (the rollback's own copy of sp1's inventory, not
+    // sp1 itself): CRIU then refuses the incremental dump ("no parent inventory").
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).out();
+    let dir = std::path::Path::new("/var/lib/planarian/containers").join(&id);
+    let base: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("base")).unwrap()).unwrap();
+    let images = dir.join(base["images"].as_str().unwrap());
+    assert!(images.starts_with(dir.join("bases")), "{}", images.display());
+    std::fs::write(images.join("inventory.img"), b"bad").unwrap();
+    let st = sb.send("dirty 1048576 65536");
+    let sp2 = sb.snapshot("r2");
+    let c = sb.chain(&sp2);
+    assert!(c["prev-images-dir"].is_null() && c["full-reason"].as_str().unwrap().contains("incremental dump failed"), "{c}");
+    assert!(dir.join("statepoints").join(&sp2).join("dump-incremental-failed.log").exists());
+    // The full dump is a good statepoint.
+    sb.send("dirty 0 1000000");
+    sb.rollback(&sp2);
+    assert_eq!(sb.send("tick").checksum, st.checksum);
+}
