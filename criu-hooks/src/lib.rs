@@ -198,107 +198,6 @@ pub fn dump_stats(image: &[u8]) -> Result<DumpStats, ImageError> {
     Ok(out)
 }
 
-/// The length-prefixed entries of a CRIU image after its magic (one word, or two when the first
-/// is the common or service magic).
-fn image_entries(image: &[u8]) -> Result<Vec<&[u8]>, ImageError> {
-    const COMMON_MAGIC: u32 = 0x5456_4319;
-    let word = |at: usize| image.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()));
-    let first = word(0).ok_or(ImageError::Short)?;
-    let mut at = if first == COMMON_MAGIC || first == SERVICE_MAGIC { 8 } else { 4 };
-    let mut out = Vec::new();
-    while at < image.len() {
-        let n = word(at).ok_or(ImageError::Short)? as usize;
-        at += 4;
-        out.push(image.get(at..at + n).ok_or(ImageError::Length { declared: n, actual: image.len() - at })?);
-        at += n;
-    }
-    Ok(out)
-}
-
-/// The pages a `pagemap-PID.img` provides, as sorted (first address, page count) ranges: every
-/// page present at that dump, stored there or in a parent. (The first entry is the head.)
-pub fn pagemap_ranges(image: &[u8]) -> Result<Vec<(u64, u64)>, ImageError> {
-    let mut out = Vec::new();
-    for entry in image_entries(image)?.into_iter().skip(1) {
-        let (mut vaddr, mut nr) = (None, None);
-        for (field, rec) in records(entry)? {
-            let mut pos = 1;
-            match field {
-                1 => vaddr = Some(read_varint(rec, &mut pos)?),
-                2 => nr = Some(read_varint(rec, &mut pos)?),
-                _ => {}
-            }
-        }
-        if let (Some(v), Some(n)) = (vaddr, nr) {
-            out.push((v, n));
-        }
-    }
-    out.sort_unstable();
-    Ok(out)
-}
-
-fn covered(ranges: &[(u64, u64)], addr: u64) -> bool {
-    let i = ranges.partition_point(|&(start, _)| start <= addr);
-    i > 0 && {
-        let (start, n) = ranges[i - 1];
-        addr < start + n * PAGE
-    }
-}
-
-const PAGE: u64 = 4096;
-
-/// Marks soft-dirty every page of `pid` that is present in its own memory (anonymous, or a
-/// private copy) but not provided by the restored image (`ranges`). A restore can make such
-/// pages appear: writing a restored page into an empty 2 MiB range may give it a whole
-/// transparent huge page, and khugepaged may collapse a range, both filling the holes of the
-/// image with zero pages. Cleared, they would look "unchanged since the parent" to the next dump,
-/// which then finds them in no image and fails ("Missing … in parent pagemap"). Rewriting each
-/// with its own content (through /proc/PID/mem) makes the next dump write them. Returns how many.
-pub fn dirty_pages_outside(proc: &Path, pid: i32, ranges: &[(u64, u64)]) -> io::Result<u64> {
-    use std::os::unix::fs::FileExt;
-    let dir = proc.join(pid.to_string());
-    let maps = std::fs::read_to_string(dir.join("maps"))?;
-    let pagemap = std::fs::File::open(dir.join("pagemap"))?;
-    let mem = std::fs::OpenOptions::new().read(true).write(true).open(dir.join("mem"))?;
-    let mut touched = 0;
-    let mut entries = vec![0u8; 8 * 4096];
-    let mut page = [0u8; PAGE as usize];
-    for line in maps.lines() {
-        let mut f = line.split_whitespace();
-        let (Some(range), Some(perms)) = (f.next(), f.next()) else { continue };
-        let name = f.nth(3).unwrap_or("");
-        if name.starts_with("[v") || perms.ends_with('s') {
-            continue; // [vdso], [vvar], [vsyscall]; shared mappings are dumped as files or shmem
-        }
-        let Some((a, b)) = range.split_once('-') else { continue };
-        let (Ok(start), Ok(end)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else { continue };
-        let mut addr = start;
-        while addr < end {
-            let n = ((end - addr) / PAGE).min(4096) as usize;
-            let buf = &mut entries[..n * 8];
-            pagemap.read_exact_at(buf, addr / PAGE * 8)?;
-            for (i, e) in buf.chunks_exact(8).enumerate() {
-                let e = u64::from_le_bytes(e.try_into().unwrap());
-                let (present, file) = (e >> 63 & 1 == 1, e >> 61 & 1 == 1);
-                let a = addr + i as u64 * PAGE;
-                if present && !file && !covered(ranges, a) {
-                    mem.read_exact_at(&mut page, a)?;
-                    mem.write_all_at(&page, a)?;
-                    touched += 1;
-                }
-            }
-            addr += n as u64 * PAGE;
-        }
-    }
-    Ok(touched)
-}
-
-/// The PID a process has inside its own PID namespace (the one its images are named by).
-pub fn ns_pid(proc: &Path, pid: i32) -> Option<i32> {
-    let status = std::fs::read_to_string(proc.join(pid.to_string()).join("status")).ok()?;
-    status.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_whitespace().last()?.parse().ok()
-}
-
 /// Clock ticks to CRIU's dump_uptime unit, microseconds.
 pub fn ticks_to_usec(ticks: u64, clk_tck: u64) -> u64 {
     ticks * 1_000_000 / clk_tck
@@ -360,11 +259,10 @@ pub fn uptime_ticks(proc: &Path, clk_tck: u64) -> Option<u64> {
     Some(whole.parse::<u64>().ok()? * clk_tck + hundredths * clk_tck / 100)
 }
 
-/// The pre-resume step of Algorithm 1 for the tree restored under `init` from `images`: clear
-/// the soft-dirty bits of every process (and mark dirty again the pages the images do not
-/// provide, see [`dirty_pages_outside`]), E = 1 + the latest start time of its threads, wait until the uptime
+/// The pre-resume step of Algorithm 1 for the tree restored under `init`: clear the soft-dirty
+/// bits of every process, E = 1 + the latest start time of its threads, wait until the uptime
 /// reaches E, then record "E CLK_TCK" in `out` (temp file + rename: present only on success).
-pub fn pre_resume(init: i32, images: &Path, out: &Path) -> Result<(), String> {
+pub fn pre_resume(init: i32, out: &Path) -> Result<(), String> {
     use std::time::{Duration, Instant};
     let proc = Path::new("/proc");
     let clk = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
@@ -377,16 +275,6 @@ pub fn pre_resume(init: i32, images: &Path, out: &Path) -> Result<(), String> {
     }
     for pid in &tree {
         clear_soft_dirty(proc, *pid).map_err(|e| format!("clear_refs of {pid}: {e}"))?;
-        // Pages the restore made present beyond what the images hold must not look clean.
-        let vpid = ns_pid(proc, *pid).ok_or_else(|| format!("no NSpid for {pid}"))?;
-        let image = images.join(format!("pagemap-{vpid}.img"));
-        let ranges = match std::fs::read(&image) {
-            Ok(data) => pagemap_ranges(&data).map_err(|e| format!("{}: {e}", image.display()))?,
-            // A process without a pagemap image (a zombie's, a kernel thread's) has no memory of its own.
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(format!("cannot read {}: {e}", image.display())),
-        };
-        dirty_pages_outside(proc, *pid, &ranges).map_err(|e| format!("marking the pages of {pid} outside the images: {e}"))?;
     }
     let e = epoch(proc, &tree).ok_or("no start time of the restored threads")?;
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -471,53 +359,6 @@ mod tests {
         let s = dump_stats(&img).unwrap();
         assert_eq!(s, DumpStats { pages_scanned: 300, pages_skipped_parent: 290, pages_written: 10 });
         assert!(dump_stats(&img[..12]).is_err());
-    }
-
-    #[test]
-    fn reads_the_page_ranges_of_a_pagemap_image() {
-        // Common magic, pagemap magic, head {pages_id: 1}, entries {vaddr, nr_pages[, in_parent]}.
-        let mut img = 0x5456_4319u32.to_le_bytes().to_vec();
-        img.extend_from_slice(&0x5608_4025u32.to_le_bytes());
-        let mut entry = |msg: &[u8]| {
-            img.extend_from_slice(&(msg.len() as u32).to_le_bytes());
-            img.extend_from_slice(msg);
-        };
-        entry(&[0x08, 0x01]);
-        let mut e2 = vec![0x08];
-        write_varint(&mut e2, 0x7f00_0000_3000);
-        e2.extend_from_slice(&[0x10, 0x02, 0x18, 0x01]);
-        let mut e1 = vec![0x08];
-        write_varint(&mut e1, 0x40_0000);
-        e1.extend_from_slice(&[0x10, 0x03]);
-        entry(&e2);
-        entry(&e1);
-        let r = pagemap_ranges(&img).unwrap();
-        assert_eq!(r, vec![(0x40_0000, 3), (0x7f00_0000_3000, 2)]);
-        assert!(covered(&r, 0x40_0000) && covered(&r, 0x40_2000) && !covered(&r, 0x40_3000));
-        assert!(covered(&r, 0x7f00_0000_4000) && !covered(&r, 0x7f00_0000_2000) && !covered(&r, 0x10));
-    }
-
-    #[test]
-    fn marks_only_pages_outside_the_images() {
-        // On a stopped child, as CRIU's restored tasks are at pre-resume.
-        use nix::sys::signal::{kill, Signal};
-        use nix::unistd::Pid;
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
-        let pid = child.id() as i32;
-        kill(Pid::from_raw(pid), Signal::SIGSTOP).unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        let proc = Path::new("/proc");
-        assert_eq!(ns_pid(proc, pid), Some(pid));
-        let everything = [(0u64, u64::MAX / PAGE)];
-        assert_eq!(dirty_pages_outside(proc, pid, &everything).unwrap(), 0);
-        let touched = dirty_pages_outside(proc, pid, &[]).unwrap();
-        assert!(touched >= 1, "its stack and heap pages: {touched}");
-        kill(Pid::from_raw(pid), Signal::SIGCONT).unwrap();
-        // Rewriting pages with their own content changes nothing: the child still runs.
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        assert!(child.try_wait().unwrap().is_none(), "the child survived");
-        child.kill().unwrap();
-        let _ = child.wait();
     }
 
     #[test]

@@ -41,6 +41,5 @@ fn pre_resume() -> Result<(), String> {
         .and_then(|p| p.parse().ok())
         .ok_or("CRTOOLS_INIT_PID is not set")?;
     let out = std::env::var_os("PLANARIAN_EPOCH_FILE").ok_or("PLANARIAN_EPOCH_FILE is not set")?;
-    let images = std::env::var_os("CRTOOLS_IMAGE_DIR").ok_or("CRTOOLS_IMAGE_DIR is not set")?;
-    criu_hooks::pre_resume(init, Path::new(&images), Path::new(&out))
+    criu_hooks::pre_resume(init, Path::new(&out))
 }

@@ -164,7 +164,7 @@ fn restore_terminal(criu_bin: &Path, plan: &criu::RestorePlan, console: &Path, h
             "setup-namespaces" | "post-restore" => root = root.or(n.pid),
             "pre-resume" if hook => {
                 // As with the action script, a failure here only costs a full next dump.
-                let r = root.ok_or_else(|| "criu named no root task".to_string()).and_then(|r| criu_hooks::pre_resume(r, plan.images_dir, epoch_file));
+                let r = root.ok_or_else(|| "criu named no root task".to_string()).and_then(|r| criu_hooks::pre_resume(r, epoch_file));
                 if let Err(e) = r {
                     let _ = std::fs::write(plan.work_dir.join("pre-resume.err"), e);
                 }
