@@ -19,17 +19,26 @@ fn pages_written(dir: &Path) -> u64 {
 }
 
 fn criu(args: &[&str], dir: &Path) {
-    let st = Command::new("criu").args(args).current_dir(dir).stdin(Stdio::null()).status().unwrap();
-    if !st.success() {
-        let log = std::fs::read_to_string(dir.join("dump.log")).unwrap_or_default();
-        let tail: Vec<&str> = log.lines().rev().take(25).collect();
-        panic!("criu {args:?} failed; end of its log:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+    if let Err(e) = try_criu(args, dir) {
+        panic!("{e}");
     }
 }
 
+/// Runs criu; on failure, the error lines of its log.
+fn try_criu(args: &[&str], dir: &Path) -> Result<(), String> {
+    let st = Command::new("criu").args(args).current_dir(dir).stdin(Stdio::null()).status().unwrap();
+    if st.success() {
+        return Ok(());
+    }
+    let log = std::fs::read_to_string(dir.join("dump.log")).unwrap_or_default();
+    let errors: Vec<&str> = log.lines().filter(|l| l.contains("Error")).collect();
+    Err(format!("criu {args:?} failed:\n{}", errors.join("\n")))
+}
+
 /// A process with 64 MiB of memory rewriting one page every 200 ms; dump, restore (with or
-/// without the hook), dump again incrementally; returns pages written by the second dump.
-fn second_dump_pages(work: &Path, with_hook: bool) -> u64 {
+/// without the hook), dump again incrementally; returns pages written by the second dump, or
+/// CRIU's refusal of it.
+fn second_dump_pages(work: &Path, with_hook: bool) -> Result<u64, String> {
     let _ = std::fs::remove_dir_all(work);
     let (d1, d2) = (work.join("d1"), work.join("d2"));
     std::fs::create_dir_all(&d1).unwrap();
@@ -61,17 +70,29 @@ fn second_dump_pages(work: &Path, with_hook: bool) -> u64 {
         cmd(hooks_bin().to_str().unwrap(), ["set-dump-uptime", d1.join("inventory.img").to_str().unwrap(), &(e * 1_000_000 / clk).to_string()]).ok();
     }
     std::thread::sleep(Duration::from_secs(1));
-    criu(&["dump", "-t", &pid, "-D", d2.to_str().unwrap(), "-o", "dump.log", "--track-mem", "--prev-images-dir", "../d1", "--leave-running"], &d2);
+    let r = try_criu(&["dump", "-t", &pid, "-D", d2.to_str().unwrap(), "-o", "dump.log", "--track-mem", "--prev-images-dir", "../d1", "--leave-running"], &d2);
     let _ = cmd("kill", ["-9", &pid]);
-    pages_written(&d2)
+    r.map(|()| pages_written(&d2))
 }
 
 #[test]
 fn first_dump_after_restore_is_incremental_with_the_pre_resume_hook() {
     require_stack!();
     let base = Path::new("/var/lib/planarian/test-algorithm1");
-    let plain = second_dump_pages(&base.join("plain"), false);
-    let hooked = second_dump_pages(&base.join("hook"), true);
+    let plain = second_dump_pages(&base.join("plain"), false).unwrap();
+    // Known CRIU interaction: when the restore itself made pages present beyond the images (a
+    // transparent huge page filling the holes of a restored range), CRIU can refuse the next
+    // incremental dump ("Missing … in parent pagemap"); planarian then dumps in full (see
+    // chains.rs). It is intermittent: the scenario gets three attempts, any other error fails.
+    let mut hooked = Err(String::new());
+    for _ in 0..3 {
+        hooked = second_dump_pages(&base.join("hook"), true);
+        match &hooked {
+            Err(e) if e.contains("in parent pagemap") => eprintln!("CRIU refused the incremental dump, retrying the scenario: {e}"),
+            _ => break,
+        }
+    }
+    let hooked = hooked.unwrap();
     let _ = std::fs::remove_dir_all(base);
     eprintln!("first dump after restore: {plain} pages without the hook, {hooked} with it");
     // 64 MiB is 16384 pages: without the hook CRIU dumps them all again. With it, only what
