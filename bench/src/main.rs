@@ -288,11 +288,13 @@ fn statepoint_inner(mem: u32, files: u32, iterations: usize) -> Result<(), Strin
 }
 
 /// One measured operation: wall time, bytes the statepoint store gained, memory pages written.
-#[derive(Default, Clone, Copy)]
+#[derive(Default, Clone)]
 struct Cost {
     ms: f64,
     bytes: u64,
     pages: u64,
+    /// Why a dump was full, as its manifest says.
+    full_reason: Option<String>,
 }
 
 const PLANARIAN: &str = "/usr/local/bin/planarian";
@@ -309,7 +311,8 @@ fn snapshot_cost(ctr: &str) -> Result<(String, Cost), String> {
     let m = manifest(ctr, &sp)?;
     let meas = &m["measurements"];
     let bytes = meas["criu-bytes"].as_u64().unwrap_or(0) + meas["rootfs-bytes"].as_u64().unwrap_or(0);
-    Ok((sp, Cost { ms, bytes, pages: meas["pages-written"].as_u64().unwrap_or(0) }))
+    let full_reason = m["chain"]["full-reason"].as_str().map(String::from);
+    Ok((sp, Cost { ms, bytes, pages: meas["pages-written"].as_u64().unwrap_or(0), full_reason }))
 }
 
 /// Second snapshot, rollback, first snapshot after the rollback, fork, first snapshot in the fork.
@@ -377,10 +380,17 @@ fn chains(args: &[String]) -> i32 {
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     let names = ["second snapshot", "rollback", "first snapshot after rollback", "fork", "first snapshot in the fork"];
     for (i, n) in names.iter().enumerate() {
-        let (p, c, f) = (results[0][i], results[1][i], results[2][i]);
+        let (p, c, f) = (&results[0][i], &results[1][i], &results[2][i]);
         let pages = if p.pages + c.pages + f.pages > 0 { format!("{} / {} / {}", p.pages, c.pages, f.pages) } else { "-".into() };
         let bytes = if p.bytes + c.bytes + f.bytes > 0 { format!("{:.1} / {:.1} / {:.1}", mb(p.bytes), mb(c.bytes), mb(f.bytes)) } else { "-".into() };
         println!("| {n} | {:.0} | {:.0} | {:.0} | {:.2}x | {:.2}x | {pages} | {bytes} |", p.ms, c.ms, f.ms, c.ms / p.ms, f.ms / p.ms);
+    }
+    for (s, (tag, _)) in results.iter().zip(systems) {
+        for (i, c) in s.iter().enumerate() {
+            if let Some(why) = &c.full_reason {
+                println!("  {tag}, {}: full dump: {why}", names[i]);
+            }
+        }
     }
     let p = &results[0];
     println!("planarian: first snapshot after rollback / second snapshot = {:.2}x; first in fork / second = {:.2}x", p[2].ms / p[0].ms, p[4].ms / p[0].ms);

@@ -69,6 +69,7 @@ fn fork_into(cfg: &Config, src: &podman::PodmanContainer, src_store: &ContainerS
     podman::run(&["container", "init", name])?;
     podman::run(&["container", "stop", "-t", "0", name])?;
     let new = podman::inspect(name)?;
+    carry_settings(src, &new)?;
     let upperdir = new.upperdir.clone().ok_or("the new container has no overlay writable layer")?;
     podman::wait_stopped(&new.id, Some(&upperdir), Duration::from_secs(60))?;
     let store = ContainerStore::new(&cfg.store.path, &new.id);
@@ -87,6 +88,28 @@ fn fork_into(cfg: &Config, src: &podman::PodmanContainer, src_store: &ContainerS
     }
     args.push(&new.id);
     podman::run(&args)
+}
+
+/// `podman container clone` does not copy annotations: the fork gets the source's
+/// `io.planarian.*` settings in the OCI config its restore reads (and Podman saves it again).
+fn carry_settings(src: &podman::PodmanContainer, new: &podman::PodmanContainer) -> Result<(), String> {
+    let settings: Vec<(String, serde_json::Value)> = src
+        .annotations
+        .iter()
+        .filter(|(k, _)| k.starts_with(crate::config::ANNOTATION_PREFIX))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    if settings.is_empty() {
+        return Ok(());
+    }
+    let path = new.bundle.join("config.json");
+    let mut spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?).map_err(|e| format!("{}: {e}", path.display()))?;
+    let annotations = spec.as_object_mut().ok_or("config.json is not an object")?.entry("annotations").or_insert_with(|| serde_json::json!({}));
+    for (k, v) in settings {
+        annotations[k] = v;
+    }
+    crate::install::write_atomic(&path, serde_json::to_string(&spec).unwrap().as_bytes(), 0o644)
 }
 
 /// The new container's first statepoint: the source statepoint's images, files and descriptors,

@@ -14,6 +14,7 @@ pub struct PodmanContainer {
     /// The bundle (Podman's userdata directory).
     pub bundle: PathBuf,
     pub upperdir: Option<PathBuf>,
+    pub annotations: serde_json::Map<String, serde_json::Value>,
 }
 
 pub fn podman() -> Result<PathBuf, String> {
@@ -39,6 +40,7 @@ pub fn inspect(name: &str) -> Result<PodmanContainer, String> {
         runtime: s(&c["OCIRuntime"]),
         bundle: PathBuf::from(s(&c["StaticDir"])),
         upperdir: c["GraphDriver"]["Data"]["UpperDir"].as_str().map(PathBuf::from),
+        annotations: c["Config"]["Annotations"].as_object().cloned().unwrap_or_default(),
     })
 }
 
