@@ -151,6 +151,13 @@ pub fn first_error(log: &Path) -> Option<String> {
     Some(first)
 }
 
+/// Whether CRIU finished its dump log with an error about the parent images (it refused an
+/// incremental dump), as opposed to being killed or failing for another reason.
+pub fn refused_parent(log: &Path) -> bool {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.contains("Dumping FAILED") && text.lines().any(|l| l.contains("Error") && l.contains("parent"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -205,6 +212,19 @@ mod tests {
         assert!(a.contains(&format!("--ext-mount-map {f}:{f}")), "{a}");
         assert!(!a.contains("/nonexistent/firmware"), "{a}");
         assert!(!a.contains("--file-locks") && !a.contains("--prev-images-dir"), "{a}");
+    }
+
+    #[test]
+    fn only_a_refusal_over_the_parent_is_retried() {
+        let log = std::env::temp_dir().join(format!("planarian-dumplog-{}", std::process::id()));
+        std::fs::write(&log, "(00.1) Error (criu/page-xfer.c:284): page-xfer: Missing 7f00 in parent pagemap\n(00.2) Error (criu/cr-dump.c:2053): Dumping FAILED.\n").unwrap();
+        assert!(refused_parent(&log));
+        // CRIU killed mid-dump: no "Dumping FAILED".
+        std::fs::write(&log, "(00.1) Error (criu/page-xfer.c:284): page-xfer: Missing 7f00 in parent pagemap\n").unwrap();
+        assert!(!refused_parent(&log));
+        std::fs::write(&log, "(00.1) Error (criu/mount.c:1): no mount\n(00.2) Error (criu/cr-dump.c:2053): Dumping FAILED.\n").unwrap();
+        assert!(!refused_parent(&log));
+        std::fs::remove_file(&log).unwrap();
     }
 
     #[test]

@@ -191,7 +191,9 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
             }
         };
         if let Err(e) = dump(&incremental) {
-            if plan.prev_images_dir.is_none() {
+            // Only a dump CRIU itself refused over its parent images is retried: after a killed
+            // or crashed CRIU the tasks are left alone (the error goes back, nothing committed).
+            if plan.prev_images_dir.is_none() || !criu::refused_parent(&images.join("dump.log")) {
                 return Err(e);
             }
             // An incremental dump CRIU refused is retried in full, still frozen: slower, never
