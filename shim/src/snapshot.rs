@@ -204,6 +204,9 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
             dump(&criu::DumpPlan { prev_images_dir: None, ..incremental })?;
             m.chain = store::Chain { prev_images_dir: None, depth: 0, full_reason: Some(format!("the incremental dump failed ({e}); dumped in full")) };
         }
+        if !images.join("inventory.img").exists() {
+            return Err(format!("criu reported success but wrote no images into {}", images.display()));
+        }
         m.measurements.criu_dump_ms = ms(td);
         if let Some(st) = crate::chain::dump_stats(&images) {
             m.measurements.pages_written = st.pages_written;

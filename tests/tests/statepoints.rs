@@ -228,10 +228,11 @@ fn planarian_killed_mid_checkpoint_is_recovered_by_the_next_one() {
             .unwrap();
         // Wait until the container is frozen by the checkpoint in progress, then kill planarian
         // (and everything it started) the hard way.
-        assert!(wait_for(Duration::from_secs(60), || cmd("sh", ["-c", "pgrep -f 'sleep 600' >/dev/null"]).code == Some(0)));
+        // (pgrep and pkill never match themselves; a shell around them would.)
+        assert!(wait_for(Duration::from_secs(60), || cmd("pgrep", ["-f", "^sleep 600"]).code == Some(0)));
         std::thread::sleep(Duration::from_millis(500));
-        let _ = cmd("pkill", ["-9", "-f", "planarian checkpoint"]);
-        let _ = cmd("pkill", ["-9", "-f", "sleep 600"]);
+        let _ = cmd("pkill", ["-9", "-f", "planarian snapshot"]);
+        let _ = cmd("pkill", ["-9", "-f", "^sleep 600"]);
         child
     };
     let mut child = child;
