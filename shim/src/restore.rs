@@ -136,6 +136,13 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         tcp_established: a.criu.tcp_established || m.options.tcp_established,
         file_locks: a.criu.file_locks || m.options.file_locks,
     };
+    if hooks.is_ok() {
+        // The restored tasks inherit this (CRIU keeps it): without it, writing a restored page into
+        // an empty 2 MiB range can get a whole transparent huge page, filling the images' holes
+        // with pages in no image that the cleared soft-dirty bits would call unchanged, and CRIU
+        // then refuses the next incremental dump ("Missing … in parent pagemap").
+        let _ = nix::sys::prctl::set_thp_disable(true);
+    }
     let pid: i32 = if spec.terminal {
         restore_terminal(&criu_bin, &plan, a.console_socket.as_deref().unwrap(), hooks.is_ok(), &epoch_file)?
     } else {
