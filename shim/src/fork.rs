@@ -10,7 +10,9 @@
 //!    rootfs) into NEW's bundle, which a restore reads — a never-started container has none;
 //! 3. NEW gets a statepoint of its own: the statepoint's memory images and every older image of
 //!    its chain hard-linked into NEW's store (no data copied; removing CTR later breaks nothing),
-//!    and its files put in NEW's writable layer (copied: this is the copy-based file path);
+//!    and its files: on ZFS NEW's dataset is a clone of the statepoint's snapshot (made before
+//!    step 2, so NEW's config points at it), on the copy-based path they are copied into NEW's
+//!    writable layer;
 //! 4. `podman container restore NEW` runs `planarian restore` through conmon, exactly as for a
 //!    rollback, so NEW's first snapshot is incremental on its own base.
 //!
@@ -19,7 +21,6 @@
 use crate::cli::Invocation;
 use crate::config::Config;
 use crate::podman;
-use crate::rootfs::{CopyRootfs, Rootfs};
 use crate::store::{ContainerStore, Manifest, Status};
 use clap::Parser;
 use std::ffi::OsString;
@@ -56,7 +57,9 @@ pub fn main(_inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         let removed = podman::inspect(&a.name).ok();
         let _ = podman::run(&["rm", "-f", &a.name]);
         if let Some(c) = removed {
-            let _ = std::fs::remove_dir_all(ContainerStore::new(&cfg.store.path, &c.id).dir);
+            let store = ContainerStore::new(&cfg.store.path, &c.id);
+            let _ = crate::zfs_rootfs::remove_container(&cfg, &store);
+            let _ = std::fs::remove_dir_all(store.dir);
         }
         return Err(format!("fork failed, nothing was created: {e}"));
     }
@@ -66,19 +69,35 @@ pub fn main(_inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
 }
 
 fn fork_into(cfg: &Config, src: &podman::PodmanContainer, src_store: &ContainerStore, target: &Manifest, name: &str) -> Result<(), String> {
+    let src_cfg = src_config(cfg, src)?;
+    let src_zfs = crate::zfs_rootfs::mapping(src_store);
+    if let (Some(map), Some(snap)) = (&src_zfs, &target.local_state.zfs_snapshot) {
+        // NEW's dataset exists before its first create, which points NEW's config at it.
+        let new = podman::inspect(name)?;
+        let store = ContainerStore::new(&cfg.store.path, &new.id);
+        let _lock = src_store.lock(true)?;
+        crate::zfs_rootfs::fork_into(&src_cfg, map, snap, &store, &new.id, &new.bundle)?;
+    }
     podman::run(&["container", "init", name])?;
     podman::run(&["container", "stop", "-t", "0", name])?;
     let new = podman::inspect(name)?;
     carry_settings(src, &new)?;
-    let upperdir = new.upperdir.clone().ok_or("the new container has no overlay writable layer")?;
-    podman::wait_stopped(&new.id, Some(&upperdir), Duration::from_secs(60))?;
+    podman::wait_stopped(&new.id, new.upperdir.as_deref(), Duration::from_secs(60))?;
     let store = ContainerStore::new(&cfg.store.path, &new.id);
     let m = {
         // The source's lock, so that no removal or retention runs while its images are linked.
         let _lock = src_store.lock(true)?;
-        let m = link_statepoint(src, src_store, target, &store)?;
-        let saved = store.statepoint_dir(&m.statepoint_id).join(m.local_state.rootfs_copy_path.as_deref().unwrap_or("rootfs"));
-        CopyRootfs { upperdir }.restore(&saved)?.commit();
+        let mut m = link_statepoint(src, src_store, target, &store)?;
+        let rootfs = crate::rootfs::for_container(&src_cfg, &store, &new.id, new.upperdir.clone())?;
+        if m.local_state.zfs_snapshot.is_some() {
+            // NEW's files already are the statepoint's (a clone): its first statepoint is a
+            // snapshot of them, taken before it ever ran.
+            rootfs.plan(&m.statepoint_id, &mut m.local_state);
+            rootfs.snapshot(&store.statepoint_dir(&m.statepoint_id), &m.local_state)?;
+            store.write_manifest(&m)?;
+        } else {
+            rootfs.restore(&store.statepoint_dir(&m.statepoint_id), &m.local_state)?.commit();
+        }
         m
     };
     crate::snapshot::leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None)?;
@@ -88,6 +107,12 @@ fn fork_into(cfg: &Config, src: &podman::PodmanContainer, src_store: &ContainerS
     }
     args.push(&new.id);
     podman::run(&args)
+}
+
+/// The configuration the source container runs with (its `io.planarian.*` annotations applied).
+fn src_config(cfg: &Config, src: &podman::PodmanContainer) -> Result<Config, String> {
+    let a: Vec<(String, String)> = src.annotations.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect();
+    cfg.with_annotations(a.iter().map(|(k, v)| (k.as_str(), v.as_str()))).map_err(|e| e.to_string())
 }
 
 /// `podman container clone` does not copy annotations: the fork gets the source's

@@ -26,6 +26,7 @@ mod doctor;
 mod install;
 mod log;
 mod tools;
+mod zfs_rootfs;
 
 use cli::Invocation;
 use std::os::unix::process::CommandExt;
@@ -67,6 +68,7 @@ fn run(inv: &Invocation) -> Result<i32, String> {
         Some("doctor") => doctor::main(inv.verb_args()),
         Some("install") => install::main(inv.verb_args()),
         Some("config") => config_cmd::main(inv, inv.verb_args()),
+        Some("gc") => zfs_rootfs::gc_main(inv.verb_args()),
         _ => Err(passthrough(inv)),
     }
 }
@@ -83,6 +85,17 @@ fn passthrough(inv: &Invocation) -> String {
     };
     // A tool call (exec) takes the container's shared lock, so it cannot start while a snapshot
     // or rollback holds the exclusive one. crun inherits the locked fd and holds it until it exits.
+    // A container on a ZFS dataset runs on it (create points its config there); its removal
+    // removes the dataset.
+    match inv.verb() {
+        Some("create") => {
+            if let Err(e) = zfs_rootfs::on_create(&cfg, inv.verb_args()) {
+                return e;
+            }
+        }
+        Some("delete") => zfs_rootfs::on_delete(&cfg, inv.verb_args()),
+        _ => {}
+    }
     let _lock = match inv.verb() {
         Some("exec") => match cli::exec_container_id(inv.verb_args()) {
             Some(id) => match shared_tool_lock(&cfg, id) {

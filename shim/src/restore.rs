@@ -70,6 +70,7 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     };
     let image_path = a.image_path.clone().unwrap_or_else(|| bundle.join("checkpoint"));
     let (ctr_id, sp_id) = read_marker(&image_path)?;
+    crate::zfs_rootfs::prepare_bundle(&cfg, &a.container_id, &bundle)?;
     let spec = Spec::load(&bundle)?;
     let cfg = spec.configure(&cfg)?;
     let store = ContainerStore::new(&cfg.store.path, &ctr_id);

@@ -9,7 +9,6 @@
 use crate::cli::Invocation;
 use crate::config::Config;
 use crate::podman::{self, PodmanContainer};
-use crate::rootfs::{CopyRootfs, Rootfs};
 use crate::snapshot::{self, Ctx, SnapshotRequest};
 use crate::store::{ContainerStore, Manifest};
 use std::ffi::OsString;
@@ -41,10 +40,20 @@ pub fn planarian_container(name: &str) -> Result<PodmanContainer, String> {
 }
 
 fn rollback(inv: &Invocation, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest) -> Result<(), String> {
-    let upperdir = pc.upperdir.clone().ok_or("the container has no overlay writable layer")?;
-    let saved = store.statepoint_dir(&target.statepoint_id).join(target.local_state.rootfs_copy_path.as_deref().unwrap_or("rootfs"));
-    if !saved.exists() {
-        return Err(format!("statepoint {}'s files are missing from {}", target.statepoint_id, saved.display()));
+    let cfg = Config::load().map_err(|e| e.to_string())?;
+    let rootfs = crate::rootfs::for_container(&cfg, store, &pc.id, pc.upperdir.clone())?;
+    if rootfs.backend() != target.local_state.rootfs_backend {
+        return Err(format!(
+            "statepoint {} keeps its files on the {} path but the container now uses the {} path",
+            target.statepoint_id, target.local_state.rootfs_backend, rootfs.backend()
+        ));
+    }
+    let saved = store.statepoint_dir(&target.statepoint_id);
+    crate::zfs_rootfs::check_available(&cfg, store, &target.local_state)?;
+    if let Some(copy) = &target.local_state.rootfs_copy_path {
+        if !saved.join(copy).exists() {
+            return Err(format!("statepoint {}'s files are missing from {}", target.statepoint_id, saved.join(copy).display()));
+        }
     }
 
     // 1. Keep the current state until the restore succeeded.
@@ -63,7 +72,7 @@ fn rollback(inv: &Invocation, pc: &PodmanContainer, store: &ContainerStore, targ
                     description: Some(format!("before rollback to {}", target.statepoint_id)),
                 },
             )?;
-            podman::wait_stopped(&pc.id, Some(&upperdir), Duration::from_secs(60))?;
+            podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
             Some(m)
         }
         _ => None,
@@ -71,7 +80,7 @@ fn rollback(inv: &Invocation, pc: &PodmanContainer, store: &ContainerStore, targ
 
     // 2. Remote state first (the sandbox is stopped, nothing calls out), then files, processes.
     let result = crate::remote::compensate(&target.remote_state, &pc.id)
-        .and_then(|()| CopyRootfs { upperdir: upperdir.clone() }.restore(&saved))
+        .and_then(|()| rootfs.restore(&saved, &target.local_state))
         .and_then(|files| match podman_restore(store, pc, target) {
             Ok(()) => {
                 files.commit();

@@ -3,19 +3,35 @@
 //! [`Rootfs`] is the interface; [`CopyRootfs`] is the path that works on every host: a full copy
 //! of the container's writable layer (the overlay upper directory, with its whiteouts and opaque
 //! directories, so deletions of image files are captured too), taken while the container is
-//! frozen. A ZFS implementation snapshots and clones datasets instead.
+//! frozen. [`crate::zfs_rootfs::ZfsRootfs`] snapshots and clones ZFS datasets instead.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use crate::store::LocalState;
 
 pub trait Rootfs {
     /// The name recorded in the manifest ("copy", "zfs").
     fn backend(&self) -> &'static str;
-    /// Captures the files into `dest` (inside the statepoint directory). Container frozen.
-    fn snapshot(&self, dest: &Path) -> Result<(), String>;
-    /// Makes the files exactly what `saved` holds. The container's rootfs is not mounted.
-    /// Returns a guard that, unless committed, puts the previous files back.
-    fn restore(&self, saved: &Path) -> Result<RestoreGuard, String>;
+    /// Where statepoint `sp` (directory `sp_dir`) will keep its files: the manifest's fields,
+    /// written before the snapshot so a crash half-way can be cleaned up.
+    fn plan(&self, sp: &str, local: &mut LocalState);
+    /// Captures the files as `local` says. Container frozen.
+    fn snapshot(&self, sp_dir: &Path, local: &LocalState) -> Result<(), String>;
+    /// Drops what [`Rootfs::snapshot`] captured, for a statepoint that is not committed.
+    fn discard(&self, sp_dir: &Path, local: &LocalState);
+    /// Makes the files exactly what statepoint `local` (in `sp_dir`) holds. The container does
+    /// not run. Returns a guard that, unless committed, puts the previous files back.
+    fn restore(&self, sp_dir: &Path, local: &LocalState) -> Result<RestoreGuard, String>;
+}
+
+/// The files path of a container: its ZFS dataset when it has one, else a copy of its overlay
+/// writable layer.
+pub fn for_container(cfg: &crate::config::Config, store: &crate::store::ContainerStore, id: &str, upperdir: Option<PathBuf>) -> Result<Box<dyn Rootfs>, String> {
+    if let Some(z) = crate::zfs_rootfs::ZfsRootfs::for_container(cfg, store, id)? {
+        return Ok(Box::new(z));
+    }
+    let upperdir = upperdir.ok_or_else(|| format!("container {id}'s rootfs is neither a ZFS dataset nor an overlay: planarian cannot keep its files"))?;
+    Ok(Box::new(CopyRootfs { upperdir }))
 }
 
 pub struct CopyRootfs {
@@ -52,11 +68,26 @@ impl Rootfs for CopyRootfs {
         "copy"
     }
 
-    fn snapshot(&self, dest: &Path) -> Result<(), String> {
-        copy_tree(&self.upperdir, dest)
+    fn plan(&self, _sp: &str, local: &mut LocalState) {
+        local.rootfs_backend = self.backend().into();
+        local.rootfs_copy_path = Some("rootfs".into());
+        local.rootfs_upperdir = Some(self.upperdir.display().to_string());
+        local.zfs_snapshot = None;
     }
 
-    fn restore(&self, saved: &Path) -> Result<RestoreGuard, String> {
+    fn snapshot(&self, sp_dir: &Path, local: &LocalState) -> Result<(), String> {
+        copy_tree(&self.upperdir, &sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs")))
+    }
+
+    fn discard(&self, sp_dir: &Path, local: &LocalState) {
+        let _ = std::fs::remove_dir_all(sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs")));
+    }
+
+    fn restore(&self, sp_dir: &Path, local: &LocalState) -> Result<RestoreGuard, String> {
+        let saved = sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs"));
+        if !saved.exists() {
+            return Err(format!("the statepoint's files are missing from {}", saved.display()));
+        }
         if crate::container::upperdir_mounted(&self.upperdir) {
             return Err(format!("the container's files are still mounted ({}); stop it first", self.upperdir.display()));
         }
@@ -65,7 +96,7 @@ impl Rootfs for CopyRootfs {
         let fresh = parent.join(format!("{name}.planarian-new"));
         let old = parent.join(format!("{name}.planarian-old"));
         let _ = std::fs::remove_dir_all(&fresh);
-        copy_tree(saved, &fresh)?;
+        copy_tree(&saved, &fresh)?;
         // A leftover from a crash: the current upper dir is the truth, drop the old copy.
         let _ = std::fs::remove_dir_all(&old);
         std::fs::rename(&self.upperdir, &old).map_err(|e| format!("cannot move {} aside: {e}", self.upperdir.display()))?;
@@ -73,21 +104,36 @@ impl Rootfs for CopyRootfs {
             let _ = std::fs::rename(&old, &self.upperdir);
             return Err(format!("cannot put the statepoint's files in place: {e}"));
         }
-        Ok(RestoreGuard { current: self.upperdir.clone(), previous: Some(old) })
+        let current = self.upperdir.clone();
+        let previous = old.clone();
+        Ok(RestoreGuard::new(
+            Box::new(move || {
+                let _ = std::fs::remove_dir_all(&current);
+                std::fs::rename(&previous, &current).map_err(|e| format!("cannot put the previous files back: {e}"))
+            }),
+            Box::new(move || {
+                let _ = std::fs::remove_dir_all(old);
+            }),
+        ))
     }
 }
 
 /// Keeps the files as they were before a restore until [`RestoreGuard::commit`]; dropping it
 /// uncommitted puts them back.
 pub struct RestoreGuard {
-    current: PathBuf,
-    previous: Option<PathBuf>,
+    undo: Option<Box<dyn FnOnce() -> Result<(), String>>>,
+    commit: Option<Box<dyn FnOnce()>>,
 }
 
 impl RestoreGuard {
+    pub fn new(undo: Box<dyn FnOnce() -> Result<(), String>>, commit: Box<dyn FnOnce()>) -> RestoreGuard {
+        RestoreGuard { undo: Some(undo), commit: Some(commit) }
+    }
+
     pub fn commit(mut self) {
-        if let Some(old) = self.previous.take() {
-            let _ = std::fs::remove_dir_all(old);
+        self.undo = None;
+        if let Some(c) = self.commit.take() {
+            c();
         }
     }
 
@@ -97,9 +143,11 @@ impl RestoreGuard {
     }
 
     fn undo_inner(&mut self) -> Result<(), String> {
-        let Some(old) = self.previous.take() else { return Ok(()) };
-        let _ = std::fs::remove_dir_all(&self.current);
-        std::fs::rename(&old, &self.current).map_err(|e| format!("cannot put the previous files back: {e}"))
+        self.commit = None;
+        match self.undo.take() {
+            Some(u) => u(),
+            None => Ok(()),
+        }
     }
 }
 
@@ -122,11 +170,15 @@ mod tests {
         std::fs::write(upper.join("etc/app.conf"), "v1").unwrap();
         std::os::unix::fs::symlink("app.conf", upper.join("etc/link")).unwrap();
         let r = CopyRootfs { upperdir: upper.clone() };
-        r.snapshot(&base.join("sp1")).unwrap();
+        let mut local = LocalState::default();
+        r.plan("sp1", &mut local);
+        let sp1 = base.join("sp1");
+        std::fs::create_dir_all(&sp1).unwrap();
+        r.snapshot(&sp1, &local).unwrap();
 
         std::fs::write(upper.join("etc/app.conf"), "v2").unwrap();
         std::fs::write(upper.join("new-file"), "x").unwrap();
-        let guard = r.restore(&base.join("sp1")).unwrap();
+        let guard = r.restore(&sp1, &local).unwrap();
         assert_eq!(std::fs::read_to_string(upper.join("etc/app.conf")).unwrap(), "v1");
         assert!(!upper.join("new-file").exists());
         assert_eq!(std::fs::read_link(upper.join("etc/link")).unwrap(), Path::new("app.conf"));
@@ -134,7 +186,7 @@ mod tests {
         assert_eq!(std::fs::read_to_string(upper.join("etc/app.conf")).unwrap(), "v2");
         assert!(upper.join("new-file").exists());
 
-        let guard = r.restore(&base.join("sp1")).unwrap();
+        let guard = r.restore(&sp1, &local).unwrap();
         guard.commit();
         assert!(!base.join("diff.planarian-old").exists());
         assert_eq!(std::fs::read_to_string(upper.join("etc/app.conf")).unwrap(), "v1");

@@ -9,7 +9,6 @@ use crate::config::Config;
 use crate::container::{self, Container};
 use crate::criu;
 use crate::freezer::Freezer;
-use crate::rootfs::{CopyRootfs, Rootfs};
 use crate::store::{self, ContainerStore, Manifest, Status};
 use clap::Parser;
 use std::ffi::OsString;
@@ -98,8 +97,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
             return Err(format!("a statepoint named {n} already exists"));
         }
     }
-    let upperdir = container::overlay_upperdir_of(pid)?
-        .ok_or_else(|| format!("container {}'s rootfs is not an overlay: no copy-based file path for it", ctx.ctr.id))?;
+    let rootfs = crate::rootfs::for_container(&ctx.cfg, &ctx.store, &ctx.ctr.id, container::overlay_upperdir_of(pid)?)?;
     let netns_inode = match &ctx.ctr.spec.netns_path {
         Some(p) => Some({
             use std::os::unix::fs::MetadataExt;
@@ -108,7 +106,6 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         None => None,
     };
     let freezer = Freezer::of_pid(pid)?;
-    let rootfs = CopyRootfs { upperdir: upperdir.clone() };
 
     let id = ctx.store.next_id();
     let dir = ctx.store.statepoint_dir(&id);
@@ -124,13 +121,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         timestamp: crate::log::rfc3339(std::time::SystemTime::now()),
         name: req.name.clone(),
         state_evidence: store::Evidence { state_description: req.description.clone().unwrap_or_default(), prior_outcomes: vec![] },
-        local_state: store::LocalState {
-            criu_checkpoint_path: "criu".into(),
-            zfs_snapshot: None,
-            rootfs_backend: rootfs.backend().into(),
-            rootfs_copy_path: Some("rootfs".into()),
-            rootfs_upperdir: Some(upperdir.display().to_string()),
-        },
+        local_state: store::LocalState { criu_checkpoint_path: "criu".into(), ..Default::default() },
         remote_state: vec![],
         status: Status::Pending,
         internal: req.internal,
@@ -142,6 +133,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         measurements: store::Measurements::default(),
         chain: store::Chain { prev_images_dir: plan.prev_images_dir.clone(), depth: plan.depth, full_reason: plan.full_reason.clone() },
     };
+    rootfs.plan(&id, &mut m.local_state);
     let fail = |e: String| -> String {
         // Keep CRIU's log of the failed attempt where an operator finds it; nothing else stays.
         let _ = std::fs::copy(images.join("dump.log"), ctx.store.dir.join("failed-dump.log"));
@@ -216,16 +208,22 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
             return Err("the container thawed during the dump: the statepoint would not be consistent".into());
         }
         let tr = Instant::now();
-        rootfs.snapshot(&dir.join("rootfs"))?;
+        rootfs.snapshot(&dir, &m.local_state)?;
         m.measurements.rootfs_ms = ms(tr);
-        // Remote positions, with the sandbox still frozen: consistent with files and processes.
-        m.remote_state = crate::remote::capture(&ctx.cfg.hooks.remote, &ctx.ctr.id)?;
-        m.measurements.criu_bytes = store::du(&images);
-        m.measurements.rootfs_bytes = store::du(&dir.join("rootfs"));
-        m.measurements.frozen_ms = ms(tf);
-        m.measurements.total_ms = ms(t0);
-        m.status = Status::Committed;
-        ctx.store.write_manifest(&m)
+        let rest = (|| {
+            // Remote positions, with the sandbox still frozen: consistent with files and processes.
+            m.remote_state = crate::remote::capture(&ctx.cfg.hooks.remote, &ctx.ctr.id)?;
+            m.measurements.criu_bytes = store::du(&images);
+            m.measurements.rootfs_bytes = m.local_state.rootfs_copy_path.as_ref().map_or(0, |c| store::du(&dir.join(c)));
+            m.measurements.frozen_ms = ms(tf);
+            m.measurements.total_ms = ms(t0);
+            m.status = Status::Committed;
+            ctx.store.write_manifest(&m)
+        })();
+        if rest.is_err() {
+            rootfs.discard(&dir, &m.local_state);
+        }
+        rest
     })();
     if let Err(e) = result {
         thaw();

@@ -8,6 +8,7 @@
 //!     head                     the statepoint the running sandbox continues from
 //!     handoff                  a rollback handing its lock to the restore it started
 //!     statepoints/<id>/        manifest.json, criu/ (images), rootfs/ (copy-based files)
+//!     zfs.json                 the container's ZFS dataset, when it has one (zfs_rootfs.rs)
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -203,6 +204,9 @@ impl ContainerStore {
     pub fn discard_stale(&self) {
         for m in self.manifests() {
             if m.status == Status::Pending {
+                if let Some(snap) = &m.local_state.zfs_snapshot {
+                    let _ = crate::zfs_rootfs::destroy_snapshot(self, snap);
+                }
                 let _ = std::fs::remove_dir_all(self.statepoint_dir(&m.statepoint_id));
             }
         }
@@ -229,6 +233,9 @@ impl ContainerStore {
             if p.exists() {
                 std::fs::remove_dir_all(&p).map_err(|e| format!("cannot remove {}: {e}", p.display()))?;
             }
+        }
+        if let Some(snap) = &m.local_state.zfs_snapshot {
+            crate::zfs_rootfs::destroy_snapshot(self, snap)?;
         }
         if self.head().as_deref() == Some(id) {
             self.set_head(None)?;

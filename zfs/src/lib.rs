@@ -1,0 +1,288 @@
+//! Every ZFS operation planarian performs, through the `zfs` command line (OpenZFS and zfs-fuse
+//! speak the same one), with typed errors that carry the command and its stderr.
+//!
+//! Only what works on pool version 23 (zfs-fuse) is used: no `clones` or `written` properties;
+//! dependants are found through `origin`, and deferred destruction (`destroy -d`) keeps a
+//! snapshot a clone still needs.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// The pool is out of space.
+    NoSpace,
+    /// A mount is in use, or a dataset has dependants.
+    Busy,
+    /// The dataset or snapshot does not exist.
+    NotFound,
+    Other,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot run {bin}: {err}")]
+    Spawn { bin: PathBuf, err: std::io::Error },
+    #[error("`zfs {args}` failed: {stderr}")]
+    Command { args: String, stderr: String, kind: Kind },
+}
+
+impl Error {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Error::Spawn { .. } => Kind::Other,
+            Error::Command { kind, .. } => *kind,
+        }
+    }
+}
+
+fn classify(stderr: &str) -> Kind {
+    let s = stderr.to_ascii_lowercase();
+    if s.contains("out of space") || s.contains("no space left") {
+        Kind::NoSpace
+    } else if s.contains("busy") || s.contains("has dependent clones") || s.contains("has children") {
+        Kind::Busy
+    } else if s.contains("does not exist") || s.contains("no such") {
+        Kind::NotFound
+    } else {
+        Kind::Other
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// The `zfs` program, found by absolute path by the caller.
+#[derive(Debug, Clone)]
+pub struct Zfs {
+    pub bin: PathBuf,
+}
+
+/// A property's value and where it comes from (`local`, `default`, `inherited from …`, `-`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Property {
+    pub value: String,
+    pub source: String,
+}
+
+impl Property {
+    pub fn is_local(&self) -> bool {
+        self.source == "local"
+    }
+}
+
+impl Zfs {
+    pub fn new(bin: impl Into<PathBuf>) -> Zfs {
+        Zfs { bin: bin.into() }
+    }
+
+    /// Runs `zfs ARGS`, returning stdout.
+    pub fn run(&self, args: &[&str]) -> Result<String> {
+        let out = Command::new(&self.bin).args(args).output().map_err(|err| Error::Spawn { bin: self.bin.clone(), err })?;
+        if out.status.success() {
+            return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
+        }
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // The first line says what went wrong; zfs-fuse follows it with the whole usage text.
+        let stderr = stderr.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("(no message)").to_string();
+        Err(Error::Command { args: args.join(" "), kind: classify(&stderr), stderr })
+    }
+
+    pub fn exists(&self, name: &str) -> Result<bool> {
+        match self.run(&["list", "-H", "-o", "name", "-t", "all", name]) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == Kind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub fn create(&self, name: &str, props: &[(&str, &str)]) -> Result<()> {
+        let opts = options(props);
+        let mut args: Vec<&str> = vec!["create"];
+        args.extend(opts.iter().map(String::as_str));
+        args.push(name);
+        self.run(&args).map(drop)
+    }
+
+    pub fn snapshot(&self, snap: &str) -> Result<()> {
+        self.run(&["snapshot", snap]).map(drop)
+    }
+
+    pub fn clone_snapshot(&self, snap: &str, name: &str, props: &[(&str, &str)]) -> Result<()> {
+        let opts = options(props);
+        let mut args: Vec<&str> = vec!["clone"];
+        args.extend(opts.iter().map(String::as_str));
+        args.push(snap);
+        args.push(name);
+        self.run(&args).map(drop)
+    }
+
+    pub fn promote(&self, name: &str) -> Result<()> {
+        self.run(&["promote", name]).map(drop)
+    }
+
+    pub fn rename(&self, from: &str, to: &str) -> Result<()> {
+        self.run(&["rename", from, to]).map(drop)
+    }
+
+    pub fn mount(&self, name: &str) -> Result<()> {
+        self.run(&["mount", name]).map(drop)
+    }
+
+    pub fn unmount(&self, name: &str) -> Result<()> {
+        self.run(&["umount", name]).map(drop)
+    }
+
+    pub fn get(&self, name: &str, prop: &str) -> Result<Property> {
+        let out = self.run(&["get", "-H", "-o", "value,source", prop, name])?;
+        let line = out.lines().next().unwrap_or("");
+        let (value, source) = line.split_once('\t').unwrap_or((line, "-"));
+        Ok(Property { value: value.to_string(), source: source.to_string() })
+    }
+
+    /// A numeric property in bytes (`-p`).
+    pub fn get_bytes(&self, name: &str, prop: &str) -> Result<u64> {
+        let out = self.run(&["get", "-H", "-p", "-o", "value", prop, name])?;
+        Ok(out.trim().parse().unwrap_or(0))
+    }
+
+    pub fn set(&self, name: &str, prop: &str, value: &str) -> Result<()> {
+        self.run(&["set", &format!("{prop}={value}"), name]).map(drop)
+    }
+
+    pub fn inherit(&self, name: &str, prop: &str) -> Result<()> {
+        self.run(&["inherit", prop, name]).map(drop)
+    }
+
+    /// Puts a property back the way `p` was: set when it was local, inherited otherwise.
+    pub fn restore_property(&self, name: &str, prop: &str, p: &Property) -> Result<()> {
+        if p.is_local() {
+            self.set(name, prop, &p.value)
+        } else {
+            self.inherit(name, prop)
+        }
+    }
+
+    /// Destroys a dataset (with its snapshots when `recursive`).
+    pub fn destroy(&self, name: &str, recursive: bool) -> Result<()> {
+        if recursive {
+            self.run(&["destroy", "-r", name]).map(drop)
+        } else {
+            self.run(&["destroy", name]).map(drop)
+        }
+    }
+
+    /// Destroys a snapshot now, or — when a clone still depends on it — once the last one is gone.
+    pub fn destroy_snapshot(&self, snap: &str) -> Result<()> {
+        self.run(&["destroy", "-d", snap]).map(drop)
+    }
+
+    /// Every snapshot in the pool of `dataset` (or below `root`), by full name.
+    pub fn snapshots(&self, root: &str) -> Result<Vec<String>> {
+        let out = self.run(&["list", "-H", "-o", "name", "-t", "snapshot", "-r", root])?;
+        Ok(out.lines().map(String::from).filter(|l| !l.is_empty()).collect())
+    }
+
+    /// Filesystems below `root` (itself included) with their origin snapshot, if clones.
+    pub fn filesystems(&self, root: &str) -> Result<Vec<(String, Option<String>)>> {
+        let out = self.run(&["list", "-H", "-o", "name,origin", "-t", "filesystem", "-r", root])?;
+        Ok(out
+            .lines()
+            .filter_map(|l| l.split_once('\t'))
+            .map(|(n, o)| (n.to_string(), Some(o.to_string()).filter(|o| o != "-")))
+            .collect())
+    }
+}
+
+fn options(props: &[(&str, &str)]) -> Vec<String> {
+    props.iter().flat_map(|(k, v)| ["-o".to_string(), format!("{k}={v}")]).collect()
+}
+
+/// The pool a dataset or snapshot belongs to.
+pub fn pool_of(name: &str) -> &str {
+    name.split(['/', '@']).next().unwrap_or(name)
+}
+
+/// The dataset part of a snapshot name.
+pub fn dataset_of(snap: &str) -> &str {
+    snap.split('@').next().unwrap_or(snap)
+}
+
+/// The ZFS dataset mounted exactly at `path` (OpenZFS: type `zfs`; zfs-fuse: `fuse.zfs`), read
+/// from a mountinfo text (`/proc/self/mountinfo`, or a process's).
+pub fn dataset_mounted_at(mountinfo: &str, path: &Path) -> Option<String> {
+    let want = path.to_str()?.trim_end_matches('/');
+    let want = if want.is_empty() { "/" } else { want };
+    // The last matching line is the mount on top.
+    mountinfo.lines().rev().find_map(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        let sep = f.iter().position(|x| *x == "-")?;
+        let mp = unescape(f.get(4)?);
+        let fstype = *f.get(sep + 1)?;
+        let source = f.get(sep + 2)?;
+        (mp == want && (fstype == "zfs" || fstype == "fuse.zfs")).then(|| unescape(source))
+    })
+}
+
+/// mountinfo escapes space, tab, newline and backslash as octal.
+fn unescape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            out.push(v as char);
+            i += 4;
+        } else {
+            out.push(b[i] as char);
+            i += 1;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MOUNTINFO: &str = "\
+42 29 0:37 / /tank rw,relatime - fuse.zfs tank rw,user_id=0,group_id=0,default_permissions,allow_other
+43 42 0:38 / /tank/sb rw,relatime - fuse.zfs tank/sb rw,user_id=0,group_id=0
+50 29 0:40 / /srv/my\\040box rw - zfs pool/my\\040box rw,xattr
+60 29 0:45 / /var/lib/containers/storage/overlay/abc/merged rw - overlay overlay rw,lowerdir=/l/A,upperdir=/u,workdir=/w
+";
+
+    #[test]
+    fn finds_the_dataset_mounted_exactly_at_a_path() {
+        assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/tank/sb")).as_deref(), Some("tank/sb"));
+        assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/tank/sb/")).as_deref(), Some("tank/sb"));
+        assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/srv/my box")).as_deref(), Some("pool/my box"));
+        assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/tank/sb/sub")), None);
+        assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/var/lib/containers/storage/overlay/abc/merged")), None);
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(pool_of("tank/a/b@s"), "tank");
+        assert_eq!(dataset_of("tank/a/b@s"), "tank/a/b");
+        assert_eq!(options(&[("mountpoint", "none")]), vec!["-o", "mountpoint=none"]);
+    }
+
+    #[test]
+    fn errors_are_classified_from_stderr() {
+        assert_eq!(classify("cannot create snapshot 'tank/sb@full': out of space"), Kind::NoSpace);
+        assert_eq!(classify("cannot unmount '/tank/sb': Device or resource busy"), Kind::Busy);
+        assert_eq!(classify("cannot rename 'tank/sb.new': dataset is busy"), Kind::Busy);
+        assert_eq!(classify("cannot open 'tank/x': dataset does not exist"), Kind::NotFound);
+    }
+
+    #[test]
+    fn a_missing_program_and_a_failing_command_are_typed_errors() {
+        let z = Zfs::new("/nonexistent/zfs");
+        assert!(matches!(z.run(&["list"]), Err(Error::Spawn { .. })));
+        // `false` stands in for a zfs that fails with no message.
+        let z = Zfs::new("/bin/false");
+        let e = z.run(&["snapshot", "tank/x@y"]).unwrap_err();
+        assert!(e.to_string().starts_with("`zfs snapshot tank/x@y` failed"), "{e}");
+    }
+}
