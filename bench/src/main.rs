@@ -16,6 +16,14 @@
 //! incremental dumps: planarian with the pre-resume hook off, so every dump after a restore is
 //! full); Full-snapshot (a full dump and a full copy every time: full-dump interval 1).
 //!
+//!   planarian-bench files [--files MiB] [--pool POOL]
+//!
+//! `files`: the paper's file-system workload. A sandbox whose writable files total FILES MiB
+//! (1 MiB files of random data), 64 KiB of them rewritten between statepoints; snapshot,
+//! rollback and fork latency and bytes copied, the ZFS path (a per-image clone under
+//! POOL/bench; POOL defaults to $PLANARIAN_TEST_ZPOOL, which the test guest creates) against the
+//! copy-based path (Full-snapshot for files).
+//!
 //! `passthrough`: the cost of planarian's pass-through path, `planarian state ID` against
 //! `crun state ID` on the same running container (started through Podman), interleaved so
 //! that drift affects both alike. Needs the real stack (run it with bench/run).
@@ -29,10 +37,12 @@ fn main() {
         Some("passthrough") => passthrough(&args[1..]),
         Some("statepoint") => statepoint(&args[1..]),
         Some("chains") => chains(&args[1..]),
+        Some("files") => files(&args[1..]),
         _ => {
             eprintln!("usage: planarian-bench passthrough [--iterations N] [--planarian PATH] [--crun PATH]");
             eprintln!("       planarian-bench statepoint [--mem MiB] [--files MiB] [--iterations N]");
             eprintln!("       planarian-bench chains [--mem MiB] [--files MiB]");
+            eprintln!("       planarian-bench files [--files MiB] [--pool POOL]");
             2
         }
     };
@@ -295,6 +305,8 @@ struct Cost {
     pages: u64,
     /// Why a dump was full, as its manifest says.
     full_reason: Option<String>,
+    /// Bytes of files the statepoint copied.
+    rootfs_bytes: u64,
 }
 
 const PLANARIAN: &str = "/usr/local/bin/planarian";
@@ -312,7 +324,8 @@ fn snapshot_cost(ctr: &str) -> Result<(String, Cost), String> {
     let meas = &m["measurements"];
     let bytes = meas["criu-bytes"].as_u64().unwrap_or(0) + meas["rootfs-bytes"].as_u64().unwrap_or(0);
     let full_reason = m["chain"]["full-reason"].as_str().map(String::from);
-    Ok((sp, Cost { ms, bytes, pages: meas["pages-written"].as_u64().unwrap_or(0), full_reason }))
+    let rootfs_bytes = meas["rootfs-bytes"].as_u64().unwrap_or(0);
+    Ok((sp, Cost { ms, bytes, pages: meas["pages-written"].as_u64().unwrap_or(0), full_reason, rootfs_bytes }))
 }
 
 /// Second snapshot, rollback, first snapshot after the rollback, fork, first snapshot in the fork.
@@ -394,5 +407,87 @@ fn chains(args: &[String]) -> i32 {
     }
     let p = &results[0];
     println!("planarian: first snapshot after rollback / second snapshot = {:.2}x; first in fork / second = {:.2}x", p[2].ms / p[0].ms, p[4].ms / p[0].ms);
+    0
+}
+
+/// Snapshot, second snapshot, rollback, fork of a sandbox with `files` MiB of files.
+fn files_system(tag: &str, annotation: Option<&str>, files: u32) -> Result<[Cost; 4], String> {
+    let pid = std::process::id();
+    let (ctr, fork) = (format!("plbench-{tag}-{pid}"), format!("plbench-{tag}-fork-{pid}"));
+    let mut run = vec!["--runtime", "planarian", "run", "-d", "--name", &ctr];
+    if let Some(a) = annotation {
+        run.extend(["--annotation", a]);
+    }
+    run.extend(["localhost/planarian-test/busybox", "sh", "-c", "touch /tmp/up; while :; do sleep 1; done"]);
+    let timed_cost = |f: &mut dyn FnMut() -> Result<(), String>| -> Result<Cost, String> {
+        let t = Instant::now();
+        f()?;
+        Ok(Cost { ms: t.elapsed().as_secs_f64() * 1e3, ..Cost::default() })
+    };
+    let result = (|| -> Result<[Cost; 4], String> {
+        run_quiet("podman", &run)?;
+        run_quiet("podman", &["exec", &ctr, "sh", "-c", &format!(
+            "mkdir -p /data && i=0; while [ $i -lt {files} ]; do head -c 1048576 /dev/urandom > /data/f$i; i=$((i+1)); done")])?;
+        wait_file(&ctr, "/tmp/up")?;
+        let (sp1, first) = snapshot_cost(&ctr)?;
+        run_quiet("podman", &["exec", &ctr, "sh", "-c", "head -c 65536 /dev/urandom > /data/f0"])?;
+        let (_, second) = snapshot_cost(&ctr)?;
+        run_quiet("podman", &["exec", &ctr, "sh", "-c", "head -c 65536 /dev/urandom > /data/f1"])?;
+        let rollback = timed_cost(&mut || run_quiet(PLANARIAN, &["rollback", &ctr, &sp1]).map(drop))?;
+        let fork_cost = timed_cost(&mut || run_quiet(PLANARIAN, &["fork", &ctr, &sp1, "--name", &fork]).map(drop))?;
+        let sum = run_quiet("podman", &["exec", &fork, "sh", "-c", "cat /data/* | md5sum"])?;
+        let want = run_quiet("podman", &["exec", &ctr, "sh", "-c", "cat /data/* | md5sum"])?;
+        if sum != want {
+            return Err(format!("{tag}: the fork's files differ from the statepoint's"));
+        }
+        Ok([first, second, rollback, fork_cost])
+    })();
+    for n in [&fork, &ctr] {
+        if let Ok(id) = run_quiet("podman", &["inspect", "--format", "{{.Id}}", n]) {
+            let _ = run_quiet("podman", &["rm", "-f", "-t", "0", n]);
+            let _ = run_quiet(PLANARIAN, &["gc"]);
+            let _ = std::fs::remove_dir_all(std::path::Path::new("/var/lib/planarian/containers").join(id));
+        }
+    }
+    result
+}
+
+fn files(args: &[String]) -> i32 {
+    let files: u32 = flag(args, "--files").and_then(|s| s.parse().ok()).unwrap_or(64);
+    let pool = flag(args, "--pool").map(String::from).or_else(|| std::env::var("PLANARIAN_TEST_ZPOOL").ok());
+    let Some(pool) = pool else {
+        eprintln!("planarian-bench files: no ZFS pool (--pool POOL, or PLANARIAN_TEST_ZPOOL)");
+        return 2;
+    };
+    let parent = format!("{pool}/bench");
+    if run_quiet("zfs", &["list", &parent]).is_err() {
+        if let Err(e) = run_quiet("zfs", &["create", &parent]) {
+            eprintln!("planarian-bench files: {e}");
+            return 1;
+        }
+    }
+    let zfs_annotation = format!("io.planarian.zfs.parent_dataset={parent}");
+    let systems: [(&str, Option<&str>); 2] = [("zfs", Some(&zfs_annotation)), ("copy", None)];
+    let mut results = Vec::new();
+    for (tag, annotation) in systems {
+        eprintln!("measuring {tag} ...");
+        match files_system(tag, annotation, files) {
+            Ok(r) => results.push(r),
+            Err(e) => {
+                eprintln!("planarian-bench: {tag}: {e}");
+                return 1;
+            }
+        }
+    }
+    let mb = |b: u64| b as f64 / (1 << 20) as f64;
+    println!("file statepoints: {files} MiB of files (1 MiB files), 64 KiB rewritten between steps; a small busybox sandbox (its memory dump is in the times)");
+    println!("| operation | ZFS ms | copy ms | copy / ZFS | files copied, MiB (ZFS / copy) |");
+    println!("|---|---:|---:|---:|---:|");
+    let names = ["first snapshot", "second snapshot", "rollback", "fork"];
+    for (i, n) in names.iter().enumerate() {
+        let (z, c) = (&results[0][i], &results[1][i]);
+        let copied = if i < 2 { format!("{:.1} / {:.1}", mb(z.rootfs_bytes), mb(c.rootfs_bytes)) } else { "-".into() };
+        println!("| {n} | {:.0} | {:.0} | {:.2}x | {copied} |", z.ms, c.ms, c.ms / z.ms);
+    }
     0
 }

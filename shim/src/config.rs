@@ -27,7 +27,7 @@ pub const ANNOTATION_KEYS: &[&str] = &[
 ];
 pub const ANNOTATION_PREFIX: &str = "io.planarian.";
 
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub runtime: RuntimeConfig,
@@ -89,17 +89,6 @@ pub struct ZfsConfig {
     pub parent_dataset: Option<String>,
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            runtime: RuntimeConfig::default(),
-            store: StoreConfig::default(),
-            checkpoint: CheckpointConfig::default(),
-            zfs: ZfsConfig::default(),
-            hooks: HooksConfig::default(),
-        }
-    }
-}
 
 impl Default for StoreConfig {
     fn default() -> Self {

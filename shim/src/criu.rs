@@ -80,9 +80,7 @@ pub fn dump_args(p: &DumpPlan) -> Vec<OsString> {
 }
 
 pub fn restore_args(p: &RestorePlan) -> Vec<OsString> {
-    let mut a: Vec<OsString> = Vec::new();
-    a.push("restore".into());
-    a.push("--images-dir".into());
+    let mut a: Vec<OsString> = vec!["restore".into(), "--images-dir".into()];
     a.push(p.images_dir.into());
     a.push("--work-dir".into());
     a.push(p.work_dir.into());

@@ -130,7 +130,7 @@ fn first_line(s: &str) -> &str {
 }
 
 fn last_line(s: &str) -> &str {
-    s.lines().map(str::trim).filter(|l| !l.is_empty()).last().unwrap_or("")
+    s.lines().map(str::trim).rfind(|l| !l.is_empty()).unwrap_or("")
 }
 
 fn check_crun(cfg: &Config) -> Check {
@@ -200,6 +200,8 @@ fn check_cgroup() -> Check {
     let name = "cgroups";
     let root = Path::new("/sys/fs/cgroup");
     let magic = match statfs(root) {
+        // The field's type differs between targets.
+        #[allow(clippy::unnecessary_cast)]
         Ok(s) => s.filesystem_type().0 as i64,
         Err(e) => return Check::fail(name, true, format!("cannot stat /sys/fs/cgroup: {e}"), "mount cgroup2 on /sys/fs/cgroup"),
     };
@@ -260,8 +262,12 @@ fn check_zfs(cfg: &Config) -> Check {
     };
     match &cfg.zfs.parent_dataset {
         None => Check { required: false, ..Check::pass(name, format!("{engine}; no parent dataset configured: containers whose rootfs is a ZFS dataset use it, others the copy-based path")) },
-        Some(ds) => match run(&zfs, &["list", "-H", "-o", "name", ds]) {
-            Ok((true, _, _)) => Check::pass(name, format!("{engine}; parent dataset {ds}")),
+        Some(ds) => match run(&zfs, &["get", "-H", "-o", "value", "mountpoint", ds]) {
+            Ok((true, mp, _)) if mp.trim().starts_with('/') => Check::pass(
+                name,
+                format!("{engine}; parent dataset {ds} (mounted at {}): containers on Podman's overlay get their own dataset, cloned from a per-image base", mp.trim()),
+            ),
+            Ok((true, mp, _)) => Check::fail(name, true, format!("parent dataset {ds} has no mount point ({})", mp.trim()), format!("zfs set mountpoint=/{ds} {ds}")),
             Ok((false, _, err)) => Check::fail(name, true, format!("parent dataset {ds}: {}", last_line(&err)), format!("zfs create {ds}, or fix [zfs] parent_dataset")),
             Err(e) => Check::fail(name, true, e, "reinstall zfs"),
         },
@@ -269,7 +275,7 @@ fn check_zfs(cfg: &Config) -> Check {
 }
 
 fn process_running(comm: &str) -> bool {
-    std::fs::read_dir("/proc").map_or(false, |rd| {
+    std::fs::read_dir("/proc").is_ok_and(|rd| {
         rd.filter_map(Result::ok).any(|e| {
             std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim_end() == comm)
         })

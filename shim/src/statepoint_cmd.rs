@@ -15,8 +15,10 @@ fn strs(args: &[OsString]) -> Vec<String> {
     args.iter().map(|a| a.to_string_lossy().into_owned()).collect()
 }
 
+type Split = (Vec<String>, Vec<(String, String)>);
+
 /// Splits `--flag value` options from positional arguments.
-fn split(args: &[String], flags: &[&str], switches: &[&str]) -> Result<(Vec<String>, Vec<(String, String)>), String> {
+fn split(args: &[String], flags: &[&str], switches: &[&str]) -> Result<Split, String> {
     let (mut pos, mut opts) = (Vec::new(), Vec::new());
     let mut i = 0;
     while i < args.len() {

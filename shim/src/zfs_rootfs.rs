@@ -157,16 +157,24 @@ pub fn on_create(cfg: &Config, args: &[std::ffi::OsString]) -> Result<(), String
     if store.dir.join(MAPPING).exists() {
         return prepare_bundle(cfg, &id, &bundle);
     }
-    let spec = read_spec(&bundle)?;
+    // An unreadable bundle is crun's to report, in crun's words.
+    let Ok(spec) = read_spec(&bundle) else { return Ok(()) };
     let root = root_of(&spec, &bundle);
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| format!("cannot read mountinfo: {e}"))?;
     if let Some(ds) = zfs::dataset_mounted_at(&mountinfo, &root) {
         let bundle = std::fs::canonicalize(&bundle).unwrap_or(bundle);
         return save_mapping(&store, &Mapping { dataset: ds, owned: false, bundle, image_base: None });
     }
+    // Only the ZFS settings matter here; a bad annotation of another kind is reported by the
+    // verb that uses it, not by refusing to create the container.
     let annotations: Vec<(String, String)> = spec["annotations"]
         .as_object()
-        .map(|m| m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
+        .map(|m| {
+            m.iter()
+                .filter(|(k, _)| k.starts_with("io.planarian.zfs."))
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                .collect()
+        })
         .unwrap_or_default();
     let cfg = cfg.with_annotations(annotations.iter().map(|(k, v)| (k.as_str(), v.as_str()))).map_err(|e| e.to_string())?;
     let Some(parent) = cfg.zfs.parent_dataset.clone() else { return Ok(()) };
@@ -630,15 +638,32 @@ pub fn gc_main(args: &[std::ffi::OsString]) -> Result<i32, String> {
             .unwrap_or_default(),
         _ => return Err("usage: planarian gc [--wait CONTAINER-ID]".into()),
     };
+    let wait = matches!(args[..], ["--wait", _]);
+    let mut failed = None;
     for store in stores {
         let Some(map) = mapping(&store) else { continue };
         if map.bundle.exists() {
             continue;
         }
-        let _lock = store.lock(true)?;
-        remove_container(&cfg, &store)?;
+        // Right after a removal the file system may still be busy (the container's mount
+        // namespace going away): retry for a while, and leave the last error in the store.
+        let t = std::time::Instant::now();
+        let r = loop {
+            let r = store.lock(true).and_then(|_lock| remove_container(&cfg, &store));
+            if r.is_ok() || !wait || t.elapsed() > std::time::Duration::from_secs(30) {
+                break r;
+            }
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        };
+        if let Err(e) = r {
+            let _ = std::fs::write(store.dir.join("gc-error"), format!("{e}\n"));
+            failed = Some(format!("cannot remove the datasets of removed container {}: {e}", store.dir.display()));
+        }
     }
-    Ok(0)
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(0),
+    }
 }
 
 /// Starts `planarian gc --wait ID` in the background when a mapped container is deleted.

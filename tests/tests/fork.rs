@@ -61,7 +61,7 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     // Removing the source breaks nothing: a fork's chain is its own.
     podman("planarian", &["rm", "-f", &src.name]).ok();
     a.send("dirty 0 4096");
-    a.rollback(&a.statepoints()[0]["statepoint-id"].as_str().unwrap().to_string());
+    a.rollback(a.statepoints()[0]["statepoint-id"].as_str().unwrap());
     let back = a.send("tick");
     assert_eq!(back.checksum, at_sp.checksum);
     assert_eq!(a.sh("cat /root/f").stdout, "base\n");

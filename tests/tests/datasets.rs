@@ -1,0 +1,328 @@
+//! The files of statepoints on ZFS datasets (zfs-fuse in the guest, a pool on a file): exact
+//! rollback in any order on a per-image clone and on a `--rootfs` dataset, the image base shared
+//! between containers, fork as a clone, removal, and the faults (pool full, dataset busy, zfs
+//! missing).
+
+use planarian_system_tests::sandbox::Sandbox;
+use planarian_system_tests::*;
+use std::time::Duration;
+
+/// The test pool (the guest makes one), or a loud skip / a failure where the stack is required.
+fn pool() -> Option<String> {
+    match std::env::var("PLANARIAN_TEST_ZPOOL") {
+        Ok(p) if !p.is_empty() => Some(p),
+        _ => {
+            if std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_some() {
+                panic!("a ZFS test pool is required here (PLANARIAN_TEST_ZPOOL, made by the guest)");
+            }
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED: no ZFS test pool (set PLANARIAN_TEST_ZPOOL; tests/run uses the guest)");
+            None
+        }
+    }
+}
+
+fn zfs(args: &[&str]) -> Run {
+    cmd("zfs", args)
+}
+
+fn prop(name: &str, p: &str) -> String {
+    zfs(&["get", "-H", "-p", "-o", "value", p, name]).ok().out()
+}
+
+fn exists(name: &str) -> bool {
+    zfs(&["list", "-H", "-t", "all", name]).code == Some(0)
+}
+
+fn snapshots_matching(pool: &str, needle: &str) -> Vec<String> {
+    zfs(&["list", "-H", "-o", "name", "-t", "snapshot", "-r", pool]).out().lines().filter(|l| l.contains(needle)).map(String::from).collect()
+}
+
+/// `<pool>/sb`, the parent dataset the tests' containers get their datasets under.
+fn parent(pool: &str) -> String {
+    let p = format!("{pool}/sb");
+    if !exists(&p) {
+        zfs(&["create", &p]).ok();
+    }
+    p
+}
+
+fn id_of(name: &str) -> String {
+    podman("planarian", &["inspect", "--format", "{{.Id}}", name]).ok().out()
+}
+
+fn planarian(args: &[&str]) -> Run {
+    cmd(planarian_bin().to_str().unwrap(), args)
+}
+
+/// What Podman bind-mounts over the rootfs (and rewrites at every restore): not the container's files.
+const PODMAN_FILES: &str = "! -path /etc/hosts ! -path /etc/hostname ! -path /etc/resolv.conf";
+
+/// Checksums of the files an agent changes, seen from inside the container.
+fn files(sb: &Sandbox) -> String {
+    sb.sh(&format!("find /work /etc -xdev -type f {PODMAN_FILES} 2>/dev/null | sort | xargs md5sum")).ok().out()
+}
+
+fn status(name: &str) -> String {
+    podman("planarian", &["inspect", "--format", "{{.State.Status}}", name]).out()
+}
+
+#[test]
+fn per_image_clone_rolls_back_exactly_in_any_order_and_shares_the_image() {
+    require_stack!();
+    let Some(pool) = pool() else { return };
+    let parent = parent(&pool);
+    let ann = format!("io.planarian.zfs.parent_dataset={parent}");
+    let mut sb = Sandbox::start("zfs", 8, &["--annotation", &ann]);
+    let id = id_of(&sb.name);
+    let ds = format!("{parent}/ctr-{id}");
+    let origin = prop(&ds, "origin");
+    assert!(origin.starts_with(&format!("{parent}/image-")) && origin.ends_with("@base"), "the container's dataset is a clone of the image's base: {origin}");
+    let root = sb.sh("grep ' / ' /proc/mounts").ok().out();
+    assert!(root.contains(&ds), "the container runs on its dataset: {root}");
+
+    sb.sh("mkdir -p /work && echo one > /work/a && echo keep > /work/k && rm /etc/debian_version").ok();
+    let c1 = sb.send("tick");
+    let f1 = files(&sb);
+    sb.snapshot("z1");
+    sb.sh("echo two > /work/a && echo new > /work/b && rm /work/k && echo x >> /etc/os-release").ok();
+    let c2 = sb.send("dirty 0 65536");
+    let f2 = files(&sb);
+    sb.snapshot("z2");
+    sb.sh("rm -rf /work && echo three > /etc/motd && mkdir /work && echo 3 > /work/3").ok();
+    let c3 = sb.send("tick");
+    let f3 = files(&sb);
+    sb.snapshot("z3");
+    sb.sh("echo after > /etc/after && rm /work/3").ok();
+
+    let m = sb.manifest("sp1");
+    assert_eq!(m["local-state"]["rootfs-backend"], "zfs", "{m}");
+    let snap1 = m["local-state"]["zfs-snapshot"].as_str().unwrap().to_string();
+    assert_eq!(snap1, format!("{ds}@planarian-{}-sp1", &id[..12]));
+    assert_eq!(m["measurements"]["rootfs-bytes"], 0, "no file was copied: {m}");
+    assert_ne!(f1, f2);
+    assert_ne!(f2, f3);
+
+    for (sp, f, c) in [("z2", &f2, &c2), ("z1", &f1, &c1), ("z3", &f3, &c3), ("z1", &f1, &c1)] {
+        sb.rollback(sp);
+        assert_eq!(&files(&sb), f, "files after rollback to {sp}");
+        assert_eq!(&sb.state(), c, "memory after rollback to {sp}");
+        for n in 1..=3 {
+            assert_eq!(snapshots_matching(&pool, &format!("@planarian-{}-sp{n}", &id[..12])).len(), 1, "statepoint sp{n} keeps its snapshot");
+        }
+    }
+    assert!(sb.sh("test -e /etc/after").code != Some(0));
+    // Retired datasets holding no statepoint are gone: at most the ones with newer snapshots stay.
+    let family = zfs(&["list", "-H", "-o", "name", "-t", "filesystem", "-r", &parent]).out();
+    assert!(family.lines().filter(|l| l.starts_with(&format!("{ds}.planarian-old-"))).count() <= 2, "{family}");
+
+    // A second container of the image copies nothing: it is a clone of the same base.
+    let used0: u64 = prop(&pool, "used").parse().unwrap();
+    let base_used: u64 = prop(origin.split('@').next().unwrap(), "used").parse().unwrap();
+    let sb2 = Sandbox::start("zfs2", 8, &["--annotation", &ann]);
+    let ds2 = format!("{parent}/ctr-{}", id_of(&sb2.name));
+    assert_eq!(prop(&ds2, "origin"), origin);
+    let used1: u64 = prop(&pool, "used").parse().unwrap();
+    eprintln!("image base {base_used} bytes; pool grew by {} bytes for the second container", used1.saturating_sub(used0));
+    assert!(base_used > 50 << 20, "the base holds the image: {base_used}");
+    assert!(used1.saturating_sub(used0) < base_used / 20, "second container wrote {} bytes", used1 - used0);
+
+    // Removing a container removes its dataset and nothing else.
+    let name2 = sb2.name.clone();
+    drop(sb2);
+    assert!(podman("planarian", &["inspect", &name2]).code != Some(0));
+    assert!(wait_for(Duration::from_secs(40), || !exists(&ds2)), "{ds2} removed with its container");
+    assert!(exists(&ds) && exists(&origin), "the other container and the image base stay");
+    assert_eq!(files(&sb), f1);
+}
+
+#[test]
+fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
+    require_stack!();
+    let Some(pool) = pool() else { return };
+    let ds = format!("{pool}/rootfs-{}", std::process::id());
+    zfs(&["create", &ds]).ok();
+    let mp = prop(&ds, "mountpoint");
+    let tar = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/vm/images/busybox.tar");
+    cmd("tar", ["-C", &mp, "-xf", tar]).ok();
+    let name = name("zfsroot");
+    let _c = Cleanup(name.clone());
+    podman("planarian", &["run", "-d", "--name", &name, "--rootfs", &mp, "sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.2; done"]).ok();
+    let id = id_of(&name);
+    let sh = |s: &str| podman("planarian", &["exec", &name, "sh", "-c", s]);
+    let sums = || sh(&format!("find /data /etc -type f {PODMAN_FILES} | sort | xargs md5sum")).ok().out();
+    sh("mkdir /data && echo 1 > /data/f && rm /etc/group").ok();
+    let f1 = sums();
+    planarian(&["snapshot", &name, "--name", "r1"]).ok();
+    sh("echo 2 > /data/f && echo g > /etc/group && echo n > /data/new").ok();
+    let f2 = sums();
+    planarian(&["snapshot", &name, "--name", "r2"]).ok();
+    sh("rm -rf /data").ok();
+    for (sp, f) in [("r1", &f1), ("r2", &f2), ("r1", &f1)] {
+        planarian(&["rollback", &name, sp]).ok();
+        assert_eq!(status(&name), "running");
+        assert_eq!(&sums(), f, "files after rollback to {sp}");
+        assert!(wait_for(Duration::from_secs(10), || sh("cat /tmp/n").code == Some(0)), "the process runs after rollback to {sp}");
+    }
+    assert_eq!(prop(&ds, "mountpoint"), mp, "same dataset name, same path");
+    assert_eq!(cmd("cat", [format!("{mp}/data/f")]).out(), "1", "the host sees the rolled-back files at the same path");
+    podman("planarian", &["rm", "-f", "-t", "0", &name]).ok();
+    assert!(
+        wait_for(Duration::from_secs(40), || snapshots_matching(&pool, &format!("@planarian-{}-", &id[..12])).is_empty()),
+        "planarian's snapshots go with the container"
+    );
+    assert!(exists(&ds), "the user's dataset stays");
+    zfs(&["destroy", "-r", &ds]).ok();
+}
+
+#[test]
+fn fork_is_a_clone_independent_of_its_source_in_both_directions() {
+    require_stack!();
+    let Some(pool) = pool() else { return };
+    let parent = parent(&pool);
+    let ann = format!("io.planarian.zfs.parent_dataset={parent}");
+    let mut src = Sandbox::start("zfsfork", 8, &["--annotation", &ann]);
+    let src_id = id_of(&src.name);
+    src.sh("mkdir -p /work && echo one > /work/a").ok();
+    src.snapshot("f1");
+    src.sh("echo two > /work/a && echo b > /work/b").ok();
+    let c2 = src.send("tick");
+    let f2 = files(&src);
+    src.snapshot("f2");
+    src.sh("echo three > /work/a").ok();
+
+    let fork = name("zfsfork-new");
+    planarian(&["fork", &src.name, "f2", "--name", &fork]).ok();
+    let mut fk = Sandbox::attach(&fork);
+    let fork_id = id_of(&fork);
+    let fork_ds = format!("{parent}/ctr-{fork_id}");
+    assert_eq!(prop(&fork_ds, "origin"), format!("{parent}/ctr-{src_id}@planarian-{}-sp2", &src_id[..12]), "the fork's files are a clone");
+    assert_eq!(files(&fk), f2);
+    assert_eq!(fk.state(), c2);
+
+    fk.sh("echo fork > /work/only-fork").ok();
+    src.sh("echo src > /work/only-src").ok();
+    assert!(src.sh("test -e /work/only-fork").code != Some(0));
+    assert!(fk.sh("test -e /work/only-src").code != Some(0));
+    assert_eq!(src.sh("cat /work/a").out(), "three");
+    assert_eq!(fk.sh("cat /work/a").out(), "two");
+
+    // The fork's statepoints work on its own dataset.
+    fk.snapshot("k2");
+    fk.sh("rm -rf /work").ok();
+    fk.rollback("k2");
+    assert_eq!(fk.sh("cat /work/only-fork").out(), "fork");
+
+    // Removing the source's statepoint keeps the snapshot the fork depends on; removing the
+    // source keeps the fork working.
+    planarian(&["statepoint", "rm", &src.name, "f2"]).ok();
+    let src_snaps = format!("@planarian-{}-", &src_id[..12]);
+    assert!(!snapshots_matching(&pool, &format!("{src_snaps}sp2")).is_empty(), "kept while the fork depends on it");
+    let src_name = src.name.clone();
+    drop(src);
+    assert!(podman("planarian", &["inspect", &src_name]).code != Some(0));
+    let src_ds = format!("{parent}/ctr-{src_id}");
+    assert!(wait_for(Duration::from_secs(40), || !exists(&src_ds)), "the source's dataset goes with it");
+    assert_eq!(fk.sh("cat /work/a").out(), "two");
+    let c = fk.send("tick");
+    fk.snapshot("k3");
+    fk.sh("echo later > /work/a").ok();
+    fk.rollback("k3");
+    assert_eq!(fk.sh("cat /work/a").out(), "two");
+    assert_eq!(fk.state(), c);
+
+    drop(fk);
+    assert!(wait_for(Duration::from_secs(40), || !exists(&fork_ds)), "the fork's dataset goes with it");
+    assert!(snapshots_matching(&pool, &src_snaps).is_empty(), "nothing of the source is left");
+}
+
+#[test]
+fn faults_pool_full_dataset_busy_zfs_missing_change_nothing() {
+    require_stack!();
+    if pool().is_none() {
+        return;
+    }
+    // A small pool of its own, to fill.
+    let pool = format!("plfull{}", std::process::id());
+    let img = format!("/var/tmp/{pool}.img");
+    cmd("truncate", ["-s", "128M", &img]).ok();
+    cmd("zpool", ["create", "-m", &format!("/{pool}"), &pool, &img]).ok();
+    struct Pool(String, String);
+    impl Drop for Pool {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("zpool").args(["destroy", "-f", &self.0]).status();
+            let _ = std::fs::remove_file(&self.1);
+        }
+    }
+    let _pool = Pool(pool.clone(), img);
+    let parent = parent(&pool);
+    let name = name("zfsfault");
+    let c = Cleanup(name.clone());
+    let ann = format!("io.planarian.zfs.parent_dataset={parent}");
+    podman("planarian", &["run", "-d", "--name", &name, "--annotation", &ann, BUSYBOX, "sh", "-c", "echo started; while :; do sleep 1; done"]).ok();
+    let id = id_of(&name);
+    let ds = format!("{parent}/ctr-{id}");
+    let sh = |s: &str| podman("planarian", &["exec", &name, "sh", "-c", s]);
+    sh("echo 1 > /f").ok();
+    planarian(&["snapshot", &name, "--name", "b1"]).ok();
+    sh("echo 2 > /f").ok();
+    let committed = || planarian(&["statepoint", "list", &name, "--json"]).ok().out();
+
+    // zfs missing: one clear line, no statepoint, the container runs on.
+    {
+        let _d = DropIn::new("zz-zfs-missing", "[runtime]\nzfs_path = \"/nonexistent/zfs\"\n");
+        let before = committed();
+        let r = podman("planarian", &["container", "checkpoint", "--leave-running", &name]);
+        assert_ne!(r.code, Some(0));
+        assert!(r.stderr.contains("zfs not found (looked in /nonexistent/zfs)"), "{}", r.stderr);
+        assert_eq!(committed(), before);
+        assert_eq!(status(&name), "running");
+        let r = planarian(&["rollback", &name, "b1"]);
+        assert_ne!(r.code, Some(0));
+        assert!(r.stderr.contains("zfs not found"), "{}", r.stderr);
+        assert_eq!(status(&name), "running");
+        assert_eq!(sh("cat /f").out(), "2");
+    }
+
+    // A dataset busy at rollback: the rollback fails and the container is as it was.
+    let mp = prop(&ds, "mountpoint");
+    let mut holder = std::process::Command::new("sleep").arg("600").current_dir(&mp).spawn().unwrap();
+    let r = planarian(&["rollback", &name, "b1"]);
+    assert_ne!(r.code, Some(0));
+    assert!(r.stderr.contains("busy"), "{}", r.stderr);
+    assert!(r.stderr.contains("as it was before"), "{}", r.stderr);
+    assert_eq!(status(&name), "running");
+    assert_eq!(sh("cat /f").out(), "2", "the files are as they were before the rollback");
+    let _ = holder.kill();
+    let _ = holder.wait();
+    planarian(&["rollback", &name, "b1"]).ok();
+    assert_eq!(sh("cat /f").out(), "1");
+
+    // The pool full during a snapshot: no statepoint, the container runs; with space back, the
+    // next snapshot works and every statepoint is there.
+    sh("dd if=/dev/zero of=/fill bs=1M 2>/dev/null; true").ok();
+    let before = committed();
+    let r = podman("planarian", &["container", "checkpoint", "--leave-running", &name]);
+    assert_ne!(r.code, Some(0), "a snapshot into a full pool must fail");
+    assert!(r.stderr.contains("is full"), "{}", r.stderr);
+    assert_eq!(committed(), before, "no statepoint was committed");
+    assert_eq!(status(&name), "running");
+    assert_eq!(sh("cat /f").out(), "1");
+    sh("rm /fill").ok();
+    // zfs-fuse frees the blocks asynchronously.
+    assert!(
+        wait_for(Duration::from_secs(30), || planarian(&["snapshot", &name, "--name", "b2"]).code == Some(0)),
+        "a snapshot works again once there is space"
+    );
+    planarian(&["rollback", &name, "b1"]).ok();
+    assert_eq!(sh("cat /f").out(), "1");
+
+    // Podman's tooling: logs, stop, start (on the same dataset, files kept), inspect.
+    assert!(podman("planarian", &["logs", &name]).ok().out().contains("started"));
+    podman("planarian", &["stop", "-t", "0", &name]).ok();
+    podman("planarian", &["start", &name]).ok();
+    assert_eq!(sh("cat /f").out(), "1");
+    assert!(sh("grep ' / ' /proc/mounts").ok().out().contains(&ds), "a restarted container runs on its dataset");
+    drop(c);
+    assert!(wait_for(Duration::from_secs(40), || !exists(&ds)), "{ds} removed with its container");
+}
