@@ -8,7 +8,7 @@
 //! MiB of files, planarian against the Full-snapshot baseline (Podman's own `container checkpoint
 //! --export` + `container restore --import` under runc -- Debian's crun has no CRIU -- which copies everything every time).
 //!
-//!   planarian-bench chains [--mem MiB] [--files MiB]
+//!   planarian-bench chains [--mem MiB] [--files MiB] [--pool POOL]
 //!
 //! `chains`: the paper's snapshot/rollback/fork cost figure. The same workload (MEM MiB of
 //! memory, 1 % of it rewritten as one contiguous run between steps, FILES MiB of files) under
@@ -41,7 +41,7 @@ fn main() {
         _ => {
             eprintln!("usage: planarian-bench passthrough [--iterations N] [--planarian PATH] [--crun PATH]");
             eprintln!("       planarian-bench statepoint [--mem MiB] [--files MiB] [--iterations N]");
-            eprintln!("       planarian-bench chains [--mem MiB] [--files MiB]");
+            eprintln!("       planarian-bench chains [--mem MiB] [--files MiB] [--pool POOL]");
             eprintln!("       planarian-bench files [--files MiB] [--pool POOL]");
             2
         }
@@ -329,12 +329,12 @@ fn snapshot_cost(ctr: &str) -> Result<(String, Cost), String> {
 }
 
 /// Second snapshot, rollback, first snapshot after the rollback, fork, first snapshot in the fork.
-fn chains_system(tag: &str, annotation: Option<&str>, mem: u32, files: u32) -> Result<[Cost; 5], String> {
+fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32) -> Result<[Cost; 5], String> {
     let pid = std::process::id();
     let (ctr, fork) = (format!("plbench-{tag}-{pid}"), format!("plbench-{tag}-fork-{pid}"));
     let mut run = vec!["--runtime", "planarian", "run", "-d", "--name", &ctr];
-    if let Some(a) = annotation {
-        run.extend(["--annotation", a]);
+    for a in annotations {
+        run.extend(["--annotation", a.as_str()]);
     }
     let mem_s = mem.to_string();
     run.extend(["localhost/planarian-test/debian", "python3", "-c", WORKLOAD, &mem_s]);
@@ -362,6 +362,7 @@ fn chains_system(tag: &str, annotation: Option<&str>, mem: u32, files: u32) -> R
     for n in [&fork, &ctr] {
         if let Ok(id) = run_quiet("podman", &["inspect", "--format", "{{.Id}}", n]) {
             let _ = run_quiet("podman", &["rm", "-f", "-t", "0", n]);
+            let _ = run_quiet(PLANARIAN, &["gc"]);
             let _ = std::fs::remove_dir_all(std::path::Path::new("/var/lib/planarian/containers").join(id));
         }
     }
@@ -371,15 +372,30 @@ fn chains_system(tag: &str, annotation: Option<&str>, mem: u32, files: u32) -> R
 fn chains(args: &[String]) -> i32 {
     let mem: u32 = flag(args, "--mem").and_then(|s| s.parse().ok()).unwrap_or(256);
     let files: u32 = flag(args, "--files").and_then(|s| s.parse().ok()).unwrap_or(64);
+    // With a ZFS pool, planarian and CRIU-inc keep their files on datasets (snapshots are
+    // zero-copy); Full-snapshot always copies the files, as a full snapshot does.
+    let pool = flag(args, "--pool").map(String::from).or_else(|| std::env::var("PLANARIAN_TEST_ZPOOL").ok());
+    let mut on_zfs = Vec::new();
+    if let Some(pool) = &pool {
+        let parent = format!("{pool}/bench");
+        if run_quiet("zfs", &["list", &parent]).is_err() {
+            if let Err(e) = run_quiet("zfs", &["create", &parent]) {
+                eprintln!("planarian-bench chains: {e}");
+                return 1;
+            }
+        }
+        on_zfs.push(format!("io.planarian.zfs.parent_dataset={parent}"));
+    }
+    let with = |extra: &str| on_zfs.iter().cloned().chain([extra.to_string()]).collect::<Vec<_>>();
     let systems = [
-        ("planarian", None),
-        ("CRIU-inc", Some("io.planarian.checkpoint.pre_resume_hook=false")),
-        ("Full-snapshot", Some("io.planarian.checkpoint.full_dump_interval=1")),
+        ("planarian", on_zfs.clone()),
+        ("CRIU-inc", with("io.planarian.checkpoint.pre_resume_hook=false")),
+        ("Full-snapshot", vec!["io.planarian.checkpoint.full_dump_interval=1".to_string()]),
     ];
     let mut results = Vec::new();
-    for (tag, annotation) in systems {
+    for (tag, annotations) in &systems {
         eprintln!("measuring {tag} ...");
-        match chains_system(&tag.to_lowercase(), annotation, mem, files) {
+        match chains_system(&tag.to_lowercase(), annotations, mem, files) {
             Ok(r) => results.push(r),
             Err(e) => {
                 eprintln!("planarian-bench: {tag}: {e}");
@@ -388,7 +404,8 @@ fn chains(args: &[String]) -> i32 {
         }
     }
     let mb = |b: u64| b as f64 / (1 << 20) as f64;
-    println!("snapshot/rollback/fork cost: {mem} MiB memory ({} pages), {files} MiB files; 1 % of memory rewritten (one contiguous run) + 64 KiB of files between steps", (mem as u64) << 8);
+    let where_files = if pool.is_some() { "files on ZFS for planarian and CRIU-inc, copied for Full-snapshot" } else { "files copied (no ZFS pool)" };
+    println!("snapshot/rollback/fork cost: {mem} MiB memory ({} pages), {files} MiB files ({where_files}); 1 % of memory rewritten (one contiguous run) + 64 KiB of files between steps", (mem as u64) << 8);
     println!("| operation | planarian ms | CRIU-inc ms | Full-snapshot ms | CRIU-inc / planarian | Full / planarian | pages written (pl / inc / full) | MiB written (pl / inc / full) |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     let names = ["second snapshot", "rollback", "first snapshot after rollback", "fork", "first snapshot in the fork"];
@@ -398,7 +415,7 @@ fn chains(args: &[String]) -> i32 {
         let bytes = if p.bytes + c.bytes + f.bytes > 0 { format!("{:.1} / {:.1} / {:.1}", mb(p.bytes), mb(c.bytes), mb(f.bytes)) } else { "-".into() };
         println!("| {n} | {:.0} | {:.0} | {:.0} | {:.2}x | {:.2}x | {pages} | {bytes} |", p.ms, c.ms, f.ms, c.ms / p.ms, f.ms / p.ms);
     }
-    for (s, (tag, _)) in results.iter().zip(systems) {
+    for (s, (tag, _)) in results.iter().zip(&systems) {
         for (i, c) in s.iter().enumerate() {
             if let Some(why) = &c.full_reason {
                 println!("  {tag}, {}: full dump: {why}", names[i]);

@@ -1,0 +1,70 @@
+//! The control interface for the shim: one JSON request per connection on a Unix socket.
+//!
+//! `{"op":"position"}` → `{"position":N}` (taken under the proxy lock);
+//! `{"op":"compensate","to":P}` → `{"position":P,"rows":R}` or `{"error":"…"}`;
+//! `{"op":"disable","reason":"…"}` → `{"disabled":true}`; `{"op":"status"}` → the proxy's state.
+
+use crate::proxy::Proxy;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::Arc;
+
+pub fn listen(path: &Path, proxy: Arc<Proxy>) -> Result<(), String> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    }
+    if UnixStream::connect(path).is_ok() {
+        return Err(format!("another proxy already listens on {}", path.display()));
+    }
+    let _ = std::fs::remove_file(path);
+    let listener = UnixListener::bind(path).map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let proxy = proxy.clone();
+            std::thread::spawn(move || handle(conn, &proxy));
+        }
+    });
+    Ok(())
+}
+
+fn handle(conn: UnixStream, proxy: &Proxy) {
+    let mut line = String::new();
+    if BufReader::new(&conn).read_line(&mut line).is_err() {
+        return;
+    }
+    let req: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+    let resp = match req["op"].as_str() {
+        Some("position") => json!({"position": proxy.capture()}),
+        Some("compensate") => match req["to"].as_u64() {
+            Some(to) => match proxy.compensate(to) {
+                Ok(rows) => json!({"position": to, "rows": rows}),
+                Err(e) => json!({"error": e}),
+            },
+            None => json!({"error": "compensate needs \"to\": a position"}),
+        },
+        Some("disable") => {
+            let why = req["reason"].as_str().unwrap_or("database calls are disabled for this sandbox").to_string();
+            proxy.disable(why);
+            json!({"disabled": true})
+        }
+        Some("status") => proxy.status(),
+        _ => json!({"error": "unknown request: expected op position, compensate, disable or status"}),
+    };
+    let mut conn = conn;
+    let _ = writeln!(conn, "{resp}");
+}
+
+/// One request to a proxy's control socket.
+pub fn request(path: &Path, req: &Value) -> Result<Value, String> {
+    let mut conn = UnixStream::connect(path).map_err(|e| format!("no MCP proxy at {}: {e}", path.display()))?;
+    writeln!(conn, "{req}").map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut line = String::new();
+    BufReader::new(&conn).read_line(&mut line).map_err(|e| format!("{}: {e}", path.display()))?;
+    let v: Value = serde_json::from_str(&line).map_err(|e| format!("{}: bad answer: {e}", path.display()))?;
+    match v["error"].as_str() {
+        Some(e) => Err(e.to_string()),
+        None => Ok(v),
+    }
+}

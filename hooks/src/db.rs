@@ -1,0 +1,256 @@
+//! The proxy's own connection to the database: the undo log's schema, catalog look-ups for the
+//! rewrite, and compensation — each compensation in one real transaction.
+
+use crate::sql::{quote_ident, TableInfo, UNDO_SCHEMA};
+use postgres::{Client, NoTls};
+
+pub struct Db {
+    client: Client,
+}
+
+/// Volatile functions whose only effect is their result: harmless in a recorded change.
+const HARMLESS_VOLATILE: &[&str] = &["random", "clock_timestamp", "timeofday", "gen_random_uuid", "txid_current", "pg_sleep"];
+
+#[derive(Debug)]
+pub enum CompensateError {
+    /// A row is no longer what the agent's call left: nothing was changed.
+    Conflict(String),
+    Other(String),
+}
+
+impl std::fmt::Display for CompensateError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CompensateError::Conflict(s) => write!(f, "conflict: {s}"),
+            CompensateError::Other(s) => f.write_str(s),
+        }
+    }
+}
+
+fn pe(e: postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(d) => d.message().to_string(),
+        None => e.to_string(),
+    }
+}
+
+impl Db {
+    pub fn connect(dsn: &str) -> Result<Db, String> {
+        let client = Client::connect(dsn, NoTls).map_err(|e| format!("cannot connect to the database: {}", pe(e)))?;
+        let mut db = Db { client };
+        db.client
+            .batch_execute(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {UNDO_SCHEMA};
+                 CREATE TABLE IF NOT EXISTS {UNDO_SCHEMA}.undo (
+                     position bigint NOT NULL, seq bigint NOT NULL, tbl text NOT NULL,
+                     before jsonb, after jsonb, PRIMARY KEY (position, seq))"
+            ))
+            .or_else(|e| {
+                // Two proxies creating the schema at once: the loser's error is harmless.
+                if e.code().is_some_and(|c| c.code() == "23505" || c.code() == "42P06" || c.code() == "42P07") {
+                    Ok(())
+                } else {
+                    Err(format!("cannot create the undo log {UNDO_SCHEMA}.undo: {}", pe(e)))
+                }
+            })?;
+        Ok(db)
+    }
+
+    /// The highest position with undo rows (0 when none).
+    pub fn max_position(&mut self) -> Result<u64, String> {
+        let row = self
+            .client
+            .query_one(&format!("SELECT coalesce(max(position), 0) FROM {UNDO_SCHEMA}.undo"), &[])
+            .map_err(pe)?;
+        Ok(row.get::<_, i64>(0) as u64)
+    }
+
+    pub fn table_info(&mut self, name: &str) -> Result<TableInfo, String> {
+        let rows = self
+            .client
+            .query(
+                "SELECT c.oid, format('%I.%I', n.nspname, c.relname), c.relkind::text, c.relhasrules
+                 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)",
+                &[&name],
+            )
+            .map_err(pe)?;
+        let Some(row) = rows.first() else { return Err(format!("relation {name} does not exist")) };
+        let oid: u32 = row.get(0);
+        let qualified: String = row.get(1);
+        let relkind: String = row.get(2);
+        let mut problems = Vec::new();
+        if relkind != "r" && relkind != "p" {
+            problems.push("it is not a plain table".to_string());
+        }
+        if row.get::<_, bool>(3) {
+            problems.push("rules rewrite statements on it".to_string());
+        }
+        let columns = self
+            .client
+            .query("SELECT attname::text FROM pg_attribute WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped ORDER BY attnum", &[&oid])
+            .map_err(pe)?
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect();
+        let primary_key = self
+            .client
+            .query(
+                "SELECT a.attname::text FROM pg_index i
+                 CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+                 JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                 WHERE i.indrelid = $1 AND i.indisprimary ORDER BY k.ord",
+                &[&oid],
+            )
+            .map_err(pe)?
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect();
+        for r in self.client.query("SELECT tgname::text FROM pg_trigger WHERE tgrelid = $1 AND NOT tgisinternal", &[&oid]).map_err(pe)? {
+            problems.push(format!("trigger {} runs on it", r.get::<_, String>(0)));
+        }
+        for r in self
+            .client
+            .query(
+                "SELECT conname::text, conrelid::regclass::text FROM pg_constraint
+                 WHERE contype = 'f' AND confrelid = $1 AND (confdeltype IN ('c','n','d') OR confupdtype IN ('c','n','d'))",
+                &[&oid],
+            )
+            .map_err(pe)?
+        {
+            problems.push(format!(
+                "foreign key {} of {} cascades changes to it",
+                r.get::<_, String>(0),
+                r.get::<_, String>(1)
+            ));
+        }
+        Ok(TableInfo { qualified, columns, primary_key, problems })
+    }
+
+    /// The functions among `names` that are volatile (may change the database) and not known to
+    /// be harmless.
+    pub fn unsafe_functions(&mut self, names: &[String]) -> Result<Vec<String>, String> {
+        let bare: Vec<String> = names
+            .iter()
+            .map(|n| n.rsplit('.').next().unwrap_or(n).to_string())
+            .filter(|n| !HARMLESS_VOLATILE.contains(&n.as_str()))
+            .collect();
+        if bare.is_empty() {
+            return Ok(vec![]);
+        }
+        let rows = self
+            .client
+            .query("SELECT DISTINCT proname::text FROM pg_proc WHERE proname = ANY($1) AND provolatile = 'v' ORDER BY 1", &[&bare])
+            .map_err(pe)?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    /// Undoes every recorded change after `position`, newest first, in one transaction: all of
+    /// it, or — on a conflict or error — none of it. Returns how many rows were restored.
+    pub fn compensate_to(&mut self, position: u64) -> Result<u64, CompensateError> {
+        let other = |e: postgres::Error| CompensateError::Other(pe(e));
+        let mut tx = self.client.transaction().map_err(other)?;
+        let entries = tx
+            .query(
+                &format!(
+                    "SELECT position, seq, tbl, before, after FROM {UNDO_SCHEMA}.undo WHERE position > $1
+                     ORDER BY position DESC, seq DESC FOR UPDATE"
+                ),
+                &[&(position as i64)],
+            )
+            .map_err(other)?;
+        let mut infos: std::collections::HashMap<String, (Vec<String>, Vec<String>)> = Default::default();
+        for e in &entries {
+            let (pos, tbl): (i64, String) = (e.get(0), e.get(2));
+            let before: Option<serde_json::Value> = e.get(3);
+            let after: Option<serde_json::Value> = e.get(4);
+            if !infos.contains_key(&tbl) {
+                let cols = tx
+                    .query(
+                        "SELECT attname::text, attgenerated::text, attidentity::text FROM pg_attribute
+                         WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+                        &[&tbl],
+                    )
+                    .map_err(other)?;
+                let writable: Vec<String> =
+                    cols.iter().filter(|r| r.get::<_, String>(1).is_empty()).map(|r| r.get::<_, String>(0)).collect();
+                let keys = tx
+                    .query(
+                        "SELECT a.attname::text FROM pg_index i
+                         CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+                         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                         WHERE i.indrelid = to_regclass($1) AND i.indisprimary ORDER BY k.ord",
+                        &[&tbl],
+                    )
+                    .map_err(other)?
+                    .iter()
+                    .map(|r| r.get::<_, String>(0))
+                    .collect();
+                infos.insert(tbl.clone(), (writable, keys));
+            }
+            let (cols, keys) = &infos[&tbl];
+            if keys.is_empty() {
+                return Err(CompensateError::Other(format!("{tbl} has lost its primary key: cannot undo position {pos}")));
+            }
+            let qcols: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
+            let key_match = |img: &str| {
+                let k: Vec<String> = keys.iter().map(|k| format!("o.{}", quote_ident(k))).collect();
+                format!("({}) = (SELECT {} FROM jsonb_populate_record(NULL::{tbl}, {img}) AS r)", k.join(", "), k.join(", ").replace("o.", "r."))
+            };
+            let key_text = |img: &serde_json::Value| {
+                keys.iter().map(|k| format!("{k}={}", img.get(k).map(|v| v.to_string()).unwrap_or_default())).collect::<Vec<_>>().join(", ")
+            };
+            let conflict = |what: &str, img: &serde_json::Value| {
+                CompensateError::Conflict(format!(
+                    "the row of {tbl} with {} {what} since the call at position {pos}; nothing was undone",
+                    key_text(img)
+                ))
+            };
+            match (&before, &after) {
+                (None, Some(after)) => {
+                    let n = tx
+                        .execute(&format!("DELETE FROM {tbl} o WHERE {} AND to_jsonb(o.*) = $1", key_match("$1")), &[after])
+                        .map_err(other)?;
+                    if n != 1 {
+                        return Err(conflict("was changed or removed", after));
+                    }
+                }
+                (Some(before), Some(after)) => {
+                    let n = tx
+                        .execute(
+                            &format!(
+                                "UPDATE {tbl} o SET ({}) = (SELECT {} FROM jsonb_populate_record(NULL::{tbl}, $2) AS r)
+                                 WHERE {} AND to_jsonb(o.*) = $1",
+                                qcols.join(", "),
+                                qcols.iter().map(|c| format!("r.{c}")).collect::<Vec<_>>().join(", "),
+                                key_match("$1")
+                            ),
+                            &[after, before],
+                        )
+                        .map_err(other)?;
+                    if n != 1 {
+                        return Err(conflict("was changed or removed", after));
+                    }
+                }
+                (Some(before), None) => {
+                    let r = tx.execute(
+                        &format!(
+                            "INSERT INTO {tbl} ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM jsonb_populate_record(NULL::{tbl}, $1) AS r",
+                            qcols.join(", "),
+                            qcols.iter().map(|c| format!("r.{c}")).collect::<Vec<_>>().join(", ")
+                        ),
+                        &[before],
+                    );
+                    match r {
+                        Ok(_) => {}
+                        Err(e) if e.code().is_some_and(|c| c.code() == "23505") => return Err(conflict("was inserted again", before)),
+                        Err(e) => return Err(other(e)),
+                    }
+                }
+                (None, None) => {}
+            }
+        }
+        tx.execute(&format!("DELETE FROM {UNDO_SCHEMA}.undo WHERE position > $1"), &[&(position as i64)]).map_err(other)?;
+        tx.commit().map_err(other)?;
+        Ok(entries.len() as u64)
+    }
+}

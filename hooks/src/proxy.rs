@@ -1,0 +1,365 @@
+//! The transparent MCP proxy (stdio to the harness, stdio to the real server).
+//!
+//! Messages are raw JSON values: whatever the proxy does not need to understand passes through
+//! unchanged. Every client request gets a fresh upstream id (the proxy's own requests come from
+//! the same counter, so they can never collide); responses are mapped back, and
+//! `notifications/cancelled` is remapped. Calls of the SQL tool are classified: reads pass
+//! through at once, writes are numbered (the MCP call position), rewritten to record their undo
+//! rows, and run one at a time under the proxy lock; what cannot be undone is refused with a
+//! tool error before it reaches the server.
+
+use crate::db::{CompensateError, Db};
+use crate::sql::{classify, Class};
+use crate::state::Positions;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+
+pub struct Options {
+    pub upstream: Vec<String>,
+    pub sql_tool: String,
+    pub sql_arg: String,
+    pub dsn: String,
+    pub state_file: std::path::PathBuf,
+}
+
+enum Pending {
+    Client(Value),
+    Own(Sender<Value>),
+}
+
+pub struct Proxy {
+    opts: Options,
+    out: Mutex<Box<dyn Write + Send>>,
+    upstream: Mutex<Option<(Child, ChildStdin)>>,
+    /// Set while the upstream is being (re)started.
+    generation: (Mutex<u64>, Condvar),
+    pending: Mutex<HashMap<u64, Pending>>,
+    next_id: AtomicU64,
+    /// The proxy lock: held by a mutating call from before its position is taken until its
+    /// response arrives, and by captures and compensations.
+    lock: Mutex<()>,
+    positions: Mutex<Positions>,
+    db: Mutex<Db>,
+    disabled: Mutex<Option<String>>,
+    initialize: Mutex<Option<Value>>,
+    closing: AtomicBool,
+}
+
+fn tool_error(text: String) -> Value {
+    json!({"content": [{"type": "text", "text": text}], "isError": true})
+}
+
+impl Proxy {
+    pub fn new(opts: Options, out: Box<dyn Write + Send>) -> Result<Arc<Proxy>, String> {
+        let mut db = Db::connect(&opts.dsn)?;
+        let positions = Positions::load(&opts.state_file, db.max_position()?)?;
+        let p = Arc::new(Proxy {
+            out: Mutex::new(out),
+            upstream: Mutex::new(None),
+            generation: (Mutex::new(0), Condvar::new()),
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            lock: Mutex::new(()),
+            positions: Mutex::new(positions),
+            db: Mutex::new(db),
+            disabled: Mutex::new(None),
+            initialize: Mutex::new(None),
+            closing: AtomicBool::new(false),
+            opts,
+        });
+        p.start_upstream()?;
+        Ok(p)
+    }
+
+    fn start_upstream(self: &Arc<Self>) -> Result<(), String> {
+        let (prog, args) = self.opts.upstream.split_first().ok_or("no upstream MCP server command")?;
+        let mut child = Command::new(prog)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("cannot start the upstream MCP server {prog}: {e}"))?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = child.stdout.take().expect("piped");
+        *self.upstream.lock().unwrap() = Some((child, stdin));
+        let gen = {
+            let mut g = self.generation.0.lock().unwrap();
+            *g += 1;
+            *g
+        };
+        let me = self.clone();
+        std::thread::spawn(move || me.read_upstream(BufReader::new(stdout), gen));
+        Ok(())
+    }
+
+    fn send_upstream(&self, msg: &Value) -> Result<(), String> {
+        let mut up = self.upstream.lock().unwrap();
+        let Some((_, stdin)) = up.as_mut() else { return Err("the upstream MCP server is not running".into()) };
+        let mut line = serde_json::to_vec(msg).map_err(|e| e.to_string())?;
+        line.push(b'\n');
+        stdin.write_all(&line).and_then(|_| stdin.flush()).map_err(|e| format!("the upstream MCP server is gone: {e}"))
+    }
+
+    fn send_client(&self, msg: &Value) {
+        let mut out = self.out.lock().unwrap();
+        let _ = serde_json::to_writer(&mut *out, msg);
+        let _ = out.write_all(b"\n");
+        let _ = out.flush();
+    }
+
+    fn reply(&self, id: &Value, result: Value) {
+        self.send_client(&json!({"jsonrpc": "2.0", "id": id, "result": result}));
+    }
+
+    fn reply_error(&self, id: &Value, code: i64, message: &str) {
+        self.send_client(&json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}}));
+    }
+
+    /// Forwards a client request under a fresh upstream id.
+    fn forward_request(&self, mut msg: Value) {
+        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        let orig = std::mem::replace(&mut msg["id"], json!(id));
+        self.pending.lock().unwrap().insert(id, Pending::Client(orig.clone()));
+        if let Err(e) = self.send_upstream(&msg) {
+            self.pending.lock().unwrap().remove(&id);
+            self.reply_error(&orig, -32603, &e);
+        }
+    }
+
+    /// Sends a request of the proxy's own (or a rewritten client call) and waits for its response.
+    fn call_upstream(&self, method: &str, params: Value) -> Result<Value, String> {
+        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        let (tx, rx) = channel();
+        self.pending.lock().unwrap().insert(id, Pending::Own(tx));
+        if let Err(e) = self.send_upstream(&json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params})) {
+            self.pending.lock().unwrap().remove(&id);
+            return Err(e);
+        }
+        rx.recv().map_err(|_| "the upstream MCP server exited before answering".to_string())
+    }
+
+    fn read_upstream(self: Arc<Self>, reader: BufReader<std::process::ChildStdout>, gen: u64) {
+        for line in reader.lines() {
+            let Ok(line) = line else { break };
+            if line.trim().is_empty() {
+                continue;
+            }
+            let Ok(mut msg) = serde_json::from_str::<Value>(&line) else {
+                eprintln!("planarian-mcp-proxy: upstream sent a line that is not JSON; dropped");
+                continue;
+            };
+            let is_response = msg.get("method").is_none() && msg.get("id").is_some();
+            if !is_response {
+                // Server-to-client requests and notifications pass through unchanged.
+                self.send_client(&msg);
+                continue;
+            }
+            let Some(id) = msg["id"].as_u64() else { continue };
+            match self.pending.lock().unwrap().remove(&id) {
+                Some(Pending::Client(orig)) => {
+                    msg["id"] = orig;
+                    self.send_client(&msg);
+                }
+                Some(Pending::Own(tx)) => {
+                    let _ = tx.send(msg);
+                }
+                None => {}
+            }
+        }
+        self.upstream_lost(gen);
+    }
+
+    /// The upstream exited: fail what was in flight, start it again and re-initialize it.
+    fn upstream_lost(self: &Arc<Self>, gen: u64) {
+        if self.closing.load(Ordering::SeqCst) || *self.generation.0.lock().unwrap() != gen {
+            return;
+        }
+        if let Some((mut child, _)) = self.upstream.lock().unwrap().take() {
+            let _ = child.wait();
+        }
+        let lost: Vec<Pending> = self.pending.lock().unwrap().drain().map(|(_, p)| p).collect();
+        for p in lost {
+            match p {
+                Pending::Client(orig) => self.reply_error(&orig, -32603, "the upstream MCP server exited during the call; it has been restarted: retry"),
+                Pending::Own(tx) => drop(tx),
+            }
+        }
+        eprintln!("planarian-mcp-proxy: the upstream MCP server exited; restarting it");
+        if let Err(e) = self.start_upstream() {
+            eprintln!("planarian-mcp-proxy: {e}");
+            return;
+        }
+        let init = self.initialize.lock().unwrap().clone();
+        if let Some(params) = init {
+            match self.call_upstream("initialize", params) {
+                Ok(_) => {
+                    let _ = self.send_upstream(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+                }
+                Err(e) => eprintln!("planarian-mcp-proxy: cannot re-initialize the upstream: {e}"),
+            }
+        }
+    }
+
+    /// Serves one client stream until it ends.
+    pub fn serve(self: &Arc<Self>, input: impl BufRead) {
+        for line in input.lines() {
+            let Ok(line) = line else { break };
+            if line.trim().is_empty() {
+                continue;
+            }
+            match serde_json::from_str::<Value>(&line) {
+                Ok(Value::Array(batch)) => batch.into_iter().for_each(|m| self.from_client(m)),
+                Ok(m) => self.from_client(m),
+                Err(e) => self.reply_error(&Value::Null, -32700, &format!("parse error: {e}")),
+            }
+        }
+        self.shutdown();
+    }
+
+    pub fn shutdown(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+        if let Some((mut child, stdin)) = self.upstream.lock().unwrap().take() {
+            drop(stdin);
+            let end = std::time::Instant::now() + std::time::Duration::from_secs(3);
+            while std::time::Instant::now() < end {
+                if let Ok(Some(_)) = child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn from_client(self: &Arc<Self>, mut msg: Value) {
+        let method = msg.get("method").and_then(Value::as_str).map(String::from);
+        let has_id = msg.get("id").is_some_and(|v| !v.is_null());
+        match (method.as_deref(), has_id) {
+            (Some("initialize"), true) => {
+                *self.initialize.lock().unwrap() = Some(msg["params"].clone());
+                self.forward_request(msg);
+            }
+            (Some("tools/call"), true) if msg["params"]["name"].as_str() == Some(&self.opts.sql_tool) => {
+                let me = self.clone();
+                // Reads must not wait behind writes: every SQL call gets its own thread.
+                std::thread::spawn(move || me.sql_call(msg));
+            }
+            (Some(_), true) => self.forward_request(msg),
+            (Some("notifications/cancelled"), false) => {
+                let orig = msg["params"]["requestId"].clone();
+                let up = self
+                    .pending
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .find_map(|(k, p)| matches!(p, Pending::Client(o) if *o == orig).then_some(*k));
+                if let Some(up) = up {
+                    msg["params"]["requestId"] = json!(up);
+                    let _ = self.send_upstream(&msg);
+                }
+            }
+            // Other notifications, and responses to the server's own requests: unchanged.
+            _ => {
+                let _ = self.send_upstream(&msg);
+            }
+        }
+    }
+
+    fn sql_call(self: Arc<Self>, mut msg: Value) {
+        let id = msg["id"].clone();
+        let Some(sql) = msg["params"]["arguments"][&self.opts.sql_arg].as_str().map(String::from) else {
+            return self.forward_request(msg);
+        };
+        if let Some(why) = self.disabled.lock().unwrap().clone() {
+            return self.reply(&id, tool_error(format!("planarian: not executed: {why}")));
+        }
+        let refuse = |why: String| self.reply(&id, tool_error(format!("planarian: not executed: {why}")));
+        match classify(&sql) {
+            Class::Reject(why) => refuse(why),
+            Class::ReadOnly { functions } => match self.db.lock().unwrap().unsafe_functions(&functions) {
+                Ok(bad) if bad.is_empty() => self.forward_request(msg),
+                Ok(bad) => refuse(format!("the statement calls {}, which may change the database in ways that cannot be undone", bad.join(", "))),
+                Err(e) => refuse(format!("cannot check the statement: {e}")),
+            },
+            Class::Write(dml) => {
+                let _guard = self.lock.lock().unwrap();
+                let checked = {
+                    let mut db = self.db.lock().unwrap();
+                    db.unsafe_functions(&dml.functions).and_then(|bad| {
+                        if bad.is_empty() {
+                            db.table_info(&dml.table_name())
+                        } else {
+                            Err(format!("the statement calls {}, whose effects cannot be undone", bad.join(", ")))
+                        }
+                    })
+                };
+                let table = match checked {
+                    Ok(t) => t,
+                    // Unknown tables and the like: let the server give its own error.
+                    Err(e) if e.ends_with("does not exist") => return self.forward_request(msg),
+                    Err(e) => return refuse(e),
+                };
+                let position = match self.positions.lock().unwrap().next() {
+                    Ok(p) => p,
+                    Err(e) => return refuse(e),
+                };
+                let rewritten = match dml.rewrite(&table, position) {
+                    Ok(s) => s,
+                    Err(e) => return refuse(e),
+                };
+                msg["params"]["arguments"][&self.opts.sql_arg] = json!(rewritten);
+                let params = msg["params"].clone();
+                match self.call_upstream("tools/call", params) {
+                    Ok(mut resp) => {
+                        resp["id"] = id;
+                        self.send_client(&resp);
+                    }
+                    Err(e) => self.reply_error(&id, -32603, &e),
+                }
+            }
+        }
+    }
+
+    // --- the control interface -------------------------------------------------------------
+
+    /// The current position, taken under the proxy lock (no write is in flight).
+    pub fn capture(&self) -> u64 {
+        let _guard = self.lock.lock().unwrap();
+        self.positions.lock().unwrap().current
+    }
+
+    pub fn compensate(&self, to: u64) -> Result<u64, String> {
+        let _guard = self.lock.lock().unwrap();
+        let mut pos = self.positions.lock().unwrap();
+        pos.check_reachable(to)?;
+        let undone = self.db.lock().unwrap().compensate_to(to).map_err(|e| match e {
+            CompensateError::Conflict(s) => format!("conflict: {s}"),
+            CompensateError::Other(s) => s,
+        })?;
+        pos.compensated(to)?;
+        Ok(undone)
+    }
+
+    pub fn disable(&self, why: String) {
+        *self.disabled.lock().unwrap() = Some(why);
+    }
+
+    pub fn status(&self) -> Value {
+        let pos = self.positions.lock().unwrap();
+        let pid = self.upstream.lock().unwrap().as_ref().map(|(c, _)| c.id());
+        json!({
+            "position": pos.current,
+            "last": pos.last,
+            "compensations": pos.events.len(),
+            "disabled": *self.disabled.lock().unwrap(),
+            "upstream-pid": pid,
+        })
+    }
+}

@@ -1,0 +1,463 @@
+//! The agent's SQL, read with the real PostgreSQL grammar (libpg_query): which statements only
+//! read, which can be made compensable, and the rewrite that makes them so.
+//!
+//! A compensable INSERT/UPDATE/DELETE (and INSERT … ON CONFLICT) becomes ONE statement: the
+//! original runs in a data-modifying CTE whose RETURNING also yields the row's after-image and
+//! key; a second CTE writes those, with the before-image, into `planarian.undo` — in the same
+//! transaction as the change, so there is never a change without its undo record. All parts of a
+//! statement see the snapshot taken before it, so the before-image is simply the row as the
+//! table held it. The outer SELECT returns exactly the columns the original RETURNING named (or
+//! no rows, like a DML without RETURNING).
+
+use pg_query::protobuf::{self, Node};
+use pg_query::{DeparseOptions, NodeEnum};
+
+/// What to do with one SQL text.
+#[derive(Debug)]
+pub enum Class {
+    /// Pass through (the functions it calls still have to be checked against the catalog).
+    ReadOnly { functions: Vec<String> },
+    /// Rewrite, then pass through under the proxy lock.
+    Write(Dml),
+    /// Refuse before execution, with this reason for the agent.
+    Reject(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Insert,
+    Update,
+    Delete,
+}
+
+/// A parsed INSERT/UPDATE/DELETE, ready to be rewritten once the table is known.
+#[derive(Debug)]
+pub struct Dml {
+    pub kind: Kind,
+    pub upsert: bool,
+    pub schema: Option<String>,
+    pub table: String,
+    /// How the statement refers to its target (alias or table name).
+    refname: String,
+    /// The statement without its RETURNING clause.
+    body: String,
+    returning: Option<Vec<Ret>>,
+    /// Columns an UPDATE (or ON CONFLICT DO UPDATE) assigns.
+    set_columns: Vec<String>,
+    pub functions: Vec<String>,
+}
+
+#[derive(Debug)]
+enum Ret {
+    Expr { sql: String, name: String },
+    /// `*` or `target.*`: every column of the target table.
+    Star,
+}
+
+/// What the rewrite needs from the catalog.
+#[derive(Debug, Clone)]
+pub struct TableInfo {
+    /// `schema.table`, quoted as needed.
+    pub qualified: String,
+    pub columns: Vec<String>,
+    pub primary_key: Vec<String>,
+    /// Why changes to this table cannot be compensated (triggers, cascading keys, …).
+    pub problems: Vec<String>,
+}
+
+pub const UNDO_SCHEMA: &str = "planarian";
+
+pub fn classify(sql: &str) -> Class {
+    let parsed = match pg_query::parse(sql, pg_query::ParserOptions::DEFAULT) {
+        Ok(p) => p,
+        Err(e) => return Class::Reject(format!("the statement does not parse: {e}")),
+    };
+    let stmts = &parsed.protobuf.stmts;
+    if stmts.len() != 1 {
+        return Class::Reject(format!(
+            "send one SQL statement per call (this call has {}): each call is recorded and undone as a unit",
+            stmts.len()
+        ));
+    }
+    if parsed.tables().iter().any(|t| t.starts_with(&format!("{UNDO_SCHEMA}."))) {
+        return Class::Reject(format!("the schema {UNDO_SCHEMA} holds the undo log of this sandbox and cannot be used"));
+    }
+    let functions = parsed.functions();
+    let Some(node) = stmts[0].stmt.as_ref().and_then(|n| n.node.as_ref()) else {
+        return Class::Reject("empty statement".into());
+    };
+    classify_node(node, &parsed.protobuf, functions)
+}
+
+fn classify_node(node: &NodeEnum, tree: &protobuf::ParseResult, functions: Vec<String>) -> Class {
+    use NodeEnum as E;
+    match node {
+        E::SelectStmt(s) => {
+            if s.into_clause.is_some() {
+                return Class::Reject("SELECT … INTO creates a table: use CREATE TABLE … and INSERT … SELECT".into());
+            }
+            if let Some(why) = modifying_ctes(s.with_clause.as_ref()) {
+                return Class::Reject(why);
+            }
+            Class::ReadOnly { functions }
+        }
+        E::ExplainStmt(e) => {
+            let analyze = e.options.iter().any(|o| matches!(&o.node, Some(E::DefElem(d)) if d.defname == "analyze"));
+            match e.query.as_ref().and_then(|q| q.node.as_ref()) {
+                Some(inner @ E::SelectStmt(_)) if analyze => classify_node(inner, tree, functions),
+                Some(_) if analyze => {
+                    Class::Reject("EXPLAIN ANALYZE executes the statement: use EXPLAIN without ANALYZE for a change".into())
+                }
+                _ => Class::ReadOnly { functions },
+            }
+        }
+        E::VariableShowStmt(_) => Class::ReadOnly { functions },
+        E::InsertStmt(_) | E::UpdateStmt(_) | E::DeleteStmt(_) => match dml(tree, functions) {
+            Ok(d) => Class::Write(d),
+            Err(why) => Class::Reject(why),
+        },
+        E::TransactionStmt(_) => Class::Reject(
+            "transaction control is not accepted: every call runs in its own transaction and is undone as a unit".into(),
+        ),
+        E::TruncateStmt(_) => Class::Reject("TRUNCATE cannot be undone: use DELETE FROM … WHERE …".into()),
+        E::DropStmt(_) => Class::Reject("DROP cannot be undone here: objects are only removed by rolling back their creation".into()),
+        E::DoStmt(_) => Class::Reject("DO blocks run arbitrary code that cannot be undone: send plain statements".into()),
+        E::CallStmt(_) => Class::Reject("CALL runs a procedure whose effects cannot be undone: send plain statements".into()),
+        E::CopyStmt(_) => Class::Reject("COPY cannot be undone: use INSERT".into()),
+        E::MergeStmt(_) => Class::Reject("MERGE is not compensable yet: use INSERT … ON CONFLICT, UPDATE or DELETE".into()),
+        E::VariableSetStmt(_) => Class::Reject("SET changes the session of a shared connection: not accepted".into()),
+        other => Class::Reject(format!(
+            "{} is not compensable: accepted are SELECT, INSERT (also ON CONFLICT), UPDATE and DELETE on tables with a primary key",
+            statement_name(other)
+        )),
+    }
+}
+
+fn statement_name(n: &NodeEnum) -> String {
+    let dbg = format!("{n:?}");
+    let name = dbg.split(['(', ' ', '{']).next().unwrap_or("this statement");
+    name.strip_suffix("Stmt").unwrap_or(name).to_string()
+}
+
+fn modifying_ctes(with: Option<&protobuf::WithClause>) -> Option<String> {
+    let with = with?;
+    for cte in &with.ctes {
+        if let Some(NodeEnum::CommonTableExpr(c)) = &cte.node {
+            if let Some(NodeEnum::InsertStmt(_) | NodeEnum::UpdateStmt(_) | NodeEnum::DeleteStmt(_) | NodeEnum::MergeStmt(_)) =
+                c.ctequery.as_ref().and_then(|q| q.node.as_ref())
+            {
+                return Some(format!(
+                    "the data-modifying WITH query {} is not accepted: send each change as its own statement",
+                    c.ctename
+                ));
+            }
+        }
+    }
+    None
+}
+
+fn dml(tree: &protobuf::ParseResult, functions: Vec<String>) -> Result<Dml, String> {
+    let mut tree = tree.clone();
+    let stmt = tree.stmts[0].stmt.as_mut().and_then(|n| n.node.as_mut()).ok_or("empty statement")?;
+    let (kind, relation, with, returning, upsert, set_columns, other_relations) = match stmt {
+        NodeEnum::InsertStmt(s) => {
+            let (upsert, set) = match s.on_conflict_clause.as_ref() {
+                Some(oc) if oc.action == protobuf::OnConflictAction::OnconflictUpdate as i32 => (true, res_names(&oc.target_list)),
+                Some(_) => (true, vec![]),
+                None => (false, vec![]),
+            };
+            (Kind::Insert, s.relation.clone(), s.with_clause.clone(), s.returning_clause.take(), upsert, set, false)
+        }
+        NodeEnum::UpdateStmt(s) => (
+            Kind::Update,
+            s.relation.clone(),
+            s.with_clause.clone(),
+            s.returning_clause.take(),
+            false,
+            res_names(&s.target_list),
+            !s.from_clause.is_empty(),
+        ),
+        NodeEnum::DeleteStmt(s) => (
+            Kind::Delete,
+            s.relation.clone(),
+            s.with_clause.clone(),
+            s.returning_clause.take(),
+            false,
+            vec![],
+            !s.using_clause.is_empty(),
+        ),
+        _ => unreachable!("dml() is called for INSERT/UPDATE/DELETE"),
+    };
+    if let Some(why) = modifying_ctes(with.as_ref()) {
+        return Err(why);
+    }
+    let relation = relation.ok_or("the statement names no table")?;
+    let refname = relation.alias.as_ref().map(|a| a.aliasname.clone()).unwrap_or_else(|| relation.relname.clone());
+    let returning = match returning {
+        None => None,
+        Some(r) if !r.options.is_empty() => {
+            return Err("RETURNING WITH (OLD/NEW …) is not accepted: name the columns in plain RETURNING".into());
+        }
+        Some(r) => Some(r.exprs.iter().map(|n| ret_item(n, &refname, other_relations)).collect::<Result<Vec<_>, _>>()?),
+    };
+    let body = pg_query::deparse(&tree, DeparseOptions::default()).map_err(|e| format!("cannot rewrite the statement: {e}"))?;
+    Ok(Dml {
+        kind,
+        upsert,
+        schema: (!relation.schemaname.is_empty()).then(|| relation.schemaname.clone()),
+        table: relation.relname.clone(),
+        refname,
+        body,
+        returning,
+        set_columns,
+        functions,
+    })
+}
+
+fn res_names(targets: &[Node]) -> Vec<String> {
+    targets
+        .iter()
+        .filter_map(|t| match &t.node {
+            Some(NodeEnum::ResTarget(r)) => Some(r.name.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn ret_item(n: &Node, refname: &str, other_relations: bool) -> Result<Ret, String> {
+    let Some(NodeEnum::ResTarget(r)) = &n.node else { return Err("unexpected RETURNING item".into()) };
+    let val = r.val.as_ref().and_then(|v| v.node.as_ref()).ok_or("empty RETURNING item")?;
+    if let NodeEnum::ColumnRef(c) = val {
+        if matches!(c.fields.last().and_then(|f| f.node.as_ref()), Some(NodeEnum::AStar(_))) {
+            let qualifier = match c.fields.first().and_then(|f| f.node.as_ref()) {
+                Some(NodeEnum::String(s)) if c.fields.len() == 2 => Some(s.sval.clone()),
+                _ => None,
+            };
+            return match qualifier {
+                Some(q) if q == refname => Ok(Ret::Star),
+                None if !other_relations => Ok(Ret::Star),
+                _ => Err("RETURNING * over several tables is not accepted: name the columns".into()),
+            };
+        }
+    }
+    let name = if r.name.is_empty() { figure_name(val).unwrap_or_else(|| "?column?".into()) } else { r.name.clone() };
+    Ok(Ret::Expr { sql: deparse_expr(val)?, name })
+}
+
+/// The column name PostgreSQL gives an unnamed output expression (its FigureColname rules, for
+/// the common cases).
+fn figure_name(n: &NodeEnum) -> Option<String> {
+    use NodeEnum as E;
+    let last_string = |nodes: &[Node]| {
+        nodes.iter().rev().find_map(|f| match &f.node {
+            Some(E::String(s)) => Some(s.sval.clone()),
+            _ => None,
+        })
+    };
+    match n {
+        E::ColumnRef(c) => last_string(&c.fields),
+        E::FuncCall(f) => last_string(&f.funcname),
+        E::TypeCast(t) => t
+            .arg
+            .as_ref()
+            .and_then(|a| a.node.as_ref())
+            .and_then(figure_name)
+            .or_else(|| t.type_name.as_ref().and_then(|tn| last_string(&tn.names))),
+        E::AIndirection(i) => last_string(&i.indirection).or_else(|| i.arg.as_ref().and_then(|a| a.node.as_ref()).and_then(figure_name)),
+        E::CaseExpr(_) => Some("case".into()),
+        E::AArrayExpr(_) => Some("array".into()),
+        E::CoalesceExpr(_) => Some("coalesce".into()),
+        E::NullIfExpr(_) => Some("nullif".into()),
+        E::RowExpr(_) => Some("row".into()),
+        E::MinMaxExpr(m) => Some(if m.op == protobuf::MinMaxOp::IsGreatest as i32 { "greatest" } else { "least" }.into()),
+        E::SubLink(s) if s.sub_link_type == protobuf::SubLinkType::ExistsSublink as i32 => Some("exists".into()),
+        E::SubLink(s) if s.sub_link_type == protobuf::SubLinkType::ArraySublink as i32 => Some("array".into()),
+        _ => None,
+    }
+}
+
+fn deparse_expr(val: &NodeEnum) -> Result<String, String> {
+    let mut sel = pg_query::parse("SELECT 1", pg_query::ParserOptions::DEFAULT).map_err(|e| e.to_string())?.protobuf;
+    let Some(NodeEnum::SelectStmt(s)) = sel.stmts[0].stmt.as_mut().and_then(|n| n.node.as_mut()) else {
+        return Err("internal: SELECT 1 did not parse as SELECT".into());
+    };
+    let target = protobuf::ResTarget { val: Some(Box::new(Node { node: Some(val.clone()) })), ..Default::default() };
+    s.target_list = vec![Node { node: Some(NodeEnum::ResTarget(Box::new(target))) }];
+    let text = pg_query::deparse(&sel, DeparseOptions::default()).map_err(|e| format!("cannot rewrite RETURNING: {e}"))?;
+    Ok(text.strip_prefix("SELECT ").unwrap_or(&text).to_string())
+}
+
+pub fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+pub fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+impl Dml {
+    /// The table as the statement names it, for the catalog look-up.
+    pub fn table_name(&self) -> String {
+        match &self.schema {
+            Some(s) => format!("{}.{}", quote_ident(s), quote_ident(&self.table)),
+            None => quote_ident(&self.table),
+        }
+    }
+
+    /// The single statement that makes the change and records its undo rows at `position`.
+    pub fn rewrite(&self, t: &TableInfo, position: u64) -> Result<String, String> {
+        if !t.problems.is_empty() {
+            return Err(format!("changes to {} cannot be undone: {}", t.qualified, t.problems.join("; ")));
+        }
+        if t.primary_key.is_empty() {
+            return Err(format!("{} has no primary key, so its rows cannot be told apart to undo a change: add one", t.qualified));
+        }
+        if let Some(c) = self.set_columns.iter().find(|c| t.primary_key.contains(c)) {
+            return Err(format!("the statement changes the primary key column {c} of {}: not accepted", t.qualified));
+        }
+        let r = quote_ident(&self.refname);
+        let mut rets = Vec::new();
+        let mut outer = Vec::new();
+        for item in self.returning.iter().flatten() {
+            match item {
+                Ret::Star => {
+                    for c in &t.columns {
+                        outer.push(format!("m.__planarian_r{} AS {}", rets.len(), quote_ident(c)));
+                        rets.push(format!("{r}.{} AS __planarian_r{}", quote_ident(c), rets.len()));
+                    }
+                }
+                Ret::Expr { sql, name } => {
+                    outer.push(format!("m.__planarian_r{} AS {}", rets.len(), quote_ident(name)));
+                    rets.push(format!("{sql} AS __planarian_r{}", rets.len()));
+                }
+            }
+        }
+        rets.push(format!("to_jsonb({r}.*) AS __planarian_img"));
+        for (i, k) in t.primary_key.iter().enumerate() {
+            rets.push(format!("{r}.{} AS __planarian_k{i}", quote_ident(k)));
+        }
+        let lookup = {
+            let cond: Vec<String> =
+                t.primary_key.iter().enumerate().map(|(i, k)| format!("o.{} = m.__planarian_k{i}", quote_ident(k))).collect();
+            format!("(SELECT to_jsonb(o.*) FROM {} o WHERE {})", t.qualified, cond.join(" AND "))
+        };
+        let (before, after) = match (self.kind, self.upsert) {
+            (Kind::Delete, _) => ("m.__planarian_img".to_string(), "NULL::jsonb".to_string()),
+            (Kind::Insert, false) => ("NULL::jsonb".to_string(), "m.__planarian_img".to_string()),
+            _ => (lookup, "m.__planarian_img".to_string()),
+        };
+        let select = if self.returning.is_some() {
+            format!("SELECT {} FROM __planarian_m m", outer.join(", "))
+        } else {
+            "SELECT FROM __planarian_m m WHERE false".to_string()
+        };
+        Ok(format!(
+            "WITH __planarian_m AS ({} RETURNING {}), __planarian_log AS (INSERT INTO {UNDO_SCHEMA}.undo (position, seq, tbl, before, after) SELECT {position}, row_number() OVER (), {}, {before}, {after} FROM __planarian_m m) {select}",
+            self.body,
+            rets.join(", "),
+            quote_literal(&t.qualified),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> TableInfo {
+        TableInfo {
+            qualified: "public.t".into(),
+            columns: vec!["id".into(), "x".into()],
+            primary_key: vec!["id".into()],
+            problems: vec![],
+        }
+    }
+
+    fn write(sql: &str) -> Dml {
+        match classify(sql) {
+            Class::Write(d) => d,
+            other => panic!("{sql}: {other:?}"),
+        }
+    }
+
+    fn rejected(sql: &str) -> String {
+        match classify(sql) {
+            Class::Reject(why) => why,
+            other => panic!("{sql} was not rejected: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn reads_pass() {
+        for q in ["SELECT * FROM t", "select count(*) from t where x = 'a'", "EXPLAIN SELECT 1", "SHOW search_path", "WITH a AS (SELECT 1) SELECT * FROM a"] {
+            assert!(matches!(classify(q), Class::ReadOnly { .. }), "{q}");
+        }
+    }
+
+    #[test]
+    fn uncompensable_statements_are_rejected_with_a_reason() {
+        for (q, want) in [
+            ("TRUNCATE t", "TRUNCATE"),
+            ("DROP TABLE t CASCADE", "DROP"),
+            ("DO $$ BEGIN END $$", "DO blocks"),
+            ("CALL p()", "CALL"),
+            ("COPY t FROM STDIN", "COPY"),
+            ("BEGIN", "transaction control"),
+            ("COMMIT", "transaction control"),
+            ("INSERT INTO t VALUES (1); INSERT INTO t VALUES (2)", "one SQL statement per call"),
+            ("WITH d AS (DELETE FROM t RETURNING *) SELECT * FROM d", "data-modifying WITH"),
+            ("SELECT * INTO t2 FROM t", "INTO"),
+            ("EXPLAIN ANALYZE DELETE FROM t", "EXPLAIN ANALYZE"),
+            ("DELETE FROM planarian.undo", "undo log"),
+            ("ALTER TABLE t DROP COLUMN x", "not compensable"),
+            ("SELEC 1", "does not parse"),
+        ] {
+            let why = rejected(q);
+            assert!(why.contains(want), "{q}: {why}");
+        }
+    }
+
+    #[test]
+    fn rewrite_keeps_the_statement_and_its_returning() {
+        let d = write("UPDATE ONLY t AS a SET x = 'b' WHERE a.id = 1 RETURNING a.x, id * 2, *");
+        assert_eq!(d.kind, Kind::Update);
+        assert_eq!(d.table_name(), "\"t\"");
+        let sql = d.rewrite(&table(), 7).unwrap();
+        assert!(sql.starts_with("WITH __planarian_m AS (UPDATE ONLY t a SET x = 'b' WHERE a.id = 1 RETURNING a.x AS __planarian_r0, id * 2 AS __planarian_r1, \"a\".\"id\" AS __planarian_r2"), "{sql}");
+        assert!(sql.contains("SELECT 7, row_number() OVER (), 'public.t', (SELECT to_jsonb(o.*) FROM public.t o WHERE o.\"id\" = m.__planarian_k0)"), "{sql}");
+        assert!(sql.ends_with("SELECT m.__planarian_r0 AS \"x\", m.__planarian_r1 AS \"?column?\", m.__planarian_r2 AS \"id\", m.__planarian_r3 AS \"x\" FROM __planarian_m m"), "{sql}");
+        assert!(matches!(pg_query::parse(&sql, pg_query::ParserOptions::DEFAULT), Ok(p) if p.protobuf.stmts.len() == 1));
+    }
+
+    #[test]
+    fn rewrite_without_returning_returns_no_rows() {
+        let sql = write("DELETE FROM t WHERE id > 3").rewrite(&table(), 1).unwrap();
+        assert!(sql.ends_with("SELECT FROM __planarian_m m WHERE false"), "{sql}");
+        assert!(sql.contains("SELECT 1, row_number() OVER (), 'public.t', m.__planarian_img, NULL::jsonb"), "{sql}");
+        let ins = write("INSERT INTO t (id, x) VALUES (5, 'e')").rewrite(&table(), 2).unwrap();
+        assert!(ins.contains("'public.t', NULL::jsonb, m.__planarian_img"), "{ins}");
+        let up = write("INSERT INTO t VALUES (5, 'e') ON CONFLICT (id) DO UPDATE SET x = excluded.x").rewrite(&table(), 3).unwrap();
+        assert!(up.contains("(SELECT to_jsonb(o.*) FROM public.t o"), "{up}");
+    }
+
+    #[test]
+    fn unsafe_tables_and_key_changes_are_refused() {
+        let mut t = table();
+        assert!(write("UPDATE t SET id = 2").rewrite(&t, 1).unwrap_err().contains("primary key column id"));
+        t.primary_key.clear();
+        assert!(write("DELETE FROM t").rewrite(&t, 1).unwrap_err().contains("no primary key"));
+        let mut t = table();
+        t.problems.push("trigger audit runs on it".into());
+        assert!(write("DELETE FROM t").rewrite(&t, 1).unwrap_err().contains("trigger audit"));
+        assert!(rejected("UPDATE t SET x = u.x FROM u WHERE t.id = u.id RETURNING *").contains("several tables"));
+    }
+
+    #[test]
+    fn output_names_follow_postgres() {
+        let d = write("INSERT INTO t VALUES (1, 'a') RETURNING id AS k, upper(x), x::text, 1::int, CASE WHEN true THEN 1 END, t.x");
+        let sql = d.rewrite(&table(), 1).unwrap();
+        for n in ["AS \"k\"", "AS \"upper\"", "AS \"x\"", "AS \"int4\"", "AS \"case\""] {
+            assert!(sql.contains(n), "{n}: {sql}");
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! The MCP call positions, kept durably beside the undo log.
+//!
+//! `last` is the highest position ever given to a call; positions are never reused. `current`
+//! is the position a statepoint captures: the newest call that is in effect (after a
+//! compensation to P it is P, although later calls had higher numbers). Each compensation is
+//! remembered as (to, last): it undid the calls in (to, last], so a statepoint captured at a
+//! position in that range can no longer be reached by compensation, and says so.
+
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+pub struct Positions {
+    pub current: u64,
+    pub last: u64,
+    pub events: Vec<(u64, u64)>,
+    path: PathBuf,
+}
+
+impl Positions {
+    pub fn load(path: &Path, floor: u64) -> Result<Positions, String> {
+        let mut p = Positions { current: floor, last: floor, events: vec![], path: path.to_path_buf() };
+        match std::fs::read(path) {
+            Ok(data) => {
+                let v: Value = serde_json::from_slice(&data).map_err(|e| format!("{}: {e}", path.display()))?;
+                p.last = v["last"].as_u64().unwrap_or(0).max(floor);
+                p.current = v["current"].as_u64().unwrap_or(0);
+                // A call that reached the database after the state was written (a crash in
+                // between) is in effect: its undo rows say so.
+                if floor > p.current {
+                    p.current = floor;
+                }
+                p.events = v["compensations"]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|e| Some((e[0].as_u64()?, e[1].as_u64()?))).collect())
+                    .unwrap_or_default();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+        }
+        p.save()?;
+        Ok(p)
+    }
+
+    fn save(&self) -> Result<(), String> {
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        }
+        let tmp = self.path.with_extension("tmp");
+        let v = json!({"current": self.current, "last": self.last, "compensations": self.events.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>()});
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::File::create(&tmp)?;
+            std::io::Write::write_all(&mut f, v.to_string().as_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &self.path)
+        };
+        write().map_err(|e| format!("cannot write {}: {e}", self.path.display()))
+    }
+
+    /// The position of a new mutating call, recorded before the call is sent.
+    pub fn next(&mut self) -> Result<u64, String> {
+        let (c, l) = (self.current, self.last);
+        self.last += 1;
+        self.current = self.last;
+        self.save().inspect_err(|_| {
+            self.current = c;
+            self.last = l;
+        })?;
+        Ok(self.last)
+    }
+
+    pub fn check_reachable(&self, to: u64) -> Result<(), String> {
+        if to > self.last {
+            return Err(format!("position {to} was never reached (the last call is {})", self.last));
+        }
+        if let Some((q, m)) = self.events.iter().find(|(q, m)| *q < to && to <= *m) {
+            return Err(format!(
+                "position {to} can no longer be restored: the calls {}..={m} were undone by a rollback to position {q}",
+                q + 1
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn compensated(&mut self, to: u64) -> Result<(), String> {
+        if to < self.current {
+            self.events.push((to, self.last));
+        }
+        self.current = to;
+        self.save()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_survive_restart_and_undone_ranges_are_unreachable() {
+        let path = std::env::temp_dir().join(format!("planarian-positions-{}.json", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let mut p = Positions::load(&path, 0).unwrap();
+        for want in 1..=10 {
+            assert_eq!(p.next().unwrap(), want);
+        }
+        p.check_reachable(5).unwrap();
+        p.compensated(5).unwrap();
+        assert_eq!(p.current, 5);
+        assert_eq!(p.next().unwrap(), 11);
+        assert!(p.check_reachable(10).unwrap_err().contains("6..=10 were undone"));
+        p.check_reachable(5).unwrap();
+        p.check_reachable(11).unwrap();
+        assert!(p.check_reachable(12).is_err());
+        // Restart: the state file is read back; undo rows beyond it win.
+        let p = Positions::load(&path, 13).unwrap();
+        assert_eq!((p.current, p.last, p.events.len()), (13, 13, 1));
+        std::fs::remove_file(&path).unwrap();
+    }
+}
