@@ -306,6 +306,10 @@ impl Proxy {
                     Err(e) if e.ends_with("does not exist") => return self.forward_request(msg),
                     Err(e) => return refuse(e),
                 };
+                // A statement that cannot be rewritten is refused without taking a position.
+                if let Err(e) = dml.rewrite(&table, 0) {
+                    return refuse(e);
+                }
                 let position = match self.positions.lock().unwrap().next() {
                     Ok(p) => p,
                     Err(e) => return refuse(e),

@@ -82,11 +82,38 @@ pub fn classify(sql: &str) -> Class {
     if parsed.tables().iter().any(|t| t.starts_with(&format!("{UNDO_SCHEMA}."))) {
         return Class::Reject(format!("the schema {UNDO_SCHEMA} holds the undo log of this sandbox and cannot be used"));
     }
-    let functions = parsed.functions();
+    let functions = called_functions(&parsed.protobuf);
     let Some(node) = stmts[0].stmt.as_ref().and_then(|n| n.node.as_ref()) else {
         return Class::Reject("empty statement".into());
     };
     classify_node(node, &parsed.protobuf, functions)
+}
+
+/// Every function the statement calls, anywhere in it (pg_query's own list misses VALUES).
+fn called_functions(tree: &protobuf::ParseResult) -> Vec<String> {
+    fn walk(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                if let Some(f) = m.get("FuncCall") {
+                    let names: Vec<&str> = f["funcname"]
+                        .as_array()
+                        .map(|a| a.iter().filter_map(|n| n["node"]["String"]["sval"].as_str()).collect())
+                        .unwrap_or_default();
+                    if !names.is_empty() {
+                        out.push(names.join("."));
+                    }
+                }
+                m.values().for_each(|x| walk(x, out));
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|x| walk(x, out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(&serde_json::to_value(tree).unwrap_or_default(), &mut out);
+    out.sort();
+    out.dedup();
+    out
 }
 
 fn classify_node(node: &NodeEnum, tree: &protobuf::ParseResult, functions: Vec<String>) -> Class {
@@ -385,6 +412,14 @@ mod tests {
             Class::Reject(why) => why,
             other => panic!("{sql} was not rejected: {other:?}"),
         }
+    }
+
+    #[test]
+    fn every_called_function_is_found() {
+        let Class::Write(d) = classify("INSERT INTO t VALUES (nextval('s'), lower(x)) RETURNING f(id)") else { panic!() };
+        assert_eq!(d.functions, ["f", "lower", "nextval"]);
+        let Class::ReadOnly { functions } = classify("SELECT pg_catalog.sneaky() FROM t WHERE g(1)") else { panic!() };
+        assert_eq!(functions, ["g", "pg_catalog.sneaky"]);
     }
 
     #[test]

@@ -1,0 +1,471 @@
+//! The MCP state proxy against a throwaway real PostgreSQL and Google's MCP Toolbox for
+//! Databases (its `execute_sql` tool runs one statement per call, as a prepared statement).
+//!
+//! Needs PostgreSQL's server binaries (`PLANARIAN_PG_BIN`, default /usr/lib/postgresql/15/bin)
+//! and the toolbox binary (`PLANARIAN_TOOLBOX`, default target/npm/node_modules/.bin/toolbox,
+//! installed by tests/run). Without them the tests say SKIPPED loudly; tests/run installs both,
+//! so in CI nothing is skipped.
+
+use postgres::{Client, NoTls};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn toolbox() -> Option<PathBuf> {
+    let p = std::env::var_os("PLANARIAN_TOOLBOX")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target/npm/node_modules/.bin/toolbox"));
+    p.exists().then_some(p)
+}
+
+fn pg_bin() -> Option<PathBuf> {
+    let p = std::env::var_os("PLANARIAN_PG_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/usr/lib/postgresql/15/bin"));
+    p.join("initdb").exists().then_some(p)
+}
+
+macro_rules! require {
+    () => {
+        match (pg_bin(), toolbox()) {
+            (Some(pg), Some(tb)) => (pg, tb),
+            (pg, tb) => {
+                eprintln!(
+                    "SKIPPED {}: needs PostgreSQL server binaries ({}) and MCP Toolbox ({}); tests/run installs both",
+                    module_path!(),
+                    if pg.is_some() { "found" } else { "missing" },
+                    if tb.is_some() { "found" } else { "missing" }
+                );
+                return;
+            }
+        }
+    };
+}
+
+/// A throwaway cluster on a loopback port, stopped on drop.
+struct Pg {
+    dir: PathBuf,
+    bin: PathBuf,
+    port: u16,
+}
+
+fn as_postgres(cmd: &mut Command) -> &mut Command {
+    // initdb refuses to run as root: the tests (and CI) run as root.
+    if nix_is_root() {
+        use std::os::unix::process::CommandExt;
+        let uid = user_id("postgres").expect("a postgres user (Debian's postgresql package makes one)");
+        cmd.uid(uid.0).gid(uid.1);
+    }
+    cmd
+}
+
+fn nix_is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .map(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0")))
+        .unwrap_or(false)
+}
+
+fn user_id(name: &str) -> Option<(u32, u32)> {
+    std::fs::read_to_string("/etc/passwd").ok()?.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.first() == Some(&name)).then(|| (f[2].parse().ok(), f[3].parse().ok())).and_then(|(u, g)| Some((u?, g?)))
+    })
+}
+
+impl Pg {
+    fn start(bin: &Path, tag: &str) -> Pg {
+        let dir = std::env::temp_dir().join(format!("planarian-pg-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        if nix_is_root() {
+            let (u, g) = user_id("postgres").unwrap();
+            std::os::unix::fs::chown(&dir, Some(u), Some(g)).unwrap();
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let ok = as_postgres(Command::new(bin.join("initdb")).args(["-D"]).arg(dir.join("data")).args(["-A", "trust", "-U", "postgres", "--no-sync"]))
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(ok.success(), "initdb failed");
+        let ok = as_postgres(
+            Command::new(bin.join("pg_ctl"))
+                .args(["-D"])
+                .arg(dir.join("data"))
+                .args(["-w", "-l"])
+                .arg(dir.join("log"))
+                .args(["-o", &format!("-k {} -c listen_addresses=127.0.0.1 -p {port} -c fsync=off", dir.display()), "start"]),
+        )
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+        assert!(ok.success(), "pg_ctl start failed: {}", std::fs::read_to_string(dir.join("log")).unwrap_or_default());
+        Pg { dir, bin: bin.to_path_buf(), port }
+    }
+
+    fn dsn(&self) -> String {
+        format!("host=127.0.0.1 port={} user=postgres dbname=postgres", self.port)
+    }
+
+    fn client(&self) -> Client {
+        Client::connect(&self.dsn(), NoTls).unwrap()
+    }
+}
+
+impl Drop for Pg {
+    fn drop(&mut self) {
+        let _ = as_postgres(Command::new(self.bin.join("pg_ctl")).arg("-D").arg(self.dir.join("data")).args(["-m", "immediate", "stop"]))
+            .stdout(Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// An MCP client over stdio: the harness's side.
+struct Mcp {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    next: u64,
+}
+
+impl Mcp {
+    fn spawn(mut cmd: Command) -> Mcp {
+        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut m = Mcp { child, stdin, stdout, next: 100 };
+        let init = m.request(
+            "initialize",
+            json!({"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "planarian-test", "version": "1"}}),
+        );
+        assert!(init["result"]["serverInfo"].is_object(), "{init}");
+        m.send(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+        m
+    }
+
+    fn send(&mut self, v: &Value) {
+        writeln!(self.stdin, "{v}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    fn recv(&mut self) -> Value {
+        let mut line = String::new();
+        assert!(self.stdout.read_line(&mut line).unwrap() > 0, "the MCP server closed its output");
+        serde_json::from_str(&line).unwrap()
+    }
+
+    fn request(&mut self, method: &str, params: Value) -> Value {
+        self.next += 1;
+        let id = json!(format!("req-{}", self.next));
+        self.send(&json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}));
+        loop {
+            let m = self.recv();
+            if m["id"] == id {
+                return m;
+            }
+        }
+    }
+
+    fn sql(&mut self, sql: &str) -> Value {
+        let r = self.request("tools/call", json!({"name": "execute_sql", "arguments": {"sql": sql}}));
+        assert!(r.get("result").is_some(), "{sql}: {r}");
+        r["result"].clone()
+    }
+}
+
+impl Drop for Mcp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn toolbox_cmd(tb: &Path, pg: &Pg) -> Command {
+    let mut c = Command::new(tb);
+    c.args(["--prebuilt", "postgres", "--stdio", "--disable-version-check"])
+        .env("POSTGRES_HOST", "127.0.0.1")
+        .env("POSTGRES_PORT", pg.port.to_string())
+        .env("POSTGRES_DATABASE", "postgres")
+        .env("POSTGRES_USER", "postgres")
+        .env("POSTGRES_PASSWORD", "unused")
+        .stderr(Stdio::null());
+    c
+}
+
+struct Proxied {
+    mcp: Mcp,
+    control: PathBuf,
+    state: PathBuf,
+}
+
+fn proxy(tb: &Path, pg: &Pg, tag: &str) -> Proxied {
+    let dir = std::env::temp_dir().join(format!("planarian-proxy-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (control, state) = (dir.join("control.sock"), dir.join("positions.json"));
+    let tbc = toolbox_cmd(tb, pg);
+    let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
+    c.args(["serve", "--database", &pg.dsn(), "--control"]).arg(&control).arg("--state").arg(&state).arg("--").arg(tbc.get_program());
+    c.args(tbc.get_args());
+    for (k, v) in tbc.get_envs() {
+        c.env(k, v.unwrap());
+    }
+    Proxied { mcp: Mcp::spawn(c), control, state }
+}
+
+fn control(p: &Path, args: &[&str]) -> Result<Value, String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy")).arg("control").arg(p).args(args).output().unwrap();
+    if out.status.success() {
+        Ok(serde_json::from_slice(&out.stdout).unwrap())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
+}
+
+/// Every user table, whole, in key order: what the tests compare.
+fn dump(c: &mut Client) -> String {
+    let tables: Vec<String> = c
+        .query("SELECT format('%I.%I', schemaname, tablename) FROM pg_tables WHERE schemaname = 'public' ORDER BY 1", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut out = String::new();
+    for t in tables {
+        let rows = c.query(&format!("SELECT coalesce(jsonb_agg(to_jsonb(x.*) ORDER BY to_jsonb(x.*)::text), '[]')::text FROM {t} x"), &[]).unwrap();
+        out += &format!("{t}: {}\n", rows[0].get::<_, String>(0));
+    }
+    out
+}
+
+fn schema(c: &mut Client) {
+    c.batch_execute(
+        "CREATE TABLE accounts (id int PRIMARY KEY, owner text NOT NULL, balance numeric NOT NULL, tags text[], meta jsonb);
+         CREATE TABLE orders (order_no bigint GENERATED BY DEFAULT AS IDENTITY, region text, item text, qty int,
+                              PRIMARY KEY (region, order_no));
+         CREATE TABLE notes (id serial PRIMARY KEY, body text, created timestamptz DEFAULT now());
+         INSERT INTO accounts VALUES (1, 'ann', 100, '{a}', '{\"k\": 1}'), (2, 'bob', 50, NULL, NULL), (3, 'cy', 0, '{}', '[]');
+         INSERT INTO orders (region, item, qty) VALUES ('eu', 'pen', 1), ('us', 'ink', 2);",
+    )
+    .unwrap();
+}
+
+#[test]
+fn compensate_to_every_earlier_position_restores_every_table_exactly() {
+    let (bin, tb) = require!();
+    let pg = Pg::start(&bin, "every");
+    let mut db = pg.client();
+    schema(&mut db);
+    let mut p = proxy(&tb, &pg, "every");
+    let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+    let mut at = vec![(start, dump(&mut db))];
+    let session = [
+        "INSERT INTO accounts VALUES (4, 'dee', 10, '{x,y}', '{\"n\": [1, 2]}')",
+        "UPDATE accounts SET balance = balance + 5 WHERE id IN (1, 2)",
+        "SELECT * FROM accounts",
+        "DELETE FROM accounts WHERE id = 3",
+        "INSERT INTO accounts VALUES (2, 'bob', 0, NULL, NULL), (5, 'eve', 7, NULL, NULL) ON CONFLICT (id) DO UPDATE SET balance = excluded.balance, owner = 'bob2'",
+        "INSERT INTO orders (region, item, qty) VALUES ('eu', 'cap', 3) RETURNING order_no",
+        "UPDATE orders SET qty = qty * 10 WHERE region = 'eu'",
+        "INSERT INTO notes (body) VALUES ('first'), ('second')",
+        "UPDATE ONLY accounts AS a SET meta = jsonb_build_object('seen', true) FROM orders o WHERE o.region = 'us' AND a.id = o.qty",
+        "DELETE FROM notes WHERE body = 'first' RETURNING *",
+        "INSERT INTO accounts VALUES (6, 'fay', 1, NULL, NULL) ON CONFLICT DO NOTHING",
+        "DELETE FROM orders",
+    ];
+    for q in session {
+        let r = p.mcp.sql(q);
+        assert_ne!(r["isError"], json!(true), "{q}: {r}");
+        let pos = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+        at.push((pos, dump(&mut db)));
+    }
+    // Reads are not numbered: 11 writes.
+    assert_eq!(at.last().unwrap().0, start + 11);
+    assert_ne!(at.last().unwrap().1, at[0].1);
+    // Back through every earlier position, newest first; each time every table is exactly as it
+    // was when that position was current.
+    for (pos, want) in at.iter().rev().skip(1) {
+        let r = control(&p.control, &["compensate", &pos.to_string()]).unwrap();
+        assert_eq!(r["position"].as_u64(), Some(*pos));
+        assert_eq!(&dump(&mut db), want, "after compensating to position {pos}");
+    }
+    let undo: i64 = db.query_one("SELECT count(*) FROM planarian.undo", &[]).unwrap().get(0);
+    assert_eq!(undo, 0, "each compensation consumes its undo rows");
+    // Forward again, then back to the middle: new calls get new positions.
+    p.mcp.sql("UPDATE accounts SET owner = 'ANN' WHERE id = 1");
+    let mid = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+    assert!(mid > start + 11, "positions are never reused: {mid}");
+    let before_mid = dump(&mut db);
+    p.mcp.sql("DELETE FROM accounts WHERE id = 2");
+    control(&p.control, &["compensate", &mid.to_string()]).unwrap();
+    assert_eq!(dump(&mut db), before_mid);
+    // A position whose calls were undone can no longer be reached.
+    let err = control(&p.control, &["compensate", &(start + 5).to_string()]).unwrap_err();
+    assert!(err.contains("can no longer be restored"), "{err}");
+    drop(p);
+}
+
+#[test]
+fn results_are_exactly_what_the_original_statement_returns() {
+    let (bin, tb) = require!();
+    let pg = Pg::start(&bin, "same");
+    let mut db = pg.client();
+    schema(&mut db);
+    let mut p = proxy(&tb, &pg, "same");
+    let mut direct = Mcp::spawn(toolbox_cmd(&tb, &pg));
+    for q in [
+        "UPDATE accounts SET balance = balance WHERE id <= 2 RETURNING *",
+        "UPDATE accounts a SET owner = owner WHERE a.id = 1 RETURNING a.owner, balance * 2, upper(owner), id AS key, tags::text",
+        "UPDATE accounts SET balance = balance WHERE id = 99 RETURNING id",
+        "UPDATE accounts SET balance = balance WHERE id = 1",
+    ] {
+        let via = p.mcp.sql(q);
+        let dir = direct.sql(q);
+        assert_eq!(via, dir, "{q}");
+    }
+}
+
+#[test]
+fn uncompensable_calls_are_refused_before_execution_and_change_nothing() {
+    let (bin, tb) = require!();
+    let pg = Pg::start(&bin, "refuse");
+    let mut db = pg.client();
+    schema(&mut db);
+    db.batch_execute(
+        "CREATE TABLE nokey (a int, b text); INSERT INTO nokey VALUES (1, 'x');
+         CREATE TABLE child (id int PRIMARY KEY, acc int REFERENCES accounts ON DELETE CASCADE);
+         CREATE TABLE audited (id int PRIMARY KEY, v int);
+         CREATE FUNCTION bump() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$;
+         CREATE TRIGGER audit BEFORE UPDATE ON audited FOR EACH ROW EXECUTE FUNCTION bump();
+         CREATE SEQUENCE s;
+         CREATE FUNCTION sneaky() RETURNS int LANGUAGE sql VOLATILE AS $$ DELETE FROM nokey RETURNING 1 $$;",
+    )
+    .unwrap();
+    let before = dump(&mut db);
+    let mut p = proxy(&tb, &pg, "refuse");
+    for (q, want) in [
+        ("TRUNCATE accounts", "TRUNCATE"),
+        ("DROP TABLE accounts CASCADE", "DROP"),
+        ("DO $$ BEGIN DELETE FROM accounts; END $$", "DO blocks"),
+        ("COPY accounts FROM STDIN", "COPY"),
+        ("BEGIN", "transaction control"),
+        ("DELETE FROM nokey", "no primary key"),
+        ("DELETE FROM accounts WHERE id = 1", "cascades"),
+        ("UPDATE audited SET v = 1", "trigger audit"),
+        ("INSERT INTO orders (region, item, qty) VALUES ('eu', 'x', nextval('s'))", "nextval"),
+        ("SELECT sneaky()", "sneaky"),
+        ("UPDATE orders SET region = 'xx' WHERE qty = 1", "primary key column region"),
+        ("WITH d AS (DELETE FROM accounts RETURNING *) SELECT * FROM d", "data-modifying WITH"),
+        ("DELETE FROM planarian.undo", "undo log"),
+    ] {
+        let r = p.mcp.sql(q);
+        assert_eq!(r["isError"], json!(true), "{q}: {r}");
+        let text = r["content"][0]["text"].as_str().unwrap();
+        assert!(text.starts_with("planarian: not executed: ") && text.contains(want), "{q}: {text}");
+    }
+    assert_eq!(dump(&mut db), before);
+    assert_eq!(control(&p.control, &["status"]).unwrap()["last"].as_u64(), Some(0), "refusals take no position");
+    // Passing through what the proxy does not understand: other tools, unknown methods.
+    let tools = p.mcp.request("tools/list", json!({}));
+    assert!(tools["result"]["tools"].as_array().is_some_and(|t| !t.is_empty()), "{tools}");
+    let unknown = p.mcp.request("no/such/method", json!({}));
+    assert!(unknown["error"].is_object(), "{unknown}");
+}
+
+#[test]
+fn a_row_changed_behind_the_proxy_is_a_conflict_and_nothing_is_clobbered() {
+    let (bin, tb) = require!();
+    let pg = Pg::start(&bin, "conflict");
+    let mut db = pg.client();
+    schema(&mut db);
+    let mut p = proxy(&tb, &pg, "conflict");
+    let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+    p.mcp.sql("INSERT INTO accounts VALUES (9, 'zed', 1, NULL, NULL)");
+    p.mcp.sql("UPDATE accounts SET balance = 1000 WHERE id = 1");
+    db.execute("UPDATE accounts SET balance = 999 WHERE id = 1", &[]).unwrap();
+    let changed = dump(&mut db);
+    let err = control(&p.control, &["compensate", &start.to_string()]).unwrap_err();
+    assert!(err.contains("conflict") && err.contains("id=1"), "{err}");
+    assert_eq!(dump(&mut db), changed, "a conflicting compensation changes nothing");
+    let undo: i64 = db.query_one("SELECT count(*) FROM planarian.undo", &[]).unwrap().get(0);
+    assert_eq!(undo, 2, "the undo rows stay for a later attempt");
+    // Put the row back as the agent left it: the compensation then goes through.
+    db.execute("UPDATE accounts SET balance = 1000 WHERE id = 1", &[]).unwrap();
+    control(&p.control, &["compensate", &start.to_string()]).unwrap();
+    let b: String = db.query_one("SELECT balance::text FROM accounts WHERE id = 1", &[]).unwrap().get(0);
+    assert_eq!(b, "100");
+    assert!(db.query("SELECT 1 FROM accounts WHERE id = 9", &[]).unwrap().is_empty());
+    drop(p);
+}
+
+#[test]
+fn the_undo_log_and_positions_survive_a_killed_proxy_and_a_restarted_upstream() {
+    let (bin, tb) = require!();
+    let pg = Pg::start(&bin, "crash");
+    let mut db = pg.client();
+    schema(&mut db);
+    let before = dump(&mut db);
+    let mut p = proxy(&tb, &pg, "crash");
+    let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+    // The call is sent, and the proxy killed before it can answer or write anything more.
+    p.mcp.send(&json!({"jsonrpc": "2.0", "id": "lost", "method": "tools/call",
+        "params": {"name": "execute_sql", "arguments": {"sql": "UPDATE accounts SET balance = balance + 1 WHERE id = 2"}}}));
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    p.mcp.child.kill().unwrap();
+    p.mcp.child.wait().unwrap();
+    let (control_path, state) = (p.control.clone(), p.state.clone());
+    drop(p);
+    assert!(state.exists());
+    // A new proxy on the same state: the change that reached the database is undoable.
+    let dir = control_path.parent().unwrap().to_path_buf();
+    let _ = std::fs::remove_file(&control_path);
+    let mut p2 = proxy(&tb, &pg, "crash");
+    assert_eq!(p2.control, dir.join("control.sock"));
+    let pos = control(&p2.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+    assert!(pos > start, "the killed call's position is known after the restart: {pos}");
+    // Upstream restarted under the proxy: kill the toolbox, the next call still works.
+    let up = control(&p2.control, &["status"]).unwrap()["upstream-pid"].as_u64().unwrap();
+    Command::new("kill").arg(up.to_string()).status().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let mut r = p2.mcp.request("tools/call", json!({"name": "execute_sql", "arguments": {"sql": "INSERT INTO accounts VALUES (8, 'x', 1, NULL, NULL)"}}));
+    if r.get("error").is_some() {
+        // The call raced the restart: the proxy said so; a retry goes through.
+        r = p2.mcp.request("tools/call", json!({"name": "execute_sql", "arguments": {"sql": "INSERT INTO accounts VALUES (8, 'x', 1, NULL, NULL)"}}));
+    }
+    assert!(r["result"].is_object() && r["result"]["isError"] != json!(true), "{r}");
+    control(&p2.control, &["compensate", &start.to_string()]).unwrap();
+    assert_eq!(dump(&mut db), before);
+}
+
+#[test]
+fn concurrent_callers_are_serialised_and_every_write_is_undone() {
+    let (bin, tb) = require!();
+    let pg = Pg::start(&bin, "conc");
+    let mut db = pg.client();
+    schema(&mut db);
+    let before = dump(&mut db);
+    let mut p = proxy(&tb, &pg, "conc");
+    let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+    // Many requests in flight at once on one stream, as a harness with parallel tool calls sends.
+    for i in 0..20 {
+        let sql = if i % 2 == 0 {
+            format!("INSERT INTO accounts VALUES ({}, 'c{i}', {i}, NULL, NULL)", 100 + i)
+        } else {
+            "UPDATE accounts SET balance = balance + 1 WHERE id = 1".to_string()
+        };
+        p.mcp.send(&json!({"jsonrpc": "2.0", "id": i, "method": "tools/call", "params": {"name": "execute_sql", "arguments": {"sql": sql}}}));
+    }
+    let mut seen = std::collections::HashSet::new();
+    while seen.len() < 20 {
+        let m = p.mcp.recv();
+        assert!(m["result"].is_object() && m["result"]["isError"] != json!(true), "{m}");
+        seen.insert(m["id"].as_u64().unwrap());
+    }
+    let b: String = db.query_one("SELECT balance::text FROM accounts WHERE id = 1", &[]).unwrap().get(0);
+    assert_eq!(b, "110");
+    assert_eq!(control(&p.control, &["position"]).unwrap()["position"].as_u64(), Some(start + 20));
+    control(&p.control, &["compensate", &start.to_string()]).unwrap();
+    assert_eq!(dump(&mut db), before);
+}
