@@ -42,8 +42,8 @@ impl Db {
             .batch_execute(&format!(
                 "CREATE SCHEMA IF NOT EXISTS {UNDO_SCHEMA};
                  CREATE TABLE IF NOT EXISTS {UNDO_SCHEMA}.undo (
-                     position bigint NOT NULL, seq bigint NOT NULL, tbl text NOT NULL,
-                     before jsonb, after jsonb, PRIMARY KEY (position, seq))"
+                     position bigint NOT NULL, stmt int NOT NULL, seq bigint NOT NULL, tbl text NOT NULL,
+                     before jsonb, after jsonb, PRIMARY KEY (position, stmt, seq))"
             ))
             .or_else(|e| {
                 // Two proxies creating the schema at once: the loser's error is harmless.
@@ -153,7 +153,7 @@ impl Db {
             .query(
                 &format!(
                     "SELECT position, seq, tbl, before, after FROM {UNDO_SCHEMA}.undo WHERE position > $1
-                     ORDER BY position DESC, seq DESC FOR UPDATE"
+                     ORDER BY position DESC, stmt DESC, seq DESC FOR UPDATE"
                 ),
                 &[&(position as i64)],
             )

@@ -1,7 +1,7 @@
 //! `planarian-mcp-proxy`: the MCP state-proxy sidecar, and the remote-state hook that talks to it.
 //!
 //! ```text
-//! planarian-mcp-proxy serve --database DSN [--sql-tool NAME] [--sql-arg ARG] [--container ID]
+//! planarian-mcp-proxy serve --database DSN [--server toolbox|dbhub] [--sql-tool NAME] [--sql-arg ARG] [--container ID]
 //!                           [--control SOCKET] [--state FILE] -- UPSTREAM-COMMAND [ARGS…]
 //! planarian-mcp-proxy capture CONTAINER-ID             (the hook contract of planarian)
 //! planarian-mcp-proxy compensate CONTAINER-ID POSITION
@@ -28,7 +28,7 @@ fn socket_for(container: &str) -> PathBuf {
 }
 
 fn usage() -> String {
-    "usage: planarian-mcp-proxy serve --database DSN [--sql-tool NAME] [--sql-arg ARG] [--container ID] [--control SOCKET] [--state FILE] -- UPSTREAM…\n       planarian-mcp-proxy capture CONTAINER-ID | compensate CONTAINER-ID POSITION\n       planarian-mcp-proxy control SOCKET position|status|compensate P|disable [REASON]".into()
+    "usage: planarian-mcp-proxy serve --database DSN [--server toolbox|dbhub] [--sql-tool NAME] [--sql-arg ARG] [--container ID] [--control SOCKET] [--state FILE] -- UPSTREAM…\n       planarian-mcp-proxy capture CONTAINER-ID | compensate CONTAINER-ID POSITION\n       planarian-mcp-proxy control SOCKET position|status|compensate P|disable [REASON]".into()
 }
 
 fn main() {
@@ -68,7 +68,7 @@ fn serve(args: &[String]) -> Result<(), String> {
     while let Some(f) = it.next() {
         let v = it.next().ok_or_else(|| format!("{f} needs a value"))?;
         match f.as_str() {
-            "--database" | "--sql-tool" | "--sql-arg" | "--container" | "--control" | "--state" => {
+            "--database" | "--server" | "--sql-tool" | "--sql-arg" | "--container" | "--control" | "--state" => {
                 get.insert(f.trim_start_matches('-').to_string(), v.clone());
             }
             _ => return Err(format!("unknown option {f}\n{}", usage())),
@@ -82,8 +82,14 @@ fn serve(args: &[String]) -> Result<(), String> {
         .map(PathBuf::from)
         .or_else(|| container.as_deref().map(|c| PathBuf::from("/var/lib/planarian/mcp").join(format!("{c}.json"))))
         .ok_or("serve needs --state FILE or --container ID (where the call positions are kept)")?;
+    let server = match get.remove("server").as_deref() {
+        None | Some("toolbox") => proxy::Server::Toolbox,
+        Some("dbhub") => proxy::Server::Dbhub,
+        Some(other) => return Err(format!("unknown --server {other}: toolbox (one statement per call) or dbhub (several)")),
+    };
     let opts = proxy::Options {
         upstream,
+        server,
         sql_tool: get.remove("sql-tool").unwrap_or_else(|| "execute_sql".into()),
         sql_arg: get.remove("sql-arg").unwrap_or_else(|| "sql".into()),
         dsn,

@@ -9,7 +9,7 @@
 //! tool error before it reaches the server.
 
 use crate::db::{CompensateError, Db};
-use crate::sql::{classify, Class};
+use crate::sql::{classify, split, Class};
 use crate::state::Positions;
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -19,8 +19,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 
+/// How the server's SQL tool takes statements and reports results.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Server {
+    /// MCP Toolbox: one statement per call (a prepared statement); one text item per row.
+    Toolbox,
+    /// DBHub: several statements in one transaction; a JSON report echoing each statement.
+    Dbhub,
+}
+
 pub struct Options {
     pub upstream: Vec<String>,
+    pub server: Server,
     pub sql_tool: String,
     pub sql_arg: String,
     pub dsn: String,
@@ -48,6 +58,28 @@ pub struct Proxy {
     disabled: Mutex<Option<String>>,
     initialize: Mutex<Option<Value>>,
     closing: AtomicBool,
+}
+
+/// DBHub echoes each statement and its row count: put back the agent's own statements, and the
+/// count a statement without RETURNING reports (the rewrite returned one empty row per change).
+fn dbhub_as_original(result: &mut Value, texts: &[String], no_returning: &[usize]) {
+    let Some(text) = result["content"][0]["text"].as_str() else { return };
+    let Ok(mut report) = serde_json::from_str::<Value>(text) else { return };
+    let Some(stmts) = report["data"]["statements"].as_array_mut() else { return };
+    if stmts.len() != texts.len() {
+        return;
+    }
+    for (i, st) in stmts.iter_mut().enumerate() {
+        st["sql"] = json!(texts[i]);
+        if no_returning.contains(&i) {
+            let n = st["rows"].as_array().map_or(0, Vec::len);
+            st["rows"] = json!([]);
+            st["count"] = json!(n);
+        }
+    }
+    if let Ok(t) = serde_json::to_string_pretty(&report) {
+        result["content"][0]["text"] = json!(t);
+    }
 }
 
 fn tool_error(text: String) -> Value {
@@ -277,57 +309,86 @@ impl Proxy {
         let Some(sql) = msg["params"]["arguments"][&self.opts.sql_arg].as_str().map(String::from) else {
             return self.forward_request(msg);
         };
-        if let Some(why) = self.disabled.lock().unwrap().clone() {
-            return self.reply(&id, tool_error(format!("planarian: not executed: {why}")));
-        }
         let refuse = |why: String| self.reply(&id, tool_error(format!("planarian: not executed: {why}")));
-        match classify(&sql) {
-            Class::Reject(why) => refuse(why),
-            Class::ReadOnly { functions } => match self.db.lock().unwrap().unsafe_functions(&functions) {
+        if let Some(why) = self.disabled.lock().unwrap().clone() {
+            return refuse(why);
+        }
+        let texts = match self.opts.server {
+            Server::Toolbox => vec![sql.clone()],
+            Server::Dbhub => match split(&sql) {
+                Ok(t) if !t.is_empty() => t,
+                Ok(_) => vec![sql.clone()],
+                Err(e) => return refuse(e),
+            },
+        };
+        let mut functions = Vec::new();
+        let mut writes = Vec::new();
+        for (i, text) in texts.iter().enumerate() {
+            match classify(text) {
+                Class::Reject(why) if texts.len() > 1 => return refuse(format!("statement {} ({text}): {why}", i + 1)),
+                Class::Reject(why) => return refuse(why),
+                Class::ReadOnly { functions: f } => functions.extend(f),
+                Class::Write(d) => {
+                    functions.extend(d.functions.iter().cloned());
+                    writes.push((i, d));
+                }
+            }
+        }
+        if writes.is_empty() {
+            return match self.db.lock().unwrap().unsafe_functions(&functions) {
                 Ok(bad) if bad.is_empty() => self.forward_request(msg),
                 Ok(bad) => refuse(format!("the statement calls {}, which may change the database in ways that cannot be undone", bad.join(", "))),
                 Err(e) => refuse(format!("cannot check the statement: {e}")),
-            },
-            Class::Write(dml) => {
-                let _guard = self.lock.lock().unwrap();
-                let checked = {
-                    let mut db = self.db.lock().unwrap();
-                    db.unsafe_functions(&dml.functions).and_then(|bad| {
-                        if bad.is_empty() {
-                            db.table_info(&dml.table_name())
-                        } else {
-                            Err(format!("the statement calls {}, whose effects cannot be undone", bad.join(", ")))
-                        }
-                    })
-                };
-                let table = match checked {
-                    Ok(t) => t,
-                    // Unknown tables and the like: let the server give its own error.
-                    Err(e) if e.ends_with("does not exist") => return self.forward_request(msg),
-                    Err(e) => return refuse(e),
-                };
-                // A statement that cannot be rewritten is refused without taking a position.
-                if let Err(e) = dml.rewrite(&table, 0) {
-                    return refuse(e);
-                }
-                let position = match self.positions.lock().unwrap().next() {
-                    Ok(p) => p,
-                    Err(e) => return refuse(e),
-                };
-                let rewritten = match dml.rewrite(&table, position) {
-                    Ok(s) => s,
-                    Err(e) => return refuse(e),
-                };
-                msg["params"]["arguments"][&self.opts.sql_arg] = json!(rewritten);
-                let params = msg["params"].clone();
-                match self.call_upstream("tools/call", params) {
-                    Ok(mut resp) => {
-                        resp["id"] = id;
-                        self.send_client(&resp);
+            };
+        }
+        let _guard = self.lock.lock().unwrap();
+        let mut tables = Vec::new();
+        {
+            let mut db = self.db.lock().unwrap();
+            match db.unsafe_functions(&functions) {
+                Ok(bad) if bad.is_empty() => {}
+                Ok(bad) => return refuse(format!("the statement calls {}, whose effects cannot be undone", bad.join(", "))),
+                Err(e) => return refuse(format!("cannot check the statement: {e}")),
+            }
+            for (_, d) in &writes {
+                match db.table_info(&d.table_name()) {
+                    // A statement that cannot be rewritten is refused without taking a position.
+                    Ok(t) => match d.rewrite(&t, 0, 0, false) {
+                        Ok(_) => tables.push(t),
+                        Err(e) => return refuse(e),
+                    },
+                    // Unknown tables and the like: the server gives its own error, nothing changes.
+                    Err(e) if e.ends_with("does not exist") => {
+                        drop(db);
+                        return self.forward_request(msg);
                     }
-                    Err(e) => self.reply_error(&id, -32603, &e),
+                    Err(e) => return refuse(e),
                 }
             }
+        }
+        let position = match self.positions.lock().unwrap().next() {
+            Ok(p) => p,
+            Err(e) => return refuse(e),
+        };
+        let count_rows = self.opts.server == Server::Dbhub;
+        let mut sent = texts.clone();
+        for ((i, d), t) in writes.iter().zip(&tables) {
+            match d.rewrite(t, position, *i, count_rows) {
+                Ok(r) => sent[*i] = r,
+                Err(e) => return refuse(e),
+            }
+        }
+        msg["params"]["arguments"][&self.opts.sql_arg] = json!(sent.join(";\n"));
+        match self.call_upstream("tools/call", msg["params"].clone()) {
+            Ok(mut resp) => {
+                if self.opts.server == Server::Dbhub {
+                    let no_returning: Vec<usize> = writes.iter().filter(|(_, d)| !d.has_returning()).map(|(i, _)| *i).collect();
+                    dbhub_as_original(&mut resp["result"], &texts, &no_returning);
+                }
+                resp["id"] = id;
+                self.send_client(&resp);
+            }
+            Err(e) => self.reply_error(&id, -32603, &e),
         }
     }
 

@@ -89,6 +89,22 @@ pub fn classify(sql: &str) -> Class {
     classify_node(node, &parsed.protobuf, functions)
 }
 
+/// The statements of a text that may hold several (DBHub runs them in one transaction), each
+/// with its own text.
+pub fn split(sql: &str) -> Result<Vec<String>, String> {
+    let parsed = pg_query::parse(sql, pg_query::ParserOptions::DEFAULT).map_err(|e| format!("the SQL does not parse: {e}"))?;
+    let mut out = Vec::new();
+    for raw in &parsed.protobuf.stmts {
+        let start = raw.stmt_location.max(0) as usize;
+        let end = if raw.stmt_len > 0 { start + raw.stmt_len as usize } else { sql.len() };
+        let text = sql.get(start..end).ok_or("the SQL does not split into statements")?.trim();
+        if !text.is_empty() {
+            out.push(text.to_string());
+        }
+    }
+    Ok(out)
+}
+
 /// Every function the statement calls, anywhere in it (pg_query's own list misses VALUES).
 fn called_functions(tree: &protobuf::ParseResult) -> Vec<String> {
     fn walk(v: &serde_json::Value, out: &mut Vec<String>) {
@@ -323,6 +339,10 @@ pub fn quote_literal(s: &str) -> String {
 }
 
 impl Dml {
+    pub fn has_returning(&self) -> bool {
+        self.returning.is_some()
+    }
+
     /// The table as the statement names it, for the catalog look-up.
     pub fn table_name(&self) -> String {
         match &self.schema {
@@ -332,7 +352,9 @@ impl Dml {
     }
 
     /// The single statement that makes the change and records its undo rows at `position`.
-    pub fn rewrite(&self, t: &TableInfo, position: u64) -> Result<String, String> {
+    /// `stmt` numbers the statement within its call; with `count_rows`, a statement without
+    /// RETURNING yields one empty row per changed row (for servers that report a row count).
+    pub fn rewrite(&self, t: &TableInfo, position: u64, stmt: usize, count_rows: bool) -> Result<String, String> {
         if !t.problems.is_empty() {
             return Err(format!("changes to {} cannot be undone: {}", t.qualified, t.problems.join("; ")));
         }
@@ -375,11 +397,13 @@ impl Dml {
         };
         let select = if self.returning.is_some() {
             format!("SELECT {} FROM __planarian_m m", outer.join(", "))
+        } else if count_rows {
+            "SELECT FROM __planarian_m m".to_string()
         } else {
             "SELECT FROM __planarian_m m WHERE false".to_string()
         };
         Ok(format!(
-            "WITH __planarian_m AS ({} RETURNING {}), __planarian_log AS (INSERT INTO {UNDO_SCHEMA}.undo (position, seq, tbl, before, after) SELECT {position}, row_number() OVER (), {}, {before}, {after} FROM __planarian_m m) {select}",
+            "WITH __planarian_m AS ({} RETURNING {}), __planarian_log AS (INSERT INTO {UNDO_SCHEMA}.undo (position, stmt, seq, tbl, before, after) SELECT {position}, {stmt}, row_number() OVER (), {}, {before}, {after} FROM __planarian_m m) {select}",
             self.body,
             rets.join(", "),
             quote_literal(&t.qualified),
@@ -423,6 +447,11 @@ mod tests {
     }
 
     #[test]
+    fn split_keeps_each_statement_text() {
+        assert_eq!(split("INSERT INTO t VALUES (1, ';'); SELECT 2 ;\n DELETE FROM t").unwrap(), ["INSERT INTO t VALUES (1, ';')", "SELECT 2", "DELETE FROM t"]);
+    }
+
+    #[test]
     fn reads_pass() {
         for q in ["SELECT * FROM t", "select count(*) from t where x = 'a'", "EXPLAIN SELECT 1", "SHOW search_path", "WITH a AS (SELECT 1) SELECT * FROM a"] {
             assert!(matches!(classify(q), Class::ReadOnly { .. }), "{q}");
@@ -457,40 +486,40 @@ mod tests {
         let d = write("UPDATE ONLY t AS a SET x = 'b' WHERE a.id = 1 RETURNING a.x, id * 2, *");
         assert_eq!(d.kind, Kind::Update);
         assert_eq!(d.table_name(), "\"t\"");
-        let sql = d.rewrite(&table(), 7).unwrap();
+        let sql = d.rewrite(&table(), 7, 0, false).unwrap();
         assert!(sql.starts_with("WITH __planarian_m AS (UPDATE ONLY t a SET x = 'b' WHERE a.id = 1 RETURNING a.x AS __planarian_r0, id * 2 AS __planarian_r1, \"a\".\"id\" AS __planarian_r2"), "{sql}");
-        assert!(sql.contains("SELECT 7, row_number() OVER (), 'public.t', (SELECT to_jsonb(o.*) FROM public.t o WHERE o.\"id\" = m.__planarian_k0)"), "{sql}");
+        assert!(sql.contains("SELECT 7, 0, row_number() OVER (), 'public.t', (SELECT to_jsonb(o.*) FROM public.t o WHERE o.\"id\" = m.__planarian_k0)"), "{sql}");
         assert!(sql.ends_with("SELECT m.__planarian_r0 AS \"x\", m.__planarian_r1 AS \"?column?\", m.__planarian_r2 AS \"id\", m.__planarian_r3 AS \"x\" FROM __planarian_m m"), "{sql}");
         assert!(matches!(pg_query::parse(&sql, pg_query::ParserOptions::DEFAULT), Ok(p) if p.protobuf.stmts.len() == 1));
     }
 
     #[test]
     fn rewrite_without_returning_returns_no_rows() {
-        let sql = write("DELETE FROM t WHERE id > 3").rewrite(&table(), 1).unwrap();
+        let sql = write("DELETE FROM t WHERE id > 3").rewrite(&table(), 1, 0, false).unwrap();
         assert!(sql.ends_with("SELECT FROM __planarian_m m WHERE false"), "{sql}");
-        assert!(sql.contains("SELECT 1, row_number() OVER (), 'public.t', m.__planarian_img, NULL::jsonb"), "{sql}");
-        let ins = write("INSERT INTO t (id, x) VALUES (5, 'e')").rewrite(&table(), 2).unwrap();
+        assert!(sql.contains("SELECT 1, 0, row_number() OVER (), 'public.t', m.__planarian_img, NULL::jsonb"), "{sql}");
+        let ins = write("INSERT INTO t (id, x) VALUES (5, 'e')").rewrite(&table(), 2, 0, false).unwrap();
         assert!(ins.contains("'public.t', NULL::jsonb, m.__planarian_img"), "{ins}");
-        let up = write("INSERT INTO t VALUES (5, 'e') ON CONFLICT (id) DO UPDATE SET x = excluded.x").rewrite(&table(), 3).unwrap();
+        let up = write("INSERT INTO t VALUES (5, 'e') ON CONFLICT (id) DO UPDATE SET x = excluded.x").rewrite(&table(), 3, 0, false).unwrap();
         assert!(up.contains("(SELECT to_jsonb(o.*) FROM public.t o"), "{up}");
     }
 
     #[test]
     fn unsafe_tables_and_key_changes_are_refused() {
         let mut t = table();
-        assert!(write("UPDATE t SET id = 2").rewrite(&t, 1).unwrap_err().contains("primary key column id"));
+        assert!(write("UPDATE t SET id = 2").rewrite(&t, 1, 0, false).unwrap_err().contains("primary key column id"));
         t.primary_key.clear();
-        assert!(write("DELETE FROM t").rewrite(&t, 1).unwrap_err().contains("no primary key"));
+        assert!(write("DELETE FROM t").rewrite(&t, 1, 0, false).unwrap_err().contains("no primary key"));
         let mut t = table();
         t.problems.push("trigger audit runs on it".into());
-        assert!(write("DELETE FROM t").rewrite(&t, 1).unwrap_err().contains("trigger audit"));
+        assert!(write("DELETE FROM t").rewrite(&t, 1, 0, false).unwrap_err().contains("trigger audit"));
         assert!(rejected("UPDATE t SET x = u.x FROM u WHERE t.id = u.id RETURNING *").contains("several tables"));
     }
 
     #[test]
     fn output_names_follow_postgres() {
         let d = write("INSERT INTO t VALUES (1, 'a') RETURNING id AS k, upper(x), x::text, 1::int, CASE WHEN true THEN 1 END, t.x");
-        let sql = d.rewrite(&table(), 1).unwrap();
+        let sql = d.rewrite(&table(), 1, 0, false).unwrap();
         for n in ["AS \"k\"", "AS \"upper\"", "AS \"x\"", "AS \"int4\"", "AS \"case\""] {
             assert!(sql.contains(n), "{n}: {sql}");
         }

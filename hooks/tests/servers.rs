@@ -1,10 +1,11 @@
-//! The MCP state proxy against a throwaway real PostgreSQL and Google's MCP Toolbox for
-//! Databases (its `execute_sql` tool runs one statement per call, as a prepared statement).
+//! The MCP state proxy against a throwaway real PostgreSQL and two real MCP servers: Google's
+//! MCP Toolbox for Databases (its `execute_sql` runs one statement per call, as a prepared
+//! statement) and DBHub (several statements per call, in one transaction).
 //!
 //! Needs PostgreSQL's server binaries (`PLANARIAN_PG_BIN`, default /usr/lib/postgresql/15/bin)
-//! and the toolbox binary (`PLANARIAN_TOOLBOX`, default target/npm/node_modules/.bin/toolbox,
-//! installed by tests/run). Without them the tests say SKIPPED loudly; tests/run installs both,
-//! so in CI nothing is skipped.
+//! and the servers (target/npm/node_modules/.bin/{toolbox,dbhub}, installed by tests/run).
+//! Without them the tests say SKIPPED loudly; tests/run installs them, so in CI nothing is
+//! skipped.
 
 use postgres::{Client, NoTls};
 use serde_json::{json, Value};
@@ -16,11 +17,16 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
-fn toolbox() -> Option<PathBuf> {
-    let p = std::env::var_os("PLANARIAN_TOOLBOX")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target/npm/node_modules/.bin/toolbox"));
-    p.exists().then_some(p)
+#[derive(Clone, Debug)]
+enum Srv {
+    Toolbox(PathBuf),
+    Dbhub(PathBuf),
+}
+
+fn servers() -> Option<Vec<Srv>> {
+    let bin = root().join("target/npm/node_modules/.bin");
+    let (tb, dh) = (bin.join("toolbox"), bin.join("dbhub"));
+    (tb.exists() && dh.exists()).then(|| vec![Srv::Toolbox(tb), Srv::Dbhub(dh)])
 }
 
 fn pg_bin() -> Option<PathBuf> {
@@ -30,11 +36,11 @@ fn pg_bin() -> Option<PathBuf> {
 
 macro_rules! require {
     () => {
-        match (pg_bin(), toolbox()) {
-            (Some(pg), Some(tb)) => (pg, tb),
+        match (pg_bin(), servers()) {
+            (Some(pg), Some(srv)) => (pg, srv),
             (pg, tb) => {
                 eprintln!(
-                    "SKIPPED {}: needs PostgreSQL server binaries ({}) and MCP Toolbox ({}); tests/run installs both",
+                    "SKIPPED {}: needs PostgreSQL server binaries ({}) and MCP Toolbox + DBHub ({}); tests/run installs them",
                     module_path!(),
                     if pg.is_some() { "found" } else { "missing" },
                     if tb.is_some() { "found" } else { "missing" }
@@ -183,16 +189,26 @@ impl Drop for Mcp {
     }
 }
 
-fn toolbox_cmd(tb: &Path, pg: &Pg) -> Command {
-    let mut c = Command::new(tb);
-    c.args(["--prebuilt", "postgres", "--stdio", "--disable-version-check"])
-        .env("POSTGRES_HOST", "127.0.0.1")
-        .env("POSTGRES_PORT", pg.port.to_string())
-        .env("POSTGRES_DATABASE", "postgres")
-        .env("POSTGRES_USER", "postgres")
-        .env("POSTGRES_PASSWORD", "unused")
-        .stderr(Stdio::null());
-    c
+fn server_cmd(srv: &Srv, pg: &Pg) -> Command {
+    match srv {
+        Srv::Toolbox(tb) => {
+            let mut c = Command::new(tb);
+            c.args(["--prebuilt", "postgres", "--stdio", "--disable-version-check"])
+                .env("POSTGRES_HOST", "127.0.0.1")
+                .env("POSTGRES_PORT", pg.port.to_string())
+                .env("POSTGRES_DATABASE", "postgres")
+                .env("POSTGRES_USER", "postgres")
+                .env("POSTGRES_PASSWORD", "unused")
+                .stderr(Stdio::null());
+            c
+        }
+        Srv::Dbhub(dh) => {
+            let mut c = Command::new(dh);
+            c.args(["--transport", "stdio", "--dsn", &format!("postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable", pg.port)])
+                .stderr(Stdio::null());
+            c
+        }
+    }
 }
 
 struct Proxied {
@@ -201,13 +217,14 @@ struct Proxied {
     state: PathBuf,
 }
 
-fn proxy(tb: &Path, pg: &Pg, tag: &str) -> Proxied {
-    let dir = std::env::temp_dir().join(format!("planarian-proxy-{tag}-{}", std::process::id()));
+fn proxy(srv: &Srv, pg: &Pg, tag: &str) -> Proxied {
+    let kind = if matches!(srv, Srv::Dbhub(_)) { "dbhub" } else { "toolbox" };
+    let dir = std::env::temp_dir().join(format!("planarian-proxy-{tag}-{kind}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (control, state) = (dir.join("control.sock"), dir.join("positions.json"));
-    let tbc = toolbox_cmd(tb, pg);
+    let tbc = server_cmd(srv, pg);
     let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
-    c.args(["serve", "--database", &pg.dsn(), "--control"]).arg(&control).arg("--state").arg(&state).arg("--").arg(tbc.get_program());
+    c.args(["serve", "--server", kind, "--database", &pg.dsn(), "--control"]).arg(&control).arg("--state").arg(&state).arg("--").arg(tbc.get_program());
     c.args(tbc.get_args());
     for (k, v) in tbc.get_envs() {
         c.env(k, v.unwrap());
@@ -254,11 +271,18 @@ fn schema(c: &mut Client) {
 
 #[test]
 fn compensate_to_every_earlier_position_restores_every_table_exactly() {
-    let (bin, tb) = require!();
-    let pg = Pg::start(&bin, "every");
+    let (bin, servers) = require!();
+    for srv in &servers {
+        every_position(&bin, srv);
+    }
+}
+
+fn every_position(bin: &Path, srv: &Srv) {
+    eprintln!("--- {srv:?}");
+    let pg = Pg::start(bin, "every");
     let mut db = pg.client();
     schema(&mut db);
-    let mut p = proxy(&tb, &pg, "every");
+    let mut p = proxy(srv, &pg, "every");
     let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
     let mut at = vec![(start, dump(&mut db))];
     let session = [
@@ -275,14 +299,18 @@ fn compensate_to_every_earlier_position_restores_every_table_exactly() {
         "INSERT INTO accounts VALUES (6, 'fay', 1, NULL, NULL) ON CONFLICT DO NOTHING",
         "DELETE FROM orders",
     ];
-    for q in session {
+    // DBHub takes several statements in one call: one position, undone as a unit.
+    let several = ["INSERT INTO notes (body) VALUES ('m1'); UPDATE accounts SET balance = 0 WHERE id = 1; SELECT 1; DELETE FROM notes WHERE body = 'second'"];
+    let extra: &[&str] = if matches!(srv, Srv::Dbhub(_)) { &several } else { &[] };
+    let writes = 11 + extra.len() as u64;
+    for q in session.iter().chain(extra) {
         let r = p.mcp.sql(q);
         assert_ne!(r["isError"], json!(true), "{q}: {r}");
         let pos = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
         at.push((pos, dump(&mut db)));
     }
     // Reads are not numbered: 11 writes.
-    assert_eq!(at.last().unwrap().0, start + 11);
+    assert_eq!(at.last().unwrap().0, start + writes);
     assert_ne!(at.last().unwrap().1, at[0].1);
     // Back through every earlier position, newest first; each time every table is exactly as it
     // was when that position was current.
@@ -296,7 +324,7 @@ fn compensate_to_every_earlier_position_restores_every_table_exactly() {
     // Forward again, then back to the middle: new calls get new positions.
     p.mcp.sql("UPDATE accounts SET owner = 'ANN' WHERE id = 1");
     let mid = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
-    assert!(mid > start + 11, "positions are never reused: {mid}");
+    assert!(mid > start + writes, "positions are never reused: {mid}");
     let before_mid = dump(&mut db);
     p.mcp.sql("DELETE FROM accounts WHERE id = 2");
     control(&p.control, &["compensate", &mid.to_string()]).unwrap();
@@ -309,18 +337,27 @@ fn compensate_to_every_earlier_position_restores_every_table_exactly() {
 
 #[test]
 fn results_are_exactly_what_the_original_statement_returns() {
-    let (bin, tb) = require!();
-    let pg = Pg::start(&bin, "same");
+    let (bin, servers) = require!();
+    for srv in &servers {
+        same_results(&bin, srv);
+    }
+}
+
+fn same_results(bin: &Path, srv: &Srv) {
+    let pg = Pg::start(bin, "same");
     let mut db = pg.client();
     schema(&mut db);
-    let mut p = proxy(&tb, &pg, "same");
-    let mut direct = Mcp::spawn(toolbox_cmd(&tb, &pg));
-    for q in [
+    let mut p = proxy(srv, &pg, "same");
+    let mut direct = Mcp::spawn(server_cmd(srv, &pg));
+    let several = ["SELECT 1 AS one; UPDATE accounts SET balance = balance WHERE id = 3; UPDATE accounts SET owner = owner WHERE id < 3 RETURNING id"];
+    let extra: &[&str] = if matches!(srv, Srv::Dbhub(_)) { &several } else { &[] };
+    for q in extra.iter().copied().chain([
         "UPDATE accounts SET balance = balance WHERE id <= 2 RETURNING *",
         "UPDATE accounts a SET owner = owner WHERE a.id = 1 RETURNING a.owner, balance * 2, upper(owner), id AS key, tags::text",
         "UPDATE accounts SET balance = balance WHERE id = 99 RETURNING id",
         "UPDATE accounts SET balance = balance WHERE id = 1",
-    ] {
+        "DELETE FROM accounts WHERE id = 99",
+    ]) {
         let via = p.mcp.sql(q);
         let dir = direct.sql(q);
         assert_eq!(via, dir, "{q}");
@@ -329,8 +366,14 @@ fn results_are_exactly_what_the_original_statement_returns() {
 
 #[test]
 fn uncompensable_calls_are_refused_before_execution_and_change_nothing() {
-    let (bin, tb) = require!();
-    let pg = Pg::start(&bin, "refuse");
+    let (bin, servers) = require!();
+    for srv in &servers {
+        refusals(&bin, srv);
+    }
+}
+
+fn refusals(bin: &Path, srv: &Srv) {
+    let pg = Pg::start(bin, "refuse");
     let mut db = pg.client();
     schema(&mut db);
     db.batch_execute(
@@ -344,7 +387,7 @@ fn uncompensable_calls_are_refused_before_execution_and_change_nothing() {
     )
     .unwrap();
     let before = dump(&mut db);
-    let mut p = proxy(&tb, &pg, "refuse");
+    let mut p = proxy(srv, &pg, "refuse");
     for (q, want) in [
         ("TRUNCATE accounts", "TRUNCATE"),
         ("DROP TABLE accounts CASCADE", "DROP"),
@@ -359,6 +402,7 @@ fn uncompensable_calls_are_refused_before_execution_and_change_nothing() {
         ("UPDATE orders SET region = 'xx' WHERE qty = 1", "primary key column region"),
         ("WITH d AS (DELETE FROM accounts RETURNING *) SELECT * FROM d", "data-modifying WITH"),
         ("DELETE FROM planarian.undo", "undo log"),
+        ("INSERT INTO orders (region, item, qty) VALUES ('eu', 'a', 1); TRUNCATE accounts", if matches!(srv, Srv::Dbhub(_)) { "statement 2" } else { "one SQL statement per call" }),
     ] {
         let r = p.mcp.sql(q);
         assert_eq!(r["isError"], json!(true), "{q}: {r}");
@@ -376,11 +420,12 @@ fn uncompensable_calls_are_refused_before_execution_and_change_nothing() {
 
 #[test]
 fn a_row_changed_behind_the_proxy_is_a_conflict_and_nothing_is_clobbered() {
-    let (bin, tb) = require!();
+    let (bin, servers) = require!();
+    let tb = &servers[0];
     let pg = Pg::start(&bin, "conflict");
     let mut db = pg.client();
     schema(&mut db);
-    let mut p = proxy(&tb, &pg, "conflict");
+    let mut p = proxy(tb, &pg, "conflict");
     let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
     p.mcp.sql("INSERT INTO accounts VALUES (9, 'zed', 1, NULL, NULL)");
     p.mcp.sql("UPDATE accounts SET balance = 1000 WHERE id = 1");
@@ -402,12 +447,13 @@ fn a_row_changed_behind_the_proxy_is_a_conflict_and_nothing_is_clobbered() {
 
 #[test]
 fn the_undo_log_and_positions_survive_a_killed_proxy_and_a_restarted_upstream() {
-    let (bin, tb) = require!();
+    let (bin, servers) = require!();
+    let tb = &servers[0];
     let pg = Pg::start(&bin, "crash");
     let mut db = pg.client();
     schema(&mut db);
     let before = dump(&mut db);
-    let mut p = proxy(&tb, &pg, "crash");
+    let mut p = proxy(tb, &pg, "crash");
     let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
     // The call is sent, and the proxy killed before it can answer or write anything more.
     p.mcp.send(&json!({"jsonrpc": "2.0", "id": "lost", "method": "tools/call",
@@ -421,7 +467,7 @@ fn the_undo_log_and_positions_survive_a_killed_proxy_and_a_restarted_upstream() 
     // A new proxy on the same state: the change that reached the database is undoable.
     let dir = control_path.parent().unwrap().to_path_buf();
     let _ = std::fs::remove_file(&control_path);
-    let mut p2 = proxy(&tb, &pg, "crash");
+    let mut p2 = proxy(tb, &pg, "crash");
     assert_eq!(p2.control, dir.join("control.sock"));
     let pos = control(&p2.control, &["position"]).unwrap()["position"].as_u64().unwrap();
     assert!(pos > start, "the killed call's position is known after the restart: {pos}");
@@ -441,12 +487,13 @@ fn the_undo_log_and_positions_survive_a_killed_proxy_and_a_restarted_upstream() 
 
 #[test]
 fn concurrent_callers_are_serialised_and_every_write_is_undone() {
-    let (bin, tb) = require!();
+    let (bin, servers) = require!();
+    let tb = &servers[0];
     let pg = Pg::start(&bin, "conc");
     let mut db = pg.client();
     schema(&mut db);
     let before = dump(&mut db);
-    let mut p = proxy(&tb, &pg, "conc");
+    let mut p = proxy(tb, &pg, "conc");
     let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
     // Many requests in flight at once on one stream, as a harness with parallel tool calls sends.
     for i in 0..20 {
