@@ -24,9 +24,15 @@
 //! POOL/bench; POOL defaults to $PLANARIAN_TEST_ZPOOL, which the test guest creates) against the
 //! copy-based path (Full-snapshot for files).
 //!
+//!   planarian-bench mcp [--iterations N] [--proxy PATH]
+//!
+//! `mcp`: proxied against direct MCP round trips (see bench/src/mcp.rs); runs on the host.
+//!
 //! `passthrough`: the cost of planarian's pass-through path, `planarian state ID` against
 //! `crun state ID` on the same running container (started through Podman), interleaved so
 //! that drift affects both alike. Needs the real stack (run it with bench/run).
+
+mod mcp;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -38,18 +44,20 @@ fn main() {
         Some("statepoint") => statepoint(&args[1..]),
         Some("chains") => chains(&args[1..]),
         Some("files") => files(&args[1..]),
+        Some("mcp") => mcp::main(&args[1..]),
         _ => {
             eprintln!("usage: planarian-bench passthrough [--iterations N] [--planarian PATH] [--crun PATH]");
             eprintln!("       planarian-bench statepoint [--mem MiB] [--files MiB] [--iterations N]");
             eprintln!("       planarian-bench chains [--mem MiB] [--files MiB] [--pool POOL]");
             eprintln!("       planarian-bench files [--files MiB] [--pool POOL]");
+            eprintln!("       planarian-bench mcp [--iterations N] [--proxy PATH]");
             2
         }
     };
     std::process::exit(code)
 }
 
-fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+pub(crate) fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(String::as_str)
 }
 

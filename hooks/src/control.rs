@@ -11,7 +11,8 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::Arc;
 
-pub fn listen(path: &Path, proxy: Arc<Proxy>) -> Result<(), String> {
+/// Listens on `path`, taking it over from a proxy that is gone (never from a live one).
+pub fn bind(path: &Path) -> Result<UnixListener, String> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     }
@@ -19,7 +20,11 @@ pub fn listen(path: &Path, proxy: Arc<Proxy>) -> Result<(), String> {
         return Err(format!("another proxy already listens on {}", path.display()));
     }
     let _ = std::fs::remove_file(path);
-    let listener = UnixListener::bind(path).map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+    UnixListener::bind(path).map_err(|e| format!("cannot listen on {}: {e}", path.display()))
+}
+
+pub fn listen(path: &Path, proxy: Arc<Proxy>) -> Result<(), String> {
+    let listener = bind(path)?;
     std::thread::spawn(move || {
         for conn in listener.incoming().flatten() {
             let proxy = proxy.clone();

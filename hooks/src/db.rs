@@ -1,7 +1,7 @@
 //! The proxy's own connection to the database: the undo log's schema, catalog look-ups for the
 //! rewrite, and compensation — each compensation in one real transaction.
 
-use crate::sql::{quote_ident, TableInfo, UNDO_SCHEMA};
+use crate::sql::{quote_ident, quote_literal, Ddl, Object, TableInfo, UNDO_SCHEMA};
 use postgres::{Client, NoTls};
 
 pub struct Db {
@@ -43,7 +43,7 @@ impl Db {
                 "CREATE SCHEMA IF NOT EXISTS {UNDO_SCHEMA};
                  CREATE TABLE IF NOT EXISTS {UNDO_SCHEMA}.undo (
                      position bigint NOT NULL, stmt int NOT NULL, seq bigint NOT NULL, tbl text NOT NULL,
-                     before jsonb, after jsonb, PRIMARY KEY (position, stmt, seq))"
+                     before jsonb, after jsonb, ddl text, PRIMARY KEY (position, stmt, seq))"
             ))
             .or_else(|e| {
                 // Two proxies creating the schema at once: the loser's error is harmless.
@@ -54,6 +54,74 @@ impl Db {
                 }
             })?;
         Ok(db)
+    }
+
+    /// The inverse of a DDL statement about to run, or None when it creates nothing (the object
+    /// exists: IF NOT EXISTS makes it a no-op, otherwise the server refuses it).
+    pub fn ddl_inverse(&mut self, d: &Ddl) -> Result<Option<String>, String> {
+        let schema = |s: &Option<String>, c: &mut Client| -> Result<String, String> {
+            match s {
+                Some(s) => Ok(s.clone()),
+                None => Ok(c.query_one("SELECT current_schema()::text", &[]).map_err(pe)?.get(0)),
+            }
+        };
+        let rel_exists = |c: &mut Client, name: &str| -> Result<bool, String> {
+            Ok(c.query_one("SELECT to_regclass($1) IS NOT NULL", &[&name]).map_err(pe)?.get(0))
+        };
+        let q = |s: &str, n: &str| format!("{}.{}", quote_ident(s), quote_ident(n));
+        let c = &mut self.client;
+        Ok(match &d.object {
+            Object::Table { schema: s, name } => {
+                let full = q(&schema(s, c)?, name);
+                (!rel_exists(c, &full)?).then(|| format!("DROP TABLE IF EXISTS {full}"))
+            }
+            Object::Index { schema: s, name } => {
+                let full = q(&schema(s, c)?, name);
+                (!rel_exists(c, &full)?).then(|| format!("DROP INDEX IF EXISTS {full}"))
+            }
+            Object::View { schema: s, name, replace } => {
+                let full = q(&schema(s, c)?, name);
+                match (rel_exists(c, &full)?, replace) {
+                    (true, true) => return Err(format!("CREATE OR REPLACE VIEW over the existing view {full} cannot be undone: create a new view")),
+                    (true, false) => None,
+                    (false, _) => Some(format!("DROP VIEW IF EXISTS {full}")),
+                }
+            }
+            Object::Schema { name } => {
+                let exists: bool = c.query_one("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", &[name]).map_err(pe)?.get(0);
+                (!exists).then(|| format!("DROP SCHEMA IF EXISTS {}", quote_ident(name)))
+            }
+            Object::Column { schema: s, table, column } => {
+                let full = q(&schema(s, c)?, table);
+                let exists: bool = c
+                    .query_one(
+                        "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = $2 AND NOT attisdropped)",
+                        &[&full, column],
+                    )
+                    .map_err(pe)?
+                    .get(0);
+                (!exists).then(|| format!("ALTER TABLE IF EXISTS {full} DROP COLUMN IF EXISTS {}", quote_ident(column)))
+            }
+        })
+    }
+
+    /// Records a DDL statement's inverse before the statement is sent (its own transaction: DDL
+    /// cannot join the agent's). A crash before the statement ran leaves an inverse that does
+    /// nothing (IF EXISTS); the object did not exist before, so dropping it is always right.
+    pub fn record_ddl(&mut self, position: u64, what: &str, inverse: &str) -> Result<(), String> {
+        self.client
+            .execute(
+                &format!("INSERT INTO {UNDO_SCHEMA}.undo (position, stmt, seq, tbl, ddl) VALUES ($1, 0, 0, $2, $3)"),
+                &[&(position as i64), &what, &inverse],
+            )
+            .map_err(pe)?;
+        Ok(())
+    }
+
+    /// Forgets a DDL record whose statement failed.
+    pub fn forget(&mut self, position: u64) -> Result<(), String> {
+        self.client.execute(&format!("DELETE FROM {UNDO_SCHEMA}.undo WHERE position = $1"), &[&(position as i64)]).map_err(pe)?;
+        Ok(())
     }
 
     /// The highest position with undo rows (0 when none).
@@ -152,7 +220,7 @@ impl Db {
         let entries = tx
             .query(
                 &format!(
-                    "SELECT position, seq, tbl, before, after FROM {UNDO_SCHEMA}.undo WHERE position > $1
+                    "SELECT position, seq, tbl, before, after, ddl FROM {UNDO_SCHEMA}.undo WHERE position > $1
                      ORDER BY position DESC, stmt DESC, seq DESC FOR UPDATE"
                 ),
                 &[&(position as i64)],
@@ -163,6 +231,25 @@ impl Db {
             let (pos, tbl): (i64, String) = (e.get(0), e.get(2));
             let before: Option<serde_json::Value> = e.get(3);
             let after: Option<serde_json::Value> = e.get(4);
+            if let Some(inverse) = e.get::<_, Option<String>>(5) {
+                // A table the agent created is dropped only when it holds nothing the agent's
+                // own recorded calls did not put there (those were undone just before).
+                if let Some(table) = inverse.strip_prefix("DROP TABLE IF EXISTS ") {
+                    let exists: bool =
+                        tx.query_one(&format!("SELECT to_regclass({}) IS NOT NULL", quote_literal(table)), &[]).map_err(other)?.get(0);
+                    let rows: bool = exists
+                        && tx.query_one(&format!("SELECT EXISTS (SELECT 1 FROM {table})"), &[]).map_err(other)?.get::<_, bool>(0);
+                    if rows {
+                        return Err(CompensateError::Conflict(format!(
+                            "{table}, created by the call at position {pos}, holds rows no recorded call put there; nothing was undone"
+                        )));
+                    }
+                }
+                tx.batch_execute(&inverse).map_err(|e| {
+                    CompensateError::Conflict(format!("cannot undo {tbl} (position {pos}): {}; nothing was undone", pe(e)))
+                })?;
+                continue;
+            }
             if !infos.contains_key(&tbl) {
                 let cols = tx
                     .query(

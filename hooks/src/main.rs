@@ -2,13 +2,17 @@
 //!
 //! ```text
 //! planarian-mcp-proxy serve --database DSN [--server toolbox|dbhub] [--sql-tool NAME] [--sql-arg ARG] [--container ID]
-//!                           [--control SOCKET] [--state FILE] -- UPSTREAM-COMMAND [ARGS…]
+//!                           [--control SOCKET] [--state FILE] [--listen SOCKET] [--disabled REASON]
+//!                           -- UPSTREAM-COMMAND [ARGS…]
+//! planarian-mcp-proxy connect CONTAINER-ID             (stdio MCP server for a harness: the
+//!                                                       container's sidecar, over its socket)
 //! planarian-mcp-proxy capture CONTAINER-ID             (the hook contract of planarian)
 //! planarian-mcp-proxy compensate CONTAINER-ID POSITION
 //! planarian-mcp-proxy control SOCKET position|status|compensate P|disable [REASON]
 //! ```
 //!
-//! `serve` speaks MCP over stdio to the harness and spawns the real server over stdio. The
+//! `serve` speaks MCP over stdio to the harness (or, with `--listen`, to every client of a Unix
+//! socket: the sidecar planarian starts for a container) and spawns the real server over stdio. The
 //! control socket defaults to `$PLANARIAN_MCP_DIR/<container>.sock` (`/run/planarian/mcp`), the
 //! positions file to `/var/lib/planarian/mcp/<container>.json`; the hook finds the socket the
 //! same way from the container ID planarian passes it.
@@ -27,6 +31,24 @@ fn socket_for(container: &str) -> PathBuf {
     dir.join(format!("{container}.sock"))
 }
 
+fn clients_socket_for(container: &str) -> PathBuf {
+    socket_for(container).with_extension("mcp")
+}
+
+/// Bridges stdio to a listening sidecar: what a harness runs as its "stdio MCP server".
+fn connect(path: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::net::UnixStream;
+    let stream = UnixStream::connect(path).map_err(|e| format!("no MCP proxy for this container at {}: {e}", path.display()))?;
+    let mut to_proxy = stream.try_clone().map_err(|e| e.to_string())?;
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut to_proxy);
+        let _ = to_proxy.shutdown(std::net::Shutdown::Write);
+    });
+    let mut from = stream;
+    std::io::copy(&mut from, &mut std::io::stdout().lock()).map_err(|e| e.to_string())?;
+    Ok(())
+}
+
 fn usage() -> String {
     "usage: planarian-mcp-proxy serve --database DSN [--server toolbox|dbhub] [--sql-tool NAME] [--sql-arg ARG] [--container ID] [--control SOCKET] [--state FILE] -- UPSTREAM…\n       planarian-mcp-proxy capture CONTAINER-ID | compensate CONTAINER-ID POSITION\n       planarian-mcp-proxy control SOCKET position|status|compensate P|disable [REASON]".into()
 }
@@ -35,6 +57,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let r = match args.first().map(String::as_str) {
         Some("serve") => serve(&args[1..]),
+        Some("connect") if args.len() == 2 => connect(&clients_socket_for(&args[1])),
         Some("capture") if args.len() == 2 => control::request(&socket_for(&args[1]), &json!({"op": "position"})).map(|v| {
             println!("{}", json!({"external-endpoint": format!("mcp-proxy:{}", socket_for(&args[1]).display()), "mcp-call-position": v["position"]}));
         }),
@@ -68,7 +91,8 @@ fn serve(args: &[String]) -> Result<(), String> {
     while let Some(f) = it.next() {
         let v = it.next().ok_or_else(|| format!("{f} needs a value"))?;
         match f.as_str() {
-            "--database" | "--server" | "--sql-tool" | "--sql-arg" | "--container" | "--control" | "--state" => {
+            "--database" | "--server" | "--sql-tool" | "--sql-arg" | "--container" | "--control" | "--state" | "--listen"
+            | "--disabled" => {
                 get.insert(f.trim_start_matches('-').to_string(), v.clone());
             }
             _ => return Err(format!("unknown option {f}\n{}", usage())),
@@ -94,12 +118,26 @@ fn serve(args: &[String]) -> Result<(), String> {
         sql_arg: get.remove("sql-arg").unwrap_or_else(|| "sql".into()),
         dsn,
         state_file,
+        disabled: get.remove("disabled"),
     };
-    let proxy = proxy::Proxy::new(opts, Box::new(std::io::stdout()))?;
+    let listen = get.remove("listen").map(PathBuf::from).or_else(|| container.as_deref().map(clients_socket_for));
+    let proxy = proxy::Proxy::new(opts)?;
     if let Some(path) = &control {
         control::listen(path, proxy.clone())?;
     }
-    proxy.serve(std::io::stdin().lock());
+    match (&listen, container.is_some()) {
+        // A sidecar: clients come and go on the socket until the proxy is stopped.
+        (Some(path), true) => {
+            let listener = control::bind(path)?;
+            for conn in listener.incoming().flatten() {
+                let Ok(out) = conn.try_clone() else { continue };
+                let proxy = proxy.clone();
+                std::thread::spawn(move || proxy.serve(std::io::BufReader::new(conn), proxy::Conn::new(Box::new(out))));
+            }
+        }
+        _ => proxy.serve(std::io::stdin().lock(), proxy::Conn::new(Box::new(std::io::stdout()))),
+    }
+    proxy.shutdown();
     if let Some(path) = &control {
         let _ = std::fs::remove_file(path);
     }

@@ -9,7 +9,7 @@
 //! tool error before it reaches the server.
 
 use crate::db::{CompensateError, Db};
-use crate::sql::{classify, split, Class};
+use crate::sql::{classify, split, Class, Ddl};
 use crate::state::Positions;
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -33,18 +33,39 @@ pub struct Options {
     pub server: Server,
     pub sql_tool: String,
     pub sql_arg: String,
+    /// Refuse every SQL call with this reason (a fork: the database cannot branch).
+    pub disabled: Option<String>,
     pub dsn: String,
     pub state_file: std::path::PathBuf,
 }
 
+/// One client stream (stdio, or a connection to the listening socket).
+pub struct Conn {
+    out: Mutex<Box<dyn Write + Send>>,
+}
+
+impl Conn {
+    pub fn new(out: Box<dyn Write + Send>) -> Arc<Conn> {
+        Arc::new(Conn { out: Mutex::new(out) })
+    }
+
+    fn send(&self, msg: &Value) {
+        let mut out = self.out.lock().unwrap();
+        let _ = serde_json::to_writer(&mut *out, msg);
+        let _ = out.write_all(b"\n");
+        let _ = out.flush();
+    }
+}
+
 enum Pending {
-    Client(Value),
+    Client(Value, Arc<Conn>),
     Own(Sender<Value>),
 }
 
 pub struct Proxy {
     opts: Options,
-    out: Mutex<Box<dyn Write + Send>>,
+    /// Where the server's own requests and notifications go: the client heard from last.
+    last_client: Mutex<Option<Arc<Conn>>>,
     upstream: Mutex<Option<(Child, ChildStdin)>>,
     /// Set while the upstream is being (re)started.
     generation: (Mutex<u64>, Condvar),
@@ -87,11 +108,11 @@ fn tool_error(text: String) -> Value {
 }
 
 impl Proxy {
-    pub fn new(opts: Options, out: Box<dyn Write + Send>) -> Result<Arc<Proxy>, String> {
+    pub fn new(opts: Options) -> Result<Arc<Proxy>, String> {
         let mut db = Db::connect(&opts.dsn)?;
         let positions = Positions::load(&opts.state_file, db.max_position()?)?;
         let p = Arc::new(Proxy {
-            out: Mutex::new(out),
+            last_client: Mutex::new(None),
             upstream: Mutex::new(None),
             generation: (Mutex::new(0), Condvar::new()),
             pending: Mutex::new(HashMap::new()),
@@ -99,7 +120,7 @@ impl Proxy {
             lock: Mutex::new(()),
             positions: Mutex::new(positions),
             db: Mutex::new(db),
-            disabled: Mutex::new(None),
+            disabled: Mutex::new(opts.disabled.clone()),
             initialize: Mutex::new(None),
             closing: AtomicBool::new(false),
             opts,
@@ -110,7 +131,16 @@ impl Proxy {
 
     fn start_upstream(self: &Arc<Self>) -> Result<(), String> {
         let (prog, args) = self.opts.upstream.split_first().ok_or("no upstream MCP server command")?;
-        let mut child = Command::new(prog)
+        let mut cmd = Command::new(prog);
+        // The server dies with the proxy, however the proxy ends.
+        // SAFETY: only prctl(2), async-signal-safe, runs between fork and exec.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM).map_err(std::io::Error::from)
+            });
+        }
+        let mut child = cmd
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -139,28 +169,28 @@ impl Proxy {
     }
 
     fn send_client(&self, msg: &Value) {
-        let mut out = self.out.lock().unwrap();
-        let _ = serde_json::to_writer(&mut *out, msg);
-        let _ = out.write_all(b"\n");
-        let _ = out.flush();
+        let conn = self.last_client.lock().unwrap().clone();
+        if let Some(c) = conn {
+            c.send(msg);
+        }
     }
 
-    fn reply(&self, id: &Value, result: Value) {
-        self.send_client(&json!({"jsonrpc": "2.0", "id": id, "result": result}));
+    fn reply(conn: &Conn, id: &Value, result: Value) {
+        conn.send(&json!({"jsonrpc": "2.0", "id": id, "result": result}));
     }
 
-    fn reply_error(&self, id: &Value, code: i64, message: &str) {
-        self.send_client(&json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}}));
+    fn reply_error(conn: &Conn, id: &Value, code: i64, message: &str) {
+        conn.send(&json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}}));
     }
 
     /// Forwards a client request under a fresh upstream id.
-    fn forward_request(&self, mut msg: Value) {
+    fn forward_request(&self, mut msg: Value, conn: &Arc<Conn>) {
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
         let orig = std::mem::replace(&mut msg["id"], json!(id));
-        self.pending.lock().unwrap().insert(id, Pending::Client(orig.clone()));
+        self.pending.lock().unwrap().insert(id, Pending::Client(orig.clone(), conn.clone()));
         if let Err(e) = self.send_upstream(&msg) {
             self.pending.lock().unwrap().remove(&id);
-            self.reply_error(&orig, -32603, &e);
+            Self::reply_error(conn, &orig, -32603, &e);
         }
     }
 
@@ -194,9 +224,9 @@ impl Proxy {
             }
             let Some(id) = msg["id"].as_u64() else { continue };
             match self.pending.lock().unwrap().remove(&id) {
-                Some(Pending::Client(orig)) => {
+                Some(Pending::Client(orig, conn)) => {
                     msg["id"] = orig;
-                    self.send_client(&msg);
+                    conn.send(&msg);
                 }
                 Some(Pending::Own(tx)) => {
                     let _ = tx.send(msg);
@@ -218,7 +248,9 @@ impl Proxy {
         let lost: Vec<Pending> = self.pending.lock().unwrap().drain().map(|(_, p)| p).collect();
         for p in lost {
             match p {
-                Pending::Client(orig) => self.reply_error(&orig, -32603, "the upstream MCP server exited during the call; it has been restarted: retry"),
+                Pending::Client(orig, conn) => {
+                    Self::reply_error(&conn, &orig, -32603, "the upstream MCP server exited during the call; it has been restarted: retry")
+                }
                 Pending::Own(tx) => drop(tx),
             }
         }
@@ -239,19 +271,19 @@ impl Proxy {
     }
 
     /// Serves one client stream until it ends.
-    pub fn serve(self: &Arc<Self>, input: impl BufRead) {
+    pub fn serve(self: &Arc<Self>, input: impl BufRead, conn: Arc<Conn>) {
         for line in input.lines() {
             let Ok(line) = line else { break };
             if line.trim().is_empty() {
                 continue;
             }
+            *self.last_client.lock().unwrap() = Some(conn.clone());
             match serde_json::from_str::<Value>(&line) {
-                Ok(Value::Array(batch)) => batch.into_iter().for_each(|m| self.from_client(m)),
-                Ok(m) => self.from_client(m),
-                Err(e) => self.reply_error(&Value::Null, -32700, &format!("parse error: {e}")),
+                Ok(Value::Array(batch)) => batch.into_iter().for_each(|m| self.from_client(m, &conn)),
+                Ok(m) => self.from_client(m, &conn),
+                Err(e) => Self::reply_error(&conn, &Value::Null, -32700, &format!("parse error: {e}")),
             }
         }
-        self.shutdown();
     }
 
     pub fn shutdown(&self) {
@@ -270,20 +302,20 @@ impl Proxy {
         }
     }
 
-    fn from_client(self: &Arc<Self>, mut msg: Value) {
+    fn from_client(self: &Arc<Self>, mut msg: Value, conn: &Arc<Conn>) {
         let method = msg.get("method").and_then(Value::as_str).map(String::from);
         let has_id = msg.get("id").is_some_and(|v| !v.is_null());
         match (method.as_deref(), has_id) {
             (Some("initialize"), true) => {
                 *self.initialize.lock().unwrap() = Some(msg["params"].clone());
-                self.forward_request(msg);
+                self.forward_request(msg, conn);
             }
             (Some("tools/call"), true) if msg["params"]["name"].as_str() == Some(&self.opts.sql_tool) => {
-                let me = self.clone();
+                let (me, conn) = (self.clone(), conn.clone());
                 // Reads must not wait behind writes: every SQL call gets its own thread.
-                std::thread::spawn(move || me.sql_call(msg));
+                std::thread::spawn(move || me.sql_call(msg, &conn));
             }
-            (Some(_), true) => self.forward_request(msg),
+            (Some(_), true) => self.forward_request(msg, conn),
             (Some("notifications/cancelled"), false) => {
                 let orig = msg["params"]["requestId"].clone();
                 let up = self
@@ -291,7 +323,7 @@ impl Proxy {
                     .lock()
                     .unwrap()
                     .iter()
-                    .find_map(|(k, p)| matches!(p, Pending::Client(o) if *o == orig).then_some(*k));
+                    .find_map(|(k, p)| matches!(p, Pending::Client(o, c) if *o == orig && Arc::ptr_eq(c, conn)).then_some(*k));
                 if let Some(up) = up {
                     msg["params"]["requestId"] = json!(up);
                     let _ = self.send_upstream(&msg);
@@ -304,12 +336,12 @@ impl Proxy {
         }
     }
 
-    fn sql_call(self: Arc<Self>, mut msg: Value) {
+    fn sql_call(self: Arc<Self>, mut msg: Value, conn: &Arc<Conn>) {
         let id = msg["id"].clone();
         let Some(sql) = msg["params"]["arguments"][&self.opts.sql_arg].as_str().map(String::from) else {
-            return self.forward_request(msg);
+            return self.forward_request(msg, conn);
         };
-        let refuse = |why: String| self.reply(&id, tool_error(format!("planarian: not executed: {why}")));
+        let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
         if let Some(why) = self.disabled.lock().unwrap().clone() {
             return refuse(why);
         }
@@ -325,6 +357,8 @@ impl Proxy {
         let mut writes = Vec::new();
         for (i, text) in texts.iter().enumerate() {
             match classify(text) {
+                Class::Ddl(d) if texts.len() == 1 => return self.ddl_call(msg, conn, d),
+                Class::Ddl(_) => return refuse(format!("statement {} ({text}): send DDL as a call of its own", i + 1)),
                 Class::Reject(why) if texts.len() > 1 => return refuse(format!("statement {} ({text}): {why}", i + 1)),
                 Class::Reject(why) => return refuse(why),
                 Class::ReadOnly { functions: f } => functions.extend(f),
@@ -336,7 +370,7 @@ impl Proxy {
         }
         if writes.is_empty() {
             return match self.db.lock().unwrap().unsafe_functions(&functions) {
-                Ok(bad) if bad.is_empty() => self.forward_request(msg),
+                Ok(bad) if bad.is_empty() => self.forward_request(msg, conn),
                 Ok(bad) => refuse(format!("the statement calls {}, which may change the database in ways that cannot be undone", bad.join(", "))),
                 Err(e) => refuse(format!("cannot check the statement: {e}")),
             };
@@ -360,7 +394,7 @@ impl Proxy {
                     // Unknown tables and the like: the server gives its own error, nothing changes.
                     Err(e) if e.ends_with("does not exist") => {
                         drop(db);
-                        return self.forward_request(msg);
+                        return self.forward_request(msg, conn);
                     }
                     Err(e) => return refuse(e),
                 }
@@ -386,9 +420,40 @@ impl Proxy {
                     dbhub_as_original(&mut resp["result"], &texts, &no_returning);
                 }
                 resp["id"] = id;
-                self.send_client(&resp);
+                conn.send(&resp);
             }
-            Err(e) => self.reply_error(&id, -32603, &e),
+            Err(e) => Self::reply_error(conn, &id, -32603, &e),
+        }
+    }
+
+    /// DDL: its inverse is recorded (its own transaction) before it runs, and forgotten if it
+    /// fails.
+    fn ddl_call(self: &Arc<Self>, msg: Value, conn: &Arc<Conn>, d: Ddl) {
+        let id = msg["id"].clone();
+        let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
+        let _guard = self.lock.lock().unwrap();
+        let inverse = match self.db.lock().unwrap().ddl_inverse(&d) {
+            Ok(Some(inv)) => inv,
+            // Creates nothing: pass through, no position.
+            Ok(None) => return self.forward_request(msg, conn),
+            Err(e) => return refuse(e),
+        };
+        let position = match self.positions.lock().unwrap().next() {
+            Ok(p) => p,
+            Err(e) => return refuse(e),
+        };
+        if let Err(e) = self.db.lock().unwrap().record_ddl(position, &format!("{:?}", d.object), &inverse) {
+            return refuse(format!("cannot record the statement's inverse: {e}"));
+        }
+        match self.call_upstream("tools/call", msg["params"].clone()) {
+            Ok(mut resp) => {
+                if resp.get("error").is_some() || resp["result"]["isError"] == json!(true) {
+                    let _ = self.db.lock().unwrap().forget(position);
+                }
+                resp["id"] = id;
+                conn.send(&resp);
+            }
+            Err(e) => Self::reply_error(conn, &id, -32603, &e),
         }
     }
 

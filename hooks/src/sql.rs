@@ -19,8 +19,30 @@ pub enum Class {
     ReadOnly { functions: Vec<String> },
     /// Rewrite, then pass through under the proxy lock.
     Write(Dml),
+    /// DDL whose inverse is known: recorded before it runs, undone by dropping what it created.
+    Ddl(Ddl),
     /// Refuse before execution, with this reason for the agent.
     Reject(String),
+}
+
+/// What a compensable DDL statement creates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Object {
+    Table { schema: Option<String>, name: String },
+    Index { schema: Option<String>, name: String },
+    View { schema: Option<String>, name: String, replace: bool },
+    Schema { name: String },
+    Column { schema: Option<String>, table: String, column: String },
+}
+
+#[derive(Debug, Clone)]
+pub struct Ddl {
+    pub object: Object,
+    /// `IF NOT EXISTS`: a no-op when the object is there already. The proxy
+    /// decides by looking (an existing object is never dropped by undo), so
+    /// this is informational.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub if_not_exists: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,6 +181,32 @@ fn classify_node(node: &NodeEnum, tree: &protobuf::ParseResult, functions: Vec<S
             Ok(d) => Class::Write(d),
             Err(why) => Class::Reject(why),
         },
+        E::CreateStmt(c) => match &c.relation {
+            Some(r) if c.partbound.is_none() && c.inh_relations.is_empty() => Class::Ddl(Ddl {
+                object: Object::Table { schema: opt(&r.schemaname), name: r.relname.clone() },
+                if_not_exists: c.if_not_exists,
+            }),
+            _ => Class::Reject("CREATE TABLE … PARTITION OF / INHERITS is not compensable: create a plain table".into()),
+        },
+        E::IndexStmt(i) => match (&i.relation, i.idxname.is_empty()) {
+            (_, true) => Class::Reject("name the index (CREATE INDEX name ON …), so that it can be dropped again on rollback".into()),
+            (Some(r), false) => Class::Ddl(Ddl {
+                object: Object::Index { schema: opt(&r.schemaname), name: i.idxname.clone() },
+                if_not_exists: i.if_not_exists,
+            }),
+            (None, false) => Class::Reject("CREATE INDEX names no table".into()),
+        },
+        E::ViewStmt(v) => match &v.view {
+            Some(r) => Class::Ddl(Ddl {
+                object: Object::View { schema: opt(&r.schemaname), name: r.relname.clone(), replace: v.replace },
+                if_not_exists: false,
+            }),
+            None => Class::Reject("CREATE VIEW names no view".into()),
+        },
+        E::CreateSchemaStmt(c) if c.schema_elts.is_empty() && !c.schemaname.is_empty() => {
+            Class::Ddl(Ddl { object: Object::Schema { name: c.schemaname.clone() }, if_not_exists: c.if_not_exists })
+        }
+        E::AlterTableStmt(a) => add_column(a),
         E::TransactionStmt(_) => Class::Reject(
             "transaction control is not accepted: every call runs in its own transaction and is undone as a unit".into(),
         ),
@@ -174,6 +222,28 @@ fn classify_node(node: &NodeEnum, tree: &protobuf::ParseResult, functions: Vec<S
             statement_name(other)
         )),
     }
+}
+
+fn opt(s: &str) -> Option<String> {
+    (!s.is_empty()).then(|| s.to_string())
+}
+
+/// `ALTER TABLE t ADD COLUMN c …`, one column: the only ALTER whose inverse is safe.
+fn add_column(a: &protobuf::AlterTableStmt) -> Class {
+    let reject = || Class::Reject("of ALTER TABLE only ADD COLUMN (one column per statement) is compensable".into());
+    let (Some(r), [cmd]) = (&a.relation, &a.cmds[..]) else { return reject() };
+    if a.objtype != protobuf::ObjectType::ObjectTable as i32 {
+        return reject();
+    }
+    let Some(NodeEnum::AlterTableCmd(c)) = &cmd.node else { return reject() };
+    if c.subtype != protobuf::AlterTableType::AtAddColumn as i32 {
+        return reject();
+    }
+    let Some(NodeEnum::ColumnDef(col)) = c.def.as_ref().and_then(|d| d.node.as_ref()) else { return reject() };
+    Class::Ddl(Ddl {
+        object: Object::Column { schema: opt(&r.schemaname), table: r.relname.clone(), column: col.colname.clone() },
+        if_not_exists: c.missing_ok,
+    })
 }
 
 fn statement_name(n: &NodeEnum) -> String {
@@ -452,6 +522,22 @@ mod tests {
     }
 
     #[test]
+    fn ddl_with_a_known_inverse() {
+        let ddl = |q: &str| match classify(q) {
+            Class::Ddl(d) => (d.object, d.if_not_exists),
+            other => panic!("{q}: {other:?}"),
+        };
+        assert_eq!(ddl("CREATE TABLE IF NOT EXISTS s.t (id int PRIMARY KEY)"), (Object::Table { schema: Some("s".into()), name: "t".into() }, true));
+        assert_eq!(ddl("CREATE INDEX i ON t (x)"), (Object::Index { schema: None, name: "i".into() }, false));
+        assert_eq!(ddl("CREATE OR REPLACE VIEW v AS SELECT 1"), (Object::View { schema: None, name: "v".into(), replace: true }, false));
+        assert_eq!(ddl("CREATE SCHEMA app"), (Object::Schema { name: "app".into() }, false));
+        assert_eq!(
+            ddl("ALTER TABLE t ADD COLUMN IF NOT EXISTS c text DEFAULT 'x'"),
+            (Object::Column { schema: None, table: "t".into(), column: "c".into() }, true)
+        );
+    }
+
+    #[test]
     fn reads_pass() {
         for q in ["SELECT * FROM t", "select count(*) from t where x = 'a'", "EXPLAIN SELECT 1", "SHOW search_path", "WITH a AS (SELECT 1) SELECT * FROM a"] {
             assert!(matches!(classify(q), Class::ReadOnly { .. }), "{q}");
@@ -473,7 +559,10 @@ mod tests {
             ("SELECT * INTO t2 FROM t", "INTO"),
             ("EXPLAIN ANALYZE DELETE FROM t", "EXPLAIN ANALYZE"),
             ("DELETE FROM planarian.undo", "undo log"),
-            ("ALTER TABLE t DROP COLUMN x", "not compensable"),
+            ("ALTER TABLE t DROP COLUMN x", "only ADD COLUMN"),
+            ("ALTER TABLE t ADD COLUMN a int, ADD COLUMN b int", "only ADD COLUMN"),
+            ("CREATE INDEX ON t (x)", "name the index"),
+            ("CREATE FUNCTION f() RETURNS int LANGUAGE sql AS 'SELECT 1'", "not compensable"),
             ("SELEC 1", "does not parse"),
         ] {
             let why = rejected(q);

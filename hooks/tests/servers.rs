@@ -298,11 +298,19 @@ fn every_position(bin: &Path, srv: &Srv) {
         "DELETE FROM notes WHERE body = 'first' RETURNING *",
         "INSERT INTO accounts VALUES (6, 'fay', 1, NULL, NULL) ON CONFLICT DO NOTHING",
         "DELETE FROM orders",
+        "CREATE TABLE projects (id int PRIMARY KEY, name text)",
+        "INSERT INTO projects VALUES (1, 'p1'), (2, 'p2')",
+        "ALTER TABLE accounts ADD COLUMN region text DEFAULT 'eu'",
+        "UPDATE accounts SET region = 'us' WHERE id = 1",
+        "CREATE INDEX projects_name ON projects (name)",
+        "CREATE VIEW rich AS SELECT * FROM accounts WHERE balance > 10",
+        "CREATE TABLE IF NOT EXISTS projects (id int PRIMARY KEY)",
     ];
     // DBHub takes several statements in one call: one position, undone as a unit.
     let several = ["INSERT INTO notes (body) VALUES ('m1'); UPDATE accounts SET balance = 0 WHERE id = 1; SELECT 1; DELETE FROM notes WHERE body = 'second'"];
     let extra: &[&str] = if matches!(srv, Srv::Dbhub(_)) { &several } else { &[] };
-    let writes = 11 + extra.len() as u64;
+    // The last CREATE … IF NOT EXISTS creates nothing: no position.
+    let writes = 17 + extra.len() as u64;
     for q in session.iter().chain(extra) {
         let r = p.mcp.sql(q);
         assert_ne!(r["isError"], json!(true), "{q}: {r}");
@@ -321,6 +329,8 @@ fn every_position(bin: &Path, srv: &Srv) {
     }
     let undo: i64 = db.query_one("SELECT count(*) FROM planarian.undo", &[]).unwrap().get(0);
     assert_eq!(undo, 0, "each compensation consumes its undo rows");
+    let gone: bool = db.query_one("SELECT to_regclass('projects') IS NULL AND to_regclass('rich') IS NULL", &[]).unwrap().get(0);
+    assert!(gone, "what the agent created is gone");
     // Forward again, then back to the middle: new calls get new positions.
     p.mcp.sql("UPDATE accounts SET owner = 'ANN' WHERE id = 1");
     let mid = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
@@ -383,7 +393,8 @@ fn refusals(bin: &Path, srv: &Srv) {
          CREATE FUNCTION bump() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$;
          CREATE TRIGGER audit BEFORE UPDATE ON audited FOR EACH ROW EXECUTE FUNCTION bump();
          CREATE SEQUENCE s;
-         CREATE FUNCTION sneaky() RETURNS int LANGUAGE sql VOLATILE AS $$ DELETE FROM nokey RETURNING 1 $$;",
+         CREATE FUNCTION sneaky() RETURNS int LANGUAGE sql VOLATILE AS $$ DELETE FROM nokey RETURNING 1 $$;
+         CREATE VIEW v_exists AS SELECT 1 AS x;",
     )
     .unwrap();
     let before = dump(&mut db);
@@ -402,6 +413,9 @@ fn refusals(bin: &Path, srv: &Srv) {
         ("UPDATE orders SET region = 'xx' WHERE qty = 1", "primary key column region"),
         ("WITH d AS (DELETE FROM accounts RETURNING *) SELECT * FROM d", "data-modifying WITH"),
         ("DELETE FROM planarian.undo", "undo log"),
+        ("ALTER TABLE accounts DROP COLUMN tags", "only ADD COLUMN"),
+        ("CREATE INDEX ON accounts (owner)", "name the index"),
+        ("CREATE OR REPLACE VIEW v_exists AS SELECT 2 AS x", "cannot be undone"),
         ("INSERT INTO orders (region, item, qty) VALUES ('eu', 'a', 1); TRUNCATE accounts", if matches!(srv, Srv::Dbhub(_)) { "statement 2" } else { "one SQL statement per call" }),
     ] {
         let r = p.mcp.sql(q);
@@ -442,6 +456,17 @@ fn a_row_changed_behind_the_proxy_is_a_conflict_and_nothing_is_clobbered() {
     let b: String = db.query_one("SELECT balance::text FROM accounts WHERE id = 1", &[]).unwrap().get(0);
     assert_eq!(b, "100");
     assert!(db.query("SELECT 1 FROM accounts WHERE id = 9", &[]).unwrap().is_empty());
+    // A table the agent created, holding a row written behind the proxy: not dropped.
+    let at = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+    p.mcp.sql("CREATE TABLE scratch (id int PRIMARY KEY)");
+    db.execute("INSERT INTO scratch VALUES (1)", &[]).unwrap();
+    let err = control(&p.control, &["compensate", &at.to_string()]).unwrap_err();
+    assert!(err.contains("conflict") && err.contains("scratch"), "{err}");
+    assert_eq!(db.query("SELECT id FROM scratch", &[]).unwrap().len(), 1);
+    db.execute("DELETE FROM scratch", &[]).unwrap();
+    control(&p.control, &["compensate", &at.to_string()]).unwrap();
+    let gone: bool = db.query_one("SELECT to_regclass('scratch') IS NULL", &[]).unwrap().get(0);
+    assert!(gone);
     drop(p);
 }
 

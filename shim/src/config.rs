@@ -24,6 +24,8 @@ pub const ANNOTATION_KEYS: &[&str] = &[
     "checkpoint.pre_resume_hook",
     "zfs.parent_dataset",
     "store.retention",
+    "mcp.service",
+    "mcp.disabled",
 ];
 pub const ANNOTATION_PREFIX: &str = "io.planarian.";
 
@@ -35,6 +37,40 @@ pub struct Config {
     pub checkpoint: CheckpointConfig,
     pub zfs: ZfsConfig,
     pub hooks: HooksConfig,
+    pub mcp: McpConfig,
+}
+
+/// The MCP state-proxy sidecar. The sysadmin names the services (the real MCP server and its
+/// database); a container picks one with the annotation `io.planarian.mcp.service=NAME`.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct McpConfig {
+    /// The service every container gets unless it names another.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+    /// Set on forks: the sidecar runs but refuses SQL calls with this reason.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disabled: Option<String>,
+    /// planarian-mcp-proxy; when unset, the one beside planarian.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_path: Option<PathBuf>,
+    pub services: std::collections::BTreeMap<String, McpService>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct McpService {
+    /// The real MCP server, spawned over stdio: program (absolute path) and arguments.
+    pub upstream: Vec<String>,
+    /// Its environment (added to planarian's).
+    pub env: std::collections::BTreeMap<String, String>,
+    /// `toolbox` (one statement per call) or `dbhub` (several).
+    pub server: String,
+    /// The database the SQL tool writes to, for the proxy's own connection (libpq DSN).
+    pub database: String,
+    /// The tool that carries SQL, and its argument.
+    pub sql_tool: String,
+    pub sql_arg: String,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]

@@ -81,7 +81,7 @@ fn fork_into(cfg: &Config, src: &podman::PodmanContainer, src_store: &ContainerS
     podman::run(&["container", "init", name])?;
     podman::run(&["container", "stop", "-t", "0", name])?;
     let new = podman::inspect(name)?;
-    carry_settings(src, &new)?;
+    carry_settings(src, &src_cfg, &new)?;
     podman::wait_stopped(&new.id, new.upperdir.as_deref(), Duration::from_secs(60))?;
     let store = ContainerStore::new(&cfg.store.path, &new.id);
     let m = {
@@ -117,13 +117,24 @@ fn src_config(cfg: &Config, src: &podman::PodmanContainer) -> Result<Config, Str
 
 /// `podman container clone` does not copy annotations: the fork gets the source's
 /// `io.planarian.*` settings in the OCI config its restore reads (and Podman saves it again).
-fn carry_settings(src: &podman::PodmanContainer, new: &podman::PodmanContainer) -> Result<(), String> {
-    let settings: Vec<(String, serde_json::Value)> = src
+/// A source with an MCP service gives the fork a sidecar that refuses SQL calls: the database
+/// cannot branch, and the source's remote state is the source's alone.
+fn carry_settings(src: &podman::PodmanContainer, src_cfg: &Config, new: &podman::PodmanContainer) -> Result<(), String> {
+    let mut settings: Vec<(String, serde_json::Value)> = src
         .annotations
         .iter()
         .filter(|(k, _)| k.starts_with(crate::config::ANNOTATION_PREFIX))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
+    if let Some((service, _)) = crate::mcp::service(src_cfg)? {
+        settings.push((
+            "io.planarian.mcp.disabled".into(),
+            serde_json::json!(format!(
+                "this sandbox is a fork of {}: the database behind MCP service {service} cannot branch, so SQL calls are refused here (they would change the source's data)",
+                src.name
+            )),
+        ));
+    }
     if settings.is_empty() {
         return Ok(());
     }
@@ -165,6 +176,8 @@ fn link_statepoint(src: &podman::PodmanContainer, src_store: &ContainerStore, ta
     m.timestamp = crate::log::rfc3339(std::time::SystemTime::now());
     m.state_evidence.prior_outcomes.push(format!("forked from {} at {}", src.name, target.statepoint_id));
     m.chain.prev_images_dir = prev;
+    // The remote state belongs to the source: a rollback of the fork never compensates it.
+    m.remote_state.clear();
     m.status = Status::Committed;
     store.write_manifest(&m)?;
     store.set_head(Some(&m.statepoint_id))?;

@@ -42,6 +42,13 @@ pub fn main(args: &[OsString]) -> Result<i32, String> {
     } else {
         println!("warning: {} not found: restores will work, but the dump after each one will be full", hooks_src.display());
     }
+    // The MCP state-proxy sidecar and its remote-state hook, beside it too.
+    let proxy_src = exe.with_file_name("planarian-mcp-proxy");
+    if proxy_src.exists() {
+        let proxy = args.prefix.join("bin/planarian-mcp-proxy");
+        install_file(&proxy_src, &proxy)?;
+        println!("installed {}", proxy.display());
+    }
 
     let dropin = args.containers_conf_dir.join("planarian.conf");
     write_atomic(&dropin, render_dropin(&bin, args.default_runtime).as_bytes(), 0o644)?;

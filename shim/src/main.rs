@@ -27,6 +27,7 @@ mod install;
 mod log;
 mod tools;
 mod zfs_rootfs;
+mod mcp;
 
 use cli::Invocation;
 use std::os::unix::process::CommandExt;
@@ -92,8 +93,14 @@ fn passthrough(inv: &Invocation) -> String {
             if let Err(e) = zfs_rootfs::on_create(&cfg, inv.verb_args()) {
                 return e;
             }
+            if let Err(e) = mcp::on_create(&cfg, inv.verb_args()) {
+                return e;
+            }
         }
-        Some("delete") => zfs_rootfs::on_delete(&cfg, inv.verb_args()),
+        Some("delete") => {
+            mcp::on_delete(&cfg, inv.verb_args());
+            zfs_rootfs::on_delete(&cfg, inv.verb_args())
+        }
         _ => {}
     }
     let _lock = match inv.verb() {

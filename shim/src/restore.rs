@@ -159,6 +159,11 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     store.set_head(Some(&sp_id))?;
     let epoch = hooks.and_then(|_| read_epoch(&epoch_file, &restore_work));
     crate::chain::after_restore(&store, &m, epoch, container::start_time(pid).unwrap_or(0))?;
+    // The sandbox runs again; so does its MCP sidecar (stopped when Podman deleted the container
+    // after a checkpoint). Without it, database calls and the next snapshot fail with its error.
+    if let Err(e) = crate::mcp::start(&cfg, &a.container_id) {
+        eprintln!("planarian: warning: {e}");
+    }
     Ok(0)
 }
 

@@ -212,7 +212,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         m.measurements.rootfs_ms = ms(tr);
         let rest = (|| {
             // Remote positions, with the sandbox still frozen: consistent with files and processes.
-            m.remote_state = crate::remote::capture(&ctx.cfg.hooks.remote, &ctx.ctr.id)?;
+            m.remote_state = crate::remote::capture(&crate::mcp::remote_hooks(&ctx.cfg)?, &ctx.ctr.id)?;
             m.measurements.criu_bytes = store::du(&images);
             m.measurements.rootfs_bytes = m.local_state.rootfs_copy_path.as_ref().map_or(0, |c| store::du(&dir.join(c)));
             m.measurements.frozen_ms = ms(tf);

@@ -39,6 +39,24 @@ fn is_executable(p: &Path) -> bool {
     std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
+/// Makes `cmd` a process of its own that outlives this runtime call: its own session (so no
+/// signal to Podman's process group reaches it), and none of the descriptors conmon handed this
+/// call (sync and start pipes, the console socket) — Podman waits for those to close.
+pub fn detach(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: setsid(2) and fcntl(2) only, both async-signal-safe, between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            nix::unistd::setsid().map_err(std::io::Error::from)?;
+            for fd in 3..1024 {
+                let fd = std::os::fd::BorrowedFd::borrow_raw(fd);
+                let _ = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC));
+            }
+            Ok(())
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

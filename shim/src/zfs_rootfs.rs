@@ -114,7 +114,7 @@ pub fn create_args(args: &[std::ffi::OsString]) -> (PathBuf, Option<String>) {
     (bundle, id)
 }
 
-fn read_spec(bundle: &Path) -> Result<Value, String> {
+pub(crate) fn read_spec(bundle: &Path) -> Result<Value, String> {
     let path = bundle.join("config.json");
     let data = std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     serde_json::from_slice(&data).map_err(|e| format!("{}: {e}", path.display()))
@@ -674,15 +674,9 @@ pub fn on_delete(cfg: &Config, args: &[std::ffi::OsString]) {
         return;
     }
     let Ok(exe) = std::env::current_exe() else { return };
-    use std::os::unix::process::CommandExt;
     let mut cmd = std::process::Command::new(exe);
     cmd.arg("gc").arg("--wait").arg(id).stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
-    // Its own session, so it outlives the runtime call and no signal to Podman's group reaches it.
-    unsafe {
-        cmd.pre_exec(|| {
-            nix::unistd::setsid().map(drop).map_err(std::io::Error::from)
-        });
-    }
+    crate::tools::detach(&mut cmd);
     let _ = cmd.spawn();
 }
 

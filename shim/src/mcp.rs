@@ -1,0 +1,154 @@
+//! The MCP state-proxy sidecar of a container: started with it (create, restore), stopped with
+//! it (delete), and its position captured by every statepoint through the hook contract of
+//! remote.rs (planarian-mcp-proxy is itself a remote-state hook).
+
+use crate::config::{Config, McpService};
+use crate::store::ContainerStore;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+const PID_FILE: &str = "mcp-proxy.pid";
+const LOG_FILE: &str = "mcp-proxy.log";
+
+/// The service this container uses, if any.
+pub fn service(cfg: &Config) -> Result<Option<(&str, &McpService)>, String> {
+    let Some(name) = cfg.mcp.service.as_deref() else { return Ok(None) };
+    match cfg.mcp.services.get(name) {
+        Some(s) => Ok(Some((name, s))),
+        None => Err(format!(
+            "unknown MCP service {name} (configured in [mcp.services]: {})",
+            if cfg.mcp.services.is_empty() { "none".to_string() } else { cfg.mcp.services.keys().cloned().collect::<Vec<_>>().join(", ") }
+        )),
+    }
+}
+
+pub fn proxy_path(cfg: &Config) -> Result<PathBuf, String> {
+    let beside = std::env::current_exe().ok().and_then(|e| Some(e.parent()?.join("planarian-mcp-proxy")));
+    let configured = cfg.mcp.proxy_path.as_deref().or(beside.as_deref());
+    crate::tools::locate("planarian-mcp-proxy", configured, "[mcp] proxy_path").map_err(|e| e.to_string())
+}
+
+/// The remote-state hooks of a statepoint of this container: the configured ones, then its
+/// sidecar (unless the sidecar refuses calls: a fork has no remote state of its own).
+pub fn remote_hooks(cfg: &Config) -> Result<Vec<PathBuf>, String> {
+    let mut hooks = cfg.hooks.remote.clone();
+    if service(cfg)?.is_some() && cfg.mcp.disabled.is_none() {
+        hooks.push(proxy_path(cfg)?);
+    }
+    Ok(hooks)
+}
+
+fn running(store: &ContainerStore) -> Option<i32> {
+    let pid: i32 = std::fs::read_to_string(store.dir.join(PID_FILE)).ok()?.trim().parse().ok()?;
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    String::from_utf8_lossy(&cmdline).contains("planarian-mcp-proxy").then_some(pid)
+}
+
+/// Starts the container's sidecar unless it runs already; returns once it answers.
+pub fn start(cfg: &Config, id: &str) -> Result<(), String> {
+    let Some((name, svc)) = service(cfg)? else { return Ok(()) };
+    let store = ContainerStore::new(&cfg.store.path, id);
+    if running(&store).is_some() {
+        return Ok(());
+    }
+    if svc.upstream.is_empty() || svc.database.is_empty() {
+        return Err(format!("MCP service {name}: upstream and database must be set"));
+    }
+    let proxy = proxy_path(cfg)?;
+    std::fs::create_dir_all(&store.dir).map_err(|e| format!("cannot create {}: {e}", store.dir.display()))?;
+    let log_path = store.dir.join(LOG_FILE);
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(|e| format!("cannot open {}: {e}", log_path.display()))?;
+    let mut cmd = std::process::Command::new(&proxy);
+    cmd.args(["serve", "--container", id, "--database", &svc.database]);
+    cmd.arg("--state").arg(store.dir.join("mcp-positions.json"));
+    if !svc.server.is_empty() {
+        cmd.args(["--server", &svc.server]);
+    }
+    if !svc.sql_tool.is_empty() {
+        cmd.args(["--sql-tool", &svc.sql_tool]);
+    }
+    if !svc.sql_arg.is_empty() {
+        cmd.args(["--sql-arg", &svc.sql_arg]);
+    }
+    if let Some(why) = &cfg.mcp.disabled {
+        cmd.args(["--disabled", why]);
+    }
+    cmd.arg("--").args(&svc.upstream).envs(&svc.env);
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(log.try_clone().map_err(|e| e.to_string())?)
+        .stderr(log);
+    crate::tools::detach(&mut cmd);
+    let mut child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", proxy.display()))?;
+    crate::install::write_atomic(&store.dir.join(PID_FILE), child.id().to_string().as_bytes(), 0o644)?;
+    let socket = mcp_dir().join(format!("{id}.sock"));
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let last = log.lines().rev().find(|l| l.starts_with("planarian-mcp-proxy:")).unwrap_or("no message");
+            let _ = std::fs::remove_file(store.dir.join(PID_FILE));
+            return Err(format!("the MCP proxy for service {name} exited ({status}): {last}"));
+        }
+        if Instant::now() > end {
+            stop(cfg, id);
+            return Err(format!("the MCP proxy for service {name} did not come up within 30 s; see {}", log_path.display()));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn mcp_dir() -> PathBuf {
+    std::env::var_os("PLANARIAN_MCP_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/run/planarian/mcp"))
+}
+
+/// Stops the container's sidecar, if it runs.
+pub fn stop(cfg: &Config, id: &str) {
+    let store = ContainerStore::new(&cfg.store.path, id);
+    if let Some(pid) = running(&store) {
+        use nix::sys::signal::{kill, Signal};
+        let pid = nix::unistd::Pid::from_raw(pid);
+        let _ = kill(pid, Signal::SIGTERM);
+        let end = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < end && kill(pid, None).is_ok() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = kill(pid, Signal::SIGKILL);
+    }
+    let _ = std::fs::remove_file(store.dir.join(PID_FILE));
+    for ext in ["sock", "mcp"] {
+        let _ = std::fs::remove_file(mcp_dir().join(format!("{id}.{ext}")));
+    }
+}
+
+/// The create hook: a container that names a service gets its sidecar before it starts.
+pub fn on_create(cfg: &Config, args: &[std::ffi::OsString]) -> Result<(), String> {
+    let (bundle, Some(id)) = crate::zfs_rootfs::create_args(args) else { return Ok(()) };
+    let Ok(spec) = crate::zfs_rootfs::read_spec(&bundle) else { return Ok(()) };
+    let annotations: Vec<(String, String)> = spec["annotations"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .filter(|(k, _)| k.starts_with("io.planarian.mcp."))
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                .collect()
+        })
+        .unwrap_or_default();
+    if annotations.is_empty() && cfg.mcp.service.is_none() {
+        return Ok(());
+    }
+    let cfg = cfg.with_annotations(annotations.iter().map(|(k, v)| (k.as_str(), v.as_str()))).map_err(|e| e.to_string())?;
+    start(&cfg, &id)
+}
+
+pub fn on_delete(cfg: &Config, args: &[std::ffi::OsString]) {
+    if let Some(id) = args.iter().rev().find(|a| !a.to_string_lossy().starts_with('-')) {
+        stop(cfg, &id.to_string_lossy());
+    }
+}

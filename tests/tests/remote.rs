@@ -1,0 +1,216 @@
+//! Remote state end to end: a sandbox with an MCP service (the sidecar planarian starts with the
+//! container, in front of the real MCP Toolbox and a real PostgreSQL), its files and its
+//! database rows rolled back together, and a fork whose database calls are refused.
+
+use planarian_system_tests::*;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Duration;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn proxy_bin() -> PathBuf {
+    planarian_bin().with_file_name("planarian-mcp-proxy")
+}
+
+struct Pg {
+    dir: PathBuf,
+    port: u16,
+}
+
+const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
+
+impl Pg {
+    fn start() -> Pg {
+        let dir = PathBuf::from(format!("/tmp/pltest-pg-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        cmd("chown", ["postgres:postgres", dir.to_str().unwrap()]).ok();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let d = dir.display();
+        cmd(
+            "runuser",
+            ["-u", "postgres", "--", &format!("{PG_BIN}/initdb"), "-D", &format!("{d}/data"), "-A", "trust", "-U", "postgres", "--no-sync"],
+        )
+        .ok();
+        cmd(
+            "runuser",
+            [
+                "-u", "postgres", "--", &format!("{PG_BIN}/pg_ctl"), "-D", &format!("{d}/data"), "-w", "-l", &format!("{d}/log"),
+                "-o", &format!("-k {d} -c listen_addresses=127.0.0.1 -p {port} -c fsync=off"), "start",
+            ],
+        )
+        .ok();
+        Pg { dir, port }
+    }
+
+    fn psql(&self, sql: &str) -> String {
+        cmd("psql", ["-X", "-A", "-t", "-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres", "-c", sql]).out()
+    }
+}
+
+impl Drop for Pg {
+    fn drop(&mut self) {
+        let d = self.dir.display();
+        let _ = Command::new("runuser")
+            .args(["-u", "postgres", "--", &format!("{PG_BIN}/pg_ctl"), "-D", &format!("{d}/data"), "-m", "immediate", "stop"])
+            .output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The harness's side: `planarian-mcp-proxy connect ID` is its stdio MCP server.
+struct Harness {
+    child: Child,
+    stdin: ChildStdin,
+    /// Lines from the proxy, read by a thread: a hung proxy fails the test instead of hanging it.
+    lines: std::sync::mpsc::Receiver<String>,
+    next: u64,
+}
+
+impl Harness {
+    fn connect(container_id: &str) -> Harness {
+        let mut child = Command::new(proxy_bin())
+            .args(["connect", container_id])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout: BufReader<ChildStdout> = BufReader::new(child.stdout.take().unwrap());
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut h = Harness { child, stdin, lines, next: 0 };
+        let init = h.request("initialize", json!({"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "pltest", "version": "1"}}));
+        assert!(init["result"]["serverInfo"].is_object(), "{init}");
+        writeln!(h.stdin, "{}", json!({"jsonrpc": "2.0", "method": "notifications/initialized"})).unwrap();
+        h
+    }
+
+    fn request(&mut self, method: &str, params: Value) -> Value {
+        self.next += 1;
+        writeln!(self.stdin, "{}", json!({"jsonrpc": "2.0", "id": self.next, "method": method, "params": params})).unwrap();
+        self.stdin.flush().unwrap();
+        loop {
+            let line = self.lines.recv_timeout(Duration::from_secs(120)).expect("no answer from the MCP proxy within 120 s");
+            let m: Value = serde_json::from_str(&line).unwrap();
+            if m["id"] == json!(self.next) {
+                return m;
+            }
+        }
+    }
+
+    fn sql(&mut self, sql: &str) -> Value {
+        let r = self.request("tools/call", json!({"name": "execute_sql", "arguments": {"sql": sql}}));
+        r["result"].clone()
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn planarian(args: &[&str]) -> Run {
+    cmd(planarian_bin().to_str().unwrap(), args)
+}
+
+fn sidecar_running(id: &str) -> bool {
+    cmd("pgrep", ["-f", &format!("planarian-mcp-proxy serve --container {id}")]).code == Some(0)
+}
+
+#[test]
+fn rollback_undoes_database_changes_with_the_files_and_a_fork_is_refused() {
+    require_stack!();
+    let toolbox = repo().join("target/npm/node_modules/.bin/toolbox");
+    if !toolbox.exists() {
+        assert!(std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_none(), "MCP Toolbox missing ({}): tests/run installs it", toolbox.display());
+        eprintln!("SKIPPED: MCP Toolbox missing ({})", toolbox.display());
+        return;
+    }
+    // The toolbox is a link into its package: the real binary, by absolute path.
+    let toolbox = std::fs::canonicalize(&toolbox).unwrap();
+    let pg = Pg::start();
+    pg.psql("CREATE TABLE reports (id int PRIMARY KEY, body text NOT NULL)");
+    let _conf = DropIn::new(
+        "zz-mcp-test",
+        &format!(
+            "[mcp.services.pltest]\nupstream = [\"{}\", \"--prebuilt\", \"postgres\", \"--stdio\", \"--disable-version-check\"]\n\
+             env = {{ POSTGRES_HOST = \"127.0.0.1\", POSTGRES_PORT = \"{port}\", POSTGRES_DATABASE = \"postgres\", POSTGRES_USER = \"postgres\", POSTGRES_PASSWORD = \"x\" }}\n\
+             server = \"toolbox\"\ndatabase = \"host=127.0.0.1 port={port} user=postgres dbname=postgres\"\n",
+            toolbox.display(),
+            port = pg.port
+        ),
+    );
+    let n = name("mcp");
+    let _c = Cleanup(n.clone());
+    podman("planarian", &["run", "-d", "--name", &n, "--annotation", "io.planarian.mcp.service=pltest", BUSYBOX, "sleep", "600"]).ok();
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
+    assert!(sidecar_running(&id), "the sidecar starts with the container");
+
+    let mut agent = Harness::connect(&id);
+    let r = agent.sql("INSERT INTO reports VALUES (1, 'first draft')");
+    assert_ne!(r["isError"], json!(true), "{r}");
+    podman("planarian", &["exec", &n, "sh", "-c", "echo 'first draft' > /report"]).ok();
+    let sp1 = planarian(&["snapshot", &n]);
+    sp1.ok();
+    let sp1 = sp1.out();
+    let m: Value = serde_json::from_str(&planarian(&["statepoint", "show", &n, &sp1]).out()).unwrap();
+    let rs = &m["remote-state"][0];
+    assert_eq!(rs["mcp-call-position"], json!(1), "{m}");
+    assert!(rs["hook-path"].as_str().unwrap().ends_with("planarian-mcp-proxy"), "{m}");
+
+    // The agent goes on: more rows, a changed row, a changed file.
+    for q in ["UPDATE reports SET body = 'rewritten' WHERE id = 1", "INSERT INTO reports VALUES (2, 'appendix')"] {
+        let r = agent.sql(q);
+        assert_ne!(r["isError"], json!(true), "{q}: {r}");
+    }
+    podman("planarian", &["exec", &n, "sh", "-c", "echo rewritten > /report"]).ok();
+    assert_eq!(pg.psql("SELECT count(*) FROM reports"), "2");
+
+    planarian(&["rollback", &n, &sp1]).ok();
+    assert_eq!(podman("planarian", &["exec", &n, "cat", "/report"]).out(), "first draft");
+    assert_eq!(pg.psql("SELECT id || ':' || body FROM reports ORDER BY id"), "1:first draft");
+    assert_eq!(pg.psql("SELECT count(*) FROM planarian.undo WHERE position > 1"), "0");
+    // The sandbox and its database calls go on after the rollback.
+    let r = agent.sql("INSERT INTO reports VALUES (3, 'after rollback')");
+    assert_ne!(r["isError"], json!(true), "{r}");
+
+    // A fork of sp1: its own sandbox, but no calls into the source's database.
+    let f = name("mcp-fork");
+    let _cf = Cleanup(f.clone());
+    planarian(&["fork", &n, &sp1, "--name", &f]).ok();
+    let fid = podman("planarian", &["inspect", "--format", "{{.Id}}", &f]).out();
+    assert_eq!(podman("planarian", &["exec", &f, "cat", "/report"]).out(), "first draft");
+    let mut forked = Harness::connect(&fid);
+    let r = forked.sql("DELETE FROM reports");
+    assert_eq!(r["isError"], json!(true), "{r}");
+    assert!(r["content"][0]["text"].as_str().unwrap().contains("fork"), "{r}");
+    assert_eq!(pg.psql("SELECT count(*) FROM reports"), "2", "the fork changed nothing");
+    let fm: Value = serde_json::from_str(&planarian(&["statepoint", "list", &f, "--json"]).out()).unwrap_or(Value::Null);
+    if let Some(list) = fm.as_array() {
+        assert!(list.iter().all(|s| s["remote-state"].as_array().is_none_or(|a| a.is_empty())), "{fm}");
+    }
+    // The source's sidecar is untouched.
+    let r = agent.sql("SELECT count(*) FROM reports");
+    assert_ne!(r["isError"], json!(true), "{r}");
+
+    // Sidecars stop with their containers.
+    drop(forked);
+    drop(agent);
+    podman("planarian", &["rm", "-f", "-t", "0", &f]).ok();
+    podman("planarian", &["rm", "-f", "-t", "0", &n]).ok();
+    assert!(wait_for(Duration::from_secs(10), || !sidecar_running(&id) && !sidecar_running(&fid)), "the sidecars stop with their containers");
+}
