@@ -58,13 +58,13 @@ fn handle(conn: UnixStream, proxy: &Proxy) {
         _ => json!({"error": "unknown request: expected op position, compensate, disable or status"}),
     };
     let mut conn = conn;
-    let _ = writeln!(conn, "{resp}");
+    let _ = conn.write_all(format!("{resp}\n").as_bytes());
 }
 
 /// One request to a proxy's control socket.
 pub fn request(path: &Path, req: &Value) -> Result<Value, String> {
     let mut conn = UnixStream::connect(path).map_err(|e| format!("no MCP proxy at {}: {e}", path.display()))?;
-    writeln!(conn, "{req}").map_err(|e| format!("{}: {e}", path.display()))?;
+    conn.write_all(format!("{req}\n").as_bytes()).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut line = String::new();
     BufReader::new(&conn).read_line(&mut line).map_err(|e| format!("{}: {e}", path.display()))?;
     let v: Value = serde_json::from_str(&line).map_err(|e| format!("{}: bad answer: {e}", path.display()))?;

@@ -49,10 +49,13 @@ impl Conn {
         Arc::new(Conn { out: Mutex::new(out) })
     }
 
+    /// One message, one write: the line is built first (serializing straight into a socket
+    /// costs a system call per token).
     fn send(&self, msg: &Value) {
+        let Ok(mut line) = serde_json::to_vec(msg) else { return };
+        line.push(b'\n');
         let mut out = self.out.lock().unwrap();
-        let _ = serde_json::to_writer(&mut *out, msg);
-        let _ = out.write_all(b"\n");
+        let _ = out.write_all(&line);
         let _ = out.flush();
     }
 }

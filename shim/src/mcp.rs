@@ -147,8 +147,39 @@ pub fn on_create(cfg: &Config, args: &[std::ffi::OsString]) -> Result<(), String
     start(&cfg, &id)
 }
 
+/// The delete hook: the sidecar stops with the container's processes, except while planarian
+/// rolls the container back (the stop and restore inside a rollback are not the user's).
 pub fn on_delete(cfg: &Config, args: &[std::ffi::OsString]) {
     if let Some(id) = args.iter().rev().find(|a| !a.to_string_lossy().starts_with('-')) {
-        stop(cfg, &id.to_string_lossy());
+        let id = id.to_string_lossy();
+        if RollbackMarker::active(&ContainerStore::new(&cfg.store.path, &id)) {
+            return;
+        }
+        stop(cfg, &id);
+    }
+}
+
+const ROLLBACK_MARKER: &str = "rollback.pid";
+
+/// Present while a rollback of the container runs: the pid of the planarian doing it.
+pub struct RollbackMarker(PathBuf);
+
+impl RollbackMarker {
+    pub fn set(store: &ContainerStore) -> Option<RollbackMarker> {
+        let p = store.dir.join(ROLLBACK_MARKER);
+        crate::install::write_atomic(&p, std::process::id().to_string().as_bytes(), 0o644).ok()?;
+        Some(RollbackMarker(p))
+    }
+
+    fn active(store: &ContainerStore) -> bool {
+        let Ok(pid) = std::fs::read_to_string(store.dir.join(ROLLBACK_MARKER)) else { return false };
+        // A marker left by a planarian that died is not a rollback.
+        pid.trim().parse::<i32>().is_ok_and(|p| nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), None).is_ok())
+    }
+}
+
+impl Drop for RollbackMarker {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
     }
 }

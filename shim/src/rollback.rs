@@ -56,6 +56,10 @@ fn rollback(inv: &Invocation, pc: &PodmanContainer, store: &ContainerStore, targ
         }
     }
 
+    // The sidecar outlives the stop and restore of a rollback: the agent's MCP connection stays
+    // up, and compensation needs it.
+    let _rolling = crate::mcp::RollbackMarker::set(store);
+
     // 1. Keep the current state until the restore succeeded.
     let safety = match pc.status.as_str() {
         "running" | "paused" => {
