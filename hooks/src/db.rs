@@ -6,6 +6,8 @@ use postgres::{Client, NoTls};
 
 pub struct Db {
     client: Client,
+    /// table_info's one catalog query, prepared once (a write's lookup is one round trip).
+    table_info: Option<postgres::Statement>,
 }
 
 /// Volatile functions whose only effect is their result: harmless in a recorded change.
@@ -37,7 +39,7 @@ fn pe(e: postgres::Error) -> String {
 impl Db {
     pub fn connect(dsn: &str) -> Result<Db, String> {
         let client = Client::connect(dsn, NoTls).map_err(|e| format!("cannot connect to the database: {}", pe(e)))?;
-        let mut db = Db { client };
+        let mut db = Db { client, table_info: None };
         db.client
             .batch_execute(&format!(
                 "CREATE SCHEMA IF NOT EXISTS {UNDO_SCHEMA};
@@ -133,63 +135,52 @@ impl Db {
         Ok(row.get::<_, i64>(0) as u64)
     }
 
+    /// What a write to `name` needs to know, in one catalog query: its columns and primary key,
+    /// and what would make its changes uncompensable (not a plain table, rules, user triggers,
+    /// foreign keys of other tables that cascade changes to it).
     pub fn table_info(&mut self, name: &str) -> Result<TableInfo, String> {
-        let rows = self
-            .client
-            .query(
-                "SELECT c.oid, format('%I.%I', n.nspname, c.relname), c.relkind::text, c.relhasrules
-                 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)",
-                &[&name],
-            )
-            .map_err(pe)?;
+        let stmt = match &self.table_info {
+            Some(s) => s.clone(),
+            None => {
+                let s = self
+                    .client
+                    .prepare(
+                        "SELECT format('%I.%I', n.nspname, c.relname), c.relkind::text, c.relhasrules,
+                           ARRAY(SELECT attname::text FROM pg_attribute
+                                 WHERE attrelid = c.oid AND attnum > 0 AND NOT attisdropped ORDER BY attnum),
+                           ARRAY(SELECT a.attname::text FROM pg_index i
+                                 CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+                                 JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                                 WHERE i.indrelid = c.oid AND i.indisprimary ORDER BY k.ord),
+                           ARRAY(SELECT tgname::text FROM pg_trigger WHERE tgrelid = c.oid AND NOT tgisinternal ORDER BY tgname),
+                           ARRAY(SELECT format('foreign key %s of %s', conname, conrelid::regclass) FROM pg_constraint
+                                 WHERE contype = 'f' AND confrelid = c.oid
+                                   AND (confdeltype IN ('c','n','d') OR confupdtype IN ('c','n','d')) ORDER BY conname)
+                         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)",
+                    )
+                    .map_err(pe)?;
+                self.table_info = Some(s.clone());
+                s
+            }
+        };
+        let rows = self.client.query(&stmt, &[&name]).map_err(pe)?;
         let Some(row) = rows.first() else { return Err(format!("relation {name} does not exist")) };
-        let oid: u32 = row.get(0);
-        let qualified: String = row.get(1);
-        let relkind: String = row.get(2);
+        let qualified: String = row.get(0);
+        let relkind: String = row.get(1);
         let mut problems = Vec::new();
         if relkind != "r" && relkind != "p" {
             problems.push("it is not a plain table".to_string());
         }
-        if row.get::<_, bool>(3) {
+        if row.get::<_, bool>(2) {
             problems.push("rules rewrite statements on it".to_string());
         }
-        let columns = self
-            .client
-            .query("SELECT attname::text FROM pg_attribute WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped ORDER BY attnum", &[&oid])
-            .map_err(pe)?
-            .iter()
-            .map(|r| r.get::<_, String>(0))
-            .collect();
-        let primary_key = self
-            .client
-            .query(
-                "SELECT a.attname::text FROM pg_index i
-                 CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
-                 JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-                 WHERE i.indrelid = $1 AND i.indisprimary ORDER BY k.ord",
-                &[&oid],
-            )
-            .map_err(pe)?
-            .iter()
-            .map(|r| r.get::<_, String>(0))
-            .collect();
-        for r in self.client.query("SELECT tgname::text FROM pg_trigger WHERE tgrelid = $1 AND NOT tgisinternal", &[&oid]).map_err(pe)? {
-            problems.push(format!("trigger {} runs on it", r.get::<_, String>(0)));
+        let columns: Vec<String> = row.get(3);
+        let primary_key: Vec<String> = row.get(4);
+        for t in row.get::<_, Vec<String>>(5) {
+            problems.push(format!("trigger {t} runs on it"));
         }
-        for r in self
-            .client
-            .query(
-                "SELECT conname::text, conrelid::regclass::text FROM pg_constraint
-                 WHERE contype = 'f' AND confrelid = $1 AND (confdeltype IN ('c','n','d') OR confupdtype IN ('c','n','d'))",
-                &[&oid],
-            )
-            .map_err(pe)?
-        {
-            problems.push(format!(
-                "foreign key {} of {} cascades changes to it",
-                r.get::<_, String>(0),
-                r.get::<_, String>(1)
-            ));
+        for fk in row.get::<_, Vec<String>>(6) {
+            problems.push(format!("{fk} cascades changes to it"));
         }
         Ok(TableInfo { qualified, columns, primary_key, problems })
     }
