@@ -2,23 +2,27 @@
 //!
 //! ```text
 //! planarian-mcp-proxy serve --database DSN [--server toolbox|dbhub] [--sql-tool NAME] [--sql-arg ARG] [--container ID]
-//!                           [--control SOCKET] [--state FILE] [--listen SOCKET] [--disabled REASON]
-//!                           -- UPSTREAM-COMMAND [ARGS…]
+//!                           [--control SOCKET] [--state FILE] [--listen SOCKET] [--http ADDR:PORT]
+//!                           [--disabled REASON]   (-- UPSTREAM-COMMAND [ARGS…] | --upstream-url URL)
 //! planarian-mcp-proxy connect CONTAINER-ID             (stdio MCP server for a harness: the
 //!                                                       container's sidecar, over its socket)
+//! planarian-mcp-proxy url CONTAINER-ID                 (the sidecar's Streamable HTTP endpoint)
 //! planarian-mcp-proxy capture CONTAINER-ID             (the hook contract of planarian)
 //! planarian-mcp-proxy compensate CONTAINER-ID POSITION
 //! planarian-mcp-proxy control SOCKET position|status|compensate P|disable [REASON]
 //! ```
 //!
 //! `serve` speaks MCP over stdio to the harness (or, with `--listen`, to every client of a Unix
-//! socket: the sidecar planarian starts for a container) and spawns the real server over stdio. The
+//! socket: the sidecar planarian starts for a container; with `--http`, Streamable HTTP on a
+//! loopback address) and spawns the real server over stdio or reaches it by URL. The
 //! control socket defaults to `$PLANARIAN_MCP_DIR/<container>.sock` (`/run/planarian/mcp`), the
 //! positions file to `/var/lib/planarian/mcp/<container>.json`; the hook finds the socket the
 //! same way from the container ID planarian passes it.
 
 mod control;
 mod db;
+mod http;
+mod httpd;
 mod proxy;
 mod sql;
 mod state;
@@ -33,6 +37,10 @@ fn socket_for(container: &str) -> PathBuf {
 
 fn clients_socket_for(container: &str) -> PathBuf {
     socket_for(container).with_extension("mcp")
+}
+
+fn url_file_for(container: &str) -> PathBuf {
+    socket_for(container).with_extension("url")
 }
 
 /// Bridges stdio to a listening sidecar: what a harness runs as its "stdio MCP server".
@@ -50,7 +58,7 @@ fn connect(path: &std::path::Path) -> Result<(), String> {
 }
 
 fn usage() -> String {
-    "usage: planarian-mcp-proxy serve --database DSN [--server toolbox|dbhub] [--sql-tool NAME] [--sql-arg ARG] [--container ID] [--control SOCKET] [--state FILE] -- UPSTREAM…\n       planarian-mcp-proxy capture CONTAINER-ID | compensate CONTAINER-ID POSITION\n       planarian-mcp-proxy control SOCKET position|status|compensate P|disable [REASON]".into()
+    "usage: planarian-mcp-proxy serve --database DSN [--server toolbox|dbhub] [--sql-tool NAME] [--sql-arg ARG] [--container ID] [--control SOCKET] [--state FILE] [--listen SOCKET] [--http ADDR:PORT] (-- UPSTREAM… | --upstream-url URL)\n       planarian-mcp-proxy connect CONTAINER-ID | url CONTAINER-ID\n       planarian-mcp-proxy capture CONTAINER-ID | compensate CONTAINER-ID POSITION\n       planarian-mcp-proxy control SOCKET position|status|compensate P|disable [REASON]".into()
 }
 
 fn main() {
@@ -58,6 +66,9 @@ fn main() {
     let r = match args.first().map(String::as_str) {
         Some("serve") => serve(&args[1..]),
         Some("connect") if args.len() == 2 => connect(&clients_socket_for(&args[1])),
+        Some("url") if args.len() == 2 => std::fs::read_to_string(url_file_for(&args[1]))
+            .map(|u| println!("{}", u.trim()))
+            .map_err(|_| format!("the MCP proxy of container {} serves no HTTP endpoint (set http in its [mcp.services] entry)", args[1])),
         Some("capture") if args.len() == 2 => control::request(&socket_for(&args[1]), &json!({"op": "position"})).map(|v| {
             println!("{}", json!({"external-endpoint": format!("mcp-proxy:{}", socket_for(&args[1]).display()), "mcp-call-position": v["position"]}));
         }),
@@ -84,15 +95,15 @@ fn main() {
 }
 
 fn serve(args: &[String]) -> Result<(), String> {
-    let split = args.iter().position(|a| a == "--").ok_or_else(|| format!("serve needs -- UPSTREAM-COMMAND\n{}", usage()))?;
-    let (flags, upstream) = (&args[..split], args[split + 1..].to_vec());
+    let split = args.iter().position(|a| a == "--").unwrap_or(args.len());
+    let (flags, upstream) = (&args[..split], args.get(split + 1..).unwrap_or_default().to_vec());
     let mut get = std::collections::HashMap::new();
     let mut it = flags.iter();
     while let Some(f) = it.next() {
         let v = it.next().ok_or_else(|| format!("{f} needs a value"))?;
         match f.as_str() {
             "--database" | "--server" | "--sql-tool" | "--sql-arg" | "--container" | "--control" | "--state" | "--listen"
-            | "--disabled" => {
+            | "--disabled" | "--http" | "--upstream-url" => {
                 get.insert(f.trim_start_matches('-').to_string(), v.clone());
             }
             _ => return Err(format!("unknown option {f}\n{}", usage())),
@@ -111,8 +122,16 @@ fn serve(args: &[String]) -> Result<(), String> {
         Some("dbhub") => proxy::Server::Dbhub,
         Some(other) => return Err(format!("unknown --server {other}: toolbox (one statement per call) or dbhub (several)")),
     };
+    let upstream_url = get.remove("upstream-url").map(|u| http::Url::parse(&u)).transpose()?;
+    match (upstream.is_empty(), upstream_url.is_some()) {
+        (true, false) => return Err(format!("serve needs -- UPSTREAM-COMMAND or --upstream-url URL\n{}", usage())),
+        (false, true) => return Err("serve takes either -- UPSTREAM-COMMAND or --upstream-url, not both".into()),
+        _ => {}
+    }
+    let http_listener = get.remove("http").map(|a| httpd::bind(&a)).transpose()?;
     let opts = proxy::Options {
         upstream,
+        upstream_url,
         server,
         sql_tool: get.remove("sql-tool").unwrap_or_else(|| "execute_sql".into()),
         sql_arg: get.remove("sql-arg").unwrap_or_else(|| "sql".into()),
@@ -124,6 +143,22 @@ fn serve(args: &[String]) -> Result<(), String> {
     let proxy = proxy::Proxy::new(opts)?;
     if let Some(path) = &control {
         control::listen(path, proxy.clone())?;
+    }
+    let url_file = container.as_deref().map(url_file_for);
+    if let Some(listener) = http_listener {
+        let url = format!("http://{}/mcp", listener.local_addr().map_err(|e| e.to_string())?);
+        eprintln!("planarian-mcp-proxy: serving MCP (Streamable HTTP) at {url}");
+        if let Some(f) = &url_file {
+            std::fs::write(f, format!("{url}\n")).map_err(|e| format!("cannot write {}: {e}", f.display()))?;
+        }
+        if container.is_none() {
+            // Only HTTP: it serves until the proxy is stopped.
+            httpd::serve(proxy.clone(), listener);
+            proxy.shutdown();
+            return Ok(());
+        }
+        let proxy = proxy.clone();
+        std::thread::spawn(move || httpd::serve(proxy, listener));
     }
     match (&listen, container.is_some()) {
         // A sidecar: clients come and go on the socket until the proxy is stopped.
@@ -138,8 +173,8 @@ fn serve(args: &[String]) -> Result<(), String> {
         _ => proxy.serve(std::io::stdin().lock(), proxy::Conn::new(Box::new(std::io::stdout()))),
     }
     proxy.shutdown();
-    if let Some(path) = &control {
-        let _ = std::fs::remove_file(path);
+    for f in control.iter().chain(&url_file) {
+        let _ = std::fs::remove_file(f);
     }
     Ok(())
 }

@@ -1,4 +1,5 @@
-//! The transparent MCP proxy (stdio to the harness, stdio to the real server).
+//! The transparent MCP proxy: to the harness over stdio, a Unix socket or Streamable HTTP
+//! (httpd.rs); to the real server over stdio or Streamable HTTP.
 //!
 //! Messages are raw JSON values: whatever the proxy does not need to understand passes through
 //! unchanged. Every client request gets a fresh upstream id (the proxy's own requests come from
@@ -9,6 +10,7 @@
 //! tool error before it reaches the server.
 
 use crate::db::{CompensateError, Db};
+use crate::http;
 use crate::sql::{classify, split, Class, Ddl};
 use crate::state::Positions;
 use serde_json::{json, Value};
@@ -16,7 +18,7 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 
 /// How the server's SQL tool takes statements and reports results.
@@ -29,7 +31,10 @@ pub enum Server {
 }
 
 pub struct Options {
+    /// The real server, spawned over stdio …
     pub upstream: Vec<String>,
+    /// … or reached over Streamable HTTP.
+    pub upstream_url: Option<http::Url>,
     pub server: Server,
     pub sql_tool: String,
     pub sql_arg: String,
@@ -39,25 +44,59 @@ pub struct Options {
     pub state_file: std::path::PathBuf,
 }
 
-/// One client stream (stdio, or a connection to the listening socket).
+/// Where messages for a client go: a stream (stdio, a connection to the listening socket), or
+/// one HTTP exchange of a Streamable HTTP session.
 pub struct Conn {
-    out: Mutex<Box<dyn Write + Send>>,
+    out: Out,
+    /// Which client this is: the requests a `notifications/cancelled` may name are its own,
+    /// and the exchanges of one HTTP session are one client.
+    client: String,
+}
+
+enum Out {
+    Stream(Mutex<Box<dyn Write + Send>>),
+    Channel(Mutex<Sender<Value>>),
 }
 
 impl Conn {
     pub fn new(out: Box<dyn Write + Send>) -> Arc<Conn> {
-        Arc::new(Conn { out: Mutex::new(out) })
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Arc::new(Conn { out: Out::Stream(Mutex::new(out)), client: format!("stream-{}", NEXT.fetch_add(1, Ordering::Relaxed)) })
+    }
+
+    /// A connection whose messages are received from the channel (by an HTTP exchange).
+    pub fn channel(client: String) -> (Arc<Conn>, Receiver<Value>) {
+        let (tx, rx) = channel();
+        (Arc::new(Conn { out: Out::Channel(Mutex::new(tx)), client }), rx)
     }
 
     /// One message, one write: the line is built first (serializing straight into a socket
-    /// costs a system call per token).
-    fn send(&self, msg: &Value) {
-        let Ok(mut line) = serde_json::to_vec(msg) else { return };
-        line.push(b'\n');
-        let mut out = self.out.lock().unwrap();
-        let _ = out.write_all(&line);
-        let _ = out.flush();
+    /// costs a system call per token). False when the client is gone.
+    fn send(&self, msg: &Value) -> bool {
+        match &self.out {
+            Out::Stream(out) => {
+                let Ok(mut line) = serde_json::to_vec(msg) else { return false };
+                line.push(b'\n');
+                let mut out = out.lock().unwrap();
+                out.write_all(&line).and_then(|_| out.flush()).is_ok()
+            }
+            Out::Channel(tx) => tx.lock().unwrap().send(msg.clone()).is_ok(),
+        }
     }
+}
+
+enum Upstream {
+    Stdio(Child, ChildStdin),
+    Http(Arc<HttpUpstream>),
+}
+
+/// The real server over Streamable HTTP: its session and negotiated protocol version.
+struct HttpUpstream {
+    url: http::Url,
+    session: Mutex<Option<String>>,
+    version: Mutex<Option<String>>,
+    /// Held while a lost session is re-established.
+    reinit: Mutex<()>,
 }
 
 enum Pending {
@@ -67,9 +106,11 @@ enum Pending {
 
 pub struct Proxy {
     opts: Options,
-    /// Where the server's own requests and notifications go: the client heard from last.
+    /// Where the server's own requests and notifications go: the client heard from last …
     last_client: Mutex<Option<Arc<Conn>>>,
-    upstream: Mutex<Option<(Child, ChildStdin)>>,
+    /// … or, when that exchange is over, the latest standing HTTP event stream (GET).
+    standing: Mutex<Option<Arc<Conn>>>,
+    upstream: Mutex<Option<Upstream>>,
     /// Set while the upstream is being (re)started.
     generation: (Mutex<u64>, Condvar),
     pending: Mutex<HashMap<u64, Pending>>,
@@ -116,6 +157,7 @@ impl Proxy {
         let positions = Positions::load(&opts.state_file, db.max_position()?)?;
         let p = Arc::new(Proxy {
             last_client: Mutex::new(None),
+            standing: Mutex::new(None),
             upstream: Mutex::new(None),
             generation: (Mutex::new(0), Condvar::new()),
             pending: Mutex::new(HashMap::new()),
@@ -133,6 +175,11 @@ impl Proxy {
     }
 
     fn start_upstream(self: &Arc<Self>) -> Result<(), String> {
+        if let Some(url) = &self.opts.upstream_url {
+            let h = HttpUpstream { url: url.clone(), session: Mutex::new(None), version: Mutex::new(None), reinit: Mutex::new(()) };
+            *self.upstream.lock().unwrap() = Some(Upstream::Http(Arc::new(h)));
+            return Ok(());
+        }
         let (prog, args) = self.opts.upstream.split_first().ok_or("no upstream MCP server command")?;
         let mut cmd = Command::new(prog);
         // The server dies with the proxy, however the proxy ends.
@@ -152,7 +199,7 @@ impl Proxy {
             .map_err(|e| format!("cannot start the upstream MCP server {prog}: {e}"))?;
         let stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
-        *self.upstream.lock().unwrap() = Some((child, stdin));
+        *self.upstream.lock().unwrap() = Some(Upstream::Stdio(child, stdin));
         let gen = {
             let mut g = self.generation.0.lock().unwrap();
             *g += 1;
@@ -163,19 +210,187 @@ impl Proxy {
         Ok(())
     }
 
-    fn send_upstream(&self, msg: &Value) -> Result<(), String> {
+    fn send_upstream(self: &Arc<Self>, msg: &Value) -> Result<(), String> {
         let mut up = self.upstream.lock().unwrap();
-        let Some((_, stdin)) = up.as_mut() else { return Err("the upstream MCP server is not running".into()) };
-        let mut line = serde_json::to_vec(msg).map_err(|e| e.to_string())?;
-        line.push(b'\n');
-        stdin.write_all(&line).and_then(|_| stdin.flush()).map_err(|e| format!("the upstream MCP server is gone: {e}"))
+        match up.as_mut() {
+            None => Err("the upstream MCP server is not running".into()),
+            Some(Upstream::Stdio(_, stdin)) => {
+                let mut line = serde_json::to_vec(msg).map_err(|e| e.to_string())?;
+                line.push(b'\n');
+                stdin.write_all(&line).and_then(|_| stdin.flush()).map_err(|e| format!("the upstream MCP server is gone: {e}"))
+            }
+            Some(Upstream::Http(h)) => {
+                // Each message is its own POST; what comes back (a response, or an event stream
+                // with the server's notifications and requests before it) is read as it comes.
+                let (me, h, msg) = (self.clone(), h.clone(), msg.clone());
+                std::thread::spawn(move || {
+                    if let Err(e) = me.http_exchange(&h, &msg) {
+                        match (msg.get("method").is_some(), msg.get("id").filter(|i| !i.is_null())) {
+                            (true, Some(id)) => me.from_upstream(json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32603, "message": e}})),
+                            _ => eprintln!("planarian-mcp-proxy: {e}"),
+                        }
+                    }
+                });
+                Ok(())
+            }
+        }
+    }
+
+    fn http_headers<'a>(session: &'a Option<String>, version: &'a Option<String>) -> Vec<(&'a str, &'a str)> {
+        let mut headers = vec![("Content-Type", "application/json"), ("Accept", "application/json, text/event-stream")];
+        if let Some(s) = session {
+            headers.push(("Mcp-Session-Id", s));
+        }
+        if let Some(v) = version {
+            headers.push(("MCP-Protocol-Version", v));
+        }
+        headers
+    }
+
+    /// Reads the messages of a response (one JSON body, or an event stream) and hands each to
+    /// `f`; an event stream is left once the response to `until` has arrived.
+    fn each_message(resp: http::Response, until: Option<&Value>, mut f: impl FnMut(Value)) -> Result<(), String> {
+        let done = |m: &Value| until.is_some_and(|id| m.get("method").is_none() && m.get("id") == Some(id));
+        if resp.is_events() {
+            let mut events = http::Events::new(resp.body);
+            while let Some(data) = events.next_data().map_err(|e| format!("the upstream MCP server's event stream broke: {e}"))? {
+                let msgs = match serde_json::from_str::<Value>(&data) {
+                    Ok(Value::Array(a)) => a,
+                    Ok(m) => vec![m],
+                    Err(_) => continue,
+                };
+                let mut finished = false;
+                for m in msgs {
+                    finished |= done(&m);
+                    f(m);
+                }
+                if finished {
+                    break;
+                }
+            }
+            return Ok(());
+        }
+        let text = resp.text().map_err(|e| format!("cannot read the upstream MCP server's response: {e}"))?;
+        match serde_json::from_str::<Value>(&text) {
+            Ok(Value::Array(a)) => a.into_iter().for_each(f),
+            Ok(m) => f(m),
+            Err(e) => return Err(format!("the upstream MCP server's response is not JSON: {e}")),
+        }
+        Ok(())
+    }
+
+    /// The server's standing event stream (GET) for this session: its messages outside any
+    /// call. Servers that offer none answer 405; the stream ends with its session.
+    fn listen_upstream(self: &Arc<Self>, h: Arc<HttpUpstream>) {
+        let me = self.clone();
+        std::thread::spawn(move || {
+            let session = h.session.lock().unwrap().clone();
+            let version = h.version.lock().unwrap().clone();
+            let mut headers = Self::http_headers(&session, &version);
+            headers.retain(|(k, _)| *k != "Content-Type");
+            headers[0] = ("Accept", "text/event-stream");
+            let Ok(resp) = http::send(&h.url, "GET", &headers, b"") else { return };
+            if resp.status != 200 || !resp.is_events() {
+                return;
+            }
+            let mut events = http::Events::new(resp.body);
+            while let Ok(Some(data)) = events.next_data() {
+                if *h.session.lock().unwrap() != session {
+                    return;
+                }
+                if let Ok(m) = serde_json::from_str::<Value>(&data) {
+                    me.from_upstream(m);
+                }
+            }
+        });
+    }
+
+    fn http_exchange(self: &Arc<Self>, h: &Arc<HttpUpstream>, msg: &Value) -> Result<(), String> {
+        let body = serde_json::to_vec(msg).map_err(|e| e.to_string())?;
+        let is_init = msg["method"] == "initialize";
+        let request_id = msg.get("method").and(msg.get("id")).filter(|i| !i.is_null());
+        for attempt in 0..2 {
+            let (session, version) = if is_init { (None, None) } else { (h.session.lock().unwrap().clone(), h.version.lock().unwrap().clone()) };
+            let resp = http::send(&h.url, "POST", &Self::http_headers(&session, &version), &body)
+                .map_err(|e| format!("cannot reach the upstream MCP server at http://{}{}: {e}", h.url.authority, h.url.path))?;
+            match resp.status {
+                200 => {
+                    if is_init {
+                        *h.session.lock().unwrap() = resp.header("mcp-session-id").map(String::from);
+                    }
+                    return Self::each_message(resp, request_id, |m| {
+                        if is_init && Some(&m["id"]) == request_id {
+                            let version = m["result"]["protocolVersion"].as_str().map(String::from);
+                            eprintln!(
+                                "planarian-mcp-proxy: upstream session {} (protocol {})",
+                                h.session.lock().unwrap().as_deref().unwrap_or("none: the server keeps no sessions"),
+                                version.as_deref().unwrap_or("?")
+                            );
+                            *h.version.lock().unwrap() = version;
+                            self.listen_upstream(h.clone());
+                        }
+                        self.from_upstream(m)
+                    });
+                }
+                202 | 204 => return Ok(()),
+                // The server forgot the session (restarted, expired): a new one, then once more.
+                404 if session.is_some() && attempt == 0 => self.reestablish(h, &session)?,
+                status => {
+                    let text = resp.text().unwrap_or_default();
+                    let text: String = text.trim().chars().take(300).collect();
+                    return Err(format!("the upstream MCP server answered HTTP {status}: {text}"));
+                }
+            }
+        }
+        Err("the upstream MCP server lost the session again right after it was re-established".into())
+    }
+
+    /// A new upstream session, initialized with the harness's own parameters.
+    fn reestablish(self: &Arc<Self>, h: &Arc<HttpUpstream>, lost: &Option<String>) -> Result<(), String> {
+        let _one = h.reinit.lock().unwrap();
+        if *h.session.lock().unwrap() != *lost {
+            return Ok(()); // another call did it meanwhile
+        }
+        *h.session.lock().unwrap() = None;
+        let Some(params) = self.initialize.lock().unwrap().clone() else { return Ok(()) };
+        eprintln!("planarian-mcp-proxy: the upstream MCP server lost the session; starting a new one");
+        let id = json!(self.next_id.fetch_add(1, Ordering::SeqCst));
+        let init = json!({"jsonrpc": "2.0", "id": id, "method": "initialize", "params": params});
+        let fail = |e: String| format!("cannot re-establish the upstream MCP session: {e}");
+        let resp = http::send(&h.url, "POST", &Self::http_headers(&None, &None), init.to_string().as_bytes()).map_err(|e| fail(e.to_string()))?;
+        if resp.status != 200 {
+            return Err(fail(format!("HTTP {}", resp.status)));
+        }
+        let session = resp.header("mcp-session-id").map(String::from);
+        let mut version = None;
+        Self::each_message(resp, Some(&id), |m| {
+            if m["id"] == id {
+                version = m["result"]["protocolVersion"].as_str().map(String::from);
+            }
+        })
+        .map_err(fail)?;
+        let note = json!({"jsonrpc": "2.0", "method": "notifications/initialized"}).to_string();
+        http::send(&h.url, "POST", &Self::http_headers(&session, &version), note.as_bytes()).map_err(|e| fail(e.to_string()))?;
+        *h.session.lock().unwrap() = session;
+        *h.version.lock().unwrap() = version;
+        self.listen_upstream(h.clone());
+        Ok(())
     }
 
     fn send_client(&self, msg: &Value) {
         let conn = self.last_client.lock().unwrap().clone();
-        if let Some(c) = conn {
+        if conn.is_some_and(|c| c.send(msg)) {
+            return;
+        }
+        let standing = self.standing.lock().unwrap().clone();
+        if let Some(c) = standing {
             c.send(msg);
         }
+    }
+
+    /// An HTTP client's standing event stream (GET): the server's messages outside any call.
+    pub fn set_standing(&self, conn: Arc<Conn>) {
+        *self.standing.lock().unwrap() = Some(conn);
     }
 
     fn reply(conn: &Conn, id: &Value, result: Value) {
@@ -187,7 +402,7 @@ impl Proxy {
     }
 
     /// Forwards a client request under a fresh upstream id.
-    fn forward_request(&self, mut msg: Value, conn: &Arc<Conn>) {
+    fn forward_request(self: &Arc<Self>, mut msg: Value, conn: &Arc<Conn>) {
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
         let orig = std::mem::replace(&mut msg["id"], json!(id));
         self.pending.lock().unwrap().insert(id, Pending::Client(orig.clone(), conn.clone()));
@@ -198,7 +413,7 @@ impl Proxy {
     }
 
     /// Sends a request of the proxy's own (or a rewritten client call) and waits for its response.
-    fn call_upstream(&self, method: &str, params: Value) -> Result<Value, String> {
+    fn call_upstream(self: &Arc<Self>, method: &str, params: Value) -> Result<Value, String> {
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
         let (tx, rx) = channel();
         self.pending.lock().unwrap().insert(id, Pending::Own(tx));
@@ -215,29 +430,32 @@ impl Proxy {
             if line.trim().is_empty() {
                 continue;
             }
-            let Ok(mut msg) = serde_json::from_str::<Value>(&line) else {
-                eprintln!("planarian-mcp-proxy: upstream sent a line that is not JSON; dropped");
-                continue;
-            };
-            let is_response = msg.get("method").is_none() && msg.get("id").is_some();
-            if !is_response {
-                // Server-to-client requests and notifications pass through unchanged.
-                self.send_client(&msg);
-                continue;
-            }
-            let Some(id) = msg["id"].as_u64() else { continue };
-            match self.pending.lock().unwrap().remove(&id) {
-                Some(Pending::Client(orig, conn)) => {
-                    msg["id"] = orig;
-                    conn.send(&msg);
-                }
-                Some(Pending::Own(tx)) => {
-                    let _ = tx.send(msg);
-                }
-                None => {}
+            match serde_json::from_str::<Value>(&line) {
+                Ok(Value::Array(batch)) => batch.into_iter().for_each(|m| self.from_upstream(m)),
+                Ok(msg) => self.from_upstream(msg),
+                Err(_) => eprintln!("planarian-mcp-proxy: upstream sent a line that is not JSON; dropped"),
             }
         }
         self.upstream_lost(gen);
+    }
+
+    fn from_upstream(&self, mut msg: Value) {
+        let is_response = msg.get("method").is_none() && msg.get("id").is_some();
+        if !is_response {
+            // Server-to-client requests and notifications pass through unchanged.
+            return self.send_client(&msg);
+        }
+        let Some(id) = msg["id"].as_u64() else { return };
+        match self.pending.lock().unwrap().remove(&id) {
+            Some(Pending::Client(orig, conn)) => {
+                msg["id"] = orig;
+                conn.send(&msg);
+            }
+            Some(Pending::Own(tx)) => {
+                let _ = tx.send(msg);
+            }
+            None => {}
+        }
     }
 
     /// The upstream exited: fail what was in flight, start it again and re-initialize it.
@@ -245,7 +463,7 @@ impl Proxy {
         if self.closing.load(Ordering::SeqCst) || *self.generation.0.lock().unwrap() != gen {
             return;
         }
-        if let Some((mut child, _)) = self.upstream.lock().unwrap().take() {
+        if let Some(Upstream::Stdio(mut child, _)) = self.upstream.lock().unwrap().take() {
             let _ = child.wait();
         }
         let lost: Vec<Pending> = self.pending.lock().unwrap().drain().map(|(_, p)| p).collect();
@@ -280,18 +498,32 @@ impl Proxy {
             if line.trim().is_empty() {
                 continue;
             }
-            *self.last_client.lock().unwrap() = Some(conn.clone());
             match serde_json::from_str::<Value>(&line) {
-                Ok(Value::Array(batch)) => batch.into_iter().for_each(|m| self.from_client(m, &conn)),
-                Ok(m) => self.from_client(m, &conn),
+                Ok(Value::Array(batch)) => batch.into_iter().for_each(|m| self.handle(m, &conn)),
+                Ok(m) => self.handle(m, &conn),
                 Err(e) => Self::reply_error(&conn, &Value::Null, -32700, &format!("parse error: {e}")),
             }
         }
     }
 
+    /// One message from a client.
+    pub fn handle(self: &Arc<Self>, msg: Value, conn: &Arc<Conn>) {
+        if msg.get("method").is_some() && msg.get("id").is_some_and(|i| !i.is_null()) {
+            *self.last_client.lock().unwrap() = Some(conn.clone());
+        }
+        self.from_client(msg, conn);
+    }
+
     pub fn shutdown(&self) {
         self.closing.store(true, Ordering::SeqCst);
-        if let Some((mut child, stdin)) = self.upstream.lock().unwrap().take() {
+        let up = self.upstream.lock().unwrap().take();
+        if let Some(Upstream::Http(h)) = &up {
+            // Ends the session (servers may refuse: 405).
+            if let Some(s) = h.session.lock().unwrap().clone() {
+                let _ = http::send(&h.url, "DELETE", &[("Mcp-Session-Id", &s)], b"");
+            }
+        }
+        if let Some(Upstream::Stdio(mut child, stdin)) = up {
             drop(stdin);
             let end = std::time::Instant::now() + std::time::Duration::from_secs(3);
             while std::time::Instant::now() < end {
@@ -326,7 +558,7 @@ impl Proxy {
                     .lock()
                     .unwrap()
                     .iter()
-                    .find_map(|(k, p)| matches!(p, Pending::Client(o, c) if *o == orig && Arc::ptr_eq(c, conn)).then_some(*k));
+                    .find_map(|(k, p)| matches!(p, Pending::Client(o, c) if *o == orig && c.client == conn.client).then_some(*k));
                 if let Some(up) = up {
                     msg["params"]["requestId"] = json!(up);
                     let _ = self.send_upstream(&msg);
@@ -486,8 +718,13 @@ impl Proxy {
 
     pub fn status(&self) -> Value {
         let pos = self.positions.lock().unwrap();
-        let pid = self.upstream.lock().unwrap().as_ref().map(|(c, _)| c.id());
+        let (pid, url) = match self.upstream.lock().unwrap().as_ref() {
+            Some(Upstream::Stdio(c, _)) => (Some(c.id()), None),
+            Some(Upstream::Http(h)) => (None, Some(format!("http://{}{}", h.url.authority, h.url.path))),
+            None => (None, None),
+        };
         json!({
+            "upstream-url": url,
             "position": pos.current,
             "last": pos.last,
             "compensations": pos.events.len(),

@@ -541,3 +541,227 @@ fn concurrent_callers_are_serialised_and_every_write_is_undone() {
     control(&p.control, &["compensate", &start.to_string()]).unwrap();
     assert_eq!(dump(&mut db), before);
 }
+
+/// The real server as a Streamable HTTP server on a loopback port.
+fn http_server(srv: &Srv, pg: &Pg, port: u16) -> Child {
+    let mut c = match srv {
+        Srv::Toolbox(tb) => {
+            let mut h = Command::new(tb);
+            h.args(["--prebuilt", "postgres", "--address", "127.0.0.1", "--port", &port.to_string(), "--disable-version-check"]);
+            // The same connection settings as over stdio.
+            for (k, v) in server_cmd(srv, pg).get_envs() {
+                h.env(k, v.unwrap());
+            }
+            h
+        }
+        Srv::Dbhub(dh) => {
+            let mut c = Command::new(dh);
+            c.args(["--transport", "http", "--port", &port.to_string()])
+                .args(["--dsn", &format!("postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable", pg.port)]);
+            c
+        }
+    };
+    let child = c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(std::time::Instant::now() < end, "{srv:?} did not listen on {port} within 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    child
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// One raw HTTP request: (status, headers and body as text).
+fn raw_http(url: &str, method: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+    use std::io::Read;
+    let rest = url.strip_prefix("http://").unwrap();
+    let (authority, path) = rest.split_at(rest.find('/').unwrap());
+    let mut s = std::net::TcpStream::connect(authority).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    for (k, v) in headers {
+        req += &format!("{k}: {v}\r\n");
+    }
+    write!(s, "{req}\r\n{body}").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    (out.split(' ').nth(1).unwrap().parse().unwrap(), out)
+}
+
+#[test]
+fn streamable_http_on_both_sides_with_the_official_sdk_client() {
+    let (bin, servers) = require!();
+    let sdk = root().join("target/npm/node_modules/@modelcontextprotocol/sdk");
+    if !sdk.exists() {
+        eprintln!("SKIPPED streamable_http: needs the MCP TypeScript SDK ({}); tests/run installs it", sdk.display());
+        return;
+    }
+    for srv in &servers {
+        eprintln!("--- {srv:?} over Streamable HTTP");
+        let kind = if matches!(srv, Srv::Dbhub(_)) { "dbhub" } else { "toolbox" };
+        let pg = Pg::start(&bin, &format!("http-{kind}"));
+        let mut db = pg.client();
+        schema(&mut db);
+        let before = dump(&mut db);
+        let port = free_port();
+        let mut upstream = http_server(srv, &pg, port);
+        let dir = std::env::temp_dir().join(format!("planarian-proxy-http-{kind}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let control_path = dir.join("control.sock");
+        let _ = std::fs::remove_file(&control_path);
+        let mut proxy = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"))
+            .args(["serve", "--server", kind, "--database", &pg.dsn(), "--http", "127.0.0.1:0", "--control"])
+            .arg(&control_path)
+            .arg("--state")
+            .arg(dir.join("positions.json"))
+            .args(["--upstream-url", &format!("http://127.0.0.1:{port}/mcp")])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut err = BufReader::new(proxy.stderr.take().unwrap());
+        let url = loop {
+            let mut l = String::new();
+            assert!(err.read_line(&mut l).unwrap() > 0, "the proxy exited");
+            if let Some(u) = l.trim().split("(Streamable HTTP) at ").nth(1) {
+                break u.to_string();
+            }
+        };
+        std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::stderr()));
+        // The transport's rules, checked on the raw wire.
+        let list = r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#;
+        let json_hdr = [("Content-Type", "application/json"), ("Accept", "application/json, text/event-stream")];
+        assert_eq!(raw_http(&url, "POST", &json_hdr, list).0, 400, "no session");
+        assert_eq!(raw_http(&url, "POST", &[json_hdr[0], json_hdr[1], ("Mcp-Session-Id", "nope")], list).0, 404, "unknown session");
+        let init = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-03-26","capabilities":{},"clientInfo":{"name":"raw","version":"1"}}}"#;
+        assert_eq!(raw_http(&url, "POST", &[json_hdr[0], json_hdr[1], ("Origin", "http://evil.example")], init).0, 403);
+        assert_eq!(raw_http(&url, "PUT", &json_hdr, init).0, 405);
+
+        let start = control(&control_path, &["position"]).unwrap()["position"].as_u64().unwrap();
+        let mut client = Command::new("node")
+            .arg(root().join("hooks/tests/sdk-client.mjs"))
+            .arg(&url)
+            .arg(&sdk)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut to = client.stdin.take().unwrap();
+        let mut from = BufReader::new(client.stdout.take().unwrap());
+        let mut next = || {
+            let mut l = String::new();
+            assert!(from.read_line(&mut l).unwrap() > 0, "the SDK client exited");
+            serde_json::from_str::<Value>(&l).unwrap()
+        };
+        let hello = next();
+        assert!(hello["tools"].as_array().unwrap().contains(&json!("execute_sql")), "{hello}");
+        let session = hello["session"].as_str().expect("the proxy gave the SDK a session").to_string();
+        let mut call = |sql: &str| {
+            writeln!(to, "{sql}").unwrap();
+            to.flush().unwrap();
+            let r = next();
+            assert!(r.get("error").is_none(), "{sql}: {r}");
+            r["result"].clone()
+        };
+        for sql in ["INSERT INTO accounts VALUES (4, 'dee', 10, NULL, NULL)", "UPDATE accounts SET balance = 1 WHERE id = 1"] {
+            let r = call(sql);
+            assert_ne!(r["isError"], json!(true), "{sql}: {r}");
+        }
+        let r = call("SELECT owner FROM accounts WHERE id = 4");
+        assert!(r.to_string().contains("dee"), "{r}");
+        assert_eq!(control(&control_path, &["position"]).unwrap()["position"].as_u64(), Some(start + 2));
+        // The upstream restarts (its sessions are gone): the proxy opens a new one and the call
+        // goes through.
+        upstream.kill().unwrap();
+        upstream.wait().unwrap();
+        let mut upstream = http_server(srv, &pg, port);
+        let r = call("DELETE FROM accounts WHERE id = 2");
+        assert_ne!(r["isError"], json!(true), "after the upstream restarted: {r}");
+        assert_eq!(db.query_one("SELECT count(*) FROM accounts WHERE id = 2", &[]).unwrap().get::<_, i64>(0), 0);
+        let r = call("TRUNCATE accounts");
+        assert_eq!(r["isError"], json!(true), "{r}");
+        assert!(r.to_string().contains("planarian: not executed"), "{r}");
+        assert_eq!(control(&control_path, &["position"]).unwrap()["position"].as_u64(), Some(start + 3));
+        control(&control_path, &["compensate", &start.to_string()]).unwrap();
+        assert_eq!(dump(&mut db), before, "every write made over HTTP is undone");
+        // The SDK ends its session on close (DELETE): the session is gone.
+        drop(to);
+        assert!(client.wait().unwrap().success());
+        let with = [json_hdr[0], json_hdr[1], ("Mcp-Session-Id", session.as_str())];
+        assert_eq!(raw_http(&url, "POST", &with, list).0, 404, "the session ended");
+        let _ = proxy.kill();
+        let _ = proxy.wait();
+        let _ = upstream.kill();
+        let _ = upstream.wait();
+    }
+}
+
+/// A server that keeps sessions (the SDK's own server transport) is restarted under the proxy:
+/// the proxy's next call meets "session not found", opens a new session with the harness's
+/// initialize parameters, and the call goes through; the harness notices nothing.
+#[test]
+fn a_lost_upstream_session_is_reestablished() {
+    let (bin, _) = require!();
+    let modules = root().join("target/npm/node_modules");
+    if !modules.join("@modelcontextprotocol/sdk").exists() {
+        eprintln!("SKIPPED a_lost_upstream_session: needs the MCP TypeScript SDK; tests/run installs it");
+        return;
+    }
+    let pg = Pg::start(&bin, "session");
+    let mut db = pg.client();
+    schema(&mut db);
+    let before = dump(&mut db);
+    let port = free_port();
+    let sdk_server = || {
+        let child = Command::new("node")
+            .arg(root().join("hooks/tests/sdk-server.mjs"))
+            .arg(&modules)
+            .arg(port.to_string())
+            .arg(format!("postgres://postgres@127.0.0.1:{}/postgres", pg.port))
+            .spawn()
+            .unwrap();
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(std::time::Instant::now() < end, "the SDK server did not listen");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        child
+    };
+    let mut upstream = sdk_server();
+    let dir = std::env::temp_dir().join(format!("planarian-proxy-session-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let control_path = dir.join("control.sock");
+    let _ = std::fs::remove_file(&control_path);
+    let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
+    c.args(["serve", "--database", &pg.dsn(), "--control"])
+        .arg(&control_path)
+        .arg("--state")
+        .arg(dir.join("positions.json"))
+        .args(["--upstream-url", &format!("http://127.0.0.1:{port}/mcp")]);
+    let mut mcp = Mcp::spawn(c);
+    let start = control(&control_path, &["position"]).unwrap()["position"].as_u64().unwrap();
+    // The server's log message during the call reaches the harness before the answer.
+    mcp.send(&json!({"jsonrpc": "2.0", "id": "w1", "method": "tools/call",
+        "params": {"name": "execute_sql", "arguments": {"sql": "INSERT INTO accounts VALUES (4, 'dee', 10, NULL, NULL)"}}}));
+    let first = mcp.recv();
+    assert_eq!(first["method"], "notifications/message", "{first}");
+    let answer = mcp.recv();
+    assert_eq!(answer["id"], "w1");
+    assert_ne!(answer["result"]["isError"], json!(true), "{answer}");
+    let after = mcp.recv();
+    assert_eq!(after["params"]["data"], "after the call", "the server's message outside the call: {after}");
+    upstream.kill().unwrap();
+    upstream.wait().unwrap();
+    let mut upstream = sdk_server();
+    let r = mcp.sql("UPDATE accounts SET balance = 99 WHERE id = 1");
+    assert_ne!(r["isError"], json!(true), "{r}");
+    let b: String = db.query_one("SELECT balance::text FROM accounts WHERE id = 1", &[]).unwrap().get(0);
+    assert_eq!(b, "99");
+    assert_eq!(control(&control_path, &["position"]).unwrap()["position"].as_u64(), Some(start + 2));
+    control(&control_path, &["compensate", &start.to_string()]).unwrap();
+    assert_eq!(dump(&mut db), before);
+    drop(mcp);
+    let _ = upstream.kill();
+    let _ = upstream.wait();
+}

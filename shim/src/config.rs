@@ -60,8 +60,13 @@ pub struct McpConfig {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct McpService {
-    /// The real MCP server, spawned over stdio: program (absolute path) and arguments.
+    /// The real MCP server, spawned over stdio: program (absolute path) and arguments …
     pub upstream: Vec<String>,
+    /// … or reached over Streamable HTTP (`http://127.0.0.1:5000/mcp`).
+    pub url: String,
+    /// Also serve the harness over Streamable HTTP on this loopback address (`127.0.0.1:0`: a
+    /// free port; `planarian-mcp-proxy url CONTAINER` prints the endpoint).
+    pub http: String,
     /// Its environment (added to planarian's).
     pub env: std::collections::BTreeMap<String, String>,
     /// `toolbox` (one statement per call) or `dbhub` (several).

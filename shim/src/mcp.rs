@@ -51,8 +51,8 @@ pub fn start(cfg: &Config, id: &str) -> Result<(), String> {
     if running(&store).is_some() {
         return Ok(());
     }
-    if svc.upstream.is_empty() || svc.database.is_empty() {
-        return Err(format!("MCP service {name}: upstream and database must be set"));
+    if svc.upstream.is_empty() == svc.url.is_empty() || svc.database.is_empty() {
+        return Err(format!("MCP service {name}: database and one of upstream (a command) or url must be set"));
     }
     let proxy = proxy_path(cfg)?;
     std::fs::create_dir_all(&store.dir).map_err(|e| format!("cannot create {}: {e}", store.dir.display()))?;
@@ -77,7 +77,14 @@ pub fn start(cfg: &Config, id: &str) -> Result<(), String> {
     if let Some(why) = &cfg.mcp.disabled {
         cmd.args(["--disabled", why]);
     }
-    cmd.arg("--").args(&svc.upstream).envs(&svc.env);
+    if !svc.http.is_empty() {
+        cmd.args(["--http", &svc.http]);
+    }
+    if svc.url.is_empty() {
+        cmd.arg("--").args(&svc.upstream).envs(&svc.env);
+    } else {
+        cmd.args(["--upstream-url", &svc.url]);
+    }
     cmd.stdin(std::process::Stdio::null())
         .stdout(log.try_clone().map_err(|e| e.to_string())?)
         .stderr(log);
@@ -122,7 +129,7 @@ pub fn stop(cfg: &Config, id: &str) {
         let _ = kill(pid, Signal::SIGKILL);
     }
     let _ = std::fs::remove_file(store.dir.join(PID_FILE));
-    for ext in ["sock", "mcp"] {
+    for ext in ["sock", "mcp", "url"] {
         let _ = std::fs::remove_file(mcp_dir().join(format!("{id}.{ext}")));
     }
 }
