@@ -41,7 +41,10 @@ fn handle(conn: UnixStream, proxy: &Proxy) {
     }
     let req: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
     let resp = match req["op"].as_str() {
-        Some("position") => json!({"position": proxy.capture()}),
+        Some("position") => match proxy.capture() {
+            Ok(p) => json!({"position": p}),
+            Err(e) => json!({"error": e}),
+        },
         Some("compensate") => match req["to"].as_u64() {
             Some(to) => match proxy.compensate(to) {
                 Ok(rows) => json!({"position": to, "rows": rows}),

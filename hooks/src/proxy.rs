@@ -635,10 +635,7 @@ impl Proxy {
                 }
             }
         }
-        let position = match self.positions.lock().unwrap().next() {
-            Ok(p) => p,
-            Err(e) => return refuse(e),
-        };
+        let position = self.positions.lock().unwrap().next();
         let count_rows = self.opts.server == Server::Dbhub;
         let mut sent = texts.clone();
         for ((i, d), t) in writes.iter().zip(&tables) {
@@ -673,10 +670,7 @@ impl Proxy {
             Ok(None) => return self.forward_request(msg, conn),
             Err(e) => return refuse(e),
         };
-        let position = match self.positions.lock().unwrap().next() {
-            Ok(p) => p,
-            Err(e) => return refuse(e),
-        };
+        let position = self.positions.lock().unwrap().next();
         if let Err(e) = self.db.lock().unwrap().record_ddl(position, &format!("{:?}", d.object), &inverse) {
             return refuse(format!("cannot record the statement's inverse: {e}"));
         }
@@ -695,9 +689,9 @@ impl Proxy {
     // --- the control interface -------------------------------------------------------------
 
     /// The current position, taken under the proxy lock (no write is in flight).
-    pub fn capture(&self) -> u64 {
+    pub fn capture(&self) -> Result<u64, String> {
         let _guard = self.lock.lock().unwrap();
-        self.positions.lock().unwrap().current
+        self.positions.lock().unwrap().captured()
     }
 
     pub fn compensate(&self, to: u64) -> Result<u64, String> {

@@ -56,16 +56,21 @@ impl Positions {
         write().map_err(|e| format!("cannot write {}: {e}", self.path.display()))
     }
 
-    /// The position of a new mutating call, recorded before the call is sent.
-    pub fn next(&mut self) -> Result<u64, String> {
-        let (c, l) = (self.current, self.last);
+    /// The position of a new mutating call. Not written here (no fsync per call): a call that
+    /// changed the database left undo rows with its position, which `load` takes as the floor;
+    /// one that left none is unobservable unless a statepoint captured it, and `captured` writes
+    /// the state.
+    pub fn next(&mut self) -> u64 {
         self.last += 1;
         self.current = self.last;
-        self.save().inspect_err(|_| {
-            self.current = c;
-            self.last = l;
-        })?;
-        Ok(self.last)
+        self.last
+    }
+
+    /// The current position, for a statepoint: written down, so that no later call can ever
+    /// be given a position at or below one a statepoint holds.
+    pub fn captured(&self) -> Result<u64, String> {
+        self.save()?;
+        Ok(self.current)
     }
 
     pub fn check_reachable(&self, to: u64) -> Result<(), String> {
@@ -100,19 +105,26 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         let mut p = Positions::load(&path, 0).unwrap();
         for want in 1..=10 {
-            assert_eq!(p.next().unwrap(), want);
+            assert_eq!(p.next(), want);
         }
         p.check_reachable(5).unwrap();
         p.compensated(5).unwrap();
         assert_eq!(p.current, 5);
-        assert_eq!(p.next().unwrap(), 11);
+        assert_eq!(p.next(), 11);
         assert!(p.check_reachable(10).unwrap_err().contains("6..=10 were undone"));
         p.check_reachable(5).unwrap();
         p.check_reachable(11).unwrap();
         assert!(p.check_reachable(12).is_err());
+        // A call that left no undo rows (it changed nothing) but was captured by a statepoint
+        // is never numbered again after a restart.
+        assert_eq!(p.next(), 12);
+        assert_eq!(p.captured().unwrap(), 12);
+        let mut q = Positions::load(&path, 11).unwrap();
+        assert_eq!((q.current, q.last), (12, 12));
+        assert_eq!(q.next(), 13);
         // Restart: the state file is read back; undo rows beyond it win.
-        let p = Positions::load(&path, 13).unwrap();
-        assert_eq!((p.current, p.last, p.events.len()), (13, 13, 1));
+        let p = Positions::load(&path, 14).unwrap();
+        assert_eq!((p.current, p.last, p.events.len()), (14, 14, 1));
         std::fs::remove_file(&path).unwrap();
     }
 }
