@@ -157,28 +157,83 @@ fn sidecar_running(id: &str) -> bool {
     cmd("pgrep", ["-f", &format!("planarian-mcp-proxy serve --container {id}")]).code == Some(0)
 }
 
+fn node_and_dbhub() -> Option<(PathBuf, PathBuf)> {
+    let dbhub = repo().join("target/npm/node_modules/@bytebase/dbhub/dist/index.js");
+    let node = ["/usr/bin/node", "/usr/local/bin/node"].into_iter().map(PathBuf::from).find(|p| p.exists());
+    match (node, dbhub.exists()) {
+        (Some(node), true) => Some((node, dbhub)),
+        _ => {
+            assert!(std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_none(), "node or DBHub missing ({}): tests/run installs them", dbhub.display());
+            eprintln!("SKIPPED: node or DBHub missing ({})", dbhub.display());
+            None
+        }
+    }
+}
+
 #[test]
 #[ignore = "the upstream MCP server started by the sidecar (under conmon, in the emulated guest) often never answers; run with --ignored"]
 fn rollback_undoes_database_changes_with_the_files_and_a_fork_is_refused() {
     require_stack!();
     // DBHub under node: the Toolbox (a 300 MB Go binary) sometimes never got past its first
     // line under the guest's emulation, on a cold start.
-    let dbhub = repo().join("target/npm/node_modules/@bytebase/dbhub/dist/index.js");
-    let node = ["/usr/bin/node", "/usr/local/bin/node"].into_iter().map(PathBuf::from).find(|p| p.exists());
-    let (Some(node), true) = (node, dbhub.exists()) else {
-        assert!(std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_none(), "node or DBHub missing ({}): tests/run installs them", dbhub.display());
-        eprintln!("SKIPPED: node or DBHub missing ({})", dbhub.display());
-        return;
-    };
+    let Some((node, dbhub)) = node_and_dbhub() else { return };
     let pg = Pg::start();
+    let service = format!(
+        "upstream = [\"{node}\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable\"]\n",
+        node = node.display(),
+        dbhub = dbhub.display(),
+        port = pg.port
+    );
+    end_to_end(&pg, &service, false);
+}
+
+/// The same with the real server serving Streamable HTTP (started here, not by the sidecar),
+/// and the sidecar serving the harness over HTTP too.
+#[test]
+fn over_streamable_http_rollback_undoes_database_changes_with_the_files_and_a_fork_is_refused() {
+    require_stack!();
+    let Some((node, dbhub)) = node_and_dbhub() else { return };
+    let pg = Pg::start();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut server = Command::new(&node)
+        .arg(&dbhub)
+        .args(["--transport", "http", "--port", &port.to_string()])
+        .args(["--dsn", &format!("postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable", pg.port)])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let up = wait_for(Duration::from_secs(300), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+    assert!(up, "DBHub did not listen on {port} within 300 s");
+    let service = format!("url = \"http://127.0.0.1:{port}/mcp\"\nhttp = \"127.0.0.1:0\"\n");
+    end_to_end(&pg, &service, true);
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
+/// One raw POST to the sidecar's HTTP endpoint: the status line and the body.
+fn post(url: &str, body: &str) -> String {
+    use std::io::Read;
+    let rest = url.strip_prefix("http://").unwrap();
+    let (authority, path) = rest.split_at(rest.find('/').unwrap());
+    let mut s = std::net::TcpStream::connect(authority).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\nContent-Type: application/json\r\nAccept: application/json, text/event-stream\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn end_to_end(pg: &Pg, service: &str, http: bool) {
     pg.psql("CREATE TABLE reports (id int PRIMARY KEY, body text NOT NULL)");
     let _conf = DropIn::new(
         "zz-mcp-test",
         &format!(
-            "[mcp.services.pltest]\nupstream = [\"{node}\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable\"]\n\
-             server = \"dbhub\"\ndatabase = \"host=127.0.0.1 port={port} user=postgres dbname=postgres\"\n",
-            node = node.display(),
-            dbhub = dbhub.display(),
+            "[mcp.services.pltest]\n{service}server = \"dbhub\"\ndatabase = \"host=127.0.0.1 port={port} user=postgres dbname=postgres\"\n",
             port = pg.port
         ),
     );
@@ -188,6 +243,15 @@ fn rollback_undoes_database_changes_with_the_files_and_a_fork_is_refused() {
     let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
     assert!(sidecar_running(&id), "the sidecar starts with the container");
 
+    if http {
+        // The sidecar's own HTTP endpoint answers an initialize with a session.
+        let url = cmd(proxy_bin().to_str().unwrap(), ["url", &id]).out();
+        assert!(url.starts_with("http://127.0.0.1:") && url.ends_with("/mcp"), "{url}");
+        let init = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"pltest","version":"1"}}}"#;
+        let resp = post(&url, init);
+        assert!(resp.starts_with("HTTP/1.1 200") && resp.to_ascii_lowercase().contains("mcp-session-id:"), "{resp}");
+        assert!(resp.contains("serverInfo"), "{resp}");
+    }
     let mut agent = Harness::connect(&id);
     let r = agent.sql("INSERT INTO reports VALUES (1, 'first draft')");
     assert_ne!(r["isError"], json!(true), "{r}");
