@@ -1,7 +1,9 @@
 //! `mcp`: the cost of the MCP state proxy. The same calls to the same real MCP server (MCP
 //! Toolbox and DBHub) against the same throwaway PostgreSQL, directly and through
 //! planarian-mcp-proxy, interleaved; reads (a primary-key SELECT) and writes (a primary-key
-//! UPDATE, which the proxy rewrites to record its undo row in the same transaction).
+//! UPDATE, which the proxy rewrites to record its undo row in the same transaction); over stdio,
+//! and over Streamable HTTP (the servers' own HTTP mode; the proxy serving HTTP and reaching the
+//! server by URL).
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
@@ -50,9 +52,82 @@ impl Drop for Pg {
 
 struct Client {
     child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+    io: Io,
     next: u64,
+}
+
+enum Io {
+    Stdio(ChildStdin, BufReader<ChildStdout>),
+    /// Endpoint (host:port, path) and session.
+    Http(String, String, Option<String>),
+}
+
+/// One POST on a fresh connection, as an MCP client library does it without keep-alive: the
+/// answer with this id, from a JSON body or an event stream.
+fn http_call(authority: &str, path: &str, session: &Option<String>, body: &str, id: &Value) -> Result<(Option<String>, Option<Value>), String> {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(authority).map_err(|e| format!("{authority}: {e}"))?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    let sid = session.as_ref().map(|s| format!("Mcp-Session-Id: {s}\r\n")).unwrap_or_default();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\nContent-Type: application/json\r\nAccept: application/json, text/event-stream\r\n{sid}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
+    // Read until the answer is complete: servers may hold an event stream open after it.
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 16384];
+    loop {
+        let n = s.read(&mut buf).map_err(|e| e.to_string())?;
+        raw.extend_from_slice(&buf[..n]);
+        if let Some(done) = parse_answer(&String::from_utf8_lossy(&raw), id, n == 0)? {
+            return Ok(done);
+        }
+        if n == 0 {
+            return Err("the server closed the connection before answering".into());
+        }
+    }
+}
+
+type Answer = (Option<String>, Option<Value>);
+
+/// The session and the answer with this id, once `text` holds them (or at the end).
+fn parse_answer(text: &str, id: &Value, end: bool) -> Result<Option<Answer>, String> {
+    let Some((head, rest)) = text.split_once("\r\n\r\n") else { return Ok(None) };
+    if !head.starts_with("HTTP/1.1 20") {
+        return Err(format!("HTTP: {}", head.lines().next().unwrap_or("")));
+    }
+    let header = |name: &str| head.lines().find_map(|l| l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.trim().to_string()));
+    let session = header("mcp-session-id");
+    let mut body = String::new();
+    let mut complete = end;
+    if header("transfer-encoding").is_some_and(|t| t.contains("chunked")) {
+        let mut r = rest;
+        while let Some((size, after)) = r.split_once("\r\n") {
+            let n = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16).map_err(|_| "bad chunk")?;
+            if n == 0 {
+                complete = true;
+                break;
+            }
+            if after.len() < n {
+                break;
+            }
+            body += &after[..n];
+            r = after[n..].strip_prefix("\r\n").unwrap_or(&after[n..]);
+        }
+    } else {
+        body = rest.to_string();
+        let len = header("content-length").and_then(|l| l.parse::<usize>().ok());
+        complete |= len.is_some_and(|l| rest.len() >= l) || len == Some(0);
+    }
+    if header("content-type").is_some_and(|t| t.starts_with("text/event-stream")) {
+        let found = body.lines().filter_map(|l| l.strip_prefix("data:")).filter_map(|d| serde_json::from_str::<Value>(d.trim()).ok()).find(|m| m["id"] == *id);
+        return Ok((found.is_some() || complete).then_some((session, found)));
+    }
+    if !complete {
+        return Ok(None);
+    }
+    Ok(Some((session, serde_json::from_str::<Value>(&body).ok().filter(|m| m["id"] == *id))))
 }
 
 impl Client {
@@ -60,19 +135,44 @@ impl Client {
         let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().map_err(|e| e.to_string())?;
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut c = Client { child, stdin, stdout, next: 0 };
-        c.request("initialize", json!({"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "bench", "version": "1"}}))?;
-        writeln!(c.stdin, "{}", json!({"jsonrpc": "2.0", "method": "notifications/initialized"})).map_err(|e| e.to_string())?;
-        Ok(c)
+        Client { child, io: Io::Stdio(stdin, stdout), next: 0 }.initialized()
+    }
+
+    /// A server (or proxy) serving Streamable HTTP at `url` (http://host:port/path).
+    fn http(child: Child, url: &str) -> Result<Client, String> {
+        let rest = url.strip_prefix("http://").ok_or("not an http URL")?;
+        let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        Client { child, io: Io::Http(authority.into(), path.into(), None), next: 0 }.initialized()
+    }
+
+    fn initialized(mut self) -> Result<Client, String> {
+        self.request("initialize", json!({"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "bench", "version": "1"}}))?;
+        let note = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+        match &mut self.io {
+            Io::Stdio(stdin, _) => writeln!(stdin, "{note}").map_err(|e| e.to_string())?,
+            Io::Http(a, p, sid) => drop(http_call(a, p, sid, &note.to_string(), &Value::Null)?),
+        }
+        Ok(self)
     }
 
     fn request(&mut self, method: &str, params: Value) -> Result<Value, String> {
         self.next += 1;
-        writeln!(self.stdin, "{}", json!({"jsonrpc": "2.0", "id": self.next, "method": method, "params": params})).map_err(|e| e.to_string())?;
-        self.stdin.flush().map_err(|e| e.to_string())?;
+        let msg = json!({"jsonrpc": "2.0", "id": self.next, "method": method, "params": params});
+        let (stdin, stdout) = match &mut self.io {
+            Io::Stdio(stdin, stdout) => (stdin, stdout),
+            Io::Http(a, p, sid) => {
+                let (session, answer) = http_call(a, p, sid, &msg.to_string(), &msg["id"])?;
+                if method == "initialize" {
+                    *sid = session;
+                }
+                return answer.ok_or_else(|| format!("no answer to {method}"));
+            }
+        };
+        writeln!(stdin, "{msg}").map_err(|e| e.to_string())?;
+        stdin.flush().map_err(|e| e.to_string())?;
         loop {
             let mut line = String::new();
-            if self.stdout.read_line(&mut line).map_err(|e| e.to_string())? == 0 {
+            if stdout.read_line(&mut line).map_err(|e| e.to_string())? == 0 {
                 return Err("the MCP server closed its output".into());
             }
             let m: Value = serde_json::from_str(&line).map_err(|e| e.to_string())?;
@@ -100,19 +200,69 @@ impl Drop for Client {
     }
 }
 
-fn server_cmd(kind: &str, bin: &Path, pg: &Pg) -> Command {
+/// The server over stdio, or serving Streamable HTTP on `port`.
+fn server_cmd(kind: &str, bin: &Path, pg: &Pg, port: Option<u16>) -> Command {
     let mut c = Command::new(bin);
+    let port = port.map(|p| p.to_string());
     if kind == "toolbox" {
-        c.args(["--prebuilt", "postgres", "--stdio", "--disable-version-check"])
+        match &port {
+            None => c.arg("--stdio"),
+            Some(p) => c.args(["--address", "127.0.0.1", "--port", p]),
+        };
+        c.args(["--prebuilt", "postgres", "--disable-version-check"])
             .env("POSTGRES_HOST", "127.0.0.1")
             .env("POSTGRES_PORT", pg.port.to_string())
             .env("POSTGRES_DATABASE", "postgres")
             .env("POSTGRES_USER", "postgres")
             .env("POSTGRES_PASSWORD", "unused");
     } else {
-        c.args(["--transport", "stdio", "--dsn", &format!("postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable", pg.port)]);
+        match &port {
+            None => c.args(["--transport", "stdio"]),
+            Some(p) => c.args(["--transport", "http", "--port", p]),
+        };
+        c.args(["--dsn", &format!("postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable", pg.port)]);
     }
     c
+}
+
+/// Direct and proxied clients of one server over one transport.
+fn clients(kind: &str, transport: &str, bin: &Path, pg: &Pg, proxy: &Path, dsn: &str, state: &Path) -> Result<(Client, Client), String> {
+    let mut pc = Command::new(proxy);
+    pc.args(["serve", "--server", kind, "--database", dsn, "--state"]).arg(state);
+    if transport == "stdio" {
+        let upstream = server_cmd(kind, bin, pg, None);
+        pc.arg("--").arg(upstream.get_program()).args(upstream.get_args());
+        for (k, v) in upstream.get_envs() {
+            if let Some(v) = v {
+                pc.env(k, v);
+            }
+        }
+        return Ok((Client::spawn(server_cmd(kind, bin, pg, None))?, Client::spawn(pc)?));
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
+    let server = server_cmd(kind, bin, pg, Some(port)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().map_err(|e| e.to_string())?;
+    let end = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > end {
+            return Err(format!("{kind} did not serve HTTP on {port}"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let url = format!("http://127.0.0.1:{port}/mcp");
+    let direct = Client::http(server, &url)?;
+    let mut proxy = pc.args(["--http", "127.0.0.1:0", "--upstream-url", &url]).stderr(Stdio::piped()).spawn().map_err(|e| e.to_string())?;
+    let mut err = BufReader::new(proxy.stderr.take().unwrap());
+    let purl = loop {
+        let mut l = String::new();
+        if err.read_line(&mut l).map_err(|e| e.to_string())? == 0 {
+            return Err("the proxy exited".into());
+        }
+        if let Some(u) = l.trim().split(" at ").nth(1).filter(|u| u.starts_with("http://")) {
+            break u.to_string();
+        }
+    };
+    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    Ok((direct, Client::http(proxy, &purl)?))
 }
 
 fn median_p95(mut v: Vec<Duration>) -> (f64, f64) {
@@ -147,21 +297,12 @@ fn run(args: &[String]) -> Result<(), String> {
         return Err("cannot create the benchmark table".into());
     }
     println!("MCP round trip, direct vs through planarian-mcp-proxy: {iterations} reads and {iterations} writes per server, interleaved (ms)");
-    println!("| server | call | direct median | proxied median | ratio | direct p95 | proxied p95 |");
-    println!("|---|---|---:|---:|---:|---:|---:|");
-    for kind in ["toolbox", "dbhub"] {
+    println!("| server | transport | call | direct median | proxied median | ratio | direct p95 | proxied p95 |");
+    println!("|---|---|---|---:|---:|---:|---:|---:|");
+    for (kind, transport) in [("toolbox", "stdio"), ("toolbox", "http"), ("dbhub", "stdio"), ("dbhub", "http")] {
         let bin = npm.join(kind);
-        let mut direct = Client::spawn(server_cmd(kind, &bin, &pg))?;
-        let upstream = server_cmd(kind, &bin, &pg);
-        let state = std::env::temp_dir().join(format!("planarian-bench-mcp-{kind}-{}.json", std::process::id()));
-        let mut pc = Command::new(&proxy);
-        pc.args(["serve", "--server", kind, "--database", &dsn, "--state"]).arg(&state).arg("--").arg(upstream.get_program()).args(upstream.get_args());
-        for (k, v) in upstream.get_envs() {
-            if let Some(v) = v {
-                pc.env(k, v);
-            }
-        }
-        let mut proxied = Client::spawn(pc)?;
+        let state = std::env::temp_dir().join(format!("planarian-bench-mcp-{kind}-{transport}-{}.json", std::process::id()));
+        let (mut direct, mut proxied) = clients(kind, transport, &bin, &pg, &proxy, &dsn, &state)?;
         let mut t: [[Vec<Duration>; 2]; 2] = Default::default();
         for i in 0..iterations + 10 {
             let id = i % 1000 + 1;
@@ -181,7 +322,7 @@ fn run(args: &[String]) -> Result<(), String> {
         for (c, name) in ["read", "write"].iter().enumerate() {
             let (dm, dp) = median_p95(t[c][0].clone());
             let (pm, pp) = median_p95(t[c][1].clone());
-            println!("| {kind} | {name} | {dm:.2} | {pm:.2} | {:.2}x | {dp:.2} | {pp:.2} |", pm / dm);
+            println!("| {kind} | {transport} | {name} | {dm:.2} | {pm:.2} | {:.2}x | {dp:.2} | {pp:.2} |", pm / dm);
         }
         let _ = std::fs::remove_file(&state);
     }
