@@ -315,6 +315,9 @@ struct Cost {
     full_reason: Option<String>,
     /// Bytes of files the statepoint copied.
     rootfs_bytes: u64,
+    /// Inside a snapshot, from its manifest: CRIU's dump alone, and how long the sandbox was frozen.
+    criu_ms: f64,
+    frozen_ms: f64,
 }
 
 const PLANARIAN: &str = "/usr/local/bin/planarian";
@@ -333,7 +336,8 @@ fn snapshot_cost(ctr: &str) -> Result<(String, Cost), String> {
     let bytes = meas["criu-bytes"].as_u64().unwrap_or(0) + meas["rootfs-bytes"].as_u64().unwrap_or(0);
     let full_reason = m["chain"]["full-reason"].as_str().map(String::from);
     let rootfs_bytes = meas["rootfs-bytes"].as_u64().unwrap_or(0);
-    Ok((sp, Cost { ms, bytes, pages: meas["pages-written"].as_u64().unwrap_or(0), full_reason, rootfs_bytes }))
+    let (criu_ms, frozen_ms) = (meas["criu-dump-ms"].as_f64().unwrap_or(0.0), meas["frozen-ms"].as_f64().unwrap_or(0.0));
+    Ok((sp, Cost { ms, bytes, pages: meas["pages-written"].as_u64().unwrap_or(0), full_reason, rootfs_bytes, criu_ms, frozen_ms }))
 }
 
 /// Second snapshot, rollback, first snapshot after the rollback, fork, first snapshot in the fork.
@@ -429,6 +433,19 @@ fn chains(args: &[String]) -> i32 {
                 println!("  {tag}, {}: full dump: {why}", names[i]);
             }
         }
+    }
+    // End to end, a snapshot is also the CLI, podman's lock, the freeze, the files and the
+    // manifest: under emulation a fixed cost of seconds. CRIU's dump alone shows the memory part.
+    println!();
+    println!("inside each snapshot, from its manifest: CRIU dump ms and frozen ms");
+    println!("| snapshot | CRIU dump (pl / inc / full) | CRIU-inc / planarian | Full / planarian | frozen (pl / inc / full) |");
+    println!("|---|---:|---:|---:|---:|");
+    for i in [0, 2, 4] {
+        let (p, c, f) = (&results[0][i], &results[1][i], &results[2][i]);
+        println!(
+            "| {} | {:.0} / {:.0} / {:.0} | {:.2}x | {:.2}x | {:.0} / {:.0} / {:.0} |",
+            names[i], p.criu_ms, c.criu_ms, f.criu_ms, c.criu_ms / p.criu_ms, f.criu_ms / p.criu_ms, p.frozen_ms, c.frozen_ms, f.frozen_ms
+        );
     }
     let p = &results[0];
     println!("planarian: first snapshot after rollback / second snapshot = {:.2}x; first in fork / second = {:.2}x", p[2].ms / p[0].ms, p[4].ms / p[0].ms);
