@@ -44,17 +44,33 @@ fn url_file_for(container: &str) -> PathBuf {
 }
 
 /// Bridges stdio to a listening sidecar: what a harness runs as its "stdio MCP server".
+///
+/// Plain read/write loops, not `std::io::copy`: between a socket and a pipe that uses
+/// splice(2), and in the guest (Linux 6.1) answers spliced from the sidecar's socket into the
+/// harness's pipe were sometimes never delivered.
 fn connect(path: &std::path::Path) -> Result<(), String> {
+    use std::io::{Read, Write};
     use std::os::unix::net::UnixStream;
+    fn pump(mut from: impl Read, mut to: impl Write) -> std::io::Result<()> {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match from.read(&mut buf) {
+                Ok(0) => return Ok(()),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            to.write_all(&buf[..n])?;
+            to.flush()?;
+        }
+    }
     let stream = UnixStream::connect(path).map_err(|e| format!("no MCP proxy for this container at {}: {e}", path.display()))?;
-    let mut to_proxy = stream.try_clone().map_err(|e| e.to_string())?;
+    let to_proxy = stream.try_clone().map_err(|e| e.to_string())?;
     std::thread::spawn(move || {
-        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut to_proxy);
+        let _ = pump(std::io::stdin(), &to_proxy);
         let _ = to_proxy.shutdown(std::net::Shutdown::Write);
     });
-    let mut from = stream;
-    std::io::copy(&mut from, &mut std::io::stdout().lock()).map_err(|e| e.to_string())?;
-    Ok(())
+    pump(&stream, std::io::stdout()).map_err(|e| e.to_string())
 }
 
 fn usage() -> String {

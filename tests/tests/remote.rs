@@ -171,11 +171,10 @@ fn node_and_dbhub() -> Option<(PathBuf, PathBuf)> {
 }
 
 #[test]
-#[ignore = "the upstream MCP server started by the sidecar (under conmon, in the emulated guest) often never answers; run with --ignored"]
 fn rollback_undoes_database_changes_with_the_files_and_a_fork_is_refused() {
     require_stack!();
-    // DBHub under node: the Toolbox (a 300 MB Go binary) sometimes never got past its first
-    // line under the guest's emulation, on a cold start.
+    // DBHub under node: it starts in seconds under the guest's emulation, the Toolbox (a
+    // 300 MB Go binary read over 9p) in minutes.
     let Some((node, dbhub)) = node_and_dbhub() else { return };
     let pg = Pg::start();
     let service = format!(
