@@ -33,6 +33,22 @@ function newServer() {
       return { content: [{ type: "text", text: String(e.message) }], isError: true };
     }
   });
+  // A slow tool that reports progress and notices cancellation (it then records that it was
+  // cancelled, in the database, where a test can see it).
+  server.registerTool("sleep", { description: "Waits", inputSchema: { ms: z.number() } }, async ({ ms }, extra) => {
+    const token = extra._meta?.progressToken;
+    for (let done = 0; done < ms; done += 100) {
+      if (extra.signal.aborted) {
+        await db.query("CREATE TABLE IF NOT EXISTS sleep_cancelled (id int)");
+        return { content: [{ type: "text", text: "cancelled" }] };
+      }
+      if (token !== undefined) {
+        await extra.sendNotification({ method: "notifications/progress", params: { progressToken: token, progress: done, total: ms } });
+      }
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    return { content: [{ type: "text", text: "slept" }] };
+  });
   return server;
 }
 

@@ -138,11 +138,16 @@ struct Mcp {
 }
 
 impl Mcp {
-    fn spawn(mut cmd: Command) -> Mcp {
+    /// Started, not yet initialized.
+    fn start(mut cmd: Command) -> Mcp {
         let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut m = Mcp { child, stdin, stdout, next: 100 };
+        Mcp { child, stdin, stdout, next: 100 }
+    }
+
+    fn spawn(cmd: Command) -> Mcp {
+        let mut m = Mcp::start(cmd);
         let init = m.request(
             "initialize",
             json!({"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "planarian-test", "version": "1"}}),
@@ -218,6 +223,11 @@ struct Proxied {
 }
 
 fn proxy(srv: &Srv, pg: &Pg, tag: &str) -> Proxied {
+    let (c, control, state) = proxy_cmd(srv, pg, tag);
+    Proxied { mcp: Mcp::spawn(c), control, state }
+}
+
+fn proxy_cmd(srv: &Srv, pg: &Pg, tag: &str) -> (Command, PathBuf, PathBuf) {
     let kind = if matches!(srv, Srv::Dbhub(_)) { "dbhub" } else { "toolbox" };
     let dir = std::env::temp_dir().join(format!("planarian-proxy-{tag}-{kind}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -229,7 +239,7 @@ fn proxy(srv: &Srv, pg: &Pg, tag: &str) -> Proxied {
     for (k, v) in tbc.get_envs() {
         c.env(k, v.unwrap());
     }
-    Proxied { mcp: Mcp::spawn(c), control, state }
+    (c, control, state)
 }
 
 fn control(p: &Path, args: &[&str]) -> Result<Value, String> {
@@ -697,6 +707,99 @@ fn streamable_http_on_both_sides_with_the_official_sdk_client() {
     }
 }
 
+/// hooks/tests/sdk-server.mjs on a loopback port.
+fn sdk_server(modules: &Path, port: u16, pg: &Pg) -> Child {
+    let child = Command::new("node")
+        .arg(root().join("hooks/tests/sdk-server.mjs"))
+        .arg(modules)
+        .arg(port.to_string())
+        .arg(format!("postgres://postgres@127.0.0.1:{}/postgres", pg.port))
+        .spawn()
+        .unwrap();
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(std::time::Instant::now() < end, "the SDK server did not listen");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child
+}
+
+/// A proxy in front of the SDK server, for a harness on stdio.
+fn proxy_to_url(pg: &Pg, url: &str, tag: &str) -> (Mcp, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("planarian-proxy-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let control_path = dir.join("control.sock");
+    let _ = std::fs::remove_file(&control_path);
+    let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
+    c.args(["serve", "--database", &pg.dsn(), "--control"])
+        .arg(&control_path)
+        .arg("--state")
+        .arg(dir.join("positions.json"))
+        .args(["--upstream-url", url]);
+    (Mcp::spawn(c), control_path)
+}
+
+/// Progress notifications come back through the proxy, and a cancellation reaches the server
+/// under the id the proxy gave the request (the harness's own id means nothing there).
+#[test]
+fn progress_and_cancellation_pass_through() {
+    let (bin, _) = require!();
+    let modules = root().join("target/npm/node_modules");
+    if !modules.join("@modelcontextprotocol/sdk").exists() {
+        eprintln!("SKIPPED progress_and_cancellation: needs the MCP TypeScript SDK; tests/run installs it");
+        return;
+    }
+    let pg = Pg::start(&bin, "cancel");
+    let mut db = pg.client();
+    let port = free_port();
+    let mut upstream = sdk_server(&modules, port, &pg);
+    let (mut mcp, _control) = proxy_to_url(&pg, &format!("http://127.0.0.1:{port}/mcp"), "cancel");
+    mcp.send(&json!({"jsonrpc": "2.0", "id": "slow", "method": "tools/call",
+        "params": {"name": "sleep", "arguments": {"ms": 20000}, "_meta": {"progressToken": "tok-1"}}}));
+    let p = mcp.recv();
+    assert_eq!(p["method"], "notifications/progress", "{p}");
+    assert_eq!(p["params"]["progressToken"], "tok-1", "{p}");
+    mcp.send(&json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "slow", "reason": "test"}}));
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let seen: bool = db.query_one("SELECT to_regclass('sleep_cancelled') IS NOT NULL", &[]).unwrap().get(0);
+        if seen {
+            break;
+        }
+        assert!(std::time::Instant::now() < end, "the server never saw the cancellation");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // The session goes on.
+    let r = mcp.request("tools/call", json!({"name": "sleep", "arguments": {"ms": 100}}));
+    assert_eq!(r["result"]["content"][0]["text"], "slept", "{r}");
+    drop(mcp);
+    let _ = upstream.kill();
+    let _ = upstream.wait();
+}
+
+/// The proxy is transparent to the protocol version: for each version a harness may ask for,
+/// the Toolbox answers through the proxy exactly what it answers directly.
+#[test]
+fn every_protocol_version_gets_the_servers_own_answer() {
+    let (bin, servers) = require!();
+    let pg = Pg::start(&bin, "versions");
+    schema(&mut pg.client());
+    for version in ["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"] {
+        let init = json!({"protocolVersion": version, "capabilities": {}, "clientInfo": {"name": "planarian-test", "version": "1"}});
+        let mut answers = Vec::new();
+        for proxied in [false, true] {
+            let mut m = Mcp::start(if proxied { proxy_cmd(&servers[0], &pg, &format!("v{version}")).0 } else { server_cmd(&servers[0], &pg) });
+            let r = m.request("initialize", init.clone());
+            m.send(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+            let q = m.sql("SELECT owner FROM accounts WHERE id = 1");
+            assert!(q.to_string().contains("ann"), "{version}: {q}");
+            answers.push(r["result"]["protocolVersion"].clone());
+        }
+        assert_eq!(answers[0], answers[1], "{version}");
+        assert!(answers[0].is_string(), "{version}: {answers:?}");
+    }
+}
+
 /// A server that keeps sessions (the SDK's own server transport) is restarted under the proxy:
 /// the proxy's next call meets "session not found", opens a new session with the harness's
 /// initialize parameters, and the call goes through; the harness notices nothing.
@@ -713,21 +816,7 @@ fn a_lost_upstream_session_is_reestablished() {
     schema(&mut db);
     let before = dump(&mut db);
     let port = free_port();
-    let sdk_server = || {
-        let child = Command::new("node")
-            .arg(root().join("hooks/tests/sdk-server.mjs"))
-            .arg(&modules)
-            .arg(port.to_string())
-            .arg(format!("postgres://postgres@127.0.0.1:{}/postgres", pg.port))
-            .spawn()
-            .unwrap();
-        let end = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(std::time::Instant::now() < end, "the SDK server did not listen");
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        child
-    };
+    let sdk_server = || sdk_server(&modules, port, &pg);
     let mut upstream = sdk_server();
     let dir = std::env::temp_dir().join(format!("planarian-proxy-session-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
