@@ -226,7 +226,7 @@ impl Proxy {
                 std::thread::spawn(move || {
                     if let Err(e) = me.http_exchange(&h, &msg) {
                         match (msg.get("method").is_some(), msg.get("id").filter(|i| !i.is_null())) {
-                            (true, Some(id)) => me.from_upstream(json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32603, "message": e}})),
+                            (true, Some(id)) => me.on_upstream_message(json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32603, "message": e}})),
                             _ => eprintln!("planarian-mcp-proxy: {e}"),
                         }
                     }
@@ -299,7 +299,7 @@ impl Proxy {
                     return;
                 }
                 if let Ok(m) = serde_json::from_str::<Value>(&data) {
-                    me.from_upstream(m);
+                    me.on_upstream_message(m);
                 }
             }
         });
@@ -329,7 +329,7 @@ impl Proxy {
                             *h.version.lock().unwrap() = version;
                             self.listen_upstream(h.clone());
                         }
-                        self.from_upstream(m)
+                        self.on_upstream_message(m)
                     });
                 }
                 202 | 204 => return Ok(()),
@@ -431,15 +431,15 @@ impl Proxy {
                 continue;
             }
             match serde_json::from_str::<Value>(&line) {
-                Ok(Value::Array(batch)) => batch.into_iter().for_each(|m| self.from_upstream(m)),
-                Ok(msg) => self.from_upstream(msg),
+                Ok(Value::Array(batch)) => batch.into_iter().for_each(|m| self.on_upstream_message(m)),
+                Ok(msg) => self.on_upstream_message(msg),
                 Err(_) => eprintln!("planarian-mcp-proxy: upstream sent a line that is not JSON; dropped"),
             }
         }
         self.upstream_lost(gen);
     }
 
-    fn from_upstream(&self, mut msg: Value) {
+    fn on_upstream_message(&self, mut msg: Value) {
         let is_response = msg.get("method").is_none() && msg.get("id").is_some();
         if !is_response {
             // Server-to-client requests and notifications pass through unchanged.
