@@ -22,6 +22,7 @@ pub const DROPIN_DIR: &str = "/etc/planarian/planarian.conf.d";
 pub const ANNOTATION_KEYS: &[&str] = &[
     "checkpoint.full_dump_interval",
     "checkpoint.pre_resume_hook",
+    "checkpoint.network_lock",
     "zfs.parent_dataset",
     "store.retention",
     "mcp.service",
@@ -120,6 +121,21 @@ pub struct CheckpointConfig {
     /// Run the pre-resume hook on restore, so the first dump after a restore is incremental.
     /// Off, every restore is followed by a full dump (CRIU's own behaviour).
     pub pre_resume_hook: bool,
+    /// How CRIU blocks the container's network while it dumps and restores.
+    pub network_lock: NetworkLock,
+}
+
+/// CRIU's `--network-lock`: `nftables` runs inside CRIU (libnftables); `iptables` (CRIU's
+/// default) runs `iptables-restore` twice per lock and unlock, a fixed cost of every dump;
+/// `auto` is nftables when this CRIU and kernel support it (`criu check --feature
+/// network_lock_nftables`, asked once per boot), else iptables.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkLock {
+    #[default]
+    Auto,
+    Nftables,
+    Iptables,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
@@ -139,7 +155,7 @@ impl Default for StoreConfig {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { full_dump_interval: 8, pre_resume_hook: true }
+        CheckpointConfig { full_dump_interval: 8, pre_resume_hook: true, network_lock: NetworkLock::Auto }
     }
 }
 

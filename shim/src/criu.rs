@@ -16,6 +16,10 @@ pub struct DumpPlan<'a> {
     pub prev_images_dir: Option<&'a str>,
     pub tcp_established: bool,
     pub file_locks: bool,
+    /// Masked directories recorded as external mounts instead of tmpfs contents ([`masked_dirs`]).
+    pub masked_dirs: &'a [String],
+    /// CRIU's `--network-lock` method, when not its default ([`network_lock`]).
+    pub network_lock: Option<&'static str>,
 }
 
 pub struct RestorePlan<'a> {
@@ -32,6 +36,9 @@ pub struct RestorePlan<'a> {
     pub action_scripts: Vec<PathBuf>,
     pub tcp_established: bool,
     pub file_locks: bool,
+    /// The empty directory bound where a dump recorded a masked directory ([`empty_dir`]).
+    pub empty_dir: Option<&'a Path>,
+    pub network_lock: Option<&'static str>,
 }
 
 fn push(v: &mut Vec<OsString>, items: &[&str]) {
@@ -39,9 +46,102 @@ fn push(v: &mut Vec<OsString>, items: &[&str]) {
 }
 
 /// Masked paths that are regular files on the host are bind mounts of /dev/null in the
-/// container: external mounts for CRIU (directories are tmpfs mounts CRIU dumps itself).
+/// container: external mounts for CRIU.
 pub(crate) fn masked_files(spec: &Spec) -> impl Iterator<Item = &String> {
     spec.masked_paths.iter().filter(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file()))
+}
+
+/// The key under which a dump records masked directories as external mounts.
+pub const MASKED_DIR_KEY: &str = "planarian-masked-dir";
+
+/// A container's masked directories that are exactly what the runtime made of them: one empty,
+/// read-only tmpfs with nothing mounted below it. CRIU would archive each with `tar` (a fork and
+/// two execs per mount, a fixed cost of every dump); recorded as external mounts instead, they
+/// come back at restore as read-only binds of one empty directory ([`empty_dir`]), as crun does.
+/// Anything else (written to, remounted, mounted over) is left to CRIU.
+pub fn masked_dirs(pid: i32, spec: &Spec) -> Vec<String> {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")) else { return vec![] };
+    let mounts: Vec<Mount> = text.lines().filter_map(Mount::parse).collect();
+    spec.masked_paths
+        .iter()
+        .filter(|p| {
+            let at: Vec<&Mount> = mounts.iter().filter(|m| &m.point == *p).collect();
+            let below = format!("{}/", p.trim_end_matches('/'));
+            let [m] = at[..] else { return false };
+            m.fstype == "tmpfs"
+                && m.options.split(',').any(|o| o == "ro")
+                && !mounts.iter().any(|o| o.point.starts_with(&below))
+                && std::fs::read_dir(format!("/proc/{pid}/root{p}")).is_ok_and(|mut d| d.next().is_none())
+        })
+        .cloned()
+        .collect()
+}
+
+/// One line of /proc/PID/mountinfo: mount point, per-mount options, filesystem type.
+struct Mount {
+    point: String,
+    options: String,
+    fstype: String,
+}
+
+impl Mount {
+    fn parse(line: &str) -> Option<Mount> {
+        let (pre, post) = line.split_once(" - ")?;
+        let f: Vec<&str> = pre.split(' ').collect();
+        Some(Mount { point: zfs::unescape(f.get(4)?), options: f.get(5)?.to_string(), fstype: post.split(' ').next()?.to_string() })
+    }
+}
+
+/// The empty, read-only directory bound over masked directories at restore (created when
+/// missing). Refused if anything was put in it: a restore must not show a container what the
+/// runtime hid from it.
+pub fn empty_dir() -> Result<PathBuf, String> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let dir = PathBuf::from("/run/planarian/empty");
+    if !dir.is_dir() {
+        std::fs::DirBuilder::new().recursive(true).mode(0o755).create(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    }
+    let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555));
+    match std::fs::read_dir(&dir).map(|mut d| d.next().is_none()) {
+        Ok(true) => Ok(dir),
+        Ok(false) => Err(format!("{} is not empty: it is bound over the containers' masked directories at restore; empty it", dir.display())),
+        Err(e) => Err(format!("cannot read {}: {e}", dir.display())),
+    }
+}
+
+/// The `--network-lock` method for this CRIU: the configured one, or for `auto` nftables when
+/// `criu check --feature network_lock_nftables` says this CRIU and kernel have it. The answer is
+/// remembered per CRIU binary until the next boot (in /run/planarian), so only the first dump
+/// after a boot pays for the check. `None`: CRIU's default (iptables).
+pub fn network_lock(criu: &Path, setting: crate::config::NetworkLock) -> Option<&'static str> {
+    use crate::config::NetworkLock;
+    match setting {
+        NetworkLock::Nftables => return Some("nftables"),
+        NetworkLock::Iptables => return None,
+        NetworkLock::Auto => {}
+    }
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::metadata(criu).ok()?;
+    let key = format!("{}:{}:{}:{}.{}", md.dev(), md.ino(), md.size(), md.mtime(), md.mtime_nsec());
+    let cache = Path::new("/run/planarian/criu-nftables");
+    if let Ok(text) = std::fs::read_to_string(cache) {
+        if let Some((k, v)) = text.trim().rsplit_once(' ') {
+            if k == key {
+                return (v == "yes").then_some("nftables");
+            }
+        }
+    }
+    let ok = Command::new(criu)
+        .args(["check", "--feature", "network_lock_nftables"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if std::fs::create_dir_all("/run/planarian").is_ok() {
+        let _ = crate::install::write_atomic(cache, format!("{key} {}\n", if ok { "yes" } else { "no" }).as_bytes(), 0o644);
+    }
+    ok.then_some("nftables")
 }
 
 pub fn dump_args(p: &DumpPlan) -> Vec<OsString> {
@@ -66,6 +166,12 @@ pub fn dump_args(p: &DumpPlan) -> Vec<OsString> {
     }
     for f in masked_files(p.spec) {
         push(&mut a, &["--ext-mount-map", &format!("{f}:{f}")]);
+    }
+    for d in p.masked_dirs {
+        push(&mut a, &["--ext-mount-map", &format!("{d}:{MASKED_DIR_KEY}")]);
+    }
+    if let Some(m) = p.network_lock {
+        push(&mut a, &["--network-lock", m]);
     }
     if let Some(ino) = p.netns_inode {
         push(&mut a, &["--external", &format!("net[{ino}]:extRootNetNS")]);
@@ -97,6 +203,12 @@ pub fn restore_args(p: &RestorePlan) -> Vec<OsString> {
     }
     for f in masked_files(p.spec) {
         push(&mut a, &["--ext-mount-map", &format!("{f}:/dev/null")]);
+    }
+    if let Some(d) = p.empty_dir {
+        push(&mut a, &["--ext-mount-map", &format!("{MASKED_DIR_KEY}:{}", d.display())]);
+    }
+    if let Some(m) = p.network_lock {
+        push(&mut a, &["--network-lock", m]);
     }
     if let Some(fd) = p.netns_fd {
         push(&mut a, &["--inherit-fd", &format!("fd[{fd}]:extRootNetNS")]);
@@ -192,6 +304,8 @@ mod tests {
             prev_images_dir: None,
             tcp_established: true,
             file_locks: false,
+            masked_dirs: &["/proc/acpi".to_string()],
+            network_lock: Some("nftables"),
         }));
         assert!(a.starts_with("dump --tree 42 --images-dir /st/sp1/criu"), "{a}");
         for want in [
@@ -202,6 +316,8 @@ mod tests {
             "--ext-mount-map /etc/hosts:/etc/hosts",
             "--external net[4026532]:extRootNetNS",
             "--tcp-established",
+            "--ext-mount-map /proc/acpi:planarian-masked-dir",
+            "--network-lock nftables",
         ] {
             assert!(a.contains(want), "{want} missing from {a}");
         }
@@ -240,6 +356,8 @@ mod tests {
             action_scripts: vec![],
             tcp_established: false,
             file_locks: true,
+            empty_dir: Some(Path::new("/run/planarian/empty")),
+            network_lock: None,
         }));
         for want in [
             "--restore-detached",
@@ -251,9 +369,30 @@ mod tests {
             "--inherit-fd fd[7]:extRootNetNS",
             "--inherit-fd fd[1]:pipe:[123]",
             "--file-locks",
+            "--ext-mount-map planarian-masked-dir:/run/planarian/empty",
         ] {
             assert!(a.contains(want), "{want} missing from {a}");
         }
+        assert!(!a.contains("--network-lock"), "{a}");
         assert!(a.contains(&format!("--ext-mount-map {}:/dev/null", masked_file())), "{a}");
+    }
+
+    #[test]
+    fn mountinfo_lines() {
+        let m = Mount::parse("96 85 0:31 / /proc/acpi ro,relatime - tmpfs tmpfs ro,size=0k,inode64").unwrap();
+        assert_eq!((m.point.as_str(), m.options.as_str(), m.fstype.as_str()), ("/proc/acpi", "ro,relatime", "tmpfs"));
+        // Optional fields before the separator, and an escaped space in the mount point.
+        let m = Mount::parse("101 85 0:33 / /a\\040b rw shared:5 master:1 - fuse pool/ds rw").unwrap();
+        assert_eq!((m.point.as_str(), m.fstype.as_str()), ("/a b", "fuse"));
+        assert!(Mount::parse("garbage").is_none());
+    }
+
+    #[test]
+    fn only_empty_read_only_tmpfs_masks_are_external() {
+        // This process's own mounts: none of its directories is a masked tmpfs, so nothing is
+        // taken from CRIU; a masked path that is not a mount point is not either.
+        let spec = Spec { masked_paths: vec!["/proc/acpi".into(), "/nonexistent".into(), "/".into()], ..Default::default() };
+        let got = masked_dirs(std::process::id() as i32, &spec);
+        assert!(!got.contains(&"/".to_string()) && !got.contains(&"/nonexistent".to_string()), "{got:?}");
     }
 }

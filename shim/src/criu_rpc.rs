@@ -75,6 +75,14 @@ const INHERIT_FD: u64 = 27;
 const EXTERNAL: u64 = 37;
 const FREEZE_CGROUP: u64 = 44;
 const ORPHAN_PTS_MASTER: u64 = 50;
+const NETWORK_LOCK: u64 = 64;
+/// criu_network_lock_method values.
+fn network_lock_method(m: &str) -> u64 {
+    match m {
+        "nftables" => 2,
+        _ => 1,
+    }
+}
 
 fn pair(key: &str, val: &str) -> Msg {
     let mut m = Msg::default();
@@ -110,6 +118,12 @@ fn dump_opts(p: &DumpPlan, images_fd: RawFd) -> Msg {
     for f in crate::criu::masked_files(p.spec) {
         o.msg(EXT_MNT, &pair(f, f));
     }
+    for d in p.masked_dirs {
+        o.msg(EXT_MNT, &pair(d, crate::criu::MASKED_DIR_KEY));
+    }
+    if let Some(m) = p.network_lock {
+        o.varint(NETWORK_LOCK, network_lock_method(m));
+    }
     if let Some(ino) = p.netns_inode {
         o.string(EXTERNAL, &format!("net[{ino}]:extRootNetNS"));
     }
@@ -132,6 +146,12 @@ fn restore_opts(p: &RestorePlan, images_fd: RawFd, work_fd: RawFd) -> Msg {
     }
     for f in crate::criu::masked_files(p.spec) {
         o.msg(EXT_MNT, &pair(f, "/dev/null"));
+    }
+    if let Some(d) = p.empty_dir {
+        o.msg(EXT_MNT, &pair(crate::criu::MASKED_DIR_KEY, &d.to_string_lossy()));
+    }
+    if let Some(m) = p.network_lock {
+        o.varint(NETWORK_LOCK, network_lock_method(m));
     }
     let mut inherit = |fd: i32, key: &str| {
         let mut m = Msg::default();

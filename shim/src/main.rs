@@ -25,6 +25,7 @@ mod store;
 mod doctor;
 mod install;
 mod log;
+mod lookup;
 mod tools;
 mod zfs_rootfs;
 mod mcp;

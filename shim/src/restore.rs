@@ -124,6 +124,7 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     } else {
         crate::criu_hooks_from(&cfg).map(Some)
     };
+    let empty_dir = criu::empty_dir()?;
     let plan = criu::RestorePlan {
         images_dir: &images,
         work_dir: &restore_work,
@@ -136,6 +137,8 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         action_scripts: hooks.iter().flatten().cloned().collect(),
         tcp_established: a.criu.tcp_established || m.options.tcp_established,
         file_locks: a.criu.file_locks || m.options.file_locks,
+        empty_dir: Some(&empty_dir),
+        network_lock: criu::network_lock(&criu_bin, cfg.checkpoint.network_lock),
     };
     if hooks.is_ok() {
         // The restored tasks inherit this (CRIU keeps it): without it, writing a restored page into

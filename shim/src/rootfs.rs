@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use crate::store::LocalState;
 
-pub trait Rootfs {
+pub trait Rootfs: Send + Sync {
     /// The name recorded in the manifest ("copy", "zfs").
     fn backend(&self) -> &'static str;
     /// Where statepoint `sp` (directory `sp_dir`) will keep its files: the manifest's fields,

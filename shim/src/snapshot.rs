@@ -162,54 +162,75 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         }
     };
 
-    let result = (|| -> Result<(), String> {
-        let td = Instant::now();
-        let incremental = criu::DumpPlan {
-            pid,
-            images_dir: &images,
-            spec: &ctx.ctr.spec,
-            freeze_cgroup: Some(freezer.dir()),
-            netns_inode,
-            prev_images_dir: plan.prev_images_dir.as_deref(),
-            tcp_established: req.tcp_established,
-            file_locks: req.file_locks,
-        };
-        let dump = |p: &criu::DumpPlan| {
-            if ctx.ctr.spec.terminal {
-                // The terminal's slave needs orphan_pts_master, which only CRIU's RPC has.
-                crate::criu_rpc::dump(&ctx.criu, p)
-            } else {
-                criu::run(&ctx.criu, &criu::dump_args(p), &images.join("dump.log"), false, &[])
+    let masked_dirs = criu::masked_dirs(pid, &ctx.ctr.spec);
+    let network_lock = criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock);
+    let result = std::thread::scope(|scope| -> Result<(), String> {
+        // The files beside the memory: the container is frozen, and CRIU only reads its files.
+        let (local, rootfs, dir) = (m.local_state.clone(), &rootfs, &dir);
+        let files = scope.spawn(move || {
+            let t = Instant::now();
+            rootfs.snapshot(dir, &local).map(|()| ms(t))
+        });
+        let memory = (|| -> Result<(), String> {
+            let td = Instant::now();
+            let incremental = criu::DumpPlan {
+                pid,
+                images_dir: &images,
+                spec: &ctx.ctr.spec,
+                freeze_cgroup: Some(freezer.dir()),
+                netns_inode,
+                prev_images_dir: plan.prev_images_dir.as_deref(),
+                tcp_established: req.tcp_established,
+                file_locks: req.file_locks,
+                masked_dirs: &masked_dirs,
+                network_lock,
+            };
+            let dump = |p: &criu::DumpPlan| {
+                if ctx.ctr.spec.terminal {
+                    // The terminal's slave needs orphan_pts_master, which only CRIU's RPC has.
+                    crate::criu_rpc::dump(&ctx.criu, p)
+                } else {
+                    criu::run(&ctx.criu, &criu::dump_args(p), &images.join("dump.log"), false, &[])
+                }
+            };
+            if let Err(e) = dump(&incremental) {
+                // Only a dump CRIU itself refused over its parent images is retried: after a killed
+                // or crashed CRIU the tasks are left alone (the error goes back, nothing committed).
+                if plan.prev_images_dir.is_none() || !criu::refused_parent(&images.join("dump.log")) {
+                    return Err(e);
+                }
+                // An incremental dump CRIU refused is retried in full, still frozen: slower, never
+                // wrong. Its log stays beside the images, and the manifest says why.
+                let _ = std::fs::rename(images.join("dump.log"), dir.join("dump-incremental-failed.log"));
+                let _ = std::fs::remove_dir_all(&images);
+                std::fs::create_dir_all(&images).map_err(|e| format!("cannot create {}: {e}", images.display()))?;
+                dump(&criu::DumpPlan { prev_images_dir: None, ..incremental })?;
+                m.chain = store::Chain { prev_images_dir: None, depth: 0, full_reason: Some(format!("the incremental dump failed ({e}); dumped in full")) };
             }
-        };
-        if let Err(e) = dump(&incremental) {
-            // Only a dump CRIU itself refused over its parent images is retried: after a killed
-            // or crashed CRIU the tasks are left alone (the error goes back, nothing committed).
-            if plan.prev_images_dir.is_none() || !criu::refused_parent(&images.join("dump.log")) {
+            if !images.join("inventory.img").exists() {
+                return Err(format!("criu reported success but wrote no images into {}", images.display()));
+            }
+            m.measurements.criu_dump_ms = ms(td);
+            if let Some(st) = crate::chain::dump_stats(&images) {
+                m.measurements.pages_written = st.pages_written;
+                m.measurements.pages_skipped_parent = st.pages_skipped_parent;
+            }
+            if !was_frozen && !freezer.is_frozen() {
+                return Err("the container thawed during the dump: the statepoint would not be consistent".into());
+            }
+            Ok(())
+        })();
+        let files = files.join().unwrap_or_else(|_| Err("the files snapshot failed".into()));
+        match (memory, files) {
+            (Ok(()), Ok(rootfs_ms)) => m.measurements.rootfs_ms = rootfs_ms,
+            (Err(e), files) => {
+                if files.is_ok() {
+                    rootfs.discard(&dir, &m.local_state);
+                }
                 return Err(e);
             }
-            // An incremental dump CRIU refused is retried in full, still frozen: slower, never
-            // wrong. Its log stays beside the images, and the manifest says why.
-            let _ = std::fs::rename(images.join("dump.log"), dir.join("dump-incremental-failed.log"));
-            let _ = std::fs::remove_dir_all(&images);
-            std::fs::create_dir_all(&images).map_err(|e| format!("cannot create {}: {e}", images.display()))?;
-            dump(&criu::DumpPlan { prev_images_dir: None, ..incremental })?;
-            m.chain = store::Chain { prev_images_dir: None, depth: 0, full_reason: Some(format!("the incremental dump failed ({e}); dumped in full")) };
+            (Ok(()), Err(e)) => return Err(e),
         }
-        if !images.join("inventory.img").exists() {
-            return Err(format!("criu reported success but wrote no images into {}", images.display()));
-        }
-        m.measurements.criu_dump_ms = ms(td);
-        if let Some(st) = crate::chain::dump_stats(&images) {
-            m.measurements.pages_written = st.pages_written;
-            m.measurements.pages_skipped_parent = st.pages_skipped_parent;
-        }
-        if !was_frozen && !freezer.is_frozen() {
-            return Err("the container thawed during the dump: the statepoint would not be consistent".into());
-        }
-        let tr = Instant::now();
-        rootfs.snapshot(&dir, &m.local_state)?;
-        m.measurements.rootfs_ms = ms(tr);
         let rest = (|| {
             // Remote positions, with the sandbox still frozen: consistent with files and processes.
             m.remote_state = crate::remote::capture(&crate::mcp::remote_hooks(&ctx.cfg)?, &ctx.ctr.id)?;
@@ -224,7 +245,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
             rootfs.discard(&dir, &m.local_state);
         }
         rest
-    })();
+    });
     if let Err(e) = result {
         thaw();
         return Err(fail(e));

@@ -45,21 +45,44 @@ fn opt<'a>(opts: &'a [(String, String)], k: &str) -> Option<&'a str> {
     opts.iter().rev().find(|(f, _)| f == k).map(|(_, v)| v.as_str())
 }
 
-fn container_store(name: &str) -> Result<(crate::podman::PodmanContainer, ContainerStore), String> {
-    let pc = planarian_container(name)?;
+/// The statepoint store of container `name`. A container with statepoints is one planarian
+/// runs, so one found by containers/storage with a store of its own needs no question to Podman.
+fn container_store(name: &str) -> Result<ContainerStore, String> {
     let cfg = Config::load().map_err(|e| e.to_string())?;
-    let store = ContainerStore::new(&cfg.store.path, &pc.id);
-    Ok((pc, store))
+    if let Some(id) = crate::lookup::storage_id(name) {
+        let store = ContainerStore::new(&cfg.store.path, &id);
+        if store.dir.is_dir() {
+            return Ok(store);
+        }
+    }
+    let pc = planarian_container(name)?;
+    Ok(ContainerStore::new(&cfg.store.path, &pc.id))
+}
+
+/// The snapshot context of running container `name`: found without Podman when containers/storage,
+/// crun and the container's conmon tell (see [`crate::lookup`]), else through `podman inspect`,
+/// whose answer also makes the clearer error (not running, not planarian's, no such container).
+fn running_container(inv: &crate::cli::Invocation, name: &str) -> Result<crate::snapshot::Ctx, String> {
+    if let Some(id) = crate::lookup::storage_id(name) {
+        if let Ok(ctx) = crate::snapshot::Ctx::load(inv, &id) {
+            if let Ok(pid) = ctx.ctr.running_pid() {
+                if crate::lookup::runtime_is_planarian(pid) == Some(true) {
+                    return Ok(ctx);
+                }
+            }
+        }
+    }
+    let pc = planarian_container(name)?;
+    if !matches!(pc.status.as_str(), "running" | "paused") {
+        return Err(format!("container {name} is not running (it is {})", pc.status));
+    }
+    crate::snapshot::Ctx::load(inv, &pc.id)
 }
 
 pub fn snapshot_main(inv: &crate::cli::Invocation, args: &[OsString]) -> Result<i32, String> {
     let (pos, opts) = split(&strs(args), &["--name", "--description"], &["--tcp-established", "--file-locks"])?;
     let [ctr] = &pos[..] else { return Err("usage: planarian snapshot CONTAINER [--name N] [--description D]".into()) };
-    let pc = planarian_container(ctr)?;
-    if !matches!(pc.status.as_str(), "running" | "paused") {
-        return Err(format!("container {ctr} is not running (it is {})", pc.status));
-    }
-    let ctx = crate::snapshot::Ctx::load(inv, &pc.id)?;
+    let ctx = running_container(inv, ctr)?;
     let _lock = ctx.store.lock(true)?;
     ctx.recover();
     let m = crate::snapshot::take(
@@ -86,7 +109,7 @@ pub fn main(args: &[OsString]) -> Result<i32, String> {
         "list" | "ls" => {
             let (pos, opts) = split(rest, &[], &["--json"])?;
             let [ctr] = &pos[..] else { return Err("usage: planarian statepoint list CONTAINER [--json]".into()) };
-            let (_, store) = container_store(ctr)?;
+            let store = container_store(ctr)?;
             let list = store.committed();
             if opt(&opts, "--json").is_some() {
                 println!("{}", serde_json::to_string_pretty(&list).map_err(|e| e.to_string())?);
@@ -97,7 +120,7 @@ pub fn main(args: &[OsString]) -> Result<i32, String> {
         }
         "show" | "inspect" => {
             let [ctr, sp] = rest else { return Err("usage: planarian statepoint show CONTAINER STATEPOINT".into()) };
-            let (_, store) = container_store(ctr)?;
+            let store = container_store(ctr)?;
             println!("{}", serde_json::to_string_pretty(&store.find(sp)?).map_err(|e| e.to_string())?);
             Ok(0)
         }
@@ -106,7 +129,7 @@ pub fn main(args: &[OsString]) -> Result<i32, String> {
             let [ctr, sp] = &pos[..] else {
                 return Err("usage: planarian statepoint set CONTAINER STATEPOINT [--name N] [--description D] [--outcome TEXT]".into());
             };
-            let (_, store) = container_store(ctr)?;
+            let store = container_store(ctr)?;
             let _lock = store.lock(true)?;
             let mut m = store.find(sp)?;
             if let Some(n) = opt(&opts, "--name") {
@@ -131,7 +154,7 @@ pub fn main(args: &[OsString]) -> Result<i32, String> {
             if sps.is_empty() {
                 return Err("usage: planarian statepoint rm CONTAINER STATEPOINT…".into());
             }
-            let (_, store) = container_store(ctr)?;
+            let store = container_store(ctr)?;
             let _lock = store.lock(true)?;
             // Check them all first: a bad name changes nothing.
             let found: Vec<Manifest> = sps.iter().map(|s| store.find(s)).collect::<Result<_, _>>()?;

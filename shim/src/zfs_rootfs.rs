@@ -495,7 +495,13 @@ impl crate::rootfs::Rootfs for ZfsRootfs {
 
     fn snapshot(&self, _sp_dir: &Path, local: &crate::store::LocalState) -> Result<(), String> {
         let snap = local.zfs_snapshot.as_deref().ok_or("no snapshot planned")?;
-        let mp = mountpoint(&self.zfs, &self.map.dataset)?;
+        // Where it is mounted, from this host's mount table when that is unambiguous (`zfs get`
+        // twice otherwise: a fixed cost of every snapshot).
+        let mounted = std::fs::read_to_string("/proc/self/mountinfo").map(|t| zfs::mounts_of(&t, &self.map.dataset)).unwrap_or_default();
+        let mp = match &mounted[..] {
+            [one] => one.clone(),
+            _ => mountpoint(&self.zfs, &self.map.dataset)?,
+        };
         syncfs(&mp)?;
         self.zfs.snapshot(snap).map_err(|e| match e.kind() {
             Kind::NoSpace => format!("the ZFS pool {} is full: cannot snapshot the container's files ({e})", zfs::pool_of(snap)),

@@ -223,8 +223,23 @@ pub fn dataset_mounted_at(mountinfo: &str, path: &Path) -> Option<String> {
     })
 }
 
+/// Where `dataset` is mounted (OpenZFS or zfs-fuse), from a mountinfo text: every mount point
+/// of it, in mount order (a bind of the dataset's root shows up as a second one).
+pub fn mounts_of(mountinfo: &str, dataset: &str) -> Vec<PathBuf> {
+    mountinfo
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            let sep = f.iter().position(|x| *x == "-")?;
+            let fstype = *f.get(sep + 1)?;
+            let (source, point) = (unescape(f.get(sep + 2)?), unescape(f.get(4)?));
+            (source == dataset && (fstype == "zfs" || fstype == "fuse.zfs")).then(|| PathBuf::from(point))
+        })
+        .collect()
+}
+
 /// mountinfo escapes space, tab, newline and backslash as octal.
-fn unescape(s: &str) -> String {
+pub fn unescape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     let b = s.as_bytes();
     let mut i = 0;
@@ -258,6 +273,9 @@ mod tests {
         assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/tank/sb/")).as_deref(), Some("tank/sb"));
         assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/srv/my box")).as_deref(), Some("pool/my box"));
         assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/tank/sb/sub")), None);
+        assert_eq!(mounts_of(MOUNTINFO, "tank/sb"), vec![PathBuf::from("/tank/sb")]);
+        assert_eq!(mounts_of(MOUNTINFO, "pool/my box"), vec![PathBuf::from("/srv/my box")]);
+        assert!(mounts_of(MOUNTINFO, "tank/none").is_empty() && mounts_of(MOUNTINFO, "overlay").is_empty());
         assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/var/lib/containers/storage/overlay/abc/merged")), None);
     }
 
