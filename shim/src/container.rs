@@ -109,6 +109,9 @@ impl Spec {
 impl Container {
     /// Loads a container crun knows, by full ID.
     pub fn load(crun: &Path, root: Option<&Path>, id: &str) -> Result<Container, String> {
+        if let Some(c) = Self::load_running(root.unwrap_or(Path::new(CRUN_ROOT)), id) {
+            return Ok(c);
+        }
         let mut cmd = Command::new(crun);
         if let Some(r) = root {
             cmd.arg("--root").arg(r);
@@ -126,6 +129,27 @@ impl Container {
             pid: st["pid"].as_i64().filter(|p| *p > 0).map(|p| p as i32),
             spec,
         })
+    }
+
+    /// A started container whose init still runs, read from crun's own record the way `crun
+    /// state` decides it (the recorded init PID with the recorded start time; no exec fifo, which
+    /// only a created container has) without running crun. `None` for anything else: the caller
+    /// asks crun.
+    fn load_running(root: &Path, id: &str) -> Option<Container> {
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b)) || id.starts_with('.') {
+            return None;
+        }
+        let dir = root.join(id);
+        if dir.join("exec.fifo").exists() {
+            return None;
+        }
+        let st: Value = serde_json::from_slice(&std::fs::read(dir.join("status")).ok()?).ok()?;
+        let pid = i32::try_from(st["pid"].as_i64()?).ok().filter(|p| *p > 0)?;
+        if start_time(pid)? != st["process-start-time"].as_u64()? {
+            return None;
+        }
+        let spec = Spec::load(Path::new(st["bundle"].as_str()?)).ok()?;
+        Some(Container { id: id.to_string(), status: "running".into(), pid: Some(pid), spec })
     }
 
     /// The running container's init PID, or a clear error.
@@ -161,6 +185,9 @@ pub fn upperdir_mounted(upper: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// crun's state directory when Podman passes no `--root`.
+pub const CRUN_ROOT: &str = "/run/crun";
+
 /// Field 22 of /proc/PID/stat: the start time in clock ticks since boot.
 pub fn start_time(pid: i32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -171,6 +198,33 @@ pub fn start_time(pid: i32) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_running_container_from_cruns_record() {
+        let root = std::env::temp_dir().join(format!("planarian-crunroot-{}", std::process::id()));
+        let (id, bundle) = ("c0ffee", root.join("bundle"));
+        std::fs::create_dir_all(root.join(id)).unwrap();
+        std::fs::create_dir_all(&bundle).unwrap();
+        std::fs::write(bundle.join("config.json"), r#"{"root":{"path":"rootfs"},"process":{"terminal":true}}"#).unwrap();
+        let me = std::process::id() as i32;
+        let status = |start: u64| {
+            let v = serde_json::json!({"pid": me, "process-start-time": start, "bundle": bundle});
+            std::fs::write(root.join(id).join("status"), v.to_string()).unwrap();
+        };
+        status(start_time(me).unwrap());
+        let c = Container::load_running(&root, id).expect("read from the record");
+        assert_eq!((c.status.as_str(), c.pid), ("running", Some(me)));
+        assert!(c.spec.terminal && c.spec.root == bundle.join("rootfs"));
+        // A PID reused by another process, a created container, a path for an ID: ask crun.
+        status(start_time(me).unwrap() + 1);
+        assert!(Container::load_running(&root, id).is_none());
+        status(start_time(me).unwrap());
+        std::fs::write(root.join(id).join("exec.fifo"), "").unwrap();
+        assert!(Container::load_running(&root, id).is_none());
+        assert!(Container::load_running(&root, "../c0ffee").is_none());
+        assert!(Container::load_running(&root, "missing").is_none());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     fn podman_like_spec() -> Value {
         serde_json::json!({
