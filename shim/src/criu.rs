@@ -20,6 +20,8 @@ pub struct DumpPlan<'a> {
     pub masked_dirs: &'a [String],
     /// CRIU's `--network-lock` method, when not its default ([`network_lock`]).
     pub network_lock: Option<&'static str>,
+    /// `/dev` is kept by planarian ([`crate::devfs`]): an external mount for CRIU.
+    pub dev_external: bool,
 }
 
 pub struct RestorePlan<'a> {
@@ -39,6 +41,8 @@ pub struct RestorePlan<'a> {
     /// The empty directory bound where a dump recorded a masked directory ([`empty_dir`]).
     pub empty_dir: Option<&'a Path>,
     pub network_lock: Option<&'static str>,
+    /// The tmpfs planarian filled for `/dev`, when the dump recorded it as external.
+    pub dev_tmpfs: Option<&'a Path>,
 }
 
 fn push(v: &mut Vec<OsString>, items: &[&str]) {
@@ -170,6 +174,9 @@ pub fn dump_args(p: &DumpPlan) -> Vec<OsString> {
     for d in p.masked_dirs {
         push(&mut a, &["--ext-mount-map", &format!("{d}:{MASKED_DIR_KEY}")]);
     }
+    if p.dev_external {
+        push(&mut a, &["--ext-mount-map", &format!("/dev:{}", crate::devfs::KEY)]);
+    }
     if let Some(m) = p.network_lock {
         push(&mut a, &["--network-lock", m]);
     }
@@ -206,6 +213,9 @@ pub fn restore_args(p: &RestorePlan) -> Vec<OsString> {
     }
     if let Some(d) = p.empty_dir {
         push(&mut a, &["--ext-mount-map", &format!("{MASKED_DIR_KEY}:{}", d.display())]);
+    }
+    if let Some(d) = p.dev_tmpfs {
+        push(&mut a, &["--ext-mount-map", &format!("{}:{}", crate::devfs::KEY, d.display())]);
     }
     if let Some(m) = p.network_lock {
         push(&mut a, &["--network-lock", m]);
@@ -306,6 +316,7 @@ mod tests {
             file_locks: false,
             masked_dirs: &["/proc/acpi".to_string()],
             network_lock: Some("nftables"),
+            dev_external: true,
         }));
         assert!(a.starts_with("dump --tree 42 --images-dir /st/sp1/criu"), "{a}");
         for want in [
@@ -318,6 +329,7 @@ mod tests {
             "--tcp-established",
             "--ext-mount-map /proc/acpi:planarian-masked-dir",
             "--network-lock nftables",
+            "--ext-mount-map /dev:planarian-dev",
         ] {
             assert!(a.contains(want), "{want} missing from {a}");
         }
@@ -358,6 +370,7 @@ mod tests {
             file_locks: true,
             empty_dir: Some(Path::new("/run/planarian/empty")),
             network_lock: None,
+            dev_tmpfs: Some(Path::new("/u/planarian-restore/dev")),
         }));
         for want in [
             "--restore-detached",
@@ -370,6 +383,7 @@ mod tests {
             "--inherit-fd fd[1]:pipe:[123]",
             "--file-locks",
             "--ext-mount-map planarian-masked-dir:/run/planarian/empty",
+            "--ext-mount-map planarian-dev:/u/planarian-restore/dev",
         ] {
             assert!(a.contains(want), "{want} missing from {a}");
         }

@@ -121,6 +121,9 @@ fn dump_opts(p: &DumpPlan, images_fd: RawFd) -> Msg {
     for d in p.masked_dirs {
         o.msg(EXT_MNT, &pair(d, crate::criu::MASKED_DIR_KEY));
     }
+    if p.dev_external {
+        o.msg(EXT_MNT, &pair("/dev", crate::devfs::KEY));
+    }
     if let Some(m) = p.network_lock {
         o.varint(NETWORK_LOCK, network_lock_method(m));
     }
@@ -149,6 +152,9 @@ fn restore_opts(p: &RestorePlan, images_fd: RawFd, work_fd: RawFd) -> Msg {
     }
     if let Some(d) = p.empty_dir {
         o.msg(EXT_MNT, &pair(crate::criu::MASKED_DIR_KEY, &d.to_string_lossy()));
+    }
+    if let Some(d) = p.dev_tmpfs {
+        o.msg(EXT_MNT, &pair(crate::devfs::KEY, &d.to_string_lossy()));
     }
     if let Some(m) = p.network_lock {
         o.varint(NETWORK_LOCK, network_lock_method(m));

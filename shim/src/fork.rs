@@ -157,6 +157,7 @@ fn link_statepoint(src: &podman::PodmanContainer, src_store: &ContainerStore, ta
     let images = dir.join(&target.local_state.criu_checkpoint_path);
     let prev = crate::chain::link_chain(&from.join(&target.local_state.criu_checkpoint_path), store, &images)?;
     std::fs::copy(from.join("descriptors.json"), dir.join("descriptors.json")).map_err(|e| format!("cannot copy descriptors.json: {e}"))?;
+    crate::devfs::link(&from, &dir)?;
     if let Some(copy) = &target.local_state.rootfs_copy_path {
         let out = std::process::Command::new(crate::tools::locate("cp", None, "PATH").map_err(|e| e.to_string())?)
             .args(["-a", "--link", "--no-target-directory"])

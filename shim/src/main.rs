@@ -12,6 +12,7 @@ mod config_cmd;
 mod container;
 mod criu;
 mod criu_rpc;
+mod devfs;
 mod fork;
 mod freezer;
 mod podman;

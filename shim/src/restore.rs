@@ -125,6 +125,8 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         crate::criu_hooks_from(&cfg).map(Some)
     };
     let empty_dir = criu::empty_dir()?;
+    // A /dev planarian kept: a fresh tmpfs for CRIU to bind, detached once the restore is done.
+    let dev = if crate::devfs::saved(&sp_dir) { Some(crate::devfs::Restored::mount(&sp_dir, &restore_work.join("dev"))?) } else { None };
     let plan = criu::RestorePlan {
         images_dir: &images,
         work_dir: &restore_work,
@@ -139,6 +141,7 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         file_locks: a.criu.file_locks || m.options.file_locks,
         empty_dir: Some(&empty_dir),
         network_lock: criu::network_lock(&criu_bin, cfg.checkpoint.network_lock),
+        dev_tmpfs: dev.as_ref().map(|d| d.path.as_path()),
     };
     if hooks.is_ok() {
         // The restored tasks inherit this (CRIU keeps it): without it, writing a restored page into
@@ -157,6 +160,7 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
             .ok_or_else(|| format!("criu restore wrote no pid to {}", criu_pid_file.display()))?
     };
     drop(netns);
+    drop(dev);
     crate::install::write_atomic(&pid_file, pid.to_string().as_bytes(), 0o644)?;
     register_with_crun(inv, &a.container_id, pid, &bundle, &spec)?;
     store.set_head(Some(&sp_id))?;

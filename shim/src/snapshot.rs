@@ -163,12 +163,16 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
     };
 
     let masked_dirs = criu::masked_dirs(pid, &ctx.ctr.spec);
+    let dev = crate::devfs::dev_mount(pid);
     let network_lock = criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock);
     let result = std::thread::scope(|scope| -> Result<(), String> {
         // The files beside the memory: the container is frozen, and CRIU only reads its files.
-        let (local, rootfs, dir) = (m.local_state.clone(), &rootfs, &dir);
+        let (local, rootfs, dir, dev) = (m.local_state.clone(), &rootfs, &dir, &dev);
         let files = scope.spawn(move || {
             let t = Instant::now();
+            if let Some(dev) = dev {
+                crate::devfs::save(pid, dev, dir)?;
+            }
             rootfs.snapshot(dir, &local).map(|()| ms(t))
         });
         let memory = (|| -> Result<(), String> {
@@ -184,6 +188,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
                 file_locks: req.file_locks,
                 masked_dirs: &masked_dirs,
                 network_lock,
+                dev_external: dev.is_some(),
             };
             let dump = |p: &criu::DumpPlan| {
                 if ctx.ctr.spec.terminal {
