@@ -56,6 +56,46 @@ fn rollback_makes_files_exactly_what_they_were() {
 }
 
 #[test]
+fn rollback_restores_dev_and_masked_directories_exactly() {
+    require_stack!();
+    let mut sb = Sandbox::start("dev", 8, &[]);
+    // What an agent can leave in /dev: a file (and a hard link to it), a directory, a FIFO.
+    sb.sh("echo kept > /dev/agent-note && chmod 640 /dev/agent-note && mkdir /dev/sub && ln /dev/agent-note /dev/sub/hl && mkfifo /dev/ff").ok();
+    // Every entry of the /dev tmpfs (not the mounts on it): name, type, mode, owner, links,
+    // size, mtime, device numbers, link target.
+    let listing = "cd /dev && find . -xdev ! -path ./pts ! -path ./shm ! -path ./mqueue -exec stat -c '%n|%F|%a|%u:%g|%h|%s|%Y|%t:%T|%N' {} + | sort; cat /dev/sub/hl";
+    let at_sp = sb.sh(listing).stdout;
+    assert!(at_sp.contains("./sub/hl|regular file|640|0:0|2|5|") && at_sp.contains("./null|character special file|666"), "{at_sp}");
+    let sp = sb.snapshot("dev-v1");
+    // CRIU archived no tmpfs: planarian keeps /dev, and the masked directories are external.
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).out();
+    let spdir = Path::new("/var/lib/planarian/containers").join(&id).join("statepoints").join(&sp);
+    let tars: Vec<String> = std::fs::read_dir(spdir.join("criu")).unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with("tmpfs-")).collect();
+    assert!(tars.is_empty(), "CRIU archived tmpfs mounts: {tars:?}");
+    assert!(spdir.join("dev.json").is_file(), "no /dev archive in {}", spdir.display());
+
+    sb.sh("rm -rf /dev/agent-note /dev/sub /dev/ff && echo later > /dev/later").ok();
+    assert_ne!(sb.sh(listing).stdout, at_sp);
+    sb.rollback(&sp);
+    assert_eq!(sb.sh(listing).stdout, at_sp, "/dev is exactly the statepoint's");
+    assert_eq!(sb.sh("test -e /dev/later; echo $?").out(), "1");
+    // The devices work, and the mounts on /dev are back.
+    assert_eq!(sb.sh("head -c 4096 /dev/urandom | wc -c; echo x > /dev/null && echo null-ok").out(), "4096\nnull-ok");
+    let mounts = sb.sh("awk '{for (i = 7; i <= NF && $i != \"-\"; i++); print $5, $6, $(i + 1)}' /proc/self/mountinfo").stdout;
+    for want in ["/dev rw,nosuid,noexec tmpfs", "/dev/pts ", "/dev/mqueue ", "/dev/shm "] {
+        assert!(mounts.lines().any(|l| l.starts_with(want)), "{want:?} missing from\n{mounts}");
+    }
+    // Masked directories stay empty and read-only.
+    for d in ["/proc/acpi", "/sys/firmware"] {
+        assert!(mounts.lines().any(|l| l.starts_with(&format!("{d} ro,"))), "{d} not read-only:\n{mounts}");
+        assert_eq!(sb.sh(&format!("ls -A {d} | wc -l; touch {d}/x 2>/dev/null; echo $?")).out(), "0\n1", "{d}");
+    }
+    // And the next snapshot of the restored sandbox keeps /dev the same way.
+    let sp2 = sb.snapshot("dev-v2");
+    assert!(Path::new("/var/lib/planarian/containers").join(&id).join("statepoints").join(&sp2).join("dev.json").is_file());
+}
+
+#[test]
 fn chains_roll_back_in_any_order() {
     require_stack!();
     let mut sb = Sandbox::start("chain", 16, &[]);
