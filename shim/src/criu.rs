@@ -3,6 +3,7 @@
 
 use crate::container::Spec;
 use std::ffi::OsString;
+use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -22,6 +23,9 @@ pub struct DumpPlan<'a> {
     pub network_lock: Option<&'static str>,
     /// `/dev` is kept by planarian ([`crate::devfs`]): an external mount for CRIU.
     pub dev_external: bool,
+    /// CRIU runs inside the container's network namespace ([`in_netns`]); `netns_inode` is then
+    /// not needed.
+    pub join_netns: Option<RawFd>,
 }
 
 pub struct RestorePlan<'a> {
@@ -43,6 +47,9 @@ pub struct RestorePlan<'a> {
     pub network_lock: Option<&'static str>,
     /// The tmpfs planarian filled for `/dev`, when the dump recorded it as external.
     pub dev_tmpfs: Option<&'a Path>,
+    /// CRIU runs inside this network namespace (the container's new one), where the tasks of a
+    /// dump taken inside the old one are restored ([`in_netns`]).
+    pub join_netns: Option<RawFd>,
 }
 
 fn push(v: &mut Vec<OsString>, items: &[&str]) {
@@ -180,7 +187,7 @@ pub fn dump_args(p: &DumpPlan) -> Vec<OsString> {
     if let Some(m) = p.network_lock {
         push(&mut a, &["--network-lock", m]);
     }
-    if let Some(ino) = p.netns_inode {
+    if let (Some(ino), None) = (p.netns_inode, p.join_netns) {
         push(&mut a, &["--external", &format!("net[{ino}]:extRootNetNS")]);
     }
     if p.tcp_established {
@@ -239,10 +246,39 @@ pub fn restore_args(p: &RestorePlan) -> Vec<OsString> {
     a
 }
 
+/// Starts criu inside network namespace `netns`.
+///
+/// A container's network namespace is Podman's (`/run/netns/…`), so CRIU is told it is external;
+/// it still locks that namespace (netfilter rules in, rules out) and dumps its links, a fixed
+/// cost of every dump and restore. Run inside it, CRIU sees the tasks share its own network
+/// namespace and dumps none: the sockets are dumped as they are, and a restore run inside the
+/// container's new namespace puts the tasks there. (Established TCP connections are still locked
+/// one by one, as CRIU does for any process outside a namespace of its own.)
+pub fn in_netns(cmd: &mut Command, netns: Option<RawFd>) {
+    use std::os::unix::process::CommandExt;
+    if let Some(fd) = netns {
+        // SAFETY: setns(2) only, async-signal-safe, between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = std::os::fd::BorrowedFd::borrow_raw(fd);
+                nix::sched::setns(fd, nix::sched::CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+            });
+        }
+    }
+}
+
+/// Whether a dump recorded a network namespace of its own (one taken outside the container's).
+pub fn has_netns_image(images: &Path) -> bool {
+    std::fs::read_dir(images).is_ok_and(|rd| {
+        rd.filter_map(Result::ok).any(|e| e.file_name().to_str().is_some_and(|n| n.starts_with("netns-") && n.ends_with(".img")))
+    })
+}
+
 /// Runs criu; on failure, the error names the log and quotes its last error line.
-pub fn run(criu: &Path, args: &[OsString], log: &Path, keep_stdio: bool, envs: &[(&str, &Path)]) -> Result<(), String> {
+pub fn run(criu: &Path, args: &[OsString], log: &Path, keep_stdio: bool, envs: &[(&str, &Path)], netns: Option<RawFd>) -> Result<(), String> {
     let mut cmd = Command::new(criu);
     cmd.args(args).stdin(Stdio::null());
+    in_netns(&mut cmd, netns);
     for (k, v) in envs {
         cmd.env(k, v);
     }
@@ -317,6 +353,7 @@ mod tests {
             masked_dirs: &["/proc/acpi".to_string()],
             network_lock: Some("nftables"),
             dev_external: true,
+            join_netns: None,
         }));
         assert!(a.starts_with("dump --tree 42 --images-dir /st/sp1/criu"), "{a}");
         for want in [
@@ -371,6 +408,7 @@ mod tests {
             empty_dir: Some(Path::new("/run/planarian/empty")),
             network_lock: None,
             dev_tmpfs: Some(Path::new("/u/planarian-restore/dev")),
+            join_netns: None,
         }));
         for want in [
             "--restore-detached",

@@ -127,7 +127,7 @@ fn dump_opts(p: &DumpPlan, images_fd: RawFd) -> Msg {
     if let Some(m) = p.network_lock {
         o.varint(NETWORK_LOCK, network_lock_method(m));
     }
-    if let Some(ino) = p.netns_inode {
+    if let (Some(ino), None) = (p.netns_inode, p.join_netns) {
         o.string(EXTERNAL, &format!("net[{ino}]:extRootNetNS"));
     }
     o.flag(TCP_ESTABLISHED, p.tcp_established).flag(FILE_LOCKS, p.file_locks);
@@ -246,13 +246,14 @@ fn open_dir(p: &Path) -> Result<OwnedFd, String> {
 
 /// Runs one request through `criu swrk`, answering its notifications with `on_notify`.
 /// Returns the restored root task's pid for a restore.
-fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, mut on_notify: impl FnMut(Notify) -> Result<(), String>) -> Result<Option<i32>, String> {
+fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, netns: Option<RawFd>, mut on_notify: impl FnMut(Notify) -> Result<(), String>) -> Result<Option<i32>, String> {
     let (ours, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
         .map_err(|e| format!("cannot create a socket for criu: {e}"))?;
     // The child's end must survive exec: a dup without CLOEXEC, closed here once criu runs.
     let child_fd = nix::unistd::dup(&theirs).map_err(|e| format!("dup: {e}"))?;
     let mut cmd = Command::new(criu);
     cmd.arg("swrk").arg(child_fd.as_raw_fd().to_string()).stdin(Stdio::null());
+    crate::criu::in_netns(&mut cmd, netns);
     let mut child = cmd.spawn().map_err(|e| format!("cannot run {}: {e}", criu.display()))?;
     drop(child_fd);
     drop(theirs);
@@ -308,7 +309,7 @@ fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, mut on_notify: impl FnMu
 pub fn dump(criu: &Path, p: &DumpPlan) -> Result<(), String> {
     let images = open_dir(p.images_dir)?;
     let opts = dump_opts(p, images.as_raw_fd());
-    call(criu, REQ_DUMP, &opts, &p.images_dir.join("dump.log"), |_| Ok(())).map(|_| ())
+    call(criu, REQ_DUMP, &opts, &p.images_dir.join("dump.log"), p.join_netns, |_| Ok(())).map(|_| ())
 }
 
 /// Restores; `on_notify` sees every notification (pre-resume, orphan-pts-master, …).
@@ -316,7 +317,7 @@ pub fn restore(criu: &Path, p: &RestorePlan, on_notify: impl FnMut(Notify) -> Re
     let images = open_dir(p.images_dir)?;
     let work = open_dir(p.work_dir)?;
     let opts = restore_opts(p, images.as_raw_fd(), work.as_raw_fd());
-    call(criu, REQ_RESTORE, &opts, &p.work_dir.join("restore.log"), on_notify)?.ok_or_else(|| "criu restore reported no pid".to_string())
+    call(criu, REQ_RESTORE, &opts, &p.work_dir.join("restore.log"), p.join_netns, on_notify)?.ok_or_else(|| "criu restore reported no pid".to_string())
 }
 
 /// Hands a terminal's master to conmon's console socket, as runc and crun do.

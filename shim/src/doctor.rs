@@ -190,6 +190,16 @@ fn check_criu(cfg: &Config) -> Vec<Check> {
         ),
         Err(e) => Check::fail("soft-dirty tracking", false, e, fix_install),
     });
+    checks.push(match run(&criu, &["check", "--feature", "network_lock_nftables"]) {
+        Ok((true, _, _)) => Check::pass("network lock", "nftables, inside CRIU (checkpoint.network_lock = \"auto\" uses it)").optional(),
+        Ok((false, out, err)) => Check::fail(
+            "network lock",
+            false,
+            format!("no nftables locking ({}): every dump and restore runs iptables-restore, a fixed cost of each statepoint", last_line(&format!("{out}{err}"))),
+            "a CRIU built with libnftables (Debian's is) and a kernel with nf_tables",
+        ),
+        Err(e) => Check::fail("network lock", false, e, fix_install),
+    });
     checks
 }
 

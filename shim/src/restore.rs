@@ -125,6 +125,7 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         crate::criu_hooks_from(&cfg).map(Some)
     };
     let empty_dir = criu::empty_dir()?;
+    let join_netns = !criu::has_netns_image(&images);
     // A /dev planarian kept: a fresh tmpfs for CRIU to bind, detached once the restore is done.
     let dev = if crate::devfs::saved(&sp_dir) { Some(crate::devfs::Restored::mount(&sp_dir, &restore_work.join("dev"))?) } else { None };
     let plan = criu::RestorePlan {
@@ -134,13 +135,20 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         spec: &spec,
         pid_file: &criu_pid_file,
         cgroup_root: spec.cgroup_relpath(),
-        netns_fd: netns.as_ref().map(|f| f.as_raw_fd()),
+        // A dump taken inside the container's network namespace is restored inside its new one;
+        // an older one that recorded the namespace as external gets it as that external.
+        netns_fd: netns.as_ref().filter(|_| !join_netns).map(|f| f.as_raw_fd()),
+        join_netns: netns.as_ref().filter(|_| join_netns).map(|f| f.as_raw_fd()),
         inherit_fds,
         action_scripts: hooks.iter().flatten().cloned().collect(),
         tcp_established: a.criu.tcp_established || m.options.tcp_established,
         file_locks: a.criu.file_locks || m.options.file_locks,
         empty_dir: Some(&empty_dir),
-        network_lock: criu::network_lock(&criu_bin, cfg.checkpoint.network_lock),
+        network_lock: if join_netns && !(a.criu.tcp_established || m.options.tcp_established) {
+            None
+        } else {
+            criu::network_lock(&criu_bin, cfg.checkpoint.network_lock)
+        },
         dev_tmpfs: dev.as_ref().map(|d| d.path.as_path()),
     };
     if hooks.is_ok() {
@@ -153,7 +161,7 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     let pid: i32 = if spec.terminal {
         restore_terminal(&criu_bin, &plan, a.console_socket.as_deref().unwrap(), hooks.is_ok(), &epoch_file)?
     } else {
-        criu::run(&criu_bin, &criu::restore_args(&plan), &restore_work.join("restore.log"), true, &[("PLANARIAN_EPOCH_FILE", &epoch_file)])?;
+        criu::run(&criu_bin, &criu::restore_args(&plan), &restore_work.join("restore.log"), true, &[("PLANARIAN_EPOCH_FILE", &epoch_file)], plan.join_netns)?;
         std::fs::read_to_string(&criu_pid_file)
             .ok()
             .and_then(|s| s.trim().parse().ok())

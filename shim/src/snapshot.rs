@@ -12,6 +12,7 @@ use crate::freezer::Freezer;
 use crate::store::{self, ContainerStore, Manifest, Status};
 use clap::Parser;
 use std::ffi::OsString;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -163,8 +164,15 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
     };
 
     let masked_dirs = criu::masked_dirs(pid, &ctx.ctr.spec);
+    // Podman's network namespace: CRIU dumps from inside it (see criu::in_netns).
+    let netns = match &ctx.ctr.spec.netns_path {
+        Some(_) => Some(open_netns(pid)?),
+        None => None,
+    };
     let dev = crate::devfs::dev_mount(pid);
-    let network_lock = criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock);
+    // Inside the container's namespace CRIU locks only established TCP connections, one by one:
+    // with none to dump, iptables (its default) runs nothing, while nftables builds its table.
+    let network_lock = if netns.is_some() && !req.tcp_established { None } else { criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock) };
     let result = std::thread::scope(|scope| -> Result<(), String> {
         // The files beside the memory: the container is frozen, and CRIU only reads its files.
         let (local, rootfs, dir, dev) = (m.local_state.clone(), &rootfs, &dir, &dev);
@@ -189,13 +197,14 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
                 masked_dirs: &masked_dirs,
                 network_lock,
                 dev_external: dev.is_some(),
+                join_netns: netns.as_ref().map(|f| f.as_raw_fd()),
             };
             let dump = |p: &criu::DumpPlan| {
                 if ctx.ctr.spec.terminal {
                     // The terminal's slave needs orphan_pts_master, which only CRIU's RPC has.
                     crate::criu_rpc::dump(&ctx.criu, p)
                 } else {
-                    criu::run(&ctx.criu, &criu::dump_args(p), &images.join("dump.log"), false, &[])
+                    criu::run(&ctx.criu, &criu::dump_args(p), &images.join("dump.log"), false, &[], p.join_netns)
                 }
             };
             if let Err(e) = dump(&incremental) {
@@ -275,6 +284,12 @@ pub fn crun_root_args(ctx: &Ctx) -> Vec<OsString> {
         Some(r) => vec!["--root".into(), r.clone().into()],
         None => vec![],
     }
+}
+
+/// The network namespace process `pid` is in.
+fn open_netns(pid: i32) -> Result<std::os::fd::OwnedFd, String> {
+    let p = format!("/proc/{pid}/ns/net");
+    std::fs::File::open(&p).map(std::os::fd::OwnedFd::from).map_err(|e| format!("cannot open {p}: {e}"))
 }
 
 fn ms(t: Instant) -> f64 {
