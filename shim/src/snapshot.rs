@@ -239,7 +239,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
             (Ok(()), Ok(rootfs_ms)) => m.measurements.rootfs_ms = rootfs_ms,
             (Err(e), files) => {
                 if files.is_ok() {
-                    rootfs.discard(&dir, &m.local_state);
+                    rootfs.discard(dir, &m.local_state);
                 }
                 return Err(e);
             }
@@ -256,7 +256,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
             ctx.store.write_manifest(&m)
         })();
         if rest.is_err() {
-            rootfs.discard(&dir, &m.local_state);
+            rootfs.discard(dir, &m.local_state);
         }
         rest
     });
