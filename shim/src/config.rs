@@ -344,6 +344,16 @@ mod tests {
     }
 
     #[test]
+    fn network_lock_by_file_or_annotation() {
+        assert_eq!(Config::default().checkpoint.network_lock, NetworkLock::Auto);
+        let c = layered(&["[checkpoint]\nnetwork_lock = \"iptables\"\n"]).unwrap();
+        assert_eq!(c.checkpoint.network_lock, NetworkLock::Iptables);
+        let a = c.with_annotations([("io.planarian.checkpoint.network_lock", "nftables")]).unwrap();
+        assert_eq!(a.checkpoint.network_lock, NetworkLock::Nftables);
+        assert!(layered(&["[checkpoint]\nnetwork_lock = \"skip\"\n"]).is_err());
+    }
+
+    #[test]
     fn annotations_cannot_choose_binaries() {
         let e = Config::default()
             .with_annotations([("io.planarian.runtime.crun_path", "/tmp/evil")])
