@@ -70,9 +70,7 @@ pub const MASKED_DIR_KEY: &str = "planarian-masked-dir";
 /// two execs per mount, a fixed cost of every dump); recorded as external mounts instead, they
 /// come back at restore as read-only binds of one empty directory ([`empty_dir`]), as crun does.
 /// Anything else (written to, remounted, mounted over) is left to CRIU.
-pub fn masked_dirs(pid: i32, spec: &Spec) -> Vec<String> {
-    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")) else { return vec![] };
-    let mounts: Vec<Mount> = text.lines().filter_map(Mount::parse).collect();
+pub fn masked_dirs(pid: i32, spec: &Spec, mounts: &[Mount]) -> Vec<String> {
     spec.masked_paths
         .iter()
         .filter(|p| {
@@ -88,19 +86,33 @@ pub fn masked_dirs(pid: i32, spec: &Spec) -> Vec<String> {
         .collect()
 }
 
-/// One line of /proc/PID/mountinfo: mount point, per-mount options, filesystem type.
-struct Mount {
-    point: String,
-    options: String,
-    fstype: String,
+/// One line of /proc/PID/mountinfo: mount point, per-mount options, filesystem type and the
+/// filesystem's own (superblock) options.
+pub struct Mount {
+    pub point: String,
+    pub options: String,
+    pub fstype: String,
+    pub super_options: String,
 }
 
 impl Mount {
     fn parse(line: &str) -> Option<Mount> {
         let (pre, post) = line.split_once(" - ")?;
         let f: Vec<&str> = pre.split(' ').collect();
-        Some(Mount { point: zfs::unescape(f.get(4)?), options: f.get(5)?.to_string(), fstype: post.split(' ').next()?.to_string() })
+        let s: Vec<&str> = post.split(' ').collect();
+        Some(Mount {
+            point: zfs::unescape(f.get(4)?),
+            options: f.get(5)?.to_string(),
+            fstype: s.first()?.to_string(),
+            super_options: s.get(2)?.to_string(),
+        })
     }
+}
+
+/// The mount table of process `pid`'s mount namespace, as that process sees it (empty when it
+/// cannot be read).
+pub fn mounts(pid: i32) -> Vec<Mount> {
+    std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).map(|t| t.lines().filter_map(Mount::parse).collect()).unwrap_or_default()
 }
 
 /// The empty, read-only directory bound over masked directories at restore (created when
@@ -433,6 +445,7 @@ mod tests {
     fn mountinfo_lines() {
         let m = Mount::parse("96 85 0:31 / /proc/acpi ro,relatime - tmpfs tmpfs ro,size=0k,inode64").unwrap();
         assert_eq!((m.point.as_str(), m.options.as_str(), m.fstype.as_str()), ("/proc/acpi", "ro,relatime", "tmpfs"));
+        assert_eq!(m.super_options, "ro,size=0k,inode64");
         // Optional fields before the separator, and an escaped space in the mount point.
         let m = Mount::parse("101 85 0:33 / /a\\040b rw shared:5 master:1 - fuse pool/ds rw").unwrap();
         assert_eq!((m.point.as_str(), m.fstype.as_str()), ("/a b", "fuse"));
@@ -444,7 +457,8 @@ mod tests {
         // This process's own mounts: none of its directories is a masked tmpfs, so nothing is
         // taken from CRIU; a masked path that is not a mount point is not either.
         let spec = Spec { masked_paths: vec!["/proc/acpi".into(), "/nonexistent".into(), "/".into()], ..Default::default() };
-        let got = masked_dirs(std::process::id() as i32, &spec);
+        let me = std::process::id() as i32;
+        let got = masked_dirs(me, &spec, &mounts(me));
         assert!(!got.contains(&"/".to_string()) && !got.contains(&"/nonexistent".to_string()), "{got:?}");
     }
 }

@@ -78,27 +78,14 @@ pub struct DevMount {
     pub children: Vec<String>,
 }
 
-/// Reads the container's mount table (its init's mountinfo).
-pub fn dev_mount(pid: i32) -> Option<DevMount> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).ok()?;
-    let mut at_dev = Vec::new();
-    let mut children = Vec::new();
-    for line in text.lines() {
-        let (pre, post) = line.split_once(" - ")?;
-        let f: Vec<&str> = pre.split(' ').collect();
-        let point = zfs::unescape(f.get(4)?);
-        let s: Vec<&str> = post.split(' ').collect();
-        if point == "/dev" {
-            at_dev.push((s.first()?.to_string(), s.get(2)?.to_string()));
-        } else if let Some(rest) = point.strip_prefix("/dev/") {
-            children.push(rest.to_string());
-        }
-    }
-    let [(fstype, options)] = &at_dev[..] else { return None };
-    if fstype != "tmpfs" {
+/// From the container's mount table ([`crate::criu::mounts`]).
+pub fn dev_mount(mounts: &[crate::criu::Mount]) -> Option<DevMount> {
+    let [dev] = &mounts.iter().filter(|m| m.point == "/dev").collect::<Vec<_>>()[..] else { return None };
+    if dev.fstype != "tmpfs" {
         return None;
     }
-    let options = options.split(',').filter(|o| *o != "rw" && *o != "ro").collect::<Vec<_>>().join(",");
+    let options = dev.super_options.split(',').filter(|o| *o != "rw" && *o != "ro").collect::<Vec<_>>().join(",");
+    let children = mounts.iter().filter_map(|m| m.point.strip_prefix("/dev/").map(String::from)).collect();
     Some(DevMount { options, children })
 }
 

@@ -163,13 +163,14 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         }
     };
 
-    let masked_dirs = criu::masked_dirs(pid, &ctx.ctr.spec);
+    let mounts = criu::mounts(pid);
+    let masked_dirs = criu::masked_dirs(pid, &ctx.ctr.spec, &mounts);
     // Podman's network namespace: CRIU dumps from inside it (see criu::in_netns).
     let netns = match &ctx.ctr.spec.netns_path {
         Some(_) => Some(open_netns(pid)?),
         None => None,
     };
-    let dev = crate::devfs::dev_mount(pid);
+    let dev = crate::devfs::dev_mount(&mounts);
     // Inside the container's namespace CRIU locks only established TCP connections, one by one:
     // with none to dump, iptables (its default) runs nothing, while nftables builds its table.
     let network_lock = if netns.is_some() && !req.tcp_established { None } else { criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock) };
