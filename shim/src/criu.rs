@@ -136,8 +136,15 @@ pub fn empty_dir() -> Result<PathBuf, String> {
 /// `criu check --feature network_lock_nftables` says this CRIU and kernel have it. The answer is
 /// remembered per CRIU binary until the next boot (in /run/planarian), so only the first dump
 /// after a boot pays for the check. `None`: CRIU's default (iptables).
-pub fn network_lock(criu: &Path, setting: crate::config::NetworkLock) -> Option<&'static str> {
+///
+/// Run inside the container's network namespace ([`in_netns`]) CRIU locks only established TCP
+/// connections, one by one: without `--tcp-established` there are none, iptables runs nothing,
+/// and nftables would still build its table, so no method is passed.
+pub fn network_lock(criu: &Path, setting: crate::config::NetworkLock, inside_netns: bool, tcp_established: bool) -> Option<&'static str> {
     use crate::config::NetworkLock;
+    if inside_netns && !tcp_established {
+        return None;
+    }
     match setting {
         NetworkLock::Nftables => return Some("nftables"),
         NetworkLock::Iptables => return None,

@@ -144,11 +144,7 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         tcp_established: a.criu.tcp_established || m.options.tcp_established,
         file_locks: a.criu.file_locks || m.options.file_locks,
         empty_dir: Some(&empty_dir),
-        network_lock: if join_netns && !(a.criu.tcp_established || m.options.tcp_established) {
-            None
-        } else {
-            criu::network_lock(&criu_bin, cfg.checkpoint.network_lock)
-        },
+        network_lock: criu::network_lock(&criu_bin, cfg.checkpoint.network_lock, join_netns, a.criu.tcp_established || m.options.tcp_established),
         dev_tmpfs: dev.as_ref().map(|d| d.path.as_path()),
     };
     if hooks.is_ok() {

@@ -171,9 +171,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         None => None,
     };
     let dev = crate::devfs::dev_mount(&mounts);
-    // Inside the container's namespace CRIU locks only established TCP connections, one by one:
-    // with none to dump, iptables (its default) runs nothing, while nftables builds its table.
-    let network_lock = if netns.is_some() && !req.tcp_established { None } else { criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock) };
+    let network_lock = criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, netns.is_some(), req.tcp_established);
     let result = std::thread::scope(|scope| -> Result<(), String> {
         // The files beside the memory: the container is frozen, and CRIU only reads its files.
         let (local, rootfs, dir, dev) = (m.local_state.clone(), &rootfs, &dir, &dev);
