@@ -12,7 +12,6 @@ pub struct DumpPlan<'a> {
     pub images_dir: &'a Path,
     pub spec: &'a Spec,
     pub freeze_cgroup: Option<&'a Path>,
-    pub netns_inode: Option<u64>,
     /// Relative to `images_dir`.
     pub prev_images_dir: Option<&'a str>,
     pub tcp_established: bool,
@@ -23,8 +22,8 @@ pub struct DumpPlan<'a> {
     pub network_lock: Option<&'static str>,
     /// `/dev` is kept by planarian ([`crate::devfs`]): an external mount for CRIU.
     pub dev_external: bool,
-    /// CRIU runs inside the container's network namespace ([`in_netns`]); `netns_inode` is then
-    /// not needed.
+    /// CRIU runs inside the container's network namespace ([`in_netns`]), which it then does
+    /// not dump.
     pub join_netns: Option<RawFd>,
 }
 
@@ -206,9 +205,6 @@ pub fn dump_args(p: &DumpPlan) -> Vec<OsString> {
     if let Some(m) = p.network_lock {
         push(&mut a, &["--network-lock", m]);
     }
-    if let (Some(ino), None) = (p.netns_inode, p.join_netns) {
-        push(&mut a, &["--external", &format!("net[{ino}]:extRootNetNS")]);
-    }
     if p.tcp_established {
         a.push("--tcp-established".into());
     }
@@ -365,14 +361,13 @@ mod tests {
             images_dir: Path::new("/st/sp1/criu"),
             spec: &sp,
             freeze_cgroup: Some(Path::new("/sys/fs/cgroup/x")),
-            netns_inode: Some(4026532),
             prev_images_dir: None,
             tcp_established: true,
             file_locks: false,
             masked_dirs: &["/proc/acpi".to_string()],
             network_lock: Some("nftables"),
             dev_external: true,
-            join_netns: None,
+            join_netns: Some(7),
         }));
         assert!(a.starts_with("dump --tree 42 --images-dir /st/sp1/criu"), "{a}");
         for want in [
@@ -381,7 +376,6 @@ mod tests {
             "--root /merged",
             "--freeze-cgroup /sys/fs/cgroup/x",
             "--ext-mount-map /etc/hosts:/etc/hosts",
-            "--external net[4026532]:extRootNetNS",
             "--tcp-established",
             "--ext-mount-map /proc/acpi:planarian-masked-dir",
             "--network-lock nftables",
@@ -394,6 +388,8 @@ mod tests {
         assert!(a.contains(&format!("--ext-mount-map {f}:{f}")), "{a}");
         assert!(!a.contains("/nonexistent/firmware"), "{a}");
         assert!(!a.contains("--file-locks") && !a.contains("--prev-images-dir"), "{a}");
+        // Dumped from inside the container's network namespace: no namespace to name as external.
+        assert!(!a.contains("--external net["), "{a}");
     }
 
     #[test]

@@ -72,7 +72,6 @@ const MANAGE_CGROUPS: u64 = 24;
 const CG_ROOT: u64 = 25;
 const RST_SIBLING: u64 = 26;
 const INHERIT_FD: u64 = 27;
-const EXTERNAL: u64 = 37;
 const FREEZE_CGROUP: u64 = 44;
 const ORPHAN_PTS_MASTER: u64 = 50;
 const NETWORK_LOCK: u64 = 64;
@@ -126,9 +125,6 @@ fn dump_opts(p: &DumpPlan, images_fd: RawFd) -> Msg {
     }
     if let Some(m) = p.network_lock {
         o.varint(NETWORK_LOCK, network_lock_method(m));
-    }
-    if let (Some(ino), None) = (p.netns_inode, p.join_netns) {
-        o.string(EXTERNAL, &format!("net[{ino}]:extRootNetNS"));
     }
     o.flag(TCP_ESTABLISHED, p.tcp_established).flag(FILE_LOCKS, p.file_locks);
     o

@@ -99,13 +99,6 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         }
     }
     let rootfs = crate::rootfs::for_container(&ctx.cfg, &ctx.store, &ctx.ctr.id, container::overlay_upperdir_of(pid)?)?;
-    let netns_inode = match &ctx.ctr.spec.netns_path {
-        Some(p) => Some({
-            use std::os::unix::fs::MetadataExt;
-            std::fs::metadata(p).map_err(|e| format!("cannot stat network namespace {}: {e}", p.display()))?.ino()
-        }),
-        None => None,
-    };
     let freezer = Freezer::of_pid(pid)?;
 
     let id = ctx.store.next_id();
@@ -189,7 +182,6 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
                 images_dir: &images,
                 spec: &ctx.ctr.spec,
                 freeze_cgroup: Some(freezer.dir()),
-                netns_inode,
                 prev_images_dir: plan.prev_images_dir.as_deref(),
                 tcp_established: req.tcp_established,
                 file_locks: req.file_locks,
