@@ -188,16 +188,30 @@ pub fn upperdir_mounted(upper: &Path) -> bool {
 /// crun's state directory when Podman passes no `--root`.
 pub const CRUN_ROOT: &str = "/run/crun";
 
+/// Field `n` (1-based, as in proc(5)) of /proc/PID/stat, for a field after the command name.
+pub fn stat_field(pid: i32, n: usize) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces and parentheses: fields follow its last ')'.
+    let after = &s[s.rfind(')')? + 2..];
+    after.split(' ').nth(n.checked_sub(3)?)?.parse().ok()
+}
+
 /// Field 22 of /proc/PID/stat: the start time in clock ticks since boot.
 pub fn start_time(pid: i32) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = &s[s.rfind(')')? + 2..];
-    after.split(' ').nth(19)?.parse().ok()
+    stat_field(pid, 22)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stat_fields_by_their_proc5_numbers() {
+        let me = std::process::id() as i32;
+        assert_eq!(stat_field(me, 4), Some(u64::from(std::os::unix::process::parent_id())));
+        assert_eq!(stat_field(me, 22), start_time(me));
+        assert_eq!(stat_field(me, 2), None);
+    }
 
     #[test]
     fn a_running_container_from_cruns_record() {

@@ -63,9 +63,7 @@ pub fn storage_id(name: &str) -> Option<String> {
 /// conmon Podman started with `-r RUNTIME` (after a restore too: CRIU restores the tree as
 /// conmon's child). `None` when that cannot be read.
 pub fn runtime_is_planarian(pid: i32) -> Option<bool> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may hold spaces and parentheses: fields follow its last ')'.
-    let ppid: i32 = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
+    let ppid = crate::container::stat_field(pid, 4)?;
     let cmdline = std::fs::read(format!("/proc/{ppid}/cmdline")).ok()?;
     let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
     if !args.first().is_some_and(|a| a.ends_with(b"conmon")) {

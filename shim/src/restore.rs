@@ -263,7 +263,7 @@ fn register_with_crun(inv: &Invocation, id: &str, pid: i32, bundle: &Path, spec:
     let descriptors: Vec<String> = (0..3)
         .map(|i| std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default())
         .collect();
-    let root = inv.root.clone().unwrap_or_else(|| PathBuf::from("/run/crun"));
+    let root = inv.root.clone().unwrap_or_else(|| PathBuf::from(container::CRUN_ROOT));
     let dir = root.join(id);
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let systemd = inv.has_global_flag("--systemd-cgroup");
