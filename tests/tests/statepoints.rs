@@ -241,7 +241,17 @@ fn criu_killed_mid_dump_leaves_no_statepoint_and_the_sandbox_running() {
     let sp = sb.snapshot("good");
     let before = sb.send("tick");
     {
-        let _w = CriuWrapper::new("/usr/sbin/criu \"$@\" & c=$!\n[ \"$1\" = dump ] && { sleep 0.3; kill -9 $c; }\nwait $c");
+        // Killed at a point every dump reaches, however fast: CRIU's post-dump action (images
+        // written, tasks still frozen, success not yet reported) holds it until it is killed.
+        let _w = CriuWrapper::new(concat!(
+            "[ \"$1\" = dump ] || exec /usr/sbin/criu \"$@\"\n",
+            "m=/tmp/pltest-at-post-dump.$$ s=/tmp/pltest-action.$$\n",
+            "printf '#!/bin/sh\\n[ \"$CRTOOLS_SCRIPT_ACTION\" = post-dump ] || exit 0\\ntouch %s\\nwhile [ -e %s ]; do sleep 0.05; done\\n' $m $m > $s\n",
+            "chmod +x $s\n",
+            "/usr/sbin/criu \"$@\" --action-script $s & c=$!\n",
+            "while [ ! -e $m ] && kill -0 $c 2>/dev/null; do sleep 0.05; done\n",
+            "kill -9 $c; wait $c; rc=$?; rm -f $m $s; exit $rc"
+        ));
         let r = cmd(planarian_bin().to_str().unwrap(), ["snapshot", &sb.name]);
         assert_ne!(r.code, Some(0), "{r:?}");
         assert!(r.stderr.contains("criu dump failed"), "{r:?}");
