@@ -207,35 +207,30 @@ pub fn dataset_of(snap: &str) -> &str {
     snap.split('@').next().unwrap_or(snap)
 }
 
-/// The ZFS dataset mounted exactly at `path` (OpenZFS: type `zfs`; zfs-fuse: `fuse.zfs`), read
-/// from a mountinfo text (`/proc/self/mountinfo`, or a process's).
+/// The ZFS mounts (OpenZFS: type `zfs`; zfs-fuse: `fuse.zfs`) of a mountinfo text, in mount
+/// order, as (mount point, dataset).
+fn zfs_mounts(mountinfo: &str) -> impl DoubleEndedIterator<Item = (String, String)> + '_ {
+    mountinfo.lines().filter_map(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        let sep = f.iter().position(|x| *x == "-")?;
+        let fstype = *f.get(sep + 1)?;
+        (fstype == "zfs" || fstype == "fuse.zfs").then(|| Some((unescape(f.get(4)?), unescape(f.get(sep + 2)?))))?
+    })
+}
+
+/// The ZFS dataset mounted exactly at `path`, read from a mountinfo text (`/proc/self/mountinfo`,
+/// or a process's).
 pub fn dataset_mounted_at(mountinfo: &str, path: &Path) -> Option<String> {
     let want = path.to_str()?.trim_end_matches('/');
     let want = if want.is_empty() { "/" } else { want };
     // The last matching line is the mount on top.
-    mountinfo.lines().rev().find_map(|l| {
-        let f: Vec<&str> = l.split(' ').collect();
-        let sep = f.iter().position(|x| *x == "-")?;
-        let mp = unescape(f.get(4)?);
-        let fstype = *f.get(sep + 1)?;
-        let source = f.get(sep + 2)?;
-        (mp == want && (fstype == "zfs" || fstype == "fuse.zfs")).then(|| unescape(source))
-    })
+    zfs_mounts(mountinfo).rev().find(|(mp, _)| mp == want).map(|(_, ds)| ds)
 }
 
-/// Where `dataset` is mounted (OpenZFS or zfs-fuse), from a mountinfo text: every mount point
-/// of it, in mount order (a bind of the dataset's root shows up as a second one).
+/// Where `dataset` is mounted, from a mountinfo text: every mount point of it, in mount order (a
+/// bind of the dataset's root shows up as a second one).
 pub fn mounts_of(mountinfo: &str, dataset: &str) -> Vec<PathBuf> {
-    mountinfo
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split(' ').collect();
-            let sep = f.iter().position(|x| *x == "-")?;
-            let fstype = *f.get(sep + 1)?;
-            let (source, point) = (unescape(f.get(sep + 2)?), unescape(f.get(4)?));
-            (source == dataset && (fstype == "zfs" || fstype == "fuse.zfs")).then(|| PathBuf::from(point))
-        })
-        .collect()
+    zfs_mounts(mountinfo).filter(|(_, ds)| ds == dataset).map(|(mp, _)| PathBuf::from(mp)).collect()
 }
 
 /// mountinfo escapes space, tab, newline and backslash as octal.
