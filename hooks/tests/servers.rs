@@ -490,10 +490,17 @@ fn the_undo_log_and_positions_survive_a_killed_proxy_and_a_restarted_upstream() 
     let before = dump(&mut db);
     let mut p = proxy(tb, &pg, "crash");
     let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
-    // The call is sent, and the proxy killed before it can answer or write anything more.
+    let balance = |db: &mut Client| -> String { db.query_one("SELECT balance::text FROM accounts WHERE id = 2", &[]).unwrap().get(0) };
+    let was = balance(&mut db);
+    // The call is sent, and the proxy killed once its change reached the database, before it can
+    // answer or write anything more.
     p.mcp.send(&json!({"jsonrpc": "2.0", "id": "lost", "method": "tools/call",
         "params": {"name": "execute_sql", "arguments": {"sql": "UPDATE accounts SET balance = balance + 1 WHERE id = 2"}}}));
-    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while balance(&mut db) == was {
+        assert!(std::time::Instant::now() < end, "the call did not reach the database within 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     p.mcp.child.kill().unwrap();
     p.mcp.child.wait().unwrap();
     let (control_path, state) = (p.control.clone(), p.state.clone());
@@ -509,7 +516,12 @@ fn the_undo_log_and_positions_survive_a_killed_proxy_and_a_restarted_upstream() 
     // Upstream restarted under the proxy: kill the toolbox, the next call still works.
     let up = control(&p2.control, &["status"]).unwrap()["upstream-pid"].as_u64().unwrap();
     Command::new("kill").arg(up.to_string()).status().unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    // Until the proxy runs a new upstream (the call below may still race its initialization).
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while control(&p2.control, &["status"]).ok().and_then(|s| s["upstream-pid"].as_u64()).is_none_or(|p| p == up) {
+        assert!(std::time::Instant::now() < end, "the proxy did not restart its upstream within 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     let mut r = p2.mcp.request("tools/call", json!({"name": "execute_sql", "arguments": {"sql": "INSERT INTO accounts VALUES (8, 'x', 1, NULL, NULL)"}}));
     if r.get("error").is_some() {
         // The call raced the restart: the proxy said so; a retry goes through.

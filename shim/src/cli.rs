@@ -83,6 +83,9 @@ impl Invocation {
                 }
                 b"--root" => inv.root = value.map(PathBuf::from),
                 b"--debug" => inv.debug = true,
+                b"--log-level" => {
+                    inv.debug |= matches!(value.as_deref().and_then(OsStr::to_str), Some("debug" | "info"));
+                }
                 _ => {}
             }
             i += 1;

@@ -50,9 +50,11 @@ pub fn main(_inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     if podman::inspect(&a.name).is_ok() {
         return Err(format!("a container named {} already exists", a.name));
     }
+    let mut progress = crate::log::Progress::start(&format!("forking {} at {} into {}", src.name, crate::rollback::describe(&target), a.name));
     // A clone gets the engine's default runtime unless told: the fork must run on planarian too.
+    progress.phase("new container (podman container clone)");
     podman::run(&["--runtime", &src.runtime, "container", "clone", &src.id, &a.name])?;
-    let r = fork_into(&cfg, &src, &src_store, &target, &a.name);
+    let r = fork_into(&cfg, &src, &src_store, &target, &a.name, &mut progress);
     if let Err(e) = r {
         let removed = podman::inspect(&a.name).ok();
         let _ = podman::run(&["rm", "-f", &a.name]);
@@ -61,29 +63,41 @@ pub fn main(_inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
             let _ = crate::zfs_rootfs::remove_container(&cfg, &store);
             let _ = std::fs::remove_dir_all(store.dir);
         }
+        drop(progress);
         return Err(format!("fork failed, nothing was created: {e}"));
     }
+    progress.finish();
     let new = podman::inspect(&a.name)?;
     println!("{} forked from {} at {} ({})", a.name, src.name, target.statepoint_id, new.id);
     Ok(0)
 }
 
-fn fork_into(cfg: &Config, src: &podman::PodmanContainer, src_store: &ContainerStore, target: &Manifest, name: &str) -> Result<(), String> {
+fn fork_into(
+    cfg: &Config,
+    src: &podman::PodmanContainer,
+    src_store: &ContainerStore,
+    target: &Manifest,
+    name: &str,
+    progress: &mut crate::log::Progress,
+) -> Result<(), String> {
     let src_cfg = src_config(cfg, src)?;
     let src_zfs = crate::zfs_rootfs::mapping(src_store);
     if let (Some(map), Some(snap)) = (&src_zfs, &target.local_state.zfs_snapshot) {
+        progress.phase("files (a ZFS clone of the statepoint)");
         // NEW's dataset exists before its first create, which points NEW's config at it.
         let new = podman::inspect(name)?;
         let store = ContainerStore::new(&cfg.store.path, &new.id);
         let _lock = src_store.lock(true)?;
         crate::zfs_rootfs::fork_into(&src_cfg, map, snap, &store, &new.id, &new.bundle)?;
     }
+    progress.phase("its OCI bundle (podman container init)");
     podman::run(&["container", "init", name])?;
     podman::run(&["container", "stop", "-t", "0", name])?;
     let new = podman::inspect(name)?;
     carry_settings(src, &src_cfg, &new)?;
     podman::wait_stopped(&new.id, new.upperdir.as_deref(), Duration::from_secs(60))?;
     let store = ContainerStore::new(&cfg.store.path, &new.id);
+    progress.phase("its first statepoint (images linked)");
     let m = {
         // The source's lock, so that no removal or retention runs while its images are linked.
         let _lock = src_store.lock(true)?;
@@ -101,6 +115,7 @@ fn fork_into(cfg: &Config, src: &podman::PodmanContainer, src_store: &ContainerS
         m
     };
     crate::snapshot::leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None)?;
+    progress.phase("processes (podman container restore)");
     let mut args = vec!["container", "restore"];
     if m.options.tcp_established {
         args.push("--tcp-established");

@@ -1,6 +1,14 @@
-//! planarian's own messages: one line on stderr, and, when Podman passed `--log FILE`, a
-//! runc-compatible line in that file (`--log-format json` → `{"level":…,"msg":…,"time":…}`),
-//! which Podman reads back and shows to the user.
+//! planarian's own messages.
+//!
+//! * Errors: one line on stderr, and, when Podman passed `--log FILE`, a runc-compatible line in
+//!   that file (`--log-format json` → `{"level":…,"msg":…,"time":…}`), which Podman reads back and
+//!   shows to the user.
+//! * Information and warnings from a runtime verb (what Podman and conmon call) never reach
+//!   stdout or stderr: crun prints nothing there on success, and scripts read Podman's output.
+//!   They go to planarian's own log ([`OWN_LOG`]), and to `--log` as well: warnings always (as
+//!   runc does), information when asked (`--debug` or `--log-level debug|info`).
+//! * [`Progress`]: the phases of planarian's own long commands (rollback, fork), with their
+//!   times, on stderr (stdout is for results and `--json`).
 
 use crate::cli::{Invocation, LogFormat};
 use std::io::Write;
@@ -9,6 +17,86 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub fn error(inv: &Invocation, msg: &str) {
     eprintln!("planarian: {msg}");
     write_log(inv, "error", msg);
+}
+
+/// planarian's own log: one line per statepoint event, whoever called.
+pub const OWN_LOG: &str = "/var/log/planarian.log";
+
+/// Something a runtime verb did (a statepoint committed, …): planarian's own log, and `--log`
+/// when the caller asked for information.
+pub fn info(inv: &Invocation, msg: &str) {
+    own_log("info", msg);
+    if inv.debug {
+        write_log(inv, "info", msg);
+    }
+}
+
+/// Something the user may want to act on, that did not fail the verb.
+pub fn warn(inv: &Invocation, msg: &str) {
+    own_log("warning", msg);
+    write_log(inv, "warning", msg);
+}
+
+fn own_log(level: &str, msg: &str) {
+    let path = std::env::var_os("PLANARIAN_LOG").map(std::path::PathBuf::from).unwrap_or_else(|| OWN_LOG.into());
+    let line = format_line(LogFormat::Text, level, msg, SystemTime::now());
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+        let _ = f.write_all(line.as_bytes());
+    }
+}
+
+/// The phases of a long operation on stderr: each phase's name when it starts, its time when it
+/// ends, so a user waiting on a restore knows what is being waited for.
+pub struct Progress {
+    started: std::time::Instant,
+    phase: Option<std::time::Instant>,
+}
+
+impl Progress {
+    /// Prints the operation's title.
+    pub fn start(title: &str) -> Progress {
+        eprintln!("planarian: {title}");
+        Progress { started: std::time::Instant::now(), phase: None }
+    }
+
+    /// Ends the current phase (if any) and starts the next one.
+    pub fn phase(&mut self, name: &str) {
+        self.end_phase();
+        eprint!("  {name:<40} ");
+        self.phase = Some(std::time::Instant::now());
+    }
+
+    /// Ends the current phase with a note beside its time (e.g. the statepoint it made).
+    pub fn done(&mut self, note: &str) {
+        if let Some(t) = self.phase.take() {
+            eprintln!("{:>7} {note}", secs(t.elapsed()));
+        }
+    }
+
+    fn end_phase(&mut self) {
+        if let Some(t) = self.phase.take() {
+            eprintln!("{:>7}", secs(t.elapsed()));
+        }
+    }
+
+    /// Ends the last phase and prints the total.
+    pub fn finish(mut self) {
+        self.end_phase();
+        eprintln!("  {:<40} {:>7}", "total", secs(self.started.elapsed()));
+    }
+}
+
+impl Drop for Progress {
+    /// A failed phase: its line is ended so the error that follows stands on a line of its own.
+    fn drop(&mut self) {
+        if let Some(t) = self.phase.take() {
+            eprintln!("{:>7} failed", secs(t.elapsed()));
+        }
+    }
+}
+
+fn secs(d: std::time::Duration) -> String {
+    format!("{:.2} s", d.as_secs_f64())
 }
 
 fn write_log(inv: &Invocation, level: &str, msg: &str) {

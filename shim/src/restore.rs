@@ -173,7 +173,7 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     // The sandbox runs again; so does its MCP sidecar (stopped when Podman deleted the container
     // after a checkpoint). Without it, database calls and the next snapshot fail with its error.
     if let Err(e) = crate::mcp::start(&cfg, &a.container_id) {
-        eprintln!("planarian: warning: {e}");
+        crate::log::warn(inv, &e.to_string());
     }
     Ok(0)
 }

@@ -24,7 +24,9 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
     let store = ContainerStore::new(&cfg.store.path, &pc.id);
     let lock = store.lock(true)?;
     let target = store.find(sp)?;
-    rollback(inv, &pc, &store, &target)?;
+    let mut progress = crate::log::Progress::start(&format!("rolling {} back to {}", pc.name, describe(&target)));
+    rollback(inv, &pc, &store, &target, &mut progress)?;
+    progress.finish();
     drop(lock);
     println!("{} rolled back to {}", pc.name, target.statepoint_id);
     Ok(0)
@@ -39,7 +41,15 @@ pub fn planarian_container(name: &str) -> Result<PodmanContainer, String> {
     Ok(pc)
 }
 
-fn rollback(inv: &Invocation, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest) -> Result<(), String> {
+/// `sp3 (deps-installed)`, or just `sp3`.
+pub fn describe(m: &Manifest) -> String {
+    match &m.name {
+        Some(n) => format!("{} ({n})", m.statepoint_id),
+        None => m.statepoint_id.clone(),
+    }
+}
+
+fn rollback(inv: &Invocation, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest, progress: &mut crate::log::Progress) -> Result<(), String> {
     let cfg = Config::load().map_err(|e| e.to_string())?;
     let rootfs = crate::rootfs::for_container(&cfg, store, &pc.id, pc.upperdir.clone())?;
     if rootfs.backend() != target.local_state.rootfs_backend {
@@ -63,6 +73,7 @@ fn rollback(inv: &Invocation, pc: &PodmanContainer, store: &ContainerStore, targ
     // 1. Keep the current state until the restore succeeded.
     let safety = match pc.status.as_str() {
         "running" | "paused" => {
+            progress.phase("safety statepoint of the current state");
             let ctx = Ctx::load(inv, &pc.id)?;
             ctx.recover();
             let m = snapshot::take(
@@ -77,22 +88,32 @@ fn rollback(inv: &Invocation, pc: &PodmanContainer, store: &ContainerStore, targ
                 },
             )?;
             podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
+            progress.done(&m.statepoint_id);
             Some(m)
         }
         _ => None,
     };
 
     // 2. Remote state first (the sandbox is stopped, nothing calls out), then files, processes.
+    if !target.remote_state.is_empty() {
+        progress.phase("remote state compensated");
+    }
     let result = crate::remote::compensate(&target.remote_state, &pc.id)
-        .and_then(|()| rootfs.restore(&saved, &target.local_state))
-        .and_then(|files| match podman_restore(store, pc, target) {
-            Ok(()) => {
-                files.commit();
-                Ok(())
-            }
-            Err(e) => {
-                files.undo().map_err(|u| format!("{e}; and putting the previous files back failed: {u}"))?;
-                Err(e)
+        .and_then(|()| {
+            progress.phase(&format!("files ({})", rootfs.backend()));
+            rootfs.restore(&saved, &target.local_state)
+        })
+        .and_then(|files| {
+            progress.phase("processes (podman container restore)");
+            match podman_restore(store, pc, target) {
+                Ok(()) => {
+                    files.commit();
+                    Ok(())
+                }
+                Err(e) => {
+                    files.undo().map_err(|u| format!("{e}; and putting the previous files back failed: {u}"))?;
+                    Err(e)
+                }
             }
         });
 
@@ -104,7 +125,11 @@ fn rollback(inv: &Invocation, pc: &PodmanContainer, store: &ContainerStore, targ
         (Ok(()), None) => Ok(()),
         (Err(e), Some(s)) => {
             // 3. Back to where it was.
+            progress.phase(&format!("back to the safety statepoint {}", s.statepoint_id));
             let back = podman_restore(store, pc, &s);
+            if back.is_ok() {
+                progress.done("");
+            }
             let _ = store.remove(&s.statepoint_id);
             match back {
                 Ok(()) => Err(format!("rollback failed, the container is as it was before: {e}")),

@@ -372,7 +372,8 @@ fn checkpoint(inv: &Invocation, a: &CheckpointArgs) -> Result<i32, String> {
     if let Some(ip) = &a.image_path {
         leave_for_podman(&m, &ctx.store.statepoint_dir(&m.statepoint_id), ip, a.work_path.as_deref())?;
     }
-    eprintln!("planarian: statepoint {} of {} committed", m.statepoint_id, short(&ctx.ctr.id));
+    // What crun prints on success is nothing: Podman prints the container's ID or name after.
+    crate::log::info(inv, &format!("statepoint {} of {} committed", m.statepoint_id, short(&ctx.ctr.id)));
     Ok(0)
 }
 

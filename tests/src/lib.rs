@@ -159,12 +159,14 @@ pub fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     f()
 }
 
-/// Runs a command on a new pseudo-terminal as its controlling terminal, types `input` into it,
-/// and returns everything the terminal showed and the exit code.
-pub fn run_on_pty(program: &str, args: &[&str], input: &str, timeout: Duration) -> (String, Option<i32>) {
+/// Runs a command on a new pseudo-terminal as its controlling terminal, waits until the terminal
+/// shows `ready` (a shell's prompt), types `input` into it, and returns everything the terminal
+/// showed and the exit code.
+pub fn run_on_pty(program: &str, args: &[&str], ready: &str, input: &str, timeout: Duration) -> (String, Option<i32>) {
     use nix::pty::openpty;
     use std::io::{Read, Write};
     use std::os::unix::process::CommandExt;
+    use std::sync::mpsc::RecvTimeoutError;
 
     let pty = openpty(None, None).expect("openpty");
     let slave_fd = pty.slave.as_raw_fd();
@@ -186,25 +188,35 @@ pub fn run_on_pty(program: &str, args: &[&str], input: &str, timeout: Duration) 
     };
     drop(pty.slave);
     let mut master = std::fs::File::from(pty.master);
-    // Read on a thread: the master returns EIO once every slave fd is closed.
+    // Read on a thread, chunk by chunk: the master returns EIO once every slave fd is closed.
     let mut reader = master.try_clone().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
     std::thread::spawn(move || {
         let mut buf = [0u8; 4096];
-        let mut all = Vec::new();
         while let Ok(n) = reader.read(&mut buf) {
-            if n == 0 {
+            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
                 break;
             }
-            all.extend_from_slice(&buf[..n]);
         }
-        let _ = tx.send(String::from_utf8_lossy(&all).into_owned());
     });
-    // Give the shell time to start before typing.
-    std::thread::sleep(Duration::from_secs(3));
-    master.write_all(input.as_bytes()).unwrap();
     let end = Instant::now() + timeout;
+    let mut all = Vec::new();
+    // Type only once the program is ready to read.
+    while !String::from_utf8_lossy(&all).contains(ready) {
+        match rx.recv_timeout(end.saturating_duration_since(Instant::now())) {
+            Ok(chunk) => all.extend_from_slice(&chunk),
+            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return (String::from_utf8_lossy(&all).into_owned(), None);
+            }
+        }
+    }
+    master.write_all(input.as_bytes()).unwrap();
     let code = loop {
+        while let Ok(chunk) = rx.try_recv() {
+            all.extend_from_slice(&chunk);
+        }
         if let Some(st) = child.try_wait().unwrap() {
             break st.code();
         }
@@ -212,11 +224,14 @@ pub fn run_on_pty(program: &str, args: &[&str], input: &str, timeout: Duration) 
             let _ = child.kill();
             break None;
         }
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(50));
     };
     drop(master);
-    let output = rx.recv_timeout(Duration::from_secs(5)).unwrap_or_default();
-    (output, code)
+    // What the terminal still held when the program exited.
+    while let Ok(chunk) = rx.recv_timeout(Duration::from_secs(5)) {
+        all.extend_from_slice(&chunk);
+    }
+    (String::from_utf8_lossy(&all).into_owned(), code)
 }
 
 /// A planarian.conf drop-in for the duration of one test.

@@ -43,6 +43,15 @@ fn try_criu(args: &[&str], dir: &Path) -> Result<(), String> {
     Err(format!("criu {args:?} failed:\n{}", errors.join("\n")))
 }
 
+/// The workload: 64 MiB of memory, then a file created once it is all there (every page a first
+/// dump should see), then one page rewritten every 200 ms, each round touching that file's times
+/// (no descriptor held open, so no dump ever catches one).
+const WORKLOAD: &str = "import os,sys,time\nb=bytearray(os.urandom(64<<20))\nopen(sys.argv[1],'x').close()\nwhile True:\n b[0:4096]=os.urandom(4096); os.utime(sys.argv[1]); time.sleep(0.2)";
+
+fn mtime(p: &Path) -> Option<std::time::SystemTime> {
+    std::fs::metadata(p).and_then(|m| m.modified()).ok()
+}
+
 /// A process with 64 MiB of memory rewriting one page every 200 ms; dump, restore (with or
 /// without the hook), dump again incrementally; returns pages written by the second dump, or
 /// CRIU's refusal of it.
@@ -51,15 +60,19 @@ fn second_dump_pages(work: &Path, with_hook: bool) -> Result<u64, String> {
     let (d1, d2) = (work.join("d1"), work.join("d2"));
     std::fs::create_dir_all(&d1).unwrap();
     std::fs::create_dir_all(&d2).unwrap();
+    let beat = work.join("beat");
     let child = Command::new("setsid")
-        .args(["python3", "-c", "import os,time\nb=bytearray(os.urandom(64<<20))\nwhile True:\n b[0:4096]=os.urandom(4096); time.sleep(0.2)"])
+        .args(["python3", "-c", WORKLOAD])
+        .arg(&beat)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let pid = child.id().to_string();
-    std::thread::sleep(Duration::from_secs(2));
+    // The first dump sees the whole buffer: one taken while it is still being filled leaves the
+    // rest of it to the next dump, hook or not (the failure seen on slower machines).
+    assert!(wait_for(Duration::from_secs(300), || beat.exists()), "the workload did not build its buffer within 300 s");
     criu(&["dump", "-t", &pid, "-D", d1.to_str().unwrap(), "-o", "dump.log", "--track-mem", "--leave-running"], &d1);
     let _ = cmd("kill", ["-9", &pid]);
     let mut child = child;
@@ -79,7 +92,9 @@ fn second_dump_pages(work: &Path, with_hook: bool) -> Result<u64, String> {
         let (e, clk) = (f.next().unwrap(), f.next().unwrap());
         cmd(hooks_bin().to_str().unwrap(), ["set-dump-uptime", d1.join("inventory.img").to_str().unwrap(), &(e * 1_000_000 / clk).to_string()]).ok();
     }
-    std::thread::sleep(Duration::from_secs(1));
+    // The restored process runs and changes a page before the second dump.
+    let restored = mtime(&beat);
+    assert!(wait_for(Duration::from_secs(60), || mtime(&beat) != restored), "the restored workload does not run");
     let r = try_criu(&["dump", "-t", &pid, "-D", d2.to_str().unwrap(), "-o", "dump.log", "--track-mem", "--prev-images-dir", "../d1", "--leave-running"], &d2);
     let _ = cmd("kill", ["-9", &pid]);
     r.map(|()| pages_written(&d2))

@@ -117,6 +117,7 @@ fn interactive_tty_container() {
         let (out, code) = run_on_pty(
             "podman",
             &["--runtime", rt, "run", "-it", "--rm", BUSYBOX, "sh"],
+            "# ",
             "tty; echo tty-ok-$((6*7)); stty size; exit 5\r",
             Duration::from_secs(60),
         );

@@ -158,6 +158,55 @@ fn podman_checkpoint_creates_new_statepoints_and_restore_brings_it_back() {
     podman("planarian", &["rm", &sb.name]).ok();
 }
 
+/// What Podman prints for `checkpoint NAME`, `restore NAME`, `checkpoint -a` and `restore -a`
+/// under one runtime, with the containers' IDs and names replaced by A and B: two containers
+/// running `sleep`, checkpointed and restored one by one, then all at once.
+fn podman_checkpoint_output(rt: &str) -> Vec<(String, String, String)> {
+    let (a, b) = (name(&format!("{rt}-out-a")), name(&format!("{rt}-out-b")));
+    let (_ca, _cb) = (Cleanup(a.clone()), Cleanup(b.clone()));
+    let ids: Vec<String> = [&a, &b].iter().map(|n| podman(rt, &["run", "-d", "--name", n, BUSYBOX, "sleep", "100000"]).ok().out()).collect();
+    let anonymise = |s: &str| s.replace(&ids[0], "ID-A").replace(&ids[1], "ID-B").replace(&a, "A").replace(&b, "B");
+    let mut seen = vec![];
+    for args in [
+        vec!["container", "checkpoint", a.as_str()],
+        vec!["container", "restore", a.as_str()],
+        vec!["container", "checkpoint", "--leave-running", a.as_str()],
+        vec!["container", "checkpoint", "-a"],
+        vec!["container", "restore", "-a"],
+    ] {
+        let r = podman(rt, &args);
+        assert_eq!(r.code, Some(0), "{rt}: podman {args:?}: {r:?}");
+        // `-a` names the containers in no particular order.
+        let mut lines: Vec<String> = anonymise(&r.stdout).lines().map(String::from).collect();
+        lines.sort();
+        seen.push((args.join(" ").replace(&a, "A"), lines.join("\n"), anonymise(&r.stderr)));
+    }
+    for n in [&a, &b] {
+        assert_eq!(podman(rt, &["inspect", "--format", "{{.State.Status}}", n]).out(), "running", "{rt}: {n} after restore -a");
+    }
+    seen
+}
+
+#[test]
+fn podman_checkpoint_and_restore_print_exactly_what_a_plain_runtime_prints() {
+    require_stack!();
+    let ours = podman_checkpoint_output("planarian");
+    // Exactly the names or IDs and nothing on stderr: what scripts and Podman's own tests read.
+    let expected: Vec<(String, String, String)> = [
+        ("container checkpoint A", "A"),
+        ("container restore A", "A"),
+        ("container checkpoint --leave-running A", "A"),
+        ("container checkpoint -a", "ID-A\nID-B"),
+        ("container restore -a", "ID-A\nID-B"),
+    ]
+    .iter()
+    .map(|(c, o)| (c.to_string(), o.to_string(), String::new()))
+    .collect();
+    assert_eq!(ours, expected);
+    // Byte for byte what a plain runtime gives (runc: Debian's crun is built without CRIU).
+    assert_eq!(ours, podman_checkpoint_output("runc"));
+}
+
 #[test]
 fn listening_tcp_socket_survives_rollback() {
     require_stack!();
@@ -276,11 +325,10 @@ fn planarian_killed_mid_checkpoint_is_recovered_by_the_next_one() {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        // Wait until the container is frozen by the checkpoint in progress, then kill planarian
-        // (and everything it started) the hard way.
+        // Wait until the checkpoint in progress has frozen the container and started "CRIU",
+        // then kill planarian (and everything it started) the hard way.
         // (pgrep and pkill never match themselves; a shell around them would.)
         assert!(wait_for(Duration::from_secs(60), || cmd("pgrep", ["-f", "^sleep 600"]).code == Some(0)));
-        std::thread::sleep(Duration::from_millis(500));
         let _ = cmd("pkill", ["-9", "-f", "planarian snapshot"]);
         let _ = cmd("pkill", ["-9", "-f", "^sleep 600"]);
         child
