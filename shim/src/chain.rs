@@ -93,6 +93,43 @@ pub fn after_dump(store: &ContainerStore, m: &Manifest, init_start: u64) -> Resu
     )
 }
 
+/// A dump that CRIU started but that was not committed: CRIU may have cleared the soft-dirty bits
+/// of some or all tasks, so the pages written since the current base are in no image that will
+/// be kept. Until this guard is disarmed, dropping it makes the next dump of the tree full
+/// (an incremental one would silently miss those pages).
+pub struct DumpInProgress<'a> {
+    store: &'a ContainerStore,
+    init_start: u64,
+    armed: bool,
+}
+
+impl<'a> DumpInProgress<'a> {
+    pub fn start(store: &'a ContainerStore, init_start: u64) -> DumpInProgress<'a> {
+        DumpInProgress { store, init_start, armed: true }
+    }
+
+    /// The dump was committed: its own base follows (or the tree is gone).
+    pub fn committed(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for DumpInProgress<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = write_base(
+                self.store,
+                &Base {
+                    images: None,
+                    depth: 0,
+                    init_start_time: self.init_start,
+                    full_reason: Some("the last dump was not committed (CRIU may have cleared the soft-dirty bits)".into()),
+                },
+            );
+        }
+    }
+}
+
 /// After a restore of statepoint `m`: a base of the container's own, with `dump_uptime` = E (µs),
 /// or, when the hook recorded no E, a note that the next dump must be full.
 pub fn after_restore(store: &ContainerStore, m: &Manifest, epoch_usec: Result<u64, String>, init_start: u64) -> Result<(), String> {
@@ -308,6 +345,21 @@ mod tests {
         let s = ContainerStore::new(&d, "c");
         std::fs::create_dir_all(&s.dir).unwrap();
         s
+    }
+
+    #[test]
+    fn a_dump_not_committed_makes_the_next_one_full_and_a_committed_one_does_not() {
+        let s = tmp("inprogress");
+        let m = dump(&s, "sp1", None, 0);
+        after_dump(&s, &m, 42).unwrap();
+        assert!(plan(&s, "sp2", 42, 8).prev_images_dir.is_some());
+        DumpInProgress::start(&s, 42).committed();
+        assert!(plan(&s, "sp2", 42, 8).prev_images_dir.is_some(), "a committed dump keeps the base");
+        drop(DumpInProgress::start(&s, 42));
+        let p = plan(&s, "sp2", 42, 8);
+        assert_eq!(p.prev_images_dir, None);
+        assert!(p.full_reason.unwrap().contains("not committed"));
+        let _ = std::fs::remove_dir_all(&s.dir);
     }
 
     /// A fake dump: a statepoint with an inventory, one pages file, optionally a parent link.

@@ -90,6 +90,7 @@ fn fork_into(
         let _lock = src_store.lock(true)?;
         crate::zfs_rootfs::fork_into(&src_cfg, map, snap, &store, &new.id, &new.bundle)?;
     }
+    crate::fault::point("fork.cloned")?;
     progress.phase("its OCI bundle (podman container init)");
     podman::run(&["container", "init", name])?;
     podman::run(&["container", "stop", "-t", "0", name])?;
@@ -115,6 +116,7 @@ fn fork_into(
         m
     };
     crate::snapshot::leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None)?;
+    crate::fault::point("fork.linked")?;
     progress.phase("processes (podman container restore)");
     let mut args = vec!["container", "restore"];
     if m.options.tcp_established {

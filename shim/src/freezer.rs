@@ -72,3 +72,41 @@ impl Freezer {
             .map_err(|e| format!("cannot write {} to {}: {e}", value, self.dir.join(file).display()))
     }
 }
+
+/// A container frozen for a statepoint's window, and thawed again when this is dropped, on every
+/// path out (an error, a panic): a sandbox is never left frozen by a failed snapshot. A marker
+/// file names the cgroup while it is frozen, so that a planarian killed mid-window is undone by
+/// the next operation (`snapshot::Ctx::recover`). A cgroup that was already frozen (a paused
+/// container) is left as it was.
+pub struct FreezeGuard<'a> {
+    freezer: &'a Freezer,
+    marker: PathBuf,
+    froze: bool,
+}
+
+impl<'a> FreezeGuard<'a> {
+    pub fn freeze(freezer: &'a Freezer, marker: PathBuf) -> Result<FreezeGuard<'a>, String> {
+        if freezer.is_frozen() {
+            return Ok(FreezeGuard { freezer, marker, froze: false });
+        }
+        std::fs::write(&marker, freezer.dir().display().to_string()).map_err(|e| format!("cannot write {}: {e}", marker.display()))?;
+        // From here on, dropping the guard thaws (a freeze that failed half-way included).
+        let guard = FreezeGuard { freezer, marker, froze: true };
+        freezer.freeze()?;
+        Ok(guard)
+    }
+
+    /// Whether the cgroup was frozen by this guard (and is still frozen, as it must be).
+    pub fn holds(&self) -> bool {
+        !self.froze || self.freezer.is_frozen()
+    }
+}
+
+impl Drop for FreezeGuard<'_> {
+    fn drop(&mut self) {
+        if self.froze {
+            let _ = self.freezer.thaw();
+            let _ = std::fs::remove_file(&self.marker);
+        }
+    }
+}

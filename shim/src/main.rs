@@ -14,6 +14,7 @@ mod criu;
 mod criu_rpc;
 mod devfs;
 mod fork;
+mod fault;
 mod freezer;
 mod podman;
 mod remote;

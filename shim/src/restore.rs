@@ -154,6 +154,7 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
         // then refuses the next incremental dump ("Missing … in parent pagemap").
         let _ = nix::sys::prctl::set_thp_disable(true);
     }
+    crate::fault::point("restore.before-criu")?;
     let pid: i32 = if spec.terminal {
         restore_terminal(&criu_bin, &plan, a.console_socket.as_deref().unwrap(), hooks.is_ok(), &epoch_file)?
     } else {
@@ -163,19 +164,39 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
             .and_then(|s| s.trim().parse().ok())
             .ok_or_else(|| format!("criu restore wrote no pid to {}", criu_pid_file.display()))?
     };
+    // The tasks run: until every record of them is written, a failure kills them again, so that a
+    // failed restore leaves no container running that neither conmon nor crun knows.
+    let mut restored = RestoredTree { pid, keep: false };
     drop(netns);
     drop(dev);
+    crate::fault::point("restore.restored")?;
     crate::install::write_atomic(&pid_file, pid.to_string().as_bytes(), 0o644)?;
     register_with_crun(inv, &a.container_id, pid, &bundle, &spec)?;
     store.set_head(Some(&sp_id))?;
     let epoch = hooks.and_then(|_| read_epoch(&epoch_file, &restore_work));
     crate::chain::after_restore(&store, &m, epoch, container::start_time(pid).unwrap_or(0))?;
+    restored.keep = true;
     // The sandbox runs again; so does its MCP sidecar (stopped when Podman deleted the container
     // after a checkpoint). Without it, database calls and the next snapshot fail with its error.
     if let Err(e) = crate::mcp::start(&cfg, &a.container_id) {
         crate::log::warn(inv, &e.to_string());
     }
     Ok(0)
+}
+
+/// A restored process tree that is killed (its init, and with it its PID namespace) when this is
+/// dropped before `keep` is set.
+struct RestoredTree {
+    pid: i32,
+    keep: bool,
+}
+
+impl Drop for RestoredTree {
+    fn drop(&mut self) {
+        if !self.keep {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), nix::sys::signal::Signal::SIGKILL);
+        }
+    }
 }
 
 /// A terminal container, through CRIU's RPC: the new terminal's master goes to conmon's console

@@ -98,14 +98,15 @@ fn rollback(inv: &Invocation, pc: &PodmanContainer, store: &ContainerStore, targ
     if !target.remote_state.is_empty() {
         progress.phase("remote state compensated");
     }
-    let result = crate::remote::compensate(&target.remote_state, &pc.id)
+    let result = crate::fault::point("rollback.stopped")
+        .and_then(|()| crate::remote::compensate(&target.remote_state, &pc.id))
         .and_then(|()| {
             progress.phase(&format!("files ({})", rootfs.backend()));
             rootfs.restore(&saved, &target.local_state)
         })
         .and_then(|files| {
             progress.phase("processes (podman container restore)");
-            match podman_restore(store, pc, target) {
+            match crate::fault::point("rollback.files-restored").and_then(|()| podman_restore(store, pc, target)) {
                 Ok(()) => {
                     files.commit();
                     Ok(())

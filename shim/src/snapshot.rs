@@ -8,7 +8,7 @@ use crate::cli::Invocation;
 use crate::config::Config;
 use crate::container::{self, Container};
 use crate::criu;
-use crate::freezer::Freezer;
+use crate::freezer::{FreezeGuard, Freezer};
 use crate::store::{self, ContainerStore, Manifest, Status};
 use clap::Parser;
 use std::ffi::OsString;
@@ -128,33 +128,17 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         chain: store::Chain { prev_images_dir: plan.prev_images_dir.clone(), depth: plan.depth, full_reason: plan.full_reason.clone() },
     };
     rootfs.plan(&id, &mut m.local_state);
-    let fail = |e: String| -> String {
-        // Keep CRIU's log of the failed attempt where an operator finds it; nothing else stays.
-        let _ = std::fs::copy(images.join("dump.log"), ctx.store.dir.join("failed-dump.log"));
-        let _ = std::fs::remove_dir_all(&dir);
-        e
-    };
-    ctx.store.write_manifest(&m).map_err(fail)?;
-    record_descriptors(pid, &dir).map_err(fail)?;
+    // Until the manifest is committed, the statepoint's directory is removed on any way out.
+    let pending = PendingStatepoint { dir: &dir, failed_log: ctx.store.dir.join("failed-dump.log"), committed: false };
+    ctx.store.write_manifest(&m)?;
+    record_descriptors(pid, &dir)?;
+    crate::fault::point("snapshot.before-freeze")?;
 
-    // Stop the world for the whole window.
-    let marker = ctx.store.dir.join("frozen-by-planarian");
-    let was_frozen = freezer.is_frozen();
+    // Stop the world for the whole window: thawed when `frozen` is dropped, whatever happens.
     let tf = Instant::now();
-    if !was_frozen {
-        std::fs::write(&marker, freezer.dir().display().to_string()).map_err(|e| fail(format!("cannot write {}: {e}", marker.display())))?;
-        if let Err(e) = freezer.freeze() {
-            let _ = std::fs::remove_file(&marker);
-            return Err(fail(e));
-        }
-    }
+    let frozen = FreezeGuard::freeze(&freezer, ctx.store.dir.join("frozen-by-planarian"))?;
     m.measurements.freeze_ms = ms(tf);
-    let thaw = || {
-        if !was_frozen {
-            let _ = freezer.thaw();
-            let _ = std::fs::remove_file(&marker);
-        }
-    };
+    crate::fault::point("snapshot.frozen")?;
 
     let mounts = criu::mounts(pid);
     let masked_dirs = criu::masked_dirs(pid, &ctx.ctr.spec, &mounts);
@@ -165,6 +149,8 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
     };
     let dev = crate::devfs::dev_mount(&mounts);
     let network_lock = criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, netns.is_some(), req.tcp_established);
+    // From CRIU's first dump on, a failure must make the next dump full.
+    let dumping = crate::chain::DumpInProgress::start(&ctx.store, init_start);
     let result = std::thread::scope(|scope| -> Result<(), String> {
         // The files beside the memory: the container is frozen, and CRIU only reads its files.
         let (local, rootfs, dir, dev) = (m.local_state.clone(), &rootfs, &dir, &dev);
@@ -220,9 +206,10 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
                 m.measurements.pages_written = st.pages_written;
                 m.measurements.pages_skipped_parent = st.pages_skipped_parent;
             }
-            if !was_frozen && !freezer.is_frozen() {
+            if !frozen.holds() {
                 return Err("the container thawed during the dump: the statepoint would not be consistent".into());
             }
+            crate::fault::point("snapshot.dumped")?;
             Ok(())
         })();
         let files = files.join().unwrap_or_else(|_| Err("the files snapshot failed".into()));
@@ -239,6 +226,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         let rest = (|| {
             // Remote positions, with the sandbox still frozen: consistent with files and processes.
             m.remote_state = crate::remote::capture(&crate::mcp::remote_hooks(&ctx.cfg)?, &ctx.ctr.id)?;
+            crate::fault::point("snapshot.before-commit")?;
             m.measurements.criu_bytes = store::du(&images);
             m.measurements.rootfs_bytes = m.local_state.rootfs_copy_path.as_ref().map_or(0, |c| store::du(&dir.join(c)));
             m.measurements.frozen_ms = ms(tf);
@@ -251,15 +239,15 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         }
         rest
     });
-    if let Err(e) = result {
-        thaw();
-        return Err(fail(e));
-    }
+    result?;
+    let mut pending = pending;
+    pending.committed = true;
+    dumping.committed();
     if !req.leave_running {
         // Kill while still frozen, so nothing runs past the statepoint.
         let _ = std::process::Command::new(&ctx.crun).args(crun_root_args(ctx)).args(["kill", &ctx.ctr.id, "KILL"]).status();
     }
-    thaw();
+    drop(frozen);
     if req.leave_running {
         crate::chain::after_dump(&ctx.store, &m, init_start)?;
     }
@@ -268,6 +256,23 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         enforce_retention(ctx);
     }
     Ok(m)
+}
+
+/// A statepoint being taken: its directory goes away on any way out before it is committed,
+/// CRIU's log of the failed attempt kept where an operator finds it.
+struct PendingStatepoint<'a> {
+    dir: &'a Path,
+    failed_log: PathBuf,
+    committed: bool,
+}
+
+impl Drop for PendingStatepoint<'_> {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::copy(self.dir.join("criu").join("dump.log"), &self.failed_log);
+            let _ = std::fs::remove_dir_all(self.dir);
+        }
+    }
 }
 
 pub fn crun_root_args(ctx: &Ctx) -> Vec<OsString> {

@@ -1,0 +1,125 @@
+//! Each step of a snapshot, a rollback, a restore and a fork made to fail in turn (planarian's
+//! fault points, armed through /run/planarian/fault, fire once): the sandbox runs exactly as
+//! before, no pending statepoint remains, a failed fork leaves nothing behind, and every
+//! committed statepoint still restores.
+
+use planarian_system_tests::sandbox::*;
+use planarian_system_tests::*;
+use std::path::{Path, PathBuf};
+
+const FAULT: &str = "/run/planarian/fault";
+
+fn inject(point: &str) {
+    std::fs::create_dir_all(Path::new(FAULT).parent().unwrap()).unwrap();
+    std::fs::write(FAULT, point).unwrap();
+}
+
+/// Disarms a fault that did not fire, whatever the test's outcome.
+struct Disarm;
+impl Drop for Disarm {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(FAULT);
+    }
+}
+
+fn planarian(args: &[&str]) -> Run {
+    cmd(planarian_bin().to_str().unwrap(), args)
+}
+
+fn store_of(sb: &Sandbox) -> PathBuf {
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).ok().out();
+    Path::new("/var/lib/planarian/containers").join(id)
+}
+
+/// The statepoint directories of a sandbox, each with its status ("none" without a manifest).
+fn statepoint_dirs(sb: &Sandbox) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = std::fs::read_dir(store_of(sb).join("statepoints"))
+        .map(|rd| {
+            rd.filter_map(Result::ok)
+                .map(|e| {
+                    let status = std::fs::read(e.path().join("manifest.json"))
+                        .ok()
+                        .and_then(|d| serde_json::from_slice::<serde_json::Value>(&d).ok())
+                        .and_then(|m| m["status"].as_str().map(String::from))
+                        .unwrap_or_else(|| "none".into());
+                    (e.file_name().to_string_lossy().into_owned(), status)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort();
+    out
+}
+
+/// The operation failed at `point`, the fault fired, and the sandbox runs on from `before`
+/// (memory unchanged, counter + 1), with exactly the committed statepoints `committed`.
+fn assert_unharmed(sb: &mut Sandbox, r: &Run, point: &str, before: &State, committed: &[&str]) -> State {
+    assert_ne!(r.code, Some(0), "{point}: {r:?}");
+    assert!(r.stderr.contains(&format!("injected fault at {point}")), "{point}: {r:?}");
+    assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
+    assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out(), "running", "{point}");
+    sb.seq = sb.read().expect("state readable").0;
+    let now = sb.send("tick");
+    assert_eq!((now.counter, &now.checksum), (before.counter + 1, &before.checksum), "{point}: the sandbox is not as it was");
+    let want: Vec<(String, String)> = committed.iter().map(|s| (s.to_string(), "committed".to_string())).collect();
+    assert_eq!(statepoint_dirs(sb), want, "{point}: a pending or partial statepoint remains");
+    now
+}
+
+#[test]
+fn every_failing_step_of_snapshot_rollback_and_restore_leaves_the_sandbox_as_it_was() {
+    require_stack!();
+    let _d = Disarm;
+    let mut sb = Sandbox::start("fault", 8, &[]);
+    let at_sp = sb.send("tick");
+    let sp = sb.snapshot("good");
+    let mut before = sb.send("dirty 0 4096");
+    for point in ["snapshot.before-freeze", "snapshot.frozen", "snapshot.dumped", "snapshot.before-commit"] {
+        inject(point);
+        let r = planarian(&["snapshot", &sb.name]);
+        before = assert_unharmed(&mut sb, &r, point, &before, &[&sp]);
+    }
+    for point in ["rollback.stopped", "rollback.files-restored", "restore.before-criu", "restore.restored"] {
+        sb.sh("echo now > /root/f").ok();
+        inject(point);
+        let r = planarian(&["rollback", &sb.name, &sp]);
+        assert!(r.stderr.contains("rollback failed, the container is as it was before"), "{point}: {r:?}");
+        before = assert_unharmed(&mut sb, &r, point, &before, &[&sp]);
+        assert_eq!(sb.sh("cat /root/f").stdout, "now\n", "{point}: the files are not as they were");
+    }
+    // The committed statepoint restores.
+    sb.rollback(&sp);
+    let back = sb.send("tick");
+    assert_eq!((back.counter, &back.checksum), (at_sp.counter + 1, &at_sp.checksum));
+    assert_eq!(sb.sh("cat /root/f 2>/dev/null || echo none").stdout, "none\n");
+}
+
+#[test]
+fn every_failing_step_of_a_fork_creates_nothing() {
+    require_stack!();
+    let _d = Disarm;
+    let mut src = Sandbox::start("ffault", 8, &[]);
+    let at_sp = src.send("tick");
+    let sp = src.snapshot("fork-point");
+    let before = src.send("dirty 0 4096");
+    let stores = || std::fs::read_dir("/var/lib/planarian/containers").unwrap().filter_map(Result::ok).count();
+    let (n_stores, n_containers) = (stores(), podman("planarian", &["ps", "-a", "-q"]).out().lines().count());
+    let new = name("ffork");
+    let _c = Cleanup(new.clone());
+    for point in ["fork.cloned", "fork.linked", "restore.before-criu", "restore.restored"] {
+        inject(point);
+        let r = planarian(&["fork", &src.name, &sp, "--name", &new]);
+        assert_ne!(r.code, Some(0), "{point}: {r:?}");
+        assert!(r.stderr.contains("fork failed, nothing was created") && r.stderr.contains(&format!("injected fault at {point}")), "{point}: {r:?}");
+        assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
+        assert_ne!(podman("planarian", &["inspect", &new]).code, Some(0), "{point}: the fork's container remains");
+        assert_eq!(podman("planarian", &["ps", "-a", "-q"]).out().lines().count(), n_containers, "{point}");
+        assert_eq!(stores(), n_stores, "{point}: the fork's store remains");
+    }
+    // The source ran on untouched, and the statepoint still forks.
+    let now = src.send("tick");
+    assert_eq!((now.counter, &now.checksum), (before.counter + 1, &before.checksum));
+    planarian(&["fork", &src.name, &sp, "--name", &new]).ok();
+    let f = Sandbox::attach(&new);
+    assert_eq!(f.state(), at_sp);
+}
