@@ -77,7 +77,8 @@ impl Zfs {
 
     /// Runs `zfs ARGS`, returning stdout.
     pub fn run(&self, args: &[&str]) -> Result<String> {
-        let out = Command::new(&self.bin).args(args).output().map_err(|err| Error::Spawn { bin: self.bin.clone(), err })?;
+        // Errors are classified by their text: in English whatever the caller's locale.
+        let out = Command::new(&self.bin).args(args).env("LC_ALL", "C").output().map_err(|err| Error::Spawn { bin: self.bin.clone(), err })?;
         if out.status.success() {
             return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
         }
