@@ -729,7 +729,7 @@ fn sdk_server(modules: &Path, port: u16, pg: &Pg) -> Child {
         .arg(format!("postgres://postgres@127.0.0.1:{}/postgres", pg.port))
         .spawn()
         .unwrap();
-    let end = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(120);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(std::time::Instant::now() < end, "the SDK server did not listen");
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -773,7 +773,7 @@ fn progress_and_cancellation_pass_through() {
     assert_eq!(p["method"], "notifications/progress", "{p}");
     assert_eq!(p["params"]["progressToken"], "tok-1", "{p}");
     mcp.send(&json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "slow", "reason": "test"}}));
-    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(120);
     loop {
         let seen: bool = db.query_one("SELECT to_regclass('sleep_cancelled') IS NOT NULL", &[]).unwrap().get(0);
         if seen {

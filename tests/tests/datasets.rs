@@ -131,7 +131,7 @@ fn per_image_clone_rolls_back_exactly_in_any_order_and_shares_the_image() {
     let name2 = sb2.name.clone();
     drop(sb2);
     assert!(podman("planarian", &["inspect", &name2]).code != Some(0));
-    assert!(wait_for(Duration::from_secs(40), || !exists(&ds2)), "{ds2} removed with its container");
+    assert!(wait_for(Duration::from_secs(120), || !exists(&ds2)), "{ds2} removed with its container");
     assert!(exists(&ds) && exists(&origin), "the other container and the image base stay");
     assert_eq!(files(&sb), f1);
 }
@@ -162,13 +162,13 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
         planarian(&["rollback", &name, sp]).ok();
         assert_eq!(status(&name), "running");
         assert_eq!(&sums(), f, "files after rollback to {sp}");
-        assert!(wait_for(Duration::from_secs(10), || sh("cat /tmp/n").code == Some(0)), "the process runs after rollback to {sp}");
+        assert!(wait_for(Duration::from_secs(120), || sh("cat /tmp/n").code == Some(0)), "the process runs after rollback to {sp}");
     }
     assert_eq!(prop(&ds, "mountpoint"), mp, "same dataset name, same path");
     assert_eq!(cmd("cat", [format!("{mp}/data/f")]).out(), "1", "the host sees the rolled-back files at the same path");
     podman("planarian", &["rm", "-f", "-t", "0", &name]).ok();
     assert!(
-        wait_for(Duration::from_secs(40), || snapshots_matching(&pool, &format!("@planarian-{}-", &id[..12])).is_empty()),
+        wait_for(Duration::from_secs(120), || snapshots_matching(&pool, &format!("@planarian-{}-", &id[..12])).is_empty()),
         "planarian's snapshots go with the container"
     );
     assert!(exists(&ds), "the user's dataset stays");
@@ -222,7 +222,7 @@ fn fork_is_a_clone_independent_of_its_source_in_both_directions() {
     drop(src);
     assert!(podman("planarian", &["inspect", &src_name]).code != Some(0));
     let src_ds = format!("{parent}/ctr-{src_id}");
-    assert!(wait_for(Duration::from_secs(40), || !exists(&src_ds)), "the source's dataset goes with it");
+    assert!(wait_for(Duration::from_secs(120), || !exists(&src_ds)), "the source's dataset goes with it");
     assert_eq!(fk.sh("cat /work/a").out(), "two");
     let c = fk.send("tick");
     fk.snapshot("k3");
@@ -232,7 +232,7 @@ fn fork_is_a_clone_independent_of_its_source_in_both_directions() {
     assert_eq!(fk.state(), c);
 
     drop(fk);
-    assert!(wait_for(Duration::from_secs(40), || !exists(&fork_ds)), "the fork's dataset goes with it");
+    assert!(wait_for(Duration::from_secs(120), || !exists(&fork_ds)), "the fork's dataset goes with it");
     assert!(snapshots_matching(&pool, &src_snaps).is_empty(), "nothing of the source is left");
 }
 
@@ -311,7 +311,7 @@ fn faults_pool_full_dataset_busy_zfs_missing_change_nothing() {
     sh("rm /fill").ok();
     // zfs-fuse frees the blocks asynchronously.
     assert!(
-        wait_for(Duration::from_secs(30), || planarian(&["snapshot", &name, "--name", "b2"]).code == Some(0)),
+        wait_for(Duration::from_secs(120), || planarian(&["snapshot", &name, "--name", "b2"]).code == Some(0)),
         "a snapshot works again once there is space"
     );
     planarian(&["rollback", &name, "b1"]).ok();
@@ -324,5 +324,5 @@ fn faults_pool_full_dataset_busy_zfs_missing_change_nothing() {
     assert_eq!(sh("cat /f").out(), "1");
     assert!(sh("grep ' / ' /proc/mounts").ok().out().contains(&ds), "a restarted container runs on its dataset");
     drop(c);
-    assert!(wait_for(Duration::from_secs(40), || !exists(&ds)), "{ds} removed with its container");
+    assert!(wait_for(Duration::from_secs(120), || !exists(&ds)), "{ds} removed with its container");
 }

@@ -303,5 +303,5 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
     drop(agent);
     podman("planarian", &["rm", "-f", "-t", "0", &f]).ok();
     podman("planarian", &["rm", "-f", "-t", "0", &n]).ok();
-    assert!(wait_for(Duration::from_secs(10), || !sidecar_running(&id) && !sidecar_running(&fid)), "the sidecars stop with their containers");
+    assert!(wait_for(Duration::from_secs(120), || !sidecar_running(&id) && !sidecar_running(&fid)), "the sidecars stop with their containers");
 }

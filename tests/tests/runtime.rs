@@ -48,7 +48,7 @@ fn detached_container_lifecycle_exec_logs_top_stop_rm() {
         let n = name("life");
         let _c = Cleanup(n.clone());
         podman(rt, &["run", "-d", "--name", &n, BUSYBOX, "sh", "-c", "echo started; trap 'echo bye; exit 0' TERM; while :; do sleep 0.2; done"]).ok();
-        assert!(wait_for(Duration::from_secs(20), || podman(rt, &["logs", &n]).stdout.contains("started")));
+        assert!(wait_for(Duration::from_secs(120), || podman(rt, &["logs", &n]).stdout.contains("started")));
         let exec = podman(rt, &["exec", &n, "sh", "-c", "echo in-$((40+2)); cat /proc/1/cmdline | tr '\\0' ' '"]);
         exec.ok();
         let exec_fail = podman(rt, &["exec", &n, "sh", "-c", "exit 3"]);
@@ -86,7 +86,7 @@ fn pause_and_unpause() {
         podman(rt, &["unpause", &n]).ok();
         assert_eq!(podman(rt, &["inspect", "--format", "{{.State.Status}}", &n]).out(), "running", "{rt}");
         let c1: u64 = podman(rt, &["exec", &n, "cat", "/tmp/count"]).out().parse().unwrap();
-        assert!(wait_for(Duration::from_secs(20), || {
+        assert!(wait_for(Duration::from_secs(120), || {
             podman(rt, &["exec", &n, "cat", "/tmp/count"]).out().parse::<u64>().unwrap_or(0) > c1
         }), "{rt}: the counter did not advance after unpause");
     }
@@ -99,11 +99,11 @@ fn kill_with_a_signal_reaches_the_container() {
         let n = name("kill");
         let _c = Cleanup(n.clone());
         podman(rt, &["run", "-d", "--name", &n, BUSYBOX, "sh", "-c", "trap 'echo got-usr1' USR1; echo ready; while :; do sleep 0.1; done"]).ok();
-        assert!(wait_for(Duration::from_secs(20), || podman(rt, &["logs", &n]).stdout.contains("ready")));
+        assert!(wait_for(Duration::from_secs(120), || podman(rt, &["logs", &n]).stdout.contains("ready")));
         podman(rt, &["kill", "-s", "USR1", &n]).ok();
-        assert!(wait_for(Duration::from_secs(20), || podman(rt, &["logs", &n]).stdout.contains("got-usr1")), "{rt}");
+        assert!(wait_for(Duration::from_secs(120), || podman(rt, &["logs", &n]).stdout.contains("got-usr1")), "{rt}");
         podman(rt, &["kill", "-s", "KILL", &n]).ok();
-        assert!(wait_for(Duration::from_secs(20), || {
+        assert!(wait_for(Duration::from_secs(120), || {
             podman(rt, &["inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", &n]).out() == "exited 137"
         }), "{rt}");
     }

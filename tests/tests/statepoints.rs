@@ -152,7 +152,7 @@ fn podman_checkpoint_creates_new_statepoints_and_restore_brings_it_back() {
     let logs = podman("planarian", &["logs", &sb.name]);
     logs.ok();
     podman("planarian", &["kill", "-s", "KILL", &sb.name]).ok();
-    assert!(wait_for(Duration::from_secs(30), || {
+    assert!(wait_for(Duration::from_secs(120), || {
         podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out() == "exited"
     }));
     podman("planarian", &["rm", &sb.name]).ok();
@@ -494,7 +494,7 @@ fn exec_waits_for_a_snapshot_in_progress() {
             (ok, start.elapsed())
         });
         // Once the container is frozen, a tool call must wait for the snapshot to finish.
-        assert!(wait_for(Duration::from_secs(30), || cmd("sh", ["-c", "ls /var/lib/planarian/containers/*/frozen-by-planarian"]).code == Some(0)));
+        assert!(wait_for(Duration::from_secs(120), || cmd("sh", ["-c", "ls /var/lib/planarian/containers/*/frozen-by-planarian"]).code == Some(0)));
         let r = podman("planarian", &["exec", &sb.name, "echo", "tool-call"]);
         let exec_end = start.elapsed();
         let (ok, snap_end) = snap.join().unwrap();
@@ -559,7 +559,7 @@ fn terminal_container_snapshots_rolls_back_and_keeps_its_console() {
     assert!(sb.sh("readlink /proc/1/fd/1").stdout.starts_with("/dev/pts/"));
     sb.sh("echo console-after-rollback > /proc/1/fd/1").ok();
     assert!(
-        wait_for(std::time::Duration::from_secs(20), || podman("planarian", &["logs", &sb.name]).stdout.contains("console-after-rollback")),
+        wait_for(std::time::Duration::from_secs(120), || podman("planarian", &["logs", &sb.name]).stdout.contains("console-after-rollback")),
         "podman logs: {}",
         podman("planarian", &["logs", &sb.name]).stdout
     );
@@ -568,7 +568,7 @@ fn terminal_container_snapshots_rolls_back_and_keeps_its_console() {
     podman("planarian", &["container", "restore", &sb.name]).ok();
     assert_eq!(sb.send("tick").checksum, at_sp.checksum);
     sb.sh("echo console-after-restore > /proc/1/fd/1").ok();
-    assert!(wait_for(std::time::Duration::from_secs(20), || podman("planarian", &["logs", &sb.name]).stdout.contains("console-after-restore")));
+    assert!(wait_for(std::time::Duration::from_secs(120), || podman("planarian", &["logs", &sb.name]).stdout.contains("console-after-restore")));
     // The dump after the restore stayed incremental (the pre-resume step ran in-process): on
     // the checkpoint Podman took (depth 1, on the base the rollback left), so at depth 2.
     let sp2 = sb.snapshot("after-restore");
