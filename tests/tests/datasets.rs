@@ -143,8 +143,10 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
     let ds = format!("{pool}/rootfs-{}", std::process::id());
     zfs(&["create", &ds]).ok();
     let mp = prop(&ds, "mountpoint");
-    let tar = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/vm/images/busybox.tar");
-    cmd("tar", ["-C", &mp, "-xf", tar]).ok();
+    // The image tests/vm/prepare built, wherever its cache is (PLANARIAN_VM_DIR, as tests/vm/run).
+    let vm_dir = std::env::var("PLANARIAN_VM_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/vm").to_string());
+    let tar = format!("{vm_dir}/images/busybox.tar");
+    cmd("tar", ["-C", &mp, "-xf", &tar]).ok();
     let name = name("zfsroot");
     let _c = Cleanup(name.clone());
     podman("planarian", &["run", "-d", "--name", &name, "--rootfs", &mp, "sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.2; done"]).ok();
