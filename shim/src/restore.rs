@@ -164,6 +164,10 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
             .and_then(|s| s.trim().parse().ok())
             .ok_or_else(|| format!("criu restore wrote no pid to {}", criu_pid_file.display()))?
     };
+    // Where Podman looks for them (`podman container restore --print-stats` reads the stats).
+    for f in ["stats-restore", "restore.log"] {
+        let _ = std::fs::copy(restore_work.join(f), work.join(f));
+    }
     // The tasks run: until every record of them is written, a failure kills them again, so that a
     // failed restore leaves no container running that neither conmon nor crun knows.
     let mut restored = RestoredTree { pid, keep: false };

@@ -69,10 +69,17 @@ pub struct State {
 }
 
 impl Sandbox {
+    /// Starts the workload with `mib` MiB. Without a `--network` in `extra` the sandbox has no
+    /// network (`--network none`): Podman's bridge costs seconds at every start, restore and
+    /// removal under emulation, and is tested where it is the point (TCP, the demo, the MCP
+    /// sidecar, Podman's output, the runtime comparisons).
     pub fn start(tag: &str, mib: u32, extra: &[&str]) -> Sandbox {
         let name = name(tag);
         let mib = mib.to_string();
         let mut args = vec!["run", "-d", "--name", &name];
+        if !extra.iter().any(|a| a.starts_with("--network")) {
+            args.extend_from_slice(&["--network", "none"]);
+        }
         args.extend_from_slice(extra);
         args.extend_from_slice(&[DEBIAN, "python3", "-c", WORKLOAD, &mib]);
         podman("planarian", &args).ok();

@@ -6,9 +6,11 @@
 use planarian_system_tests::sandbox::*;
 use planarian_system_tests::*;
 
-/// 64 MiB is 16384 pages. An incremental dump of a 64 KiB change writes a few pages, or one or two
-/// transparent huge pages (512 pages each: soft-dirty is tracked per PMD), plus Python's heap.
-const FULL: u64 = 16_384;
+/// The sandboxes hold 32 MiB: 8192 pages. An incremental dump of a 64 KiB change writes a few
+/// pages, or one or two transparent huge pages (512 pages each: soft-dirty is tracked per PMD),
+/// plus Python's heap. (Big enough to tell the two apart; small enough to be quick under emulation.)
+const MIB: u32 = 32;
+const FULL: u64 = 8_192;
 const INCREMENTAL: u64 = 2_048;
 
 fn assert_incremental(sb: &Sandbox, sp: &str, depth: u64) {
@@ -26,7 +28,7 @@ fn chain(sb: &Sandbox, sp: &str) -> serde_json::Value {
 #[test]
 fn dumps_stay_incremental_across_rollback_and_the_full_dump_interval() {
     require_stack!();
-    let mut sb = Sandbox::start("inc", 64, &["--annotation", "io.planarian.checkpoint.full_dump_interval=3"]);
+    let mut sb = Sandbox::start("inc", MIB, &["--annotation", "io.planarian.checkpoint.full_dump_interval=3"]);
     let s1 = sb.send("tick");
     let sp1 = sb.snapshot("a1");
     assert_full(&sb, &sp1, "first statepoint");
@@ -77,7 +79,7 @@ fn dumps_stay_incremental_across_rollback_and_the_full_dump_interval() {
 #[test]
 fn podman_restore_is_an_incremental_base_too() {
     require_stack!();
-    let mut sb = Sandbox::start("podinc", 64, &[]);
+    let mut sb = Sandbox::start("podinc", MIB, &[]);
     sb.send("dirty 0 65536");
     podman("planarian", &["container", "checkpoint", &sb.name]).ok();
     podman("planarian", &["container", "restore", &sb.name]).ok();
@@ -123,7 +125,7 @@ fn a_process_reusing_a_pid_after_restore_is_dumped_in_full() {
 #[test]
 fn a_failed_pre_resume_hook_makes_the_next_dump_full_not_corrupt() {
     require_stack!();
-    let mut sb = Sandbox::start("hookfail", 64, &[]);
+    let mut sb = Sandbox::start("hookfail", MIB, &[]);
     let sp1 = sb.snapshot("h1");
     let script = std::env::temp_dir().join(format!("pltest-hook-{}", std::process::id()));
     std::fs::write(&script, "#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = pre-resume ] && exit 1\nexit 0\n").unwrap();

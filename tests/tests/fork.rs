@@ -15,7 +15,7 @@ fn fork(src: &Sandbox, sp: &str, tag: &str) -> Sandbox {
 #[test]
 fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     require_stack!();
-    let mut src = Sandbox::start("fsrc", 64, &[]);
+    let mut src = Sandbox::start("fsrc", 32, &[]);
     src.sh("echo base > /root/f").ok();
     let at_sp = src.send("tick");
     let sp = src.snapshot("fork-point");

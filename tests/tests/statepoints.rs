@@ -9,7 +9,7 @@ use std::time::Duration;
 #[test]
 fn rollback_restores_memory_checksum_and_counter() {
     require_stack!();
-    let mut sb = Sandbox::start("mem", 64, &[]);
+    let mut sb = Sandbox::start("mem", 16, &[]);
     sb.send("tick");
     let at_sp = sb.send("tick");
     assert_eq!(at_sp.counter, 2);
@@ -143,7 +143,11 @@ fn podman_checkpoint_creates_new_statepoints_and_restore_brings_it_back() {
     podman("planarian", &["container", "checkpoint", &sb.name]).ok();
     assert_eq!(sb.statepoints().len(), 2, "each checkpoint is a new statepoint");
     assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out(), "exited");
-    podman("planarian", &["container", "restore", &sb.name]).ok();
+    // --print-stats reads CRIU's restore statistics where Podman expects them.
+    let r = podman("planarian", &["container", "restore", "--print-stats", &sb.name]);
+    r.ok();
+    let stats: serde_json::Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}: {}", r.stdout));
+    assert!(stats["container_statistics"][0]["criu_statistics"]["restore_time"].as_u64().unwrap_or(0) > 0, "{stats}");
     assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out(), "running");
     sb.seq = sb.read().unwrap().0;
     let after = sb.send("tick");
