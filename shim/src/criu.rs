@@ -282,6 +282,19 @@ pub fn in_netns(cmd: &mut Command, netns: Option<RawFd>) {
     }
 }
 
+/// Removes the nftables table a CRIU that died mid-dump left in the network namespace of `pid`
+/// (`inet CRIU-<root pid>`, CRIU 3.17's network lock when it dumps the namespace itself): left
+/// there, it makes every later dump of the container fail with "Locking network failed".
+/// Quietly does nothing when there is no such table, or no `nft` to remove it with.
+pub fn remove_stale_network_lock(pid: i32) {
+    let Ok(nft) = crate::tools::locate("nft", None, "PATH") else { return };
+    let Ok(ns) = std::fs::File::open(format!("/proc/{pid}/ns/net")) else { return };
+    let mut cmd = Command::new(nft);
+    cmd.args(["delete", "table", "inet", &format!("CRIU-{pid}")]).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+    in_netns(&mut cmd, Some(std::os::fd::AsRawFd::as_raw_fd(&ns)));
+    let _ = cmd.status();
+}
+
 /// Whether a dump recorded a network namespace of its own (one taken outside the container's).
 pub fn has_netns_image(images: &Path) -> bool {
     std::fs::read_dir(images).is_ok_and(|rd| {

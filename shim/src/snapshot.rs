@@ -73,6 +73,10 @@ impl Ctx {
     pub fn recover(&self) {
         let marker = self.store.dir.join("frozen-by-planarian");
         if let Ok(dir) = std::fs::read_to_string(&marker) {
+            // A planarian killed mid-window may have taken its CRIU, and CRIU's lock, with it.
+            if let Ok(pid) = self.ctr.running_pid() {
+                criu::remove_stale_network_lock(pid);
+            }
             let _ = std::fs::write(Path::new(dir.trim()).join("cgroup.freeze"), "0");
             let _ = std::fs::remove_file(&marker);
         }
@@ -149,6 +153,8 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
     };
     let dev = crate::devfs::dev_mount(&mounts);
     let network_lock = criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, netns.is_some(), req.tcp_established);
+    // A CRIU that dies while the namespace is locked leaves its lock behind: removed on failure.
+    let lock_guard = StaleNetworkLock { pid, armed: network_lock == Some("nftables") && netns.is_none() };
     // From CRIU's first dump on, a failure must make the next dump full.
     let dumping = crate::chain::DumpInProgress::start(&ctx.store, init_start);
     let result = std::thread::scope(|scope| -> Result<(), String> {
@@ -243,6 +249,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
     let mut pending = pending;
     pending.committed = true;
     dumping.committed();
+    lock_guard.disarm();
     if !req.leave_running {
         // Kill while still frozen, so nothing runs past the statepoint.
         let _ = std::process::Command::new(&ctx.crun).args(crun_root_args(ctx)).args(["kill", &ctx.ctr.id, "KILL"]).status();
@@ -256,6 +263,27 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         enforce_retention(ctx);
     }
     Ok(m)
+}
+
+/// The network lock of a dump that failed: CRIU unlocks the namespace when it ends, but not when
+/// it is killed.
+struct StaleNetworkLock {
+    pid: i32,
+    armed: bool,
+}
+
+impl StaleNetworkLock {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for StaleNetworkLock {
+    fn drop(&mut self) {
+        if self.armed {
+            criu::remove_stale_network_lock(self.pid);
+        }
+    }
 }
 
 /// A statepoint being taken: its directory goes away on any way out before it is committed,
