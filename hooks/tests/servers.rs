@@ -13,6 +13,15 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
+/// Polls `done` every 20 ms until it holds; fails with `what` once `secs` seconds have passed.
+fn wait_until(secs: u64, what: &str, mut done: impl FnMut() -> bool) {
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !done() {
+        assert!(std::time::Instant::now() < end, "{what}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
@@ -496,11 +505,7 @@ fn the_undo_log_and_positions_survive_a_killed_proxy_and_a_restarted_upstream() 
     // answer or write anything more.
     p.mcp.send(&json!({"jsonrpc": "2.0", "id": "lost", "method": "tools/call",
         "params": {"name": "execute_sql", "arguments": {"sql": "UPDATE accounts SET balance = balance + 1 WHERE id = 2"}}}));
-    let end = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while balance(&mut db) == was {
-        assert!(std::time::Instant::now() < end, "the call did not reach the database within 60 s");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    wait_until(60, "the call did not reach the database within 60 s", || balance(&mut db) != was);
     p.mcp.child.kill().unwrap();
     p.mcp.child.wait().unwrap();
     let (control_path, state) = (p.control.clone(), p.state.clone());
@@ -518,11 +523,7 @@ fn the_undo_log_and_positions_survive_a_killed_proxy_and_a_restarted_upstream() 
     Command::new("kill").arg(up.to_string()).status().unwrap();
     // Until it is gone (a zombie until the proxy reaps it); the call below finds out.
     let gone = || std::fs::read_to_string(format!("/proc/{up}/stat")).map_or(true, |s| s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'));
-    let end = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while !gone() {
-        assert!(std::time::Instant::now() < end, "the upstream did not exit within 60 s of SIGTERM");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    wait_until(60, "the upstream did not exit within 60 s of SIGTERM", gone);
     let mut r = p2.mcp.request("tools/call", json!({"name": "execute_sql", "arguments": {"sql": "INSERT INTO accounts VALUES (8, 'x', 1, NULL, NULL)"}}));
     if r.get("error").is_some() {
         // The call raced the restart: the proxy said so; a retry goes through.
@@ -585,11 +586,7 @@ fn http_server(srv: &Srv, pg: &Pg, port: u16) -> Child {
         }
     };
     let child = c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    let end = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(std::time::Instant::now() < end, "{srv:?} did not listen on {port} within 60 s");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    wait_until(60, &format!("{srv:?} did not listen on {port} within 60 s"), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
     child
 }
 
@@ -729,11 +726,7 @@ fn sdk_server(modules: &Path, port: u16, pg: &Pg) -> Child {
         .arg(format!("postgres://postgres@127.0.0.1:{}/postgres", pg.port))
         .spawn()
         .unwrap();
-    let end = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(std::time::Instant::now() < end, "the SDK server did not listen");
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    wait_until(120, "the SDK server did not listen", || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
     child
 }
 
@@ -773,15 +766,9 @@ fn progress_and_cancellation_pass_through() {
     assert_eq!(p["method"], "notifications/progress", "{p}");
     assert_eq!(p["params"]["progressToken"], "tok-1", "{p}");
     mcp.send(&json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "slow", "reason": "test"}}));
-    let end = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    loop {
-        let seen: bool = db.query_one("SELECT to_regclass('sleep_cancelled') IS NOT NULL", &[]).unwrap().get(0);
-        if seen {
-            break;
-        }
-        assert!(std::time::Instant::now() < end, "the server never saw the cancellation");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    wait_until(120, "the server never saw the cancellation", || {
+        db.query_one("SELECT to_regclass('sleep_cancelled') IS NOT NULL", &[]).unwrap().get::<_, bool>(0)
+    });
     // The session goes on.
     let r = mcp.request("tools/call", json!({"name": "sleep", "arguments": {"ms": 100}}));
     assert_eq!(r["result"]["content"][0]["text"], "slept", "{r}");

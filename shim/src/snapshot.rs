@@ -133,7 +133,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
     };
     rootfs.plan(&id, &mut m.local_state);
     // Until the manifest is committed, the statepoint's directory is removed on any way out.
-    let pending = PendingStatepoint { dir: &dir, failed_log: ctx.store.dir.join("failed-dump.log"), committed: false };
+    let pending = PendingStatepoint { dir: &dir, dump_log: images.join("dump.log"), failed_log: ctx.store.dir.join("failed-dump.log"), committed: false };
     ctx.store.write_manifest(&m)?;
     record_descriptors(pid, &dir)?;
     crate::fault::point("snapshot.before-freeze")?;
@@ -246,8 +246,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest, String> {
         rest
     });
     result?;
-    let mut pending = pending;
-    pending.committed = true;
+    pending.committed();
     dumping.committed();
     lock_guard.disarm();
     if !req.leave_running {
@@ -290,14 +289,21 @@ impl Drop for StaleNetworkLock {
 /// CRIU's log of the failed attempt kept where an operator finds it.
 struct PendingStatepoint<'a> {
     dir: &'a Path,
+    dump_log: PathBuf,
     failed_log: PathBuf,
     committed: bool,
+}
+
+impl PendingStatepoint<'_> {
+    fn committed(mut self) {
+        self.committed = true;
+    }
 }
 
 impl Drop for PendingStatepoint<'_> {
     fn drop(&mut self) {
         if !self.committed {
-            let _ = std::fs::copy(self.dir.join("criu").join("dump.log"), &self.failed_log);
+            let _ = std::fs::copy(&self.dump_log, &self.failed_log);
             let _ = std::fs::remove_dir_all(self.dir);
         }
     }
