@@ -143,20 +143,34 @@ pub fn set_dump_uptime(image: &[u8], usec: u64) -> Result<Vec<u8>, ImageError> {
     Ok(out)
 }
 
-/// Rewrites the file in place safely: temp file, fsync, rename.
-pub fn rewrite_dump_uptime(path: &Path, usec: u64) -> io::Result<()> {
-    use io::Write;
-    let data = std::fs::read(path)?;
-    let new = set_dump_uptime(&data, usec).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    let tmp = path.with_extension("img.planarian-tmp");
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(&new)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
+/// Rewrites the file in place safely ([`sys::write_atomic`]).
+pub fn rewrite_dump_uptime(path: &Path, usec: u64) -> Result<(), HookError> {
+    let data = std::fs::read(path).map_err(|e| sys::IoError::new("read", path, e))?;
+    let new = set_dump_uptime(&data, usec).map_err(|source| HookError::Image { path: path.to_path_buf(), source })?;
+    Ok(sys::write_atomic(path, &new, 0o644)?)
+}
+
+/// Why the pre-resume step (or an image edit) did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum HookError {
+    #[error(transparent)]
+    Io(#[from] sys::IoError),
+    #[error("{}: {source}", path.display())]
+    Image { path: std::path::PathBuf, source: ImageError },
+    #[error("cannot read CLK_TCK")]
+    ClockTicks,
+    #[error("criu named no root task")]
+    NoRoot,
+    #[error("no restored process under {0}")]
+    NoTree(i32),
+    #[error("no start time of the restored threads")]
+    NoStartTime,
+    #[error("cannot read /proc/uptime")]
+    Uptime,
+    #[error("uptime did not reach E = {0} ticks")]
+    Deadline(u64),
+    #[error("{0} is not set")]
+    NotSet(&'static str),
 }
 
 /// What CRIU's `stats-dump` image says about the memory of one dump.
@@ -203,23 +217,13 @@ pub fn ticks_to_usec(ticks: u64, clk_tck: u64) -> u64 {
     ticks * 1_000_000 / clk_tck
 }
 
-/// A process's state letter and start time (clock ticks since boot) from /proc/PID/stat.
-fn stat_fields(path: &Path) -> Option<(char, u64)> {
-    let s = std::fs::read_to_string(path).ok()?;
-    let rest = &s[s.rfind(')')? + 2..];
-    let mut f = rest.split(' ');
-    let state = f.next()?.chars().next()?;
-    let start = f.nth(18)?.parse().ok()?;
-    Some((state, start))
-}
-
 /// The restored process tree under `root` (the init pid CRIU reports), zombies skipped.
 pub fn restored_tree(proc: &Path, root: i32) -> Vec<i32> {
     let mut out = Vec::new();
     let mut todo = vec![root];
     while let Some(pid) = todo.pop() {
         let pdir = proc.join(pid.to_string());
-        match stat_fields(&pdir.join("stat")) {
+        match sys::proc::state_and_start(&pdir.join("stat")) {
             Some(('Z', _)) | None => continue,
             Some(_) => out.push(pid),
         }
@@ -233,16 +237,16 @@ pub fn restored_tree(proc: &Path, root: i32) -> Vec<i32> {
 }
 
 /// E = 1 + the latest start time (ticks) of every thread of the given processes.
-pub fn epoch(proc: &Path, pids: &[i32]) -> Option<u64> {
+pub fn epoch(proc: &Path, pids: &[i32]) -> Result<u64, HookError> {
     let mut latest = None::<u64>;
     for pid in pids {
         for task in std::fs::read_dir(proc.join(pid.to_string()).join("task")).into_iter().flatten().flatten() {
-            if let Some((_, start)) = stat_fields(&task.path().join("stat")) {
+            if let Some((_, start)) = sys::proc::state_and_start(&task.path().join("stat")) {
                 latest = Some(latest.map_or(start, |l| l.max(start)));
             }
         }
     }
-    latest.map(|l| l + 1)
+    latest.map(|l| l + 1).ok_or(HookError::NoStartTime)
 }
 
 /// Clears the soft-dirty bits of a process (`echo 4 > /proc/PID/clear_refs`).
@@ -251,42 +255,43 @@ pub fn clear_soft_dirty(proc: &Path, pid: i32) -> io::Result<()> {
 }
 
 /// System uptime in clock ticks.
-pub fn uptime_ticks(proc: &Path, clk_tck: u64) -> Option<u64> {
-    let s = std::fs::read_to_string(proc.join("uptime")).ok()?;
-    let secs = s.split_whitespace().next()?;
-    let (whole, frac) = secs.split_once('.').unwrap_or((secs, "0"));
-    let hundredths: u64 = format!("{frac:0<2}")[..2].parse().ok()?;
-    Some(whole.parse::<u64>().ok()? * clk_tck + hundredths * clk_tck / 100)
+pub fn uptime_ticks(proc: &Path, clk_tck: u64) -> Result<u64, HookError> {
+    let parse = || -> Option<u64> {
+        let s = std::fs::read_to_string(proc.join("uptime")).ok()?;
+        let secs = s.split_whitespace().next()?;
+        let (whole, frac) = secs.split_once('.').unwrap_or((secs, "0"));
+        let hundredths: u64 = format!("{frac:0<2}")[..2].parse().ok()?;
+        Some(whole.parse::<u64>().ok()? * clk_tck + hundredths * clk_tck / 100)
+    };
+    parse().ok_or(HookError::Uptime)
 }
 
 /// The pre-resume step of Algorithm 1 for the tree restored under `init`: clear the soft-dirty
 /// bits of every process, E = 1 + the latest start time of its threads, wait until the uptime
 /// reaches E, then record "E CLK_TCK" in `out` (temp file + rename: present only on success).
-pub fn pre_resume(init: i32, out: &Path) -> Result<(), String> {
+pub fn pre_resume(init: i32, out: &Path) -> Result<(), HookError> {
     use std::time::{Duration, Instant};
     let proc = Path::new("/proc");
     let clk = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
         .ok()
         .flatten()
-        .ok_or("cannot read CLK_TCK")? as u64;
+        .ok_or(HookError::ClockTicks)? as u64;
     let tree = restored_tree(proc, init);
     if tree.is_empty() {
-        return Err(format!("no restored process under {init}"));
+        return Err(HookError::NoTree(init));
     }
     for pid in &tree {
-        clear_soft_dirty(proc, *pid).map_err(|e| format!("clear_refs of {pid}: {e}"))?;
+        clear_soft_dirty(proc, *pid).map_err(|e| sys::IoError::new("write", proc.join(pid.to_string()).join("clear_refs"), e))?;
     }
-    let e = epoch(proc, &tree).ok_or("no start time of the restored threads")?;
+    let e = epoch(proc, &tree)?;
     let deadline = Instant::now() + Duration::from_secs(5);
-    while uptime_ticks(proc, clk).ok_or("cannot read /proc/uptime")? < e {
+    while uptime_ticks(proc, clk)? < e {
         if Instant::now() > deadline {
-            return Err(format!("uptime did not reach E = {e} ticks"));
+            return Err(HookError::Deadline(e));
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    let tmp = out.with_extension("tmp");
-    std::fs::write(&tmp, format!("{e} {clk}\n")).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, out).map_err(|e| format!("cannot record E: {e}"))
+    Ok(sys::write_atomic(out, format!("{e} {clk}\n").as_bytes(), 0o644)?)
 }
 
 #[cfg(test)]
@@ -383,7 +388,7 @@ mod tests {
         let tree = restored_tree(proc, me);
         assert!(tree.contains(&me) && tree.contains(&(child.id() as i32)), "{tree:?}");
         let e = epoch(proc, &tree).unwrap();
-        let (_, child_start) = stat_fields(&proc.join(child.id().to_string()).join("stat")).unwrap();
+        let (_, child_start) = sys::proc::state_and_start(&proc.join(child.id().to_string()).join("stat")).unwrap();
         assert!(e > child_start, "E must be after the latest start time");
         let clk = 100;
         assert!(uptime_ticks(proc, clk).unwrap() + 1 >= e - 1);

@@ -15,10 +15,10 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let [cmd, path, usec] = &args[..] {
         if cmd == "set-dump-uptime" {
-            let r = usec
-                .parse::<u64>()
-                .map_err(|e| e.to_string())
-                .and_then(|u| criu_hooks::rewrite_dump_uptime(Path::new(path), u).map_err(|e| e.to_string()));
+            let r = match usec.parse::<u64>() {
+                Ok(u) => criu_hooks::rewrite_dump_uptime(Path::new(path), u).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
             if let Err(e) = r {
                 eprintln!("planarian-criu-hooks: {path}: {e}");
                 std::process::exit(1);
@@ -35,11 +35,9 @@ fn main() {
     }
 }
 
-fn pre_resume() -> Result<(), String> {
-    let init: i32 = std::env::var("CRTOOLS_INIT_PID")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .ok_or("CRTOOLS_INIT_PID is not set")?;
-    let out = std::env::var_os("PLANARIAN_EPOCH_FILE").ok_or("PLANARIAN_EPOCH_FILE is not set")?;
+fn pre_resume() -> Result<(), criu_hooks::HookError> {
+    use criu_hooks::HookError::NotSet;
+    let init: i32 = std::env::var("CRTOOLS_INIT_PID").ok().and_then(|p| p.parse().ok()).ok_or(NotSet("CRTOOLS_INIT_PID"))?;
+    let out = std::env::var_os("PLANARIAN_EPOCH_FILE").ok_or(NotSet("PLANARIAN_EPOCH_FILE"))?;
     criu_hooks::pre_resume(init, Path::new(&out))
 }

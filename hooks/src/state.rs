@@ -42,18 +42,8 @@ impl Positions {
     }
 
     fn save(&self) -> Result<(), String> {
-        if let Some(dir) = self.path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-        }
-        let tmp = self.path.with_extension("tmp");
         let v = json!({"current": self.current, "last": self.last, "compensations": self.events.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>()});
-        let write = || -> std::io::Result<()> {
-            let mut f = std::fs::File::create(&tmp)?;
-            std::io::Write::write_all(&mut f, v.to_string().as_bytes())?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &self.path)
-        };
-        write().map_err(|e| format!("cannot write {}: {e}", self.path.display()))
+        sys::write_atomic(&self.path, v.to_string().as_bytes(), 0o644).map_err(|e| e.to_string())
     }
 
     /// The position of a new mutating call. Not written here (no fsync per call): a call that

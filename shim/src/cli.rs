@@ -8,21 +8,83 @@ use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 
-/// Global flags of runc/crun that take a separate value (`--root /run/x`); `--flag=value` works
-/// for every flag.
-const VALUE_FLAGS: &[&str] = &[
-    "--root",
-    "--log",
-    "--log-format",
-    "--log-level",
-    "--cgroup-manager",
-    "--criu",
+pub use engine::log::LogFormat;
+
+/// The flags of crun's command line that take a separate value (`--root /run/x`; `--flag=value`
+/// works for every flag), before the verb and for each verb planarian reads operands of: the one
+/// table every scan of crun's argument vector uses.
+const VALUE_FLAGS: &[(Option<&str>, &[&str])] = &[
+    (None, &["--root", "--log", "--log-format", "--log-level", "--cgroup-manager", "--criu"]),
+    (Some("create"), &["--bundle", "-b", "--pid-file", "--console-socket", "--preserve-fds"]),
+    (
+        Some("exec"),
+        &[
+            "--apparmor", "--console-socket", "--cwd", "--cap", "--env", "-e", "--process", "-p", "--process-label", "--pid-file",
+            "--preserve-fds", "--user", "-u", "--cgroup",
+        ],
+    ),
+    (Some("delete"), &[]),
 ];
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogFormat {
-    Text,
-    Json,
+fn value_flags(verb: Option<&str>) -> &'static [&'static str] {
+    VALUE_FLAGS.iter().find(|(v, _)| *v == verb).map_or(&[], |(_, f)| f)
+}
+
+/// A verb's arguments split by [`VALUE_FLAGS`]: its flags with their values, and its operands.
+pub struct VerbArgs<'a> {
+    pub flags: Vec<(&'a str, Option<&'a OsStr>)>,
+    pub operands: Vec<&'a OsStr>,
+}
+
+impl<'a> VerbArgs<'a> {
+    pub fn scan(verb: &str, args: &'a [OsString]) -> VerbArgs<'a> {
+        let takes = value_flags(Some(verb));
+        let (mut flags, mut operands) = (Vec::new(), Vec::new());
+        let mut i = 0;
+        while i < args.len() {
+            let a = args[i].as_os_str();
+            let bytes = a.as_bytes();
+            if bytes == b"--" {
+                operands.extend(args[i + 1..].iter().map(OsString::as_os_str));
+                break;
+            }
+            match a.to_str().filter(|s| s.starts_with('-') && s.len() > 1) {
+                Some(flag) => match flag.split_once('=') {
+                    Some((name, _)) => flags.push((name, Some(OsStr::from_bytes(&bytes[name.len() + 1..])))),
+                    None if takes.contains(&flag) => {
+                        i += 1;
+                        flags.push((flag, args.get(i).map(OsString::as_os_str)));
+                    }
+                    None => flags.push((flag, None)),
+                },
+                None => operands.push(a),
+            }
+            i += 1;
+        }
+        VerbArgs { flags, operands }
+    }
+
+    /// The value of the last of these flags given.
+    pub fn value(&self, names: &[&str]) -> Option<&'a OsStr> {
+        self.flags.iter().rev().find(|(n, _)| names.contains(n)).and_then(|(_, v)| *v)
+    }
+}
+
+/// `create`'s bundle (default: the working directory) and container ID (its last operand).
+pub fn create_args(args: &[OsString]) -> (PathBuf, Option<String>) {
+    let v = VerbArgs::scan("create", args);
+    let bundle = v.value(&["--bundle", "-b"]).map_or_else(|| PathBuf::from("."), PathBuf::from);
+    (bundle, v.operands.last().and_then(|o| o.to_str()).map(String::from))
+}
+
+/// The container ID of an `exec` invocation: its first operand.
+pub fn exec_container_id(args: &[OsString]) -> Option<&str> {
+    VerbArgs::scan("exec", args).operands.first()?.to_str()
+}
+
+/// The container ID of a `delete` invocation: its last operand.
+pub fn delete_container_id(args: &[OsString]) -> Option<&str> {
+    VerbArgs::scan("delete", args).operands.last()?.to_str()
 }
 
 /// One invocation of the runtime.
@@ -65,7 +127,7 @@ impl Invocation {
                 Some(eq) => (&arg[..eq], Some(OsStr::from_bytes(&arg[eq + 1..]).to_owned())),
                 None => (arg, None),
             };
-            let takes_value = VALUE_FLAGS.iter().any(|f| f.as_bytes() == name);
+            let takes_value = value_flags(None).iter().any(|f| f.as_bytes() == name);
             let value = if takes_value && inline.is_none() {
                 i += 1;
                 inv.args.get(i).cloned()
@@ -111,6 +173,16 @@ impl Invocation {
         }
     }
 
+    /// Where this invocation's messages go ([`engine::log::Sink`]).
+    pub fn sink(&self) -> engine::log::Sink {
+        engine::log::Sink { path: self.log.clone(), format: self.log_format, debug: self.debug }
+    }
+
+    /// The global flags the engine acts on.
+    pub fn globals(&self) -> engine::runtime::Globals {
+        engine::runtime::Globals { root: self.root.clone(), systemd_cgroup: self.has_global_flag("--systemd-cgroup") }
+    }
+
     /// Whether a global flag (before the verb) was given, e.g. `--version`.
     pub fn has_global_flag(&self, flag: &str) -> bool {
         self.global_args().iter().any(|a| a == flag)
@@ -141,29 +213,165 @@ pub struct CriuFlags {
     pub manage_cgroups_mode: Option<String>,
 }
 
-/// Options of `crun exec` that take a separate value.
-const EXEC_VALUE_FLAGS: &[&str] = &[
-    "--apparmor", "--console-socket", "--cwd", "--cap", "--env", "-e", "--process", "-p",
-    "--process-label", "--pid-file", "--preserve-fds", "--user", "-u", "--cgroup",
-];
+/// `checkpoint`, as Podman calls it.
+#[derive(clap::Parser, Debug)]
+#[command(name = "planarian checkpoint", about = "Create a statepoint of a running container", args_override_self = true)]
+pub struct CheckpointArgs {
+    /// Where Podman expects the checkpoint images.
+    #[arg(long)]
+    pub image_path: Option<PathBuf>,
+    /// Where Podman expects logs and stats.
+    #[arg(long)]
+    pub work_path: Option<PathBuf>,
+    #[arg(long)]
+    pub leave_running: bool,
+    #[command(flatten)]
+    pub criu: CriuFlags,
+    /// Podman's --pre-checkpoint: a memory pre-dump into --image-path, no statepoint.
+    #[arg(long)]
+    pub pre_dump: bool,
+    /// Podman's --with-previous (relative to --image-path).
+    #[arg(long)]
+    pub parent_path: Option<PathBuf>,
+    /// A name for the new statepoint (planarian's own flag).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// A description of the state (planarian's own flag).
+    #[arg(long)]
+    pub description: Option<String>,
+    pub container_id: String,
+}
 
-/// The container ID of an `exec` invocation: its first positional argument.
-pub fn exec_container_id(args: &[OsString]) -> Option<&str> {
-    let mut i = 0;
-    while i < args.len() {
-        let a = args[i].to_str()?;
-        if a == "--" {
-            return args.get(i + 1)?.to_str();
-        }
-        if !a.starts_with('-') {
-            return Some(a);
-        }
-        if !a.contains('=') && EXEC_VALUE_FLAGS.contains(&a) {
-            i += 1;
-        }
-        i += 1;
-    }
-    None
+/// `restore`, as conmon calls it.
+#[derive(clap::Parser, Debug)]
+#[command(name = "planarian restore", about = "Restore a container from a statepoint", args_override_self = true)]
+pub struct RestoreArgs {
+    #[arg(long, short = 'b')]
+    pub bundle: Option<PathBuf>,
+    #[arg(long)]
+    pub pid_file: Option<PathBuf>,
+    #[arg(long, short = 'd')]
+    pub detach: bool,
+    #[arg(long)]
+    pub image_path: Option<PathBuf>,
+    #[arg(long)]
+    pub work_path: Option<PathBuf>,
+    #[arg(long)]
+    pub no_pivot: bool,
+    #[arg(long)]
+    pub no_new_keyring: bool,
+    #[arg(long)]
+    pub preserve_fds: Option<u32>,
+    #[command(flatten)]
+    pub criu: CriuFlags,
+    #[arg(long)]
+    pub lsm_profile: Option<String>,
+    #[arg(long)]
+    pub lsm_mount_context: Option<String>,
+    #[arg(long)]
+    pub console_socket: Option<PathBuf>,
+    pub container_id: String,
+}
+
+/// `planarian snapshot`.
+#[derive(clap::Parser, Debug)]
+#[command(name = "planarian snapshot", about = "Take a statepoint of a running container (it keeps running); prints its id")]
+pub struct SnapshotArgs {
+    /// The container (name, ID or ID prefix).
+    pub container: String,
+    /// A name for the statepoint (unique in the container).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// What the state is, for whoever rolls back to it.
+    #[arg(long)]
+    pub description: Option<String>,
+    /// Dump established TCP connections too (CRIU's --tcp-established).
+    #[arg(long)]
+    pub tcp_established: bool,
+    /// Dump file locks too (CRIU's --file-locks).
+    #[arg(long)]
+    pub file_locks: bool,
+}
+
+/// `planarian rollback`.
+#[derive(clap::Parser, Debug)]
+#[command(name = "planarian rollback", about = "Return a container's processes, files and remote state to a statepoint")]
+pub struct RollbackArgs {
+    /// The container.
+    pub container: String,
+    /// Its statepoint (id or name).
+    pub statepoint: String,
+}
+
+/// `planarian fork`.
+#[derive(clap::Parser, Debug)]
+#[command(name = "planarian fork", about = "Start a new container from a statepoint of a container")]
+pub struct ForkArgs {
+    /// The container to fork.
+    pub container: String,
+    /// Its statepoint (id or name).
+    pub statepoint: String,
+    /// The new container's name.
+    #[arg(long)]
+    pub name: String,
+}
+
+/// `planarian statepoint`.
+#[derive(clap::Parser, Debug)]
+#[command(name = "planarian statepoint", about = "The statepoints of a container: list, show, annotate, remove")]
+pub struct StatepointArgs {
+    #[command(subcommand)]
+    pub command: StatepointCommand,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum StatepointCommand {
+    /// The committed statepoints, oldest first (* marks the one the container continues from).
+    #[command(visible_alias = "ls")]
+    List {
+        container: String,
+        /// As JSON (the manifests).
+        #[arg(long)]
+        json: bool,
+    },
+    /// One statepoint's manifest, as JSON.
+    #[command(visible_alias = "inspect")]
+    Show { container: String, statepoint: String },
+    /// Name, describe, or add an outcome to a statepoint (its captured state never changes).
+    Set {
+        container: String,
+        statepoint: String,
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long)]
+        description: Option<String>,
+        /// What happened after this statepoint (may be given more than once).
+        #[arg(long)]
+        outcome: Vec<String>,
+    },
+    /// Remove statepoints (all are checked first: a bad one removes nothing).
+    Rm {
+        container: String,
+        #[arg(required = true)]
+        statepoints: Vec<String>,
+    },
+}
+
+/// `planarian gc`.
+#[derive(clap::Parser, Debug)]
+#[command(name = "planarian gc", about = "Remove the ZFS datasets of containers Podman has removed")]
+pub struct GcArgs {
+    /// Only this container, once its bundle is gone (what `delete` starts in the background).
+    #[arg(long)]
+    pub wait: Option<String>,
+}
+
+/// `planarian config`.
+#[derive(clap::Parser, Debug)]
+#[command(name = "planarian config", about = "The effective configuration, optionally with a container's io.planarian.* annotations applied")]
+pub struct ConfigArgs {
+    /// A container ID crun knows.
+    pub container: Option<String>,
 }
 
 #[cfg(test)]
@@ -229,6 +437,75 @@ mod tests {
             .collect();
         assert_eq!(exec_container_id(&a), Some("abc123"));
         assert_eq!(exec_container_id(&[OsString::from("-d")]), None);
+    }
+
+    #[test]
+    fn create_and_delete_arguments_as_podman_sends_them() {
+        let a: Vec<OsString> = ["--bundle", "/b/userdata", "--pid-file", "/r/pidfile", "--console-socket", "/tmp/s", "abc123"].iter().map(OsString::from).collect();
+        assert_eq!(create_args(&a), (PathBuf::from("/b/userdata"), Some("abc123".into())));
+        let a: Vec<OsString> = ["--bundle=/x", "--no-pivot", "id2"].iter().map(OsString::from).collect();
+        assert_eq!(create_args(&a), (PathBuf::from("/x"), Some("id2".into())));
+        let a: Vec<OsString> = ["--force", "id3"].iter().map(OsString::from).collect();
+        assert_eq!(delete_container_id(&a), Some("id3"));
+    }
+
+    fn os(v: &[&str]) -> Vec<OsString> {
+        v.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn accepts_exactly_what_podman_sends_to_checkpoint() {
+        let a: CheckpointArgs = parse_verb(
+            "checkpoint",
+            &os(&["--image-path", "/u/checkpoint", "--work-path", "/u", "--leave-running", "--tcp-established",
+                "--file-locks", "--leave-running", "abc"]),
+        )
+        .unwrap();
+        assert!(a.leave_running && a.criu.tcp_established && a.criu.file_locks);
+        assert_eq!(a.image_path.as_deref(), Some(std::path::Path::new("/u/checkpoint")));
+        assert_eq!(a.container_id, "abc");
+        let pre: CheckpointArgs = parse_verb("checkpoint", &os(&["--image-path", "/u/pre-checkpoint", "--work-path", "/u", "--pre-dump", "abc"])).unwrap();
+        assert!(pre.pre_dump);
+        let prev: CheckpointArgs =
+            parse_verb("checkpoint", &os(&["--image-path", "/u/checkpoint", "--work-path", "/u", "--parent-path", "../pre-checkpoint", "abc"])).unwrap();
+        assert_eq!(prev.parent_path.as_deref(), Some(std::path::Path::new("../pre-checkpoint")));
+    }
+
+    #[test]
+    fn accepts_exactly_what_conmon_sends_to_restore() {
+        let a: RestoreArgs = parse_verb(
+            "restore",
+            &os(&["--bundle", "/u", "--pid-file", "/r/pidfile", "--no-new-keyring", "--detach", "--image-path", "/u/checkpoint",
+                "--work-path", "/u", "--tcp-established", "--lsm-mount-context=system_u:object_r:x", "--console-socket",
+                "/tmp/conmon-term.X", "abc"]),
+        )
+        .unwrap();
+        assert!(a.detach && a.criu.tcp_established);
+        assert_eq!(a.console_socket.as_deref(), Some(std::path::Path::new("/tmp/conmon-term.X")));
+        assert_eq!(a.container_id, "abc");
+    }
+
+    #[test]
+    fn help_exits_zero_for_podmans_probe() {
+        assert_eq!(parse_verb::<CheckpointArgs>("checkpoint", &os(&["--help"])).unwrap_err(), 0);
+        assert_ne!(parse_verb::<CheckpointArgs>("checkpoint", &os(&["--bogus", "x"])).unwrap_err(), 0);
+    }
+
+    #[test]
+    fn own_verbs_take_their_options_anywhere() {
+        let a: StatepointArgs = parse_verb("statepoint", &os(&["set", "c", "--name=x", "sp1", "--outcome", "failed: tests", "--outcome", "ok"])).unwrap();
+        match a.command {
+            StatepointCommand::Set { container, statepoint, name, outcome, .. } => {
+                assert_eq!((container.as_str(), statepoint.as_str(), name.as_deref()), ("c", "sp1", Some("x")));
+                assert_eq!(outcome, ["failed: tests", "ok"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(parse_verb::<StatepointArgs>("statepoint", &os(&["rm", "c"])).is_err(), "rm needs a statepoint");
+        let s: SnapshotArgs = parse_verb("snapshot", &os(&["--description", "d", "agent", "--name", "n"])).unwrap();
+        assert_eq!((s.container.as_str(), s.name.as_deref(), s.description.as_deref()), ("agent", Some("n"), Some("d")));
+        let f: ForkArgs = parse_verb("fork", &os(&["agent", "sp1", "--name", "b"])).unwrap();
+        assert_eq!(f.name, "b");
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //! Each check passes or fails with the fix. A failing *required* check makes the exit code 1;
 //! an optional one (soft-dirty tracking, ZFS) only degrades what planarian can do, and says how.
 
-use crate::config::Config;
-use crate::tools;
+use crate::Failure;
+use engine::config::Config;
+use engine::tools;
 use clap::Parser;
 use serde::Serialize;
 use std::ffi::OsString;
@@ -56,7 +57,7 @@ impl Check {
     }
 }
 
-pub fn main(args: &[OsString]) -> Result<i32, String> {
+pub fn main(args: &[OsString]) -> Result<i32, Failure> {
     let args: Args = match crate::cli::parse_verb("doctor", args) {
         Ok(a) => a,
         Err(code) => return Ok(code),
@@ -101,7 +102,7 @@ pub fn run_checks() -> Vec<Check> {
     };
     checks.push(check_crun(&cfg));
     checks.extend(check_criu(&cfg));
-    checks.push(match crate::criu_hooks_from(&cfg) {
+    checks.push(match engine::runtime::criu_hooks(&cfg) {
         Ok(p) => Check::pass("pre-resume hook", format!("{}: dumps stay incremental after a restore", p.display())).optional(),
         Err(e) => Check::fail("pre-resume hook", false, format!("{e}: the first dump after every restore is full"), "run `planarian install` from the build directory, or set [runtime] criu_hooks_path"),
     });

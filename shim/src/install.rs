@@ -24,7 +24,7 @@ struct Args {
     default_runtime: bool,
 }
 
-pub fn main(args: &[OsString]) -> Result<i32, String> {
+pub fn main(args: &[OsString]) -> Result<i32, crate::Failure> {
     let args: Args = match crate::cli::parse_verb("install", args) {
         Ok(a) => a,
         Err(code) => return Ok(code),
@@ -51,14 +51,14 @@ pub fn main(args: &[OsString]) -> Result<i32, String> {
     }
 
     let dropin = args.containers_conf_dir.join("planarian.conf");
-    write_atomic(&dropin, render_dropin(&bin, args.default_runtime).as_bytes(), 0o644)?;
+    sys::write_atomic(&dropin, render_dropin(&bin, args.default_runtime).as_bytes(), 0o644)?;
     println!("registered the runtime in {}", dropin.display());
 
     let conf = args.config_dir.join("planarian.conf");
     if conf.exists() {
         println!("kept {}", conf.display());
     } else {
-        write_atomic(&conf, DEFAULT_CONFIG.as_bytes(), 0o644)?;
+        sys::write_atomic(&conf, DEFAULT_CONFIG.as_bytes(), 0o644)?;
         println!("wrote {}", conf.display());
     }
     Ok(0)
@@ -72,34 +72,14 @@ fn render_dropin(bin: &Path, default_runtime: bool) -> String {
 }
 
 /// Copies the binary unless source and destination are the same file.
-fn install_file(src: &Path, dst: &Path) -> Result<(), String> {
+fn install_file(src: &Path, dst: &Path) -> Result<(), sys::IoError> {
     if let (Ok(a), Ok(b)) = (std::fs::canonicalize(src), std::fs::canonicalize(dst)) {
         if a == b {
             return Ok(());
         }
     }
-    let data = std::fs::read(src).map_err(|e| format!("cannot read {}: {e}", src.display()))?;
-    write_atomic(dst, &data, 0o755)
-}
-
-/// Writes a file through a temporary file and a rename, so a reader never sees half of it.
-pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<(), String> {
-    use std::io::Write;
-    use std::os::unix::fs::PermissionsExt;
-    let dir = path.parent().ok_or_else(|| format!("{} has no parent directory", path.display()))?;
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let tmp = dir.join(format!(".{}.tmp", path.file_name().unwrap_or_default().to_string_lossy()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(data)?;
-        f.set_permissions(std::fs::Permissions::from_mode(mode))?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    result.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        format!("cannot write {}: {e}", path.display())
-    })
+    let data = std::fs::read(src).map_err(|e| sys::IoError::new("read", src, e))?;
+    sys::write_atomic(dst, &data, 0o755)
 }
 
 #[cfg(test)]

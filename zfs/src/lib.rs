@@ -5,6 +5,7 @@
 //! dependants are found through `origin`, and deferred destruction (`destroy -d`) keeps a
 //! snapshot a clone still needs.
 
+use sys::proc::Mount;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -208,48 +209,24 @@ pub fn dataset_of(snap: &str) -> &str {
     snap.split('@').next().unwrap_or(snap)
 }
 
-/// The ZFS mounts (OpenZFS: type `zfs`; zfs-fuse: `fuse.zfs`) of a mountinfo text, in mount
-/// order, as (mount point, dataset).
-fn zfs_mounts(mountinfo: &str) -> impl DoubleEndedIterator<Item = (String, String)> + '_ {
-    mountinfo.lines().filter_map(|l| {
-        let f: Vec<&str> = l.split(' ').collect();
-        let sep = f.iter().position(|x| *x == "-")?;
-        let fstype = *f.get(sep + 1)?;
-        (fstype == "zfs" || fstype == "fuse.zfs").then(|| Some((unescape(f.get(4)?), unescape(f.get(sep + 2)?))))?
-    })
+/// The ZFS mounts (OpenZFS: type `zfs`; zfs-fuse: `fuse.zfs`) of a mount table, in mount order.
+fn zfs_mounts(mounts: &[Mount]) -> impl DoubleEndedIterator<Item = &Mount> {
+    mounts.iter().filter(|m| m.fstype == "zfs" || m.fstype == "fuse.zfs")
 }
 
-/// The ZFS dataset mounted exactly at `path`, read from a mountinfo text (`/proc/self/mountinfo`,
-/// or a process's).
-pub fn dataset_mounted_at(mountinfo: &str, path: &Path) -> Option<String> {
+/// The ZFS dataset mounted exactly at `path`, from a mount table ([`sys::proc::own_mounts`], or
+/// a process's).
+pub fn dataset_mounted_at(mounts: &[Mount], path: &Path) -> Option<String> {
     let want = path.to_str()?.trim_end_matches('/');
     let want = if want.is_empty() { "/" } else { want };
     // The last matching line is the mount on top.
-    zfs_mounts(mountinfo).rev().find(|(mp, _)| mp == want).map(|(_, ds)| ds)
+    zfs_mounts(mounts).rev().find(|m| m.point == want).map(|m| m.source.clone())
 }
 
-/// Where `dataset` is mounted, from a mountinfo text: every mount point of it, in mount order (a
-/// bind of the dataset's root shows up as a second one).
-pub fn mounts_of(mountinfo: &str, dataset: &str) -> Vec<PathBuf> {
-    zfs_mounts(mountinfo).filter(|(_, ds)| ds == dataset).map(|(mp, _)| PathBuf::from(mp)).collect()
-}
-
-/// mountinfo escapes space, tab, newline and backslash as octal.
-pub fn unescape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let b = s.as_bytes();
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
-            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
-            out.push(v as char);
-            i += 4;
-        } else {
-            out.push(b[i] as char);
-            i += 1;
-        }
-    }
-    out
+/// Where `dataset` is mounted: every mount point of it, in mount order (a bind of the dataset's
+/// root shows up as a second one).
+pub fn mounts_of(mounts: &[Mount], dataset: &str) -> Vec<PathBuf> {
+    zfs_mounts(mounts).filter(|m| m.source == dataset).map(|m| PathBuf::from(&m.point)).collect()
 }
 
 #[cfg(test)]
@@ -265,14 +242,14 @@ mod tests {
 
     #[test]
     fn finds_the_dataset_mounted_exactly_at_a_path() {
-        assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/tank/sb")).as_deref(), Some("tank/sb"));
-        assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/tank/sb/")).as_deref(), Some("tank/sb"));
-        assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/srv/my box")).as_deref(), Some("pool/my box"));
-        assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/tank/sb/sub")), None);
-        assert_eq!(mounts_of(MOUNTINFO, "tank/sb"), vec![PathBuf::from("/tank/sb")]);
-        assert_eq!(mounts_of(MOUNTINFO, "pool/my box"), vec![PathBuf::from("/srv/my box")]);
-        assert!(mounts_of(MOUNTINFO, "tank/none").is_empty() && mounts_of(MOUNTINFO, "overlay").is_empty());
-        assert_eq!(dataset_mounted_at(MOUNTINFO, Path::new("/var/lib/containers/storage/overlay/abc/merged")), None);
+        assert_eq!(dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/tank/sb")).as_deref(), Some("tank/sb"));
+        assert_eq!(dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/tank/sb/")).as_deref(), Some("tank/sb"));
+        assert_eq!(dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/srv/my box")).as_deref(), Some("pool/my box"));
+        assert_eq!(dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/tank/sb/sub")), None);
+        assert_eq!(mounts_of(&sys::proc::parse_mountinfo(MOUNTINFO), "tank/sb"), vec![PathBuf::from("/tank/sb")]);
+        assert_eq!(mounts_of(&sys::proc::parse_mountinfo(MOUNTINFO), "pool/my box"), vec![PathBuf::from("/srv/my box")]);
+        assert!(mounts_of(&sys::proc::parse_mountinfo(MOUNTINFO), "tank/none").is_empty() && mounts_of(&sys::proc::parse_mountinfo(MOUNTINFO), "overlay").is_empty());
+        assert_eq!(dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/var/lib/containers/storage/overlay/abc/merged")), None);
     }
 
     #[test]

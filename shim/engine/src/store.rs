@@ -8,12 +8,29 @@
 //!     head                     the statepoint the running sandbox continues from
 //!     handoff                  a rollback handing its lock to the restore it started
 //!     statepoints/<id>/        manifest.json, criu/ (images), rootfs/ (copy-based files)
-//!     zfs.json                 the container's ZFS dataset, when it has one (zfs_rootfs.rs)
+//!     zfs.json                 the container's ZFS dataset, when it has one (local/zfs)
 //! ```
+//!
+//! The registry knows manifests, ids, the head and the lock; what a statepoint's parts are made
+//! of (images, files, datasets) is for the layers above it, which remove them (the statepoint
+//! manager's `remove`).
 
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use sys::Context;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Io(#[from] sys::IoError),
+    #[error("{}: {source}", path.display())]
+    Manifest { path: PathBuf, source: serde_json::Error },
+    #[error("unknown statepoint {0} (see `planarian statepoint list`)")]
+    Unknown(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -129,31 +146,31 @@ impl ContainerStore {
 
     /// Takes the container's lock, exclusive or shared; released when the file is dropped,
     /// and by the kernel if planarian dies.
-    pub fn lock(&self, exclusive: bool) -> Result<File, String> {
-        std::fs::create_dir_all(&self.dir).map_err(|e| format!("cannot create {}: {e}", self.dir.display()))?;
+    pub fn lock(&self, exclusive: bool) -> Result<File> {
+        std::fs::create_dir_all(&self.dir).at("create", &self.dir)?;
         let path = self.dir.join("lock");
-        let f = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        let f = File::options().create(true).truncate(false).write(true).open(&path).at("open", &path)?;
         let r = if exclusive { f.lock() } else { f.lock_shared() };
-        r.map_err(|e| format!("cannot lock {}: {e}", path.display()))?;
+        r.at("lock", &path)?;
         Ok(f)
+    }
+
+    /// The container ID this store belongs to (its directory's name).
+    pub fn container_id(&self) -> String {
+        self.dir.file_name().unwrap_or_default().to_string_lossy().into_owned()
     }
 
     pub fn head(&self) -> Option<String> {
         std::fs::read_to_string(self.dir.join("head")).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
     }
 
-    pub fn set_head(&self, id: Option<&str>) -> Result<(), String> {
+    pub fn set_head(&self, id: Option<&str>) -> Result<()> {
+        let path = self.dir.join("head");
         match id {
-            Some(id) => crate::install::write_atomic(&self.dir.join("head"), id.as_bytes(), 0o644),
-            None => match std::fs::remove_file(self.dir.join("head")) {
-                Ok(()) => Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(format!("cannot clear head: {e}")),
+            Some(id) => Ok(sys::write_atomic(&path, id.as_bytes(), 0o644)?),
+            None => match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(sys::IoError::new("remove", path, e).into()),
+                _ => Ok(()),
             },
         }
     }
@@ -176,12 +193,12 @@ impl ContainerStore {
     }
 
     /// Finds a committed statepoint by id or name.
-    pub fn find(&self, key: &str) -> Result<Manifest, String> {
+    pub fn find(&self, key: &str) -> Result<Manifest> {
         let all = self.manifests();
         all.iter()
             .find(|m| m.status == Status::Committed && (m.statepoint_id == key || m.name.as_deref() == Some(key)))
             .cloned()
-            .ok_or_else(|| format!("unknown statepoint {key} (see `planarian statepoint list`)"))
+            .ok_or_else(|| Error::Unknown(key.to_string()))
     }
 
     /// The next statepoint id: sp1, sp2, … (never reused within a container).
@@ -190,64 +207,43 @@ impl ContainerStore {
         let last: u64 = std::fs::read_to_string(&counter).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
         let max_dir = self.manifests().iter().map(|m| seq_of(&m.statepoint_id)).max().unwrap_or(0);
         let n = last.max(max_dir) + 1;
-        let _ = crate::install::write_atomic(&counter, n.to_string().as_bytes(), 0o644);
+        let _ = sys::write_atomic(&counter, n.to_string().as_bytes(), 0o644);
         format!("sp{n}")
     }
 
-    pub fn write_manifest(&self, m: &Manifest) -> Result<(), String> {
+    pub fn write_manifest(&self, m: &Manifest) -> Result<()> {
         let path = self.statepoint_dir(&m.statepoint_id).join("manifest.json");
-        let data = serde_json::to_vec_pretty(m).map_err(|e| e.to_string())?;
-        crate::install::write_atomic(&path, &data, 0o644)
+        let data = serde_json::to_vec_pretty(m).map_err(|source| Error::Manifest { path: path.clone(), source })?;
+        Ok(sys::write_atomic(&path, &data, 0o644)?)
     }
 
-    /// Removes statepoints a crashed planarian left pending. Call with the exclusive lock held.
-    pub fn discard_stale(&self) {
-        for m in self.manifests() {
-            if m.status == Status::Pending {
-                if let Some(snap) = &m.local_state.zfs_snapshot {
-                    let _ = crate::zfs_rootfs::destroy_snapshot(self, snap);
-                }
-                let _ = std::fs::remove_dir_all(self.statepoint_dir(&m.statepoint_id));
-            }
-        }
-        // Directories without a manifest are partial creations too.
-        if let Ok(rd) = std::fs::read_dir(self.dir.join("statepoints")) {
-            for e in rd.filter_map(Result::ok) {
-                if !e.path().join("manifest.json").exists() {
-                    let _ = std::fs::remove_dir_all(e.path());
-                }
-            }
-        }
+    /// Statepoint directories a crashed planarian left: pending manifests, and directories with
+    /// no manifest at all (partial creations). The caller removes their parts.
+    pub fn stale(&self) -> (Vec<Manifest>, Vec<PathBuf>) {
+        let pending = self.manifests().into_iter().filter(|m| m.status == Status::Pending).collect();
+        let orphans = std::fs::read_dir(self.dir.join("statepoints"))
+            .map(|rd| rd.filter_map(Result::ok).map(|e| e.path()).filter(|p| !p.join("manifest.json").exists()).collect())
+            .unwrap_or_default();
+        (pending, orphans)
     }
 
-    /// Removes a statepoint from the registry. Its memory images stay while a later dump of the
-    /// chain links to them (see chain::collect); its files go at once.
-    pub fn remove(&self, id: &str) -> Result<(), String> {
+    /// Marks a statepoint discarded: the first step of removing it, so that a crash half-way
+    /// leaves no committed statepoint without its parts. Clears the head if it pointed there.
+    pub fn mark_discarded(&self, id: &str) -> Result<Manifest> {
         let dir = self.statepoint_dir(id);
-        // Mark it discarded first, so a crash half-way leaves no committed statepoint without files.
         let mut m = read_manifest(&dir.join("manifest.json"))?;
         m.status = Status::Discarded;
         self.write_manifest(&m)?;
-        if let Some(copy) = &m.local_state.rootfs_copy_path {
-            let p = dir.join(copy);
-            if p.exists() {
-                std::fs::remove_dir_all(&p).map_err(|e| format!("cannot remove {}: {e}", p.display()))?;
-            }
-        }
-        if let Some(snap) = &m.local_state.zfs_snapshot {
-            crate::zfs_rootfs::destroy_snapshot(self, snap)?;
-        }
         if self.head().as_deref() == Some(id) {
             self.set_head(None)?;
         }
-        crate::chain::collect(self);
-        Ok(())
+        Ok(m)
     }
 }
 
-pub fn read_manifest(path: &Path) -> Result<Manifest, String> {
-    let data = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    serde_json::from_slice(&data).map_err(|e| format!("{}: {e}", path.display()))
+pub fn read_manifest(path: &Path) -> Result<Manifest> {
+    let data = std::fs::read(path).at("read", path)?;
+    serde_json::from_slice(&data).map_err(|source| Error::Manifest { path: path.to_path_buf(), source })
 }
 
 fn seq_of(id: &str) -> u64 {
@@ -306,22 +302,22 @@ pub(crate) mod tests {
         assert_eq!(s.next_id(), "sp1");
         s.write_manifest(&manifest("sp1", Status::Committed)).unwrap();
         assert_eq!(s.next_id(), "sp2");
-        s.remove("sp1").unwrap();
+        s.mark_discarded("sp1").unwrap();
+        std::fs::remove_dir_all(s.statepoint_dir("sp1")).unwrap();
         assert_eq!(s.next_id(), "sp3");
         std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
-    fn stale_pending_statepoints_are_discarded_and_committed_kept() {
+    fn stale_are_pending_statepoints_and_directories_without_a_manifest() {
         let root = tmp("stale");
         let s = ContainerStore::new(&root, "c");
         s.write_manifest(&manifest("sp1", Status::Committed)).unwrap();
         s.write_manifest(&manifest("sp2", Status::Pending)).unwrap();
         std::fs::create_dir_all(s.statepoint_dir("sp3").join("criu")).unwrap();
-        s.discard_stale();
-        let ids: Vec<String> = s.manifests().into_iter().map(|m| m.statepoint_id).collect();
-        assert_eq!(ids, vec!["sp1"]);
-        assert!(!s.statepoint_dir("sp3").exists());
+        let (pending, orphans) = s.stale();
+        assert_eq!(pending.iter().map(|m| m.statepoint_id.as_str()).collect::<Vec<_>>(), ["sp2"]);
+        assert_eq!(orphans, [s.statepoint_dir("sp3")]);
         std::fs::remove_dir_all(&root).unwrap();
     }
 
@@ -335,7 +331,7 @@ pub(crate) mod tests {
         s.write_manifest(&manifest("sp2", Status::Pending)).unwrap();
         assert_eq!(s.find("deps-installed").unwrap().statepoint_id, "sp1");
         assert_eq!(s.find("sp1").unwrap().statepoint_id, "sp1");
-        let e = s.find("sp2").unwrap_err();
+        let e = s.find("sp2").unwrap_err().to_string();
         assert!(e.starts_with("unknown statepoint sp2"), "{e}");
         std::fs::remove_dir_all(&root).unwrap();
     }

@@ -1,11 +1,75 @@
-//! Driving the `criu` command line: the options a container needs, derived from its OCI config
-//! the way crun derives them, built in one place.
+//! Driving CRIU: the options a container needs, derived from its OCI config the way crun
+//! derives them, built in one place ([`DumpPlan::options`], [`RestorePlan::options`]) as one
+//! list of [`Opt`]s, which [`cli_args`] renders as a command line and [`rpc`] as CRIU's
+//! `criu_opts` (for a terminal, whose slave only the RPC's `orphan_pts_master` restores).
 
-use crate::container::Spec;
+pub mod rpc;
+
+use crate::runtime::Spec;
 use std::ffi::OsString;
 use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use sys::Context;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Io(#[from] sys::IoError),
+    #[error("cannot run {}: {source}", tool.display())]
+    Run { tool: PathBuf, source: std::io::Error },
+    /// CRIU failed; its own first error line and where its log is.
+    #[error("criu {verb} failed: {why} (log: {})", log.display())]
+    Failed { verb: &'static str, why: String, log: PathBuf },
+    /// Talking to `criu swrk` failed.
+    #[error("{0}")]
+    Rpc(String),
+    #[error("{script}: {why}")]
+    Notify { script: String, why: String },
+    #[error("criu restore wrote no pid to {}", .0.display())]
+    NoPid(PathBuf),
+    #[error("{} is not empty: it is bound over the containers' masked directories at restore; empty it", .0.display())]
+    EmptyDirNotEmpty(PathBuf),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// One CRIU option, as both the command line and `criu_opts` know it. Options one mode does not
+/// have are left out by that mode's renderer (and say so where they are rendered).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Opt {
+    /// The process tree to dump (`--tree`; `pid`).
+    Tree(i32),
+    /// `--images-dir` (RPC: `images_dir_fd`, opened by the caller).
+    ImagesDir(PathBuf),
+    /// `--work-dir` (RPC: `work_dir_fd`).
+    WorkDir(PathBuf),
+    /// `--log-file` (relative to the work directory) at `-v4`.
+    LogFile(&'static str),
+    LeaveRunning,
+    TrackMem,
+    ManageCgroups,
+    Root(PathBuf),
+    FreezeCgroup(PathBuf),
+    /// `--prev-images-dir` (RPC: `parent_img`), relative to the images directory.
+    PrevImagesDir(String),
+    /// `--ext-mount-map KEY:VAL` (RPC: `ext_mnt`).
+    ExtMount(String, String),
+    NetworkLock(&'static str),
+    TcpEstablished(bool),
+    FileLocks(bool),
+    /// Command line only: the RPC caller stays CRIU's parent anyway.
+    RestoreDetached,
+    RestoreSibling,
+    /// Command line only: the RPC answers with the pid.
+    PidFile(PathBuf),
+    CgroupRoot(String),
+    /// `--inherit-fd fd[N]:KEY` (RPC: `inherit_fd`).
+    InheritFd(i32, String),
+    /// Command line only: in RPC mode CRIU runs no action scripts, and notifies the caller
+    /// instead (see [`rpc`]).
+    ActionScript(PathBuf),
+}
 
 pub struct DumpPlan<'a> {
     pub pid: i32,
@@ -20,7 +84,7 @@ pub struct DumpPlan<'a> {
     pub masked_dirs: &'a [String],
     /// CRIU's `--network-lock` method, when not its default ([`network_lock`]).
     pub network_lock: Option<&'static str>,
-    /// `/dev` is kept by planarian ([`crate::devfs`]): an external mount for CRIU.
+    /// `/dev` is kept by planarian ([`crate::local::devfs`]): an external mount for CRIU.
     pub dev_external: bool,
     /// CRIU runs inside the container's network namespace ([`in_netns`]), which it then does
     /// not dump.
@@ -51,8 +115,125 @@ pub struct RestorePlan<'a> {
     pub join_netns: Option<RawFd>,
 }
 
-fn push(v: &mut Vec<OsString>, items: &[&str]) {
-    v.extend(items.iter().map(OsString::from));
+
+fn ext(a: impl Into<String>, b: impl Into<String>) -> Opt {
+    Opt::ExtMount(a.into(), b.into())
+}
+
+impl DumpPlan<'_> {
+    /// The options of this dump, in the order the command line gives them.
+    pub fn options(&self) -> Vec<Opt> {
+        let mut o = vec![
+            Opt::Tree(self.pid),
+            Opt::ImagesDir(self.images_dir.to_path_buf()),
+            Opt::WorkDir(self.images_dir.to_path_buf()),
+            Opt::LogFile("dump.log"),
+            Opt::LeaveRunning,
+            Opt::TrackMem,
+            Opt::ManageCgroups,
+            Opt::Root(self.spec.root.clone()),
+        ];
+        if let Some(cg) = self.freeze_cgroup {
+            o.push(Opt::FreezeCgroup(cg.to_path_buf()));
+        }
+        if let Some(prev) = self.prev_images_dir {
+            o.push(Opt::PrevImagesDir(prev.to_string()));
+        }
+        o.extend(self.spec.binds.iter().map(|(dest, _)| ext(dest, dest)));
+        o.extend(masked_files(self.spec).map(|f| ext(f, f)));
+        o.extend(self.masked_dirs.iter().map(|d| ext(d, MASKED_DIR_KEY)));
+        if self.dev_external {
+            o.push(ext("/dev", crate::local::devfs::KEY));
+        }
+        if let Some(m) = self.network_lock {
+            o.push(Opt::NetworkLock(m));
+        }
+        o.push(Opt::TcpEstablished(self.tcp_established));
+        o.push(Opt::FileLocks(self.file_locks));
+        o
+    }
+}
+
+impl RestorePlan<'_> {
+    /// The options of this restore, in the order the command line gives them.
+    pub fn options(&self) -> Vec<Opt> {
+        let mut o = vec![
+            Opt::ImagesDir(self.images_dir.to_path_buf()),
+            Opt::WorkDir(self.work_dir.to_path_buf()),
+            Opt::LogFile("restore.log"),
+            Opt::RestoreDetached,
+            Opt::RestoreSibling,
+            Opt::ManageCgroups,
+            Opt::PidFile(self.pid_file.to_path_buf()),
+            Opt::Root(self.root.to_path_buf()),
+        ];
+        if let Some(cg) = &self.cgroup_root {
+            o.push(Opt::CgroupRoot(cg.clone()));
+        }
+        o.extend(self.spec.binds.iter().map(|(dest, src)| ext(dest, src)));
+        o.extend(masked_files(self.spec).map(|f| ext(f, "/dev/null")));
+        if let Some(d) = self.empty_dir {
+            o.push(ext(MASKED_DIR_KEY, d.display().to_string()));
+        }
+        if let Some(d) = self.dev_tmpfs {
+            o.push(ext(crate::local::devfs::KEY, d.display().to_string()));
+        }
+        if let Some(m) = self.network_lock {
+            o.push(Opt::NetworkLock(m));
+        }
+        if let Some(fd) = self.netns_fd {
+            o.push(Opt::InheritFd(fd, "extRootNetNS".into()));
+        }
+        o.extend(self.inherit_fds.iter().map(|(fd, key)| Opt::InheritFd(*fd, key.clone())));
+        o.extend(self.action_scripts.iter().map(|s| Opt::ActionScript(s.clone())));
+        o.push(Opt::TcpEstablished(self.tcp_established));
+        o.push(Opt::FileLocks(self.file_locks));
+        o
+    }
+}
+
+/// The command line of `criu VERB` with these options.
+pub fn cli_args(verb: &str, opts: &[Opt]) -> Vec<OsString> {
+    let mut a: Vec<OsString> = vec![verb.into()];
+    for o in opts {
+        let (name, value): (&str, Option<OsString>) = match o {
+            Opt::Tree(pid) => ("--tree", Some(pid.to_string().into())),
+            Opt::ImagesDir(p) => ("--images-dir", Some(p.into())),
+            Opt::WorkDir(p) => ("--work-dir", Some(p.into())),
+            Opt::LogFile(f) => {
+                a.extend(["--log-file".into(), (*f).into()]);
+                ("-v4", None)
+            }
+            Opt::LeaveRunning => ("--leave-running", None),
+            Opt::TrackMem => ("--track-mem", None),
+            Opt::ManageCgroups => ("--manage-cgroups", None),
+            Opt::Root(p) => ("--root", Some(p.into())),
+            Opt::FreezeCgroup(p) => ("--freeze-cgroup", Some(p.into())),
+            Opt::PrevImagesDir(p) => ("--prev-images-dir", Some(p.into())),
+            Opt::ExtMount(k, v) => ("--ext-mount-map", Some(format!("{k}:{v}").into())),
+            Opt::NetworkLock(m) => ("--network-lock", Some(m.into())),
+            Opt::TcpEstablished(false) | Opt::FileLocks(false) => continue,
+            Opt::TcpEstablished(true) => ("--tcp-established", None),
+            Opt::FileLocks(true) => ("--file-locks", None),
+            Opt::RestoreDetached => ("--restore-detached", None),
+            Opt::RestoreSibling => ("--restore-sibling", None),
+            Opt::PidFile(p) => ("--pidfile", Some(p.into())),
+            Opt::CgroupRoot(c) => ("--cgroup-root", Some(c.into())),
+            Opt::InheritFd(fd, key) => ("--inherit-fd", Some(format!("fd[{fd}]:{key}").into())),
+            Opt::ActionScript(p) => ("--action-script", Some(p.into())),
+        };
+        a.push(name.into());
+        a.extend(value);
+    }
+    a
+}
+
+pub fn dump_args(p: &DumpPlan) -> Vec<OsString> {
+    cli_args("dump", &p.options())
+}
+
+pub fn restore_args(p: &RestorePlan) -> Vec<OsString> {
+    cli_args("restore", &p.options())
 }
 
 /// Masked paths that are regular files on the host are bind mounts of /dev/null in the
@@ -69,11 +250,11 @@ pub const MASKED_DIR_KEY: &str = "planarian-masked-dir";
 /// two execs per mount, a fixed cost of every dump); recorded as external mounts instead, they
 /// come back at restore as read-only binds of one empty directory ([`empty_dir`]), as crun does.
 /// Anything else (written to, remounted, mounted over) is left to CRIU.
-pub fn masked_dirs(pid: i32, spec: &Spec, mounts: &[Mount]) -> Vec<String> {
+pub fn masked_dirs(pid: i32, spec: &Spec, mounts: &[sys::proc::Mount]) -> Vec<String> {
     spec.masked_paths
         .iter()
         .filter(|p| {
-            let at: Vec<&Mount> = mounts.iter().filter(|m| &m.point == *p).collect();
+            let at: Vec<&sys::proc::Mount> = mounts.iter().filter(|m| &m.point == *p).collect();
             let below = format!("{}/", p.trim_end_matches('/'));
             let [m] = at[..] else { return false };
             m.fstype == "tmpfs"
@@ -85,49 +266,20 @@ pub fn masked_dirs(pid: i32, spec: &Spec, mounts: &[Mount]) -> Vec<String> {
         .collect()
 }
 
-/// One line of /proc/PID/mountinfo: mount point, per-mount options, filesystem type and the
-/// filesystem's own (superblock) options.
-pub struct Mount {
-    pub point: String,
-    pub options: String,
-    pub fstype: String,
-    pub super_options: String,
-}
-
-impl Mount {
-    fn parse(line: &str) -> Option<Mount> {
-        let (pre, post) = line.split_once(" - ")?;
-        let f: Vec<&str> = pre.split(' ').collect();
-        let s: Vec<&str> = post.split(' ').collect();
-        Some(Mount {
-            point: zfs::unescape(f.get(4)?),
-            options: f.get(5)?.to_string(),
-            fstype: s.first()?.to_string(),
-            super_options: s.get(2)?.to_string(),
-        })
-    }
-}
-
-/// The mount table of process `pid`'s mount namespace, as that process sees it (empty when it
-/// cannot be read).
-pub fn mounts(pid: i32) -> Vec<Mount> {
-    std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).map(|t| t.lines().filter_map(Mount::parse).collect()).unwrap_or_default()
-}
-
 /// The empty, read-only directory bound over masked directories at restore (created when
 /// missing). Refused if anything was put in it: a restore must not show a container what the
 /// runtime hid from it.
-pub fn empty_dir() -> Result<PathBuf, String> {
+pub fn empty_dir() -> Result<PathBuf> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     let dir = PathBuf::from("/run/planarian/empty");
     if !dir.is_dir() {
-        std::fs::DirBuilder::new().recursive(true).mode(0o755).create(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        std::fs::DirBuilder::new().recursive(true).mode(0o755).create(&dir).at("create", &dir)?;
     }
     let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555));
     match std::fs::read_dir(&dir).map(|mut d| d.next().is_none()) {
         Ok(true) => Ok(dir),
-        Ok(false) => Err(format!("{} is not empty: it is bound over the containers' masked directories at restore; empty it", dir.display())),
-        Err(e) => Err(format!("cannot read {}: {e}", dir.display())),
+        Ok(false) => Err(Error::EmptyDirNotEmpty(dir)),
+        Err(e) => Err(sys::IoError::new("read", dir, e).into()),
     }
 }
 
@@ -168,97 +320,9 @@ pub fn network_lock(criu: &Path, setting: crate::config::NetworkLock, inside_net
         .status()
         .is_ok_and(|s| s.success());
     if std::fs::create_dir_all("/run/planarian").is_ok() {
-        let _ = crate::install::write_atomic(cache, format!("{key} {}\n", if ok { "yes" } else { "no" }).as_bytes(), 0o644);
+        let _ = sys::write_atomic(cache, format!("{key} {}\n", if ok { "yes" } else { "no" }).as_bytes(), 0o644);
     }
     ok.then_some("nftables")
-}
-
-pub fn dump_args(p: &DumpPlan) -> Vec<OsString> {
-    let mut a: Vec<OsString> = Vec::new();
-    push(&mut a, &["dump", "--tree", &p.pid.to_string()]);
-    a.push("--images-dir".into());
-    a.push(p.images_dir.into());
-    a.push("--work-dir".into());
-    a.push(p.images_dir.into());
-    push(&mut a, &["--log-file", "dump.log", "-v4", "--leave-running", "--track-mem", "--manage-cgroups"]);
-    a.push("--root".into());
-    a.push(p.spec.root.clone().into());
-    if let Some(cg) = p.freeze_cgroup {
-        a.push("--freeze-cgroup".into());
-        a.push(cg.into());
-    }
-    if let Some(prev) = p.prev_images_dir {
-        push(&mut a, &["--prev-images-dir", prev]);
-    }
-    for (dest, _) in &p.spec.binds {
-        push(&mut a, &["--ext-mount-map", &format!("{dest}:{dest}")]);
-    }
-    for f in masked_files(p.spec) {
-        push(&mut a, &["--ext-mount-map", &format!("{f}:{f}")]);
-    }
-    for d in p.masked_dirs {
-        push(&mut a, &["--ext-mount-map", &format!("{d}:{MASKED_DIR_KEY}")]);
-    }
-    if p.dev_external {
-        push(&mut a, &["--ext-mount-map", &format!("/dev:{}", crate::devfs::KEY)]);
-    }
-    if let Some(m) = p.network_lock {
-        push(&mut a, &["--network-lock", m]);
-    }
-    if p.tcp_established {
-        a.push("--tcp-established".into());
-    }
-    if p.file_locks {
-        a.push("--file-locks".into());
-    }
-    a
-}
-
-pub fn restore_args(p: &RestorePlan) -> Vec<OsString> {
-    let mut a: Vec<OsString> = vec!["restore".into(), "--images-dir".into()];
-    a.push(p.images_dir.into());
-    a.push("--work-dir".into());
-    a.push(p.work_dir.into());
-    push(&mut a, &["--log-file", "restore.log", "-v4", "--restore-detached", "--restore-sibling", "--manage-cgroups"]);
-    a.push("--pidfile".into());
-    a.push(p.pid_file.into());
-    a.push("--root".into());
-    a.push(p.root.into());
-    if let Some(cg) = &p.cgroup_root {
-        push(&mut a, &["--cgroup-root", cg]);
-    }
-    for (dest, src) in &p.spec.binds {
-        push(&mut a, &["--ext-mount-map", &format!("{dest}:{src}")]);
-    }
-    for f in masked_files(p.spec) {
-        push(&mut a, &["--ext-mount-map", &format!("{f}:/dev/null")]);
-    }
-    if let Some(d) = p.empty_dir {
-        push(&mut a, &["--ext-mount-map", &format!("{MASKED_DIR_KEY}:{}", d.display())]);
-    }
-    if let Some(d) = p.dev_tmpfs {
-        push(&mut a, &["--ext-mount-map", &format!("{}:{}", crate::devfs::KEY, d.display())]);
-    }
-    if let Some(m) = p.network_lock {
-        push(&mut a, &["--network-lock", m]);
-    }
-    if let Some(fd) = p.netns_fd {
-        push(&mut a, &["--inherit-fd", &format!("fd[{fd}]:extRootNetNS")]);
-    }
-    for (fd, key) in &p.inherit_fds {
-        push(&mut a, &["--inherit-fd", &format!("fd[{fd}]:{key}")]);
-    }
-    for s in &p.action_scripts {
-        a.push("--action-script".into());
-        a.push(s.into());
-    }
-    if p.tcp_established {
-        a.push("--tcp-established".into());
-    }
-    if p.file_locks {
-        a.push("--file-locks".into());
-    }
-    a
 }
 
 /// Starts criu inside network namespace `netns`.
@@ -302,8 +366,8 @@ pub fn has_netns_image(images: &Path) -> bool {
     })
 }
 
-/// Runs criu; on failure, the error names the log and quotes its last error line.
-pub fn run(criu: &Path, args: &[OsString], log: &Path, keep_stdio: bool, envs: &[(&str, &Path)], netns: Option<RawFd>) -> Result<(), String> {
+/// Runs criu; on failure, the error names the log and quotes its first error line.
+pub fn run(criu: &Path, args: &[OsString], log: &Path, keep_stdio: bool, envs: &[(&str, &Path)], netns: Option<RawFd>) -> Result<()> {
     let mut cmd = Command::new(criu);
     cmd.args(args).stdin(Stdio::null());
     in_netns(&mut cmd, netns);
@@ -316,15 +380,15 @@ pub fn run(criu: &Path, args: &[OsString], log: &Path, keep_stdio: bool, envs: &
         // The restored tasks inherit our stdio (conmon's pipes): CRIU itself must not write there.
         cmd.stdin(Stdio::inherit()).stdout(Stdio::inherit()).stderr(Stdio::inherit());
     }
-    let out = cmd.output().map_err(|e| format!("cannot run {}: {e}", criu.display()))?;
+    let out = cmd.output().map_err(|source| Error::Run { tool: criu.to_path_buf(), source })?;
     if out.status.success() {
         return Ok(());
     }
     let why = first_error(log)
         .or_else(|| String::from_utf8_lossy(&out.stderr).lines().last().map(|l| l.trim().to_string()))
         .unwrap_or_else(|| format!("exit status {}", out.status));
-    let verb = args.first().and_then(|a| a.to_str()).unwrap_or("criu");
-    Err(format!("criu {verb} failed: {why} (log: {})", log.display()))
+    let verb = if args.first().is_some_and(|a| a == "dump") { "dump" } else { "restore" };
+    Err(Error::Failed { verb, why, log: log.to_path_buf() })
 }
 
 /// The cause CRIU logged: its first error line (the last ones only say "Dumping FAILED").
@@ -458,23 +522,12 @@ mod tests {
     }
 
     #[test]
-    fn mountinfo_lines() {
-        let m = Mount::parse("96 85 0:31 / /proc/acpi ro,relatime - tmpfs tmpfs ro,size=0k,inode64").unwrap();
-        assert_eq!((m.point.as_str(), m.options.as_str(), m.fstype.as_str()), ("/proc/acpi", "ro,relatime", "tmpfs"));
-        assert_eq!(m.super_options, "ro,size=0k,inode64");
-        // Optional fields before the separator, and an escaped space in the mount point.
-        let m = Mount::parse("101 85 0:33 / /a\\040b rw shared:5 master:1 - fuse pool/ds rw").unwrap();
-        assert_eq!((m.point.as_str(), m.fstype.as_str()), ("/a b", "fuse"));
-        assert!(Mount::parse("garbage").is_none());
-    }
-
-    #[test]
     fn only_empty_read_only_tmpfs_masks_are_external() {
         // This process's own mounts: none of its directories is a masked tmpfs, so nothing is
         // taken from CRIU; a masked path that is not a mount point is not either.
         let spec = Spec { masked_paths: vec!["/proc/acpi".into(), "/nonexistent".into(), "/".into()], ..Default::default() };
         let me = std::process::id() as i32;
-        let got = masked_dirs(me, &spec, &mounts(me));
+        let got = masked_dirs(me, &spec, &sys::proc::mounts(me).unwrap());
         assert!(!got.contains(&"/".to_string()) && !got.contains(&"/nonexistent".to_string()), "{got:?}");
     }
 }

@@ -20,6 +20,9 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use super::{Error, Result};
+use sys::proc::Mount;
+use sys::Context;
 
 /// The key under which a dump records `/dev` as an external mount.
 pub const KEY: &str = "planarian-dev";
@@ -78,8 +81,8 @@ pub struct DevMount {
     pub children: Vec<String>,
 }
 
-/// From the container's mount table ([`crate::criu::mounts`]).
-pub fn dev_mount(mounts: &[crate::criu::Mount]) -> Option<DevMount> {
+/// From the container's mount table ([`sys::proc::mounts`]).
+pub fn dev_mount(mounts: &[Mount]) -> Option<DevMount> {
     let [dev] = &mounts.iter().filter(|m| m.point == "/dev").collect::<Vec<_>>()[..] else { return None };
     if dev.fstype != "tmpfs" {
         return None;
@@ -91,20 +94,20 @@ pub fn dev_mount(mounts: &[crate::criu::Mount]) -> Option<DevMount> {
 
 /// Records the tmpfs at `/proc/PID/root/dev` into `dir` (`dev.json`, `dev.data`). The container
 /// is frozen. Files are written then renamed into place, so a half-written archive never counts.
-pub fn save(pid: i32, dev: &DevMount, dir: &Path) -> Result<(), String> {
+pub fn save(pid: i32, dev: &DevMount, dir: &Path) -> Result<()> {
     save_from(&PathBuf::from(format!("/proc/{pid}/root/dev")), dev, dir)
 }
 
-fn save_from(root: &Path, dev: &DevMount, dir: &Path) -> Result<(), String> {
+fn save_from(root: &Path, dev: &DevMount, dir: &Path) -> Result<()> {
     let tmp_data = dir.join(format!("{DATA}.tmp"));
-    let mut data = std::io::BufWriter::new(std::fs::File::create(&tmp_data).map_err(|e| format!("cannot create {}: {e}", tmp_data.display()))?);
+    let mut data = std::io::BufWriter::new(std::fs::File::create(&tmp_data).at("create", &tmp_data)?);
     let mut index = Index { options: dev.options.clone(), entries: vec![] };
     let mut seen: HashMap<(u64, u64), String> = HashMap::new();
     let mut offset = 0u64;
     let mut stack = vec![String::new()];
     while let Some(rel) = stack.pop() {
         let path = if rel.is_empty() { root.to_path_buf() } else { root.join(&rel) };
-        let md = std::fs::symlink_metadata(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let md = std::fs::symlink_metadata(&path).at("read", &path)?;
         let covered = dev.children.iter().any(|c| c == &rel);
         let ft = md.file_type();
         let kind = if ft.is_dir() {
@@ -144,16 +147,16 @@ fn save_from(root: &Path, dev: &DevMount, dir: &Path) -> Result<(), String> {
             seen.insert((md.dev(), md.ino()), rel.clone());
         }
         match kind {
-            Kind::Symlink => e.target = Some(std::fs::read_link(&path).map_err(|err| format!("cannot read {}: {err}", path.display()))?.to_string_lossy().into_owned()),
+            Kind::Symlink => e.target = Some(std::fs::read_link(&path).at("read", &path)?.to_string_lossy().into_owned()),
             Kind::File if !covered => {
-                let mut f = std::fs::File::open(&path).map_err(|err| format!("cannot read {}: {err}", path.display()))?;
-                let n = std::io::copy(&mut f, &mut data).map_err(|err| format!("cannot copy {}: {err}", path.display()))?;
+                let mut f = std::fs::File::open(&path).at("read", &path)?;
+                let n = std::io::copy(&mut f, &mut data).at("copy", &path)?;
                 e.data = Some((offset, n));
                 offset += n;
             }
             Kind::Dir if !covered => {
                 let mut names: Vec<String> = std::fs::read_dir(&path)
-                    .map_err(|err| format!("cannot read {}: {err}", path.display()))?
+                    .at("read", &path)?
                     .filter_map(|d| d.ok().map(|d| d.file_name().to_string_lossy().into_owned()))
                     .collect();
                 names.sort_unstable_by(|a, b| b.cmp(a));
@@ -163,9 +166,10 @@ fn save_from(root: &Path, dev: &DevMount, dir: &Path) -> Result<(), String> {
         }
         index.entries.push(e);
     }
-    data.into_inner().map_err(|e| e.to_string())?.sync_all().map_err(|e| format!("cannot write {}: {e}", tmp_data.display()))?;
-    std::fs::rename(&tmp_data, dir.join(DATA)).map_err(|e| format!("cannot write {}: {e}", dir.join(DATA).display()))?;
-    crate::install::write_atomic(&dir.join(INDEX), serde_json::to_string(&index).unwrap().as_bytes(), 0o600)
+    data.into_inner().map_err(|e| e.into_error()).and_then(|f| f.sync_all()).at("write", &tmp_data)?;
+    std::fs::rename(&tmp_data, dir.join(DATA)).at("write", dir.join(DATA))?;
+    let text = serde_json::to_string(&index).map_err(|source| Error::Json { what: INDEX.into(), source })?;
+    Ok(sys::write_atomic(&dir.join(INDEX), text.as_bytes(), 0o600)?)
 }
 
 /// Whether statepoint directory `dir` holds a `/dev` of planarian's.
@@ -174,10 +178,10 @@ pub fn saved(dir: &Path) -> bool {
 }
 
 /// Copies a statepoint's `/dev` into another statepoint directory (hard links when it can).
-pub fn link(from: &Path, to: &Path) -> Result<(), String> {
+pub fn link(from: &Path, to: &Path) -> Result<()> {
     for f in [INDEX, DATA] {
         if from.join(f).exists() && std::fs::hard_link(from.join(f), to.join(f)).is_err() {
-            std::fs::copy(from.join(f), to.join(f)).map_err(|e| format!("cannot copy {f}: {e}"))?;
+            std::fs::copy(from.join(f), to.join(f)).at("copy", from.join(f))?;
         }
     }
     Ok(())
@@ -190,16 +194,16 @@ pub struct Restored {
 }
 
 impl Restored {
-    pub fn mount(sp_dir: &Path, at: &Path) -> Result<Restored, String> {
+    pub fn mount(sp_dir: &Path, at: &Path) -> Result<Restored> {
         use nix::mount::{mount, MsFlags};
-        let index: Index = serde_json::from_slice(&std::fs::read(sp_dir.join(INDEX)).map_err(|e| format!("cannot read {INDEX}: {e}"))?)
-            .map_err(|e| format!("{}: {e}", sp_dir.join(INDEX).display()))?;
-        std::fs::create_dir_all(at).map_err(|e| format!("cannot create {}: {e}", at.display()))?;
+        let index: Index = serde_json::from_slice(&std::fs::read(sp_dir.join(INDEX)).at("read", sp_dir.join(INDEX))?)
+            .map_err(|source| Error::Json { what: sp_dir.join(INDEX).display().to_string(), source })?;
+        std::fs::create_dir_all(at).at("create", at)?;
         mount(Some("tmpfs"), at, Some("tmpfs"), MsFlags::empty(), Some(index.options.as_str()))
-            .map_err(|e| format!("cannot mount a tmpfs for /dev on {} ({}): {e}", at.display(), index.options))?;
+            .map_err(|source| Error::DevMount { at: at.to_path_buf(), options: index.options.clone(), source })?;
         let r = Restored { path: at.to_path_buf() };
         let _ = mount(None::<&str>, at, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>);
-        let mut data = std::fs::File::open(sp_dir.join(DATA)).map_err(|e| format!("cannot read {DATA}: {e}"))?;
+        let mut data = std::fs::File::open(sp_dir.join(DATA)).at("read", sp_dir.join(DATA))?;
         fill(&index, &mut data, at)?;
         Ok(r)
     }
@@ -214,11 +218,11 @@ impl Drop for Restored {
 
 /// Recreates `index` under `root`: entries, then owners and modes, then times (directories
 /// last, deepest first, so filling them does not change them again).
-fn fill(index: &Index, data: &mut (impl Read + std::io::Seek), root: &Path) -> Result<(), String> {
+fn fill(index: &Index, data: &mut (impl Read + std::io::Seek), root: &Path) -> Result<()> {
     use nix::sys::stat::{mknod, Mode, SFlag};
     use std::os::unix::fs::PermissionsExt;
     let at = |p: &str| if p.is_empty() { root.to_path_buf() } else { root.join(p) };
-    let err = |p: &Path, e: &dyn std::fmt::Display| format!("cannot recreate /dev entry {}: {e}", p.display());
+    let err = |p: &Path, e: &dyn std::fmt::Display| Error::DevEntry { path: p.to_path_buf(), why: e.to_string() };
     for e in &index.entries {
         let p = at(&e.path);
         if let Some(first) = &e.link {

@@ -22,6 +22,26 @@ use crate::store::{ContainerStore, Manifest, Status};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::path::{Component, Path, PathBuf};
+use sys::Context;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Io(#[from] sys::IoError),
+    #[error("{}/inventory.img: {source}", images.display())]
+    Inventory { images: PathBuf, source: criu_hooks::ImageError },
+    #[error("the incremental chain of {} is broken at {}", images.display(), at.display())]
+    Broken { images: PathBuf, at: PathBuf },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What a restore's pre-resume hook left: E in microseconds, or why there is none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Epoch {
+    Recorded(u64),
+    Missing(String),
+}
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "kebab-case")]
@@ -53,8 +73,9 @@ pub fn read_base(store: &ContainerStore) -> Option<Base> {
     serde_json::from_slice(&std::fs::read(base_file(store)).ok()?).ok()
 }
 
-pub fn write_base(store: &ContainerStore, b: &Base) -> Result<(), String> {
-    crate::install::write_atomic(&base_file(store), serde_json::to_string_pretty(b).unwrap().as_bytes(), 0o644)
+pub fn write_base(store: &ContainerStore, b: &Base) -> Result<()> {
+    let text = serde_json::to_string_pretty(b).expect("a base serialises");
+    Ok(sys::write_atomic(&base_file(store), text.as_bytes(), 0o644)?)
 }
 
 /// What the next dump of the tree whose init started at `init_start` builds on, for a new
@@ -81,7 +102,7 @@ pub fn plan(store: &ContainerStore, sp_id: &str, init_start: u64, k: u32) -> Dum
 }
 
 /// After a committed dump of a running tree: the next dump builds on these images.
-pub fn after_dump(store: &ContainerStore, m: &Manifest, init_start: u64) -> Result<(), String> {
+pub fn after_dump(store: &ContainerStore, m: &Manifest, init_start: u64) -> Result<()> {
     write_base(
         store,
         &Base {
@@ -132,14 +153,14 @@ impl Drop for DumpInProgress<'_> {
 
 /// After a restore of statepoint `m`: a base of the container's own, with `dump_uptime` = E (µs),
 /// or, when the hook recorded no E, a note that the next dump must be full.
-pub fn after_restore(store: &ContainerStore, m: &Manifest, epoch_usec: Result<u64, String>, init_start: u64) -> Result<(), String> {
+pub fn after_restore(store: &ContainerStore, m: &Manifest, epoch_usec: Epoch, init_start: u64) -> Result<()> {
     let base = match epoch_usec {
-        Ok(e) => {
+        Epoch::Recorded(e) => {
             let images = store.statepoint_dir(&m.statepoint_id).join(&m.local_state.criu_checkpoint_path);
             let name = new_base_dir(store, &images, e)?;
             Base { images: Some(name), depth: m.chain.depth, init_start_time: init_start, full_reason: None }
         }
-        Err(why) => Base { images: None, depth: 0, init_start_time: init_start, full_reason: Some(why) },
+        Epoch::Missing(why) => Base { images: None, depth: 0, init_start_time: init_start, full_reason: Some(why) },
     };
     write_base(store, &base)?;
     collect(store);
@@ -147,9 +168,9 @@ pub fn after_restore(store: &ContainerStore, m: &Manifest, epoch_usec: Result<u6
 }
 
 /// The number of the next `bases/bN` (never reused while an older one exists).
-fn next_base(store: &ContainerStore) -> Result<u64, String> {
+fn next_base(store: &ContainerStore) -> Result<u64> {
     let bases = store.dir.join("bases");
-    std::fs::create_dir_all(&bases).map_err(|e| format!("cannot create {}: {e}", bases.display()))?;
+    std::fs::create_dir_all(&bases).at("create", &bases)?;
     let max = std::fs::read_dir(&bases)
         .map(|rd| {
             rd.filter_map(Result::ok)
@@ -162,17 +183,17 @@ fn next_base(store: &ContainerStore) -> Result<u64, String> {
 }
 
 /// Creates `bases/bN` from `images` with a rewritten inventory; returns its store-relative path.
-fn new_base_dir(store: &ContainerStore, images: &Path, dump_uptime_usec: u64) -> Result<String, String> {
+fn new_base_dir(store: &ContainerStore, images: &Path, dump_uptime_usec: u64) -> Result<String> {
     let n = next_base(store)?;
     let rel = format!("bases/b{n}");
     let dir = store.dir.join(&rel);
     let tmp = store.dir.join(format!("bases/.b{n}.tmp"));
     let _ = std::fs::remove_dir_all(&tmp);
     let r = link_images(images, &tmp, &store.dir, &dir).and_then(|()| {
-        let inv = std::fs::read(images.join("inventory.img")).map_err(|e| format!("cannot read {}/inventory.img: {e}", images.display()))?;
-        let new = criu_hooks::set_dump_uptime(&inv, dump_uptime_usec).map_err(|e| format!("{}/inventory.img: {e}", images.display()))?;
-        crate::install::write_atomic(&tmp.join("inventory.img"), &new, 0o644)?;
-        std::fs::rename(&tmp, &dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))
+        let inv = std::fs::read(images.join("inventory.img")).at("read", images.join("inventory.img"))?;
+        let new = criu_hooks::set_dump_uptime(&inv, dump_uptime_usec).map_err(|source| Error::Inventory { images: images.to_path_buf(), source })?;
+        sys::write_atomic(&tmp.join("inventory.img"), &new, 0o644)?;
+        Ok(std::fs::rename(&tmp, &dir).at("create", &dir)?)
     });
     if r.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
@@ -182,20 +203,19 @@ fn new_base_dir(store: &ContainerStore, images: &Path, dump_uptime_usec: u64) ->
 
 /// Fills `into` (which will be renamed to `final_dir`, under `ctr_dir`) with hard links to the
 /// memory images of `images` and a `parent` link to the same directory `images`'s points at.
-pub fn link_images(images: &Path, into: &Path, ctr_dir: &Path, final_dir: &Path) -> Result<(), String> {
-    std::fs::create_dir_all(into).map_err(|e| format!("cannot create {}: {e}", into.display()))?;
-    let rd = std::fs::read_dir(images).map_err(|e| format!("cannot read {}: {e}", images.display()))?;
+pub fn link_images(images: &Path, into: &Path, ctr_dir: &Path, final_dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(into).at("create", into)?;
+    let rd = std::fs::read_dir(images).at("read", images)?;
     for e in rd.filter_map(Result::ok) {
         let name = e.file_name();
         let s = name.to_string_lossy();
         if s.starts_with("pagemap") || s.starts_with("pages-") {
-            std::fs::hard_link(e.path(), into.join(&name))
-                .map_err(|err| format!("cannot link {} into {}: {err}", e.path().display(), into.display()))?;
+            std::fs::hard_link(e.path(), into.join(&name)).at("link", e.path())?;
         }
     }
     if let Some(parent) = parent_of(images) {
         let target = relative(final_dir.strip_prefix(ctr_dir).unwrap_or(final_dir), parent.strip_prefix(ctr_dir).unwrap_or(&parent));
-        std::os::unix::fs::symlink(&target, into.join("parent")).map_err(|e| format!("cannot link parent in {}: {e}", into.display()))?;
+        std::os::unix::fs::symlink(&target, into.join("parent")).at("link parent in", into)?;
     }
     Ok(())
 }
@@ -279,7 +299,7 @@ pub fn collect(store: &ContainerStore) {
 /// Gives another container's store its own copy of the chain of `images` (hard links, no data
 /// copied): the newest directory becomes `into`, the older ones `bases/bN` of that store, each
 /// with a `parent` link to the next. The source can then be removed without breaking the copy.
-pub fn link_chain(images: &Path, store: &ContainerStore, into: &Path) -> Result<Option<String>, String> {
+pub fn link_chain(images: &Path, store: &ContainerStore, into: &Path) -> Result<Option<String>> {
     let chain = chain_of(images);
     let mut parent: Option<PathBuf> = None;
     for (i, src) in chain.iter().enumerate().rev() {
@@ -288,19 +308,19 @@ pub fn link_chain(images: &Path, store: &ContainerStore, into: &Path) -> Result<
         } else {
             store.dir.join(format!("bases/b{}", next_base(store)?))
         };
-        std::fs::create_dir_all(&dest).map_err(|e| format!("cannot create {}: {e}", dest.display()))?;
-        let rd = std::fs::read_dir(src).map_err(|e| format!("cannot read {}: {e}", src.display()))?;
+        std::fs::create_dir_all(&dest).at("create", &dest)?;
+        let rd = std::fs::read_dir(src).at("read", src)?;
         for e in rd.filter_map(Result::ok) {
             if e.file_type().is_ok_and(|t| t.is_file()) {
                 let to = dest.join(e.file_name());
                 if std::fs::hard_link(e.path(), &to).is_err() {
-                    std::fs::copy(e.path(), &to).map_err(|err| format!("cannot copy {}: {err}", e.path().display()))?;
+                    std::fs::copy(e.path(), &to).at("copy", e.path())?;
                 }
             }
         }
         if let Some(p) = &parent {
             std::os::unix::fs::symlink(relative(&dest, p), dest.join("parent"))
-                .map_err(|e| format!("cannot link parent in {}: {e}", dest.display()))?;
+                .at("link parent in", &dest)?;
         }
         parent = Some(dest);
     }
@@ -325,10 +345,10 @@ pub fn chain_of(images: &Path) -> Vec<PathBuf> {
 }
 
 /// Whether every directory of the chain of `images` is present (a restore can read it).
-pub fn complete(images: &Path) -> Result<(), String> {
+pub fn complete(images: &Path) -> Result<()> {
     for d in chain_of(images) {
         if !d.join("inventory.img").exists() {
-            return Err(format!("the incremental chain of {} is broken at {}", images.display(), d.display()));
+            return Err(Error::Broken { images: images.to_path_buf(), at: d });
         }
     }
     Ok(())
@@ -370,7 +390,7 @@ mod tests {
         m.chain.prev_images_dir = prev.map(String::from);
         let images = s.statepoint_dir(id).join("criu");
         std::fs::create_dir_all(&images).unwrap();
-        std::fs::write(images.join("inventory.img"), include_bytes!("../../criu-hooks/tests/fixtures/inventory-3.17.img")).unwrap();
+        std::fs::write(images.join("inventory.img"), include_bytes!("../../../criu-hooks/tests/fixtures/inventory-3.17.img")).unwrap();
         std::fs::write(images.join("pages-1.img"), id).unwrap();
         std::fs::write(images.join("pagemap-1.img"), id).unwrap();
         if let Some(p) = prev {
@@ -411,7 +431,7 @@ mod tests {
         let s = tmp("base");
         let m1 = dump(&s, "sp1", None, 0);
         let m2 = dump(&s, "sp2", Some("../../sp1/criu"), 1);
-        after_restore(&s, &m2, Ok(99_000_000), 42).unwrap();
+        after_restore(&s, &m2, Epoch::Recorded(99_000_000), 42).unwrap();
         let b = read_base(&s).unwrap();
         assert_eq!((b.images.as_deref(), b.depth, b.init_start_time), (Some("bases/b1"), 1, 42));
         let base = s.dir.join("bases/b1");
@@ -424,7 +444,7 @@ mod tests {
         assert_eq!(std::fs::read_to_string(base.join("pages-1.img")).unwrap(), "sp2");
         let _ = m1;
         // No recorded E: the next dump is full and says why.
-        after_restore(&s, &m2, Err("the pre-resume hook recorded no epoch".into()), 43).unwrap();
+        after_restore(&s, &m2, Epoch::Missing("the pre-resume hook recorded no epoch".into()), 43).unwrap();
         let p = plan(&s, "sp3", 43, 8);
         assert_eq!(p.full_reason.as_deref(), Some("the pre-resume hook recorded no epoch"));
         // b1 is no longer the base and nothing links to it: collected.
@@ -456,7 +476,7 @@ mod tests {
         dump(&s, "sp1", None, 0);
         dump(&s, "sp2", Some("../../sp1/criu"), 1);
         let m3 = dump(&s, "sp3", Some("../../sp2/criu"), 2);
-        s.remove("sp2").unwrap();
+        s.mark_discarded("sp2").unwrap();
         collect(&s);
         // sp2 is gone from the registry but its images stay: sp3 needs them.
         assert!(s.find("sp2").is_err());
@@ -474,7 +494,7 @@ mod tests {
         complete(&m.statepoint_dir("sp3").join("criu")).unwrap();
         std::fs::rename(&moved, &root).unwrap();
         // Once sp3 is removed too, nothing needs sp2's images, and sp1 is still a statepoint.
-        s.remove("sp3").unwrap();
+        s.mark_discarded("sp3").unwrap();
         collect(&s);
         assert!(!s.statepoint_dir("sp2").exists() && !s.statepoint_dir("sp3").exists());
         assert!(s.statepoint_dir("sp1").join("criu/pages-1.img").exists());

@@ -209,14 +209,34 @@ impl Config {
             let table = parse_layer(&path, &text)?;
             merge(&mut merged, table);
         }
-        Self::from_table(merged).map_err(|message| ConfigError::Parse {
+        Self::from_table(merged).map_err(|e| ConfigError::Parse {
             path: PathBuf::from("(merged configuration)"),
-            message,
+            message: e.message().to_string(),
         })
     }
 
-    fn from_table(table: toml::Table) -> Result<Config, String> {
-        toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| e.message().to_string())
+    fn from_table(table: toml::Table) -> Result<Config, toml::de::Error> {
+        toml::Value::Table(table).try_into()
+    }
+
+    /// This configuration with those of a container's annotations that belong to table
+    /// `section` (`io.planarian.zfs.*`, …; all of `io.planarian.*` for `None`) applied: the one
+    /// filter over a container's annotations. Other annotations are ignored.
+    pub fn with_annotations_of<K: AsRef<str>, V: AsRef<str>>(
+        &self,
+        annotations: impl IntoIterator<Item = (K, V)>,
+        section: Option<&str>,
+    ) -> Result<Config, ConfigError> {
+        let prefix = match section {
+            Some(t) => format!("{ANNOTATION_PREFIX}{t}."),
+            None => ANNOTATION_PREFIX.to_string(),
+        };
+        let mine: Vec<(String, String)> = annotations
+            .into_iter()
+            .filter(|(k, _)| k.as_ref().starts_with(&prefix))
+            .map(|(k, v)| (k.as_ref().to_string(), v.as_ref().to_string()))
+            .collect();
+        self.with_annotations(mine.iter().map(|(k, v)| (k.as_str(), v.as_str())))
     }
 
     /// Applies a container's `io.planarian.*` annotations on top of this configuration.
@@ -252,9 +272,9 @@ impl Config {
                 .expect("config tables are tables")
                 .insert(k.to_string(), v);
         }
-        Self::from_table(table).map_err(|message| ConfigError::Annotation {
+        Self::from_table(table).map_err(|e| ConfigError::Annotation {
             key: "io.planarian.*".into(),
-            message,
+            message: e.message().to_string(),
         })
     }
 }
@@ -266,7 +286,7 @@ fn parse_layer(path: &Path, text: &str) -> Result<toml::Table, ConfigError> {
         message: e.to_string().lines().next().unwrap_or_default().to_string(),
     })?;
     Config::from_table(table.clone())
-        .map_err(|message| ConfigError::Parse { path: path.to_path_buf(), message })?;
+        .map_err(|e| ConfigError::Parse { path: path.to_path_buf(), message: e.message().to_string() })?;
     Ok(table)
 }
 
@@ -371,7 +391,7 @@ mod tests {
 
     #[test]
     fn shipped_default_file_parses_to_the_defaults() {
-        let text = include_str!("../../containers-conf/planarian.conf");
+        let text = include_str!("../../../containers-conf/planarian.conf");
         let c = layered(&[text]).unwrap();
         assert_eq!(c, Config::default());
     }

@@ -18,58 +18,61 @@
 //!
 //! Any failure removes NEW and its store; CTR is never changed.
 
-use crate::cli::Invocation;
+use super::podman_dir::leave_for_podman;
+use super::{describe, Error, Result};
 use crate::config::Config;
-use crate::podman;
+use crate::log::Progress;
+use crate::runtime::podman::{self, PodmanContainer};
+use crate::runtime::Bundle;
 use crate::store::{ContainerStore, Manifest, Status};
-use clap::Parser;
-use std::ffi::OsString;
 use std::time::Duration;
+use sys::Context;
 
-#[derive(Parser, Debug)]
-#[command(name = "planarian fork", about = "Start a new container from a statepoint of a container")]
-struct Args {
-    /// The container to fork.
-    container: String,
-    /// Its statepoint (id or name).
-    statepoint: String,
-    /// The new container's name.
-    #[arg(long)]
-    name: String,
+/// A fork about to run: the source container, its store and statepoint, the new name.
+pub struct Fork {
+    pub source: PodmanContainer,
+    pub target: Manifest,
+    pub name: String,
+    src_store: ContainerStore,
+    cfg: Config,
 }
 
-pub fn main(_inv: &Invocation, args: &[OsString]) -> Result<i32, String> {
-    let a: Args = match crate::cli::parse_verb("fork", args) {
-        Ok(a) => a,
-        Err(code) => return Ok(code),
-    };
-    let src = crate::rollback::planarian_container(&a.container)?;
-    let cfg = Config::load().map_err(|e| e.to_string())?;
-    let src_store = ContainerStore::new(&cfg.store.path, &src.id);
-    let target = src_store.find(&a.statepoint)?;
-    if podman::inspect(&a.name).is_ok() {
-        return Err(format!("a container named {} already exists", a.name));
-    }
-    let mut progress = crate::log::Progress::start(&format!("forking {} at {} into {}", src.name, crate::rollback::describe(&target), a.name));
-    // A clone gets the engine's default runtime unless told: the fork must run on planarian too.
-    progress.phase("new container (podman container clone)");
-    podman::run(&["--runtime", &src.runtime, "container", "clone", &src.id, &a.name])?;
-    let r = fork_into(&cfg, &src, &src_store, &target, &a.name, &mut progress);
-    if let Err(e) = r {
-        let removed = podman::inspect(&a.name).ok();
-        let _ = podman::run(&["rm", "-f", &a.name]);
-        if let Some(c) = removed {
-            let store = ContainerStore::new(&cfg.store.path, &c.id);
-            let _ = crate::zfs_rootfs::remove_container(&cfg, &store);
-            let _ = std::fs::remove_dir_all(store.dir);
+impl Fork {
+    /// Finds container `name`'s committed statepoint `statepoint`; refuses a new name taken.
+    pub fn begin(container: &str, statepoint: &str, new_name: &str) -> Result<Fork> {
+        let source = podman::planarian_container(container)?;
+        let cfg = Config::load()?;
+        let src_store = ContainerStore::new(&cfg.store.path, &source.id);
+        let target = src_store.find(statepoint)?;
+        if podman::inspect(new_name).is_ok() {
+            return Err(Error::ContainerExists(new_name.to_string()));
         }
-        drop(progress);
-        return Err(format!("fork failed, nothing was created: {e}"));
+        Ok(Fork { source, target, name: new_name.to_string(), src_store, cfg })
     }
-    progress.finish();
-    let new = podman::inspect(&a.name)?;
-    println!("{} forked from {} at {} ({})", a.name, src.name, target.statepoint_id, new.id);
-    Ok(0)
+
+    /// `forking agent at sp3 (deps-installed) into agent-b`.
+    pub fn title(&self) -> String {
+        format!("forking {} at {} into {}", self.source.name, describe(&self.target), self.name)
+    }
+
+    /// Runs it: the new container, running; on failure nothing is left (no container, no store).
+    pub fn run(self, progress: &mut dyn Progress) -> Result<PodmanContainer> {
+        let (src, cfg, name) = (&self.source, &self.cfg, self.name.as_str());
+        // A clone gets the engine's default runtime unless told: the fork must run on planarian too.
+        progress.phase("new container (podman container clone)");
+        podman::run(&["--runtime", &src.runtime, "container", "clone", &src.id, name])?;
+        if let Err(e) = fork_into(cfg, src, &self.src_store, &self.target, name, progress) {
+            let removed = podman::inspect(name).ok();
+            let _ = podman::run(&["rm", "-f", name]);
+            if let Some(c) = removed {
+                let store = ContainerStore::new(&cfg.store.path, &c.id);
+                let _ = crate::local::zfs::remove_container(cfg, &store);
+                let _ = std::fs::remove_dir_all(store.dir);
+            }
+            return Err(Error::ForkFailed(Box::new(e)));
+        }
+        Ok(podman::inspect(name)?)
+    }
 }
 
 fn fork_into(
@@ -78,17 +81,17 @@ fn fork_into(
     src_store: &ContainerStore,
     target: &Manifest,
     name: &str,
-    progress: &mut crate::log::Progress,
-) -> Result<(), String> {
+    progress: &mut dyn Progress,
+) -> Result<()> {
     let src_cfg = src_config(cfg, src)?;
-    let src_zfs = crate::zfs_rootfs::mapping(src_store);
+    let src_zfs = crate::local::zfs::mapping(src_store);
     if let (Some(map), Some(snap)) = (&src_zfs, &target.local_state.zfs_snapshot) {
         progress.phase("files (a ZFS clone of the statepoint)");
         // NEW's dataset exists before its first create, which points NEW's config at it.
         let new = podman::inspect(name)?;
         let store = ContainerStore::new(&cfg.store.path, &new.id);
         let _lock = src_store.lock(true)?;
-        crate::zfs_rootfs::fork_into(&src_cfg, map, snap, &store, &new.id, &new.bundle)?;
+        crate::local::zfs::fork_into(&src_cfg, map, snap, &store, &new.id, &new.bundle)?;
     }
     crate::fault::point("fork.cloned")?;
     progress.phase("its OCI bundle (podman container init)");
@@ -103,7 +106,7 @@ fn fork_into(
         // The source's lock, so that no removal or retention runs while its images are linked.
         let _lock = src_store.lock(true)?;
         let mut m = link_statepoint(src, src_store, target, &store)?;
-        let rootfs = crate::rootfs::for_container(&src_cfg, &store, &new.id, new.upperdir.clone())?;
+        let rootfs = crate::local::rootfs_for(&src_cfg, &store, &new.id, new.upperdir.clone())?;
         if m.local_state.zfs_snapshot.is_some() {
             // NEW's files already are the statepoint's (a clone): its first statepoint is a
             // snapshot of them, taken before it ever ran.
@@ -115,7 +118,7 @@ fn fork_into(
         }
         m
     };
-    crate::snapshot::leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None)?;
+    leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None)?;
     crate::fault::point("fork.linked")?;
     progress.phase("processes (podman container restore)");
     let mut args = vec!["container", "restore"];
@@ -123,27 +126,27 @@ fn fork_into(
         args.push("--tcp-established");
     }
     args.push(&new.id);
-    podman::run(&args)
+    Ok(podman::run(&args)?)
 }
 
 /// The configuration the source container runs with (its `io.planarian.*` annotations applied).
-fn src_config(cfg: &Config, src: &podman::PodmanContainer) -> Result<Config, String> {
-    let a: Vec<(String, String)> = src.annotations.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect();
-    cfg.with_annotations(a.iter().map(|(k, v)| (k.as_str(), v.as_str()))).map_err(|e| e.to_string())
+fn src_config(cfg: &Config, src: &PodmanContainer) -> Result<Config> {
+    let a = src.annotations.iter().filter_map(|(k, v)| Some((k.as_str(), v.as_str()?)));
+    Ok(cfg.with_annotations_of(a, None)?)
 }
 
 /// `podman container clone` does not copy annotations: the fork gets the source's
 /// `io.planarian.*` settings in the OCI config its restore reads (and Podman saves it again).
 /// A source with an MCP service gives the fork a sidecar that refuses SQL calls: the database
 /// cannot branch, and the source's remote state is the source's alone.
-fn carry_settings(src: &podman::PodmanContainer, src_cfg: &Config, new: &podman::PodmanContainer) -> Result<(), String> {
+fn carry_settings(src: &PodmanContainer, src_cfg: &Config, new: &PodmanContainer) -> Result<()> {
     let mut settings: Vec<(String, serde_json::Value)> = src
         .annotations
         .iter()
         .filter(|(k, _)| k.starts_with(crate::config::ANNOTATION_PREFIX))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    if let Some((service, _)) = crate::mcp::service(src_cfg)? {
+    if let Some((service, _)) = crate::remote::sidecar::service(src_cfg)? {
         settings.push((
             "io.planarian.mcp.disabled".into(),
             serde_json::json!(format!(
@@ -155,41 +158,26 @@ fn carry_settings(src: &podman::PodmanContainer, src_cfg: &Config, new: &podman:
     if settings.is_empty() {
         return Ok(());
     }
-    let path = new.bundle.join("config.json");
-    let mut spec: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?).map_err(|e| format!("{}: {e}", path.display()))?;
-    let annotations = spec.as_object_mut().ok_or("config.json is not an object")?.entry("annotations").or_insert_with(|| serde_json::json!({}));
-    for (k, v) in settings {
-        annotations[k] = v;
-    }
-    crate::install::write_atomic(&path, serde_json::to_string(&spec).unwrap().as_bytes(), 0o644)
+    Ok(Bundle::load(&new.bundle)?.set_annotations(settings)?)
 }
 
 /// The new container's first statepoint: the source statepoint's images, files and descriptors,
 /// hard-linked into the new store.
-fn link_statepoint(src: &podman::PodmanContainer, src_store: &ContainerStore, target: &Manifest, store: &ContainerStore) -> Result<Manifest, String> {
+fn link_statepoint(src: &PodmanContainer, src_store: &ContainerStore, target: &Manifest, store: &ContainerStore) -> Result<Manifest> {
     let id = store.next_id();
     let from = src_store.statepoint_dir(&target.statepoint_id);
     let dir = store.statepoint_dir(&id);
     let images = dir.join(&target.local_state.criu_checkpoint_path);
     let prev = crate::chain::link_chain(&from.join(&target.local_state.criu_checkpoint_path), store, &images)?;
-    std::fs::copy(from.join("descriptors.json"), dir.join("descriptors.json")).map_err(|e| format!("cannot copy descriptors.json: {e}"))?;
-    crate::devfs::link(&from, &dir)?;
+    std::fs::copy(from.join("descriptors.json"), dir.join("descriptors.json")).at("copy", from.join("descriptors.json"))?;
+    crate::local::devfs::link(&from, &dir)?;
     if let Some(copy) = &target.local_state.rootfs_copy_path {
-        let out = std::process::Command::new(crate::tools::locate("cp", None, "PATH").map_err(|e| e.to_string())?)
-            .args(["-a", "--link", "--no-target-directory"])
-            .arg(from.join(copy))
-            .arg(dir.join(copy))
-            .output()
-            .map_err(|e| format!("cannot run cp: {e}"))?;
-        if !out.status.success() {
-            return Err(format!("cannot link the statepoint's files: {}", String::from_utf8_lossy(&out.stderr).trim()));
-        }
+        crate::local::copy::cp(&["--link"], &from.join(copy), &dir.join(copy))?;
     }
     let mut m = target.clone();
     m.statepoint_id = id;
     m.parent_statepoint_id = None;
-    m.container_id = store.dir.file_name().unwrap().to_string_lossy().into_owned();
+    m.container_id = store.container_id();
     m.branch_id = m.container_id.clone();
     m.timestamp = crate::log::rfc3339(std::time::SystemTime::now());
     m.state_evidence.prior_outcomes.push(format!("forked from {} at {}", src.name, target.statepoint_id));

@@ -63,7 +63,7 @@ pub fn storage_id(name: &str) -> Option<String> {
 /// conmon Podman started with `-r RUNTIME` (after a restore too: CRIU restores the tree as
 /// conmon's child). `None` when that cannot be read.
 pub fn runtime_is_planarian(pid: i32) -> Option<bool> {
-    let ppid = crate::container::stat_field(pid, 4)?;
+    let ppid = sys::proc::parent_pid(pid)?;
     let cmdline = std::fs::read(format!("/proc/{ppid}/cmdline")).ok()?;
     let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
     if !args.first().is_some_and(|a| a.ends_with(b"conmon")) {

@@ -10,32 +10,59 @@
 //! * [`Progress`]: the phases of planarian's own long commands (rollback, fork), with their
 //!   times, on stderr (stdout is for results and `--json`).
 
-use crate::cli::{Invocation, LogFormat};
 use std::io::Write;
+use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-pub fn error(inv: &Invocation, msg: &str) {
-    eprintln!("planarian: {msg}");
-    write_log(inv, "error", msg);
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Where a runtime verb's messages go: the `--log` file Podman or conmon passed, in the format
+/// they asked for, and whether they asked for information (`--debug`, `--log-level info|debug`).
+#[derive(Debug, Clone, Default)]
+pub struct Sink {
+    pub path: Option<PathBuf>,
+    pub format: LogFormat,
+    pub debug: bool,
+}
+
+impl Sink {
+    /// A verb failed: one line on stderr, and the runc-style line in `--log`.
+    pub fn error(&self, msg: &str) {
+        eprintln!("planarian: {msg}");
+        self.write_log("error", msg);
+    }
+
+    /// Something a runtime verb did (a statepoint committed, …): planarian's own log, and `--log`
+    /// when the caller asked for information.
+    pub fn info(&self, msg: &str) {
+        own_log("info", msg);
+        if self.debug {
+            self.write_log("info", msg);
+        }
+    }
+
+    /// Something the user may want to act on, that did not fail the verb.
+    pub fn warn(&self, msg: &str) {
+        own_log("warning", msg);
+        self.write_log("warning", msg);
+    }
+
+    fn write_log(&self, level: &str, msg: &str) {
+        let Some(path) = &self.path else { return };
+        let line = format_line(self.format, level, msg, SystemTime::now());
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+            let _ = f.write_all(line.as_bytes());
+        }
+    }
 }
 
 /// planarian's own log: one line per statepoint event, whoever called.
 pub const OWN_LOG: &str = "/var/log/planarian.log";
-
-/// Something a runtime verb did (a statepoint committed, …): planarian's own log, and `--log`
-/// when the caller asked for information.
-pub fn info(inv: &Invocation, msg: &str) {
-    own_log("info", msg);
-    if inv.debug {
-        write_log(inv, "info", msg);
-    }
-}
-
-/// Something the user may want to act on, that did not fail the verb.
-pub fn warn(inv: &Invocation, msg: &str) {
-    own_log("warning", msg);
-    write_log(inv, "warning", msg);
-}
 
 fn own_log(level: &str, msg: &str) {
     let path = std::env::var_os("PLANARIAN_LOG").map(std::path::PathBuf::from).unwrap_or_else(|| OWN_LOG.into());
@@ -45,32 +72,35 @@ fn own_log(level: &str, msg: &str) {
     }
 }
 
+/// What a long operation reports as it goes: each phase when it starts, a note when it ends.
+/// The binary shows them on stderr; a library caller may show them elsewhere, or not at all.
+pub trait Progress {
+    /// Ends the current phase (if any) and starts the next one.
+    fn phase(&mut self, name: &str);
+    /// Ends the current phase with a note beside its time (e.g. the statepoint it made).
+    fn done(&mut self, note: &str);
+}
+
+/// Reports nothing.
+pub struct Silent;
+
+impl Progress for Silent {
+    fn phase(&mut self, _: &str) {}
+    fn done(&mut self, _: &str) {}
+}
+
 /// The phases of a long operation on stderr: each phase's name when it starts, its time when it
 /// ends, so a user waiting on a restore knows what is being waited for.
-pub struct Progress {
+pub struct StderrProgress {
     started: std::time::Instant,
     phase: Option<std::time::Instant>,
 }
 
-impl Progress {
+impl StderrProgress {
     /// Prints the operation's title.
-    pub fn start(title: &str) -> Progress {
+    pub fn start(title: &str) -> StderrProgress {
         eprintln!("planarian: {title}");
-        Progress { started: std::time::Instant::now(), phase: None }
-    }
-
-    /// Ends the current phase (if any) and starts the next one.
-    pub fn phase(&mut self, name: &str) {
-        self.end_phase();
-        eprint!("  {name:<40} ");
-        self.phase = Some(std::time::Instant::now());
-    }
-
-    /// Ends the current phase with a note beside its time (e.g. the statepoint it made).
-    pub fn done(&mut self, note: &str) {
-        if let Some(t) = self.phase.take() {
-            eprintln!("{:>7} {note}", secs(t.elapsed()));
-        }
+        StderrProgress { started: std::time::Instant::now(), phase: None }
     }
 
     fn end_phase(&mut self) {
@@ -86,7 +116,21 @@ impl Progress {
     }
 }
 
-impl Drop for Progress {
+impl Progress for StderrProgress {
+    fn phase(&mut self, name: &str) {
+        self.end_phase();
+        eprint!("  {name:<40} ");
+        self.phase = Some(std::time::Instant::now());
+    }
+
+    fn done(&mut self, note: &str) {
+        if let Some(t) = self.phase.take() {
+            eprintln!("{:>7} {note}", secs(t.elapsed()));
+        }
+    }
+}
+
+impl Drop for StderrProgress {
     /// A failed phase: its line is ended so the error that follows stands on a line of its own.
     fn drop(&mut self) {
         if let Some(t) = self.phase.take() {
@@ -97,14 +141,6 @@ impl Drop for Progress {
 
 fn secs(d: std::time::Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
-}
-
-fn write_log(inv: &Invocation, level: &str, msg: &str) {
-    let Some(path) = &inv.log else { return };
-    let line = format_line(inv.log_format, level, msg, SystemTime::now());
-    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-        let _ = f.write_all(line.as_bytes());
-    }
 }
 
 fn format_line(format: LogFormat, level: &str, msg: &str, now: SystemTime) -> String {

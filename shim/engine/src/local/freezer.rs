@@ -1,7 +1,12 @@
 //! Freezing a container's cgroup so nothing drifts during a statepoint (cgroup v2 `cgroup.freeze`,
 //! or the v1 freezer controller).
 
+use super::{Error, Result};
+
+/// Present in a container's store while planarian holds its cgroup frozen; names the cgroup.
+pub const MARKER: &str = "frozen-by-planarian";
 use std::path::{Path, PathBuf};
+use sys::Context;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
@@ -12,8 +17,8 @@ pub struct Freezer {
 
 impl Freezer {
     /// The freezer of the cgroup `pid` lives in.
-    pub fn of_pid(pid: i32) -> Result<Freezer, String> {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).map_err(|e| format!("cannot read /proc/{pid}/cgroup: {e}"))?;
+    pub fn of_pid(pid: i32) -> Result<Freezer> {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).at("read", format!("/proc/{pid}/cgroup"))?;
         if let Some(rel) = text.lines().find_map(|l| l.strip_prefix("0::")) {
             let dir = Path::new("/sys/fs/cgroup").join(rel.trim().trim_start_matches('/'));
             if dir.join("cgroup.freeze").exists() {
@@ -28,7 +33,7 @@ impl Freezer {
             let dir = Path::new("/sys/fs/cgroup/freezer").join(rel.trim().trim_start_matches('/'));
             return Ok(Freezer { dir, v2: false });
         }
-        Err(format!("no cgroup freezer found for process {pid}"))
+        Err(Error::NoFreezer(pid))
     }
 
     pub fn dir(&self) -> &Path {
@@ -45,38 +50,37 @@ impl Freezer {
         }
     }
 
-    pub fn freeze(&self) -> Result<(), String> {
+    pub fn freeze(&self) -> Result<()> {
         self.set(true)?;
         let end = Instant::now() + Duration::from_secs(10);
         while !self.is_frozen() {
             if Instant::now() > end {
                 let _ = self.set(false);
-                return Err(format!("the container's cgroup {} did not freeze within 10 s", self.dir.display()));
+                return Err(Error::DidNotFreeze(self.dir.clone()));
             }
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(())
     }
 
-    pub fn thaw(&self) -> Result<(), String> {
+    pub fn thaw(&self) -> Result<()> {
         self.set(false)
     }
 
-    fn set(&self, frozen: bool) -> Result<(), String> {
+    fn set(&self, frozen: bool) -> Result<()> {
         let (file, value) = if self.v2 {
             ("cgroup.freeze", if frozen { "1" } else { "0" })
         } else {
             ("freezer.state", if frozen { "FROZEN" } else { "THAWED" })
         };
-        std::fs::write(self.dir.join(file), value)
-            .map_err(|e| format!("cannot write {} to {}: {e}", value, self.dir.join(file).display()))
+        Ok(std::fs::write(self.dir.join(file), value).at("write", self.dir.join(file))?)
     }
 }
 
 /// A container frozen for a statepoint's window, and thawed again when this is dropped, on every
 /// path out (an error, a panic): a sandbox is never left frozen by a failed snapshot. A marker
 /// file names the cgroup while it is frozen, so that a planarian killed mid-window is undone by
-/// the next operation (`snapshot::Ctx::recover`). A cgroup that was already frozen (a paused
+/// the next operation ([`FreezeGuard::recover`]). A cgroup that was already frozen (a paused
 /// container) is left as it was.
 pub struct FreezeGuard<'a> {
     freezer: &'a Freezer,
@@ -85,11 +89,11 @@ pub struct FreezeGuard<'a> {
 }
 
 impl<'a> FreezeGuard<'a> {
-    pub fn freeze(freezer: &'a Freezer, marker: PathBuf) -> Result<FreezeGuard<'a>, String> {
+    pub fn freeze(freezer: &'a Freezer, marker: PathBuf) -> Result<FreezeGuard<'a>> {
         if freezer.is_frozen() {
             return Ok(FreezeGuard { freezer, marker, froze: false });
         }
-        std::fs::write(&marker, freezer.dir().display().to_string()).map_err(|e| format!("cannot write {}: {e}", marker.display()))?;
+        std::fs::write(&marker, freezer.dir().display().to_string()).at("write", &marker)?;
         // From here on, dropping the guard thaws (a freeze that failed half-way included).
         let guard = FreezeGuard { freezer, marker, froze: true };
         freezer.freeze()?;
@@ -108,5 +112,18 @@ impl Drop for FreezeGuard<'_> {
             let _ = self.freezer.thaw();
             let _ = std::fs::remove_file(&self.marker);
         }
+    }
+}
+
+impl FreezeGuard<'_> {
+    /// Thaws the cgroup a planarian killed mid-window left frozen, as its marker names it, and
+    /// removes the marker. Whether there was one.
+    pub fn recover(marker: &Path) -> bool {
+        let Ok(dir) = std::fs::read_to_string(marker) else { return false };
+        let dir = PathBuf::from(dir.trim());
+        let v2 = dir.join("cgroup.freeze").exists();
+        let _ = Freezer { dir, v2 }.thaw();
+        let _ = std::fs::remove_file(marker);
+        true
     }
 }

@@ -8,14 +8,21 @@ use std::path::Path;
 
 const FILE: &str = "/run/planarian/fault";
 
+/// The step named by the fault file failed on purpose.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("injected fault at {point}")]
+pub struct Injected {
+    pub point: String,
+}
+
 /// Fails with "injected fault at NAME" when the fault file names this point.
-pub fn point(name: &str) -> Result<(), String> {
+pub fn point(name: &str) -> Result<(), Injected> {
     at(Path::new(FILE), name)
 }
 
-fn at(file: &Path, name: &str) -> Result<(), String> {
+fn at(file: &Path, name: &str) -> Result<(), Injected> {
     match std::fs::read_to_string(file) {
-        Ok(text) if text.trim() == name && std::fs::remove_file(file).is_ok() => Err(format!("injected fault at {name}")),
+        Ok(text) if text.trim() == name && std::fs::remove_file(file).is_ok() => Err(Injected { point: name.to_string() }),
         _ => Ok(()),
     }
 }
@@ -32,7 +39,7 @@ mod tests {
         assert_eq!(at(&f, "snapshot.frozen"), Ok(()));
         std::fs::write(&f, "snapshot.frozen\n").unwrap();
         assert_eq!(at(&f, "snapshot.dumped"), Ok(()));
-        assert_eq!(at(&f, "snapshot.frozen"), Err("injected fault at snapshot.frozen".into()));
+        assert_eq!(at(&f, "snapshot.frozen").unwrap_err().to_string(), "injected fault at snapshot.frozen");
         assert_eq!(at(&f, "snapshot.frozen"), Ok(()));
         let _ = std::fs::remove_dir_all(&dir);
     }

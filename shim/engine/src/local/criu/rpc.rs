@@ -12,11 +12,12 @@
 //! Messages are criu_req / criu_resp of CRIU's rpc.proto (proto2), encoded by hand: a few
 //! varints, strings and nested messages.
 
-use crate::criu::{DumpPlan, RestorePlan};
+use super::{DumpPlan, Error, Opt, RestorePlan, Result};
 use nix::sys::socket::{recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType};
 use std::io::IoSliceMut;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
+use sys::Context;
 use std::process::{Command, Stdio};
 
 const REQ_DUMP: u64 = 1;
@@ -89,84 +90,70 @@ fn pair(key: &str, val: &str) -> Msg {
     m
 }
 
-fn common(o: &mut Msg, images_fd: RawFd, work_fd: RawFd, log: &str, root: &Path) {
-    o.int(IMAGES_DIR_FD, images_fd)
-        .int(WORK_DIR_FD, work_fd)
-        .int(LOG_LEVEL, 4)
-        .string(LOG_FILE, log)
-        .string(ROOT, &root.to_string_lossy())
-        .flag(MANAGE_CGROUPS, true)
-        .flag(ORPHAN_PTS_MASTER, true)
-        .flag(NOTIFY_SCRIPTS, true);
-}
-
-/// The same options as [`crate::criu::dump_args`], as criu_opts.
-fn dump_opts(p: &DumpPlan, images_fd: RawFd) -> Msg {
+/// The options as criu_opts. The images and work directories go as descriptors the caller
+/// opened (`criu swrk` reads them through /proc/<caller>/fd); `--restore-detached`, the pid file
+/// and action scripts have no place here (the caller is CRIU's parent, gets the pid in the
+/// answer, and is notified instead of scripts), and every RPC call asks for notifications and
+/// for `orphan_pts_master`, which is why this path exists.
+fn encode(opts: &[Opt], images_fd: RawFd, work_fd: RawFd) -> Msg {
     let mut o = Msg::default();
-    common(&mut o, images_fd, images_fd, "dump.log", &p.spec.root);
-    o.int(PID, p.pid).flag(LEAVE_RUNNING, true).flag(TRACK_MEM, true);
-    if let Some(cg) = p.freeze_cgroup {
-        o.string(FREEZE_CGROUP, &cg.to_string_lossy());
+    o.int(IMAGES_DIR_FD, images_fd).int(WORK_DIR_FD, work_fd).flag(ORPHAN_PTS_MASTER, true).flag(NOTIFY_SCRIPTS, true);
+    let mut inherit = Vec::new();
+    for opt in opts {
+        match opt {
+            Opt::Tree(pid) => {
+                o.int(PID, *pid);
+            }
+            Opt::ImagesDir(_) | Opt::WorkDir(_) | Opt::RestoreDetached | Opt::PidFile(_) | Opt::ActionScript(_) => {}
+            Opt::LogFile(f) => {
+                o.int(LOG_LEVEL, 4).string(LOG_FILE, f);
+            }
+            Opt::LeaveRunning => {
+                o.flag(LEAVE_RUNNING, true);
+            }
+            Opt::TrackMem => {
+                o.flag(TRACK_MEM, true);
+            }
+            Opt::ManageCgroups => {
+                o.flag(MANAGE_CGROUPS, true);
+            }
+            Opt::Root(p) => {
+                o.string(ROOT, &p.to_string_lossy());
+            }
+            Opt::FreezeCgroup(p) => {
+                o.string(FREEZE_CGROUP, &p.to_string_lossy());
+            }
+            Opt::PrevImagesDir(p) => {
+                o.string(PARENT_IMG, p);
+            }
+            Opt::ExtMount(k, v) => {
+                o.msg(EXT_MNT, &pair(k, v));
+            }
+            Opt::NetworkLock(m) => {
+                o.varint(NETWORK_LOCK, network_lock_method(m));
+            }
+            Opt::TcpEstablished(v) => {
+                o.flag(TCP_ESTABLISHED, *v);
+            }
+            Opt::FileLocks(v) => {
+                o.flag(FILE_LOCKS, *v);
+            }
+            Opt::RestoreSibling => {
+                o.flag(RST_SIBLING, true);
+            }
+            Opt::CgroupRoot(c) => {
+                let mut m = Msg::default();
+                m.string(2, c);
+                o.msg(CG_ROOT, &m);
+            }
+            Opt::InheritFd(fd, key) => inherit.push((*fd, key)),
+        }
     }
-    if let Some(prev) = p.prev_images_dir {
-        o.string(PARENT_IMG, prev);
-    }
-    for (dest, _) in &p.spec.binds {
-        o.msg(EXT_MNT, &pair(dest, dest));
-    }
-    for f in crate::criu::masked_files(p.spec) {
-        o.msg(EXT_MNT, &pair(f, f));
-    }
-    for d in p.masked_dirs {
-        o.msg(EXT_MNT, &pair(d, crate::criu::MASKED_DIR_KEY));
-    }
-    if p.dev_external {
-        o.msg(EXT_MNT, &pair("/dev", crate::devfs::KEY));
-    }
-    if let Some(m) = p.network_lock {
-        o.varint(NETWORK_LOCK, network_lock_method(m));
-    }
-    o.flag(TCP_ESTABLISHED, p.tcp_established).flag(FILE_LOCKS, p.file_locks);
-    o
-}
-
-/// The same options as [`crate::criu::restore_args`], as criu_opts.
-fn restore_opts(p: &RestorePlan, images_fd: RawFd, work_fd: RawFd) -> Msg {
-    let mut o = Msg::default();
-    common(&mut o, images_fd, work_fd, "restore.log", p.root);
-    o.flag(RST_SIBLING, true);
-    if let Some(cg) = &p.cgroup_root {
-        let mut m = Msg::default();
-        m.string(2, cg);
-        o.msg(CG_ROOT, &m);
-    }
-    for (dest, src) in &p.spec.binds {
-        o.msg(EXT_MNT, &pair(dest, src));
-    }
-    for f in crate::criu::masked_files(p.spec) {
-        o.msg(EXT_MNT, &pair(f, "/dev/null"));
-    }
-    if let Some(d) = p.empty_dir {
-        o.msg(EXT_MNT, &pair(crate::criu::MASKED_DIR_KEY, &d.to_string_lossy()));
-    }
-    if let Some(d) = p.dev_tmpfs {
-        o.msg(EXT_MNT, &pair(crate::devfs::KEY, &d.to_string_lossy()));
-    }
-    if let Some(m) = p.network_lock {
-        o.varint(NETWORK_LOCK, network_lock_method(m));
-    }
-    let mut inherit = |fd: i32, key: &str| {
+    for (fd, key) in inherit {
         let mut m = Msg::default();
         m.string(1, key).int(2, fd);
         o.msg(INHERIT_FD, &m);
-    };
-    if let Some(fd) = p.netns_fd {
-        inherit(fd, "extRootNetNS");
     }
-    for (fd, key) in &p.inherit_fds {
-        inherit(*fd, key);
-    }
-    o.flag(TCP_ESTABLISHED, p.tcp_established).flag(FILE_LOCKS, p.file_locks);
     o
 }
 
@@ -195,8 +182,8 @@ fn bytes_of(rec: &[u8]) -> &[u8] {
     rec.get(pos..pos + len).unwrap_or_default()
 }
 
-fn decode(buf: &[u8]) -> Result<Resp, String> {
-    let bad = |e: criu_hooks::ImageError| format!("malformed answer from criu: {e}");
+fn decode(buf: &[u8]) -> Result<Resp> {
+    let bad = |e: criu_hooks::ImageError| Error::Rpc(format!("malformed answer from criu: {e}"));
     let mut r = Resp::default();
     for (field, rec) in criu_hooks::records(buf).map_err(bad)? {
         match field {
@@ -234,38 +221,38 @@ pub struct Notify {
     pub fd: Option<OwnedFd>,
 }
 
-fn open_dir(p: &Path) -> Result<OwnedFd, String> {
+fn open_dir(p: &Path) -> Result<OwnedFd> {
     use nix::fcntl::{open, OFlag};
     // Without O_CLOEXEC: criu swrk is our child and opens it through /proc/<us>/fd.
-    open(p, OFlag::O_RDONLY | OFlag::O_DIRECTORY, nix::sys::stat::Mode::empty()).map_err(|e| format!("cannot open {}: {e}", p.display()))
+    Ok(open(p, OFlag::O_RDONLY | OFlag::O_DIRECTORY, nix::sys::stat::Mode::empty()).map_err(std::io::Error::from).at("open", p)?)
 }
 
 /// Runs one request through `criu swrk`, answering its notifications with `on_notify`.
 /// Returns the restored root task's pid for a restore.
-fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, netns: Option<RawFd>, mut on_notify: impl FnMut(Notify) -> Result<(), String>) -> Result<Option<i32>, String> {
+fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, netns: Option<RawFd>, mut on_notify: impl FnMut(Notify) -> Result<()>) -> Result<Option<i32>> {
     let (ours, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
-        .map_err(|e| format!("cannot create a socket for criu: {e}"))?;
+        .map_err(|e| Error::Rpc(format!("cannot create a socket for criu: {e}")))?;
     // The child's end must survive exec: a dup without CLOEXEC, closed here once criu runs.
-    let child_fd = nix::unistd::dup(&theirs).map_err(|e| format!("dup: {e}"))?;
+    let child_fd = nix::unistd::dup(&theirs).map_err(|e| Error::Rpc(format!("dup: {e}")))?;
     let mut cmd = Command::new(criu);
     cmd.arg("swrk").arg(child_fd.as_raw_fd().to_string()).stdin(Stdio::null());
-    crate::criu::in_netns(&mut cmd, netns);
-    let mut child = cmd.spawn().map_err(|e| format!("cannot run {}: {e}", criu.display()))?;
+    super::in_netns(&mut cmd, netns);
+    let mut child = cmd.spawn().map_err(|source| Error::Run { tool: criu.to_path_buf(), source })?;
     drop(child_fd);
     drop(theirs);
     let mut req = Msg::default();
     req.varint(1, kind).msg(2, opts);
-    let result = (|| -> Result<Option<i32>, String> {
-        nix::sys::socket::send(ours.as_raw_fd(), &req.0, MsgFlags::empty()).map_err(|e| format!("cannot talk to criu: {e}"))?;
+    let result = (|| -> Result<Option<i32>> {
+        nix::sys::socket::send(ours.as_raw_fd(), &req.0, MsgFlags::empty()).map_err(|e| Error::Rpc(format!("cannot talk to criu: {e}")))?;
         let mut buf = vec![0u8; 64 << 10];
         loop {
             let mut cmsg = nix::cmsg_space!([RawFd; 4]);
             let (n, fds) = {
                 let mut iov = [IoSliceMut::new(&mut buf)];
                 let msg = recvmsg::<()>(ours.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)
-                    .map_err(|e| format!("cannot read criu's answer: {e}"))?;
+                    .map_err(|e| Error::Rpc(format!("cannot read criu's answer: {e}")))?;
                 let mut fds = Vec::new();
-                for c in msg.cmsgs().map_err(|e| e.to_string())? {
+                for c in msg.cmsgs().map_err(|e| Error::Rpc(format!("cannot read criu's answer: {e}")))? {
                     if let ControlMessageOwned::ScmRights(v) = c {
                         fds.extend(v.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
                     }
@@ -273,7 +260,7 @@ fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, netns: Option<RawFd>, mu
                 (msg.bytes, fds)
             };
             if n == 0 {
-                return Err("criu exited without an answer".into());
+                return Err(Error::Rpc("criu exited without an answer".into()));
             }
             let r = decode(&buf[..n])?;
             if r.kind == REQ_NOTIFY {
@@ -281,18 +268,18 @@ fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, netns: Option<RawFd>, mu
                 let outcome = on_notify(Notify { script: script.clone(), pid: r.notify_pid, fd: fds.into_iter().next() });
                 let mut ack = Msg::default();
                 ack.varint(1, REQ_NOTIFY).flag(3, outcome.is_ok());
-                nix::sys::socket::send(ours.as_raw_fd(), &ack.0, MsgFlags::empty()).map_err(|e| format!("cannot talk to criu: {e}"))?;
-                outcome.map_err(|e| format!("{script}: {e}"))?;
+                nix::sys::socket::send(ours.as_raw_fd(), &ack.0, MsgFlags::empty()).map_err(|e| Error::Rpc(format!("cannot talk to criu: {e}")))?;
+                outcome.map_err(|e| Error::Notify { script, why: e.to_string() })?;
                 continue;
             }
             if !r.success {
                 let why = r
                     .errmsg
                     .filter(|m| !m.is_empty())
-                    .or_else(|| crate::criu::first_error(log))
+                    .or_else(|| super::first_error(log))
                     .unwrap_or_else(|| format!("errno {}", r.errno.unwrap_or(0)));
                 let verb = if kind == REQ_DUMP { "dump" } else { "restore" };
-                return Err(format!("criu {verb} failed: {why} (log: {})", log.display()));
+                return Err(Error::Failed { verb, why, log: log.to_path_buf() });
             }
             return Ok(r.restored_pid);
         }
@@ -302,27 +289,29 @@ fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, netns: Option<RawFd>, mu
     result
 }
 
-pub fn dump(criu: &Path, p: &DumpPlan) -> Result<(), String> {
+pub fn dump(criu: &Path, p: &DumpPlan) -> Result<()> {
     let images = open_dir(p.images_dir)?;
-    let opts = dump_opts(p, images.as_raw_fd());
+    let opts = encode(&p.options(), images.as_raw_fd(), images.as_raw_fd());
     call(criu, REQ_DUMP, &opts, &p.images_dir.join("dump.log"), p.join_netns, |_| Ok(())).map(|_| ())
 }
 
 /// Restores; `on_notify` sees every notification (pre-resume, orphan-pts-master, …).
-pub fn restore(criu: &Path, p: &RestorePlan, on_notify: impl FnMut(Notify) -> Result<(), String>) -> Result<i32, String> {
+pub fn restore(criu: &Path, p: &RestorePlan, on_notify: impl FnMut(Notify) -> Result<()>) -> Result<i32> {
     let images = open_dir(p.images_dir)?;
     let work = open_dir(p.work_dir)?;
-    let opts = restore_opts(p, images.as_raw_fd(), work.as_raw_fd());
-    call(criu, REQ_RESTORE, &opts, &p.work_dir.join("restore.log"), p.join_netns, on_notify)?.ok_or_else(|| "criu restore reported no pid".to_string())
+    let opts = encode(&p.options(), images.as_raw_fd(), work.as_raw_fd());
+    call(criu, REQ_RESTORE, &opts, &p.work_dir.join("restore.log"), p.join_netns, on_notify)?
+        .ok_or_else(|| Error::Rpc("criu restore reported no pid".into()))
 }
 
 /// Hands a terminal's master to conmon's console socket, as runc and crun do.
-pub fn send_console(socket: &Path, master: &OwnedFd) -> Result<(), String> {
-    let s = std::os::unix::net::UnixStream::connect(socket).map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
+pub fn send_console(socket: &Path, master: &OwnedFd) -> Result<()> {
+    let s = std::os::unix::net::UnixStream::connect(socket).at("connect to", socket)?;
     let fds = [master.as_raw_fd()];
     let iov = [std::io::IoSlice::new(b"console")];
     sendmsg::<()>(s.as_raw_fd(), &iov, &[ControlMessage::ScmRights(&fds)], MsgFlags::empty(), None)
-        .map_err(|e| format!("cannot send the terminal to {}: {e}", socket.display()))?;
+        .map_err(std::io::Error::from)
+        .at("send the terminal to", socket)?;
     Ok(())
 }
 
@@ -339,6 +328,35 @@ mod tests {
         want.extend_from_slice(&[0xff; 9]);
         want.push(0x01);
         assert_eq!(m.0, want);
+    }
+
+    #[test]
+    fn the_rpc_carries_what_the_command_line_carries() {
+        let spec = crate::runtime::Spec { root: "/merged".into(), binds: vec![("/etc/hosts".into(), "/run/h".into())], ..Default::default() };
+        let images = Path::new("/st/sp1/criu");
+        let plan = DumpPlan {
+            pid: 42,
+            images_dir: images,
+            spec: &spec,
+            freeze_cgroup: None,
+            prev_images_dir: Some("../../sp0/criu"),
+            tcp_established: true,
+            file_locks: false,
+            masked_dirs: &[],
+            network_lock: None,
+            dev_external: true,
+            join_netns: None,
+        };
+        let opts = plan.options();
+        let m = encode(&opts, 5, 5);
+        let fields: Vec<u64> = criu_hooks::records(&m.0).unwrap().into_iter().map(|(f, _)| f).collect();
+        for (opt, field) in [(Opt::TrackMem, TRACK_MEM), (Opt::LeaveRunning, LEAVE_RUNNING), (Opt::PrevImagesDir("../../sp0/criu".into()), PARENT_IMG)] {
+            assert!(opts.contains(&opt) && fields.contains(&field), "{opt:?}");
+        }
+        assert_eq!(fields.iter().filter(|f| **f == EXT_MNT).count(), 2, "the bind and /dev, as on the command line");
+        let line = super::super::cli_args("dump", &opts).iter().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ");
+        assert_eq!(line.matches("--ext-mount-map").count(), 2, "{line}");
+        assert!(line.contains("--prev-images-dir ../../sp0/criu") && line.contains("--tcp-established"), "{line}");
     }
 
     #[test]

@@ -13,20 +13,21 @@
 //! Hooks are captured in the configured order and compensated in reverse order. None is
 //! configured by default; the MCP state-proxy sidecar implements this contract.
 
+use super::{Error, Result};
 use crate::store::RemoteState;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-pub fn capture(hooks: &[PathBuf], container_id: &str) -> Result<Vec<RemoteState>, String> {
+pub fn capture(hooks: &[PathBuf], container_id: &str) -> Result<Vec<RemoteState>> {
     hooks
         .iter()
         .map(|hook| {
             let out = run(hook, &["capture", container_id])?;
             let v: serde_json::Value = serde_json::from_str(out.trim())
-                .map_err(|e| format!("remote hook {} capture printed no JSON object: {e}", hook.display()))?;
+                .map_err(|source| Error::NotJson { hook: hook.clone(), source })?;
             let position = v["mcp-call-position"]
                 .as_u64()
-                .ok_or_else(|| format!("remote hook {} capture gave no mcp-call-position", hook.display()))?;
+                .ok_or_else(|| Error::NoPosition(hook.clone()))?;
             Ok(RemoteState {
                 external_endpoint: v["external-endpoint"].as_str().map(String::from),
                 mcp_call_position: Some(position),
@@ -37,7 +38,7 @@ pub fn capture(hooks: &[PathBuf], container_id: &str) -> Result<Vec<RemoteState>
 }
 
 /// Compensates each recorded remote state back to its position, in reverse order.
-pub fn compensate(states: &[RemoteState], container_id: &str) -> Result<(), String> {
+pub fn compensate(states: &[RemoteState], container_id: &str) -> Result<()> {
     for st in states.iter().rev() {
         let (Some(hook), Some(pos)) = (&st.hook_path, st.mcp_call_position) else { continue };
         run(Path::new(hook), &["compensate", container_id, &pos.to_string()])?;
@@ -45,20 +46,19 @@ pub fn compensate(states: &[RemoteState], container_id: &str) -> Result<(), Stri
     Ok(())
 }
 
-fn run(hook: &Path, args: &[&str]) -> Result<String, String> {
+fn run(hook: &Path, args: &[&str]) -> Result<String> {
     let out = Command::new(hook)
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .map_err(|e| format!("cannot run remote hook {}: {e}", hook.display()))?;
+        .map_err(|source| Error::Run { hook: hook.to_path_buf(), source })?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
-        return Err(format!(
-            "remote hook {} {} failed: {}",
-            hook.display(),
-            args[0],
-            err.lines().last().unwrap_or("no message").trim()
-        ));
+        return Err(Error::Failed {
+            hook: hook.to_path_buf(),
+            verb: args[0].to_string(),
+            message: err.lines().last().unwrap_or("no message").trim().to_string(),
+        });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -100,10 +100,10 @@ mod tests {
     #[test]
     fn failures_are_one_clear_line() {
         let h = script("bad", "echo 'connection refused' >&2; exit 3");
-        let e = capture(std::slice::from_ref(&h), "c").unwrap_err();
+        let e = capture(std::slice::from_ref(&h), "c").unwrap_err().to_string();
         assert!(e.ends_with("capture failed: connection refused"), "{e}");
         let garbage = script("garbage", "echo not-json");
-        assert!(capture(std::slice::from_ref(&garbage), "c").unwrap_err().contains("no JSON"));
+        assert!(capture(std::slice::from_ref(&garbage), "c").unwrap_err().to_string().contains("no JSON"));
         std::fs::remove_file(h).unwrap();
         std::fs::remove_file(garbage).unwrap();
     }

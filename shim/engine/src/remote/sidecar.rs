@@ -2,8 +2,10 @@
 //! it (delete), and its position captured by every statepoint through the hook contract of
 //! remote.rs (planarian-mcp-proxy is itself a remote-state hook).
 
+use super::{Error, Result};
 use crate::config::{Config, McpService};
 use crate::store::ContainerStore;
+use sys::Context;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -11,26 +13,26 @@ const PID_FILE: &str = "mcp-proxy.pid";
 const LOG_FILE: &str = "mcp-proxy.log";
 
 /// The service this container uses, if any.
-pub fn service(cfg: &Config) -> Result<Option<(&str, &McpService)>, String> {
+pub fn service(cfg: &Config) -> Result<Option<(&str, &McpService)>> {
     let Some(name) = cfg.mcp.service.as_deref() else { return Ok(None) };
     match cfg.mcp.services.get(name) {
         Some(s) => Ok(Some((name, s))),
-        None => Err(format!(
-            "unknown MCP service {name} (configured in [mcp.services]: {})",
-            if cfg.mcp.services.is_empty() { "none".to_string() } else { cfg.mcp.services.keys().cloned().collect::<Vec<_>>().join(", ") }
-        )),
+        None => Err(Error::UnknownService {
+            name: name.to_string(),
+            known: if cfg.mcp.services.is_empty() { "none".to_string() } else { cfg.mcp.services.keys().cloned().collect::<Vec<_>>().join(", ") },
+        }),
     }
 }
 
-pub fn proxy_path(cfg: &Config) -> Result<PathBuf, String> {
+pub fn proxy_path(cfg: &Config) -> Result<PathBuf> {
     let beside = std::env::current_exe().ok().and_then(|e| Some(e.parent()?.join("planarian-mcp-proxy")));
     let configured = cfg.mcp.proxy_path.as_deref().or(beside.as_deref());
-    crate::tools::locate("planarian-mcp-proxy", configured, "[mcp] proxy_path").map_err(|e| e.to_string())
+    Ok(crate::tools::locate("planarian-mcp-proxy", configured, "[mcp] proxy_path")?)
 }
 
 /// The remote-state hooks of a statepoint of this container: the configured ones, then its
 /// sidecar (unless the sidecar refuses calls: a fork has no remote state of its own).
-pub fn remote_hooks(cfg: &Config) -> Result<Vec<PathBuf>, String> {
+pub fn remote_hooks(cfg: &Config) -> Result<Vec<PathBuf>> {
     let mut hooks = cfg.hooks.remote.clone();
     if service(cfg)?.is_some() && cfg.mcp.disabled.is_none() {
         hooks.push(proxy_path(cfg)?);
@@ -45,23 +47,23 @@ fn running(store: &ContainerStore) -> Option<i32> {
 }
 
 /// Starts the container's sidecar unless it runs already; returns once it answers.
-pub fn start(cfg: &Config, id: &str) -> Result<(), String> {
+pub fn start(cfg: &Config, id: &str) -> Result<()> {
     let Some((name, svc)) = service(cfg)? else { return Ok(()) };
     let store = ContainerStore::new(&cfg.store.path, id);
     if running(&store).is_some() {
         return Ok(());
     }
     if svc.upstream.is_empty() == svc.url.is_empty() || svc.database.is_empty() {
-        return Err(format!("MCP service {name}: database and one of upstream (a command) or url must be set"));
+        return Err(Error::ServiceIncomplete(name.to_string()));
     }
     let proxy = proxy_path(cfg)?;
-    std::fs::create_dir_all(&store.dir).map_err(|e| format!("cannot create {}: {e}", store.dir.display()))?;
+    std::fs::create_dir_all(&store.dir).at("create", &store.dir)?;
     let log_path = store.dir.join(LOG_FILE);
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(&log_path)
-        .map_err(|e| format!("cannot open {}: {e}", log_path.display()))?;
+        .at("open", &log_path)?;
     let mut cmd = std::process::Command::new(&proxy);
     cmd.args(["serve", "--container", id, "--database", &svc.database]);
     cmd.arg("--state").arg(store.dir.join("mcp-positions.json"));
@@ -86,11 +88,11 @@ pub fn start(cfg: &Config, id: &str) -> Result<(), String> {
         cmd.args(["--upstream-url", &svc.url]);
     }
     cmd.stdin(std::process::Stdio::null())
-        .stdout(log.try_clone().map_err(|e| e.to_string())?)
+        .stdout(log.try_clone().at("open", &log_path)?)
         .stderr(log);
     crate::tools::detach(&mut cmd);
-    let mut child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", proxy.display()))?;
-    crate::install::write_atomic(&store.dir.join(PID_FILE), child.id().to_string().as_bytes(), 0o644)?;
+    let mut child = cmd.spawn().map_err(|source| Error::Start { proxy: proxy.clone(), source })?;
+    sys::write_atomic(&store.dir.join(PID_FILE), child.id().to_string().as_bytes(), 0o644)?;
     let socket = mcp_dir().join(format!("{id}.sock"));
     let end = Instant::now() + Duration::from_secs(30);
     loop {
@@ -101,11 +103,11 @@ pub fn start(cfg: &Config, id: &str) -> Result<(), String> {
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
             let last = log.lines().rev().find(|l| l.starts_with("planarian-mcp-proxy:")).unwrap_or("no message");
             let _ = std::fs::remove_file(store.dir.join(PID_FILE));
-            return Err(format!("the MCP proxy for service {name} exited ({status}): {last}"));
+            return Err(Error::Exited { service: name.to_string(), status, last: last.to_string() });
         }
         if Instant::now() > end {
             stop(cfg, id);
-            return Err(format!("the MCP proxy for service {name} did not come up within 30 s; see {}", log_path.display()));
+            return Err(Error::NotUp { service: name.to_string(), log: log_path });
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -135,35 +137,22 @@ pub fn stop(cfg: &Config, id: &str) {
 }
 
 /// The create hook: a container that names a service gets its sidecar before it starts.
-pub fn on_create(cfg: &Config, args: &[std::ffi::OsString]) -> Result<(), String> {
-    let (bundle, Some(id)) = crate::zfs_rootfs::create_args(args) else { return Ok(()) };
-    let Ok(spec) = crate::zfs_rootfs::read_spec(&bundle) else { return Ok(()) };
-    let annotations: Vec<(String, String)> = spec["annotations"]
-        .as_object()
-        .map(|m| {
-            m.iter()
-                .filter(|(k, _)| k.starts_with("io.planarian.mcp."))
-                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
-                .collect()
-        })
-        .unwrap_or_default();
-    if annotations.is_empty() && cfg.mcp.service.is_none() {
+pub fn on_create(cfg: &Config, id: &str, spec: &crate::runtime::Spec) -> Result<()> {
+    let mine = spec.annotations.iter().any(|(k, _)| k.starts_with("io.planarian.mcp."));
+    if !mine && cfg.mcp.service.is_none() {
         return Ok(());
     }
-    let cfg = cfg.with_annotations(annotations.iter().map(|(k, v)| (k.as_str(), v.as_str()))).map_err(|e| e.to_string())?;
-    start(&cfg, &id)
+    let cfg = cfg.with_annotations_of(spec.annotations.iter().map(|(k, v)| (k, v)), Some("mcp"))?;
+    start(&cfg, id)
 }
 
 /// The delete hook: the sidecar stops with the container's processes, except while planarian
 /// rolls the container back (the stop and restore inside a rollback are not the user's).
-pub fn on_delete(cfg: &Config, args: &[std::ffi::OsString]) {
-    if let Some(id) = args.iter().rev().find(|a| !a.to_string_lossy().starts_with('-')) {
-        let id = id.to_string_lossy();
-        if RollbackMarker::active(&ContainerStore::new(&cfg.store.path, &id)) {
-            return;
-        }
-        stop(cfg, &id);
+pub fn on_delete(cfg: &Config, id: &str) {
+    if RollbackMarker::active(&ContainerStore::new(&cfg.store.path, id)) {
+        return;
     }
+    stop(cfg, id);
 }
 
 const ROLLBACK_MARKER: &str = "rollback.pid";
@@ -174,7 +163,7 @@ pub struct RollbackMarker(PathBuf);
 impl RollbackMarker {
     pub fn set(store: &ContainerStore) -> Option<RollbackMarker> {
         let p = store.dir.join(ROLLBACK_MARKER);
-        crate::install::write_atomic(&p, std::process::id().to_string().as_bytes(), 0o644).ok()?;
+        sys::write_atomic(&p, std::process::id().to_string().as_bytes(), 0o644).ok()?;
         Some(RollbackMarker(p))
     }
 

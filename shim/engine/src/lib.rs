@@ -1,0 +1,36 @@
+//! The statepoint engine: everything planarian does to a sandbox, as a library that the
+//! `planarian` runtime binary (and, next, an MCP server and a harness SDK) call.
+//!
+//! Layers, each using only the ones below it:
+//!
+//! ```text
+//!  statepoint   snapshot · restore · rollback · fork as operations; Ctx; the checkpoint
+//!               directory handed to Podman; removal, retention, recovery
+//!  local        criu (command line and RPC from one option list) · freezer · devfs · files:
+//!               copy and ZFS backends            remote   hooks (capture/compensate) · sidecar
+//!  chain        Algorithm 1's bases and chains of CRIU images
+//!  store        the registry: manifests, ids, heads, locks
+//!  runtime      what the runtime knows of a container: OCI spec, crun's state, Podman
+//!  config · tools · log · fault                 (and below everything, the `sys` crate:
+//!                                               /proc, atomic writes, I/O errors)
+//! ```
+//!
+//! Every library error is a typed enum (`thiserror`); the binaries turn them into the one line a
+//! user reads and the runc-style JSON line Podman reads.
+
+pub mod config;
+pub mod fault;
+pub mod log;
+pub mod tools;
+
+pub mod runtime;
+pub mod store;
+pub mod chain;
+pub mod local;
+pub mod remote;
+pub mod statepoint;
+
+pub use sys::{Context, IoError};
+
+/// The version of the runtime, as `planarian --version` prints it.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,0 +1,434 @@
+//! The files of a statepoint on ZFS: every container whose rootfs is a dataset gets zero-copy
+//! snapshots, rollbacks and forks.
+//!
+//! A container is mapped to a dataset (`<store>/containers/<id>/zfs.json`) when it is created:
+//! * its rootfs already is a mounted dataset (`podman run --rootfs /tank/sb`, Podman's zfs
+//!   storage driver): that dataset, which planarian does not own;
+//! * a parent dataset is configured and the rootfs is Podman's overlay: the container gets
+//!   `<parent>/ctr-<id>`, a clone of `<parent>/image-<key>@base` — the image's layers copied into
+//!   ZFS once per image — plus what its writable layer already held; the OCI config's root path
+//!   is pointed at the clone on every create and restore, so the container runs on it while
+//!   Podman keeps managing the container as usual.
+//!
+//! Statepoint `spN` of container C is the snapshot `@planarian-<C:12>-spN`, found by that name
+//! wherever it lives in the pool (a promote moves snapshots between datasets):
+//! * snapshot: `syncfs` (FUSE may hold written pages) and `zfs snapshot`, container frozen;
+//! * rollback to any statepoint S: clone S, promote the clone, swap it in under the container's
+//!   dataset name and mount point; the previous dataset, renamed `<ds>.planarian-old-N`, keeps
+//!   the snapshots newer than S (so every statepoint stays restorable) and is destroyed once it
+//!   holds none. Until the restore succeeded every step can be undone;
+//! * fork: the new container's dataset is a clone of S;
+//! * removing a statepoint: `zfs destroy -d` (kept while a clone depends on it);
+//! * removing the container (Podman deletes its bundle): its datasets go; forks depending on its
+//!   snapshots are promoted first, so they keep working.
+
+//!
+//! Jobs: [`create`] maps a new container to its dataset (and copies each image once, with
+//! [`layers`]); this module keeps statepoints, rollbacks, forks and removal.
+
+pub mod create;
+pub mod layers;
+
+use super::files::{RestoreGuard, Rootfs};
+use super::{Error, Result};
+use crate::config::Config;
+use crate::store::{ContainerStore, LocalState};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use sys::Context;
+use zfs::{Kind, Zfs};
+
+pub(crate) const MAPPING: &str = "zfs.json";
+
+/// Which dataset a container's rootfs is.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+pub struct Mapping {
+    pub dataset: String,
+    /// Created by planarian (destroyed with the container), or the user's own.
+    pub owned: bool,
+    /// The container's bundle: when Podman removes it, the container is gone.
+    pub bundle: PathBuf,
+    /// The per-image base the dataset was cloned from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_base: Option<String>,
+}
+
+pub fn zfs_from(cfg: &Config) -> Result<Zfs> {
+    Ok(crate::tools::locate("zfs", cfg.runtime.zfs_path.as_deref(), "[runtime] zfs_path").map(Zfs::new)?)
+}
+
+pub fn mapping(store: &ContainerStore) -> Option<Mapping> {
+    let data = std::fs::read(store.dir.join(MAPPING)).ok()?;
+    serde_json::from_slice(&data).ok()
+}
+
+pub(crate) fn save_mapping(store: &ContainerStore, m: &Mapping) -> Result<()> {
+    let text = serde_json::to_string_pretty(m).map_err(|source| Error::Json { what: MAPPING.into(), source })?;
+    Ok(sys::write_atomic(&store.dir.join(MAPPING), text.as_bytes(), 0o644)?)
+}
+
+pub(crate) fn short(id: &str) -> &str {
+    &id[..id.len().min(12)]
+}
+
+/// The snapshot name (after `@`) of statepoint `sp` of container `id`.
+pub fn snapshot_name(id: &str, sp: &str) -> String {
+    format!("planarian-{}-{sp}", short(id))
+}
+
+/// Where a dataset is mounted, or an error when it is not.
+pub(crate) fn mountpoint(zfs: &Zfs, ds: &str) -> Result<PathBuf> {
+    let mp = zfs.get(ds, "mountpoint")?.value;
+    if !mp.starts_with('/') {
+        return Err(Error::NoMountPoint { dataset: ds.to_string(), mountpoint: mp });
+    }
+    if zfs.get(ds, "mounted")?.value != "yes" {
+        zfs.mount(ds)?;
+    }
+    Ok(PathBuf::from(mp))
+}
+
+// ---------------------------------------------------------------------------------------------
+// statepoints
+
+/// Finds a snapshot by its name after `@`, anywhere in the pool of `dataset`.
+pub fn find_snapshot(zfs: &Zfs, dataset: &str, name: &str) -> Result<Option<String>> {
+    let suffix = format!("@{name}");
+    Ok(zfs.snapshots(zfs::pool_of(dataset))?.into_iter().find(|s| s.ends_with(&suffix)))
+}
+
+fn missing(name: &str, dataset: &str) -> Error {
+    Error::SnapshotMissing { name: name.to_string(), pool: zfs::pool_of(dataset).to_string() }
+}
+
+/// Checks, before anything changes, that a statepoint's snapshot is still there.
+pub fn check_available(cfg: &Config, store: &ContainerStore, local: &LocalState) -> Result<()> {
+    let (Some(snap), Some(map)) = (&local.zfs_snapshot, mapping(store)) else { return Ok(()) };
+    let zfs = zfs_from(cfg)?;
+    let name = snap.rsplit('@').next().unwrap_or(snap);
+    match find_snapshot(&zfs, &map.dataset, name)? {
+        Some(_) => Ok(()),
+        None => Err(missing(name, &map.dataset)),
+    }
+}
+
+/// Flushes what the kernel holds for the file system mounted at `mp` (FUSE keeps written pages).
+fn syncfs(mp: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let d = std::fs::File::open(mp).at("open", mp)?;
+    // SAFETY: a valid open fd.
+    if unsafe { nix::libc::syncfs(d.as_raw_fd()) } != 0 {
+        return Err(sys::IoError::new("sync", mp, std::io::Error::last_os_error()).into());
+    }
+    Ok(())
+}
+
+pub struct ZfsRootfs {
+    pub zfs: Zfs,
+    pub map: Mapping,
+    pub container_id: String,
+}
+
+impl ZfsRootfs {
+    pub fn for_container(cfg: &Config, store: &ContainerStore, id: &str) -> Result<Option<ZfsRootfs>> {
+        let Some(map) = mapping(store) else { return Ok(None) };
+        Ok(Some(ZfsRootfs { zfs: zfs_from(cfg)?, map, container_id: id.to_string() }))
+    }
+
+    /// The snapshot statepoint `sp` will have.
+    pub fn snapshot_of(&self, sp: &str) -> String {
+        format!("{}@{}", self.map.dataset, snapshot_name(&self.container_id, sp))
+    }
+
+    /// Makes the container's dataset what statepoint snapshot `recorded` holds; every other
+    /// snapshot stays. The container must not run. The guard undoes it unless committed.
+    pub fn restore_snapshot(&self, recorded: &str) -> Result<RestoreGuard> {
+        let zfs = &self.zfs;
+        let d = self.map.dataset.clone();
+        let name = recorded.rsplit('@').next().unwrap_or(recorded);
+        let snap = find_snapshot(zfs, &d, name)?.ok_or_else(|| missing(name, &d))?;
+        let origin_ds = zfs::dataset_of(&snap).to_string();
+        let new = format!("{d}.planarian-new");
+        if zfs.exists(&new)? {
+            zfs.destroy(&new, true)?;
+        }
+        let mp = zfs.get(&d, "mountpoint")?;
+        zfs.clone_snapshot(&snap, &new, &[("mountpoint", "none")])?;
+        let drop_new = || {
+            let _ = zfs.destroy(&new, true);
+        };
+        if let Err(e) = zfs.promote(&new) {
+            drop_new();
+            return Err(e.into());
+        }
+        let unpromote = || {
+            let _ = zfs.promote(&origin_ds);
+            drop_new();
+        };
+        if let Err(e) = zfs.unmount(&d) {
+            unpromote();
+            return Err(match e.kind() {
+                Kind::Busy => Error::FilesBusy(mp.value.clone()),
+                _ => e.into(),
+            });
+        }
+        let old = (1..).map(|n| format!("{d}.planarian-old-{n}")).find(|o| !zfs.exists(o).unwrap_or(true)).unwrap();
+        let swap = || -> Result<(), zfs::Error> {
+            zfs.set(&d, "mountpoint", "none")?;
+            zfs.rename(&d, &old)?;
+            zfs.rename(&new, &d)?;
+            zfs.restore_property(&d, "mountpoint", &mp)?;
+            if zfs.get(&d, "mounted")?.value != "yes" {
+                zfs.mount(&d)?;
+            }
+            Ok(())
+        };
+        // Puts the previous dataset back under its name and mount point (any step may be done).
+        let undo = {
+            let (zfs, d, old, new, mp, origin_ds) = (zfs.clone(), d.clone(), old.clone(), new.clone(), mp.clone(), origin_ds.clone());
+            move || -> Result<()> {
+                if zfs.exists(&old)? {
+                    if zfs.exists(&d)? {
+                        let _ = zfs.unmount(&d);
+                        zfs.set(&d, "mountpoint", "none")?;
+                        zfs.rename(&d, &new)?;
+                    }
+                    zfs.rename(&old, &d)?;
+                }
+                zfs.restore_property(&d, "mountpoint", &mp)?;
+                if zfs.get(&d, "mounted")?.value != "yes" {
+                    zfs.mount(&d)?;
+                }
+                zfs.promote(&origin_ds)?;
+                Ok(zfs.destroy(&new, true)?)
+            }
+        };
+        if let Err(e) = swap() {
+            return Err(match undo() {
+                Ok(()) => e.into(),
+                Err(u) => Error::UndoFailed { first: Box::new(e.into()), undoing: "putting the previous dataset back", then: Box::new(u) },
+            });
+        }
+        let commit = {
+            let (zfs, d) = (zfs.clone(), d.clone());
+            move || collect(&zfs, &d)
+        };
+        Ok(RestoreGuard::new(Box::new(undo), Box::new(commit)))
+    }
+}
+
+impl Rootfs for ZfsRootfs {
+    fn backend(&self) -> &'static str {
+        "zfs"
+    }
+
+    fn plan(&self, sp: &str, local: &mut LocalState) {
+        local.rootfs_backend = self.backend().into();
+        local.zfs_snapshot = Some(self.snapshot_of(sp));
+        local.rootfs_copy_path = None;
+        local.rootfs_upperdir = None;
+    }
+
+    fn snapshot(&self, _sp_dir: &Path, local: &LocalState) -> Result<()> {
+        let snap = local.zfs_snapshot.as_deref().ok_or(Error::NoZfsSnapshot)?;
+        // Where it is mounted, from this host's mount table when that is unambiguous (`zfs get`
+        // twice otherwise: a fixed cost of every snapshot).
+        let mounted = sys::proc::own_mounts().map(|ms| zfs::mounts_of(&ms, &self.map.dataset)).unwrap_or_default();
+        let mp = match &mounted[..] {
+            [one] => one.clone(),
+            _ => mountpoint(&self.zfs, &self.map.dataset)?,
+        };
+        syncfs(&mp)?;
+        self.zfs.snapshot(snap).map_err(|e| match e.kind() {
+            Kind::NoSpace => Error::PoolFull { pool: zfs::pool_of(snap).to_string(), source: e },
+            _ => e.into(),
+        })
+    }
+
+    fn discard(&self, _sp_dir: &Path, local: &LocalState) {
+        if let Some(snap) = &local.zfs_snapshot {
+            let _ = self.zfs.destroy_snapshot(snap);
+        }
+    }
+
+    fn restore(&self, _sp_dir: &Path, local: &LocalState) -> Result<RestoreGuard> {
+        let snap = local.zfs_snapshot.as_deref().ok_or(Error::NoZfsSnapshot)?;
+        self.restore_snapshot(snap)
+    }
+}
+
+/// Destroys the container's retired datasets that hold no snapshot any more.
+fn collect(zfs: &Zfs, d: &str) {
+    let prefix = format!("{d}.planarian-old-");
+    let Ok(snaps) = zfs.snapshots(zfs::pool_of(d)) else { return };
+    let Ok(fss) = zfs.filesystems(zfs::pool_of(d)) else { return };
+    for (fs, _) in fss.iter().filter(|(n, _)| n.starts_with(&prefix)) {
+        let at = format!("{fs}@");
+        if !snaps.iter().any(|s| s.starts_with(&at)) {
+            let _ = zfs.destroy(fs, false);
+        }
+    }
+}
+
+/// Removes a statepoint's snapshot (deferred while a clone depends on it), then whatever
+/// retired dataset that leaves empty. Missing snapshots are fine.
+pub fn destroy_snapshot(cfg: &Config, store: &ContainerStore, recorded: &str) -> Result<()> {
+    let zfs = zfs_from(cfg)?;
+    let name = recorded.rsplit('@').next().unwrap_or(recorded);
+    if let Some(snap) = find_snapshot(&zfs, recorded, name)? {
+        zfs.destroy_snapshot(&snap)?;
+    }
+    if let Some(map) = mapping(store) {
+        collect(&zfs, &map.dataset);
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// fork
+
+/// The dataset of a fork of `src`: under the configured parent, else beside the source's.
+pub fn fork_dataset(cfg: &Config, src: &Mapping, new_id: &str) -> String {
+    match &cfg.zfs.parent_dataset {
+        Some(p) => format!("{p}/ctr-{new_id}"),
+        None => format!("{}-fork-{}", src.dataset, short(new_id)),
+    }
+}
+
+/// Gives a new container (no statepoints yet) a clone of `recorded` as its dataset.
+pub fn fork_into(cfg: &Config, src: &Mapping, recorded: &str, new_store: &ContainerStore, new_id: &str, new_bundle: &Path) -> Result<()> {
+    let zfs = zfs_from(cfg)?;
+    let name = recorded.rsplit('@').next().unwrap_or(recorded);
+    let snap = find_snapshot(&zfs, &src.dataset, name)?.ok_or_else(|| missing(name, &src.dataset))?;
+    let ds = fork_dataset(cfg, src, new_id);
+    zfs.clone_snapshot(&snap, &ds, &[])?;
+    let bundle = std::fs::canonicalize(new_bundle).unwrap_or(new_bundle.to_path_buf());
+    save_mapping(new_store, &Mapping { dataset: ds.clone(), owned: true, bundle, image_base: None }).inspect_err(|_| {
+        let _ = zfs.destroy(&ds, true);
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// removal of a container
+
+/// Removes everything planarian made in ZFS for a container: its datasets (after promoting the
+/// forks that depend on them), its snapshots; its statepoints are discarded. The mapping goes.
+pub fn remove_container(cfg: &Config, store: &ContainerStore) -> Result<()> {
+    let Some(map) = mapping(store) else { return Ok(()) };
+    let zfs = zfs_from(cfg)?;
+    let d = &map.dataset;
+    let pool = zfs::pool_of(d);
+    let id = store.dir.file_name().unwrap_or_default().to_string_lossy().into_owned();
+    let ours = format!("@planarian-{}-", short(&id));
+    let old_prefix = format!("{d}.planarian-old-");
+    let in_family = |fs: &str| fs == d || fs.starts_with(&old_prefix) || fs == format!("{d}.planarian-new");
+    if map.owned {
+        // Forks (or anything) cloned from the family's snapshots take them over first.
+        for _ in 0..64 {
+            let fss = zfs.filesystems(pool)?;
+            let dependant = fss.iter().find(|(fs, origin)| {
+                !in_family(fs) && origin.as_deref().is_some_and(|o| in_family(zfs::dataset_of(o)))
+            });
+            match dependant {
+                Some((fs, _)) => zfs.promote(fs)?,
+                None => break,
+            }
+        }
+        let mut family: Vec<String> = zfs.filesystems(pool)?.into_iter().map(|(n, _)| n).filter(|n| in_family(n)).collect();
+        // Retired datasets are clones of the live one's snapshots: they go first.
+        family.sort_by_key(|n| n == d);
+        for fs in family {
+            zfs.destroy(&fs, true)?;
+        }
+    } else {
+        for (fs, _) in zfs.filesystems(pool)?.iter().filter(|(n, _)| n.starts_with(&old_prefix)) {
+            let _ = zfs.destroy(fs, true);
+        }
+    }
+    // Its snapshots that a promote moved elsewhere, or on the user's own dataset.
+    for s in zfs.snapshots(pool)?.iter().filter(|s| s.contains(&ours)) {
+        let _ = zfs.destroy_snapshot(s);
+    }
+    for mut m in store.manifests() {
+        if m.local_state.zfs_snapshot.is_some() && m.status != crate::store::Status::Discarded {
+            m.status = crate::store::Status::Discarded;
+            let _ = store.write_manifest(&m);
+        }
+    }
+    Ok(std::fs::remove_file(store.dir.join(MAPPING)).at("remove", store.dir.join(MAPPING))?)
+}
+
+/// Removes the datasets of containers Podman has removed (their bundle is gone). With `wait`,
+/// only that container's, after waiting (up to 30 s) for its bundle to go first — `delete`
+/// starts this, and only a `podman rm` removes the bundle — and retrying while its file system
+/// is still busy. The last error of a container is also left in its store (`gc-error`).
+pub fn gc(cfg: &Config, wait: Option<&str>) -> Result<(), GcError> {
+    let stores: Vec<ContainerStore> = match wait {
+        Some(id) => {
+            let store = ContainerStore::new(&cfg.store.path, id);
+            let Some(map) = mapping(&store) else { return Ok(()) };
+            let t = std::time::Instant::now();
+            while map.bundle.exists() && t.elapsed() < std::time::Duration::from_secs(30) {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            vec![store]
+        }
+        None => std::fs::read_dir(cfg.store.path.join("containers"))
+            .map(|rd| rd.filter_map(Result::ok).map(|e| ContainerStore::new(&cfg.store.path, &e.file_name().to_string_lossy())).collect())
+            .unwrap_or_default(),
+    };
+    let mut failed = None;
+    for store in stores {
+        let Some(map) = mapping(&store) else { continue };
+        if map.bundle.exists() {
+            continue;
+        }
+        // Right after a removal the file system may still be busy (the container's mount
+        // namespace going away): retry for a while, and leave the last error in the store.
+        let t = std::time::Instant::now();
+        let r = loop {
+            let r = store.lock(true).map_err(Error::from).and_then(|_lock| remove_container(cfg, &store));
+            if r.is_ok() || wait.is_none() || t.elapsed() > std::time::Duration::from_secs(30) {
+                break r;
+            }
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        };
+        if let Err(e) = r {
+            let _ = std::fs::write(store.dir.join("gc-error"), format!("{e}\n"));
+            failed = Some(GcError { store: store.dir.clone(), source: e });
+        }
+    }
+    failed.map_or(Ok(()), Err)
+}
+
+/// The datasets of a removed container could not be removed.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot remove the datasets of removed container {}: {source}", store.display())]
+pub struct GcError {
+    pub store: PathBuf,
+    pub source: Error,
+}
+
+/// Starts `planarian gc --wait ID` in the background when a mapped container is deleted.
+pub fn on_delete(cfg: &Config, id: &str) {
+    let store = ContainerStore::new(&cfg.store.path, id);
+    if !store.dir.join(MAPPING).exists() {
+        return;
+    }
+    let Ok(exe) = std::env::current_exe() else { return };
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("gc").arg("--wait").arg(id).stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    crate::tools::detach(&mut cmd);
+    let _ = cmd.spawn();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_names_are_per_container() {
+        assert_eq!(snapshot_name("0123456789abcdef0123", "sp3"), "planarian-0123456789ab-sp3");
+    }
+}

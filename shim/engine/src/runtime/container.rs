@@ -1,0 +1,152 @@
+//! crun's knowledge of a container: its state (read from crun's own record when it can be, else
+//! by asking `crun state`), and the record planarian writes after a restore so that later crun
+//! verbs know the restored container.
+
+use super::{Bundle, Error, Globals, Result, Spec};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use sys::Context;
+
+/// crun's state directory when Podman passes no `--root`.
+pub const CRUN_ROOT: &str = "/run/crun";
+
+#[derive(Debug, Clone)]
+pub struct Container {
+    pub id: String,
+    pub status: String,
+    pub pid: Option<i32>,
+    pub spec: Spec,
+}
+
+impl Container {
+    /// Loads a container crun knows, by full ID.
+    pub fn load(crun: &Path, globals: &Globals, id: &str) -> Result<Container> {
+        let root = globals.root.as_deref();
+        if let Some(c) = Self::load_running(root.unwrap_or(Path::new(CRUN_ROOT)), id) {
+            return Ok(c);
+        }
+        let out = Command::new(crun)
+            .args(globals.crun_args())
+            .args(["state", id])
+            .output()
+            .map_err(|source| Error::Run { tool: crun.to_path_buf(), source })?;
+        if !out.status.success() {
+            return Err(Error::NotKnownToCrun(id.to_string()));
+        }
+        let st: Value = serde_json::from_slice(&out.stdout).map_err(|e| Error::CrunState { id: id.into(), why: e.to_string() })?;
+        let bundle = PathBuf::from(st["bundle"].as_str().ok_or_else(|| Error::CrunState { id: id.into(), why: "no bundle".into() })?);
+        Ok(Container {
+            id: id.to_string(),
+            status: st["status"].as_str().unwrap_or("unknown").to_string(),
+            pid: st["pid"].as_i64().filter(|p| *p > 0).map(|p| p as i32),
+            spec: Bundle::load(&bundle)?.spec,
+        })
+    }
+
+    /// A started container whose init still runs, read from crun's own record the way `crun
+    /// state` decides it (the recorded init PID with the recorded start time; no exec fifo, which
+    /// only a created container has) without running crun. `None` for anything else: the caller
+    /// asks crun.
+    fn load_running(root: &Path, id: &str) -> Option<Container> {
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b)) || id.starts_with('.') {
+            return None;
+        }
+        let dir = root.join(id);
+        if dir.join("exec.fifo").exists() {
+            return None;
+        }
+        let st: Value = serde_json::from_slice(&std::fs::read(dir.join("status")).ok()?).ok()?;
+        let pid = i32::try_from(st["pid"].as_i64()?).ok().filter(|p| *p > 0)?;
+        if sys::proc::start_time(pid)? != st["process-start-time"].as_u64()? {
+            return None;
+        }
+        let spec = Bundle::load(Path::new(st["bundle"].as_str()?)).ok()?.spec;
+        Some(Container { id: id.to_string(), status: "running".into(), pid: Some(pid), spec })
+    }
+
+    /// The running container's init PID, or a clear error.
+    pub fn running_pid(&self) -> Result<i32> {
+        match (self.status.as_str(), self.pid) {
+            ("running" | "paused", Some(pid)) => Ok(pid),
+            (s, _) => Err(Error::NotRunning { id: self.id.clone(), status: s.to_string() }),
+        }
+    }
+}
+
+/// The upper (writable) directory of the overlay mounted as a process's root, if it is one.
+pub fn overlay_upperdir_of(pid: i32) -> Result<Option<PathBuf>> {
+    let mounts = sys::proc::mounts(pid).at("read", format!("/proc/{pid}/mountinfo"))?;
+    Ok(sys::proc::overlay_root_upperdir(&mounts))
+}
+
+/// Whether any overlay on this host currently uses `upper` as its upper directory.
+pub fn upperdir_mounted(upper: &Path) -> bool {
+    sys::proc::own_mounts().is_ok_and(|ms| sys::proc::upperdir_in_use(&ms, upper))
+}
+
+/// Writes crun's record of a running container (`<root>/<id>/status` and the config), as crun
+/// itself does after a restore, so later crun verbs know it.
+pub fn register_with_crun(globals: &Globals, id: &str, pid: i32, bundle: &Path, spec: &Spec) -> Result<()> {
+    let descriptors: Vec<String> = (0..3)
+        .map(|i| std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default())
+        .collect();
+    let root = globals.root.clone().unwrap_or_else(|| PathBuf::from(CRUN_ROOT));
+    let dir = root.join(id);
+    std::fs::create_dir_all(&dir).at("create", &dir)?;
+    let status = serde_json::json!({
+        "pid": pid,
+        "process-start-time": sys::proc::start_time(pid).unwrap_or(0),
+        "cgroup-path": spec.cgroup_relpath().unwrap_or_default(),
+        "scope": "",
+        "rootfs": spec.root.display().to_string(),
+        "systemd-cgroup": globals.systemd_cgroup,
+        "bundle": bundle.display().to_string(),
+        "created": crate::log::rfc3339(std::time::SystemTime::now()),
+        "owner": "root",
+        "detached": true,
+        "external_descriptors": serde_json::to_string(&descriptors).unwrap_or_default(),
+    });
+    std::fs::copy(bundle.join("config.json"), dir.join("config.json")).at("copy config.json to", &dir)?;
+    let text = serde_json::to_string_pretty(&status).map_err(|source| Error::Json { what: "crun status".into(), source })?;
+    Ok(sys::write_atomic(&dir.join("status"), text.as_bytes(), 0o700)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_running_container_from_cruns_record() {
+        let root = std::env::temp_dir().join(format!("planarian-crunroot-{}", std::process::id()));
+        let (id, bundle) = ("c0ffee", root.join("bundle"));
+        std::fs::create_dir_all(root.join(id)).unwrap();
+        std::fs::create_dir_all(&bundle).unwrap();
+        std::fs::write(bundle.join("config.json"), r#"{"root":{"path":"rootfs"},"process":{"terminal":true}}"#).unwrap();
+        let me = std::process::id() as i32;
+        let status = |start: u64| {
+            let v = serde_json::json!({"pid": me, "process-start-time": start, "bundle": bundle});
+            std::fs::write(root.join(id).join("status"), v.to_string()).unwrap();
+        };
+        let start = sys::proc::start_time(me).unwrap();
+        status(start);
+        let c = Container::load_running(&root, id).expect("read from the record");
+        assert_eq!((c.status.as_str(), c.pid), ("running", Some(me)));
+        assert!(c.spec.terminal && c.spec.root == bundle.join("rootfs"));
+        // A PID reused by another process, a created container, a path for an ID: ask crun.
+        status(start + 1);
+        assert!(Container::load_running(&root, id).is_none());
+        status(start);
+        std::fs::write(root.join(id).join("exec.fifo"), "").unwrap();
+        assert!(Container::load_running(&root, id).is_none());
+        assert!(Container::load_running(&root, "../c0ffee").is_none());
+        assert!(Container::load_running(&root, "missing").is_none());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn not_running_is_one_clear_line() {
+        let c = Container { id: "abc".into(), status: "stopped".into(), pid: None, spec: Spec::default() };
+        assert_eq!(c.running_pid().unwrap_err().to_string(), "container abc is not running (it is stopped)");
+    }
+}

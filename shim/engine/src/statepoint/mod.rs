@@ -1,0 +1,243 @@
+//! Statepoints as operations: [`snapshot`], [`restore`], [`rollback`], [`fork`], and what they
+//! share: the context of one operation on one container ([`Ctx`]), recovery from a planarian
+//! killed half-way, removal and retention, and the checkpoint directory Podman hands around
+//! ([`podman_dir`]).
+
+pub mod fork;
+pub mod podman_dir;
+pub mod restore;
+pub mod rollback;
+pub mod snapshot;
+
+use crate::config::Config;
+use crate::local::{self, criu, freezer::FreezeGuard};
+use crate::runtime::{self, lookup, podman, Container, Globals};
+use crate::store::{self, ContainerStore, Manifest, Status};
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Runtime(#[from] runtime::Error),
+    #[error(transparent)]
+    Store(#[from] store::Error),
+    #[error(transparent)]
+    Chain(#[from] crate::chain::Error),
+    #[error(transparent)]
+    Local(#[from] local::Error),
+    #[error(transparent)]
+    Criu(#[from] criu::Error),
+    #[error(transparent)]
+    Remote(#[from] crate::remote::Error),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Tool(#[from] crate::tools::NotFound),
+    #[error(transparent)]
+    Io(#[from] sys::IoError),
+    #[error(transparent)]
+    Fault(#[from] crate::fault::Injected),
+    #[error("a statepoint named {0} already exists")]
+    NameTaken(String),
+    #[error("criu reported success but wrote no images into {}", .0.display())]
+    NoImages(PathBuf),
+    #[error("the container thawed during the dump: the statepoint would not be consistent")]
+    Thawed,
+    #[error("the files snapshot failed")]
+    FilesPanicked,
+    #[error("--pre-dump needs --image-path")]
+    PreDumpNeedsImagePath,
+    #[error("criu pre-dump failed (log: {}/dump.log)", .0.display())]
+    PreDump(PathBuf),
+    #[error("{} holds no planarian statepoint (was it checkpointed by another runtime?)", .0.display())]
+    NoMarker(PathBuf),
+    #[error("{} is malformed", .0.display())]
+    BadMarker(PathBuf),
+    #[error("unknown statepoint {statepoint} of container {container}")]
+    UnknownStatepoint { statepoint: String, container: String },
+    #[error("statepoint {0} is not committed")]
+    NotCommitted(String),
+    #[error("a container with a terminal (-t) is restored only with --console-socket")]
+    TerminalNeedsConsole,
+    #[error("criu restored the container without its terminal")]
+    NoTerminal,
+    #[error("statepoint {statepoint} keeps its files on the {then} path but the container now uses the {now} path")]
+    BackendChanged { statepoint: String, then: String, now: String },
+    #[error("statepoint {statepoint}'s files are missing from {}", path.display())]
+    FilesMissing { statepoint: String, path: PathBuf },
+    #[error("container {name} is not running (it is {status})")]
+    NotRunning { name: String, status: String },
+    #[error("a container named {0} already exists")]
+    ContainerExists(String),
+    /// A step failed and what undoes it failed too: both are told.
+    #[error("{first}; and {undoing} failed: {then}")]
+    UndoFailed { first: Box<Error>, undoing: &'static str, then: Box<Error> },
+    #[error("rollback failed, the container is as it was before: {0}")]
+    RolledBack(Box<Error>),
+    #[error("rollback failed: {first}; restoring the previous state failed too: {then} (its statepoint is kept)")]
+    NotRolledBack { first: Box<Error>, then: Box<Error> },
+    #[error("fork failed, nothing was created: {0}")]
+    ForkFailed(Box<Error>),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything one statepoint operation on one running container needs.
+pub struct Ctx {
+    pub cfg: Config,
+    pub crun: PathBuf,
+    pub criu: PathBuf,
+    pub ctr: Container,
+    pub store: ContainerStore,
+    pub globals: Globals,
+}
+
+impl Ctx {
+    /// The container crun knows by full ID `id`, with its configuration (annotations applied).
+    pub fn load(globals: &Globals, id: &str) -> Result<Ctx> {
+        let cfg = Config::load()?;
+        let crun = runtime::crun(&cfg)?;
+        let criu = runtime::criu(&cfg)?;
+        let ctr = Container::load(&crun, globals, id)?;
+        let cfg = ctr.spec.configure(&cfg)?;
+        let store = ContainerStore::new(&cfg.store.path, &ctr.id);
+        Ok(Ctx { cfg, crun, criu, ctr, store, globals: globals.clone() })
+    }
+
+    /// The running container a user names (a name, an ID or a prefix): found without Podman
+    /// when containers/storage, crun and the container's conmon tell ([`lookup`]), else through
+    /// `podman inspect`, whose answer also makes the clearer error (not running, not
+    /// planarian's, no such container).
+    pub fn running(globals: &Globals, name: &str) -> Result<Ctx> {
+        if let Some(id) = lookup::storage_id(name) {
+            if let Ok(ctx) = Ctx::load(globals, &id) {
+                if let Ok(pid) = ctx.ctr.running_pid() {
+                    if lookup::runtime_is_planarian(pid) == Some(true) {
+                        return Ok(ctx);
+                    }
+                }
+            }
+        }
+        let pc = podman::planarian_container(name)?;
+        if !matches!(pc.status.as_str(), "running" | "paused") {
+            return Err(Error::NotRunning { name: name.to_string(), status: pc.status });
+        }
+        Ctx::load(globals, &pc.id)
+    }
+
+    /// Undoes what a crashed planarian may have left: a cgroup it froze (and CRIU's network
+    /// lock, which a CRIU killed with it leaves), pending statepoints. Call with the exclusive
+    /// lock held.
+    pub fn recover(&self) {
+        let marker = self.store.dir.join(local::freezer::MARKER);
+        if marker.exists() {
+            if let Ok(pid) = self.ctr.running_pid() {
+                criu::remove_stale_network_lock(pid);
+            }
+            FreezeGuard::recover(&marker);
+        }
+        discard_stale(&self.cfg, &self.store);
+    }
+}
+
+/// The statepoint store of the container a user names. A container with statepoints is one
+/// planarian runs, so one found by containers/storage with a store of its own needs no question
+/// to Podman.
+pub fn store_of(cfg: &Config, name: &str) -> Result<ContainerStore> {
+    if let Some(id) = lookup::storage_id(name) {
+        let store = ContainerStore::new(&cfg.store.path, &id);
+        if store.dir.is_dir() {
+            return Ok(store);
+        }
+    }
+    let pc = podman::planarian_container(name)?;
+    Ok(ContainerStore::new(&cfg.store.path, &pc.id))
+}
+
+/// Removes the statepoints a crashed planarian left pending, with their parts. Call with the
+/// exclusive lock held.
+pub fn discard_stale(cfg: &Config, store: &ContainerStore) {
+    let (pending, orphans) = store.stale();
+    for m in pending {
+        if let Some(snap) = &m.local_state.zfs_snapshot {
+            let _ = local::zfs::destroy_snapshot(cfg, store, snap);
+        }
+        let _ = std::fs::remove_dir_all(store.statepoint_dir(&m.statepoint_id));
+    }
+    for dir in orphans {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// Removes a statepoint: discarded in the registry first (a crash half-way leaves no committed
+/// statepoint without its parts), then its files; its memory images stay while a later dump of
+/// the chain links to them ([`crate::chain::collect`]). Call with the exclusive lock held.
+pub fn remove(cfg: &Config, store: &ContainerStore, id: &str) -> Result<()> {
+    let m = store.mark_discarded(id)?;
+    let dir = store.statepoint_dir(id);
+    if let Some(copy) = &m.local_state.rootfs_copy_path {
+        let p = dir.join(copy);
+        if p.exists() {
+            sys::Context::at(std::fs::remove_dir_all(&p), "remove", &p)?;
+        }
+    }
+    if let Some(snap) = &m.local_state.zfs_snapshot {
+        local::zfs::destroy_snapshot(cfg, store, snap)?;
+    }
+    crate::chain::collect(store);
+    Ok(())
+}
+
+/// Keeps the newest `store.retention` committed statepoints (and the head), removing the oldest.
+pub fn enforce_retention(cfg: &Config, store: &ContainerStore) {
+    let keep = cfg.store.retention as usize;
+    if keep == 0 {
+        return;
+    }
+    let committed = store.committed();
+    let head = store.head();
+    let excess = committed.len().saturating_sub(keep);
+    for m in committed.iter().filter(|m| Some(&m.statepoint_id) != head.as_ref()).take(excess) {
+        let _ = remove(cfg, store, &m.statepoint_id);
+    }
+}
+
+/// Names, descriptions and outcomes of a committed statepoint, changed under the exclusive lock;
+/// the captured state is never touched.
+pub fn annotate(store: &ContainerStore, key: &str, name: Option<&str>, description: Option<&str>, outcomes: &[String]) -> Result<Manifest> {
+    let _lock = store.lock(true)?;
+    let mut m = store.find(key)?;
+    if let Some(n) = name {
+        if store.find(n).is_ok_and(|o| o.statepoint_id != m.statepoint_id) {
+            return Err(Error::NameTaken(n.to_string()));
+        }
+        m.name = Some(n.to_string()).filter(|n| !n.is_empty());
+    }
+    if let Some(d) = description {
+        m.state_evidence.state_description = d.to_string();
+    }
+    m.state_evidence.prior_outcomes.extend(outcomes.iter().cloned());
+    store.write_manifest(&m)?;
+    Ok(m)
+}
+
+/// `sp3 (deps-installed)`, or just `sp3`.
+pub fn describe(m: &Manifest) -> String {
+    match &m.name {
+        Some(n) => format!("{} ({n})", m.statepoint_id),
+        None => m.statepoint_id.clone(),
+    }
+}
+
+/// The first 12 characters of an ID, as Podman shows them.
+pub fn short(id: &str) -> &str {
+    &id[..id.len().min(12)]
+}
+
+/// Whether `m` is committed, or the error that says it is not.
+fn committed(m: Manifest) -> Result<Manifest> {
+    match m.status {
+        Status::Committed => Ok(m),
+        _ => Err(Error::NotCommitted(m.statepoint_id)),
+    }
+}

@@ -1,0 +1,67 @@
+//! The checkpoint directory Podman and conmon hand to the runtime (`--image-path`, `--work-path`),
+//! and the handoff of the container's lock from a rollback to the restore it starts through
+//! Podman.
+//!
+//! A checkpoint leaves what Podman checks and reads there (`inventory.img`, CRIU's log and stats)
+//! and a marker naming the statepoint in planarian's store; a restore reads the marker.
+
+use super::{Error, Result};
+use crate::store::{ContainerStore, Manifest};
+use std::path::Path;
+use sys::Context;
+
+/// The marker planarian leaves in Podman's checkpoint directory: which statepoint it is.
+pub const MARKER: &str = "planarian-statepoint.json";
+
+/// Leaves what Podman expects after a checkpoint: `inventory.img` at the image path (Podman
+/// checks it before a restore), our marker, the CRIU log and stats in the work path.
+pub fn leave_for_podman(m: &Manifest, sp_dir: &Path, image_path: &Path, work_path: Option<&Path>) -> Result<()> {
+    std::fs::create_dir_all(image_path).at("create", image_path)?;
+    let images = sp_dir.join(&m.local_state.criu_checkpoint_path);
+    std::fs::copy(images.join("inventory.img"), image_path.join("inventory.img")).at("copy inventory.img to", image_path)?;
+    let marker = serde_json::json!({ "container-id": m.container_id, "statepoint-id": m.statepoint_id });
+    sys::write_atomic(&image_path.join(MARKER), marker.to_string().as_bytes(), 0o644)?;
+    if let Some(w) = work_path {
+        for f in ["stats-dump", "dump.log"] {
+            let _ = std::fs::copy(images.join(f), w.join(f));
+        }
+    }
+    Ok(())
+}
+
+/// Which statepoint a Podman checkpoint directory stands for: (container ID, statepoint ID).
+pub fn read_marker(image_path: &Path) -> Result<(String, String)> {
+    let p = image_path.join(MARKER);
+    let data = std::fs::read(&p).map_err(|_| Error::NoMarker(image_path.to_path_buf()))?;
+    let v: serde_json::Value = serde_json::from_slice(&data).map_err(|_| Error::BadMarker(p.clone()))?;
+    match (v["container-id"].as_str(), v["statepoint-id"].as_str()) {
+        (Some(c), Some(s)) => Ok((c.to_string(), s.to_string())),
+        _ => Err(Error::BadMarker(p)),
+    }
+}
+
+/// A rollback's note that it holds the container's lock for the restore it started through
+/// Podman; removed when dropped.
+pub struct Handoff<'a>(&'a ContainerStore);
+
+impl<'a> Handoff<'a> {
+    pub fn give(store: &'a ContainerStore, ctr_id: &str) -> Result<Handoff<'a>> {
+        let handoff = serde_json::json!({ "container-id": ctr_id, "pid": std::process::id() });
+        sys::write_atomic(&store.dir.join("handoff"), handoff.to_string().as_bytes(), 0o644)?;
+        Ok(Handoff(store))
+    }
+
+    /// Whether a live rollback of `ctr_id` handed its lock to this restore.
+    pub fn taken(store: &ContainerStore, ctr_id: &str) -> bool {
+        let Ok(text) = std::fs::read_to_string(store.dir.join("handoff")) else { return false };
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let holder_alive = v["pid"].as_i64().is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+        holder_alive && v["container-id"].as_str() == Some(ctr_id)
+    }
+}
+
+impl Drop for Handoff<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0.dir.join("handoff"));
+    }
+}

@@ -1,0 +1,271 @@
+//! The `restore` verb conmon calls for `podman container restore`: CRIU restore of a statepoint
+//! from planarian's store into the bundle Podman prepared, as a sibling (so conmon, a child
+//! subreaper, becomes the restored init's parent), then crun is told about the container so that
+//! `podman exec/stop/kill/rm` keep working.
+
+use super::podman_dir::{read_marker, Handoff};
+use super::{Error, Result};
+use crate::chain::Epoch;
+use crate::config::Config;
+use crate::local::criu;
+use crate::runtime::{self, container, Bundle, Globals};
+use crate::store::{read_manifest, ContainerStore};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use sys::Context;
+
+/// What conmon asks of `restore` (runc's flags), in the engine's terms.
+#[derive(Debug, Clone, Default)]
+pub struct RestoreRequest {
+    pub container_id: String,
+    /// The bundle Podman prepared (default: the working directory).
+    pub bundle: Option<PathBuf>,
+    pub pid_file: Option<PathBuf>,
+    pub image_path: Option<PathBuf>,
+    pub work_path: Option<PathBuf>,
+    pub tcp_established: bool,
+    pub file_locks: bool,
+    pub console_socket: Option<PathBuf>,
+}
+
+/// What a restore that succeeded has to say: warnings that did not fail it (a sidecar that
+/// would not start), for the caller's log.
+#[derive(Debug, Default)]
+pub struct Restored {
+    pub pid: i32,
+    pub warnings: Vec<String>,
+}
+
+/// Restores the statepoint named by the marker in the checkpoint directory.
+pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
+    let cfg = Config::load()?;
+    let criu_bin = runtime::criu(&cfg)?;
+    let bundle = match &a.bundle {
+        Some(b) => b.clone(),
+        None => std::env::current_dir().at("read", ".")?,
+    };
+    let image_path = a.image_path.clone().unwrap_or_else(|| bundle.join("checkpoint"));
+    let (ctr_id, sp_id) = read_marker(&image_path)?;
+    let mut b = Bundle::load(&bundle)?;
+    crate::local::zfs::create::prepare_bundle(&cfg, &a.container_id, &mut b)?;
+    let spec = b.spec;
+    let cfg = spec.configure(&cfg)?;
+    let store = ContainerStore::new(&cfg.store.path, &ctr_id);
+    // A rollback that started this restore holds the lock and has handed it over.
+    let _lock = if Handoff::taken(&store, &a.container_id) { None } else { Some(store.lock(true)?) };
+    let sp_dir = store.statepoint_dir(&sp_id);
+    let m = read_manifest(&sp_dir.join("manifest.json"))
+        .map_err(|_| Error::UnknownStatepoint { statepoint: sp_id.clone(), container: ctr_id.clone() })?;
+    let m = super::committed(m)?;
+    if spec.terminal && a.console_socket.is_none() {
+        return Err(Error::TerminalNeedsConsole);
+    }
+
+    let pid_file = a.pid_file.clone().unwrap_or_else(|| bundle.join("pidfile"));
+    let work = a.work_path.clone().unwrap_or_else(|| bundle.clone());
+    let images = sp_dir.join(&m.local_state.criu_checkpoint_path);
+    crate::chain::complete(&images)?;
+    let restore_work = work.join("planarian-restore");
+    std::fs::create_dir_all(&restore_work).at("create", &restore_work)?;
+    // CRIU creates its pid file exclusively, and Podman may have left one: CRIU writes its own,
+    // planarian writes the one conmon reads.
+    let criu_pid_file = restore_work.join("pidfile");
+    let _ = std::fs::remove_file(&criu_pid_file);
+
+    // CRIU's root must be a mount point: bind the rootfs Podman mounted.
+    let criu_root = bundle.join("criu-root");
+    let _root_mount = BindMount::new(&spec.root, &criu_root)?;
+    let netns: Option<OwnedFd> = match &spec.netns_path {
+        Some(p) => Some(open_inheritable(p)?),
+        None => None,
+    };
+    let descriptors: Vec<String> = std::fs::read(sp_dir.join("descriptors.json"))
+        .ok()
+        .and_then(|d| serde_json::from_slice(&d).ok())
+        .unwrap_or_default();
+    let inherit_fds = descriptors
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.starts_with("pipe:"))
+        .map(|(i, t)| (i as i32, t.clone()))
+        .collect();
+    // The pre-resume hook of Algorithm 1; without it the restore works and the next dump is full.
+    let epoch_file = restore_work.join("epoch");
+    let _ = std::fs::remove_file(&epoch_file);
+    // (Through CRIU's RPC, for a terminal, the same step runs in-process: no binary needed.)
+    let hooks = if !cfg.checkpoint.pre_resume_hook {
+        PreResume::Off("the pre-resume hook is off (checkpoint.pre_resume_hook)".to_string())
+    } else if spec.terminal {
+        PreResume::InProcess
+    } else {
+        match runtime::criu_hooks(&cfg) {
+            Ok(p) => PreResume::Script(p),
+            Err(e) => PreResume::Off(e.to_string()),
+        }
+    };
+    let empty_dir = criu::empty_dir()?;
+    let join_netns = !criu::has_netns_image(&images);
+    // A /dev planarian kept: a fresh tmpfs for CRIU to bind, detached once the restore is done.
+    let dev = if crate::local::devfs::saved(&sp_dir) { Some(crate::local::devfs::Restored::mount(&sp_dir, &restore_work.join("dev"))?) } else { None };
+    let plan = criu::RestorePlan {
+        images_dir: &images,
+        work_dir: &restore_work,
+        root: &criu_root,
+        spec: &spec,
+        pid_file: &criu_pid_file,
+        cgroup_root: spec.cgroup_relpath(),
+        // A dump taken inside the container's network namespace is restored inside its new one;
+        // an older one that recorded the namespace as external gets it as that external.
+        netns_fd: netns.as_ref().filter(|_| !join_netns).map(|f| f.as_raw_fd()),
+        join_netns: netns.as_ref().filter(|_| join_netns).map(|f| f.as_raw_fd()),
+        inherit_fds,
+        action_scripts: match &hooks {
+            PreResume::Script(p) => vec![p.clone()],
+            _ => vec![],
+        },
+        tcp_established: a.tcp_established || m.options.tcp_established,
+        file_locks: a.file_locks || m.options.file_locks,
+        empty_dir: Some(&empty_dir),
+        network_lock: criu::network_lock(&criu_bin, cfg.checkpoint.network_lock, join_netns, a.tcp_established || m.options.tcp_established),
+        dev_tmpfs: dev.as_ref().map(|d| d.path.as_path()),
+    };
+    if !matches!(hooks, PreResume::Off(_)) {
+        // The restored tasks inherit this (CRIU keeps it): without it, writing a restored page into
+        // an empty 2 MiB range can get a whole transparent huge page, filling the images' holes
+        // with pages in no image that the cleared soft-dirty bits would call unchanged, and CRIU
+        // then refuses the next incremental dump ("Missing … in parent pagemap").
+        let _ = nix::sys::prctl::set_thp_disable(true);
+    }
+    crate::fault::point("restore.before-criu")?;
+    let pid: i32 = if spec.terminal {
+        restore_terminal(&criu_bin, &plan, a.console_socket.as_deref().ok_or(Error::TerminalNeedsConsole)?, !matches!(hooks, PreResume::Off(_)), &epoch_file)?
+    } else {
+        criu::run(&criu_bin, &criu::restore_args(&plan), &restore_work.join("restore.log"), true, &[("PLANARIAN_EPOCH_FILE", &epoch_file)], plan.join_netns)?;
+        std::fs::read_to_string(&criu_pid_file)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .ok_or_else(|| criu::Error::NoPid(criu_pid_file.clone()))?
+    };
+    // Where Podman looks for them (`podman container restore --print-stats` reads the stats).
+    for f in ["stats-restore", "restore.log"] {
+        let _ = std::fs::copy(restore_work.join(f), work.join(f));
+    }
+    // The tasks run: until every record of them is written, a failure kills them again, so that a
+    // failed restore leaves no container running that neither conmon nor crun knows.
+    let mut restored = RestoredTree { pid, keep: false };
+    drop(netns);
+    drop(dev);
+    crate::fault::point("restore.restored")?;
+    sys::write_atomic(&pid_file, pid.to_string().as_bytes(), 0o644)?;
+    container::register_with_crun(globals, &a.container_id, pid, &bundle, &spec)?;
+    store.set_head(Some(&sp_id))?;
+    let epoch = match hooks {
+        PreResume::Off(why) => Epoch::Missing(why),
+        _ => read_epoch(&epoch_file, &restore_work),
+    };
+    crate::chain::after_restore(&store, &m, epoch, sys::proc::start_time(pid).unwrap_or(0))?;
+    restored.keep = true;
+    // The sandbox runs again; so does its MCP sidecar (stopped when Podman deleted the container
+    // after a checkpoint). Without it, database calls and the next snapshot fail with its error.
+    let mut warnings = Vec::new();
+    if let Err(e) = crate::remote::sidecar::start(&cfg, &a.container_id) {
+        warnings.push(e.to_string());
+    }
+    Ok(Restored { pid, warnings })
+}
+
+/// How the pre-resume step of Algorithm 1 runs for this restore: CRIU's action script, in
+/// this process (CRIU's RPC, for a terminal), or not at all, and why (the restore still works;
+/// the next dump is full).
+enum PreResume {
+    Script(PathBuf),
+    InProcess,
+    Off(String),
+}
+
+/// A restored process tree that is killed (its init, and with it its PID namespace) when this is
+/// dropped before `keep` is set.
+struct RestoredTree {
+    pid: i32,
+    keep: bool,
+}
+
+impl Drop for RestoredTree {
+    fn drop(&mut self) {
+        if !self.keep {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
+/// A terminal container, through CRIU's RPC: the new terminal's master goes to conmon's console
+/// socket, and the pre-resume step of Algorithm 1 runs here. Returns the restored init's pid.
+fn restore_terminal(criu_bin: &Path, plan: &criu::RestorePlan, console: &Path, hook: bool, epoch_file: &Path) -> Result<i32> {
+    let mut root: Option<i32> = None;
+    let mut console_sent = false;
+    let pid = criu::rpc::restore(criu_bin, plan, |n| {
+        match n.script.as_str() {
+            "setup-namespaces" | "post-restore" => root = root.or(n.pid),
+            "pre-resume" if hook => {
+                // As with the action script, a failure here only costs a full next dump.
+                let r = root.ok_or(criu_hooks::HookError::NoRoot).and_then(|r| criu_hooks::pre_resume(r, epoch_file));
+                if let Err(e) = r {
+                    let _ = std::fs::write(plan.work_dir.join("pre-resume.err"), e.to_string());
+                }
+            }
+            "orphan-pts-master" => {
+                let master = n.fd.ok_or_else(|| criu::Error::Rpc("criu sent no terminal".into()))?;
+                criu::rpc::send_console(console, &master)?;
+                console_sent = true;
+            }
+            _ => {}
+        }
+        Ok(())
+    })?;
+    if !console_sent {
+        return Err(Error::NoTerminal);
+    }
+    Ok(pid)
+}
+
+/// E in microseconds, as the pre-resume hook recorded it ("E CLK_TCK", in clock ticks).
+fn read_epoch(file: &Path, work: &Path) -> Epoch {
+    let missing = || Epoch::Missing(format!("the pre-resume hook recorded no epoch (see {}/restore.log)", work.display()));
+    let Ok(text) = std::fs::read_to_string(file) else { return missing() };
+    let mut f = text.split_whitespace().map(|x| x.parse::<u64>());
+    match (f.next(), f.next()) {
+        (Some(Ok(e)), Some(Ok(clk))) if clk > 0 => Epoch::Recorded(criu_hooks::ticks_to_usec(e, clk)),
+        _ => missing(),
+    }
+}
+
+fn open_inheritable(p: &Path) -> Result<OwnedFd> {
+    use nix::fcntl::{open, OFlag};
+    use nix::sys::stat::Mode;
+    // Without O_CLOEXEC: criu inherits it.
+    Ok(open(p, OFlag::O_RDONLY, Mode::empty()).map_err(std::io::Error::from).at("open", p)?)
+}
+
+struct BindMount {
+    target: PathBuf,
+}
+
+impl BindMount {
+    fn new(source: &Path, target: &Path) -> Result<BindMount> {
+        use nix::mount::{mount, MsFlags};
+        std::fs::create_dir_all(target).at("create", target)?;
+        mount(Some(source), target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+            .map_err(std::io::Error::from)
+            .at("bind-mount the rootfs on", target)?;
+        let _ = mount(None::<&str>, target, None::<&str>, MsFlags::MS_PRIVATE | MsFlags::MS_REC, None::<&str>);
+        Ok(BindMount { target: target.to_path_buf() })
+    }
+}
+
+impl Drop for BindMount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.target, nix::mount::MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(&self.target);
+    }
+}
+

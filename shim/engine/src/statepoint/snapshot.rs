@@ -1,0 +1,295 @@
+//! The snapshot protocol, and the `checkpoint` verb Podman calls.
+//!
+//! exclusive lock → freeze the cgroup → CRIU dump (tasks left frozen) → files → remote hooks →
+//! manifest committed → thaw (or kill, when Podman did not ask to leave the container running).
+//! A failure anywhere discards the partial statepoint and leaves the container running: every
+//! invariant of the window is a guard ([`FreezeGuard`], the pending statepoint, the soft-dirty
+//! base, CRIU's network lock).
+
+use super::{Ctx, Error, Result};
+use crate::local::criu;
+use crate::local::freezer::{FreezeGuard, Freezer};
+use crate::store::{self, Manifest, Status};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use sys::Context;
+
+#[derive(Debug, Clone, Default)]
+pub struct SnapshotRequest {
+    pub tcp_established: bool,
+    pub file_locks: bool,
+    pub leave_running: bool,
+    pub internal: bool,
+    pub name: Option<String>,
+    pub description: Option<String>,
+}
+
+/// Takes a statepoint. With the exclusive lock held by the caller.
+pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest> {
+    let t0 = Instant::now();
+    let pid = ctx.ctr.running_pid()?;
+    if let Some(n) = &req.name {
+        if ctx.store.find(n).is_ok() {
+            return Err(Error::NameTaken(n.to_string()));
+        }
+    }
+    let rootfs = crate::local::rootfs_for(&ctx.cfg, &ctx.store, &ctx.ctr.id, crate::runtime::container::overlay_upperdir_of(pid)?)?;
+    let freezer = Freezer::of_pid(pid)?;
+
+    let id = ctx.store.next_id();
+    let dir = ctx.store.statepoint_dir(&id);
+    let init_start = sys::proc::start_time(pid).unwrap_or(0);
+    let plan = crate::chain::plan(&ctx.store, &id, init_start, ctx.cfg.checkpoint.full_dump_interval);
+    let images = dir.join("criu");
+    std::fs::create_dir_all(&images).at("create", &images)?;
+    let mut m = Manifest {
+        statepoint_id: id.clone(),
+        parent_statepoint_id: ctx.store.head(),
+        branch_id: ctx.ctr.id.clone(),
+        container_id: ctx.ctr.id.clone(),
+        timestamp: crate::log::rfc3339(std::time::SystemTime::now()),
+        name: req.name.clone(),
+        state_evidence: store::Evidence { state_description: req.description.clone().unwrap_or_default(), prior_outcomes: vec![] },
+        local_state: store::LocalState { criu_checkpoint_path: "criu".into(), ..Default::default() },
+        remote_state: vec![],
+        status: Status::Pending,
+        internal: req.internal,
+        options: store::Options {
+            tcp_established: req.tcp_established,
+            file_locks: req.file_locks,
+            leave_running: req.leave_running,
+        },
+        measurements: store::Measurements::default(),
+        chain: store::Chain { prev_images_dir: plan.prev_images_dir.clone(), depth: plan.depth, full_reason: plan.full_reason.clone() },
+    };
+    rootfs.plan(&id, &mut m.local_state);
+    // Until the manifest is committed, the statepoint's directory is removed on any way out.
+    let pending = PendingStatepoint { dir: &dir, dump_log: images.join("dump.log"), failed_log: ctx.store.dir.join("failed-dump.log"), committed: false };
+    ctx.store.write_manifest(&m)?;
+    record_descriptors(pid, &dir)?;
+    crate::fault::point("snapshot.before-freeze")?;
+
+    // Stop the world for the whole window: thawed when `frozen` is dropped, whatever happens.
+    let tf = Instant::now();
+    let frozen = FreezeGuard::freeze(&freezer, ctx.store.dir.join(crate::local::freezer::MARKER))?;
+    m.measurements.freeze_ms = ms(tf);
+    crate::fault::point("snapshot.frozen")?;
+
+    let mounts = sys::proc::mounts(pid).unwrap_or_default();
+    let masked_dirs = criu::masked_dirs(pid, &ctx.ctr.spec, &mounts);
+    // Podman's network namespace: CRIU dumps from inside it (see criu::in_netns).
+    let netns = match &ctx.ctr.spec.netns_path {
+        Some(_) => Some(open_netns(pid)?),
+        None => None,
+    };
+    let dev = crate::local::devfs::dev_mount(&mounts);
+    let network_lock = criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, netns.is_some(), req.tcp_established);
+    // A CRIU that dies while the namespace is locked leaves its lock behind: removed on failure.
+    let lock_guard = StaleNetworkLock { pid, armed: network_lock == Some("nftables") && netns.is_none() };
+    // From CRIU's first dump on, a failure must make the next dump full.
+    let dumping = crate::chain::DumpInProgress::start(&ctx.store, init_start);
+    let result = std::thread::scope(|scope| -> Result<()> {
+        // The files beside the memory: the container is frozen, and CRIU only reads its files.
+        let (local, rootfs, dir, dev) = (m.local_state.clone(), &rootfs, &dir, &dev);
+        let files = scope.spawn(move || {
+            let t = Instant::now();
+            if let Some(dev) = dev {
+                crate::local::devfs::save(pid, dev, dir)?;
+            }
+            rootfs.snapshot(dir, &local).map(|()| ms(t))
+        });
+        let memory = (|| -> Result<()> {
+            let td = Instant::now();
+            let incremental = criu::DumpPlan {
+                pid,
+                images_dir: &images,
+                spec: &ctx.ctr.spec,
+                freeze_cgroup: Some(freezer.dir()),
+                prev_images_dir: plan.prev_images_dir.as_deref(),
+                tcp_established: req.tcp_established,
+                file_locks: req.file_locks,
+                masked_dirs: &masked_dirs,
+                network_lock,
+                dev_external: dev.is_some(),
+                join_netns: netns.as_ref().map(|f| f.as_raw_fd()),
+            };
+            let dump = |p: &criu::DumpPlan| {
+                if ctx.ctr.spec.terminal {
+                    // The terminal's slave needs orphan_pts_master, which only CRIU's RPC has.
+                    criu::rpc::dump(&ctx.criu, p)
+                } else {
+                    criu::run(&ctx.criu, &criu::dump_args(p), &images.join("dump.log"), false, &[], p.join_netns)
+                }
+            };
+            if let Err(e) = dump(&incremental) {
+                // Only a dump CRIU itself refused over its parent images is retried: after a killed
+                // or crashed CRIU the tasks are left alone (the error goes back, nothing committed).
+                if plan.prev_images_dir.is_none() || !criu::refused_parent(&images.join("dump.log")) {
+                    return Err(e.into());
+                }
+                // An incremental dump CRIU refused is retried in full, still frozen: slower, never
+                // wrong. Its log stays beside the images, and the manifest says why.
+                let _ = std::fs::rename(images.join("dump.log"), dir.join("dump-incremental-failed.log"));
+                let _ = std::fs::remove_dir_all(&images);
+                std::fs::create_dir_all(&images).at("create", &images)?;
+                dump(&criu::DumpPlan { prev_images_dir: None, ..incremental })?;
+                m.chain = store::Chain { prev_images_dir: None, depth: 0, full_reason: Some(format!("the incremental dump failed ({e}); dumped in full")) };
+            }
+            if !images.join("inventory.img").exists() {
+                return Err(Error::NoImages(images.clone()));
+            }
+            m.measurements.criu_dump_ms = ms(td);
+            if let Some(st) = crate::chain::dump_stats(&images) {
+                m.measurements.pages_written = st.pages_written;
+                m.measurements.pages_skipped_parent = st.pages_skipped_parent;
+            }
+            if !frozen.holds() {
+                return Err(Error::Thawed);
+            }
+            crate::fault::point("snapshot.dumped")?;
+            Ok(())
+        })();
+        let files = files.join().map_err(|_| Error::FilesPanicked).and_then(|r| r.map_err(Error::from));
+        match (memory, files) {
+            (Ok(()), Ok(rootfs_ms)) => m.measurements.rootfs_ms = rootfs_ms,
+            (Err(e), files) => {
+                if files.is_ok() {
+                    rootfs.discard(dir, &m.local_state);
+                }
+                return Err(e);
+            }
+            (Ok(()), Err(e)) => return Err(e),
+        }
+        let rest = (|| {
+            // Remote positions, with the sandbox still frozen: consistent with files and processes.
+            m.remote_state = crate::remote::hooks::capture(&crate::remote::sidecar::remote_hooks(&ctx.cfg)?, &ctx.ctr.id)?;
+            crate::fault::point("snapshot.before-commit")?;
+            m.measurements.criu_bytes = store::du(&images);
+            m.measurements.rootfs_bytes = m.local_state.rootfs_copy_path.as_ref().map_or(0, |c| store::du(&dir.join(c)));
+            m.measurements.frozen_ms = ms(tf);
+            m.measurements.total_ms = ms(t0);
+            m.status = Status::Committed;
+            Ok(ctx.store.write_manifest(&m)?)
+        })();
+        if rest.is_err() {
+            rootfs.discard(dir, &m.local_state);
+        }
+        rest
+    });
+    result?;
+    pending.committed();
+    dumping.committed();
+    lock_guard.disarm();
+    if !req.leave_running {
+        // Kill while still frozen, so nothing runs past the statepoint.
+        let _ = std::process::Command::new(&ctx.crun).args(ctx.globals.crun_args()).args(["kill", &ctx.ctr.id, "KILL"]).status();
+    }
+    drop(frozen);
+    if req.leave_running {
+        crate::chain::after_dump(&ctx.store, &m, init_start)?;
+    }
+    if !req.internal {
+        ctx.store.set_head(Some(&id))?;
+        super::enforce_retention(&ctx.cfg, &ctx.store);
+    }
+    Ok(m)
+}
+
+/// The network lock of a dump that failed: CRIU unlocks the namespace when it ends, but not when
+/// it is killed.
+struct StaleNetworkLock {
+    pid: i32,
+    armed: bool,
+}
+
+impl StaleNetworkLock {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for StaleNetworkLock {
+    fn drop(&mut self) {
+        if self.armed {
+            criu::remove_stale_network_lock(self.pid);
+        }
+    }
+}
+
+/// A statepoint being taken: its directory goes away on any way out before it is committed,
+/// CRIU's log of the failed attempt kept where an operator finds it.
+struct PendingStatepoint<'a> {
+    dir: &'a Path,
+    dump_log: PathBuf,
+    failed_log: PathBuf,
+    committed: bool,
+}
+
+impl PendingStatepoint<'_> {
+    fn committed(mut self) {
+        self.committed = true;
+    }
+}
+
+impl Drop for PendingStatepoint<'_> {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::copy(&self.dump_log, &self.failed_log);
+            let _ = std::fs::remove_dir_all(self.dir);
+        }
+    }
+}
+
+/// The network namespace process `pid` is in.
+fn open_netns(pid: i32) -> Result<std::os::fd::OwnedFd> {
+    let p = format!("/proc/{pid}/ns/net");
+    Ok(std::fs::File::open(&p).map(std::os::fd::OwnedFd::from).at("open", &p)?)
+}
+
+fn ms(t: Instant) -> f64 {
+    (t.elapsed().as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// Where the container's fds 0–2 pointed (pipes to conmon, /dev/null, a tty), for restore.
+fn record_descriptors(pid: i32, dir: &Path) -> Result<()> {
+    let fds: Vec<String> = (0..3)
+        .map(|i| {
+            std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default()
+        })
+        .collect();
+    let text = serde_json::to_string(&fds).expect("strings serialise");
+    Ok(sys::write_atomic(&dir.join("descriptors.json"), text.as_bytes(), 0o644)?)
+}
+
+/// The `checkpoint` verb (Podman's `podman container checkpoint`): a statepoint of running
+/// container `id`, and what Podman expects in `image_path`/`work_path`.
+pub fn checkpoint(globals: &crate::runtime::Globals, id: &str, req: &SnapshotRequest, image_path: Option<&Path>, work_path: Option<&Path>) -> Result<Manifest> {
+    let ctx = Ctx::load(globals, id)?;
+    ctx.ctr.running_pid()?;
+    let _lock = ctx.store.lock(true)?;
+    ctx.recover();
+    let m = take(&ctx, req)?;
+    if let Some(ip) = image_path {
+        super::podman_dir::leave_for_podman(&m, &ctx.store.statepoint_dir(&m.statepoint_id), ip, work_path)?;
+    }
+    Ok(m)
+}
+
+/// Podman's `--pre-checkpoint`: a memory pre-dump of container `id` into `image_path`, no
+/// statepoint.
+pub fn pre_dump(globals: &crate::runtime::Globals, id: &str, image_path: &Path) -> Result<()> {
+    let ctx = Ctx::load(globals, id)?;
+    let pid = ctx.ctr.running_pid()?;
+    std::fs::create_dir_all(image_path).map_err(|e| sys::IoError::new("create", image_path, e))?;
+    let out = std::process::Command::new(&ctx.criu)
+        .args(["pre-dump", "--tree", &pid.to_string(), "--track-mem", "--log-file", "dump.log", "--images-dir"])
+        .arg(image_path)
+        .output()
+        .map_err(|source| criu::Error::Run { tool: ctx.criu.clone(), source })?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(Error::PreDump(image_path.to_path_buf()))
+    }
+}

@@ -1,0 +1,214 @@
+//! planarian's own verbs and the statepoint verbs Podman calls: arguments in, one engine call,
+//! what the user or Podman expects out.
+
+use crate::cli::{self, Invocation};
+use crate::Failure;
+use engine::config::Config;
+use engine::log::StderrProgress;
+use engine::statepoint::{self, fork::Fork, restore::RestoreRequest, rollback::Rollback, snapshot::SnapshotRequest, Ctx};
+use engine::store::Manifest;
+use std::ffi::OsString;
+
+/// Parses a verb's arguments; `--help` and usage errors are printed by clap, with its exit code.
+macro_rules! parse {
+    ($verb:literal, $args:expr) => {
+        match cli::parse_verb($verb, $args) {
+            Ok(a) => a,
+            Err(code) => return Ok(code),
+        }
+    };
+}
+
+/// `checkpoint` (Podman): a statepoint, and only what crun would print (nothing); the news goes
+/// to planarian's own log, and to `--log` when asked.
+pub fn checkpoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
+    let a: cli::CheckpointArgs = parse!("checkpoint", args);
+    let globals = inv.globals();
+    let result = if a.pre_dump {
+        let image_path = a.image_path.as_deref().ok_or(statepoint::Error::PreDumpNeedsImagePath)?;
+        statepoint::snapshot::pre_dump(&globals, &a.container_id, image_path).map(|()| None)
+    } else {
+        let req = SnapshotRequest {
+            tcp_established: a.criu.tcp_established,
+            file_locks: a.criu.file_locks,
+            leave_running: a.leave_running,
+            internal: false,
+            name: a.name.clone(),
+            description: a.description.clone(),
+        };
+        statepoint::snapshot::checkpoint(&globals, &a.container_id, &req, a.image_path.as_deref(), a.work_path.as_deref()).map(Some)
+    };
+    match result {
+        Ok(Some(m)) => {
+            inv.sink().info(&format!("statepoint {} of {} committed", m.statepoint_id, statepoint::short(&m.container_id)));
+            Ok(0)
+        }
+        Ok(None) => Ok(0),
+        Err(e) => {
+            // Podman shows only the exit status of a failed checkpoint and points users at dump.log.
+            if let Some(w) = &a.work_path {
+                use std::io::Write;
+                if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(w.join("dump.log")) {
+                    let _ = writeln!(f, "planarian: {e}");
+                }
+            }
+            Err(e.into())
+        }
+    }
+}
+
+/// `restore` (conmon).
+pub fn restore(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
+    let a: cli::RestoreArgs = parse!("restore", args);
+    let req = RestoreRequest {
+        container_id: a.container_id,
+        bundle: a.bundle,
+        pid_file: a.pid_file,
+        image_path: a.image_path,
+        work_path: a.work_path,
+        tcp_established: a.criu.tcp_established,
+        file_locks: a.criu.file_locks,
+        console_socket: a.console_socket,
+    };
+    let restored = statepoint::restore::restore(&inv.globals(), &req)?;
+    for w in &restored.warnings {
+        inv.sink().warn(w);
+    }
+    Ok(0)
+}
+
+/// `planarian snapshot CTR`: prints the new statepoint's id.
+pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
+    let a: cli::SnapshotArgs = parse!("snapshot", args);
+    let ctx = Ctx::running(&inv.globals(), &a.container)?;
+    let _lock = ctx.store.lock(true)?;
+    ctx.recover();
+    let m = statepoint::snapshot::take(
+        &ctx,
+        &SnapshotRequest {
+            tcp_established: a.tcp_established,
+            file_locks: a.file_locks,
+            leave_running: true,
+            internal: false,
+            name: a.name,
+            description: a.description,
+        },
+    )?;
+    println!("{}", m.statepoint_id);
+    Ok(0)
+}
+
+/// `planarian rollback CTR SP`: phases on stderr, the result on stdout.
+pub fn rollback(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
+    let a: cli::RollbackArgs = parse!("rollback", args);
+    let r = Rollback::begin(&a.container, &a.statepoint)?;
+    let name = r.container.name.clone();
+    let mut progress = StderrProgress::start(&r.title());
+    let target = r.run(&inv.globals(), &mut progress)?;
+    progress.finish();
+    println!("{name} rolled back to {}", target.statepoint_id);
+    Ok(0)
+}
+
+/// `planarian fork CTR SP --name NEW`.
+pub fn fork(args: &[OsString]) -> Result<i32, Failure> {
+    let a: cli::ForkArgs = parse!("fork", args);
+    let f = Fork::begin(&a.container, &a.statepoint, &a.name)?;
+    let (source, sp) = (f.source.name.clone(), f.target.statepoint_id.clone());
+    let mut progress = StderrProgress::start(&f.title());
+    let new = f.run(&mut progress)?;
+    progress.finish();
+    println!("{} forked from {source} at {sp} ({})", a.name, new.id);
+    Ok(0)
+}
+
+/// `planarian statepoint list|show|set|rm`.
+pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
+    let a: cli::StatepointArgs = parse!("statepoint", args);
+    let cfg = Config::load()?;
+    match a.command {
+        cli::StatepointCommand::List { container, json } => {
+            let store = statepoint::store_of(&cfg, &container)?;
+            let list = store.committed();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                print!("{}", table(&list, store.head().as_deref()));
+            }
+        }
+        cli::StatepointCommand::Show { container, statepoint } => {
+            let store = statepoint::store_of(&cfg, &container)?;
+            println!("{}", serde_json::to_string_pretty(&store.find(&statepoint)?)?);
+        }
+        cli::StatepointCommand::Set { container, statepoint, name, description, outcome } => {
+            let store = statepoint::store_of(&cfg, &container)?;
+            statepoint::annotate(&store, &statepoint, name.as_deref(), description.as_deref(), &outcome)?;
+        }
+        cli::StatepointCommand::Rm { container, statepoints } => {
+            let store = statepoint::store_of(&cfg, &container)?;
+            let _lock = store.lock(true)?;
+            // Check them all first: a bad name changes nothing.
+            let found: Vec<Manifest> = statepoints.iter().map(|s| store.find(s)).collect::<Result<_, _>>()?;
+            for m in found {
+                statepoint::remove(&cfg, &store, &m.statepoint_id)?;
+                println!("{}", m.statepoint_id);
+            }
+        }
+    }
+    Ok(0)
+}
+
+/// `planarian gc [--wait ID]`.
+pub fn gc(args: &[OsString]) -> Result<i32, Failure> {
+    let a: cli::GcArgs = parse!("gc", args);
+    engine::local::zfs::gc(&Config::load()?, a.wait.as_deref())?;
+    Ok(0)
+}
+
+fn table(list: &[Manifest], head: Option<&str>) -> String {
+    let mut out = format!("{:<6} {:<18} {:<7} {:<24} {:<6} {:>9} {:>9} {:>9}  {}\n", "ID", "NAME", "PARENT", "CREATED", "DUMP", "MEMORY", "FILES", "TOOK", "DESCRIPTION");
+    for m in list {
+        let mark = if head == Some(m.statepoint_id.as_str()) { "*" } else { "" };
+        out.push_str(&format!(
+            "{:<6} {:<18} {:<7} {:<24} {:<6} {:>9} {:>9} {:>9}  {}\n",
+            format!("{}{mark}", m.statepoint_id),
+            m.name.as_deref().unwrap_or("-"),
+            m.parent_statepoint_id.as_deref().unwrap_or("-"),
+            &m.timestamp[..m.timestamp.len().min(19)],
+            // Full dump, or incremental at depth N of its chain.
+            if m.chain.prev_images_dir.is_some() { format!("inc{}", m.chain.depth) } else { "full".into() },
+            human(m.measurements.criu_bytes),
+            human(m.measurements.rootfs_bytes),
+            format!("{:.0}ms", m.measurements.total_ms),
+            m.state_evidence.state_description
+        ));
+    }
+    out
+}
+
+fn human(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 => format!("{:.1}GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.1}MiB", b as f64 / (1u64 << 20) as f64),
+        b => format!("{:.0}KiB", b as f64 / 1024.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(human(3 << 20), "3.0MiB");
+        assert_eq!(human(2048), "2KiB");
+    }
+
+    #[test]
+    fn bad_input_is_a_usage_error_not_a_panic() {
+        let os = |v: &[&str]| v.iter().map(OsString::from).collect::<Vec<_>>();
+        assert_eq!(statepoint(&os(&["frobnicate", "c"])).unwrap(), 2);
+        assert_eq!(rollback(&Invocation::parse(vec![]), &os(&["only-one"])).unwrap(), 2);
+        assert_eq!(gc(&os(&["--help"])).unwrap(), 0);
+    }
+}
