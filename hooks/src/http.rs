@@ -1,9 +1,9 @@
-//! The little HTTP/1.1 that MCP's Streamable HTTP transport needs, on loopback, over the
-//! standard library: requests and responses with a length or chunked body, and server-sent
-//! events (one JSON-RPC message per event).
+//! The little HTTP/1.1 server side that MCP's Streamable HTTP transport needs, on loopback, over
+//! the standard library (requests and responses with a length or chunked body, server-sent
+//! events), and the event-stream parser the client side shares. The client side itself is ureq
+//! (proxy/upstream.rs).
 
-use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{self, BufRead, Read, Write};
 
 /// A request body or a non-streamed response body may not be larger than this.
 const MAX_BODY: usize = 16 << 20;
@@ -272,64 +272,10 @@ impl Url {
     }
 }
 
-/// A response whose head has been read; the body is read on demand (it may be an event stream).
-pub struct Response {
-    pub status: u16,
-    pub headers: Headers,
-    pub body: BufReader<Body<BufReader<TcpStream>>>,
-}
-
-impl Response {
-    pub fn header(&self, name: &str) -> Option<&str> {
-        header(&self.headers, name)
-    }
-
-    pub fn is_events(&self) -> bool {
-        self.header("content-type").is_some_and(|t| t.to_ascii_lowercase().starts_with("text/event-stream"))
-    }
-
-    pub fn text(self) -> io::Result<String> {
-        let mut s = String::new();
-        self.body.take(MAX_BODY as u64).read_to_string(&mut s)?;
-        Ok(s)
-    }
-}
-
-/// One request on a fresh connection (closed after the response: loopback connections are
-/// cheap, and a stream of events ends only with its connection anyway).
-pub fn send(url: &Url, method: &str, headers: &[(&str, &str)], body: &[u8]) -> io::Result<Response> {
-    let stream = TcpStream::connect(&url.authority)?;
-    stream.set_nodelay(true)?;
-    let mut req = format!("{method} {} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n", url.path, url.authority);
-    if method != "GET" && method != "DELETE" {
-        req += &format!("Content-Length: {}\r\n", body.len());
-    }
-    for (k, v) in headers {
-        req += &format!("{k}: {v}\r\n");
-    }
-    req += "\r\n";
-    let mut bytes = req.into_bytes();
-    bytes.extend_from_slice(body);
-    (&stream).write_all(&bytes)?;
-    let mut r = BufReader::new(stream);
-    let line = read_line(&mut r)?.ok_or_else(|| bad("the server closed the connection without answering"))?;
-    let status = line
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| bad(format!("not an HTTP response: {line}")))?;
-    let headers = read_headers(&mut r)?;
-    let no_body = method == "HEAD" || status == 204 || status == 304 || (100..200).contains(&status);
-    let mut body = Body::new(r, &headers, no_body)?;
-    if no_body {
-        body.framing = Framing::Length(0);
-    }
-    Ok(Response { status, headers, body: BufReader::new(body) })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::BufReader;
 
     #[test]
     fn chunked_bodies_and_events_are_read_across_chunk_boundaries() {

@@ -73,89 +73,146 @@ fn connect(path: &std::path::Path) -> Result<(), String> {
     pump(&stream, std::io::stdout()).map_err(|e| e.to_string())
 }
 
-fn usage() -> String {
-    "usage: planarian-mcp-proxy serve --database DSN [--server toolbox|dbhub] [--sql-tool NAME] [--sql-arg ARG] [--container ID] [--control SOCKET] [--state FILE] [--listen SOCKET] [--http ADDR:PORT] (-- UPSTREAM… | --upstream-url URL)\n       planarian-mcp-proxy connect CONTAINER-ID | url CONTAINER-ID\n       planarian-mcp-proxy capture CONTAINER-ID | compensate CONTAINER-ID POSITION\n       planarian-mcp-proxy control SOCKET position|status|compensate P|disable [REASON]".into()
+/// The proxy's command line.
+#[derive(clap::Parser, Debug)]
+#[command(name = "planarian-mcp-proxy", about = "The MCP state proxy of planarian, and its remote-state hook")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Cmd {
+    /// Serve MCP to a harness (stdio, a socket, or Streamable HTTP) in front of a real server.
+    Serve(Serve),
+    /// A stdio MCP server for a harness: the container's sidecar, over its socket.
+    Connect { container: String },
+    /// The sidecar's Streamable HTTP endpoint.
+    Url { container: String },
+    /// The hook contract of planarian: the current position, as JSON.
+    Capture { container: String },
+    /// The hook contract of planarian: undo every call after POSITION.
+    Compensate { container: String, position: u64 },
+    /// Talk to a proxy's control socket.
+    Control {
+        socket: PathBuf,
+        #[command(subcommand)]
+        op: ControlOp,
+    },
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum ControlOp {
+    Position,
+    Status,
+    Compensate { position: u64 },
+    Disable { reason: Option<String> },
+}
+
+#[derive(clap::Args, Debug)]
+struct Serve {
+    /// The database the SQL tool writes to (where undo rows are kept).
+    #[arg(long = "database")]
+    dsn: String,
+    /// How the server's SQL tool takes statements.
+    #[arg(long, value_enum, default_value = "toolbox")]
+    server: ServerKind,
+    #[arg(long, default_value = "execute_sql")]
+    sql_tool: String,
+    #[arg(long, default_value = "sql")]
+    sql_arg: String,
+    /// The container this sidecar belongs to (names its sockets and positions file).
+    #[arg(long)]
+    container: Option<String>,
+    #[arg(long)]
+    control: Option<PathBuf>,
+    /// Where the call positions are kept.
+    #[arg(long)]
+    state: Option<PathBuf>,
+    /// Serve clients on this Unix socket.
+    #[arg(long)]
+    listen: Option<PathBuf>,
+    /// Serve Streamable HTTP on this loopback ADDR:PORT.
+    #[arg(long)]
+    http: Option<String>,
+    /// Refuse every SQL call with this reason (a fork).
+    #[arg(long)]
+    disabled: Option<String>,
+    /// The real server over Streamable HTTP …
+    #[arg(long, conflicts_with = "upstream")]
+    upstream_url: Option<String>,
+    /// … or the command that starts it (over stdio).
+    #[arg(last = true)]
+    upstream: Vec<String>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum ServerKind {
+    /// MCP Toolbox: one statement per call.
+    Toolbox,
+    /// DBHub: several statements in one call.
+    Dbhub,
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let r = match args.first().map(String::as_str) {
-        Some("serve") => serve(&args[1..]),
-        Some("connect") if args.len() == 2 => connect(&clients_socket_for(&args[1])),
-        Some("url") if args.len() == 2 => std::fs::read_to_string(url_file_for(&args[1]))
+    use clap::Parser;
+    let cli = Cli::parse();
+    let socket = |c: &str| socket_for(c);
+    let r = match cli.command {
+        Cmd::Serve(a) => serve(a),
+        Cmd::Connect { container } => connect(&clients_socket_for(&container)),
+        Cmd::Url { container } => std::fs::read_to_string(url_file_for(&container))
             .map(|u| println!("{}", u.trim()))
-            .map_err(|_| format!("the MCP proxy of container {} serves no HTTP endpoint (set http in its [mcp.services] entry)", args[1])),
-        Some("capture") if args.len() == 2 => control::request(&socket_for(&args[1]), &json!({"op": "position"})).map(|v| {
-            println!("{}", json!({"external-endpoint": format!("mcp-proxy:{}", socket_for(&args[1]).display()), "mcp-call-position": v["position"]}));
+            .map_err(|_| format!("the MCP proxy of container {container} serves no HTTP endpoint (set http in its [mcp.services] entry)")),
+        Cmd::Capture { container } => control::request(&socket(&container), &json!({"op": "position"})).map(|v| {
+            println!("{}", json!({"external-endpoint": format!("mcp-proxy:{}", socket(&container).display()), "mcp-call-position": v["position"]}));
         }),
-        Some("compensate") if args.len() == 3 => match args[2].parse::<u64>() {
-            Ok(to) => control::request(&socket_for(&args[1]), &json!({"op": "compensate", "to": to})).map(drop),
-            Err(_) => Err(format!("not a position: {}", args[2])),
-        },
-        Some("control") if args.len() >= 3 => {
-            let req = match (args[2].as_str(), args.get(3)) {
-                ("position", None) => Ok(json!({"op": "position"})),
-                ("status", None) => Ok(json!({"op": "status"})),
-                ("compensate", Some(p)) => p.parse::<u64>().map(|to| json!({"op": "compensate", "to": to})).map_err(|_| format!("not a position: {p}")),
-                ("disable", why) => Ok(json!({"op": "disable", "reason": why})),
-                _ => Err(usage()),
+        Cmd::Compensate { container, position } => control::request(&socket(&container), &json!({"op": "compensate", "to": position})).map(drop),
+        Cmd::Control { socket, op } => {
+            let req = match op {
+                ControlOp::Position => json!({"op": "position"}),
+                ControlOp::Status => json!({"op": "status"}),
+                ControlOp::Compensate { position } => json!({"op": "compensate", "to": position}),
+                ControlOp::Disable { reason } => json!({"op": "disable", "reason": reason}),
             };
-            req.and_then(|req| control::request(&PathBuf::from(&args[1]), &req)).map(|v| println!("{v}"))
+            control::request(&socket, &req).map(|v| println!("{v}"))
         }
-        _ => Err(usage()),
     };
     if let Err(e) = r {
         eprintln!("planarian-mcp-proxy: {e}");
-        std::process::exit(if e.starts_with("usage:") { 2 } else { 1 });
+        std::process::exit(1);
     }
 }
 
-fn serve(args: &[String]) -> Result<(), String> {
-    let split = args.iter().position(|a| a == "--").unwrap_or(args.len());
-    let (flags, upstream) = (&args[..split], args.get(split + 1..).unwrap_or_default().to_vec());
-    let mut get = std::collections::HashMap::new();
-    let mut it = flags.iter();
-    while let Some(f) = it.next() {
-        let v = it.next().ok_or_else(|| format!("{f} needs a value"))?;
-        match f.as_str() {
-            "--database" | "--server" | "--sql-tool" | "--sql-arg" | "--container" | "--control" | "--state" | "--listen"
-            | "--disabled" | "--http" | "--upstream-url" => {
-                get.insert(f.trim_start_matches('-').to_string(), v.clone());
-            }
-            _ => return Err(format!("unknown option {f}\n{}", usage())),
-        }
-    }
-    let dsn = get.remove("database").ok_or("serve needs --database DSN (the database the SQL tool writes to)")?;
-    let container = get.remove("container");
-    let control = get.remove("control").map(PathBuf::from).or_else(|| container.as_deref().map(socket_for));
-    let state_file = get
-        .remove("state")
-        .map(PathBuf::from)
+fn serve(a: Serve) -> Result<(), String> {
+    let container = a.container;
+    let dsn = a.dsn;
+    let upstream = a.upstream;
+    let control = a.control.or_else(|| container.as_deref().map(socket_for));
+    let state_file = a
+        .state
         .or_else(|| container.as_deref().map(|c| PathBuf::from("/var/lib/planarian/mcp").join(format!("{c}.json"))))
         .ok_or("serve needs --state FILE or --container ID (where the call positions are kept)")?;
-    let server = match get.remove("server").as_deref() {
-        None | Some("toolbox") => proxy::Server::Toolbox,
-        Some("dbhub") => proxy::Server::Dbhub,
-        Some(other) => return Err(format!("unknown --server {other}: toolbox (one statement per call) or dbhub (several)")),
+    let server = match a.server {
+        ServerKind::Toolbox => proxy::Server::Toolbox,
+        ServerKind::Dbhub => proxy::Server::Dbhub,
     };
-    let upstream_url = get.remove("upstream-url").map(|u| http::Url::parse(&u)).transpose()?;
-    match (upstream.is_empty(), upstream_url.is_some()) {
-        (true, false) => return Err(format!("serve needs -- UPSTREAM-COMMAND or --upstream-url URL\n{}", usage())),
-        (false, true) => return Err("serve takes either -- UPSTREAM-COMMAND or --upstream-url, not both".into()),
-        _ => {}
+    let upstream_url = a.upstream_url.map(|u| http::Url::parse(&u)).transpose()?;
+    if upstream.is_empty() && upstream_url.is_none() {
+        return Err("serve needs -- UPSTREAM-COMMAND or --upstream-url URL".into());
     }
-    let http_listener = get.remove("http").map(|a| httpd::bind(&a)).transpose()?;
+    let http_listener = a.http.map(|addr| httpd::bind(&addr)).transpose()?;
     let opts = proxy::Options {
         upstream,
         upstream_url,
         server,
-        sql_tool: get.remove("sql-tool").unwrap_or_else(|| "execute_sql".into()),
-        sql_arg: get.remove("sql-arg").unwrap_or_else(|| "sql".into()),
+        sql_tool: a.sql_tool,
+        sql_arg: a.sql_arg,
         dsn,
         state_file,
-        disabled: get.remove("disabled"),
+        disabled: a.disabled,
     };
-    let listen = get.remove("listen").map(PathBuf::from).or_else(|| container.as_deref().map(clients_socket_for));
+    let listen = a.listen.or_else(|| container.as_deref().map(clients_socket_for));
     let proxy = proxy::Proxy::new(opts)?;
     if let Some(path) = &control {
         control::listen(path, proxy.clone())?;

@@ -854,3 +854,107 @@ fn a_lost_upstream_session_is_reestablished() {
     let _ = upstream.kill();
     let _ = upstream.wait();
 }
+
+/// An upstream MCP server over Streamable HTTP that records the order in which messages reach it,
+/// and whether one arrived while an earlier one was still unanswered. It is slow on purpose (it
+/// answers each message 150 ms after reading it, and handles each connection on a thread of its
+/// own, as real servers do), so that a proxy sending messages side by side is caught overlapping.
+struct OrderRecorder {
+    url: String,
+    log: std::sync::Arc<std::sync::Mutex<Vec<(String, bool)>>>,
+}
+
+impl OrderRecorder {
+    fn start() -> OrderRecorder {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::{Arc, Mutex};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/mcp", listener.local_addr().unwrap());
+        let log: Arc<Mutex<Vec<(String, bool)>>> = Arc::default();
+        let unanswered = Arc::new(AtomicUsize::new(0));
+        let (log2, unanswered2) = (log.clone(), unanswered.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let (log, unanswered) = (log2.clone(), unanswered2.clone());
+                std::thread::spawn(move || {
+                    let mut r = BufReader::new(conn.try_clone().unwrap());
+                    let mut w = conn;
+                    loop {
+                        let mut line = String::new();
+                        if r.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let method = line.split(' ').next().unwrap_or("").to_string();
+                        let mut len = 0;
+                        loop {
+                            let mut h = String::new();
+                            r.read_line(&mut h).unwrap();
+                            if h.trim().is_empty() {
+                                break;
+                            }
+                            if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                                len = v.trim().parse().unwrap();
+                            }
+                        }
+                        let mut body = vec![0; len];
+                        std::io::Read::read_exact(&mut r, &mut body).unwrap();
+                        if method != "POST" {
+                            let status = if method == "GET" { "405 Method Not Allowed" } else { "200 OK" };
+                            write!(w, "HTTP/1.1 {status}\r\nContent-Length: 0\r\n\r\n").unwrap();
+                            continue;
+                        }
+                        let msg: Value = serde_json::from_slice(&body).unwrap();
+                        let overlapped = unanswered.fetch_add(1, Ordering::SeqCst) > 0;
+                        log.lock().unwrap().push((msg["method"].as_str().unwrap_or("response").to_string(), overlapped));
+                        std::thread::sleep(std::time::Duration::from_millis(150));
+                        let answer = match (msg["method"].as_str(), msg.get("id")) {
+                            (Some("initialize"), Some(id)) => Some(json!({"jsonrpc": "2.0", "id": id, "result": {
+                                "protocolVersion": "2025-06-18", "capabilities": {"tools": {}}, "serverInfo": {"name": "order-recorder", "version": "1"}}})),
+                            (Some("tools/list"), Some(id)) => Some(json!({"jsonrpc": "2.0", "id": id, "result": {"tools": []}})),
+                            (Some(_), Some(id)) => Some(json!({"jsonrpc": "2.0", "id": id, "result": {"content": [], "isError": false}})),
+                            _ => None,
+                        };
+                        unanswered.fetch_sub(1, Ordering::SeqCst);
+                        match answer {
+                            Some(a) => {
+                                let a = a.to_string();
+                                write!(w, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nMcp-Session-Id: s1\r\nContent-Length: {}\r\n\r\n{a}", a.len()).unwrap();
+                            }
+                            None => write!(w, "HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\n\r\n").unwrap(),
+                        }
+                    }
+                });
+            }
+        });
+        OrderRecorder { url, log }
+    }
+}
+
+#[test]
+fn messages_to_an_http_upstream_arrive_in_order_one_after_another() {
+    let (bin, _) = require!();
+    let pg = Pg::start(&bin, "order");
+    let up = OrderRecorder::start();
+    let dir = std::env::temp_dir().join(format!("planarian-proxy-order-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
+    c.args(["serve", "--database", &pg.dsn(), "--upstream-url", &up.url, "--state"]).arg(dir.join("positions.json"));
+    c.arg("--control").arg(dir.join("control.sock"));
+    let mut m = Mcp::spawn(c);
+    assert_eq!(m.request("tools/list", json!({}))["result"]["tools"], json!([]));
+    // A call and, at once, its cancellation: the cancellation must not reach the server first.
+    m.send(&json!({"jsonrpc": "2.0", "id": "slow", "method": "tools/call", "params": {"name": "anything", "arguments": {}}}));
+    m.send(&json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "slow"}}));
+    loop {
+        if m.recv()["id"] == "slow" {
+            break;
+        }
+    }
+    wait_until(60, "the cancellation to reach the upstream", || up.log.lock().unwrap().len() >= 5);
+    let log = up.log.lock().unwrap().clone();
+    let order: Vec<&str> = log.iter().map(|(m, _)| m.as_str()).collect();
+    assert_eq!(order, ["initialize", "notifications/initialized", "tools/list", "tools/call", "notifications/cancelled"]);
+    assert!(log.iter().all(|(_, overlapped)| !overlapped), "a message was sent before the previous one was answered: {log:?}");
+    drop(m);
+    let _ = std::fs::remove_dir_all(&dir);
+}

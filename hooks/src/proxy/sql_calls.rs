@@ -1,0 +1,151 @@
+//! The SQL tool's calls: classified, refused before execution when they cannot be undone,
+//! numbered and rewritten to record their undo rows when they write.
+
+use super::{Conn, Proxy, Server};
+use crate::sql::{classify, split, Class, Ddl};
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// DBHub echoes each statement and its row count: put back the agent's own statements, and the
+/// count a statement without RETURNING reports (the rewrite returned one empty row per change).
+fn dbhub_as_original(result: &mut Value, texts: &[String], no_returning: &[usize]) {
+    let Some(text) = result["content"][0]["text"].as_str() else { return };
+    let Ok(mut report) = serde_json::from_str::<Value>(text) else { return };
+    let Some(stmts) = report["data"]["statements"].as_array_mut() else { return };
+    if stmts.len() != texts.len() {
+        return;
+    }
+    for (i, st) in stmts.iter_mut().enumerate() {
+        st["sql"] = json!(texts[i]);
+        if no_returning.contains(&i) {
+            let n = st["rows"].as_array().map_or(0, Vec::len);
+            st["rows"] = json!([]);
+            st["count"] = json!(n);
+        }
+    }
+    if let Ok(t) = serde_json::to_string_pretty(&report) {
+        result["content"][0]["text"] = json!(t);
+    }
+}
+
+fn tool_error(text: String) -> Value {
+    json!({"content": [{"type": "text", "text": text}], "isError": true})
+}
+
+impl Proxy {
+    pub(super) fn sql_call(self: Arc<Self>, mut msg: Value, conn: &Arc<Conn>) {
+        let id = msg["id"].clone();
+        let Some(sql) = msg["params"]["arguments"][&self.opts.sql_arg].as_str().map(String::from) else {
+            return self.forward_request(msg, conn);
+        };
+        let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
+        if let Some(why) = self.disabled.lock().unwrap().clone() {
+            return refuse(why);
+        }
+        let texts = match self.opts.server {
+            Server::Toolbox => vec![sql.clone()],
+            Server::Dbhub => match split(&sql) {
+                Ok(t) if !t.is_empty() => t,
+                Ok(_) => vec![sql.clone()],
+                Err(e) => return refuse(e),
+            },
+        };
+        let mut functions = Vec::new();
+        let mut writes = Vec::new();
+        for (i, text) in texts.iter().enumerate() {
+            match classify(text) {
+                Class::Ddl(d) if texts.len() == 1 => return self.ddl_call(msg, conn, d),
+                Class::Ddl(_) => return refuse(format!("statement {} ({text}): send DDL as a call of its own", i + 1)),
+                Class::Reject(why) if texts.len() > 1 => return refuse(format!("statement {} ({text}): {why}", i + 1)),
+                Class::Reject(why) => return refuse(why),
+                Class::ReadOnly { functions: f } => functions.extend(f),
+                Class::Write(d) => {
+                    functions.extend(d.functions.iter().cloned());
+                    writes.push((i, d));
+                }
+            }
+        }
+        if writes.is_empty() {
+            return match self.db.lock().unwrap().unsafe_functions(&functions) {
+                Ok(bad) if bad.is_empty() => self.forward_request(msg, conn),
+                Ok(bad) => refuse(format!("the statement calls {}, which may change the database in ways that cannot be undone", bad.join(", "))),
+                Err(e) => refuse(format!("cannot check the statement: {e}")),
+            };
+        }
+        let _guard = self.lock.lock().unwrap();
+        let mut tables = Vec::new();
+        {
+            let mut db = self.db.lock().unwrap();
+            match db.unsafe_functions(&functions) {
+                Ok(bad) if bad.is_empty() => {}
+                Ok(bad) => return refuse(format!("the statement calls {}, whose effects cannot be undone", bad.join(", "))),
+                Err(e) => return refuse(format!("cannot check the statement: {e}")),
+            }
+            for (_, d) in &writes {
+                match db.table_info(&d.table_name()) {
+                    // A statement that cannot be rewritten is refused without taking a position.
+                    Ok(t) => match d.rewrite(&t, 0, 0, false) {
+                        Ok(_) => tables.push(t),
+                        Err(e) => return refuse(e),
+                    },
+                    // Unknown tables and the like: the server gives its own error, nothing changes.
+                    Err(e) if e.ends_with("does not exist") => {
+                        drop(db);
+                        return self.forward_request(msg, conn);
+                    }
+                    Err(e) => return refuse(e),
+                }
+            }
+        }
+        let position = self.positions.lock().unwrap().next();
+        let count_rows = self.opts.server == Server::Dbhub;
+        let mut sent = texts.clone();
+        for ((i, d), t) in writes.iter().zip(&tables) {
+            match d.rewrite(t, position, *i, count_rows) {
+                Ok(r) => sent[*i] = r,
+                Err(e) => return refuse(e),
+            }
+        }
+        msg["params"]["arguments"][&self.opts.sql_arg] = json!(sent.join(";\n"));
+        match self.call_upstream("tools/call", msg["params"].clone()) {
+            Ok(mut resp) => {
+                if self.opts.server == Server::Dbhub {
+                    let no_returning: Vec<usize> = writes.iter().filter(|(_, d)| !d.has_returning()).map(|(i, _)| *i).collect();
+                    dbhub_as_original(&mut resp["result"], &texts, &no_returning);
+                }
+                resp["id"] = id;
+                conn.send(&resp);
+            }
+            Err(e) => Self::reply_error(conn, &id, -32603, &e),
+        }
+    }
+
+    /// DDL: its inverse is recorded (its own transaction) before it runs, and forgotten if it
+    /// fails.
+    fn ddl_call(self: &Arc<Self>, msg: Value, conn: &Arc<Conn>, d: Ddl) {
+        let id = msg["id"].clone();
+        let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
+        let _guard = self.lock.lock().unwrap();
+        let inverse = match self.db.lock().unwrap().ddl_inverse(&d) {
+            Ok(Some(inv)) => inv,
+            // Creates nothing: pass through, no position.
+            Ok(None) => return self.forward_request(msg, conn),
+            Err(e) => return refuse(e),
+        };
+        let position = self.positions.lock().unwrap().next();
+        if let Err(e) = self.db.lock().unwrap().record_ddl(position, &format!("{:?}", d.object), &inverse) {
+            return refuse(format!("cannot record the statement's inverse: {e}"));
+        }
+        match self.call_upstream("tools/call", msg["params"].clone()) {
+            Ok(mut resp) => {
+                if resp.get("error").is_some() || resp["result"]["isError"] == json!(true) {
+                    let _ = self.db.lock().unwrap().forget(position);
+                }
+                resp["id"] = id;
+                conn.send(&resp);
+            }
+            Err(e) => Self::reply_error(conn, &id, -32603, &e),
+        }
+    }
+
+}
