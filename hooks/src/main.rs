@@ -84,7 +84,7 @@ struct Cli {
 #[derive(clap::Subcommand, Debug)]
 enum Cmd {
     /// Serve MCP to a harness (stdio, a socket, or Streamable HTTP) in front of a real server.
-    Serve(Serve),
+    Serve(Box<Serve>),
     /// A stdio MCP server for a harness: the container's sidecar, over its socket.
     Connect { container: String },
     /// The sidecar's Streamable HTTP endpoint.
@@ -159,7 +159,7 @@ fn main() {
     let cli = Cli::parse();
     let socket = |c: &str| socket_for(c);
     let r = match cli.command {
-        Cmd::Serve(a) => serve(a),
+        Cmd::Serve(a) => serve(*a),
         Cmd::Connect { container } => connect(&clients_socket_for(&container)),
         Cmd::Url { container } => std::fs::read_to_string(url_file_for(&container))
             .map(|u| println!("{}", u.trim()))
