@@ -83,7 +83,7 @@ pub struct McpService {
 #[serde(default, deny_unknown_fields)]
 pub struct HooksConfig {
     /// Remote-state hooks (executables, absolute paths), captured in this order at every
-    /// statepoint and compensated in reverse order on rollback. See shim/src/remote.rs.
+    /// statepoint and compensated in reverse order on rollback. See remote/hooks.rs.
     pub remote: Vec<PathBuf>,
 }
 
