@@ -158,12 +158,15 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     crate::fault::point("restore.restored")?;
     sys::write_atomic(&pid_file, pid.to_string().as_bytes(), 0o644)?;
     container::register_with_crun(globals, &a.container_id, pid, &bundle, &spec)?;
-    store.set_head(Some(&sp_id))?;
     let epoch = match hooks {
         PreResume::Off(why) => Epoch::Missing(why),
         _ => read_epoch(&epoch_file, &restore_work),
     };
+    // The base first, then the head: a base recorded for a tree that is then killed is never
+    // used (the next dump checks the init's start time), while a head moved before a failure
+    // would name a statepoint the container is not at.
     crate::chain::after_restore(&store, &m, epoch, sys::proc::start_time(pid).unwrap_or(0))?;
+    store.set_head(Some(&sp_id))?;
     restored.keep = true;
     // The sandbox runs again; so does its MCP sidecar (stopped when Podman deleted the container
     // after a checkpoint). Without it, database calls and the next snapshot fail with its error.
