@@ -291,6 +291,49 @@ pub struct SnapshotArgs {
     /// Dump file locks too (CRIU's --file-locks).
     #[arg(long)]
     pub file_locks: bool,
+    /// Structured state to record with it (JSON, from FILE or - for stdin): task progress, a
+    /// score, whatever the harness tracks.
+    #[arg(long, value_name = "FILE|-")]
+    pub state: Option<PathBuf>,
+}
+
+/// Who is calling: one of the paper's three stakeholders (recorded with outcomes).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default)]
+pub enum By {
+    #[default]
+    User,
+    Harness,
+    Agent,
+}
+
+impl From<By> for engine::store::Actor {
+    fn from(b: By) -> Self {
+        match b {
+            By::User => engine::store::Actor::User,
+            By::Harness => engine::store::Actor::Harness,
+            By::Agent => engine::store::Actor::Agent,
+        }
+    }
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default)]
+pub enum OutcomeStatus {
+    Success,
+    Failure,
+    Abandoned,
+    #[default]
+    Info,
+}
+
+impl From<OutcomeStatus> for engine::store::OutcomeStatus {
+    fn from(s: OutcomeStatus) -> Self {
+        match s {
+            OutcomeStatus::Success => engine::store::OutcomeStatus::Success,
+            OutcomeStatus::Failure => engine::store::OutcomeStatus::Failure,
+            OutcomeStatus::Abandoned => engine::store::OutcomeStatus::Abandoned,
+            OutcomeStatus::Info => engine::store::OutcomeStatus::Info,
+        }
+    }
 }
 
 /// `planarian rollback`.
@@ -301,6 +344,15 @@ pub struct RollbackArgs {
     pub container: String,
     /// Its statepoint (id or name).
     pub statepoint: String,
+    /// Why (recorded with the `abandoned` outcome the statepoint gets, and in the restore context).
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// Who asks for it.
+    #[arg(long, value_enum, default_value = "user")]
+    pub by: By,
+    /// Print the restore context as JSON (what a harness appends to the conversation).
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `planarian fork`.
@@ -314,6 +366,25 @@ pub struct ForkArgs {
     /// The new container's name.
     #[arg(long)]
     pub name: String,
+    /// Who asks for it.
+    #[arg(long, value_enum, default_value = "user")]
+    pub by: By,
+    /// Print the new sandbox's restore context as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `planarian ledger`.
+#[derive(clap::Parser, Debug)]
+#[command(name = "planarian ledger", about = "A container's statepoints as a tree, with what is known of each (for people and for an LLM's context)")]
+pub struct LedgerArgs {
+    pub container: String,
+    /// As JSON, for harnesses.
+    #[arg(long)]
+    pub json: bool,
+    /// At most this many characters of text (the head and the statepoints with evidence stay).
+    #[arg(long)]
+    pub max_chars: Option<usize>,
 }
 
 /// `planarian statepoint`.
@@ -348,6 +419,21 @@ pub enum StatepointCommand {
         /// What happened after this statepoint (may be given more than once).
         #[arg(long)]
         outcome: Vec<String>,
+        /// The outcomes' status.
+        #[arg(long, value_enum, default_value = "info")]
+        status: OutcomeStatus,
+        /// Who reports them.
+        #[arg(long, value_enum, default_value = "user")]
+        by: By,
+        /// A score for them (tree search backs rewards up).
+        #[arg(long)]
+        reward: Option<f64>,
+    },
+    /// The restore context of the last rollback or fork into this container.
+    Context {
+        container: String,
+        #[arg(long)]
+        json: bool,
     },
     /// Remove statepoints (all are checked first: a bad one removes nothing).
     Rm {

@@ -6,7 +6,8 @@ use crate::Failure;
 use engine::config::Config;
 use engine::log::StderrProgress;
 use engine::statepoint::{self, fork::Fork, restore::RestoreRequest, rollback::Rollback, snapshot::SnapshotRequest, Ctx};
-use engine::store::Manifest;
+use engine::context::{Ledger, RestoreContext};
+use engine::store::{Manifest, Outcome};
 use std::ffi::OsString;
 
 /// Parses a verb's arguments; `--help` and usage errors are printed by clap, with its exit code.
@@ -35,6 +36,7 @@ pub fn checkpoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             internal: false,
             name: a.name.clone(),
             description: a.description.clone(),
+            state: None,
         };
         statepoint::snapshot::checkpoint(&globals, &a.container_id, &req, a.image_path.as_deref(), a.work_path.as_deref()).map(Some)
     };
@@ -80,6 +82,7 @@ pub fn restore(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 /// `planarian snapshot CTR`: prints the new statepoint's id.
 pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::SnapshotArgs = parse!("snapshot", args);
+    let state = a.state.as_deref().map(read_state).transpose()?;
     let ctx = Ctx::running(&inv.globals(), &a.container)?;
     let _lock = ctx.store.lock(true)?;
     ctx.recover();
@@ -92,6 +95,7 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             internal: false,
             name: a.name,
             description: a.description,
+            state,
         },
     )?;
     println!("{}", m.statepoint_id);
@@ -104,9 +108,13 @@ pub fn rollback(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let r = Rollback::begin(&a.container, &a.statepoint)?;
     let name = r.container.name.clone();
     let mut progress = StderrProgress::start(&r.title());
-    let target = r.run(&inv.globals(), &mut progress)?;
+    let ctx = r.run(&inv.globals(), &mut progress, a.reason.as_deref(), a.by.into())?;
     progress.finish();
-    println!("{name} rolled back to {}", target.statepoint_id);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&ctx)?);
+    } else {
+        println!("{name} rolled back to {}", ctx.statepoint.id);
+    }
     Ok(0)
 }
 
@@ -116,9 +124,13 @@ pub fn fork(args: &[OsString]) -> Result<i32, Failure> {
     let f = Fork::begin(&a.container, &a.statepoint, &a.name)?;
     let (source, sp) = (f.source.name.clone(), f.target.statepoint_id.clone());
     let mut progress = StderrProgress::start(&f.title());
-    let new = f.run(&mut progress)?;
+    let (new, ctx) = f.run(&mut progress, a.by.into())?;
     progress.finish();
-    println!("{} forked from {source} at {sp} ({})", a.name, new.id);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&ctx)?);
+    } else {
+        println!("{} forked from {source} at {sp} ({})", a.name, new.id);
+    }
     Ok(0)
 }
 
@@ -140,9 +152,19 @@ pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
             let store = statepoint::store_of(&cfg, &container)?;
             println!("{}", serde_json::to_string_pretty(&store.find(&statepoint)?)?);
         }
-        cli::StatepointCommand::Set { container, statepoint, name, description, outcome } => {
+        cli::StatepointCommand::Set { container, statepoint, name, description, outcome, status, by, reward } => {
             let store = statepoint::store_of(&cfg, &container)?;
-            statepoint::annotate(&store, &statepoint, name.as_deref(), description.as_deref(), &outcome)?;
+            let outcomes = outcome.into_iter().map(|t| Outcome::now(t, status.into(), by.into(), reward)).collect();
+            statepoint::annotate(&store, &statepoint, name.as_deref(), description.as_deref(), outcomes)?;
+        }
+        cli::StatepointCommand::Context { container, json } => {
+            let store = statepoint::store_of(&cfg, &container)?;
+            let ctx = RestoreContext::last(&store).ok_or_else(|| format!("container {container} was never rolled back or forked into"))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&ctx)?);
+            } else {
+                print!("{}", ctx.text());
+            }
         }
         cli::StatepointCommand::Rm { container, statepoints } => {
             let store = statepoint::store_of(&cfg, &container)?;
@@ -156,6 +178,29 @@ pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
         }
     }
     Ok(0)
+}
+
+/// `planarian ledger CTR`: the statepoints as a tree, with their evidence.
+pub fn ledger(args: &[OsString]) -> Result<i32, Failure> {
+    let a: cli::LedgerArgs = parse!("ledger", args);
+    let store = statepoint::store_of(&Config::load()?, &a.container)?;
+    let ledger = Ledger::of(&store, &a.container);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&ledger)?);
+    } else {
+        print!("{}", ledger.text(a.max_chars));
+    }
+    Ok(0)
+}
+
+/// A statepoint's structured state: JSON from a file, or from stdin for `-`.
+fn read_state(path: &std::path::Path) -> Result<serde_json::Value, Failure> {
+    let text = if path == std::path::Path::new("-") {
+        std::io::read_to_string(std::io::stdin())?
+    } else {
+        std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?
+    };
+    serde_json::from_str(&text).map_err(|e| format!("--state {}: not JSON: {e}", path.display()).into())
 }
 
 /// `planarian gc [--wait ID]`.

@@ -53,6 +53,7 @@ fn run(inv: &Invocation) -> Result<i32, Failure> {
         Some("fork") => commands::fork(args),
         Some("snapshot") => commands::snapshot(inv, args),
         Some("statepoint") => commands::statepoint(args),
+        Some("ledger") => commands::ledger(args),
         Some("gc") => commands::gc(args),
         Some("doctor") => doctor::main(args),
         Some("install") => install::main(args),
@@ -152,11 +153,12 @@ OCI verbs owned by planarian (called by Podman and conmon):
   checkpoint                a new statepoint (podman container checkpoint [--leave-running])
   restore                   restore the statepoint a checkpoint left (podman container restore)
 Statepoints (each verb has --help):
-  snapshot CTR [--name N] [--description D]    take a statepoint of a running container
-  rollback CTR STATEPOINT                      processes and files back to a statepoint
-  fork CTR STATEPOINT --name NEW               a new container running from a statepoint
+  snapshot CTR [--name N] [--description D] [--state FILE|-]   a statepoint of a running container
+  rollback CTR STATEPOINT [--reason R] [--json]   processes, files, remote state back to it
+  fork CTR STATEPOINT --name NEW [--json]         a new container running from a statepoint
   statepoint list CTR [--json] | show CTR SP | set CTR SP [--name N] [--description D]
-             [--outcome TEXT] | rm CTR SP...
+             [--outcome TEXT --status S --by W --reward R] | context CTR | rm CTR SP...
+  ledger CTR [--json] [--max-chars N]          the statepoints as a tree, with their evidence
 Planarian's own verbs:
   doctor [--json]           check that this host can run planarian, and how to fix what is missing
   install [--prefix DIR]    install the binary and register it with Podman (containers.conf.d)

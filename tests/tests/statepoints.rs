@@ -521,7 +521,8 @@ fn registry_cli_names_removes_and_retains() {
     let m: serde_json::Value = serde_json::from_str(&cmd(pl, ["statepoint", "show", &sb.name, "base"]).stdout).unwrap();
     assert_eq!(m["statepoint-id"], sp1.as_str());
     assert_eq!(m["state-evidence"]["state-description"], "clean checkout");
-    assert_eq!(m["state-evidence"]["prior-outcomes"][0], "tests failed");
+    assert_eq!(m["state-evidence"]["prior-outcomes"][0]["text"], "tests failed");
+    assert_eq!(m["state-evidence"]["prior-outcomes"][0]["status"], "info");
     assert_eq!(m["status"], "committed");
     let table = cmd(pl, ["statepoint", "list", &sb.name]).stdout;
     assert!(table.lines().nth(1).is_some_and(|l| l.contains("base") && l.contains("clean checkout")), "{table}");
@@ -577,4 +578,62 @@ fn terminal_container_snapshots_rolls_back_and_keeps_its_console() {
     // the checkpoint Podman took (depth 1, on the base the rollback left), so at depth 2.
     let sp2 = sb.snapshot("after-restore");
     sb.assert_incremental(&sp2, 2, 2_048);
+}
+
+/// The context library end to end: a statepoint records a description and structured state, an
+/// agent appends what happened after another, and a rollback tells exactly what is now true and
+/// what was tried from there (and records that it left the other branch).
+#[test]
+fn a_rollback_tells_the_agent_what_is_now_true_and_what_was_tried() {
+    require_stack!();
+    let mut sb = Sandbox::start("context", 4, &[]);
+    let pl = planarian_bin();
+    let pl = pl.to_str().unwrap();
+    sb.sh("echo v1 > /tmp/app.conf").ok();
+    let at_sp1 = sb.send("tick");
+    let state_file = std::env::temp_dir().join(format!("planarian-state-{}.json", std::process::id()));
+    std::fs::write(&state_file, r#"{"task": "fix the build", "step": 3}"#).unwrap();
+    let sp1 = cmd(pl, ["snapshot", &sb.name, "--name", "configured", "--description", "app configured, tests not run yet", "--state", state_file.to_str().unwrap()]).out();
+    let _ = std::fs::remove_file(&state_file);
+
+    let dirtied = sb.send("dirty 0 65536");
+    assert_ne!(dirtied.checksum, at_sp1.checksum);
+    sb.sh("echo broken > /tmp/app.conf").ok();
+    let sp2 = cmd(pl, ["snapshot", &sb.name, "--description", "config rewritten"]).out();
+    cmd(pl, ["statepoint", "set", &sb.name, &sp2, "--outcome", "tests fail: config broken", "--status", "failure", "--by", "agent", "--reward", "-1"]).ok();
+
+    let r = cmd(pl, ["rollback", &sb.name, "configured", "--reason", "the new config broke the tests", "--by", "agent", "--json"]);
+    r.ok();
+    let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", r.stdout));
+    assert_eq!(ctx["operation"], "rollback");
+    assert_eq!(ctx["statepoint"]["id"], sp1.as_str());
+    assert_eq!(ctx["statepoint"]["name"], "configured");
+    assert_eq!(ctx["statepoint"]["description"], "app configured, tests not run yet");
+    assert_eq!(ctx["statepoint"]["state"]["task"], "fix the build");
+    assert_eq!(ctx["discarded-statepoints"], serde_json::json!([sp2]));
+    assert_eq!(ctx["reason"], "the new config broke the tests");
+    // What it says is true: the files and the memory of sp1.
+    assert_eq!(sb.sh("cat /tmp/app.conf").out(), "v1");
+    sb.seq = sb.read().expect("state after rollback").0;
+    let after = sb.send("tick");
+    assert_eq!((after.counter, after.checksum.as_str()), (at_sp1.counter + 1, at_sp1.checksum.as_str()));
+
+    // The ledger: a tree whose head is sp1 again, with what was tried after each statepoint.
+    let text = cmd(pl, ["ledger", &sb.name]).out();
+    assert!(text.contains(&format!("{sp1}* \"configured\"")), "{text}");
+    assert!(text.contains(&format!("→ abandoned (agent): rolled back here from {sp2}; left {sp2}; reason: the new config broke the tests")), "{text}");
+    assert!(text.contains("→ failure (agent, reward -1): tests fail: config broken"), "{text}");
+    let sp3 = cmd(pl, ["snapshot", &sb.name, "--description", "second try"]).out();
+    let ledger: serde_json::Value = serde_json::from_str(&cmd(pl, ["ledger", &sb.name, "--json"]).out()).unwrap();
+    let node = |id: &str| ledger["statepoints"].as_array().unwrap().iter().find(|n| n["id"] == id).cloned().unwrap();
+    assert_eq!(node(&sp1)["children"], serde_json::json!([sp2, sp3]), "{ledger}");
+    assert_eq!(node(&sp3)["parent"], sp1.as_str());
+    assert_eq!(ledger["head"], sp3.as_str());
+    // Kept: the restore context can be fetched again, as the text a model reads.
+    let again = cmd(pl, ["statepoint", "context", &sb.name]).out();
+    assert!(again.starts_with(&format!("[planarian] The sandbox {} was rolled back to statepoint {sp1} \"configured\".", sb.name)), "{again}");
+    assert!(again.contains("Tried from this statepoint before:") || again.contains("Nothing was tried"), "{again}");
+    // A bounded ledger keeps the head and says what it left out.
+    let short = cmd(pl, ["ledger", &sb.name, "--max-chars", "200"]).out();
+    assert!(short.contains(&format!("{sp3}*")) && short.contains("left out"), "{short}");
 }

@@ -26,6 +26,7 @@ pub mod tools;
 pub mod runtime;
 pub mod store;
 pub mod chain;
+pub mod context;
 pub mod local;
 pub mod remote;
 pub mod statepoint;

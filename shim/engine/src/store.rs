@@ -40,11 +40,84 @@ pub enum Status {
     Discarded,
 }
 
+/// The paper's state evidence: what the state is (recorded at snapshot time) and what happened
+/// after it (appended later; never changes the captured state).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "kebab-case")]
 pub struct Evidence {
     pub state_description: String,
-    pub prior_outcomes: Vec<String>,
+    /// Structured state the caller recorded (task progress, a score, …): StateRecord.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<serde_json::Value>,
+    /// What happened after this statepoint: AppendOutcome.
+    #[serde(default)]
+    pub prior_outcomes: Vec<Outcome>,
+}
+
+/// One outcome of what followed a statepoint.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case", from = "OutcomeRecord")]
+pub struct Outcome {
+    pub text: String,
+    pub status: OutcomeStatus,
+    pub by: Actor,
+    /// A score, for harnesses that back rewards up a tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reward: Option<f64>,
+    /// When it was appended (RFC 3339, UTC); empty for outcomes older manifests kept as text.
+    #[serde(default)]
+    pub time: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OutcomeStatus {
+    Success,
+    Failure,
+    /// The branch after this statepoint was left by a rollback.
+    Abandoned,
+    Info,
+}
+
+/// Who appended an outcome: one of the paper's three stakeholders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Actor {
+    User,
+    Harness,
+    Agent,
+}
+
+/// An outcome as manifests have held it: an object, or (before outcomes had a status) its text.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OutcomeRecord {
+    Full {
+        text: String,
+        status: OutcomeStatus,
+        by: Actor,
+        #[serde(default)]
+        reward: Option<f64>,
+        #[serde(default)]
+        time: String,
+    },
+    Text(String),
+}
+
+impl From<OutcomeRecord> for Outcome {
+    fn from(r: OutcomeRecord) -> Outcome {
+        match r {
+            OutcomeRecord::Full { text, status, by, reward, time } => Outcome { text, status, by, reward, time },
+            OutcomeRecord::Text(text) => Outcome { text, status: OutcomeStatus::Info, by: Actor::User, reward: None, time: String::new() },
+        }
+    }
+}
+
+impl Outcome {
+    /// A new outcome, timed now.
+    pub fn now(text: impl Into<String>, status: OutcomeStatus, by: Actor, reward: Option<f64>) -> Outcome {
+        Outcome { text: text.into(), status, by, reward, time: crate::log::rfc3339(std::time::SystemTime::now()) }
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -334,6 +407,17 @@ pub(crate) mod tests {
         let e = s.find("sp2").unwrap_err().to_string();
         assert!(e.starts_with("unknown statepoint sp2"), "{e}");
         std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn outcomes_of_older_manifests_read_as_info_by_the_user() {
+        let e: Evidence = serde_json::from_value(serde_json::json!({"state-description": "d", "prior-outcomes": ["tests failed"]})).unwrap();
+        assert_eq!(e.prior_outcomes[0].text, "tests failed");
+        assert_eq!((e.prior_outcomes[0].status, e.prior_outcomes[0].by), (OutcomeStatus::Info, Actor::User));
+        let o = Outcome::now("all green", OutcomeStatus::Success, Actor::Agent, Some(1.0));
+        let v = serde_json::to_value(&o).unwrap();
+        assert_eq!((v["status"].as_str(), v["by"].as_str(), v["reward"].as_f64()), (Some("success"), Some("agent"), Some(1.0)));
+        assert_eq!(serde_json::from_value::<Outcome>(v).unwrap(), o);
     }
 
     #[test]

@@ -21,10 +21,11 @@
 use super::podman_dir::leave_for_podman;
 use super::{describe, Error, Result};
 use crate::config::Config;
+use crate::context::{self, RestoreContext, Restored};
 use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
 use crate::runtime::Bundle;
-use crate::store::{ContainerStore, Manifest, Status};
+use crate::store::{Actor, ContainerStore, Manifest, Outcome, OutcomeStatus, Status};
 use std::time::Duration;
 use sys::Context;
 
@@ -55,8 +56,10 @@ impl Fork {
         format!("forking {} at {} into {}", self.source.name, describe(&self.target), self.name)
     }
 
-    /// Runs it: the new container, running; on failure nothing is left (no container, no store).
-    pub fn run(self, progress: &mut dyn Progress) -> Result<PodmanContainer> {
+    /// Runs it: the new container, running, and its restore context (kept in its store); the
+    /// source statepoint gets a note naming the fork. On failure nothing is left (no container,
+    /// no store).
+    pub fn run(self, progress: &mut dyn Progress, by: Actor) -> Result<(PodmanContainer, RestoreContext)> {
         let (src, cfg, name) = (&self.source, &self.cfg, self.name.as_str());
         // A clone gets the engine's default runtime unless told: the fork must run on planarian too.
         progress.phase("new container (podman container clone)");
@@ -71,7 +74,32 @@ impl Fork {
             }
             return Err(Error::ForkFailed(Box::new(e)));
         }
-        Ok(podman::inspect(name)?)
+        let new = podman::inspect(name)?;
+        let target = &self.target;
+        let ctx = RestoreContext {
+            operation: "fork".into(),
+            container: name.to_string(),
+            statepoint: Restored {
+                id: target.statepoint_id.clone(),
+                name: target.name.clone(),
+                description: target.state_evidence.state_description.clone(),
+                state: target.state_evidence.state.clone(),
+                source: Some(src.name.clone()),
+            },
+            restored: vec!["processes and memory (CRIU restore)".into(), if target.local_state.zfs_snapshot.is_some() { "files (a ZFS clone)".into() } else { "files (a copy)".into() }],
+            compensated: vec![],
+            discarded_statepoints: vec![],
+            reason: None,
+            prior_outcomes: target.state_evidence.prior_outcomes.clone(),
+            time: crate::log::rfc3339(std::time::SystemTime::now()),
+        };
+        let _ = ctx.save(&ContainerStore::new(&cfg.store.path, &new.id));
+        {
+            let _lock = self.src_store.lock(true);
+            let note = Outcome::now(format!("forked into {name} ({})", super::short(&new.id)), OutcomeStatus::Info, by, None);
+            let _ = context::append_outcome(&self.src_store, &target.statepoint_id, note);
+        }
+        Ok((new, ctx))
     }
 }
 
@@ -180,7 +208,7 @@ fn link_statepoint(src: &PodmanContainer, src_store: &ContainerStore, target: &M
     m.container_id = store.container_id();
     m.branch_id = m.container_id.clone();
     m.timestamp = crate::log::rfc3339(std::time::SystemTime::now());
-    m.state_evidence.prior_outcomes.push(format!("forked from {} at {}", src.name, target.statepoint_id));
+    m.state_evidence.prior_outcomes.push(Outcome::now(format!("forked from {} at {}", src.name, target.statepoint_id), OutcomeStatus::Info, Actor::Harness, None));
     m.chain.prev_images_dir = prev;
     // The remote state belongs to the source: a rollback of the fork never compensates it.
     m.remote_state.clear();

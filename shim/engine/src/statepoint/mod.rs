@@ -204,7 +204,7 @@ pub fn enforce_retention(cfg: &Config, store: &ContainerStore) {
 
 /// Names, descriptions and outcomes of a committed statepoint, changed under the exclusive lock;
 /// the captured state is never touched.
-pub fn annotate(store: &ContainerStore, key: &str, name: Option<&str>, description: Option<&str>, outcomes: &[String]) -> Result<Manifest> {
+pub fn annotate(store: &ContainerStore, key: &str, name: Option<&str>, description: Option<&str>, outcomes: Vec<store::Outcome>) -> Result<Manifest> {
     let _lock = store.lock(true)?;
     let mut m = store.find(key)?;
     if let Some(n) = name {
@@ -216,7 +216,7 @@ pub fn annotate(store: &ContainerStore, key: &str, name: Option<&str>, descripti
     if let Some(d) = description {
         m.state_evidence.state_description = d.to_string();
     }
-    m.state_evidence.prior_outcomes.extend(outcomes.iter().cloned());
+    m.state_evidence.prior_outcomes.extend(outcomes);
     store.write_manifest(&m)?;
     Ok(m)
 }

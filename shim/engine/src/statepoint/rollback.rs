@@ -11,10 +11,11 @@ use super::podman_dir::{leave_for_podman, Handoff};
 use super::snapshot::{self, SnapshotRequest};
 use super::{describe, Ctx, Error, Result};
 use crate::config::Config;
+use crate::context::{self, Compensated, RestoreContext, Restored};
 use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
 use crate::runtime::Globals;
-use crate::store::{ContainerStore, Manifest};
+use crate::store::{Actor, ContainerStore, Manifest, Outcome, OutcomeStatus};
 use std::fs::File;
 use std::time::Duration;
 
@@ -45,14 +46,67 @@ impl Rollback {
         format!("rolling {} back to {}", self.container.name, describe(&self.target))
     }
 
-    /// Runs it, reporting each phase to `progress`.
-    pub fn run(self, globals: &Globals, progress: &mut dyn Progress) -> Result<Manifest> {
-        rollback(globals, &self.cfg, &self.container, &self.store, &self.target, progress)?;
-        Ok(self.target)
+    /// Runs it, reporting each phase to `progress`. The target gets an `abandoned` outcome
+    /// naming what was left (by `by`, for `reason`), and the restore context is kept in the
+    /// store and returned.
+    pub fn run(self, globals: &Globals, progress: &mut dyn Progress, reason: Option<&str>, by: Actor) -> Result<RestoreContext> {
+        let (store, target) = (&self.store, &self.target);
+        let left = context::left_behind(&store.manifests(), store.head().as_deref(), &target.statepoint_id);
+        let done = rollback(globals, &self.cfg, &self.container, store, target, progress)?;
+        let compensated: Vec<Compensated> = target
+            .remote_state
+            .iter()
+            .filter_map(|r| {
+                let from = done.safety_positions.iter().find(|s| s.hook_path == r.hook_path).and_then(|s| s.mcp_call_position);
+                Some(Compensated { endpoint: r.external_endpoint.clone(), from_position: from, to_position: r.mcp_call_position? })
+            })
+            .collect();
+        let calls: u64 = compensated.iter().filter_map(|c| Some(c.from_position?.saturating_sub(c.to_position))).sum();
+        let mut what = vec![format!("rolled back here from {}", done.from.as_deref().unwrap_or("a stopped sandbox"))];
+        if !left.is_empty() {
+            what.push(format!("left {}", left.join(", ")));
+        }
+        if calls > 0 {
+            what.push(format!("undid {calls} MCP call{}", if calls == 1 { "" } else { "s" }));
+        }
+        if let Some(r) = reason {
+            what.push(format!("reason: {r}"));
+        }
+        let ctx = RestoreContext {
+            operation: "rollback".into(),
+            container: self.container.name.clone(),
+            statepoint: Restored {
+                id: target.statepoint_id.clone(),
+                name: target.name.clone(),
+                description: target.state_evidence.state_description.clone(),
+                state: target.state_evidence.state.clone(),
+                source: None,
+            },
+            restored: vec!["processes and memory (CRIU restore)".into(), format!("files ({})", done.files_backend)],
+            compensated,
+            discarded_statepoints: left,
+            reason: reason.map(String::from),
+            prior_outcomes: target.state_evidence.prior_outcomes.clone(),
+            time: crate::log::rfc3339(std::time::SystemTime::now()),
+        };
+        // Evidence after the fact: the rollback itself succeeded whatever these do.
+        let _ = context::append_outcome(store, &target.statepoint_id, Outcome::now(what.join("; "), OutcomeStatus::Abandoned, by, None));
+        let _ = ctx.save(store);
+        Ok(ctx)
     }
 }
 
-fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest, progress: &mut dyn Progress) -> Result<()> {
+/// What a rollback that succeeded knows for its restore context.
+struct Done {
+    /// The head it left (the statepoint the sandbox had continued from).
+    from: Option<String>,
+    /// Remote positions just before the rollback (from the safety statepoint).
+    safety_positions: Vec<crate::store::RemoteState>,
+    files_backend: &'static str,
+}
+
+fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest, progress: &mut dyn Progress) -> Result<Done> {
+    let from = store.head();
     let rootfs = crate::local::rootfs_for(cfg, store, &pc.id, pc.upperdir.clone())?;
     if rootfs.backend() != target.local_state.rootfs_backend {
         return Err(Error::BackendChanged {
@@ -88,6 +142,7 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
                     internal: true,
                     name: None,
                     description: Some(format!("before rollback to {}", target.statepoint_id)),
+                    state: None,
                 },
             )?;
             podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
@@ -120,12 +175,13 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         }
     })();
 
+    let files_backend = rootfs.backend();
     match (result, safety) {
         (Ok(()), Some(s)) => {
             let _ = super::remove(cfg, store, &s.statepoint_id);
-            Ok(())
+            Ok(Done { from, safety_positions: s.remote_state, files_backend })
         }
-        (Ok(()), None) => Ok(()),
+        (Ok(()), None) => Ok(Done { from, safety_positions: vec![], files_backend }),
         (Err(e), Some(s)) => {
             // 3. Back to where it was.
             progress.phase(&format!("back to the safety statepoint {}", s.statepoint_id));

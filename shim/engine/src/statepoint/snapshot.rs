@@ -23,6 +23,8 @@ pub struct SnapshotRequest {
     pub internal: bool,
     pub name: Option<String>,
     pub description: Option<String>,
+    /// Structured state the caller records with the statepoint (StateRecord).
+    pub state: Option<serde_json::Value>,
 }
 
 /// Takes a statepoint. With the exclusive lock held by the caller.
@@ -50,7 +52,11 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest> {
         container_id: ctx.ctr.id.clone(),
         timestamp: crate::log::rfc3339(std::time::SystemTime::now()),
         name: req.name.clone(),
-        state_evidence: store::Evidence { state_description: req.description.clone().unwrap_or_default(), prior_outcomes: vec![] },
+        state_evidence: store::Evidence {
+            state_description: req.description.clone().unwrap_or_default(),
+            state: req.state.clone(),
+            prior_outcomes: vec![],
+        },
         local_state: store::LocalState { criu_checkpoint_path: "criu".into(), ..Default::default() },
         remote_state: vec![],
         status: Status::Pending,
