@@ -374,6 +374,16 @@ pub struct ForkArgs {
     pub json: bool,
 }
 
+/// `planarian mcp`.
+#[derive(clap::Parser, Debug)]
+#[command(name = "planarian mcp", about = "Statepoint tools for the agent in container CTR: an MCP server over stdio")]
+pub struct McpArgs {
+    pub container: String,
+    /// Optional tools: fork (statepoint_fork), run (a shell command in the sandbox).
+    #[arg(long, value_delimiter = ',')]
+    pub allow: Vec<String>,
+}
+
 /// `planarian ledger`.
 #[derive(clap::Parser, Debug)]
 #[command(name = "planarian ledger", about = "A container's statepoints as a tree, with what is known of each (for people and for an LLM's context)")]

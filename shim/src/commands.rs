@@ -105,7 +105,7 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 /// `planarian rollback CTR SP`: phases on stderr, the result on stdout.
 pub fn rollback(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::RollbackArgs = parse!("rollback", args);
-    let r = Rollback::begin(&a.container, &a.statepoint)?;
+    let r = Rollback::begin(&a.container, &a.statepoint, true)?;
     let name = r.container.name.clone();
     let mut progress = StderrProgress::start(&r.title());
     let ctx = r.run(&inv.globals(), &mut progress, a.reason.as_deref(), a.by.into())?;
@@ -201,6 +201,13 @@ fn read_state(path: &std::path::Path) -> Result<serde_json::Value, Failure> {
         std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?
     };
     serde_json::from_str(&text).map_err(|e| format!("--state {}: not JSON: {e}", path.display()).into())
+}
+
+/// `planarian mcp CTR`: serves the statepoint tools until the client closes stdin.
+pub fn mcp(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
+    let a: cli::McpArgs = parse!("mcp", args);
+    crate::mcp::Server::new(&a.container, &a.allow, inv.globals())?.serve()?;
+    Ok(0)
 }
 
 /// `planarian gc [--wait ID]`.

@@ -10,6 +10,7 @@ mod commands;
 mod config_cmd;
 mod doctor;
 mod install;
+mod mcp;
 
 use cli::Invocation;
 use engine::config::Config;
@@ -54,6 +55,7 @@ fn run(inv: &Invocation) -> Result<i32, Failure> {
         Some("snapshot") => commands::snapshot(inv, args),
         Some("statepoint") => commands::statepoint(args),
         Some("ledger") => commands::ledger(args),
+        Some("mcp") => commands::mcp(inv, args),
         Some("gc") => commands::gc(args),
         Some("doctor") => doctor::main(args),
         Some("install") => install::main(args),
@@ -159,6 +161,7 @@ Statepoints (each verb has --help):
   statepoint list CTR [--json] | show CTR SP | set CTR SP [--name N] [--description D]
              [--outcome TEXT --status S --by W --reward R] | context CTR | rm CTR SP...
   ledger CTR [--json] [--max-chars N]          the statepoints as a tree, with their evidence
+  mcp CTR [--allow fork,run]                   statepoint tools for the agent: an MCP server (stdio)
 Planarian's own verbs:
   doctor [--json]           check that this host can run planarian, and how to fix what is missing
   install [--prefix DIR]    install the binary and register it with Podman (containers.conf.d)

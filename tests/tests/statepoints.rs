@@ -621,7 +621,7 @@ fn a_rollback_tells_the_agent_what_is_now_true_and_what_was_tried() {
     // The ledger: a tree whose head is sp1 again, with what was tried after each statepoint.
     let text = cmd(pl, ["ledger", &sb.name]).out();
     assert!(text.contains(&format!("{sp1}* \"configured\"")), "{text}");
-    assert!(text.contains(&format!("→ abandoned (agent): rolled back here from {sp2}; left {sp2}; reason: the new config broke the tests")), "{text}");
+    assert!(text.contains(&format!("→ abandoned (agent): rolled back here from the state after {sp2}; left {sp2}; reason: the new config broke the tests")), "{text}");
     assert!(text.contains("→ failure (agent, reward -1): tests fail: config broken"), "{text}");
     let sp3 = cmd(pl, ["snapshot", &sb.name, "--description", "second try"]).out();
     let ledger: serde_json::Value = serde_json::from_str(&cmd(pl, ["ledger", &sb.name, "--json"]).out()).unwrap();

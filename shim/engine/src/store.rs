@@ -228,6 +228,19 @@ impl ContainerStore {
         Ok(f)
     }
 
+    /// The container's lock if it can be had now; `None` while another operation holds it.
+    pub fn try_lock(&self, exclusive: bool) -> Result<Option<File>> {
+        std::fs::create_dir_all(&self.dir).at("create", &self.dir)?;
+        let path = self.dir.join("lock");
+        let f = File::options().create(true).truncate(false).write(true).open(&path).at("open", &path)?;
+        let r = if exclusive { f.try_lock() } else { f.try_lock_shared() };
+        match r {
+            Ok(()) => Ok(Some(f)),
+            Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+            Err(std::fs::TryLockError::Error(e)) => Err(sys::IoError::new("lock", path, e).into()),
+        }
+    }
+
     /// The container ID this store belongs to (its directory's name).
     pub fn container_id(&self) -> String {
         self.dir.file_name().unwrap_or_default().to_string_lossy().into_owned()

@@ -67,6 +67,8 @@ pub enum Error {
     FilesMissing { statepoint: String, path: PathBuf },
     #[error("container {name} is not running (it is {status})")]
     NotRunning { name: String, status: String },
+    #[error("another statepoint operation or tool call is running in {0}; try again when it has finished")]
+    Busy(String),
     #[error("a container named {0} already exists")]
     ContainerExists(String),
     /// A step failed and what undoes it failed too: both are told.

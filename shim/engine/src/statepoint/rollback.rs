@@ -31,12 +31,16 @@ pub struct Rollback {
 
 impl Rollback {
     /// Finds container `name` and its committed statepoint `statepoint` (id or name), and takes
-    /// the container's exclusive lock.
-    pub fn begin(name: &str, statepoint: &str) -> Result<Rollback> {
+    /// the container's exclusive lock: waiting for it, or, with `wait` false, refusing when
+    /// another operation (a snapshot, a rollback, a tool call) holds it.
+    pub fn begin(name: &str, statepoint: &str, wait: bool) -> Result<Rollback> {
         let container = podman::planarian_container(name)?;
         let cfg = Config::load()?;
         let store = ContainerStore::new(&cfg.store.path, &container.id);
-        let lock = store.lock(true)?;
+        let lock = match wait {
+            true => store.lock(true)?,
+            false => store.try_lock(true)?.ok_or_else(|| Error::Busy(container.name.clone()))?,
+        };
         let target = store.find(statepoint)?;
         Ok(Rollback { container, target, store, cfg, _lock: lock })
     }
@@ -62,7 +66,10 @@ impl Rollback {
             })
             .collect();
         let calls: u64 = compensated.iter().filter_map(|c| Some(c.from_position?.saturating_sub(c.to_position))).sum();
-        let mut what = vec![format!("rolled back here from {}", done.from.as_deref().unwrap_or("a stopped sandbox"))];
+        let mut what = vec![match &done.from {
+            Some(from) => format!("rolled back here from the state after {from}"),
+            None => "rolled back here".to_string(),
+        }];
         if !left.is_empty() {
             what.push(format!("left {}", left.join(", ")));
         }

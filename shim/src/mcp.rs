@@ -1,0 +1,338 @@
+//! `planarian mcp CTR`: statepoint tools for the agent itself, as an MCP server over stdio (the
+//! "stdio server" a harness adds to its agent's tools).
+//!
+//! Scoped to its one container: no argument names a container, a path or a host command. Each
+//! result says what is now true and which statepoint was used; a failure is a tool error
+//! (`isError`) with planarian's one line. Tools: `statepoint_ledger` (read-only),
+//! `statepoint_save`, `statepoint_note`, `statepoint_rollback` (destructive), and, when the
+//! harness allows them (`--allow fork,run`), `statepoint_fork` and `run`.
+
+use crate::Failure;
+use engine::config::Config;
+use engine::context::Ledger;
+use engine::log::Silent;
+use engine::runtime::{podman, Globals};
+use engine::statepoint::{self, fork::Fork, rollback::Rollback, snapshot::SnapshotRequest, Ctx};
+use engine::store::{Actor, ContainerStore, Outcome, OutcomeStatus};
+use serde_json::{json, Value};
+use std::io::{BufRead, Write};
+use std::time::{Duration, Instant};
+
+/// The protocol versions this server speaks, newest last.
+const VERSIONS: &[&str] = &["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"];
+
+pub struct Server {
+    /// The container, as the user named it, and its ID.
+    name: String,
+    id: String,
+    globals: Globals,
+    allow_fork: bool,
+    allow_run: bool,
+}
+
+impl Server {
+    pub fn new(container: &str, allow: &[String], globals: Globals) -> Result<Server, Failure> {
+        let pc = podman::planarian_container(container)?;
+        let mut s = Server { name: container.to_string(), id: pc.id, globals, allow_fork: false, allow_run: false };
+        for a in allow.iter().flat_map(|a| a.split(',')).filter(|a| !a.is_empty()) {
+            match a {
+                "fork" => s.allow_fork = true,
+                "run" => s.allow_run = true,
+                other => return Err(format!("--allow {other}: the optional tools are fork and run").into()),
+            }
+        }
+        Ok(s)
+    }
+
+    /// Serves one client on stdin/stdout until it closes its end.
+    pub fn serve(&self) -> Result<(), Failure> {
+        let stdin = std::io::stdin();
+        let mut out = std::io::stdout().lock();
+        for line in stdin.lock().lines() {
+            let line = line?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            let answers: Vec<Value> = match serde_json::from_str::<Value>(&line) {
+                Ok(Value::Array(batch)) => batch.iter().filter_map(|m| self.handle(m)).collect(),
+                Ok(m) => self.handle(&m).into_iter().collect(),
+                Err(e) => vec![json!({"jsonrpc": "2.0", "id": null, "error": {"code": -32700, "message": format!("parse error: {e}")}})],
+            };
+            for a in answers {
+                writeln!(out, "{a}")?;
+                out.flush()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One message; the answer, for a request.
+    fn handle(&self, msg: &Value) -> Option<Value> {
+        let id = msg.get("id").filter(|i| !i.is_null())?.clone();
+        let method = msg["method"].as_str().unwrap_or_default();
+        let result = match method {
+            "initialize" => {
+                let asked = msg["params"]["protocolVersion"].as_str().unwrap_or_default();
+                let version = VERSIONS.iter().find(|v| **v == asked).unwrap_or(VERSIONS.last().unwrap());
+                Ok(json!({
+                    "protocolVersion": version,
+                    "capabilities": {"tools": {"listChanged": false}},
+                    "serverInfo": {"name": "planarian", "version": engine::VERSION},
+                    "instructions": format!(
+                        "Statepoints of the sandbox {}: save one before a risky step, note what happened after it, read the ledger to choose one, and roll back to it to undo everything done since (files, processes, memory and database changes made through MCP).",
+                        self.name
+                    ),
+                }))
+            }
+            "ping" => Ok(json!({})),
+            "tools/list" => Ok(json!({"tools": self.tools()})),
+            "tools/call" => Ok(self.call(msg["params"]["name"].as_str().unwrap_or_default(), &msg["params"]["arguments"])),
+            _ => Err((-32601, format!("method not found: {method}"))),
+        };
+        Some(match result {
+            Ok(r) => json!({"jsonrpc": "2.0", "id": id, "result": r}),
+            Err((code, message)) => json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}}),
+        })
+    }
+
+    fn tools(&self) -> Vec<Value> {
+        let mut tools = vec![
+            tool(
+                "statepoint_ledger",
+                "Statepoints of this sandbox",
+                "Lists the saved statepoints of this sandbox as a tree, newest first: each with its name, age, description and what was tried after it (success, failure, abandoned). The one marked * is where the sandbox is now. Read it to choose a statepoint to roll back to.",
+                json!({"type": "object", "properties": {"max_chars": {"type": "integer", "minimum": 200, "description": "At most this many characters (default 4000)."}}}),
+                true,
+                false,
+            ),
+            tool(
+                "statepoint_save",
+                "Save a statepoint",
+                "Saves the sandbox's current state (files, processes, memory, and the position of database changes made through MCP) as a new statepoint, and answers with its id. Save before a risky step so that you can return to this point.",
+                json!({"type": "object", "properties": {
+                    "name": {"type": "string", "description": "A short unique name, e.g. deps-installed."},
+                    "description": {"type": "string", "description": "What the state is: what is done, what works."},
+                    "state": {"type": "object", "description": "Structured facts to keep with it (optional)."}
+                }}),
+                false,
+                false,
+            ),
+            tool(
+                "statepoint_note",
+                "Note what happened after a statepoint",
+                "Records what happened after a statepoint (an outcome), so that you and others know what was already tried from it. The saved state itself does not change.",
+                json!({"type": "object", "required": ["statepoint", "outcome", "status"], "properties": {
+                    "statepoint": {"type": "string", "description": "Its id (sp3) or name."},
+                    "outcome": {"type": "string", "description": "What was tried and what came of it."},
+                    "status": {"type": "string", "enum": ["success", "failure", "abandoned", "info"]},
+                    "reward": {"type": "number", "description": "A score, if you keep one."}
+                }}),
+                false,
+                false,
+            ),
+            tool(
+                "statepoint_rollback",
+                "Roll the sandbox back to a statepoint",
+                "Returns the whole sandbox to a statepoint: files, running processes and memory, and database changes made through MCP since then are undone. Everything done after it is lost, except that statepoints saved after it stay restorable. Answers with what is now true.",
+                json!({"type": "object", "required": ["statepoint", "reason"], "properties": {
+                    "statepoint": {"type": "string", "description": "Its id (sp3) or name."},
+                    "reason": {"type": "string", "description": "Why: recorded with the statepoint for later attempts."}
+                }}),
+                false,
+                true,
+            ),
+        ];
+        if self.allow_fork {
+            tools.push(tool(
+                "statepoint_fork",
+                "Fork a new sandbox from a statepoint",
+                "Starts a second, independent sandbox from a statepoint of this one, to try an alternative; this sandbox is not changed.",
+                json!({"type": "object", "required": ["statepoint", "name"], "properties": {
+                    "statepoint": {"type": "string"}, "name": {"type": "string", "description": "The new sandbox's name."}
+                }}),
+                false,
+                false,
+            ));
+        }
+        if self.allow_run {
+            tools.push(tool(
+                "run",
+                "Run a shell command in the sandbox",
+                "Runs a command with sh -c in the sandbox and answers with its output and exit code.",
+                json!({"type": "object", "required": ["command"], "properties": {
+                    "command": {"type": "string"}, "timeout": {"type": "integer", "minimum": 1, "description": "Seconds (default 300)."}
+                }}),
+                false,
+                true,
+            ));
+        }
+        tools
+    }
+
+    /// A tool call: its text, or a tool error with one line.
+    fn call(&self, name: &str, args: &Value) -> Value {
+        let r = match name {
+            "statepoint_ledger" => self.ledger(args),
+            "statepoint_save" => self.save(args),
+            "statepoint_note" => self.note(args),
+            "statepoint_rollback" => self.rollback(args),
+            "statepoint_fork" if self.allow_fork => self.fork(args),
+            "run" if self.allow_run => self.run(args),
+            other => Err(format!("unknown tool {other}").into()),
+        };
+        match r {
+            Ok(text) => json!({"content": [{"type": "text", "text": text}], "isError": false}),
+            Err(e) => json!({"content": [{"type": "text", "text": format!("planarian: {e}")}], "isError": true}),
+        }
+    }
+
+    fn store(&self) -> Result<ContainerStore, Failure> {
+        Ok(ContainerStore::new(&Config::load()?.store.path, &self.id))
+    }
+
+    fn ledger(&self, args: &Value) -> Result<String, Failure> {
+        let max = args["max_chars"].as_u64().map_or(4000, |m| m.max(200) as usize);
+        Ok(Ledger::of(&self.store()?, &self.name).text(Some(max)))
+    }
+
+    fn save(&self, args: &Value) -> Result<String, Failure> {
+        let t = Instant::now();
+        let ctx = Ctx::running(&self.globals, &self.id)?;
+        let _lock = ctx.store.lock(true)?;
+        ctx.recover();
+        let m = statepoint::snapshot::take(
+            &ctx,
+            &SnapshotRequest {
+                leave_running: true,
+                name: str_arg(args, "name"),
+                description: str_arg(args, "description"),
+                state: args.get("state").filter(|s| s.is_object()).cloned(),
+                ..Default::default()
+            },
+        )?;
+        Ok(format!(
+            "Saved statepoint {}{} of {} ({:.1} s). You can roll back to it with statepoint_rollback.",
+            m.statepoint_id,
+            m.name.as_ref().map(|n| format!(" \"{n}\"")).unwrap_or_default(),
+            self.name,
+            t.elapsed().as_secs_f64()
+        ))
+    }
+
+    fn note(&self, args: &Value) -> Result<String, Failure> {
+        let sp = required(args, "statepoint")?;
+        let text = required(args, "outcome")?;
+        let status = match args["status"].as_str() {
+            Some("success") => OutcomeStatus::Success,
+            Some("failure") => OutcomeStatus::Failure,
+            Some("abandoned") => OutcomeStatus::Abandoned,
+            Some("info") => OutcomeStatus::Info,
+            _ => return Err("status must be one of success, failure, abandoned, info".into()),
+        };
+        let outcome = Outcome::now(text, status, Actor::Agent, args["reward"].as_f64());
+        let m = statepoint::annotate(&self.store()?, &sp, None, None, vec![outcome])?;
+        Ok(format!("Noted on statepoint {}: {} ({} outcomes recorded there).", m.statepoint_id, args["status"].as_str().unwrap_or(""), m.state_evidence.prior_outcomes.len()))
+    }
+
+    fn rollback(&self, args: &Value) -> Result<String, Failure> {
+        let sp = required(args, "statepoint")?;
+        let reason = required(args, "reason")?;
+        let r = Rollback::begin(&self.id, &sp, false)?;
+        let ctx = r.run(&self.globals, &mut Silent, Some(&reason), Actor::Agent)?;
+        Ok(ctx.text())
+    }
+
+    fn fork(&self, args: &Value) -> Result<String, Failure> {
+        let sp = required(args, "statepoint")?;
+        let name = required(args, "name")?;
+        let f = Fork::begin(&self.id, &sp, &name)?;
+        let (_, ctx) = f.run(&mut Silent, Actor::Agent)?;
+        Ok(format!("{}The sandbox {} continues unchanged; the fork is {name}.", ctx.text(), self.name))
+    }
+
+    fn run(&self, args: &Value) -> Result<String, Failure> {
+        let command = required(args, "command")?;
+        let timeout = Duration::from_secs(args["timeout"].as_u64().unwrap_or(300).max(1));
+        // Through Podman and planarian's exec: the container's shared lock, like any tool call.
+        let podman = podman::podman()?;
+        let mut child = std::process::Command::new(podman)
+            .args(["exec", &self.id, "sh", "-c", &command])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        let end = Instant::now() + timeout;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                let out = child.wait_with_output()?;
+                let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+                text += &String::from_utf8_lossy(&out.stderr);
+                return Ok(format!("{text}{}[exit code {}]", if text.is_empty() || text.ends_with('\n') { "" } else { "\n" }, status.code().unwrap_or(-1)));
+            }
+            if Instant::now() > end {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("the command did not finish within {} s and was stopped", timeout.as_secs()).into());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn tool(name: &str, title: &str, description: &str, schema: Value, read_only: bool, destructive: bool) -> Value {
+    json!({
+        "name": name,
+        "title": title,
+        "description": description,
+        "inputSchema": schema,
+        "annotations": {"title": title, "readOnlyHint": read_only, "destructiveHint": destructive, "idempotentHint": read_only, "openWorldHint": false},
+    })
+}
+
+fn str_arg(args: &Value, key: &str) -> Option<String> {
+    args[key].as_str().filter(|s| !s.is_empty()).map(String::from)
+}
+
+fn required(args: &Value, key: &str) -> Result<String, Failure> {
+    str_arg(args, key).ok_or_else(|| format!("{key} is required").into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(allow: (bool, bool)) -> Server {
+        Server { name: "agent".into(), id: "0".repeat(64), globals: Globals::default(), allow_fork: allow.0, allow_run: allow.1 }
+    }
+
+    #[test]
+    fn speaks_the_protocol_and_lists_annotated_tools() {
+        let s = server((false, false));
+        let init = s.handle(&json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18"}})).unwrap();
+        assert_eq!(init["result"]["protocolVersion"], "2025-06-18");
+        let old = s.handle(&json!({"jsonrpc": "2.0", "id": 2, "method": "initialize", "params": {"protocolVersion": "1999-01-01"}})).unwrap();
+        assert_eq!(old["result"]["protocolVersion"], *VERSIONS.last().unwrap());
+        assert!(s.handle(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"})).is_none());
+        let list = s.handle(&json!({"jsonrpc": "2.0", "id": 3, "method": "tools/list"})).unwrap();
+        let tools = list["result"]["tools"].as_array().unwrap();
+        let names: Vec<&str> = tools.iter().map(|t| t["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["statepoint_ledger", "statepoint_save", "statepoint_note", "statepoint_rollback"]);
+        assert_eq!(tools[0]["annotations"]["readOnlyHint"], true);
+        assert_eq!(tools[3]["annotations"]["destructiveHint"], true);
+        let all = server((true, true)).tools();
+        assert_eq!(all.len(), 6);
+        assert_eq!(s.handle(&json!({"jsonrpc": "2.0", "id": 4, "method": "nope"})).unwrap()["error"]["code"], -32601);
+    }
+
+    #[test]
+    fn bad_arguments_and_tools_not_allowed_are_tool_errors_with_one_line() {
+        let s = server((false, false));
+        let r = s.call("statepoint_rollback", &json!({"statepoint": "sp1"}));
+        assert_eq!(r["isError"], true);
+        assert_eq!(r["content"][0]["text"], "planarian: reason is required");
+        let r = s.call("run", &json!({"command": "rm -rf /"}));
+        assert_eq!((r["isError"].as_bool(), r["content"][0]["text"].as_str()), (Some(true), Some("planarian: unknown tool run")));
+        let r = s.call("statepoint_note", &json!({"statepoint": "sp1", "outcome": "x", "status": "great"}));
+        assert!(r["content"][0]["text"].as_str().unwrap().contains("status must be"), "{r}");
+    }
+}
