@@ -295,6 +295,10 @@ pub struct SnapshotArgs {
     /// score, whatever the harness tracks.
     #[arg(long, value_name = "FILE|-")]
     pub state: Option<PathBuf>,
+    /// Answer at once with the statepoint's id while it is taken in the background; tool
+    /// calls wait for it (`planarian statepoint wait` says how it ended).
+    #[arg(long = "async")]
+    pub r#async: bool,
 }
 
 /// Who is calling: one of the paper's three stakeholders (recorded with outcomes).
@@ -439,6 +443,8 @@ pub enum StatepointCommand {
         #[arg(long)]
         reward: Option<f64>,
     },
+    /// Wait for an asynchronous snapshot to end; fails with its error if it was not committed.
+    Wait { container: String, statepoint: String },
     /// The restore context of the last rollback or fork into this container.
     Context {
         container: String,

@@ -5,7 +5,7 @@ use crate::cli::{self, Invocation};
 use crate::Failure;
 use engine::config::Config;
 use engine::log::StderrProgress;
-use engine::statepoint::{self, fork::Fork, restore::RestoreRequest, rollback::Rollback, snapshot::SnapshotRequest, Ctx};
+use engine::statepoint::{self, async_snapshot, fork::Fork, restore::RestoreRequest, rollback::Rollback, snapshot::SnapshotRequest, Ctx};
 use engine::context::{Ledger, RestoreContext};
 use engine::store::{Manifest, Outcome};
 use std::ffi::OsString;
@@ -37,6 +37,7 @@ pub fn checkpoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             name: a.name.clone(),
             description: a.description.clone(),
             state: None,
+            id: None,
         };
         statepoint::snapshot::checkpoint(&globals, &a.container_id, &req, a.image_path.as_deref(), a.work_path.as_deref()).map(Some)
     };
@@ -83,6 +84,20 @@ pub fn restore(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::SnapshotArgs = parse!("snapshot", args);
     let state = a.state.as_deref().map(read_state).transpose()?;
+    if a.r#async {
+        let req = SnapshotRequest {
+            tcp_established: a.tcp_established,
+            file_locks: a.file_locks,
+            leave_running: true,
+            name: a.name,
+            description: a.description,
+            state,
+            ..Default::default()
+        };
+        let id = async_snapshot::start(&inv.globals(), &a.container, &req, &std::env::current_exe()?)?;
+        println!("{id}");
+        return Ok(0);
+    }
     let ctx = Ctx::running(&inv.globals(), &a.container)?;
     let _lock = ctx.store.lock(true)?;
     ctx.recover();
@@ -96,6 +111,7 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             name: a.name,
             description: a.description,
             state,
+            id: None,
         },
     )?;
     println!("{}", m.statepoint_id);
@@ -156,6 +172,11 @@ pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
             let store = statepoint::store_of(&cfg, &container)?;
             let outcomes = outcome.into_iter().map(|t| Outcome::now(t, status.into(), by.into(), reward)).collect();
             statepoint::annotate(&store, &statepoint, name.as_deref(), description.as_deref(), outcomes)?;
+        }
+        cli::StatepointCommand::Wait { container, statepoint } => {
+            let store = statepoint::store_of(&cfg, &container)?;
+            let o = async_snapshot::wait(&store, &statepoint)?;
+            println!("{} {}", o.statepoint, o.status);
         }
         cli::StatepointCommand::Context { container, json } => {
             let store = statepoint::store_of(&cfg, &container)?;
@@ -244,6 +265,15 @@ fn human(b: u64) -> String {
         b if b >= 1 << 20 => format!("{:.1}MiB", b as f64 / (1u64 << 20) as f64),
         b => format!("{:.0}KiB", b as f64 / 1024.0),
     }
+}
+
+/// The background half of `snapshot --async` (not for people: started by planarian itself with
+/// the container's locked file).
+pub fn snapshot_worker(args: &[OsString]) -> Result<i32, Failure> {
+    let [fd, spec] = args else { return Err("usage: planarian __snapshot-worker FD SPEC".into()) };
+    let fd: i32 = fd.to_str().and_then(|f| f.parse().ok()).ok_or("__snapshot-worker: FD is a number")?;
+    async_snapshot::work(fd, &spec.to_string_lossy())?;
+    Ok(0)
 }
 
 #[cfg(test)]

@@ -56,6 +56,7 @@ fn run(inv: &Invocation) -> Result<i32, Failure> {
         Some("statepoint") => commands::statepoint(args),
         Some("ledger") => commands::ledger(args),
         Some("mcp") => commands::mcp(inv, args),
+        Some("__snapshot-worker") => commands::snapshot_worker(args),
         Some("gc") => commands::gc(args),
         Some("doctor") => doctor::main(args),
         Some("install") => install::main(args),
@@ -155,11 +156,11 @@ OCI verbs owned by planarian (called by Podman and conmon):
   checkpoint                a new statepoint (podman container checkpoint [--leave-running])
   restore                   restore the statepoint a checkpoint left (podman container restore)
 Statepoints (each verb has --help):
-  snapshot CTR [--name N] [--description D] [--state FILE|-]   a statepoint of a running container
+  snapshot CTR [--name N] [--description D] [--state FILE|-] [--async]   a statepoint of a running container
   rollback CTR STATEPOINT [--reason R] [--json]   processes, files, remote state back to it
   fork CTR STATEPOINT --name NEW [--json]         a new container running from a statepoint
   statepoint list CTR [--json] | show CTR SP | set CTR SP [--name N] [--description D]
-             [--outcome TEXT --status S --by W --reward R] | context CTR | rm CTR SP...
+             [--outcome TEXT --status S --by W --reward R] | wait CTR SP | context CTR | rm CTR SP...
   ledger CTR [--json] [--max-chars N]          the statepoints as a tree, with their evidence
   mcp CTR [--allow fork,run]                   statepoint tools for the agent: an MCP server (stdio)
 Planarian's own verbs:

@@ -12,7 +12,7 @@ use engine::config::Config;
 use engine::context::Ledger;
 use engine::log::Silent;
 use engine::runtime::{podman, Globals};
-use engine::statepoint::{self, fork::Fork, rollback::Rollback, snapshot::SnapshotRequest, Ctx};
+use engine::statepoint::{self, async_snapshot, fork::Fork, rollback::Rollback, snapshot::SnapshotRequest};
 use engine::store::{Actor, ContainerStore, Outcome, OutcomeStatus};
 use serde_json::{json, Value};
 use std::io::{BufRead, Write};
@@ -195,27 +195,21 @@ impl Server {
         Ok(Ledger::of(&self.store()?, &self.name).text(Some(max)))
     }
 
+    /// An asynchronous snapshot: answers once the worker holds the lock, with the id; the next
+    /// tool call (the harness's shell, this server's run, an MCP write) waits for it.
     fn save(&self, args: &Value) -> Result<String, Failure> {
-        let t = Instant::now();
-        let ctx = Ctx::running(&self.globals, &self.id)?;
-        let _lock = ctx.store.lock(true)?;
-        ctx.recover();
-        let m = statepoint::snapshot::take(
-            &ctx,
-            &SnapshotRequest {
-                leave_running: true,
-                name: str_arg(args, "name"),
-                description: str_arg(args, "description"),
-                state: args.get("state").filter(|s| s.is_object()).cloned(),
-                ..Default::default()
-            },
-        )?;
+        let req = SnapshotRequest {
+            leave_running: true,
+            name: str_arg(args, "name"),
+            description: str_arg(args, "description"),
+            state: args.get("state").filter(|s| s.is_object()).cloned(),
+            ..Default::default()
+        };
+        let id = async_snapshot::start(&self.globals, &self.id, &req, &std::env::current_exe()?)?;
         Ok(format!(
-            "Saved statepoint {}{} of {} ({:.1} s). You can roll back to it with statepoint_rollback.",
-            m.statepoint_id,
-            m.name.as_ref().map(|n| format!(" \"{n}\"")).unwrap_or_default(),
-            self.name,
-            t.elapsed().as_secs_f64()
+            "Saving statepoint {id}{} of {} in the background; your next command runs once it is saved. You can roll back to it with statepoint_rollback.",
+            req.name.as_ref().map(|n| format!(" \"{n}\"")).unwrap_or_default(),
+            self.name
         ))
     }
 

@@ -83,7 +83,7 @@ fn the_agent_saves_rolls_back_and_reads_its_ledger_through_the_official_sdk() {
     sb.sh("echo v1 > /tmp/app.conf").ok();
     let before = sb.send("tick");
     let (text, err) = agent.call("statepoint_save", json!({"name": "before-change", "description": "app.conf is v1; tests pass"}));
-    assert!(!err && text.starts_with("Saved statepoint sp1 \"before-change\""), "{text}");
+    assert!(!err && text.starts_with("Saving statepoint sp1 \"before-change\""), "{text}");
 
     // The agent's own shell tool changes the files (under the container's shared lock); the
     // workload changes its memory.

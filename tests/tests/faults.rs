@@ -131,3 +131,26 @@ fn every_failing_step_of_a_fork_creates_nothing() {
     let f = Sandbox::attach(&new);
     assert_eq!(f.state(), at_sp);
 }
+
+/// An asynchronous snapshot that fails: the caller already had its id, `statepoint wait` says
+/// why, no pending statepoint remains and the sandbox runs on unchanged.
+#[test]
+fn a_failing_async_snapshot_leaves_nothing_and_wait_says_why() {
+    require_stack!();
+    let _disarm = Disarm;
+    let mut sb = Sandbox::start("async-fault", 8, &[]);
+    let sp1 = sb.snapshot("kept");
+    let before = sb.send("tick");
+    inject("snapshot.frozen");
+    let sp = planarian(&["snapshot", &sb.name, "--async"]).ok().out();
+    let r = planarian(&["statepoint", "wait", &sb.name, &sp]);
+    assert_eq!(r.code, Some(1), "{r:?}");
+    assert!(r.stderr.contains("injected fault at snapshot.frozen"), "{r:?}");
+    assert!(!Path::new(FAULT).exists(), "the fault never fired");
+    assert_eq!(statepoint_dirs(&sb), vec![(sp1.clone(), "committed".to_string())]);
+    let after = sb.send("tick");
+    assert_eq!((after.counter, after.checksum.as_str()), (before.counter + 1, before.checksum.as_str()));
+    // The next snapshot is a good one.
+    let next = sb.snapshot("after");
+    assert_eq!(sb.manifest(&next)["status"], "committed");
+}

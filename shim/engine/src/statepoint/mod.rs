@@ -3,6 +3,7 @@
 //! killed half-way, removal and retention, and the checkpoint directory Podman hands around
 //! ([`podman_dir`]).
 
+pub mod async_snapshot;
 pub mod fork;
 pub mod podman_dir;
 pub mod restore;
@@ -78,6 +79,8 @@ pub enum Error {
     RolledBack(Box<Error>),
     #[error("rollback failed: {first}; restoring the previous state failed too: {then} (its statepoint is kept)")]
     NotRolledBack { first: Box<Error>, then: Box<Error> },
+    #[error("{0}")]
+    Worker(String),
     #[error("fork failed, nothing was created: {0}")]
     ForkFailed(Box<Error>),
 }

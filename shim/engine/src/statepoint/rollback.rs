@@ -150,6 +150,7 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
                     name: None,
                     description: Some(format!("before rollback to {}", target.statepoint_id)),
                     state: None,
+                    id: None,
                 },
             )?;
             podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?;

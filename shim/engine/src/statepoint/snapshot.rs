@@ -25,6 +25,8 @@ pub struct SnapshotRequest {
     pub description: Option<String>,
     /// Structured state the caller records with the statepoint (StateRecord).
     pub state: Option<serde_json::Value>,
+    /// An id reserved before (an asynchronous snapshot answers with it at once).
+    pub id: Option<String>,
 }
 
 /// Takes a statepoint. With the exclusive lock held by the caller.
@@ -39,7 +41,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest> {
     let rootfs = crate::local::rootfs_for(&ctx.cfg, &ctx.store, &ctx.ctr.id, crate::runtime::container::overlay_upperdir_of(pid)?)?;
     let freezer = Freezer::of_pid(pid)?;
 
-    let id = ctx.store.next_id();
+    let id = req.id.clone().unwrap_or_else(|| ctx.store.next_id());
     let dir = ctx.store.statepoint_dir(&id);
     let init_start = sys::proc::start_time(pid).unwrap_or(0);
     let plan = crate::chain::plan(&ctx.store, &id, init_start, ctx.cfg.checkpoint.full_dump_interval);

@@ -1,0 +1,140 @@
+//! Asynchronous snapshots (paper §5.3), daemonless: the caller takes the container's exclusive
+//! lock (waiting for tool calls in flight), reserves the statepoint's id, and hands the lock to
+//! a background worker — a process of its own that inherits the locked file — then answers at
+//! once with the id. Tool calls take the lock shared, so the next one waits until the worker
+//! has committed or discarded the statepoint; nothing can slip in between the answer and the
+//! snapshot. The worker's outcome is kept in `<store>/async/<sp>.json`, which
+//! [`wait`] reads once it can take the lock itself.
+
+use super::snapshot::{self, SnapshotRequest};
+use super::{Ctx, Error, Result};
+use crate::runtime::Globals;
+use crate::store::ContainerStore;
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+
+/// What became of an asynchronous snapshot.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+pub struct AsyncOutcome {
+    pub statepoint: String,
+    /// pending, committed or failed.
+    pub status: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_ms: Option<f64>,
+}
+
+fn record_path(store: &ContainerStore, sp: &str) -> PathBuf {
+    store.dir.join("async").join(format!("{sp}.json"))
+}
+
+fn record(store: &ContainerStore, o: &AsyncOutcome) -> Result<()> {
+    let text = serde_json::to_string(o).expect("an outcome serialises");
+    Ok(sys::write_atomic(&record_path(store, &o.statepoint), text.as_bytes(), 0o644)?)
+}
+
+/// Starts a snapshot of the running container `name` in the background; returns its id once
+/// the worker holds the lock. `worker` is the program to run as the worker (this binary), which
+/// must call [`work`] when started with the arguments given.
+pub fn start(globals: &Globals, name: &str, req: &SnapshotRequest, worker: &std::path::Path) -> Result<String> {
+    let ctx = Ctx::running(globals, name)?;
+    let lock = ctx.store.lock(true)?;
+    ctx.recover();
+    let id = ctx.store.next_id();
+    record(&ctx.store, &AsyncOutcome { statepoint: id.clone(), status: "pending".into(), error: None, total_ms: None })?;
+    let spec = serde_json::json!({
+        "container": ctx.ctr.id, "statepoint": id, "root": globals.root, "systemd-cgroup": globals.systemd_cgroup,
+        "name": req.name, "description": req.description, "state": req.state,
+        "tcp-established": req.tcp_established, "file-locks": req.file_locks,
+    });
+    let spawned = spawn_worker(worker, &lock, &spec.to_string());
+    if let Err(e) = spawned {
+        let _ = std::fs::remove_file(record_path(&ctx.store, &id));
+        return Err(e);
+    }
+    Ok(id)
+}
+
+/// The worker: holds the lock it inherited (fd `lock_fd`) until the statepoint is committed or
+/// discarded, and records which.
+pub fn work(lock_fd: i32, spec: &str) -> Result<()> {
+    // SAFETY: the fd was inherited locked from `start`; owning it keeps the lock until we exit.
+    let _lock: File = unsafe { std::os::fd::FromRawFd::from_raw_fd(lock_fd) };
+    let v: serde_json::Value = serde_json::from_str(spec).map_err(|e| Error::Worker(format!("bad worker spec: {e}")))?;
+    let s = |k: &str| v[k].as_str().map(String::from);
+    let globals = Globals { root: s("root").map(PathBuf::from), systemd_cgroup: v["systemd-cgroup"] == true };
+    let (container, sp) = (s("container").unwrap_or_default(), s("statepoint").unwrap_or_default());
+    let req = SnapshotRequest {
+        tcp_established: v["tcp-established"] == true,
+        file_locks: v["file-locks"] == true,
+        leave_running: true,
+        internal: false,
+        name: s("name"),
+        description: s("description"),
+        state: v.get("state").filter(|x| !x.is_null()).cloned(),
+        id: Some(sp.clone()),
+    };
+    let taken = Ctx::load(&globals, &container).and_then(|ctx| snapshot::take(&ctx, &req).map(|m| (ctx, m)));
+    let cfg = crate::config::Config::load()?;
+    let store = ContainerStore::new(&cfg.store.path, &container);
+    match taken {
+        Ok((_, m)) => record(&store, &AsyncOutcome { statepoint: sp, status: "committed".into(), error: None, total_ms: Some(m.measurements.total_ms) }),
+        Err(e) => {
+            record(&store, &AsyncOutcome { statepoint: sp, status: "failed".into(), error: Some(e.to_string()), total_ms: None })?;
+            Err(e)
+        }
+    }
+}
+
+/// Waits until statepoint `sp`'s asynchronous snapshot has ended (the worker released the lock)
+/// and says how: `Ok` with the outcome when committed, the recorded error when it failed.
+pub fn wait(store: &ContainerStore, sp: &str) -> Result<AsyncOutcome> {
+    let path = record_path(store, sp);
+    let read = || -> Option<AsyncOutcome> { serde_json::from_slice(&std::fs::read(&path).ok()?).ok() };
+    let Some(first) = read() else {
+        // Not asynchronous (or long forgotten): what the registry says.
+        return match store.find(sp) {
+            Ok(_) => Ok(AsyncOutcome { statepoint: sp.to_string(), status: "committed".into(), error: None, total_ms: None }),
+            Err(e) => Err(e.into()),
+        };
+    };
+    if first.status == "pending" {
+        drop(store.lock(false)?);
+    }
+    match read() {
+        Some(o) if o.status == "committed" => Ok(o),
+        Some(AsyncOutcome { error: Some(e), .. }) => Err(Error::Worker(e)),
+        _ => Err(Error::Worker(format!("the snapshot worker of {sp} ended without a word (killed?): nothing was committed"))),
+    }
+}
+
+fn spawn_worker(worker: &std::path::Path, lock: &File, spec: &str) -> Result<()> {
+    use std::os::unix::process::CommandExt;
+    let fd = lock.as_raw_fd();
+    let mut cmd = std::process::Command::new(worker);
+    cmd.arg("__snapshot-worker").arg(fd.to_string()).arg(spec);
+    cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    // SAFETY: setsid(2) and fcntl(2) only, async-signal-safe, between fork and exec: the worker
+    // is a session of its own (no signal to the caller's group reaches it) and keeps the locked
+    // fd, and only it, across exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::unistd::setsid().map_err(std::io::Error::from)?;
+            for other in 3..1024 {
+                if other != fd {
+                    let f = std::os::fd::BorrowedFd::borrow_raw(other);
+                    let _ = nix::fcntl::fcntl(f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC));
+                }
+            }
+            let f = std::os::fd::BorrowedFd::borrow_raw(fd);
+            nix::fcntl::fcntl(f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty())).map_err(std::io::Error::from)?;
+            Ok(())
+        });
+    }
+    cmd.spawn().map_err(|source| Error::Worker(format!("cannot start the snapshot worker {}: {source}", worker.display())))?;
+    Ok(())
+}
