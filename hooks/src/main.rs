@@ -129,6 +129,9 @@ struct Serve {
     /// Where the call positions are kept.
     #[arg(long)]
     state: Option<PathBuf>,
+    /// The sandbox's lock file: mutating calls hold it shared (they wait for its snapshots).
+    #[arg(long)]
+    lock: Option<PathBuf>,
     /// Serve clients on this Unix socket.
     #[arg(long)]
     listen: Option<PathBuf>,
@@ -211,6 +214,7 @@ fn serve(a: Serve) -> Result<(), String> {
         dsn,
         state_file,
         disabled: a.disabled,
+        sandbox_lock: a.lock,
     };
     let listen = a.listen.or_else(|| container.as_deref().map(clients_socket_for));
     let proxy = proxy::Proxy::new(opts)?;

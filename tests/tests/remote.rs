@@ -279,6 +279,19 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
     let r = agent.sql("INSERT INTO reports VALUES (3, 'after rollback')");
     assert_ne!(r["isError"], json!(true), "{r}");
 
+    // A write issued while an asynchronous snapshot is being taken waits for it (the sidecar
+    // takes the sandbox's lock shared): its position is after the statepoint's, so a rollback
+    // to that statepoint undoes it.
+    let sp2 = planarian(&["snapshot", &n, "--async"]).ok().out();
+    let r = agent.sql("INSERT INTO reports VALUES (4, 'during the snapshot')");
+    assert_ne!(r["isError"], json!(true), "{r}");
+    planarian(&["statepoint", "wait", &n, &sp2]).ok();
+    let m2: Value = serde_json::from_str(&planarian(&["statepoint", "show", &n, &sp2]).out()).unwrap();
+    let p2 = m2["remote-state"][0]["mcp-call-position"].as_u64().unwrap();
+    assert_eq!(pg.psql(&format!("SELECT count(DISTINCT position) FROM planarian.undo WHERE position > {p2}")), "1", "the write landed after {sp2}: {m2}");
+    planarian(&["rollback", &n, &sp2]).ok();
+    assert_eq!(pg.psql("SELECT string_agg(id::text, ',' ORDER BY id) FROM reports"), "1,3");
+
     // A fork of sp1: its own sandbox, but no calls into the source's database.
     let f = name("mcp-fork");
     let _cf = Cleanup(f.clone());

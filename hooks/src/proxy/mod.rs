@@ -49,6 +49,9 @@ pub struct Options {
     pub disabled: Option<String>,
     pub dsn: String,
     pub state_file: std::path::PathBuf,
+    /// The container's lock file: a mutating call holds it shared, as every tool call does, so
+    /// that it waits while a snapshot or a rollback of the sandbox holds it exclusively.
+    pub sandbox_lock: Option<std::path::PathBuf>,
 }
 
 /// Where messages for a client go: a stream (stdio, a connection to the listening socket), or
@@ -119,6 +122,17 @@ pub struct Proxy {
 }
 
 impl Proxy {
+    /// The sandbox's lock, shared, for the length of a mutating call (taken before the proxy
+    /// lock: a snapshot holds the sandbox's lock while it asks for the position under the proxy
+    /// lock). `Err` with one line when the lock file cannot be used.
+    fn sandbox_lock(&self) -> Result<Option<std::fs::File>, String> {
+        let Some(path) = &self.opts.sandbox_lock else { return Ok(None) };
+        let f = std::fs::File::options().read(true).write(true).create(true).truncate(false).open(path)
+            .map_err(|e| format!("cannot open the sandbox's lock {}: {e}", path.display()))?;
+        f.lock_shared().map_err(|e| format!("cannot lock {}: {e}", path.display()))?;
+        Ok(Some(f))
+    }
+
     pub fn new(opts: Options) -> Result<Arc<Proxy>, String> {
         let mut db = Db::connect(&opts.dsn)?;
         let positions = Positions::load(&opts.state_file, db.max_position()?)?;

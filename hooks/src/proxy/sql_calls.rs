@@ -72,6 +72,10 @@ impl Proxy {
                 Err(e) => refuse(format!("cannot check the statement: {e}")),
             };
         }
+        let _sandbox = match self.sandbox_lock() {
+            Ok(l) => l,
+            Err(e) => return refuse(e),
+        };
         let _guard = self.lock.lock().unwrap();
         let mut tables = Vec::new();
         {
@@ -125,6 +129,10 @@ impl Proxy {
     fn ddl_call(self: &Arc<Self>, msg: Value, conn: &Arc<Conn>, d: Ddl) {
         let id = msg["id"].clone();
         let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
+        let _sandbox = match self.sandbox_lock() {
+            Ok(l) => l,
+            Err(e) => return refuse(e),
+        };
         let _guard = self.lock.lock().unwrap();
         let inverse = match self.db.lock().unwrap().ddl_inverse(&d) {
             Ok(Some(inv)) => inv,

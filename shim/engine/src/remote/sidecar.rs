@@ -67,6 +67,8 @@ pub fn start(cfg: &Config, id: &str) -> Result<()> {
     let mut cmd = std::process::Command::new(&proxy);
     cmd.args(["serve", "--container", id, "--database", &svc.database]);
     cmd.arg("--state").arg(store.dir.join("mcp-positions.json"));
+    // Its mutating calls are tool calls of the sandbox: they take its lock shared.
+    cmd.arg("--lock").arg(store.dir.join("lock"));
     if !svc.server.is_empty() {
         cmd.args(["--server", &svc.server]);
     }
