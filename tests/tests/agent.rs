@@ -96,6 +96,7 @@ fn the_agent_saves_rolls_back_and_reads_its_ledger_through_the_official_sdk() {
 
     let (text, err) = agent.call("statepoint_rollback", json!({"statepoint": "before-change", "reason": "the new app.conf broke the tests"}));
     assert!(!err, "{text}");
+    eprintln!("--- what the model reads after statepoint_rollback:\n{text}---");
     assert!(text.starts_with(&format!("[planarian] The sandbox {} was rolled back to statepoint sp1 \"before-change\".", sb.name)), "{text}");
     assert!(text.contains("State at sp1: app.conf is v1; tests pass"), "{text}");
     assert!(text.contains("→ failure (agent): rewriting app.conf broke the tests"), "{text}");
@@ -106,6 +107,7 @@ fn the_agent_saves_rolls_back_and_reads_its_ledger_through_the_official_sdk() {
     assert_eq!((after.counter, after.checksum.as_str()), (before.counter + 1, before.checksum.as_str()));
 
     let (text, _) = agent.call("statepoint_ledger", json!({}));
+    eprintln!("--- what the model reads from statepoint_ledger:\n{text}---");
     assert!(text.contains("sp1* \"before-change\""), "{text}");
     assert!(text.contains("→ abandoned (agent): rolled back here from the state after sp1; reason: the new app.conf broke the tests"), "{text}");
 

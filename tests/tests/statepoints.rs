@@ -633,6 +633,7 @@ fn a_rollback_tells_the_agent_what_is_now_true_and_what_was_tried() {
     let again = cmd(pl, ["statepoint", "context", &sb.name]).out();
     assert!(again.starts_with(&format!("[planarian] The sandbox {} was rolled back to statepoint {sp1} \"configured\".", sb.name)), "{again}");
     assert!(again.contains("Tried from this statepoint before:") || again.contains("Nothing was tried"), "{again}");
+    eprintln!("--- planarian ledger:\n{}\n--- planarian statepoint context:\n{again}\n---", cmd(pl, ["ledger", &sb.name]).out());
     // A bounded ledger keeps the head and says what it left out.
     let short = cmd(pl, ["ledger", &sb.name, "--max-chars", "200"]).out();
     assert!(short.contains(&format!("{sp3}*")) && short.contains("left out"), "{short}");
