@@ -1,6 +1,7 @@
 //! The control interface for the shim: one JSON request per connection on a Unix socket.
 //!
-//! `{"op":"position"}` → `{"position":N}` (taken under the proxy lock);
+//! `{"op":"position"}` → `{"position":N}` (taken under the proxy lock), with `"since":P` also
+//! `"calls"` and `"tables"`: how many calls after P changed something, and what;
 //! `{"op":"compensate","to":P}` → `{"position":P,"rows":R}` or `{"error":"…"}`;
 //! `{"op":"disable","reason":"…"}` → `{"disabled":true}`; `{"op":"status"}` → the proxy's state.
 
@@ -42,7 +43,11 @@ fn handle(conn: UnixStream, proxy: &Proxy) {
     let req: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
     let resp = match req["op"].as_str() {
         Some("position") => match proxy.capture() {
-            Ok(p) => json!({"position": p}),
+            Ok(p) => match req["since"].as_u64().map(|since| proxy.changes(since, p)) {
+                None => json!({"position": p}),
+                Some(Ok((calls, tables))) => json!({"position": p, "calls": calls, "tables": tables}),
+                Some(Err(e)) => json!({"error": e}),
+            },
             Err(e) => json!({"error": e}),
         },
         Some("compensate") => match req["to"].as_u64() {

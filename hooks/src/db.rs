@@ -126,6 +126,27 @@ impl Db {
         Ok(())
     }
 
+    /// How many calls after position `from`, up to `to`, changed something (those a rollback
+    /// undid are gone from the log), and the tables (and, for DDL, `schema change`) they changed.
+    pub fn changes_between(&mut self, from: u64, to: u64) -> Result<(u64, Vec<String>), String> {
+        let calls = self
+            .client
+            .query_one(&format!("SELECT count(DISTINCT position) FROM {UNDO_SCHEMA}.undo WHERE position > $1 AND position <= $2"), &[&(from as i64), &(to as i64)])
+            .map_err(pe)?
+            .get::<_, i64>(0) as u64;
+        let rows = self
+            .client
+            .query(
+                &format!(
+                    "SELECT DISTINCT CASE WHEN ddl IS NULL THEN tbl ELSE 'schema change' END FROM {UNDO_SCHEMA}.undo
+                     WHERE position > $1 AND position <= $2 ORDER BY 1"
+                ),
+                &[&(from as i64), &(to as i64)],
+            )
+            .map_err(pe)?;
+        Ok((calls, rows.iter().map(|r| r.get::<_, String>(0)).collect()))
+    }
+
     /// The highest position with undo rows (0 when none).
     pub fn max_position(&mut self) -> Result<u64, String> {
         let row = self

@@ -167,9 +167,22 @@ fn main() {
         Cmd::Url { container } => std::fs::read_to_string(url_file_for(&container))
             .map(|u| println!("{}", u.trim()))
             .map_err(|_| format!("the MCP proxy of container {container} serves no HTTP endpoint (set http in its [mcp.services] entry)")),
-        Cmd::Capture { container } => control::request(&socket(&container), &json!({"op": "position"})).map(|v| {
-            println!("{}", json!({"external-endpoint": format!("mcp-proxy:{}", socket(&container).display()), "mcp-call-position": v["position"]}));
-        }),
+        Cmd::Capture { container } => {
+            // planarian passes the position of the statepoint's parent: what changed since.
+            let since = std::env::var("PLANARIAN_SINCE_POSITION").ok().and_then(|p| p.parse::<u64>().ok());
+            let mut req = json!({"op": "position"});
+            if let Some(p) = since {
+                req["since"] = json!(p);
+            }
+            control::request(&socket(&container), &req).map(|v| {
+                let mut out = json!({"external-endpoint": format!("mcp-proxy:{}", socket(&container).display()), "mcp-call-position": v["position"]});
+                if let (Some(c), Some(t)) = (v.get("calls"), v.get("tables")) {
+                    out["calls-since-parent"] = c.clone();
+                    out["tables-since-parent"] = t.clone();
+                }
+                println!("{out}");
+            })
+        }
         Cmd::Compensate { container, position } => control::request(&socket(&container), &json!({"op": "compensate", "to": position})).map(drop),
         Cmd::Control { socket, op } => {
             let req = match op {

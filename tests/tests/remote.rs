@@ -288,6 +288,12 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
     planarian(&["statepoint", "wait", &n, &sp2]).ok();
     let m2: Value = serde_json::from_str(&planarian(&["statepoint", "show", &n, &sp2]).out()).unwrap();
     let p2 = m2["remote-state"][0]["mcp-call-position"].as_u64().unwrap();
+    // Since its parent (sp1, after the rollback to it), one call on this branch changed reports;
+    // the two a rollback undid do not count.
+    assert_eq!(m2["remote-state"][0]["calls-since-parent"], json!(1), "{m2}");
+    assert_eq!(m2["remote-state"][0]["tables-since-parent"], json!(["reports"]), "{m2}");
+    let ledger = planarian(&["ledger", &n]).out();
+    assert!(ledger.contains("1 remote call since its parent: reports"), "{ledger}");
     assert_eq!(pg.psql(&format!("SELECT count(DISTINCT position) FROM planarian.undo WHERE position > {p2}")), "1", "the write landed after {sp2}: {m2}");
     planarian(&["rollback", &n, &sp2]).ok();
     assert_eq!(pg.psql("SELECT string_agg(id::text, ',' ORDER BY id) FROM reports"), "1,3");

@@ -306,6 +306,11 @@ impl Proxy {
         self.positions.lock().unwrap().captured()
     }
 
+    /// The calls after position `from` up to `to` that changed something, and the tables.
+    pub fn changes(&self, from: u64, to: u64) -> Result<(u64, Vec<String>), String> {
+        self.db.lock().unwrap().changes_between(from, to)
+    }
+
     pub fn compensate(&self, to: u64) -> Result<u64, String> {
         let _guard = self.lock.lock().unwrap();
         let mut pos = self.positions.lock().unwrap();

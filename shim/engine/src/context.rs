@@ -44,6 +44,9 @@ pub struct Node {
     /// MCP calls that changed remote state between the parent and this statepoint, when both
     /// recorded a position.
     pub remote_calls_since_parent: Option<u64>,
+    /// What those calls changed (tables), when the remote-state hook said.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remote_tables_since_parent: Vec<String>,
     pub outcomes: Vec<Outcome>,
 }
 
@@ -84,6 +87,7 @@ impl Ledger {
                     age_seconds: parse_rfc3339(&m.timestamp).map(|t| now.saturating_sub(t)),
                     bytes: m.measurements.criu_bytes + m.measurements.rootfs_bytes,
                     remote_calls_since_parent: remote,
+                    remote_tables_since_parent: m.remote_state.iter().flat_map(|r| r.tables_since_parent.iter().flatten().cloned()).collect(),
                     outcomes: m.state_evidence.prior_outcomes.clone(),
                 }
             })
@@ -189,7 +193,8 @@ fn headline(n: &Node) -> String {
     }
     facts.push(human_bytes(n.bytes));
     if let Some(c) = n.remote_calls_since_parent.filter(|c| *c > 0) {
-        facts.push(format!("{c} remote call{} since its parent", if c == 1 { "" } else { "s" }));
+        let tables = if n.remote_tables_since_parent.is_empty() { String::new() } else { format!(": {}", n.remote_tables_since_parent.join(", ")) };
+        facts.push(format!("{c} remote call{} since its parent{tables}", if c == 1 { "" } else { "s" }));
     }
     format!("{h} ({})", facts.join(", "))
 }
@@ -210,12 +215,20 @@ fn outcome_line(o: &Outcome) -> String {
     format!("→ {status} ({by}{reward}): {}", o.text)
 }
 
-/// MCP calls between two statepoints: the difference of the positions one hook recorded in both.
+/// MCP calls that changed remote state between two statepoints: what the hook counted on this
+/// branch, else the difference of the positions it recorded (which counts calls a rollback
+/// undid in between too).
 fn calls_between(parent: &Manifest, m: &Manifest) -> Option<u64> {
     let mut total = None;
     for r in &m.remote_state {
-        let before = parent.remote_state.iter().find(|p| p.hook_path == r.hook_path)?;
-        total = Some(total.unwrap_or(0) + r.mcp_call_position?.saturating_sub(before.mcp_call_position?));
+        let n = match r.calls_since_parent {
+            Some(n) => n,
+            None => {
+                let before = parent.remote_state.iter().find(|p| p.hook_path == r.hook_path)?;
+                r.mcp_call_position?.saturating_sub(before.mcp_call_position?)
+            }
+        };
+        total = Some(total.unwrap_or(0) + n);
     }
     total
 }
@@ -407,19 +420,21 @@ mod tests {
         m.name = name.map(String::from);
         m.state_evidence.state_description = desc.into();
         m.timestamp = t.into();
-        m.remote_state = vec![RemoteState { external_endpoint: None, mcp_call_position: Some(pos), hook_path: Some("/h".into()) }];
+        m.remote_state = vec![RemoteState { external_endpoint: None, mcp_call_position: Some(pos), hook_path: Some("/h".into()), calls_since_parent: None, tables_since_parent: None }];
         m.measurements.criu_bytes = 3 << 20;
         m
     }
 
     /// sp1 ─ sp2 ─ sp3 (abandoned by a rollback to sp2) and sp2 ─ sp4 (head).
     fn tree() -> Vec<Manifest> {
+        let mut sp3 = m("sp3", Some("sp2"), None, "config rewritten", 5, "2026-11-24T10:30:00.000000000Z");
+        sp3.remote_state[0].tables_since_parent = Some(vec!["reports".into()]);
         let mut sp2 = m("sp2", Some("sp1"), Some("deps"), "dependencies installed", 3, "2026-11-24T10:00:00.000000000Z");
         sp2.state_evidence.prior_outcomes.push(Outcome::now("rolled back here from sp3: tests failed", OutcomeStatus::Abandoned, Actor::Harness, None));
         vec![
             m("sp1", None, None, "clean checkout", 0, "2026-11-24T09:00:00.000000000Z"),
             sp2,
-            m("sp3", Some("sp2"), None, "config rewritten", 5, "2026-11-24T10:30:00.000000000Z"),
+            sp3,
             m("sp4", Some("sp2"), Some("fixed"), "", 4, "2026-11-24T10:59:00.000000000Z"),
         ]
     }
@@ -434,7 +449,7 @@ mod tests {
         let text = l.text(None);
         assert_eq!(
             text,
-            "Statepoints of agent (* = where the sandbox is now; newest first):\n  sp1 (2 h ago, 3.0 MiB)\n  │  clean checkout\n  └─ sp2 \"deps\" (1 h ago, 3.0 MiB, 3 remote calls since its parent)\n     │  dependencies installed\n     │  → abandoned (harness): rolled back here from sp3: tests failed\n     ├─ sp4* \"fixed\" (1 min ago, 3.0 MiB, 1 remote call since its parent)\n     └─ sp3 (30 min ago, 3.0 MiB, 2 remote calls since its parent)\n           config rewritten\n"
+            "Statepoints of agent (* = where the sandbox is now; newest first):\n  sp1 (2 h ago, 3.0 MiB)\n  │  clean checkout\n  └─ sp2 \"deps\" (1 h ago, 3.0 MiB, 3 remote calls since its parent)\n     │  dependencies installed\n     │  → abandoned (harness): rolled back here from sp3: tests failed\n     ├─ sp4* \"fixed\" (1 min ago, 3.0 MiB, 1 remote call since its parent)\n     └─ sp3 (30 min ago, 3.0 MiB, 2 remote calls since its parent: reports)\n           config rewritten\n"
         );
         // Bounded: the head and the statepoints with evidence stay, and the text says what went.
         let short = l.text(Some(260));

@@ -140,6 +140,12 @@ pub struct RemoteState {
     pub external_endpoint: Option<String>,
     pub mcp_call_position: Option<u64>,
     pub hook_path: Option<String>,
+    /// The calls since the parent statepoint that changed something on this branch, and what
+    /// they changed (tables), when the hook says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calls_since_parent: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tables_since_parent: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]

@@ -5,7 +5,10 @@
 //!
 //! * `HOOK capture CONTAINER-ID` — during a snapshot, with the sandbox frozen: print one JSON
 //!   object `{"external-endpoint": "…", "mcp-call-position": N}` and exit 0. Any failure means
-//!   the statepoint is not committed.
+//!   the statepoint is not committed. `PLANARIAN_SINCE_POSITION` holds the position this hook
+//!   gave the parent statepoint, when there is one: a hook may add `"calls-since-parent": N`
+//!   and `"tables-since-parent": [NAME, …]`, what the calls since changed on this branch (the
+//!   ledger shows it).
 //! * `HOOK compensate CONTAINER-ID POSITION` — during a rollback, before files and processes are
 //!   restored: undo every remote change after POSITION and exit 0, or exit non-zero with one
 //!   line on stderr (the rollback then stops, and the sandbox is brought back as it was).
@@ -18,11 +21,14 @@ use crate::store::RemoteState;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-pub fn capture(hooks: &[PathBuf], container_id: &str) -> Result<Vec<RemoteState>> {
+/// Asks each hook for its position; `parent` is the parent statepoint's remote state (what
+/// each hook recorded then).
+pub fn capture(hooks: &[PathBuf], container_id: &str, parent: &[RemoteState]) -> Result<Vec<RemoteState>> {
     hooks
         .iter()
         .map(|hook| {
-            let out = run(hook, &["capture", container_id])?;
+            let since = parent.iter().find(|r| r.hook_path.as_deref() == Some(&*hook.to_string_lossy())).and_then(|r| r.mcp_call_position);
+            let out = run(hook, &["capture", container_id], since)?;
             let v: serde_json::Value = serde_json::from_str(out.trim())
                 .map_err(|source| Error::NotJson { hook: hook.clone(), source })?;
             let position = v["mcp-call-position"]
@@ -32,6 +38,8 @@ pub fn capture(hooks: &[PathBuf], container_id: &str) -> Result<Vec<RemoteState>
                 external_endpoint: v["external-endpoint"].as_str().map(String::from),
                 mcp_call_position: Some(position),
                 hook_path: Some(hook.display().to_string()),
+                calls_since_parent: v["calls-since-parent"].as_u64(),
+                tables_since_parent: v["tables-since-parent"].as_array().map(|a| a.iter().filter_map(|t| t.as_str().map(String::from)).collect()),
             })
         })
         .collect()
@@ -41,13 +49,17 @@ pub fn capture(hooks: &[PathBuf], container_id: &str) -> Result<Vec<RemoteState>
 pub fn compensate(states: &[RemoteState], container_id: &str) -> Result<()> {
     for st in states.iter().rev() {
         let (Some(hook), Some(pos)) = (&st.hook_path, st.mcp_call_position) else { continue };
-        run(Path::new(hook), &["compensate", container_id, &pos.to_string()])?;
+        run(Path::new(hook), &["compensate", container_id, &pos.to_string()], None)?;
     }
     Ok(())
 }
 
-fn run(hook: &Path, args: &[&str]) -> Result<String> {
-    let out = Command::new(hook)
+fn run(hook: &Path, args: &[&str], since: Option<u64>) -> Result<String> {
+    let mut cmd = Command::new(hook);
+    if let Some(p) = since {
+        cmd.env("PLANARIAN_SINCE_POSITION", p.to_string());
+    }
+    let out = cmd
         .args(args)
         .stdin(Stdio::null())
         .output()
@@ -86,7 +98,7 @@ mod tests {
             )
         };
         let hooks = vec![script("a", &body(1)), script("b", &body(2))];
-        let st = capture(&hooks, "ctr").unwrap();
+        let st = capture(&hooks, "ctr", &[]).unwrap();
         assert_eq!(st[0].mcp_call_position, Some(1));
         assert_eq!(st[1].external_endpoint.as_deref(), Some("db2"));
         compensate(&st, "ctr").unwrap();
@@ -100,10 +112,10 @@ mod tests {
     #[test]
     fn failures_are_one_clear_line() {
         let h = script("bad", "echo 'connection refused' >&2; exit 3");
-        let e = capture(std::slice::from_ref(&h), "c").unwrap_err().to_string();
+        let e = capture(std::slice::from_ref(&h), "c", &[]).unwrap_err().to_string();
         assert!(e.ends_with("capture failed: connection refused"), "{e}");
         let garbage = script("garbage", "echo not-json");
-        assert!(capture(std::slice::from_ref(&garbage), "c").unwrap_err().to_string().contains("no JSON"));
+        assert!(capture(std::slice::from_ref(&garbage), "c", &[]).unwrap_err().to_string().contains("no JSON"));
         std::fs::remove_file(h).unwrap();
         std::fs::remove_file(garbage).unwrap();
     }

@@ -171,7 +171,8 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest> {
         }
         let rest = (|| {
             // Remote positions, with the sandbox still frozen: consistent with files and processes.
-            m.remote_state = crate::remote::hooks::capture(&crate::remote::sidecar::remote_hooks(&ctx.cfg)?, &ctx.ctr.id)?;
+            let parent = m.parent_statepoint_id.as_deref().and_then(|p| ctx.store.find(p).ok()).map(|p| p.remote_state).unwrap_or_default();
+            m.remote_state = crate::remote::hooks::capture(&crate::remote::sidecar::remote_hooks(&ctx.cfg)?, &ctx.ctr.id, &parent)?;
             crate::fault::point("snapshot.before-commit")?;
             m.measurements.criu_bytes = store::du(&images);
             m.measurements.rootfs_bytes = m.local_state.rootfs_copy_path.as_ref().map_or(0, |c| store::du(&dir.join(c)));
