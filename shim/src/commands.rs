@@ -127,7 +127,7 @@ pub fn rollback(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let ctx = r.run(&inv.globals(), &mut progress, a.reason.as_deref(), a.by.into())?;
     progress.finish();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&ctx)?);
+        println!("{}", context_json(&ctx)?);
     } else {
         println!("{name} rolled back to {}", ctx.statepoint.id);
     }
@@ -143,7 +143,9 @@ pub fn fork(args: &[OsString]) -> Result<i32, Failure> {
     let (new, ctx) = f.run(&mut progress, a.by.into())?;
     progress.finish();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&ctx)?);
+        let mut v: serde_json::Value = serde_json::from_str(&context_json(&ctx)?)?;
+        v["container-id"] = serde_json::json!(new.id);
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!("{} forked from {source} at {sp} ({})", a.name, new.id);
     }
@@ -182,7 +184,7 @@ pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
             let store = statepoint::store_of(&cfg, &container)?;
             let ctx = RestoreContext::last(&store).ok_or_else(|| format!("container {container} was never rolled back or forked into"))?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&ctx)?);
+                println!("{}", context_json(&ctx)?);
             } else {
                 print!("{}", ctx.text());
             }
@@ -212,6 +214,13 @@ pub fn ledger(args: &[OsString]) -> Result<i32, Failure> {
         print!("{}", ledger.text(a.max_chars));
     }
     Ok(0)
+}
+
+/// A restore context as JSON, with the text a harness appends to the conversation beside it.
+fn context_json(ctx: &RestoreContext) -> Result<String, Failure> {
+    let mut v = serde_json::to_value(ctx)?;
+    v["text"] = serde_json::json!(ctx.text());
+    Ok(serde_json::to_string_pretty(&v)?)
 }
 
 /// A statepoint's structured state: JSON from a file, or from stdin for `-`.

@@ -1,0 +1,112 @@
+"""The SDK without containers: the command lines it builds and how it reads answers and
+failures, against stand-in `planarian` and `podman` scripts that record their arguments. (The
+real path is tested in the guest: tests/tests/sdk.rs.)"""
+
+import json
+import os
+import stat
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from planarian import Busy, ForkError, NotRunning, PlanarianError, RestoreContext, Sandbox, UnknownStatepoint, _Cli  # noqa: E402
+
+
+def script(dir: str, name: str, body: str) -> str:
+    path = os.path.join(dir, name)
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\n" + body + "\n")
+    os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)
+    return path
+
+
+CONTEXT = {
+    "operation": "rollback",
+    "container": "agent",
+    "statepoint": {"id": "sp2", "name": "deps", "description": "installed"},
+    "restored": ["processes and memory (CRIU restore)", "files (zfs)"],
+    "compensated": [],
+    "discarded-statepoints": ["sp3"],
+    "reason": "broke it",
+    "prior-outcomes": [],
+    "time": "t",
+    "text": "[planarian] The sandbox agent was rolled back to statepoint sp2 \"deps\".\n",
+}
+
+
+class CommandLines(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+        self.log = os.path.join(self.dir, "argv")
+        # Each stand-in appends its argv (one per line) and answers from $ANSWER.
+        body = f'printf "%s\\n" "$0 $*" >> {self.log}; if [ -n "$FAIL" ]; then echo "planarian: $FAIL" >&2; exit 1; fi; printf "%s" "$ANSWER"'
+        self.cli = _Cli(planarian=script(self.dir, "planarian", body), podman=script(self.dir, "podman", body))
+
+    def calls(self):
+        with open(self.log) as f:
+            return [line.split(" ", 1)[1].strip() if " " in line else "" for line in f.read().splitlines()]
+
+    def answer(self, text="", fail=""):
+        os.environ["ANSWER"] = text
+        os.environ["FAIL"] = fail
+
+    def test_run_snapshot_rollback_and_outcomes_build_the_command_lines(self):
+        self.answer("0123abcd\n")
+        sb = Sandbox.run("img", name="agent", network="none", env=["A=1", "B=2"], tty=True, cli=self.cli)
+        self.assertEqual(sb.name, "agent")
+        self.answer("sp4\n")
+        h = sb.snapshot(name="deps", description="installed", state={"step": 2})
+        self.assertEqual(h.id, "sp4")
+        self.answer(json.dumps(CONTEXT))
+        ctx = sb.rollback("sp2", reason="broke it")
+        self.assertIsInstance(ctx, RestoreContext)
+        self.assertEqual((ctx.statepoint["id"], ctx.discarded_statepoints), ("sp2", ["sp3"]))
+        self.assertTrue(ctx.text.startswith("[planarian] The sandbox agent was rolled back"))
+        self.answer("")
+        sb.append_outcome("sp2", "tests fail", "failure", reward=-1)
+        self.assertEqual(
+            self.calls(),
+            [
+                "--runtime planarian run -d --name agent --network none --env A=1 --env B=2 --tty img sleep infinity",
+                "snapshot agent --async --name deps --description installed --state -",
+                "rollback agent sp2 --by harness --json --reason broke it",
+                "statepoint set agent sp2 --outcome tests fail --status failure --by harness --reward -1.0",
+            ],
+        )
+        with self.assertRaises(ValueError):
+            sb.append_outcome("sp2", "x", "great")
+
+    def test_failures_carry_the_one_line_and_are_typed(self):
+        sb = Sandbox("agent", self.cli)
+        self.answer(fail="unknown statepoint sp9 (see `planarian statepoint list`)")
+        with self.assertRaises(UnknownStatepoint) as e:
+            sb.rollback("sp9")
+        self.assertEqual(str(e.exception), "unknown statepoint sp9 (see `planarian statepoint list`)")
+        self.answer(fail="container agent is not running (it is exited)")
+        with self.assertRaises(NotRunning):
+            sb.snapshot()
+        self.answer(fail="another statepoint operation or tool call is running in agent; try again when it has finished")
+        with self.assertRaises(Busy):
+            sb.rollback("sp1")
+        self.answer(fail="anything else")
+        with self.assertRaises(PlanarianError):
+            sb.statepoints()
+
+    def test_fork_gives_one_result_per_fork(self):
+        sb = Sandbox("agent", self.cli)
+        self.answer(fail="a container named agent-fork-1 already exists")
+        results = sb.fork("sp1", count=2)
+        self.assertEqual(len(results), 2)
+        self.assertTrue(all(isinstance(r, ForkError) for r in results))
+        self.assertEqual(str(results[0]), "a container named agent-fork-1 already exists")
+        self.answer(json.dumps(dict(CONTEXT, operation="fork", container="b")))
+        (b,) = sb.fork("sp1", names=["b"])
+        self.assertEqual((b.name, b.context.operation), ("b", "fork"))
+        with self.assertRaises(ValueError):
+            sb.fork("sp1", count=2, names=["only-one"])
+
+
+if __name__ == "__main__":
+    unittest.main()
