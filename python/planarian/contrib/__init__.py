@@ -1,0 +1,1 @@
+"""Integrations of planarian with agent harnesses."""
