@@ -149,12 +149,15 @@ fn fork_into(
     leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None)?;
     crate::fault::point("fork.linked")?;
     progress.phase("processes (podman container restore)");
-    let mut args = vec!["container", "restore"];
+    let mut args = vec!["container", "restore", "--print-stats"];
     if m.options.tcp_established {
         args.push("--tcp-established");
     }
     args.push(&new.id);
-    Ok(podman::run(&args)?)
+    if let Some(stats) = podman::RestoreStats::parse(&podman::output(&args)?) {
+        progress.done(&stats.breakdown());
+    }
+    Ok(())
 }
 
 /// The configuration the source container runs with (its `io.planarian.*` annotations applied).

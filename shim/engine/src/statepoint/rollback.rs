@@ -172,8 +172,11 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         progress.phase("processes (podman container restore)");
         let restored = crate::fault::point("rollback.files-restored").map_err(Error::from).and_then(|()| podman_restore(store, pc, target));
         match restored {
-            Ok(()) => {
+            Ok(stats) => {
                 files.commit();
+                if let Some(s) = stats {
+                    progress.done(&s.breakdown());
+                }
                 Ok(())
             }
             Err(e) => match files.undo() {
@@ -193,7 +196,7 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         (Err(e), Some(s)) => {
             // 3. Back to where it was.
             progress.phase(&format!("back to the safety statepoint {}", s.statepoint_id));
-            let back = podman_restore(store, pc, &s);
+            let back = podman_restore(store, pc, &s).map(drop);
             if back.is_ok() {
                 progress.done("");
             }
@@ -207,21 +210,22 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
     }
 }
 
-/// Asks Podman to restore the container from statepoint `m`, handing our lock to the restore.
-fn podman_restore(store: &ContainerStore, pc: &PodmanContainer, m: &Manifest) -> Result<()> {
+/// Asks Podman to restore the container from statepoint `m`, handing our lock to the restore;
+/// what Podman says of the restore's time, when it says.
+fn podman_restore(store: &ContainerStore, pc: &PodmanContainer, m: &Manifest) -> Result<Option<podman::RestoreStats>> {
     let image_path = pc.bundle.join("checkpoint");
     let _ = std::fs::remove_dir_all(&image_path);
     leave_for_podman(m, &store.statepoint_dir(&m.statepoint_id), &image_path, None)?;
     let handoff = Handoff::give(store, &pc.id)?;
-    let mut args = vec!["container", "restore"];
+    let mut args = vec!["container", "restore", "--print-stats"];
     if m.options.tcp_established {
         args.push("--tcp-established");
     }
     args.push(&pc.id);
-    let r = podman::run(&args);
+    let r = podman::output(&args);
     drop(handoff);
     if r.is_err() {
         let _ = std::fs::remove_dir_all(&image_path);
     }
-    Ok(r?)
+    Ok(podman::RestoreStats::parse(&r?))
 }
