@@ -439,8 +439,8 @@ pub enum StatepointCommand {
         /// Who reports them.
         #[arg(long, value_enum, default_value = "user")]
         by: By,
-        /// A score for them (tree search backs rewards up).
-        #[arg(long)]
+        /// A score for them (tree search backs rewards up); may be negative.
+        #[arg(long, allow_negative_numbers = true)]
         reward: Option<f64>,
     },
     /// Wait for an asynchronous snapshot to end; fails with its error if it was not committed.
@@ -604,6 +604,8 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(parse_verb::<StatepointArgs>("statepoint", &os(&["rm", "c"])).is_err(), "rm needs a statepoint");
+        let a: StatepointArgs = parse_verb("statepoint", &os(&["set", "c", "sp1", "--outcome", "x", "--reward", "-1"])).unwrap();
+        assert!(matches!(a.command, StatepointCommand::Set { reward: Some(r), .. } if r == -1.0));
         let s: SnapshotArgs = parse_verb("snapshot", &os(&["--description", "d", "agent", "--name", "n"])).unwrap();
         assert_eq!((s.container.as_str(), s.name.as_deref(), s.description.as_deref()), ("agent", Some("n"), Some("d")));
         let f: ForkArgs = parse_verb("fork", &os(&["agent", "sp1", "--name", "b"])).unwrap();
