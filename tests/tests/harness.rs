@@ -31,7 +31,7 @@ steps = [
 model = DeterministicModel(outputs=[make_output(f"step {i}", [{"command": c}]) for i, c in enumerate(steps)])
 env = get_environment({
     "environment_class": "planarian.contrib.minisweagent.PlanarianEnvironment",
-    "image": image, "cwd": "/", "interpreter": ["sh", "-c"], "run_args": ["--network", "none"], "timeout": 600,
+    "image": image, "cwd": "/", "interpreter": ["sh", "-c"], "run_args": ["--network", "none"], "timeout": 600, "container_timeout": "7200",
 })
 agent = DefaultAgent(model, env, system_template="You are a helpful assistant. {{planarian_help}}", instance_template="{{task}}", step_limit=20, cost_limit=100)
 try:
