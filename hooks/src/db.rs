@@ -144,7 +144,11 @@ impl Db {
                 &[&(from as i64), &(to as i64)],
             )
             .map_err(pe)?;
-        Ok((calls, rows.iter().map(|r| r.get::<_, String>(0)).collect()))
+        // Names as psql shows them: a table of the default schema without it.
+        let name = |t: String| t.strip_prefix("public.").map(String::from).unwrap_or(t);
+        let mut tables: Vec<String> = rows.iter().map(|r| name(r.get::<_, String>(0))).collect();
+        tables.dedup();
+        Ok((calls, tables))
     }
 
     /// The highest position with undo rows (0 when none).
