@@ -82,6 +82,11 @@ pub fn exec_container_id(args: &[OsString]) -> Option<&str> {
     VerbArgs::scan("exec", args).operands.first()?.to_str()
 }
 
+/// The process file of an `exec` invocation (`--process FILE`, `-p FILE`), if one was given.
+pub fn exec_process_file(args: &[OsString]) -> Option<PathBuf> {
+    VerbArgs::scan("exec", args).value(&["--process", "-p"]).map(PathBuf::from)
+}
+
 /// The container ID of a `delete` invocation: its last operand.
 pub fn delete_container_id(args: &[OsString]) -> Option<&str> {
     VerbArgs::scan("delete", args).operands.last()?.to_str()

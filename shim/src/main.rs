@@ -102,13 +102,20 @@ fn passthrough(inv: &Invocation) -> Failure {
     }
     // A tool call (exec) takes the container's shared lock, so it cannot start while a snapshot
     // or rollback holds the exclusive one. crun inherits the locked fd and holds it until it exits.
-    let _lock = match inv.verb().filter(|v| *v == "exec").and_then(|_| cli::exec_container_id(inv.verb_args())) {
+    let exec_id = inv.verb().filter(|v| *v == "exec").and_then(|_| cli::exec_container_id(inv.verb_args()));
+    let _lock = match exec_id {
         Some(id) => match shared_tool_lock(&cfg, id) {
             Ok(l) => l,
             Err(e) => return e,
         },
         None => None,
     };
+    // What the tool call leaves running must be in a session CRIU can dump (runtime/exec.rs).
+    if let (Some(id), Some(file)) = (exec_id, cli::exec_process_file(inv.verb_args())) {
+        if let Ok(pid) = engine::runtime::Container::load(&crun, &inv.globals(), id).and_then(|c| c.running_pid()) {
+            engine::runtime::exec::rewrite_process_file(&file, pid);
+        }
+    }
     let err = Command::new(&crun).args(&inv.args).exec();
     format!("cannot execute {}: {err}", crun.display()).into()
 }

@@ -678,3 +678,31 @@ fn an_async_snapshot_answers_at_once_and_the_next_tool_call_waits_for_it() {
     let after = sb.send("tick");
     assert_eq!((after.counter, after.checksum.as_str()), (at_sp1.counter + 1, at_sp1.checksum.as_str()));
 }
+
+/// What a tool call leaves running is in the statepoint: a background process started through
+/// `podman exec` (without a terminal crun keeps it in conmon's session, outside the container,
+/// which CRIU refuses to dump), and after it is killed its zombie. A rollback brings it back,
+/// same PID; an exec of a missing command still fails in crun's words and with its code.
+#[test]
+fn a_background_process_started_by_exec_is_in_the_statepoint() {
+    require_stack!();
+    let n = name("bgexec");
+    let _c = Cleanup(n.clone());
+    podman("planarian", &["run", "-d", "--name", &n, "--network", "none", BUSYBOX, "sleep", "100000"]).ok();
+    podman("planarian", &["exec", &n, "sh", "-c", "(sh -c 'echo $$ > /tmp/bg.pid; exec sleep 100000' </dev/null >/dev/null 2>&1 &)"]).ok();
+    let alive = || podman("planarian", &["exec", &n, "sh", "-c", "kill -0 $(cat /tmp/bg.pid) && cat /tmp/bg.pid"]);
+    assert!(wait_for(Duration::from_secs(120), || alive().code == Some(0)), "the background process did not start");
+    let pid = alive().out();
+    let pl = planarian_bin();
+    let pl = pl.to_str().unwrap();
+    let sp1 = cmd(pl, ["snapshot", &n]).ok().out();
+    // Killed, it stays a zombie (sleep as PID 1 reaps nothing): that too is dumped.
+    podman("planarian", &["exec", &n, "sh", "-c", "kill $(cat /tmp/bg.pid)"]).ok();
+    assert!(wait_for(Duration::from_secs(120), || alive().code != Some(0)));
+    cmd(pl, ["snapshot", &n]).ok();
+    cmd(pl, ["rollback", &n, &sp1]).ok();
+    assert_eq!(alive().ok().out(), pid, "the background process is back, same PID");
+    let missing = podman("planarian", &["exec", &n, "no-such-command"]);
+    assert_eq!(missing.code, Some(127), "{missing:?}");
+    assert!(missing.stderr.contains("executable file `no-such-command` not found in $PATH"), "{}", missing.stderr);
+}

@@ -2,6 +2,7 @@
 //! it ([`container`]), and what Podman says ([`podman`], [`lookup`]).
 
 pub mod container;
+pub mod exec;
 pub mod lookup;
 pub mod podman;
 pub mod spec;
