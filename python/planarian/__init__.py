@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -237,9 +238,12 @@ class Sandbox:
             args += ["--reason", reason]
         return RestoreContext.from_json(self._cli.planarian_json(*args))
 
-    def fork(self, statepoint: str, count: int = 1, names: Optional[Sequence[str]] = None) -> List[Union["Sandbox", ForkError]]:
-        """``count`` new sandboxes from one statepoint; one result per fork: the sandbox (with
-        its ``context``), or the :class:`ForkError` that says why that one failed."""
+    def fork(self, statepoint: str, count: Optional[int] = None, names: Optional[Sequence[str]] = None) -> List[Union["Sandbox", ForkError]]:
+        """``count`` new sandboxes from one statepoint (one per name when names are given, else
+        one); one result per fork: the sandbox (with its ``context``), or the :class:`ForkError`
+        that says why that one failed."""
+        if count is None:
+            count = len(names) if names else 1
         names = list(names) if names else [f"{self.name}-fork-{i + 1}" for i in range(count)]
         if len(names) != count:
             raise ValueError("give one name per fork")
@@ -253,6 +257,15 @@ class Sandbox:
             except PlanarianError as e:
                 out.append(ForkError(e.message, e.command, e.returncode))
         return out
+
+    def fork_async(self, statepoint: str, count: Optional[int] = None, names: Optional[Sequence[str]] = None) -> "Future[List[Union[Sandbox, ForkError]]]":
+        """:meth:`fork`, in the background: returns a future at once, so that the forks are made
+        while the harness does something else (asks the model for the commands to try in them)."""
+        ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"planarian-fork-{self.name}")
+        try:
+            return ex.submit(self.fork, statepoint, count, names)
+        finally:
+            ex.shutdown(wait=False)
 
     def ledger(self, text: bool = False, max_chars: Optional[int] = None) -> Union[str, Dict[str, Any]]:
         """The statepoints as a tree: JSON, or the text a model reads."""

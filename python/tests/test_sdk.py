@@ -107,6 +107,14 @@ class CommandLines(unittest.TestCase):
         with self.assertRaises(ValueError):
             sb.fork("sp1", count=2, names=["only-one"])
 
+    def test_fork_async_answers_at_once_and_its_result_is_the_forks(self):
+        sb = Sandbox("agent", self.cli)
+        self.answer(json.dumps(dict(CONTEXT, operation="fork", container="c")))
+        future = sb.fork_async("sp1", names=["c", "d"])
+        results = future.result(timeout=60)
+        self.assertEqual([r.name for r in results], ["c", "d"])
+        self.assertEqual(self.calls()[-2:], ["fork agent sp1 --name c --by harness --json", "fork agent sp1 --name d --by harness --json"])
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -27,6 +27,11 @@ pub fn planarian_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/planarian")
 }
 
+/// Runs the planarian command line (its own verbs: snapshot, rollback, ledger, …).
+pub fn planarian(args: &[&str]) -> Run {
+    cmd(planarian_bin().to_str().unwrap(), args)
+}
+
 fn stack_problem() -> Option<String> {
     static PROBLEM: OnceLock<Option<String>> = OnceLock::new();
     PROBLEM

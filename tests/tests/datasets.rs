@@ -51,10 +51,6 @@ fn id_of(name: &str) -> String {
     podman("planarian", &["inspect", "--format", "{{.Id}}", name]).ok().out()
 }
 
-fn planarian(args: &[&str]) -> Run {
-    cmd(planarian_bin().to_str().unwrap(), args)
-}
-
 /// What Podman bind-mounts over the rootfs (and rewrites at every restore): not the container's files.
 const PODMAN_FILES: &str = "! -path /etc/hosts ! -path /etc/hostname ! -path /etc/resolv.conf";
 

@@ -3,10 +3,6 @@
 use planarian_system_tests::*;
 use std::path::Path;
 
-fn planarian(args: &[&str]) -> Run {
-    cmd(planarian_bin().to_str().unwrap(), args)
-}
-
 #[test]
 fn unknown_verb_missing_bundle_unknown_container() {
     require_stack!();

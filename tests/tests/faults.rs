@@ -22,10 +22,6 @@ impl Drop for Disarm {
     }
 }
 
-fn planarian(args: &[&str]) -> Run {
-    cmd(planarian_bin().to_str().unwrap(), args)
-}
-
 fn store_of(sb: &Sandbox) -> PathBuf {
     let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).ok().out();
     Path::new("/var/lib/planarian/containers").join(id)

@@ -149,10 +149,6 @@ fn sidecar_logs() -> String {
     out
 }
 
-fn planarian(args: &[&str]) -> Run {
-    cmd(planarian_bin().to_str().unwrap(), args)
-}
-
 fn sidecar_running(id: &str) -> bool {
     cmd("pgrep", ["-f", &format!("planarian-mcp-proxy serve --container {id}")]).code == Some(0)
 }

@@ -64,3 +64,48 @@ fn a_harness_gets_statepoints_in_a_few_lines_of_python() {
     assert_eq!(v["ok"], true);
     eprintln!("--- the restore context the harness appends:\n{}---", v["restore-context"].as_str().unwrap_or_default());
 }
+
+/// The tree-search example (`examples/mcts.py`) on a task with one best path: it forks each
+/// expanded node's statepoint in the background while its simulated model thinks, scores the
+/// children in their own sandboxes, backs rewards up into the ancestors' outcomes and prunes
+/// the sandboxes off the best path. Checked: the path, the value in the best sandbox's file and
+/// its worker process (it runs `--keep`), the rewards in the root's ledger, and that every pruned
+/// fork is gone.
+#[test]
+fn the_tree_search_example_finds_the_known_best_path() {
+    require_stack!();
+    let n = name("mcts");
+    let _c = Cleanup(n.clone());
+    let _forks: Vec<Cleanup> = (1..=12).map(|i| Cleanup(format!("{n}-{i}"))).collect();
+    let r = std::process::Command::new("/usr/bin/python3")
+        .args([repo().join("examples/mcts.py").to_str().unwrap(), BUSYBOX, "--name", &n, "--think", "1", "--json", "--keep"])
+        .env("PLANARIAN", planarian_bin())
+        .output()
+        .unwrap();
+    let (out, err) = (String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr));
+    assert!(r.status.success(), "the example failed ({}):\n{out}\n{err}", r.status);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));
+    assert_eq!(v["path"], serde_json::json!(["+3", "x2", "+3"]), "{v}");
+    let best = v["sandbox"].as_str().unwrap();
+    assert_eq!(podman("planarian", &["exec", best, "cat", "/work/value"]).ok().out(), "11");
+    podman("planarian", &["exec", best, "sh", "-c", "kill -0 $(cat /tmp/worker.pid)"]).ok();
+    // Pruned: only the root and the path's sandboxes are left.
+    let left = podman("planarian", &["ps", "-a", "--filter", &format!("name=^{n}"), "--format", "{{.Names}}"]).ok().out();
+    let mut left: Vec<&str> = left.lines().collect();
+    left.sort();
+    let mut path: Vec<&str> = v["path-sandboxes"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
+    path.sort();
+    assert_eq!(left, path, "{v}");
+    assert_eq!(v["removed"].as_array().unwrap().len() + path.len() - 1, v["forks"].as_u64().unwrap() as usize, "{v}");
+    // Backed up: the root's statepoint carries every child's reward, the goal's among them.
+    let ledger: serde_json::Value = serde_json::from_str(&planarian(&["ledger", &n, "--json"]).ok().out()).unwrap();
+    let root = v["root-statepoint"].as_str().unwrap();
+    let text = ledger.to_string();
+    assert!(text.contains("+3 x2 +3 scored 1.00"), "{root}: {text}");
+    let rewards = text.matches("\"reward\"").count();
+    assert!(rewards >= v["forks"].as_u64().unwrap() as usize, "{rewards} rewards for {} forks: {text}", v["forks"]);
+    eprintln!(
+        "--- the search: {} forks, {} s thinking, {} s more waiting for the forks, {} s in all; the root's ledger:\n{}---",
+        v["forks"], v["think-s"], v["waited-for-forks-s"], v["total-s"], v["root-ledger"].as_str().unwrap_or_default()
+    );
+}

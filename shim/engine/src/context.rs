@@ -211,7 +211,8 @@ fn outcome_line(o: &Outcome) -> String {
         Actor::Harness => "harness",
         Actor::Agent => "agent",
     };
-    let reward = o.reward.map(|r| format!(", reward {r}")).unwrap_or_default();
+    // Three decimals at most, as a person writes them (-0.636, not -0.6363636363636364).
+    let reward = o.reward.map(|r| format!(", reward {}", (r * 1000.0).round() / 1000.0)).unwrap_or_default();
     format!("→ {status} ({by}{reward}): {}", o.text)
 }
 
@@ -455,6 +456,14 @@ mod tests {
         let short = l.text(Some(260));
         assert!(short.len() <= 260 + 120, "{short}");
         assert!(short.contains("sp4*") && short.contains("left out"), "{short}");
+    }
+
+    #[test]
+    fn rewards_read_as_a_person_writes_them() {
+        let o = |r| outcome_line(&Outcome::now("tried", OutcomeStatus::Info, Actor::Harness, Some(r)));
+        assert_eq!(o(-7.0 / 11.0), "→ note (harness, reward -0.636): tried");
+        assert_eq!(o(1.0), "→ note (harness, reward 1): tried");
+        assert_eq!(o(-1.5), "→ note (harness, reward -1.5): tried");
     }
 
     #[test]
