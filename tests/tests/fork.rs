@@ -77,3 +77,29 @@ fn fork_of_an_unknown_statepoint_creates_nothing() {
     assert!(r.code != Some(0) && r.stderr.contains("unknown statepoint sp999"), "{r:?}");
     assert_ne!(podman("planarian", &["container", "exists", &new]).code, Some(0));
 }
+
+/// A fork runs beside the source's tool calls: it holds the source's lock shared, so a tool call
+/// in flight (here a holder of the shared lock that never ends on its own) does not stop it,
+/// while a rollback of the source, which needs the lock exclusive, waits for that tool call.
+#[test]
+fn a_fork_runs_beside_a_tool_call_on_the_source() {
+    require_stack!();
+    let src = Sandbox::start("fbeside", 8, &[]);
+    let sp = src.snapshot("fork-point");
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &src.name]).out();
+    let lock = format!("/var/lib/planarian/containers/{id}/lock");
+    let mut tool_call = std::process::Command::new("flock").args(["-s", &lock, "sleep", "100000"]).spawn().unwrap();
+    // flock has the lock once a non-blocking exclusive attempt fails.
+    assert!(wait_for(std::time::Duration::from_secs(60), || cmd("flock", ["-n", "-x", &lock, "true"]).code != Some(0)));
+    let new = name("fbeside-new");
+    let _c = Cleanup(new.clone());
+    let pl = planarian_bin();
+    // Bounded, so that a fork that waits for the tool call fails the test instead of hanging it.
+    let r = cmd("timeout", ["600", pl.to_str().unwrap(), "fork", &src.name, &sp, "--name", &new]);
+    let rollback = cmd("timeout", ["20", pl.to_str().unwrap(), "rollback", &src.name, &sp]);
+    let _ = tool_call.kill();
+    let _ = tool_call.wait();
+    r.ok();
+    assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &new]).out(), "running");
+    assert_eq!(rollback.code, Some(124), "the rollback did not wait for the tool call: {rollback:?}");
+}

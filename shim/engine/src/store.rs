@@ -226,8 +226,19 @@ impl ContainerStore {
     /// Takes the container's lock, exclusive or shared; released when the file is dropped,
     /// and by the kernel if planarian dies.
     pub fn lock(&self, exclusive: bool) -> Result<File> {
+        self.lock_file("lock", exclusive)
+    }
+
+    /// For a writer of notes that holds the container's lock only shared (a fork noting itself
+    /// on its source, beside tool calls): this one exclusive, so two such writers take turns.
+    /// Every other manifest writer holds the container's lock exclusive, which excludes them.
+    pub fn notes_lock(&self) -> Result<File> {
+        self.lock_file("notes.lock", true)
+    }
+
+    fn lock_file(&self, name: &str, exclusive: bool) -> Result<File> {
         std::fs::create_dir_all(&self.dir).at("create", &self.dir)?;
-        let path = self.dir.join("lock");
+        let path = self.dir.join(name);
         let f = File::options().create(true).truncate(false).write(true).open(&path).at("open", &path)?;
         let r = if exclusive { f.lock() } else { f.lock_shared() };
         r.at("lock", &path)?;

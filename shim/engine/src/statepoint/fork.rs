@@ -95,7 +95,8 @@ impl Fork {
         };
         let _ = ctx.save(&ContainerStore::new(&cfg.store.path, &new.id));
         {
-            let _lock = self.src_store.lock(true);
+            // Beside the source's tool calls: its lock shared, and the notes lock.
+            let _lock = (self.src_store.lock(false), self.src_store.notes_lock());
             let note = Outcome::now(format!("forked into {name} ({})", super::short(&new.id)), OutcomeStatus::Info, by, None);
             let _ = context::append_outcome(&self.src_store, &target.statepoint_id, note);
         }
@@ -118,7 +119,8 @@ fn fork_into(
         // NEW's dataset exists before its first create, which points NEW's config at it.
         let new = podman::inspect(name)?;
         let store = ContainerStore::new(&cfg.store.path, &new.id);
-        let _lock = src_store.lock(true)?;
+        // Shared: tool calls on the source go on; a removal, retention or rollback waits.
+        let _lock = src_store.lock(false)?;
         crate::local::zfs::fork_into(&src_cfg, map, snap, &store, &new.id, &new.bundle)?;
     }
     crate::fault::point("fork.cloned")?;
@@ -131,8 +133,9 @@ fn fork_into(
     let store = ContainerStore::new(&cfg.store.path, &new.id);
     progress.phase("its first statepoint (images linked)");
     let m = {
-        // The source's lock, so that no removal or retention runs while its images are linked.
-        let _lock = src_store.lock(true)?;
+        // The source's lock, shared, so that no removal or retention runs while its images are
+        // linked, and tool calls on the source go on meanwhile (a fork runs beside them).
+        let _lock = src_store.lock(false)?;
         let mut m = link_statepoint(src, src_store, target, &store)?;
         let rootfs = crate::local::rootfs_for(&src_cfg, &store, &new.id, new.upperdir.clone())?;
         if m.local_state.zfs_snapshot.is_some() {
