@@ -690,18 +690,19 @@ fn a_background_process_started_by_exec_is_in_the_statepoint() {
     let _c = Cleanup(n.clone());
     podman("planarian", &["run", "-d", "--name", &n, "--network", "none", BUSYBOX, "sleep", "100000"]).ok();
     podman("planarian", &["exec", &n, "sh", "-c", "(sh -c 'echo $$ > /tmp/bg.pid; exec sleep 100000' </dev/null >/dev/null 2>&1 &)"]).ok();
-    let alive = || podman("planarian", &["exec", &n, "sh", "-c", "kill -0 $(cat /tmp/bg.pid) && cat /tmp/bg.pid"]);
-    assert!(wait_for(Duration::from_secs(120), || alive().code == Some(0)), "the background process did not start");
-    let pid = alive().out();
+    // "PID STATE" of the background process (S sleeping, Z a zombie); empty before it wrote its PID.
+    let state = || podman("planarian", &["exec", &n, "sh", "-c", "p=$(cat /tmp/bg.pid) && echo $p $(awk '/^State:/ {print $2}' /proc/$p/status)"]).stdout.trim().to_string();
+    assert!(wait_for(Duration::from_secs(120), || state().ends_with(" S")), "the background process did not start: {}", state());
+    let before = state();
     let pl = planarian_bin();
     let pl = pl.to_str().unwrap();
     let sp1 = cmd(pl, ["snapshot", &n]).ok().out();
     // Killed, it stays a zombie (sleep as PID 1 reaps nothing): that too is dumped.
     podman("planarian", &["exec", &n, "sh", "-c", "kill $(cat /tmp/bg.pid)"]).ok();
-    assert!(wait_for(Duration::from_secs(120), || alive().code != Some(0)));
+    assert!(wait_for(Duration::from_secs(120), || state().ends_with(" Z")), "not a zombie: {}", state());
     cmd(pl, ["snapshot", &n]).ok();
     cmd(pl, ["rollback", &n, &sp1]).ok();
-    assert_eq!(alive().ok().out(), pid, "the background process is back, same PID");
+    assert_eq!(state(), before, "the background process is back, same PID, sleeping");
     let missing = podman("planarian", &["exec", &n, "no-such-command"]);
     assert_eq!(missing.code, Some(127), "{missing:?}");
     assert!(missing.stderr.contains("executable file `no-such-command` not found in $PATH"), "{}", missing.stderr);
