@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Tree search over sandboxes: an MCTS-style harness on the Planarian SDK.
 
-Each node of the search tree is a sandbox at a statepoint. Expanding a node forks its statepoint
-once per candidate, in the background while the (simulated) model proposes the candidates; each
-child runs its candidate command, is scored by a check inside the sandbox, and takes a statepoint
-of its own. The score is backed up: every ancestor's statepoint gets an outcome with the reward,
+Each node of the search tree is a statepoint of a sandbox. Expanding a node forks its statepoint
+once per candidate but one, in the background while the (simulated) model proposes the
+candidates, and the node's own sandbox takes the last candidate; each child runs its candidate
+command, is scored by a check inside its sandbox, and takes a statepoint of its own. The score is backed up: every ancestor's statepoint gets an outcome with the reward,
 so the root's ledger tells a person (or the model) which ways were tried and how they did.
-Children that cannot be on the best path are pruned: their sandboxes and statepoints removed.
+Sandboxes no node of the best path lives in are pruned: removed with their statepoints.
 
 The task here is small and has one best path, so a test can check the search finds it: a value in
 /work/value starts at 1, the candidate commands add 3 or double it, the goal is 11 in the fewest
@@ -88,8 +88,10 @@ def search(root_sandbox: Sandbox, prefix: str, model: SimulatedModel, created: L
         node = root
         while node.children:
             node = max(node.children, key=lambda ch: ch.ucb(c))
-        # Expansion: fork the leaf's statepoint once per candidate while the model proposes.
-        names = [f"{prefix}-{len(created) + i + 1}" for i in range(len(CANDIDATES))]
+        # Expansion: the leaf's statepoint forked once per candidate but the last, in the
+        # background while the model proposes; the leaf's own sandbox (still at its statepoint:
+        # only read-only checks ran since) takes the last candidate.
+        names = [f"{prefix}-{len(created) + i + 1}" for i in range(len(CANDIDATES) - 1)]
         node.statepoint.result()  # its snapshot was taken in the background
         t0 = time.monotonic()
         pending = node.sandbox.fork_async(node.statepoint.id, names=names)
@@ -97,13 +99,15 @@ def search(root_sandbox: Sandbox, prefix: str, model: SimulatedModel, created: L
         t1 = time.monotonic()
         results = pending.result()
         t2 = time.monotonic()
-        created.extend(r for r in results if isinstance(r, Sandbox))
         think += t1 - t0
         fork_wait += t2 - t1
-        for proposal, child_sb in zip(proposals, results):
-            if isinstance(child_sb, ForkError):
-                raise child_sb
-            forks += 1
+        for r in results:
+            if isinstance(r, ForkError):
+                raise r
+        forked = [r for r in results if isinstance(r, Sandbox)]
+        created.extend(forked)
+        forks += len(forked)
+        for proposal, child_sb in zip(proposals, [*forked, node.sandbox]):
             # Simulation: run the candidate and score it; the child keeps a statepoint of its own.
             child_sb.exec(CANDIDATES[proposal])
             reward = reward_of(child_sb.exec(CHECK).output)
@@ -124,27 +128,23 @@ def search(root_sandbox: Sandbox, prefix: str, model: SimulatedModel, created: L
         if solved is not None:
             break
     best = solved or max(_all(root), key=lambda n: n.reward)
-    # Pruning: every sandbox off the best path goes, with its statepoints.
-    keep = set()
-    n: Optional[Node] = best
-    while n is not None:
-        keep.add(id(n))
-        n = n.parent
+    # Pruning: every sandbox no node of the best path lives in goes, with its statepoints.
+    path = _ancestry(best)
+    keep = {id(n.sandbox) for n in path}
     removed = []
     for n in _all(root):
-        if id(n) not in keep and n is not root:
-            n.statepoint.result()
+        n.statepoint.result()
+        if id(n.sandbox) not in keep and n.sandbox in created:
             n.sandbox.rm()
             created.remove(n.sandbox)
             removed.append(n.sandbox.name)
-    best.statepoint.result()
     # The root keeps its task statepoint (the ledger of the search) and the path's sandboxes theirs.
     return {
         "path": best.path,
         "reward": best.reward,
         "sandbox": best.sandbox.name,
         "statepoint": best.statepoint.id,
-        "path-sandboxes": [n.sandbox.name for n in _ancestry(best)],
+        "path-sandboxes": list(dict.fromkeys(n.sandbox.name for n in path)),
         "removed": removed,
         "forks": forks,
         "model-calls": model.calls,
