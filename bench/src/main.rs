@@ -28,10 +28,17 @@
 //!
 //! `mcp`: proxied against direct MCP round trips (see bench/src/mcp.rs); runs on the host.
 //!
+//!   planarian-bench e2e [--scales 1,0.5,0.25] [--traces NAME,...]
+//!
+//! `e2e`: agent traces (tool calls with the model's think time between them) replayed on
+//! No-snapshot, Planarian (a statepoint after every call, asynchronous) and Full-snapshot; see
+//! bench/src/e2e.rs.
+//!
 //! `passthrough`: the cost of planarian's pass-through path, `planarian state ID` against
 //! `crun state ID` on the same running container (started through Podman), interleaved so
 //! that drift affects both alike. Needs the real stack (run it with bench/run).
 
+mod e2e;
 mod mcp;
 
 use std::process::{Command, Stdio};
@@ -45,12 +52,14 @@ fn main() {
         Some("chains") => chains(&args[1..]),
         Some("files") => files(&args[1..]),
         Some("mcp") => mcp::main(&args[1..]),
+        Some("e2e") => e2e::main(&args[1..]),
         _ => {
             eprintln!("usage: planarian-bench passthrough [--iterations N] [--planarian PATH] [--crun PATH]");
             eprintln!("       planarian-bench statepoint [--mem MiB] [--files MiB] [--iterations N]");
             eprintln!("       planarian-bench chains [--mem MiB] [--files MiB] [--pool POOL]");
             eprintln!("       planarian-bench files [--files MiB] [--pool POOL]");
             eprintln!("       planarian-bench mcp [--iterations N] [--proxy PATH]");
+            eprintln!("       planarian-bench e2e [--scales 1,0.5,0.25] [--traces NAME,...]");
             2
         }
     };
