@@ -184,8 +184,6 @@ struct Run {
     /// From the first think to the last call (and the closing rollback).
     total: Duration,
     think: Duration,
-    /// Time the harness spent in snapshot commands (for Planarian: only handing it over).
-    snapshot_calls: Duration,
     /// The snapshots' own work, from their manifests (for Planarian: mostly hidden in think time).
     snapshot_work: Duration,
     rollback: Duration,
@@ -235,10 +233,8 @@ fn replay(trace: &Trace, system: System, scale: f64, db: Option<&Db>) -> Result<
             }
             .map_err(|e| format!("step {}: {e}", i + 1))?;
             if system != System::NoSnapshot {
-                let t = Instant::now();
                 let args: &[&str] = if system == System::Planarian { &["snapshot", &ctr, "--async"] } else { &["snapshot", &ctr] };
                 statepoints.push(run_quiet(PLANARIAN, args)?);
-                r.snapshot_calls += t.elapsed();
             }
         }
         if system != System::NoSnapshot {
@@ -383,6 +379,18 @@ impl Drop for Mcp {
     }
 }
 
+/// One line of the table: a trace (or all of them) on the three systems.
+fn row(name: &str, calls: usize, runs: &[Run]) -> String {
+    let s = |d: Duration| d.as_secs_f64();
+    let (n, p, f) = (&runs[0], &runs[1], &runs[2]);
+    format!(
+        "| {name} | {calls} | {:.1} | {:.1} | {:.1} | {:.1} | {:+.1} % | {:+.1} % | {:.2}x | {:.1} / {:.1} | {:.1} / {:.1} |",
+        s(n.think), s(n.total), s(p.total), s(f.total),
+        (s(p.total) / s(n.total) - 1.0) * 100.0, (s(f.total) / s(n.total) - 1.0) * 100.0, s(f.total) / s(p.total),
+        s(p.snapshot_work), s(f.snapshot_work), s(p.rollback), s(f.rollback)
+    )
+}
+
 pub fn main(args: &[String]) -> i32 {
     let scales: Vec<f64> = flag(args, "--scales").unwrap_or("1,0.5,0.25").split(',').filter_map(|s| s.parse().ok()).collect();
     let only: Option<Vec<&str>> = flag(args, "--traces").map(|t| t.split(',').collect());
@@ -426,27 +434,15 @@ pub fn main(args: &[String]) -> i32 {
         println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         let mut sum = [Run::default(); 3];
         for (t, runs) in &rows {
-            let (n, p, f) = (&runs[0], &runs[1], &runs[2]);
-            println!(
-                "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:+.1} % | {:+.1} % | {:.2}x | {:.1} / {:.1} | {:.1} / {:.1} |",
-                t.name, t.steps.len(), s(n.think), s(n.total), s(p.total), s(f.total),
-                (s(p.total) / s(n.total) - 1.0) * 100.0, (s(f.total) / s(n.total) - 1.0) * 100.0, s(f.total) / s(p.total),
-                s(p.snapshot_work), s(f.snapshot_work), s(p.rollback), s(f.rollback)
-            );
-            for i in 0..3 {
-                sum[i].total += runs[i].total;
-                sum[i].think += runs[i].think;
-                sum[i].snapshot_work += runs[i].snapshot_work;
-                sum[i].rollback += runs[i].rollback;
+            println!("{}", row(t.name, t.steps.len(), runs));
+            for (total, r) in sum.iter_mut().zip(runs) {
+                total.total += r.total;
+                total.think += r.think;
+                total.snapshot_work += r.snapshot_work;
+                total.rollback += r.rollback;
             }
         }
-        let (n, p, f) = (&sum[0], &sum[1], &sum[2]);
-        println!(
-            "| **all** | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:+.1} % | {:+.1} % | {:.2}x | {:.1} / {:.1} | {:.1} / {:.1} |",
-            rows.iter().map(|(t, _)| t.steps.len()).sum::<usize>(), s(n.think), s(n.total), s(p.total), s(f.total),
-            (s(p.total) / s(n.total) - 1.0) * 100.0, (s(f.total) / s(n.total) - 1.0) * 100.0, s(f.total) / s(p.total),
-            s(p.snapshot_work), s(f.snapshot_work), s(p.rollback), s(f.rollback)
-        );
+        println!("{}", row("**all**", rows.iter().map(|(t, _)| t.steps.len()).sum(), &sum));
         overall.push((scale, sum));
     }
     if overall.len() > 1 {
@@ -460,4 +456,23 @@ pub fn main(args: &[String]) -> i32 {
     }
     println!("\n(each trace's calls are checked: a failing step fails the benchmark; the traces: {})", traces.iter().map(|t| format!("{}: {}", t.name, t.what)).collect::<Vec<_>>().join("; "));
     0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_row_gives_times_overheads_and_ratios() {
+        let r = |total: f64, work: f64, rollback: f64| Run {
+            total: Duration::from_secs_f64(total),
+            think: Duration::from_secs(10),
+            snapshot_work: Duration::from_secs_f64(work),
+            rollback: Duration::from_secs_f64(rollback),
+        };
+        assert_eq!(
+            row("configs", 4, &[r(20.0, 0.0, 0.0), r(25.0, 4.0, 5.0), r(30.0, 6.0, 5.5)]),
+            "| configs | 4 | 10.0 | 20.0 | 25.0 | 30.0 | +25.0 % | +50.0 % | 1.20x | 4.0 / 6.0 | 5.0 / 5.5 |"
+        );
+    }
 }
