@@ -1,7 +1,7 @@
 //! The proxy's own connection to the database: the undo log's schema, catalog look-ups for the
 //! rewrite, and compensation — each compensation in one real transaction.
 
-use crate::sql::{quote_ident, quote_literal, Ddl, Object, TableInfo, UNDO_SCHEMA};
+use crate::sql::{quote_ident, quote_literal, Ddl, Descendant, Object, TableInfo, UNDO_SCHEMA};
 use postgres::{Client, NoTls};
 
 pub struct Db {
@@ -36,6 +36,43 @@ fn pe(e: postgres::Error) -> String {
     }
 }
 
+/// `(o.k1, o.k2) = (the key of the jsonb image $n)`, for a row `o` of `rel`.
+fn key_match(keys: &[String], rel: &str, img: &str) -> String {
+    let k: Vec<String> = keys.iter().map(|k| quote_ident(k)).collect();
+    format!(
+        "({}) = (SELECT {} FROM jsonb_populate_record(NULL::{rel}, {img}) AS r)",
+        k.iter().map(|c| format!("o.{c}")).collect::<Vec<_>>().join(", "),
+        k.iter().map(|c| format!("r.{c}")).collect::<Vec<_>>().join(", ")
+    )
+}
+
+/// `id=3, region="eu"`: a row's key, as messages name it.
+fn key_text(keys: &[String], img: &serde_json::Value) -> String {
+    keys.iter().map(|k| format!("{k}={}", img.get(k).map(|v| v.to_string()).unwrap_or_default())).collect::<Vec<_>>().join(", ")
+}
+
+/// One row of table_info's list of descendants.
+fn descendant(v: &serde_json::Value) -> Descendant {
+    let strings = |k: &str| -> Vec<String> {
+        v[k].as_array().map(|a| a.iter().filter_map(|x| x.as_str().map(String::from)).collect()).unwrap_or_default()
+    };
+    let name = v["name"].as_str().unwrap_or_default().to_string();
+    let mut problems = Vec::new();
+    if !matches!(v["kind"].as_str(), Some("r" | "p")) {
+        problems.push(format!("{name} is not a plain table"));
+    }
+    if v["rules"].as_bool() == Some(true) {
+        problems.push(format!("rules rewrite statements on {name}"));
+    }
+    for t in strings("triggers") {
+        problems.push(format!("trigger {t} runs on {name}"));
+    }
+    for fk in strings("fks") {
+        problems.push(format!("{fk} cascades changes to {name}"));
+    }
+    Descendant { oid: v["oid"].as_u64().unwrap_or_default() as u32, qualified: name, primary_key: strings("key"), problems }
+}
+
 impl Db {
     pub fn connect(dsn: &str) -> Result<Db, String> {
         let client = Client::connect(dsn, NoTls).map_err(|e| format!("cannot connect to the database: {}", pe(e)))?;
@@ -45,7 +82,8 @@ impl Db {
                 "CREATE SCHEMA IF NOT EXISTS {UNDO_SCHEMA};
                  CREATE TABLE IF NOT EXISTS {UNDO_SCHEMA}.undo (
                      position bigint NOT NULL, stmt int NOT NULL, seq bigint NOT NULL, tbl text NOT NULL,
-                     before jsonb, after jsonb, ddl text, PRIMARY KEY (position, stmt, seq))"
+                     before jsonb, after jsonb, ddl text, PRIMARY KEY (position, stmt, seq));
+                 ALTER TABLE {UNDO_SCHEMA}.undo ADD COLUMN IF NOT EXISTS rel text"
             ))
             .or_else(|e| {
                 // Two proxies creating the schema at once: the loser's error is harmless.
@@ -170,7 +208,10 @@ impl Db {
                 let s = self
                     .client
                     .prepare(
-                        "SELECT format('%I.%I', n.nspname, c.relname), c.relkind::text, c.relhasrules,
+                        "WITH RECURSIVE d(oid) AS (
+                           SELECT inhrelid FROM pg_inherits WHERE inhparent = to_regclass($1)
+                           UNION SELECT i.inhrelid FROM pg_inherits i JOIN d ON i.inhparent = d.oid)
+                         SELECT format('%I.%I', n.nspname, c.relname), c.relkind::text, c.relhasrules,
                            ARRAY(SELECT attname::text FROM pg_attribute
                                  WHERE attrelid = c.oid AND attnum > 0 AND NOT attisdropped ORDER BY attnum),
                            ARRAY(SELECT a.attname::text FROM pg_index i
@@ -180,7 +221,21 @@ impl Db {
                            ARRAY(SELECT tgname::text FROM pg_trigger WHERE tgrelid = c.oid AND NOT tgisinternal ORDER BY tgname),
                            ARRAY(SELECT format('foreign key %s of %s', conname, conrelid::regclass) FROM pg_constraint
                                  WHERE contype = 'f' AND confrelid = c.oid
-                                   AND (confdeltype IN ('c','n','d') OR confupdtype IN ('c','n','d')) ORDER BY conname)
+                                   AND (confdeltype IN ('c','n','d') OR confupdtype IN ('c','n','d')) ORDER BY conname),
+                           c.oid::bigint,
+                           (SELECT coalesce(jsonb_agg(jsonb_build_object(
+                              'oid', dc.oid::bigint, 'name', format('%I.%I', dn.nspname, dc.relname), 'kind', dc.relkind::text,
+                              'rules', dc.relhasrules,
+                              'key', ARRAY(SELECT a.attname::text FROM pg_index i
+                                           CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+                                           JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                                           WHERE i.indrelid = dc.oid AND i.indisprimary ORDER BY k.ord),
+                              'triggers', ARRAY(SELECT tgname::text FROM pg_trigger WHERE tgrelid = dc.oid AND NOT tgisinternal ORDER BY tgname),
+                              'fks', ARRAY(SELECT format('foreign key %s of %s', conname, conrelid::regclass) FROM pg_constraint
+                                           WHERE contype = 'f' AND confrelid = dc.oid
+                                             AND (confdeltype IN ('c','n','d') OR confupdtype IN ('c','n','d')) ORDER BY conname))
+                              ORDER BY dc.oid), '[]'::jsonb)
+                            FROM d JOIN pg_class dc ON dc.oid = d.oid JOIN pg_namespace dn ON dn.oid = dc.relnamespace)
                          FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)",
                     )
                     .map_err(pe)?;
@@ -207,7 +262,13 @@ impl Db {
         for fk in row.get::<_, Vec<String>>(6) {
             problems.push(format!("{fk} cascades changes to it"));
         }
-        Ok(TableInfo { qualified, columns, primary_key, problems })
+        let oid = row.get::<_, i64>(7) as u32;
+        let descendants = row
+            .get::<_, serde_json::Value>(8)
+            .as_array()
+            .map(|a| a.iter().map(descendant).collect())
+            .unwrap_or_default();
+        Ok(TableInfo { oid, qualified, columns, primary_key, problems, partitioned: relkind == "p", descendants })
     }
 
     /// The functions among `names` that are volatile (may change the database) and not known to
@@ -236,13 +297,17 @@ impl Db {
         let entries = tx
             .query(
                 &format!(
-                    "SELECT position, seq, tbl, before, after, ddl FROM {UNDO_SCHEMA}.undo WHERE position > $1
+                    "SELECT position, seq, tbl, before, after, ddl, rel FROM {UNDO_SCHEMA}.undo WHERE position > $1
                      ORDER BY position DESC, stmt DESC, seq DESC FOR UPDATE"
                 ),
                 &[&(position as i64)],
             )
             .map_err(other)?;
         let mut infos: std::collections::HashMap<String, (Vec<String>, Vec<String>)> = Default::default();
+        // What each undone row must be once every entry is applied: the before-image of its oldest
+        // entry (None: absent), by the relation it lived in and its key — checked at the end.
+        let mut promised: std::collections::HashMap<(String, String), (i64, &str, Option<serde_json::Value>, serde_json::Value)> =
+            Default::default();
         for e in &entries {
             let (pos, tbl): (i64, String) = (e.get(0), e.get(2));
             let before: Option<serde_json::Value> = e.get(3);
@@ -266,14 +331,24 @@ impl Db {
                 })?;
                 continue;
             }
-            if !infos.contains_key(&tbl) {
+            // The relation the row really lived in (an inheritance child, a partition), and only
+            // it: a descendant's row with the same key is another row. (Records written before
+            // the proxy knew name only the table the statement named.)
+            let (target, only) = match e.get::<_, Option<String>>(6) {
+                Some(rel) => (rel, "ONLY "),
+                None => (tbl.clone(), ""),
+            };
+            if !infos.contains_key(&target) {
                 let cols = tx
                     .query(
                         "SELECT attname::text, attgenerated::text, attidentity::text FROM pg_attribute
                          WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
-                        &[&tbl],
+                        &[&target],
                     )
                     .map_err(other)?;
+                if cols.is_empty() {
+                    return Err(CompensateError::Other(format!("{target} no longer exists: cannot undo position {pos}")));
+                }
                 let writable: Vec<String> =
                     cols.iter().filter(|r| r.get::<_, String>(1).is_empty()).map(|r| r.get::<_, String>(0)).collect();
                 let keys = tx
@@ -282,36 +357,30 @@ impl Db {
                          CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
                          JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
                          WHERE i.indrelid = to_regclass($1) AND i.indisprimary ORDER BY k.ord",
-                        &[&tbl],
+                        &[&target],
                     )
                     .map_err(other)?
                     .iter()
                     .map(|r| r.get::<_, String>(0))
                     .collect();
-                infos.insert(tbl.clone(), (writable, keys));
+                infos.insert(target.clone(), (writable, keys));
             }
-            let (cols, keys) = &infos[&tbl];
+            let (cols, keys) = &infos[&target];
             if keys.is_empty() {
-                return Err(CompensateError::Other(format!("{tbl} has lost its primary key: cannot undo position {pos}")));
+                return Err(CompensateError::Other(format!("{target} has lost its primary key: cannot undo position {pos}")));
             }
             let qcols: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
-            let key_match = |img: &str| {
-                let k: Vec<String> = keys.iter().map(|k| format!("o.{}", quote_ident(k))).collect();
-                format!("({}) = (SELECT {} FROM jsonb_populate_record(NULL::{tbl}, {img}) AS r)", k.join(", "), k.join(", ").replace("o.", "r."))
-            };
-            let key_text = |img: &serde_json::Value| {
-                keys.iter().map(|k| format!("{k}={}", img.get(k).map(|v| v.to_string()).unwrap_or_default())).collect::<Vec<_>>().join(", ")
-            };
+            let key_match = |img: &str| key_match(keys, &target, img);
             let conflict = |what: &str, img: &serde_json::Value| {
                 CompensateError::Conflict(format!(
-                    "the row of {tbl} with {} {what} since the call at position {pos}; nothing was undone",
-                    key_text(img)
+                    "the row of {target} with {} {what} since the call at position {pos}; nothing was undone",
+                    key_text(keys, img)
                 ))
             };
             match (&before, &after) {
                 (None, Some(after)) => {
                     let n = tx
-                        .execute(&format!("DELETE FROM {tbl} o WHERE {} AND to_jsonb(o.*) = $1", key_match("$1")), &[after])
+                        .execute(&format!("DELETE FROM {only}{target} o WHERE {} AND to_jsonb(o.*) = $1", key_match("$1")), &[after])
                         .map_err(other)?;
                     if n != 1 {
                         return Err(conflict("was changed or removed", after));
@@ -321,7 +390,7 @@ impl Db {
                     let n = tx
                         .execute(
                             &format!(
-                                "UPDATE {tbl} o SET ({}) = (SELECT {} FROM jsonb_populate_record(NULL::{tbl}, $2) AS r)
+                                "UPDATE {only}{target} o SET ({}) = (SELECT {} FROM jsonb_populate_record(NULL::{target}, $2) AS r)
                                  WHERE {} AND to_jsonb(o.*) = $1",
                                 qcols.join(", "),
                                 qcols.iter().map(|c| format!("r.{c}")).collect::<Vec<_>>().join(", "),
@@ -337,7 +406,7 @@ impl Db {
                 (Some(before), None) => {
                     let r = tx.execute(
                         &format!(
-                            "INSERT INTO {tbl} ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM jsonb_populate_record(NULL::{tbl}, $1) AS r",
+                            "INSERT INTO {target} ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM jsonb_populate_record(NULL::{target}, $1) AS r",
                             qcols.join(", "),
                             qcols.iter().map(|c| format!("r.{c}")).collect::<Vec<_>>().join(", ")
                         ),
@@ -349,7 +418,39 @@ impl Db {
                         Err(e) => return Err(other(e)),
                     }
                 }
-                (None, None) => {}
+                (None, None) => continue,
+            }
+            let image = before.clone().or(after.clone()).unwrap_or_default();
+            promised.insert((target.clone(), key_text(keys, &image)), (pos, only, before.clone(), image));
+        }
+        // Verify what was promised: every row back in the relation it lived in, exactly as it
+        // was, and every row the agent added gone from it. A trigger, rule or anything else that
+        // sent a row elsewhere makes the whole compensation fail, never report success.
+        for ((target, key), (pos, only, want, image)) in &promised {
+            let (_, keys) = &infos[target];
+            let row = tx
+                .query_one(
+                    &format!(
+                        "SELECT count(*), count(*) FILTER (WHERE to_jsonb(o.*) = $2) FROM {only}{target} o WHERE {}",
+                        key_match(keys, target, "$1")
+                    ),
+                    &[image, want],
+                )
+                .map_err(other)?;
+            let (found, same): (i64, i64) = (row.get(0), row.get(1));
+            let ok = match want {
+                Some(_) => found == 1 && same == 1,
+                None => found == 0,
+            };
+            if !ok {
+                let what = match (want, found) {
+                    (Some(_), 0) => "is not back in it".to_string(),
+                    (Some(_), _) => format!("is not back as it was ({found} rows with its key, {same} as they were)"),
+                    (None, _) => "is still there".to_string(),
+                };
+                return Err(CompensateError::Other(format!(
+                    "undoing the calls after position {position} did not restore what it promised: the row of {target} with {key} {what} (undoing position {pos}); nothing was undone"
+                )));
             }
         }
         tx.execute(&format!("DELETE FROM {UNDO_SCHEMA}.undo WHERE position > $1"), &[&(position as i64)]).map_err(other)?;

@@ -59,6 +59,8 @@ pub struct Dml {
     pub upsert: bool,
     pub schema: Option<String>,
     pub table: String,
+    /// The statement reaches the table's inheritance children and partitions (no `ONLY`).
+    pub inh: bool,
     /// How the statement refers to its target (alias or table name).
     refname: String,
     /// The statement without its RETURNING clause.
@@ -79,12 +81,45 @@ enum Ret {
 /// What the rewrite needs from the catalog.
 #[derive(Debug, Clone)]
 pub struct TableInfo {
+    pub oid: u32,
     /// `schema.table`, quoted as needed.
     pub qualified: String,
     pub columns: Vec<String>,
     pub primary_key: Vec<String>,
     /// Why changes to this table cannot be compensated (triggers, cascading keys, …).
     pub problems: Vec<String>,
+    /// A partitioned table (its rows live in its partitions, which have exactly its columns).
+    pub partitioned: bool,
+    /// Every relation below it (inheritance children, partitions, theirs): where a statement
+    /// without `ONLY` really changes rows.
+    pub descendants: Vec<Descendant>,
+}
+
+/// A relation a statement on its ancestor reaches.
+#[derive(Debug, Clone)]
+pub struct Descendant {
+    pub oid: u32,
+    /// `schema.table`, quoted as needed.
+    pub qualified: String,
+    pub primary_key: Vec<String>,
+    /// Why changes reaching it cannot be compensated (its own triggers, rules, a foreign table…).
+    pub problems: Vec<String>,
+}
+
+impl TableInfo {
+    /// A plain table, for tests.
+    #[cfg(test)]
+    pub fn plain(qualified: &str, columns: &[&str], primary_key: &[&str]) -> TableInfo {
+        TableInfo {
+            qualified: qualified.into(),
+            columns: columns.iter().map(|c| c.to_string()).collect(),
+            primary_key: primary_key.iter().map(|c| c.to_string()).collect(),
+            problems: vec![],
+            partitioned: false,
+            descendants: vec![],
+            oid: 0,
+        }
+    }
 }
 
 pub const UNDO_SCHEMA: &str = "planarian";
@@ -319,6 +354,7 @@ fn dml(tree: &protobuf::ParseResult, functions: Vec<String>) -> Result<Dml, Stri
         upsert,
         schema: (!relation.schemaname.is_empty()).then(|| relation.schemaname.clone()),
         table: relation.relname.clone(),
+        inh: relation.inh,
         refname,
         body,
         returning,
@@ -425,8 +461,23 @@ impl Dml {
     /// `stmt` numbers the statement within its call; with `count_rows`, a statement without
     /// RETURNING yields one empty row per changed row (for servers that report a row count).
     pub fn rewrite(&self, t: &TableInfo, position: u64, stmt: usize, count_rows: bool) -> Result<String, String> {
-        if !t.problems.is_empty() {
-            return Err(format!("changes to {} cannot be undone: {}", t.qualified, t.problems.join("; ")));
+        let reached = self.reached(t);
+        let mut problems = t.problems.clone();
+        for d in reached {
+            problems.extend(d.problems.iter().map(|p| format!("{p} (a {} of it)", if t.partitioned { "partition" } else { "child table" })));
+            // An inheritance child's rows are found by the parent's key only if it has that key too
+            // (PostgreSQL does not inherit primary keys); partitions share the parent's.
+            if !t.partitioned && d.primary_key != t.primary_key {
+                problems.push(format!(
+                    "its child table {} has no primary key ({}) of its own, so its rows cannot be told apart: add one, or write to ONLY {}",
+                    d.qualified,
+                    t.primary_key.join(", "),
+                    t.qualified
+                ));
+            }
+        }
+        if !problems.is_empty() {
+            return Err(format!("changes to {} cannot be undone: {}", t.qualified, problems.join("; ")));
         }
         if t.primary_key.is_empty() {
             return Err(format!("{} has no primary key, so its rows cannot be told apart to undo a change: add one", t.qualified));
@@ -455,15 +506,45 @@ impl Dml {
         for (i, k) in t.primary_key.iter().enumerate() {
             rets.push(format!("{r}.{} AS __planarian_k{i}", quote_ident(k)));
         }
-        let lookup = {
+        // The row as it was, read from one relation by key. ONLY: a child's row with the same key
+        // is another row (a partitioned table itself holds none, so it is read whole).
+        let lookup = |only: &str, rel: &str| {
             let cond: Vec<String> =
                 t.primary_key.iter().enumerate().map(|(i, k)| format!("o.{} = m.__planarian_k{i}", quote_ident(k))).collect();
-            format!("(SELECT to_jsonb(o.*) FROM {} o WHERE {})", t.qualified, cond.join(" AND "))
+            format!("(SELECT to_jsonb(o.*) FROM {only}{rel} o WHERE {})", cond.join(" AND "))
+        };
+        let own = lookup(if t.partitioned { "" } else { "ONLY " }, &t.qualified);
+        // The relation each row really lives in: the named table, or the descendant PostgreSQL
+        // routed it to.
+        let rel = if reached.is_empty() {
+            quote_literal(&t.qualified)
+        } else {
+            rets.push(format!("{r}.tableoid AS __planarian_rel"));
+            let mut case = format!("CASE m.__planarian_rel WHEN {} THEN {}", t.oid, quote_literal(&t.qualified));
+            for d in reached {
+                case += &format!(" WHEN {} THEN {}", d.oid, quote_literal(&d.qualified));
+            }
+            case + " END"
         };
         let (before, after) = match (self.kind, self.upsert) {
-            (Kind::Delete, _) => ("m.__planarian_img".to_string(), "NULL::jsonb".to_string()),
             (Kind::Insert, false) => ("NULL::jsonb".to_string(), "m.__planarian_img".to_string()),
-            _ => (lookup, "m.__planarian_img".to_string()),
+            // An inheritance child has columns of its own, which the statement on its parent
+            // neither returns nor changes: its whole row is read from it, before the change.
+            (Kind::Delete | Kind::Update, _) if !reached.is_empty() && !t.partitioned => {
+                let mut case = format!(
+                    "CASE m.__planarian_rel WHEN {} THEN {}",
+                    t.oid,
+                    if self.kind == Kind::Delete { "m.__planarian_img".to_string() } else { own }
+                );
+                for d in reached {
+                    case += &format!(" WHEN {} THEN {}", d.oid, lookup("ONLY ", &d.qualified));
+                }
+                let before = case + " END";
+                let after = if self.kind == Kind::Delete { "NULL::jsonb".to_string() } else { format!("({before}) || m.__planarian_img") };
+                (before, after)
+            }
+            (Kind::Delete, _) => ("m.__planarian_img".to_string(), "NULL::jsonb".to_string()),
+            _ => (own, "m.__planarian_img".to_string()),
         };
         let select = if self.returning.is_some() {
             format!("SELECT {} FROM __planarian_m m", outer.join(", "))
@@ -473,11 +554,22 @@ impl Dml {
             "SELECT FROM __planarian_m m WHERE false".to_string()
         };
         Ok(format!(
-            "WITH __planarian_m AS ({} RETURNING {}), __planarian_log AS (INSERT INTO {UNDO_SCHEMA}.undo (position, stmt, seq, tbl, before, after) SELECT {position}, {stmt}, row_number() OVER (), {}, {before}, {after} FROM __planarian_m m) {select}",
+            "WITH __planarian_m AS ({} RETURNING {}), __planarian_log AS (INSERT INTO {UNDO_SCHEMA}.undo (position, stmt, seq, tbl, rel, before, after) SELECT {position}, {stmt}, row_number() OVER (), {}, {rel}, {before}, {after} FROM __planarian_m m) {select}",
             self.body,
             rets.join(", "),
             quote_literal(&t.qualified),
         ))
+    }
+
+    /// The descendants whose rows the statement can change: none with `ONLY`, none for a plain
+    /// INSERT into an inheritance parent (its rows stay there), the partitions a partitioned
+    /// table routes rows to.
+    fn reached<'a>(&self, t: &'a TableInfo) -> &'a [Descendant] {
+        if !self.inh || (self.kind == Kind::Insert && !t.partitioned) {
+            &[]
+        } else {
+            &t.descendants
+        }
     }
 }
 
@@ -486,12 +578,7 @@ mod tests {
     use super::*;
 
     fn table() -> TableInfo {
-        TableInfo {
-            qualified: "public.t".into(),
-            columns: vec!["id".into(), "x".into()],
-            primary_key: vec!["id".into()],
-            problems: vec![],
-        }
+        TableInfo::plain("public.t", &["id", "x"], &["id"])
     }
 
     fn write(sql: &str) -> Dml {
@@ -577,7 +664,7 @@ mod tests {
         assert_eq!(d.table_name(), "\"t\"");
         let sql = d.rewrite(&table(), 7, 0, false).unwrap();
         assert!(sql.starts_with("WITH __planarian_m AS (UPDATE ONLY t a SET x = 'b' WHERE a.id = 1 RETURNING a.x AS __planarian_r0, id * 2 AS __planarian_r1, \"a\".\"id\" AS __planarian_r2"), "{sql}");
-        assert!(sql.contains("SELECT 7, 0, row_number() OVER (), 'public.t', (SELECT to_jsonb(o.*) FROM public.t o WHERE o.\"id\" = m.__planarian_k0)"), "{sql}");
+        assert!(sql.contains("SELECT 7, 0, row_number() OVER (), 'public.t', 'public.t', (SELECT to_jsonb(o.*) FROM ONLY public.t o WHERE o.\"id\" = m.__planarian_k0)"), "{sql}");
         assert!(sql.ends_with("SELECT m.__planarian_r0 AS \"x\", m.__planarian_r1 AS \"?column?\", m.__planarian_r2 AS \"id\", m.__planarian_r3 AS \"x\" FROM __planarian_m m"), "{sql}");
         assert!(matches!(pg_query::parse(&sql, pg_query::ParserOptions::DEFAULT), Ok(p) if p.protobuf.stmts.len() == 1));
     }
@@ -586,11 +673,57 @@ mod tests {
     fn rewrite_without_returning_returns_no_rows() {
         let sql = write("DELETE FROM t WHERE id > 3").rewrite(&table(), 1, 0, false).unwrap();
         assert!(sql.ends_with("SELECT FROM __planarian_m m WHERE false"), "{sql}");
-        assert!(sql.contains("SELECT 1, 0, row_number() OVER (), 'public.t', m.__planarian_img, NULL::jsonb"), "{sql}");
+        assert!(sql.contains("SELECT 1, 0, row_number() OVER (), 'public.t', 'public.t', m.__planarian_img, NULL::jsonb"), "{sql}");
         let ins = write("INSERT INTO t (id, x) VALUES (5, 'e')").rewrite(&table(), 2, 0, false).unwrap();
         assert!(ins.contains("'public.t', NULL::jsonb, m.__planarian_img"), "{ins}");
         let up = write("INSERT INTO t VALUES (5, 'e') ON CONFLICT (id) DO UPDATE SET x = excluded.x").rewrite(&table(), 3, 0, false).unwrap();
-        assert!(up.contains("(SELECT to_jsonb(o.*) FROM public.t o"), "{up}");
+        assert!(up.contains("(SELECT to_jsonb(o.*) FROM ONLY public.t o"), "{up}");
+    }
+
+    fn with_child(partitioned: bool, child_key: &[&str]) -> TableInfo {
+        let mut t = table();
+        t.oid = 100;
+        t.partitioned = partitioned;
+        t.descendants.push(Descendant { oid: 101, qualified: "public.c".into(), primary_key: child_key.iter().map(|k| k.to_string()).collect(), problems: vec![] });
+        t
+    }
+
+    #[test]
+    fn rows_of_inheritance_children_are_recorded_whole_and_where_they_live() {
+        let t = with_child(false, &["id"]);
+        let del = write("DELETE FROM t WHERE id > 3").rewrite(&t, 1, 0, false).unwrap();
+        assert!(del.contains("\"t\".tableoid AS __planarian_rel"), "{del}");
+        assert!(del.contains("CASE m.__planarian_rel WHEN 100 THEN 'public.t' WHEN 101 THEN 'public.c' END"), "{del}");
+        assert!(del.contains("WHEN 100 THEN m.__planarian_img WHEN 101 THEN (SELECT to_jsonb(o.*) FROM ONLY public.c o WHERE o.\"id\" = m.__planarian_k0) END"), "{del}");
+        let up = write("UPDATE t SET x = 'y'").rewrite(&t, 1, 0, false).unwrap();
+        assert!(up.contains("WHEN 101 THEN (SELECT to_jsonb(o.*) FROM ONLY public.c o WHERE o.\"id\" = m.__planarian_k0) END) || m.__planarian_img"), "{up}");
+        // ONLY, and a plain INSERT (its rows stay in the parent): the children are not reached.
+        for q in ["DELETE FROM ONLY t WHERE id = 1", "INSERT INTO t VALUES (1, 'a')", "INSERT INTO t VALUES (1, 'a') ON CONFLICT (id) DO UPDATE SET x = 'b'"] {
+            let sql = write(q).rewrite(&t, 1, 0, false).unwrap();
+            assert!(!sql.contains("tableoid") && !sql.contains("public.c"), "{q}: {sql}");
+        }
+    }
+
+    #[test]
+    fn a_child_without_the_parents_key_or_with_triggers_is_refused_unless_only() {
+        let t = with_child(false, &[]);
+        let why = write("DELETE FROM t").rewrite(&t, 1, 0, false).unwrap_err();
+        assert!(why.contains("child table public.c has no primary key (id)") && why.contains("ONLY public.t"), "{why}");
+        assert!(write("DELETE FROM ONLY t").rewrite(&t, 1, 0, false).is_ok());
+        let mut t = with_child(true, &["id"]);
+        t.descendants[0].problems.push("trigger audit runs on public.c".into());
+        let why = write("INSERT INTO t VALUES (1, 'a')").rewrite(&t, 1, 0, false).unwrap_err();
+        assert!(why.contains("trigger audit runs on public.c (a partition of it)"), "{why}");
+    }
+
+    #[test]
+    fn rows_routed_to_partitions_record_the_partition() {
+        let t = with_child(true, &["id"]);
+        let ins = write("INSERT INTO t VALUES (1, 'a')").rewrite(&t, 1, 0, false).unwrap();
+        assert!(ins.contains("CASE m.__planarian_rel WHEN 100 THEN 'public.t' WHEN 101 THEN 'public.c' END, NULL::jsonb, m.__planarian_img"), "{ins}");
+        // Partitions have exactly the parent's columns: the images come from the statement.
+        let up = write("UPDATE t SET x = 'y'").rewrite(&t, 1, 0, false).unwrap();
+        assert!(up.contains("(SELECT to_jsonb(o.*) FROM public.t o WHERE"), "{up}");
     }
 
     #[test]

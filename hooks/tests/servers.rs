@@ -451,6 +451,135 @@ fn refusals(bin: &Path, srv: &Srv) {
     assert!(unknown["error"].is_object(), "{unknown}");
 }
 
+/// Every relation of the schema, each holding only its own rows (`FROM ONLY`: a parent's dump
+/// does not repeat its children's rows, partitions are listed on their own).
+fn dump_only(c: &mut Client) -> String {
+    let tables: Vec<String> = c
+        .query("SELECT format('%I.%I', schemaname, tablename) FROM pg_tables WHERE schemaname = 'public' ORDER BY 1", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut out = String::new();
+    for t in tables {
+        let rows = c
+            .query(&format!("SELECT coalesce(jsonb_agg(to_jsonb(x.*) ORDER BY to_jsonb(x.*)::text), '[]')::text FROM ONLY {t} x"), &[])
+            .unwrap();
+        out += &format!("{t}: {}\n", rows[0].get::<_, String>(0));
+    }
+    out
+}
+
+/// Inheritance children, a grandchild with a row whose key its parent also has, and a
+/// partitioned table: what a statement on the parent reaches.
+fn hierarchy(c: &mut Client) {
+    c.batch_execute(
+        "CREATE TABLE items (id int PRIMARY KEY, name text);
+         CREATE TABLE special_items (extra text, PRIMARY KEY (id)) INHERITS (items);
+         CREATE TABLE rare_items (grade int, PRIMARY KEY (id)) INHERITS (special_items);
+         INSERT INTO items VALUES (1, 'i1'), (2, 'i2');
+         INSERT INTO special_items VALUES (1, 's1 (same id as i1)', 'x1'), (3, 's3', 'x3'), (4, 's4', 'x4');
+         INSERT INTO rare_items VALUES (5, 'r5', 'x5', 55);
+         CREATE TABLE measures (id int, region text, v int, PRIMARY KEY (region, id)) PARTITION BY LIST (region);
+         CREATE TABLE measures_eu PARTITION OF measures FOR VALUES IN ('eu');
+         CREATE TABLE measures_us PARTITION OF measures FOR VALUES IN ('us') PARTITION BY RANGE (id);
+         CREATE TABLE measures_us_low PARTITION OF measures_us FOR VALUES FROM (0) TO (100);
+         CREATE TABLE measures_us_high PARTITION OF measures_us FOR VALUES FROM (100) TO (1000);
+         INSERT INTO measures VALUES (1, 'eu', 10), (2, 'us', 20), (3, 'eu', 30), (200, 'us', 2000);
+         CREATE TABLE loose (id int PRIMARY KEY, v int);
+         CREATE TABLE loose_child () INHERITS (loose);
+         INSERT INTO loose VALUES (1, 1); INSERT INTO loose_child VALUES (1, 10), (1, 11);
+         CREATE TABLE watched (id int, region text, PRIMARY KEY (region, id)) PARTITION BY LIST (region);
+         CREATE TABLE watched_eu PARTITION OF watched FOR VALUES IN ('eu');
+         CREATE FUNCTION keep() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$;
+         CREATE TRIGGER stamp BEFORE UPDATE ON watched_eu FOR EACH ROW EXECUTE FUNCTION keep();",
+    )
+    .unwrap();
+}
+
+#[test]
+fn rows_of_inheritance_children_and_partitions_are_undone_into_the_relation_they_lived_in() {
+    let (bin, servers) = require!();
+    for srv in &servers {
+        children_and_partitions(&bin, srv);
+    }
+}
+
+fn children_and_partitions(bin: &Path, srv: &Srv) {
+    eprintln!("--- {srv:?}");
+    let pg = Pg::start(bin, "inherit");
+    let mut db = pg.client();
+    hierarchy(&mut db);
+    let mut p = proxy(srv, &pg, "inherit");
+    let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+    let mut at = vec![(start, dump_only(&mut db))];
+    for q in [
+        // Reaches items 1, special 1 and 3, rare 5: each must come back where it was, whole.
+        "DELETE FROM items WHERE id IN (1, 3, 5)",
+        "UPDATE items SET name = upper(name) WHERE id IN (2, 4)",
+        "UPDATE special_items SET extra = 'changed', name = 'n' WHERE id = 4",
+        "INSERT INTO items VALUES (6, 'i6')",
+        "INSERT INTO items VALUES (4, 'i4') ON CONFLICT (id) DO UPDATE SET name = 'i4b'",
+        "DELETE FROM ONLY items WHERE id = 2",
+        "INSERT INTO measures VALUES (4, 'us', 40), (5, 'eu', 50), (300, 'us', 3)",
+        "UPDATE measures SET v = v + 1 WHERE id < 250",
+        "DELETE FROM measures WHERE id IN (1, 2, 200)",
+        "DELETE FROM ONLY loose WHERE id = 1",
+        "UPDATE items SET name = name || '!' RETURNING id, name",
+    ] {
+        let r = p.mcp.sql(q);
+        assert_ne!(r["isError"], json!(true), "{q}: {r}");
+        let pos = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+        at.push((pos, dump_only(&mut db)));
+    }
+    // What cannot be told apart or has effects of its own is refused before execution.
+    let before = dump_only(&mut db);
+    for (q, want) in [
+        ("DELETE FROM loose WHERE id = 1", "child table public.loose_child has no primary key"),
+        ("UPDATE watched SET id = id", "trigger stamp runs on public.watched_eu (a partition of it)"),
+    ] {
+        let r = p.mcp.sql(q);
+        let text = r["content"][0]["text"].as_str().unwrap_or_default();
+        assert!(r["isError"] == json!(true) && text.contains(want), "{q}: {r}");
+    }
+    assert_eq!(dump_only(&mut db), before, "a refusal changes nothing");
+    for (pos, want) in at.iter().rev().skip(1) {
+        control(&p.control, &["compensate", &pos.to_string()]).unwrap();
+        assert_eq!(&dump_only(&mut db), want, "after compensating to position {pos}");
+    }
+    drop(p);
+}
+
+#[test]
+fn a_compensation_whose_rows_land_elsewhere_fails_and_changes_nothing() {
+    let (bin, servers) = require!();
+    let pg = Pg::start(&bin, "verify");
+    let mut db = pg.client();
+    hierarchy(&mut db);
+    let mut p = proxy(&servers[0], &pg, "verify");
+    let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+    let before = dump_only(&mut db);
+    p.mcp.sql("DELETE FROM items WHERE id = 3");
+    // Behind the proxy, a trigger now sends every row inserted into special_items to items: the
+    // re-insert "succeeds", and the row would land in the wrong table.
+    db.batch_execute(
+        "CREATE FUNCTION divert() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN INSERT INTO items VALUES (NEW.id, NEW.name); RETURN NULL; END $$;
+         CREATE TRIGGER divert BEFORE INSERT ON special_items FOR EACH ROW EXECUTE FUNCTION divert();",
+    )
+    .unwrap();
+    let after = dump_only(&mut db);
+    let err = control(&p.control, &["compensate", &start.to_string()]).unwrap_err();
+    assert!(err.contains("did not restore what it promised") && err.contains("public.special_items with id=3"), "{err}");
+    assert_eq!(dump_only(&mut db), after, "a compensation that cannot keep its promise changes nothing");
+    let undo: i64 = db.query_one("SELECT count(*) FROM planarian.undo", &[]).unwrap().get(0);
+    assert_eq!(undo, 1, "the undo row stays for a later attempt");
+    db.batch_execute("DROP TRIGGER divert ON special_items").unwrap();
+    control(&p.control, &["compensate", &start.to_string()]).unwrap();
+    assert_eq!(dump_only(&mut db), before);
+    drop(p);
+}
+
 #[test]
 fn a_row_changed_behind_the_proxy_is_a_conflict_and_nothing_is_clobbered() {
     let (bin, servers) = require!();
