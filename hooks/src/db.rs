@@ -36,6 +36,10 @@ fn pe(e: postgres::Error) -> String {
     }
 }
 
+/// What a compensation promises of one row: (the position undone last for it, `ONLY ` or not,
+/// the row as it must be — None: absent —, an image carrying its key).
+type Promise<'a> = (i64, &'a str, Option<serde_json::Value>, serde_json::Value);
+
 /// `(o.k1, o.k2) = (the key of the jsonb image $n)`, for a row `o` of `rel`.
 fn key_match(keys: &[String], rel: &str, img: &str) -> String {
     let k: Vec<String> = keys.iter().map(|k| quote_ident(k)).collect();
@@ -49,6 +53,11 @@ fn key_match(keys: &[String], rel: &str, img: &str) -> String {
 /// `id=3, region="eu"`: a row's key, as messages name it.
 fn key_text(keys: &[String], img: &serde_json::Value) -> String {
     keys.iter().map(|k| format!("{k}={}", img.get(k).map(|v| v.to_string()).unwrap_or_default())).collect::<Vec<_>>().join(", ")
+}
+
+/// A query for a digest of everything `table` holds, in any order.
+fn contents(table: &str) -> String {
+    format!("SELECT count(*) || ':' || md5(coalesce(string_agg(to_jsonb(x.*)::text, E'\\n' ORDER BY to_jsonb(x.*)::text), '')) FROM {table} x")
 }
 
 /// One row of table_info's list of descendants.
@@ -83,7 +92,8 @@ impl Db {
                  CREATE TABLE IF NOT EXISTS {UNDO_SCHEMA}.undo (
                      position bigint NOT NULL, stmt int NOT NULL, seq bigint NOT NULL, tbl text NOT NULL,
                      before jsonb, after jsonb, ddl text, PRIMARY KEY (position, stmt, seq));
-                 ALTER TABLE {UNDO_SCHEMA}.undo ADD COLUMN IF NOT EXISTS rel text"
+                 ALTER TABLE {UNDO_SCHEMA}.undo ADD COLUMN IF NOT EXISTS rel text;
+                 ALTER TABLE {UNDO_SCHEMA}.undo ADD COLUMN IF NOT EXISTS content text"
             ))
             .or_else(|e| {
                 // Two proxies creating the schema at once: the loser's error is harmless.
@@ -153,6 +163,19 @@ impl Db {
             .execute(
                 &format!("INSERT INTO {UNDO_SCHEMA}.undo (position, stmt, seq, tbl, ddl) VALUES ($1, 0, 0, $2, $3)"),
                 &[&(position as i64), &what, &inverse],
+            )
+            .map_err(pe)?;
+        Ok(())
+    }
+
+    /// Records what a table the call just created and filled holds (`CREATE TABLE … AS`): undo
+    /// drops it only while it holds exactly that.
+    pub fn record_contents(&mut self, position: u64, inverse: &str) -> Result<(), String> {
+        let Some(table) = inverse.strip_prefix("DROP TABLE IF EXISTS ") else { return Ok(()) };
+        self.client
+            .execute(
+                &format!("UPDATE {UNDO_SCHEMA}.undo SET content = ({}) WHERE position = $1 AND seq = 0", contents(table)),
+                &[&(position as i64)],
             )
             .map_err(pe)?;
         Ok(())
@@ -297,7 +320,7 @@ impl Db {
         let entries = tx
             .query(
                 &format!(
-                    "SELECT position, seq, tbl, before, after, ddl, rel FROM {UNDO_SCHEMA}.undo WHERE position > $1
+                    "SELECT position, seq, tbl, before, after, ddl, rel, content FROM {UNDO_SCHEMA}.undo WHERE position > $1
                      ORDER BY position DESC, stmt DESC, seq DESC FOR UPDATE"
                 ),
                 &[&(position as i64)],
@@ -306,21 +329,24 @@ impl Db {
         let mut infos: std::collections::HashMap<String, (Vec<String>, Vec<String>)> = Default::default();
         // What each undone row must be once every entry is applied: the before-image of its oldest
         // entry (None: absent), by the relation it lived in and its key — checked at the end.
-        let mut promised: std::collections::HashMap<(String, String), (i64, &str, Option<serde_json::Value>, serde_json::Value)> =
-            Default::default();
+        let mut promised: std::collections::HashMap<(String, String), Promise> = Default::default();
         for e in &entries {
             let (pos, tbl): (i64, String) = (e.get(0), e.get(2));
             let before: Option<serde_json::Value> = e.get(3);
             let after: Option<serde_json::Value> = e.get(4);
             if let Some(inverse) = e.get::<_, Option<String>>(5) {
                 // A table the agent created is dropped only when it holds nothing the agent's
-                // own recorded calls did not put there (those were undone just before).
+                // own recorded calls did not put there (those were undone just before): no rows,
+                // or exactly those the creating statement filled it with.
                 if let Some(table) = inverse.strip_prefix("DROP TABLE IF EXISTS ") {
                     let exists: bool =
                         tx.query_one(&format!("SELECT to_regclass({}) IS NOT NULL", quote_literal(table)), &[]).map_err(other)?.get(0);
-                    let rows: bool = exists
-                        && tx.query_one(&format!("SELECT EXISTS (SELECT 1 FROM {table})"), &[]).map_err(other)?.get::<_, bool>(0);
-                    if rows {
+                    let foreign = exists
+                        && match e.get::<_, Option<String>>(7) {
+                            Some(filled) => tx.query_one(&contents(table), &[]).map_err(other)?.get::<_, String>(0) != filled,
+                            None => tx.query_one(&format!("SELECT EXISTS (SELECT 1 FROM {table})"), &[]).map_err(other)?.get::<_, bool>(0),
+                        };
+                    if foreign {
                         return Err(CompensateError::Conflict(format!(
                             "{table}, created by the call at position {pos}, holds rows no recorded call put there; nothing was undone"
                         )));

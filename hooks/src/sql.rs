@@ -43,6 +43,9 @@ pub struct Ddl {
     /// this is informational.
     #[cfg_attr(not(test), allow(dead_code))]
     pub if_not_exists: bool,
+    /// `CREATE TABLE … AS` / `SELECT … INTO`: the new table is filled by the statement, with
+    /// the results of these functions among others.
+    pub fills: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -193,8 +196,8 @@ fn classify_node(node: &NodeEnum, tree: &protobuf::ParseResult, functions: Vec<S
     use NodeEnum as E;
     match node {
         E::SelectStmt(s) => {
-            if s.into_clause.is_some() {
-                return Class::Reject("SELECT … INTO creates a table: use CREATE TABLE … and INSERT … SELECT".into());
+            if let Some(into) = &s.into_clause {
+                return table_as(into, s.with_clause.as_ref(), functions);
             }
             if let Some(why) = modifying_ctes(s.with_clause.as_ref()) {
                 return Class::Reject(why);
@@ -212,6 +215,16 @@ fn classify_node(node: &NodeEnum, tree: &protobuf::ParseResult, functions: Vec<S
             }
         }
         E::VariableShowStmt(_) => Class::ReadOnly { functions },
+        E::CreateTableAsStmt(c) => match (&c.into, c.query.as_ref().and_then(|q| q.node.as_ref())) {
+            (Some(into), Some(E::SelectStmt(q))) if c.objtype == protobuf::ObjectType::ObjectTable as i32 => {
+                let mut d = table_as(into, q.with_clause.as_ref(), functions);
+                if let Class::Ddl(d) = &mut d {
+                    d.if_not_exists = c.if_not_exists;
+                }
+                d
+            }
+            _ => Class::Reject("of CREATE … AS only CREATE TABLE … AS SELECT is compensable".into()),
+        },
         E::InsertStmt(_) | E::UpdateStmt(_) | E::DeleteStmt(_) => match dml(tree, functions) {
             Ok(d) => Class::Write(d),
             Err(why) => Class::Reject(why),
@@ -220,6 +233,7 @@ fn classify_node(node: &NodeEnum, tree: &protobuf::ParseResult, functions: Vec<S
             Some(r) if c.partbound.is_none() && c.inh_relations.is_empty() => Class::Ddl(Ddl {
                 object: Object::Table { schema: opt(&r.schemaname), name: r.relname.clone() },
                 if_not_exists: c.if_not_exists,
+                fills: None,
             }),
             _ => Class::Reject("CREATE TABLE … PARTITION OF / INHERITS is not compensable: create a plain table".into()),
         },
@@ -228,6 +242,7 @@ fn classify_node(node: &NodeEnum, tree: &protobuf::ParseResult, functions: Vec<S
             (Some(r), false) => Class::Ddl(Ddl {
                 object: Object::Index { schema: opt(&r.schemaname), name: i.idxname.clone() },
                 if_not_exists: i.if_not_exists,
+                fills: None,
             }),
             (None, false) => Class::Reject("CREATE INDEX names no table".into()),
         },
@@ -235,11 +250,12 @@ fn classify_node(node: &NodeEnum, tree: &protobuf::ParseResult, functions: Vec<S
             Some(r) => Class::Ddl(Ddl {
                 object: Object::View { schema: opt(&r.schemaname), name: r.relname.clone(), replace: v.replace },
                 if_not_exists: false,
+                fills: None,
             }),
             None => Class::Reject("CREATE VIEW names no view".into()),
         },
         E::CreateSchemaStmt(c) if c.schema_elts.is_empty() && !c.schemaname.is_empty() => {
-            Class::Ddl(Ddl { object: Object::Schema { name: c.schemaname.clone() }, if_not_exists: c.if_not_exists })
+            Class::Ddl(Ddl { object: Object::Schema { name: c.schemaname.clone() }, if_not_exists: c.if_not_exists, fills: None })
         }
         E::AlterTableStmt(a) => add_column(a),
         E::TransactionStmt(_) => Class::Reject(
@@ -257,6 +273,23 @@ fn classify_node(node: &NodeEnum, tree: &protobuf::ParseResult, functions: Vec<S
             statement_name(other)
         )),
     }
+}
+
+/// `CREATE TABLE t AS SELECT …` / `SELECT … INTO t`: a new table the statement fills; undone by
+/// dropping it while it holds exactly what the statement put there.
+fn table_as(into: &protobuf::IntoClause, with: Option<&protobuf::WithClause>, functions: Vec<String>) -> Class {
+    if let Some(why) = modifying_ctes(with) {
+        return Class::Reject(why);
+    }
+    let Some(r) = &into.rel else { return Class::Reject("CREATE TABLE … AS names no table".into()) };
+    if r.relpersistence == "t" {
+        return Class::Reject("a temporary table lives in one connection of the server's pool and cannot be undone: create a plain table".into());
+    }
+    Class::Ddl(Ddl {
+        object: Object::Table { schema: opt(&r.schemaname), name: r.relname.clone() },
+        if_not_exists: false,
+        fills: (!into.skip_data).then_some(functions),
+    })
 }
 
 fn opt(s: &str) -> Option<String> {
@@ -278,6 +311,7 @@ fn add_column(a: &protobuf::AlterTableStmt) -> Class {
     Class::Ddl(Ddl {
         object: Object::Column { schema: opt(&r.schemaname), table: r.relname.clone(), column: col.colname.clone() },
         if_not_exists: c.missing_ok,
+        fills: None,
     })
 }
 
@@ -617,6 +651,12 @@ mod tests {
         assert_eq!(ddl("CREATE TABLE IF NOT EXISTS s.t (id int PRIMARY KEY)"), (Object::Table { schema: Some("s".into()), name: "t".into() }, true));
         assert_eq!(ddl("CREATE INDEX i ON t (x)"), (Object::Index { schema: None, name: "i".into() }, false));
         assert_eq!(ddl("CREATE OR REPLACE VIEW v AS SELECT 1"), (Object::View { schema: None, name: "v".into(), replace: true }, false));
+        assert_eq!(ddl("CREATE TABLE s.t2 AS SELECT * FROM t"), (Object::Table { schema: Some("s".into()), name: "t2".into() }, false));
+        assert_eq!(ddl("SELECT id, upper(x) INTO t3 FROM t"), (Object::Table { schema: None, name: "t3".into() }, false));
+        let Class::Ddl(d) = classify("CREATE TABLE IF NOT EXISTS t4 AS SELECT f(x) FROM t") else { panic!() };
+        assert_eq!((d.if_not_exists, d.fills), (true, Some(vec!["f".to_string()])));
+        let Class::Ddl(d) = classify("CREATE TABLE t5 AS SELECT * FROM t WITH NO DATA") else { panic!() };
+        assert_eq!(d.fills, None);
         assert_eq!(ddl("CREATE SCHEMA app"), (Object::Schema { name: "app".into() }, false));
         assert_eq!(
             ddl("ALTER TABLE t ADD COLUMN IF NOT EXISTS c text DEFAULT 'x'"),
@@ -643,7 +683,8 @@ mod tests {
             ("COMMIT", "transaction control"),
             ("INSERT INTO t VALUES (1); INSERT INTO t VALUES (2)", "one SQL statement per call"),
             ("WITH d AS (DELETE FROM t RETURNING *) SELECT * FROM d", "data-modifying WITH"),
-            ("SELECT * INTO t2 FROM t", "INTO"),
+            ("SELECT * INTO TEMP t2 FROM t", "temporary table"),
+            ("CREATE MATERIALIZED VIEW m AS SELECT 1", "CREATE TABLE … AS SELECT"),
             ("EXPLAIN ANALYZE DELETE FROM t", "EXPLAIN ANALYZE"),
             ("DELETE FROM planarian.undo", "undo log"),
             ("ALTER TABLE t DROP COLUMN x", "only ADD COLUMN"),

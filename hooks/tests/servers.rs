@@ -324,12 +324,15 @@ fn every_position(bin: &Path, srv: &Srv) {
         "CREATE INDEX projects_name ON projects (name)",
         "CREATE VIEW rich AS SELECT * FROM accounts WHERE balance > 10",
         "CREATE TABLE IF NOT EXISTS projects (id int PRIMARY KEY)",
+        "CREATE TABLE rich_accounts AS SELECT id, owner, balance FROM accounts WHERE balance > 10",
+        "SELECT region, item INTO order_copy FROM orders",
+        "CREATE TABLE IF NOT EXISTS rich_accounts AS SELECT 1 AS id",
     ];
     // DBHub takes several statements in one call: one position, undone as a unit.
     let several = ["INSERT INTO notes (body) VALUES ('m1'); UPDATE accounts SET balance = 0 WHERE id = 1; SELECT 1; DELETE FROM notes WHERE body = 'second'"];
     let extra: &[&str] = if matches!(srv, Srv::Dbhub(_)) { &several } else { &[] };
-    // The last CREATE … IF NOT EXISTS creates nothing: no position.
-    let writes = 17 + extra.len() as u64;
+    // The CREATE … IF NOT EXISTS of an existing table creates nothing: no position.
+    let writes = 19 + extra.len() as u64;
     for q in session.iter().chain(extra) {
         let r = p.mcp.sql(q);
         assert_ne!(r["isError"], json!(true), "{q}: {r}");
@@ -348,7 +351,10 @@ fn every_position(bin: &Path, srv: &Srv) {
     }
     let undo: i64 = db.query_one("SELECT count(*) FROM planarian.undo", &[]).unwrap().get(0);
     assert_eq!(undo, 0, "each compensation consumes its undo rows");
-    let gone: bool = db.query_one("SELECT to_regclass('projects') IS NULL AND to_regclass('rich') IS NULL", &[]).unwrap().get(0);
+    let gone: bool = db
+        .query_one("SELECT to_regclass('projects') IS NULL AND to_regclass('rich') IS NULL AND to_regclass('rich_accounts') IS NULL AND to_regclass('order_copy') IS NULL", &[])
+        .unwrap()
+        .get(0);
     assert!(gone, "what the agent created is gone");
     // Forward again, then back to the middle: new calls get new positions.
     p.mcp.sql("UPDATE accounts SET owner = 'ANN' WHERE id = 1");
@@ -429,6 +435,7 @@ fn refusals(bin: &Path, srv: &Srv) {
         ("UPDATE audited SET v = 1", "trigger audit"),
         ("INSERT INTO orders (region, item, qty) VALUES ('eu', 'x', nextval('s'))", "nextval"),
         ("SELECT sneaky()", "sneaky"),
+        ("CREATE TABLE side_effects AS SELECT sneaky() AS n", "sneaky"),
         ("UPDATE orders SET region = 'xx' WHERE qty = 1", "primary key column region"),
         ("WITH d AS (DELETE FROM accounts RETURNING *) SELECT * FROM d", "data-modifying WITH"),
         ("DELETE FROM planarian.undo", "undo log"),
@@ -614,6 +621,16 @@ fn a_row_changed_behind_the_proxy_is_a_conflict_and_nothing_is_clobbered() {
     db.execute("DELETE FROM scratch", &[]).unwrap();
     control(&p.control, &["compensate", &at.to_string()]).unwrap();
     let gone: bool = db.query_one("SELECT to_regclass('scratch') IS NULL", &[]).unwrap().get(0);
+    assert!(gone);
+    // A table the agent created filled (CREATE TABLE … AS): dropped only while it holds exactly
+    // what the statement put there.
+    p.mcp.sql("CREATE TABLE snapshot_of_accounts AS SELECT id, balance FROM accounts");
+    db.execute("UPDATE snapshot_of_accounts SET balance = -1 WHERE id = 2", &[]).unwrap();
+    let err = control(&p.control, &["compensate", &at.to_string()]).unwrap_err();
+    assert!(err.contains("conflict") && err.contains("snapshot_of_accounts"), "{err}");
+    db.execute("UPDATE snapshot_of_accounts SET balance = 50 WHERE id = 2", &[]).unwrap();
+    control(&p.control, &["compensate", &at.to_string()]).unwrap();
+    let gone: bool = db.query_one("SELECT to_regclass('snapshot_of_accounts') IS NULL", &[]).unwrap().get(0);
     assert!(gone);
     drop(p);
 }

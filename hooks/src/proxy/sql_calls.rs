@@ -134,6 +134,14 @@ impl Proxy {
             Err(e) => return refuse(e),
         };
         let _guard = self.lock.lock().unwrap();
+        // CREATE TABLE … AS runs its query: what it calls must not change the database.
+        if let Some(functions) = &d.fills {
+            match self.db.lock().unwrap().unsafe_functions(functions) {
+                Ok(bad) if bad.is_empty() => {}
+                Ok(bad) => return refuse(format!("the statement calls {}, whose effects cannot be undone", bad.join(", "))),
+                Err(e) => return refuse(format!("cannot check the statement: {e}")),
+            }
+        }
         let inverse = match self.db.lock().unwrap().ddl_inverse(&d) {
             Ok(Some(inv)) => inv,
             // Creates nothing: pass through, no position.
@@ -148,6 +156,10 @@ impl Proxy {
             Ok(mut resp) => {
                 if resp.get("error").is_some() || resp["result"]["isError"] == json!(true) {
                     let _ = self.db.lock().unwrap().forget(position);
+                } else if d.fills.is_some() {
+                    // (a failure here leaves the record without contents: undo then refuses to
+                    // drop the filled table, and says so)
+                    let _ = self.db.lock().unwrap().record_contents(position, &inverse);
                 }
                 resp["id"] = id;
                 conn.send(&resp);
