@@ -313,6 +313,8 @@ fn every_position(bin: &Path, srv: &Srv) {
         "INSERT INTO orders (region, item, qty) VALUES ('eu', 'cap', 3) RETURNING order_no",
         "UPDATE orders SET qty = qty * 10 WHERE region = 'eu'",
         "INSERT INTO notes (body) VALUES ('first'), ('second')",
+        "WITH moved AS (DELETE FROM notes WHERE body = 'second' RETURNING id, body) INSERT INTO accounts (id, owner, balance) SELECT 100 + id, body, 0 FROM moved",
+        "WITH bumped AS (UPDATE accounts SET balance = balance + 1 WHERE id = 1 RETURNING id) SELECT count(*) AS n FROM bumped",
         "UPDATE ONLY accounts AS a SET meta = jsonb_build_object('seen', true) FROM orders o WHERE o.region = 'us' AND a.id = o.qty",
         "DELETE FROM notes WHERE body = 'first' RETURNING *",
         "INSERT INTO accounts VALUES (6, 'fay', 1, NULL, NULL) ON CONFLICT DO NOTHING",
@@ -332,7 +334,7 @@ fn every_position(bin: &Path, srv: &Srv) {
     let several = ["INSERT INTO notes (body) VALUES ('m1'); UPDATE accounts SET balance = 0 WHERE id = 1; SELECT 1; DELETE FROM notes WHERE body = 'second'"];
     let extra: &[&str] = if matches!(srv, Srv::Dbhub(_)) { &several } else { &[] };
     // The CREATE … IF NOT EXISTS of an existing table creates nothing: no position.
-    let writes = 19 + extra.len() as u64;
+    let writes = 21 + extra.len() as u64;
     for q in session.iter().chain(extra) {
         let r = p.mcp.sql(q);
         assert_ne!(r["isError"], json!(true), "{q}: {r}");
@@ -392,6 +394,8 @@ fn same_results(bin: &Path, srv: &Srv) {
         "UPDATE accounts SET balance = balance WHERE id = 99 RETURNING id",
         "UPDATE accounts SET balance = balance WHERE id = 1",
         "DELETE FROM accounts WHERE id = 99",
+        "WITH b AS (UPDATE accounts SET balance = balance WHERE id <= 2 RETURNING id, owner) SELECT * FROM b ORDER BY id",
+        "WITH b AS (UPDATE accounts SET balance = balance WHERE id = 3) UPDATE orders SET qty = qty WHERE region = 'eu' RETURNING item",
     ]) {
         let via = p.mcp.sql(q);
         let dir = direct.sql(q);
@@ -437,7 +441,7 @@ fn refusals(bin: &Path, srv: &Srv) {
         ("SELECT sneaky()", "sneaky"),
         ("CREATE TABLE side_effects AS SELECT sneaky() AS n", "sneaky"),
         ("UPDATE orders SET region = 'xx' WHERE qty = 1", "primary key column region"),
-        ("WITH d AS (DELETE FROM accounts RETURNING *) SELECT * FROM d", "data-modifying WITH"),
+        ("WITH d AS (DELETE FROM orders WHERE qty = 1 RETURNING *) DELETE FROM orders WHERE qty = 2", "two parts of the statement change public.orders"),
         ("DELETE FROM planarian.undo", "undo log"),
         ("ALTER TABLE accounts DROP COLUMN tags", "only ADD COLUMN"),
         ("CREATE INDEX ON accounts (owner)", "name the index"),

@@ -86,17 +86,21 @@ impl Proxy {
                 Err(e) => return refuse(format!("cannot check the statement: {e}")),
             }
             for (_, d) in &writes {
-                match db.table_info(&d.table_name()) {
-                    // A statement that cannot be rewritten is refused without taking a position.
-                    Ok(t) => match d.rewrite(&t, 0, 0, false) {
-                        Ok(_) => tables.push(t),
+                let mut infos = Vec::new();
+                for part in d.dmls() {
+                    match db.table_info(&part.table_name()) {
+                        Ok(t) => infos.push(t),
+                        // Unknown tables and the like: the server gives its own error, nothing changes.
+                        Err(e) if e.ends_with("does not exist") => {
+                            drop(db);
+                            return self.forward_request(msg, conn);
+                        }
                         Err(e) => return refuse(e),
-                    },
-                    // Unknown tables and the like: the server gives its own error, nothing changes.
-                    Err(e) if e.ends_with("does not exist") => {
-                        drop(db);
-                        return self.forward_request(msg, conn);
                     }
+                }
+                // A statement that cannot be rewritten is refused without taking a position.
+                match d.rewrite(&infos, 0, 0, false) {
+                    Ok(_) => tables.push(infos),
                     Err(e) => return refuse(e),
                 }
             }
