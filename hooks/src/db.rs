@@ -36,9 +36,20 @@ fn pe(e: postgres::Error) -> String {
     }
 }
 
-/// What a compensation promises of one row: (the position undone last for it, `ONLY ` or not,
-/// the row as it must be — None: absent —, an image carrying its key).
-type Promise<'a> = (i64, &'a str, Option<serde_json::Value>, serde_json::Value);
+/// What a compensation promises of one row, found by key in the relation it was changed
+/// through.
+struct Promise<'a> {
+    /// The position whose undo has the last word on it.
+    pos: i64,
+    /// `ONLY ` when the relation is the row's own (not a partitioned table routing to it).
+    only: &'a str,
+    /// The relation the row must live in.
+    home: String,
+    /// The row as it must be; None: no row with that key.
+    want: Option<serde_json::Value>,
+    /// An image carrying its key.
+    image: serde_json::Value,
+}
 
 /// `(o.k1, o.k2) = (the key of the jsonb image $n)`, for a row `o` of `rel`.
 fn key_match(keys: &[String], rel: &str, img: &str) -> String {
@@ -327,6 +338,7 @@ impl Db {
             )
             .map_err(other)?;
         let mut infos: std::collections::HashMap<String, (Vec<String>, Vec<String>)> = Default::default();
+        let mut partitioned_tables: std::collections::HashMap<String, bool> = Default::default();
         // What each undone row must be once every entry is applied: the before-image of its oldest
         // entry (None: absent), by the relation it lived in and its key — checked at the end.
         let mut promised: std::collections::HashMap<(String, String), Promise> = Default::default();
@@ -358,11 +370,25 @@ impl Db {
                 continue;
             }
             // The relation the row really lived in (an inheritance child, a partition), and only
-            // it: a descendant's row with the same key is another row. (Records written before
-            // the proxy knew name only the table the statement named.)
-            let (target, only) = match e.get::<_, Option<String>>(6) {
-                Some(rel) => (rel, "ONLY "),
-                None => (tbl.clone(), ""),
+            // it: a descendant's row with the same key is another row. A partitioned table's row
+            // is changed through the table, which routes it back to the partition it lived in
+            // (an UPDATE of its key may have moved it). (Records written before the proxy knew
+            // where rows live name only the table the statement named.)
+            let partitioned = match partitioned_tables.get(&tbl) {
+                Some(p) => *p,
+                None => {
+                    let p: bool = tx
+                        .query_one("SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)", &[&tbl])
+                        .map_err(other)?
+                        .get(0);
+                    partitioned_tables.insert(tbl.clone(), p);
+                    p
+                }
+            };
+            let (target, only, home) = match e.get::<_, Option<String>>(6) {
+                Some(rel) if partitioned => (tbl.clone(), "", rel),
+                Some(rel) => (rel.clone(), "ONLY ", rel),
+                None => (tbl.clone(), "", tbl.clone()),
             };
             if !infos.contains_key(&target) {
                 let cols = tx
@@ -446,36 +472,45 @@ impl Db {
                 }
                 (None, None) => continue,
             }
-            let image = before.clone().or(after.clone()).unwrap_or_default();
-            promised.insert((target.clone(), key_text(keys, &image)), (pos, only, before.clone(), image));
+            // Undoing this entry leaves no row under its after-key (an UPDATE of key values moved
+            // it away), and the before-image under its before-key; older entries, undone later,
+            // have the last word on each key.
+            if let Some(after) = &after {
+                promised.insert((target.clone(), key_text(keys, after)), Promise { pos, only, home: home.clone(), want: None, image: after.clone() });
+            }
+            if let Some(before) = &before {
+                promised.insert((target.clone(), key_text(keys, before)), Promise { pos, only, home, want: Some(before.clone()), image: before.clone() });
+            }
         }
         // Verify what was promised: every row back in the relation it lived in, exactly as it
-        // was, and every row the agent added gone from it. A trigger, rule or anything else that
-        // sent a row elsewhere makes the whole compensation fail, never report success.
-        for ((target, key), (pos, only, want, image)) in &promised {
+        // was, and every row the agent added gone. A trigger, rule or anything else that sent a
+        // row elsewhere makes the whole compensation fail, never report success.
+        for ((target, key), p) in &promised {
             let (_, keys) = &infos[target];
             let row = tx
                 .query_one(
                     &format!(
-                        "SELECT count(*), count(*) FILTER (WHERE to_jsonb(o.*) = $2) FROM {only}{target} o WHERE {}",
+                        "SELECT count(*), count(*) FILTER (WHERE to_jsonb(o.*) = $2 AND o.tableoid = to_regclass($3)) FROM {}{target} o WHERE {}",
+                        p.only,
                         key_match(keys, target, "$1")
                     ),
-                    &[image, want],
+                    &[&p.image, &p.want, &p.home],
                 )
                 .map_err(other)?;
             let (found, same): (i64, i64) = (row.get(0), row.get(1));
-            let ok = match want {
+            let ok = match p.want {
                 Some(_) => found == 1 && same == 1,
                 None => found == 0,
             };
             if !ok {
-                let what = match (want, found) {
-                    (Some(_), 0) => "is not back in it".to_string(),
-                    (Some(_), _) => format!("is not back as it was ({found} rows with its key, {same} as they were)"),
+                let what = match (&p.want, found) {
+                    (Some(_), 0) => format!("is not back in {}", p.home),
+                    (Some(_), _) => format!("is not back in {} as it was ({found} rows with its key, {same} as they were)", p.home),
                     (None, _) => "is still there".to_string(),
                 };
                 return Err(CompensateError::Other(format!(
-                    "undoing the calls after position {position} did not restore what it promised: the row of {target} with {key} {what} (undoing position {pos}); nothing was undone"
+                    "undoing the calls after position {position} did not restore what it promised: the row of {target} with {key} {what} (undoing position {}); nothing was undone",
+                    p.pos
                 )));
             }
         }

@@ -71,6 +71,8 @@ pub struct Dml {
     returning: Option<Vec<Ret>>,
     /// Columns an UPDATE (or ON CONFLICT DO UPDATE) assigns.
     set_columns: Vec<String>,
+    /// An UPDATE as parsed (without RETURNING): rewritten further when it changes key values.
+    update: Option<Box<protobuf::UpdateStmt>>,
 }
 
 #[derive(Debug)]
@@ -502,6 +504,7 @@ impl Statement {
                 WithItem::Dml { name, dml } => {
                     let raw = format!("__planarian_c{k}");
                     let p = dml.parts(&tables[k], position, stmt, (k as u64) << 32, &raw)?;
+                    ctes.extend(p.pre);
                     ctes.push(format!("{raw} AS ({})", p.change));
                     if dml.has_returning() {
                         ctes.push(format!("{name} AS (SELECT {} FROM {raw} m)", p.outer.join(", ")));
@@ -516,6 +519,7 @@ impl Statement {
             Main::Select(text) => text.clone(),
             Main::Dml(d) => {
                 let p = d.parts(&tables[k], position, stmt, (k as u64) << 32, "__planarian_m")?;
+                ctes.extend(p.pre);
                 ctes.push(format!("__planarian_m AS ({})", p.change));
                 logs.push(format!("__planarian_log AS ({})", p.log));
                 d.select(&p.outer, count_rows)
@@ -529,6 +533,8 @@ impl Statement {
 /// One change of a statement, rewritten: the change with its RETURNING extended, the insert
 /// of its undo rows, and the columns the original RETURNING named.
 struct Parts {
+    /// `name_pre AS (…)`: the rows an UPDATE of key values will change, read first.
+    pre: Option<String>,
     change: String,
     log: String,
     outer: Vec<String>,
@@ -579,7 +585,12 @@ fn dml(node: NodeEnum) -> Result<Dml, String> {
         Some(r) => Some(r.exprs.iter().map(|n| ret_item(n, &refname, other_relations)).collect::<Result<Vec<_>, _>>()?),
     };
     let body = pg_query::deparse(&tree, DeparseOptions::default()).map_err(|e| format!("cannot rewrite the statement: {e}"))?;
+    let update = match tree.stmts[0].stmt.as_ref().and_then(|n| n.node.as_ref()) {
+        Some(NodeEnum::UpdateStmt(u)) => Some(u.clone()),
+        _ => None,
+    };
     Ok(Dml {
+        update,
         kind,
         upsert,
         schema: (!relation.schemaname.is_empty()).then(|| relation.schemaname.clone()),
@@ -691,7 +702,8 @@ impl Dml {
     /// RETURNING yields one empty row per changed row (for servers that report a row count).
     pub fn rewrite(&self, t: &TableInfo, position: u64, stmt: usize, count_rows: bool) -> Result<String, String> {
         let p = self.parts(t, position, stmt, 0, "__planarian_m")?;
-        Ok(format!("WITH __planarian_m AS ({}), __planarian_log AS ({}) {}", p.change, p.log, self.select(&p.outer, count_rows)))
+        let pre = p.pre.map(|p| p + ", ").unwrap_or_default();
+        Ok(format!("WITH {pre}__planarian_m AS ({}), __planarian_log AS ({}) {}", p.change, p.log, self.select(&p.outer, count_rows)))
     }
 
     /// What the rewritten statement returns, read from the change `__planarian_m`: what the
@@ -730,9 +742,16 @@ impl Dml {
         if t.primary_key.is_empty() {
             return Err(format!("{} has no primary key, so its rows cannot be told apart to undo a change: add one", t.qualified));
         }
-        if let Some(c) = self.set_columns.iter().find(|c| t.primary_key.contains(c)) {
-            return Err(format!("the statement changes the primary key column {c} of {}: not accepted", t.qualified));
+        let key_change = self.set_columns.iter().find(|c| t.primary_key.contains(c));
+        if let (Some(c), true) = (key_change, self.upsert) {
+            return Err(format!("ON CONFLICT DO UPDATE changes the primary key column {c} of {}: not accepted", t.qualified));
         }
+        // An UPDATE of key values: the rows as they were are read, locked, by a WITH query the
+        // change joins (the new key cannot find them).
+        let pre = match key_change {
+            Some(_) => Some(self.keyed_update(t, reached, &format!("{name}_pre"))?),
+            None => None,
+        };
         let r = quote_ident(&self.refname);
         let mut rets = Vec::new();
         let mut outer = Vec::new();
@@ -774,7 +793,40 @@ impl Dml {
             }
             case + " END"
         };
-        let (before, after) = match (self.kind, self.upsert) {
+        let (rel, before, after) = match &pre {
+            Some((_, _, pre_name)) => {
+                rets.push(format!("{pre_name}.__planarian_b AS __planarian_before"));
+                rets.push(format!("{pre_name}.__planarian_o AS __planarian_orel"));
+                // Where the row lived before (for a partitioned table, the partition it may have
+                // left: undo goes through the table, which routes it back).
+                let rel = if reached.is_empty() { rel } else { rel.replacen("CASE m.__planarian_rel", "CASE m.__planarian_orel", 1) };
+                let after = if !reached.is_empty() && !t.partitioned { "m.__planarian_before || m.__planarian_img" } else { "m.__planarian_img" };
+                (rel, "m.__planarian_before".to_string(), after.to_string())
+            }
+            None => {
+                let (b, a) = self.images(t, reached, own, &lookup);
+                (rel, b, a)
+            }
+        };
+        let body = match &pre {
+            Some((_, body, _)) => body.clone(),
+            None => self.body.clone(),
+        };
+        let seq = if seq_base == 0 { "row_number() OVER ()".to_string() } else { format!("{seq_base} + row_number() OVER ()") };
+        Ok(Parts {
+            pre: pre.map(|(p, _, n)| format!("{n} AS ({p})")),
+            change: format!("{body} RETURNING {}", rets.join(", ")),
+            log: format!(
+                "INSERT INTO {UNDO_SCHEMA}.undo (position, stmt, seq, tbl, rel, before, after) SELECT {position}, {stmt}, {seq}, {}, {rel}, {before}, {after} FROM {name} m",
+                quote_literal(&t.qualified)
+            ),
+            outer,
+        })
+    }
+
+    /// The before- and after-image of each changed row, for a change that keeps its key.
+    fn images(&self, t: &TableInfo, reached: &[Descendant], own: String, lookup: &dyn Fn(&str, &str) -> String) -> (String, String) {
+        match (self.kind, self.upsert) {
             (Kind::Insert, false) => ("NULL::jsonb".to_string(), "m.__planarian_img".to_string()),
             // An inheritance child has columns of its own, which the statement on its parent
             // neither returns nor changes: its whole row is read from it, before the change.
@@ -793,16 +845,53 @@ impl Dml {
             }
             (Kind::Delete, _) => ("m.__planarian_img".to_string(), "NULL::jsonb".to_string()),
             _ => (own, "m.__planarian_img".to_string()),
+        }
+    }
+
+    /// An UPDATE that changes key values, as a WITH query `pre_name` reading (and locking) the
+    /// rows it will change — whole, with the relation each lives in — and the UPDATE joining it.
+    fn keyed_update(&self, t: &TableInfo, reached: &[Descendant], pre_name: &str) -> Result<(String, String, String), String> {
+        let mut u = self.update.clone().ok_or("internal: not an UPDATE")?;
+        let r = quote_ident(&self.refname);
+        let whole = if !reached.is_empty() && !t.partitioned {
+            let mut case = format!("CASE {r}.tableoid WHEN {} THEN to_jsonb({r}.*)", t.oid);
+            for d in reached {
+                case += &format!(" WHEN {} THEN (SELECT to_jsonb(o.*) FROM ONLY {} o WHERE o.ctid = {r}.ctid)", d.oid, d.qualified);
+            }
+            case + " END"
+        } else {
+            format!("to_jsonb({r}.*)")
         };
-        let seq = if seq_base == 0 { "row_number() OVER ()".to_string() } else { format!("{seq_base} + row_number() OVER ()") };
-        Ok(Parts {
-            change: format!("{} RETURNING {}", self.body, rets.join(", ")),
-            log: format!(
-                "INSERT INTO {UNDO_SCHEMA}.undo (position, stmt, seq, tbl, rel, before, after) SELECT {position}, {stmt}, {seq}, {}, {rel}, {before}, {after} FROM {name} m",
-                quote_literal(&t.qualified)
-            ),
-            outer,
-        })
+        let bad = |e: pg_query::Error| format!("cannot rewrite the statement: {e}");
+        let mut one = pg_query::parse("SELECT 1", pg_query::ParserOptions::DEFAULT).map_err(bad)?.protobuf;
+        let Some(NodeEnum::SelectStmt(sel)) = one.stmts[0].stmt.as_mut().and_then(|n| n.node.as_mut()) else {
+            return Err("internal: SELECT 1 did not parse as SELECT".into());
+        };
+        let relation = u.relation.clone().ok_or("the statement names no table")?;
+        sel.from_clause = std::iter::once(Node { node: Some(NodeEnum::RangeVar(relation)) }).chain(u.from_clause.iter().cloned()).collect();
+        sel.where_clause = u.where_clause.clone();
+        let text = pg_query::deparse(&one, DeparseOptions::default()).map_err(bad)?;
+        let rest = text.strip_prefix("SELECT 1").ok_or("cannot rewrite the statement")?;
+        let pre = format!(
+            "SELECT {r}.tableoid AS __planarian_o, {r}.ctid AS __planarian_t, {whole} AS __planarian_b{rest} FOR UPDATE OF {r}"
+        );
+        let cond = match u.where_clause.as_ref().and_then(|w| w.node.as_ref()) {
+            Some(w) => format!("({}) AND ", deparse_expr(w)?),
+            None => String::new(),
+        };
+        let join = pg_query::parse(
+            &format!("SELECT 1 FROM {pre_name} WHERE {cond}{r}.tableoid = {pre_name}.__planarian_o AND {r}.ctid = {pre_name}.__planarian_t"),
+            pg_query::ParserOptions::DEFAULT,
+        )
+        .map_err(bad)?
+        .protobuf;
+        let Some(NodeEnum::SelectStmt(j)) = join.stmts[0].stmt.as_ref().and_then(|n| n.node.as_ref()) else {
+            return Err("internal: the join did not parse as SELECT".into());
+        };
+        u.where_clause = j.where_clause.clone();
+        u.from_clause.push(j.from_clause[0].clone());
+        let body = pg_query::deparse(&single(NodeEnum::UpdateStmt(u)), DeparseOptions::default()).map_err(bad)?;
+        Ok((pre, body, pre_name.to_string()))
     }
 
     /// The descendants whose rows the statement can change: none with `ONLY`, none for a plain
@@ -951,6 +1040,25 @@ mod tests {
         assert!(why.contains("two parts of the statement change public.t"), "{why}");
     }
 
+    #[test]
+    fn an_update_of_key_values_reads_the_rows_first_and_joins_them() {
+        let sql = write("UPDATE t AS a SET id = a.id + 10, x = u.x FROM u WHERE a.x = u.x AND a.id < 5 RETURNING a.id")
+            .rewrite(&[table()], 3, 0, false)
+            .unwrap();
+        assert!(sql.starts_with("WITH __planarian_m_pre AS (SELECT \"a\".tableoid AS __planarian_o, \"a\".ctid AS __planarian_t, to_jsonb(\"a\".*) AS __planarian_b FROM t a, u WHERE a.x = u.x AND a.id < 5 FOR UPDATE OF \"a\"), __planarian_m AS (UPDATE t a SET id = a.id + 10, x = u.x FROM u, __planarian_m_pre WHERE a.x = u.x AND a.id < 5 AND a.tableoid = __planarian_m_pre.__planarian_o AND a.ctid = __planarian_m_pre.__planarian_t RETURNING"), "{sql}");
+        assert!(sql.contains("SELECT 3, 0, row_number() OVER (), 'public.t', 'public.t', m.__planarian_before, m.__planarian_img"), "{sql}");
+        // A child's own columns come from the child; the row's relation from before the change.
+        let t = with_child(false, &["id"]);
+        let sql = write("UPDATE t SET id = -id").rewrite(&[t], 3, 0, false).unwrap();
+        assert!(sql.contains("CASE \"t\".tableoid WHEN 100 THEN to_jsonb(\"t\".*) WHEN 101 THEN (SELECT to_jsonb(o.*) FROM ONLY public.c o WHERE o.ctid = \"t\".ctid) END AS __planarian_b"), "{sql}");
+        assert!(sql.contains("CASE m.__planarian_orel WHEN 100 THEN 'public.t' WHEN 101 THEN 'public.c' END, m.__planarian_before, m.__planarian_before || m.__planarian_img"), "{sql}");
+        // In a data-modifying WITH query, each part has its own.
+        let sql = write("WITH a AS (UPDATE t SET id = id + 1) UPDATE u SET id = id - 1")
+            .rewrite(&[table(), TableInfo::plain("public.u", &["id"], &["id"])], 3, 0, false)
+            .unwrap();
+        assert!(sql.starts_with("WITH __planarian_c0_pre AS (") && sql.contains("), __planarian_c0 AS (UPDATE t SET id = id + 1 FROM __planarian_c0_pre WHERE") && sql.contains("__planarian_m_pre AS ("), "{sql}");
+    }
+
     fn with_child(partitioned: bool, child_key: &[&str]) -> TableInfo {
         let mut t = table();
         t.oid = 100;
@@ -1000,7 +1108,10 @@ mod tests {
     #[test]
     fn unsafe_tables_and_key_changes_are_refused() {
         let mut t = table();
-        assert!(write("UPDATE t SET id = 2").rewrite(std::slice::from_ref(&t), 1, 0, false).unwrap_err().contains("primary key column id"));
+        assert!(write("INSERT INTO t VALUES (1, 'a') ON CONFLICT (id) DO UPDATE SET id = 2")
+            .rewrite(std::slice::from_ref(&t), 1, 0, false)
+            .unwrap_err()
+            .contains("changes the primary key column id"));
         t.primary_key.clear();
         assert!(write("DELETE FROM t").rewrite(std::slice::from_ref(&t), 1, 0, false).unwrap_err().contains("no primary key"));
         let mut t = table();

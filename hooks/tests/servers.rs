@@ -323,6 +323,8 @@ fn every_position(bin: &Path, srv: &Srv) {
         "INSERT INTO projects VALUES (1, 'p1'), (2, 'p2')",
         "ALTER TABLE accounts ADD COLUMN region text DEFAULT 'eu'",
         "UPDATE accounts SET region = 'us' WHERE id = 1",
+        "UPDATE accounts SET id = id + 1000 WHERE id IN (1, 2) RETURNING id, owner",
+        "UPDATE accounts SET balance = 1 WHERE id = 1002",
         "CREATE INDEX projects_name ON projects (name)",
         "CREATE VIEW rich AS SELECT * FROM accounts WHERE balance > 10",
         "CREATE TABLE IF NOT EXISTS projects (id int PRIMARY KEY)",
@@ -334,7 +336,7 @@ fn every_position(bin: &Path, srv: &Srv) {
     let several = ["INSERT INTO notes (body) VALUES ('m1'); UPDATE accounts SET balance = 0 WHERE id = 1; SELECT 1; DELETE FROM notes WHERE body = 'second'"];
     let extra: &[&str] = if matches!(srv, Srv::Dbhub(_)) { &several } else { &[] };
     // The CREATE … IF NOT EXISTS of an existing table creates nothing: no position.
-    let writes = 21 + extra.len() as u64;
+    let writes = 23 + extra.len() as u64;
     for q in session.iter().chain(extra) {
         let r = p.mcp.sql(q);
         assert_ne!(r["isError"], json!(true), "{q}: {r}");
@@ -440,7 +442,7 @@ fn refusals(bin: &Path, srv: &Srv) {
         ("INSERT INTO orders (region, item, qty) VALUES ('eu', 'x', nextval('s'))", "nextval"),
         ("SELECT sneaky()", "sneaky"),
         ("CREATE TABLE side_effects AS SELECT sneaky() AS n", "sneaky"),
-        ("UPDATE orders SET region = 'xx' WHERE qty = 1", "primary key column region"),
+        ("INSERT INTO orders (region, order_no, item, qty) VALUES ('eu', 1, 'x', 1) ON CONFLICT (region, order_no) DO UPDATE SET region = 'xx'", "changes the primary key column region"),
         ("WITH d AS (DELETE FROM orders WHERE qty = 1 RETURNING *) DELETE FROM orders WHERE qty = 2", "two parts of the statement change public.orders"),
         ("DELETE FROM planarian.undo", "undo log"),
         ("ALTER TABLE accounts DROP COLUMN tags", "only ADD COLUMN"),
@@ -537,6 +539,10 @@ fn children_and_partitions(bin: &Path, srv: &Srv) {
         "DELETE FROM measures WHERE id IN (1, 2, 200)",
         "DELETE FROM ONLY loose WHERE id = 1",
         "UPDATE items SET name = name || '!' RETURNING id, name",
+        // Key values changed: a row moving to another partition, rows of a parent and its child.
+        "UPDATE measures SET region = 'us', id = id + 500 WHERE id = 3",
+        "UPDATE items SET id = id * 10 WHERE id = 4",
+        "UPDATE special_items SET name = 'after the move' WHERE id = 40",
     ] {
         let r = p.mcp.sql(q);
         assert_ne!(r["isError"], json!(true), "{q}: {r}");
