@@ -8,6 +8,17 @@ pub struct Db {
     client: Client,
     /// table_info's one catalog query, prepared once (a write's lookup is one round trip).
     table_info: Option<postgres::Statement>,
+    /// What the catalog said, kept while no DDL has run since (None: not kept, every write
+    /// asks; see `watch_catalog`).
+    cache: Option<Cache>,
+}
+
+/// Catalog answers, all as of one generation of the catalog (`planarian.catalog`, counted up
+/// by an event trigger at every DDL).
+#[derive(Default)]
+struct Cache {
+    generation: i64,
+    tables: std::collections::HashMap<String, TableInfo>,
 }
 
 /// Volatile functions whose only effect is their result: harmless in a recorded change.
@@ -96,7 +107,7 @@ fn descendant(v: &serde_json::Value) -> Descendant {
 impl Db {
     pub fn connect(dsn: &str) -> Result<Db, String> {
         let client = Client::connect(dsn, NoTls).map_err(|e| format!("cannot connect to the database: {}", pe(e)))?;
-        let mut db = Db { client, table_info: None };
+        let mut db = Db { client, table_info: None, cache: None };
         db.client
             .batch_execute(&format!(
                 "CREATE SCHEMA IF NOT EXISTS {UNDO_SCHEMA};
@@ -104,7 +115,9 @@ impl Db {
                      position bigint NOT NULL, stmt int NOT NULL, seq bigint NOT NULL, tbl text NOT NULL,
                      before jsonb, after jsonb, ddl text, PRIMARY KEY (position, stmt, seq));
                  ALTER TABLE {UNDO_SCHEMA}.undo ADD COLUMN IF NOT EXISTS rel text;
-                 ALTER TABLE {UNDO_SCHEMA}.undo ADD COLUMN IF NOT EXISTS content text"
+                 ALTER TABLE {UNDO_SCHEMA}.undo ADD COLUMN IF NOT EXISTS content text;
+                 CREATE TABLE IF NOT EXISTS {UNDO_SCHEMA}.catalog (generation bigint NOT NULL);
+                 INSERT INTO {UNDO_SCHEMA}.catalog SELECT 0 WHERE NOT EXISTS (SELECT FROM {UNDO_SCHEMA}.catalog)"
             ))
             .or_else(|e| {
                 // Two proxies creating the schema at once: the loser's error is harmless.
@@ -114,7 +127,54 @@ impl Db {
                     Err(format!("cannot create the undo log {UNDO_SCHEMA}.undo: {}", pe(e)))
                 }
             })?;
+        db.watch_catalog();
         Ok(db)
+    }
+
+    /// Keeps catalog answers between writes when every DDL in the database is counted: event
+    /// triggers (which only a superuser can create) count `planarian.catalog.generation` up at
+    /// the end of each DDL command and each drop, in the DDL's own transaction. A write rewritten
+    /// from kept answers carries their generation and fails, changing nothing, when the catalog
+    /// has moved on since (see `sql::Dml::rewrite`); the proxy then asks again and resends it.
+    /// Without the triggers every write asks the catalog, as before.
+    fn watch_catalog(&mut self) {
+        let installed = (|| -> Result<(), postgres::Error> {
+            let exists: bool = self
+                .client
+                .query_one(
+                    "SELECT count(*) = 2 FROM pg_event_trigger
+                     WHERE evtname IN ('planarian_catalog', 'planarian_catalog_drop') AND evtenabled <> 'D'",
+                    &[],
+                )?
+                .get(0);
+            if !exists {
+                self.client.batch_execute(&format!(
+                    "BEGIN;
+                     CREATE OR REPLACE FUNCTION {UNDO_SCHEMA}.catalog_changed() RETURNS event_trigger LANGUAGE plpgsql
+                       AS $$ BEGIN UPDATE {UNDO_SCHEMA}.catalog SET generation = generation + 1; END $$;
+                     DROP EVENT TRIGGER IF EXISTS planarian_catalog;
+                     DROP EVENT TRIGGER IF EXISTS planarian_catalog_drop;
+                     CREATE EVENT TRIGGER planarian_catalog ON ddl_command_end EXECUTE FUNCTION {UNDO_SCHEMA}.catalog_changed();
+                     CREATE EVENT TRIGGER planarian_catalog_drop ON sql_drop EXECUTE FUNCTION {UNDO_SCHEMA}.catalog_changed();
+                     COMMIT;"
+                ))?;
+            }
+            Ok(())
+        })();
+        match installed {
+            Ok(()) => self.cache = Some(Cache::default()),
+            Err(_) => {
+                // (not a superuser, or another proxy installing them at this moment)
+                let _ = self.client.batch_execute("ROLLBACK");
+            }
+        }
+    }
+
+    /// Forgets every catalog answer (after DDL through the proxy itself).
+    pub fn catalog_changed(&mut self) {
+        if let Some(c) = self.cache.as_mut() {
+            *c = Cache::default();
+        }
     }
 
     /// The inverse of a DDL statement about to run, or None when it creates nothing (the object
@@ -236,6 +296,20 @@ impl Db {
     /// and what would make its changes uncompensable (not a plain table, rules, user triggers,
     /// foreign keys of other tables that cascade changes to it).
     pub fn table_info(&mut self, name: &str) -> Result<TableInfo, String> {
+        if let Some(t) = self.cache.as_ref().and_then(|c| c.tables.get(name)) {
+            return Ok(t.clone());
+        }
+        let t = self.ask_table_info(name)?;
+        if let (Some(c), Some(g)) = (self.cache.as_mut(), t.catalog_generation) {
+            if g != c.generation {
+                *c = Cache { generation: g, ..Default::default() };
+            }
+            c.tables.insert(name.to_string(), t.clone());
+        }
+        Ok(t)
+    }
+
+    fn ask_table_info(&mut self, name: &str) -> Result<TableInfo, String> {
         let stmt = match &self.table_info {
             Some(s) => s.clone(),
             None => {
@@ -270,6 +344,7 @@ impl Db {
                                              AND (confdeltype IN ('c','n','d') OR confupdtype IN ('c','n','d')) ORDER BY conname))
                               ORDER BY dc.oid), '[]'::jsonb)
                             FROM d JOIN pg_class dc ON dc.oid = d.oid JOIN pg_namespace dn ON dn.oid = dc.relnamespace)
+                         , (SELECT max(generation) FROM planarian.catalog WHERE $2)
                          FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)",
                     )
                     .map_err(pe)?;
@@ -277,7 +352,8 @@ impl Db {
                 s
             }
         };
-        let rows = self.client.query(&stmt, &[&name]).map_err(pe)?;
+        let watched = self.cache.is_some();
+        let rows = self.client.query(&stmt, &[&name, &watched]).map_err(pe)?;
         let Some(row) = rows.first() else { return Err(format!("relation {name} does not exist")) };
         let qualified: String = row.get(0);
         let relkind: String = row.get(1);
@@ -302,7 +378,8 @@ impl Db {
             .as_array()
             .map(|a| a.iter().map(descendant).collect())
             .unwrap_or_default();
-        Ok(TableInfo { oid, qualified, columns, primary_key, problems, partitioned: relkind == "p", descendants })
+        let catalog_generation = row.get::<_, Option<i64>>(9);
+        Ok(TableInfo { oid, qualified, columns, primary_key, problems, partitioned: relkind == "p", descendants, catalog_generation })
     }
 
     /// The functions among `names` that are volatile (may change the database) and not known to

@@ -97,7 +97,22 @@ pub struct TableInfo {
     /// Every relation below it (inheritance children, partitions, theirs): where a statement
     /// without `ONLY` really changes rows.
     pub descendants: Vec<Descendant>,
+    /// The catalog's generation this was read at, when DDL is counted (see `db::Db`): the
+    /// rewrite then fails at execution, changing nothing, if the catalog has moved on.
+    pub catalog_generation: Option<i64>,
 }
+
+/// The WITH query that makes a statement rewritten from catalog answers of generation `g` fail
+/// when the catalog has moved on (its message starts with CATALOG_CHANGED). A data-modifying
+/// WITH query always runs, whether the statement reads it or not; it changes no row.
+fn guard(g: i64) -> String {
+    format!(
+        "__planarian_guard AS (UPDATE {UNDO_SCHEMA}.catalog SET generation = generation WHERE CASE WHEN generation <> {g} THEN ('\"{CATALOG_CHANGED} to ' || generation || '\"')::regclass IS NULL ELSE false END)"
+    )
+}
+
+/// How a statement rewritten from outdated catalog answers fails.
+pub const CATALOG_CHANGED: &str = "planarian: catalog changed";
 
 /// A relation a statement on its ancestor reaches.
 #[derive(Debug, Clone)]
@@ -122,6 +137,7 @@ impl TableInfo {
             partitioned: false,
             descendants: vec![],
             oid: 0,
+            catalog_generation: None,
         }
     }
 }
@@ -496,6 +512,11 @@ impl Statement {
             }
         }
         let mut ctes = Vec::new();
+        // (answers of different generations: the oldest, so that the statement fails and is
+        // sent again with answers of the newest)
+        if let Some(g) = tables.iter().map(|t| t.catalog_generation).collect::<Option<Vec<i64>>>().and_then(|g| g.into_iter().min()) {
+            ctes.push(guard(g));
+        }
         let mut logs = Vec::new();
         let mut k = 0;
         for item in &self.with {
@@ -702,7 +723,7 @@ impl Dml {
     /// RETURNING yields one empty row per changed row (for servers that report a row count).
     pub fn rewrite(&self, t: &TableInfo, position: u64, stmt: usize, count_rows: bool) -> Result<String, String> {
         let p = self.parts(t, position, stmt, 0, "__planarian_m")?;
-        let pre = p.pre.map(|p| p + ", ").unwrap_or_default();
+        let pre = t.catalog_generation.map(|g| guard(g) + ", ").unwrap_or_default() + &p.pre.map(|p| p + ", ").unwrap_or_default();
         Ok(format!("WITH {pre}__planarian_m AS ({}), __planarian_log AS ({}) {}", p.change, p.log, self.select(&p.outer, count_rows)))
     }
 
@@ -791,7 +812,9 @@ impl Dml {
             for d in reached {
                 case += &format!(" WHEN {} THEN {}", d.oid, quote_literal(&d.qualified));
             }
-            case + " END"
+            // A child or partition created since the look-up: the statement fails, changing
+            // nothing (the message is an unknown relation's name).
+            case + &format!(" ELSE ('\"{CATALOG_CHANGED}: new relation ' || m.__planarian_rel || '\"')::regclass::text END")
         };
         let (rel, before, after) = match &pre {
             Some((_, _, pre_name)) => {
@@ -1051,7 +1074,7 @@ mod tests {
         let t = with_child(false, &["id"]);
         let sql = write("UPDATE t SET id = -id").rewrite(&[t], 3, 0, false).unwrap();
         assert!(sql.contains("CASE \"t\".tableoid WHEN 100 THEN to_jsonb(\"t\".*) WHEN 101 THEN (SELECT to_jsonb(o.*) FROM ONLY public.c o WHERE o.ctid = \"t\".ctid) END AS __planarian_b"), "{sql}");
-        assert!(sql.contains("CASE m.__planarian_orel WHEN 100 THEN 'public.t' WHEN 101 THEN 'public.c' END, m.__planarian_before, m.__planarian_before || m.__planarian_img"), "{sql}");
+        assert!(sql.contains("CASE m.__planarian_orel WHEN 100 THEN 'public.t' WHEN 101 THEN 'public.c' ELSE ('\"planarian: catalog changed: new relation ' || m.__planarian_rel || '\"')::regclass::text END, m.__planarian_before, m.__planarian_before || m.__planarian_img"), "{sql}");
         // In a data-modifying WITH query, each part has its own.
         let sql = write("WITH a AS (UPDATE t SET id = id + 1) UPDATE u SET id = id - 1")
             .rewrite(&[table(), TableInfo::plain("public.u", &["id"], &["id"])], 3, 0, false)
@@ -1072,7 +1095,7 @@ mod tests {
         let t = with_child(false, &["id"]);
         let del = write("DELETE FROM t WHERE id > 3").rewrite(std::slice::from_ref(&t), 1, 0, false).unwrap();
         assert!(del.contains("\"t\".tableoid AS __planarian_rel"), "{del}");
-        assert!(del.contains("CASE m.__planarian_rel WHEN 100 THEN 'public.t' WHEN 101 THEN 'public.c' END"), "{del}");
+        assert!(del.contains("CASE m.__planarian_rel WHEN 100 THEN 'public.t' WHEN 101 THEN 'public.c' ELSE ('\"planarian: catalog changed: new relation ' || m.__planarian_rel || '\"')::regclass::text END"), "{del}");
         assert!(del.contains("WHEN 100 THEN m.__planarian_img WHEN 101 THEN (SELECT to_jsonb(o.*) FROM ONLY public.c o WHERE o.\"id\" = m.__planarian_k0) END"), "{del}");
         let up = write("UPDATE t SET x = 'y'").rewrite(std::slice::from_ref(&t), 1, 0, false).unwrap();
         assert!(up.contains("WHEN 101 THEN (SELECT to_jsonb(o.*) FROM ONLY public.c o WHERE o.\"id\" = m.__planarian_k0) END) || m.__planarian_img"), "{up}");
@@ -1099,7 +1122,7 @@ mod tests {
     fn rows_routed_to_partitions_record_the_partition() {
         let t = with_child(true, &["id"]);
         let ins = write("INSERT INTO t VALUES (1, 'a')").rewrite(std::slice::from_ref(&t), 1, 0, false).unwrap();
-        assert!(ins.contains("CASE m.__planarian_rel WHEN 100 THEN 'public.t' WHEN 101 THEN 'public.c' END, NULL::jsonb, m.__planarian_img"), "{ins}");
+        assert!(ins.contains("CASE m.__planarian_rel WHEN 100 THEN 'public.t' WHEN 101 THEN 'public.c' ELSE ('\"planarian: catalog changed: new relation ' || m.__planarian_rel || '\"')::regclass::text END, NULL::jsonb, m.__planarian_img"), "{ins}");
         // Partitions have exactly the parent's columns: the images come from the statement.
         let up = write("UPDATE t SET x = 'y'").rewrite(std::slice::from_ref(&t), 1, 0, false).unwrap();
         assert!(up.contains("(SELECT to_jsonb(o.*) FROM public.t o WHERE"), "{up}");

@@ -2,7 +2,7 @@
 //! numbered and rewritten to record their undo rows when they write.
 
 use super::{Conn, Proxy, Server};
-use crate::sql::{classify, split, Class, Ddl};
+use crate::sql::{classify, split, Class, Ddl, CATALOG_CHANGED};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -28,12 +28,17 @@ fn dbhub_as_original(result: &mut Value, texts: &[String], no_returning: &[usize
     }
 }
 
+/// The statement failed at the guard of its catalog generation (`sql::guard`).
+fn failed_on_changed_catalog(resp: &Value) -> bool {
+    (resp.get("error").is_some() || resp["result"]["isError"] == json!(true)) && resp.to_string().contains(CATALOG_CHANGED)
+}
+
 fn tool_error(text: String) -> Value {
     json!({"content": [{"type": "text", "text": text}], "isError": true})
 }
 
 impl Proxy {
-    pub(super) fn sql_call(self: Arc<Self>, mut msg: Value, conn: &Arc<Conn>) {
+    pub(super) fn sql_call(self: Arc<Self>, msg: Value, conn: &Arc<Conn>) {
         let id = msg["id"].clone();
         let Some(sql) = msg["params"]["arguments"][&self.opts.sql_arg].as_str().map(String::from) else {
             return self.forward_request(msg, conn);
@@ -77,7 +82,6 @@ impl Proxy {
             Err(e) => return refuse(e),
         };
         let _guard = self.lock.lock().unwrap();
-        let mut tables = Vec::new();
         {
             let mut db = self.db.lock().unwrap();
             match db.unsafe_functions(&functions) {
@@ -85,46 +89,60 @@ impl Proxy {
                 Ok(bad) => return refuse(format!("the statement calls {}, whose effects cannot be undone", bad.join(", "))),
                 Err(e) => return refuse(format!("cannot check the statement: {e}")),
             }
-            for (_, d) in &writes {
-                let mut infos = Vec::new();
-                for part in d.dmls() {
-                    match db.table_info(&part.table_name()) {
-                        Ok(t) => infos.push(t),
-                        // Unknown tables and the like: the server gives its own error, nothing changes.
-                        Err(e) if e.ends_with("does not exist") => {
-                            drop(db);
-                            return self.forward_request(msg, conn);
+        }
+        // Rewritten from the catalog answers the proxy keeps; if the catalog moved on since, the
+        // statement fails changing nothing, and is rewritten from fresh answers and sent again.
+        for attempt in 0..2 {
+            let mut tables = Vec::new();
+            {
+                let mut db = self.db.lock().unwrap();
+                if attempt > 0 {
+                    db.catalog_changed();
+                }
+                for (_, d) in &writes {
+                    let mut infos = Vec::new();
+                    for part in d.dmls() {
+                        match db.table_info(&part.table_name()) {
+                            Ok(t) => infos.push(t),
+                            // Unknown tables and the like: the server gives its own error, nothing changes.
+                            Err(e) if e.ends_with("does not exist") => {
+                                drop(db);
+                                return self.forward_request(msg, conn);
+                            }
+                            Err(e) => return refuse(e),
                         }
+                    }
+                    // A statement that cannot be rewritten is refused without taking a position.
+                    match d.rewrite(&infos, 0, 0, false) {
+                        Ok(_) => tables.push(infos),
                         Err(e) => return refuse(e),
                     }
                 }
-                // A statement that cannot be rewritten is refused without taking a position.
-                match d.rewrite(&infos, 0, 0, false) {
-                    Ok(_) => tables.push(infos),
+            }
+            let position = self.positions.lock().unwrap().next();
+            let count_rows = self.opts.server == Server::Dbhub;
+            let mut sent = texts.clone();
+            for ((i, d), t) in writes.iter().zip(&tables) {
+                match d.rewrite(t, position, *i, count_rows) {
+                    Ok(r) => sent[*i] = r,
                     Err(e) => return refuse(e),
                 }
             }
-        }
-        let position = self.positions.lock().unwrap().next();
-        let count_rows = self.opts.server == Server::Dbhub;
-        let mut sent = texts.clone();
-        for ((i, d), t) in writes.iter().zip(&tables) {
-            match d.rewrite(t, position, *i, count_rows) {
-                Ok(r) => sent[*i] = r,
-                Err(e) => return refuse(e),
-            }
-        }
-        msg["params"]["arguments"][&self.opts.sql_arg] = json!(sent.join(";\n"));
-        match self.call_upstream("tools/call", msg["params"].clone()) {
-            Ok(mut resp) => {
-                if self.opts.server == Server::Dbhub {
-                    let no_returning: Vec<usize> = writes.iter().filter(|(_, d)| !d.has_returning()).map(|(i, _)| *i).collect();
-                    dbhub_as_original(&mut resp["result"], &texts, &no_returning);
+            let mut call = msg["params"].clone();
+            call["arguments"][&self.opts.sql_arg] = json!(sent.join(";\n"));
+            match self.call_upstream("tools/call", call) {
+                Ok(resp) if attempt == 0 && failed_on_changed_catalog(&resp) => continue,
+                Ok(mut resp) => {
+                    if self.opts.server == Server::Dbhub {
+                        let no_returning: Vec<usize> = writes.iter().filter(|(_, d)| !d.has_returning()).map(|(i, _)| *i).collect();
+                        dbhub_as_original(&mut resp["result"], &texts, &no_returning);
+                    }
+                    resp["id"] = id;
+                    conn.send(&resp);
                 }
-                resp["id"] = id;
-                conn.send(&resp);
+                Err(e) => Self::reply_error(conn, &id, -32603, &e),
             }
-            Err(e) => Self::reply_error(conn, &id, -32603, &e),
+            return;
         }
     }
 
@@ -152,6 +170,7 @@ impl Proxy {
             Ok(None) => return self.forward_request(msg, conn),
             Err(e) => return refuse(e),
         };
+        self.db.lock().unwrap().catalog_changed();
         let position = self.positions.lock().unwrap().next();
         if let Err(e) = self.db.lock().unwrap().record_ddl(position, &format!("{:?}", d.object), &inverse) {
             return refuse(format!("cannot record the statement's inverse: {e}"));
