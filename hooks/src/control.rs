@@ -3,6 +3,8 @@
 //! `{"op":"position"}` → `{"position":N}` (taken under the proxy lock), with `"since":P` also
 //! `"calls"` and `"tables"`: how many calls after P changed something, and what;
 //! `{"op":"compensate","to":P}` → `{"position":P,"rows":R}` or `{"error":"…"}`;
+//! `{"op":"branch","at":P,"container":ID}` → `{"database":NAME}`: a copy of the database at
+//! position P for the fork ID;
 //! `{"op":"disable","reason":"…"}` → `{"disabled":true}`; `{"op":"status"}` → the proxy's state.
 
 use crate::proxy::Proxy;
@@ -63,7 +65,14 @@ fn handle(conn: UnixStream, proxy: &Proxy) {
             json!({"disabled": true})
         }
         Some("status") => proxy.status(),
-        _ => json!({"error": "unknown request: expected op position, compensate, disable or status"}),
+        Some("branch") => match (req["at"].as_u64(), req["container"].as_str()) {
+            (Some(at), Some(c)) => match proxy.branch(at, c) {
+                Ok(name) => json!({"database": name}),
+                Err(e) => json!({"error": e}),
+            },
+            _ => json!({"error": "branch needs \"at\": a position and \"container\": the fork's ID"}),
+        },
+        _ => json!({"error": "unknown request: expected op position, compensate, branch, disable or status"}),
     };
     let mut conn = conn;
     let _ = conn.write_all(format!("{resp}\n").as_bytes());

@@ -3,6 +3,7 @@
 
 use crate::sql::{quote_ident, quote_literal, Ddl, Descendant, Object, TableInfo, UNDO_SCHEMA};
 use postgres::{Client, NoTls};
+use std::process::{Command, Stdio};
 
 pub struct Db {
     client: Client,
@@ -77,6 +78,69 @@ fn key_text(keys: &[String], img: &serde_json::Value) -> String {
     keys.iter().map(|k| format!("{k}={}", img.get(k).map(|v| v.to_string()).unwrap_or_default())).collect::<Vec<_>>().join(", ")
 }
 
+/// A libpq connection string for `config` (for pg_dump and pg_restore).
+pub fn conninfo(config: &postgres::Config) -> String {
+    let q = |v: &str| format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"));
+    let mut parts = Vec::new();
+    if let Some(h) = config.get_hosts().first() {
+        parts.push(format!(
+            "host={}",
+            q(&match h {
+                postgres::config::Host::Tcp(h) => h.clone(),
+                postgres::config::Host::Unix(p) => p.display().to_string(),
+            })
+        ));
+    }
+    if let Some(p) = config.get_ports().first() {
+        parts.push(format!("port={p}"));
+    }
+    if let Some(u) = config.get_user() {
+        parts.push(format!("user={}", q(u)));
+    }
+    if let Some(pw) = config.get_password() {
+        parts.push(format!("password={}", q(&String::from_utf8_lossy(pw))));
+    }
+    if let Some(d) = config.get_dbname() {
+        parts.push(format!("dbname={}", q(d)));
+    }
+    parts.join(" ")
+}
+
+/// Copies the database of `from` into the (empty) one of `to`: pg_dump's consistent snapshot,
+/// restored in one transaction; any error fails the copy.
+pub fn copy_database(from: &postgres::Config, to: &postgres::Config, major: i32) -> Result<(), String> {
+    let tool = |name: &str| {
+        let versioned = std::path::PathBuf::from(format!("/usr/lib/postgresql/{major}/bin/{name}"));
+        if versioned.exists() {
+            versioned
+        } else {
+            std::path::PathBuf::from(format!("/usr/bin/{name}"))
+        }
+    };
+    let mut dump = Command::new(tool("pg_dump"))
+        .args(["--format=custom", "--no-sync", "--dbname"])
+        .arg(conninfo(from))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", tool("pg_dump").display()))?;
+    let restore = Command::new(tool("pg_restore"))
+        .args(["--exit-on-error", "--single-transaction", "--dbname"])
+        .arg(conninfo(to))
+        .stdin(dump.stdout.take().expect("piped"))
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", tool("pg_restore").display()))?;
+    let dumped = dump.wait_with_output().map_err(|e| e.to_string())?;
+    let last = |b: &[u8]| String::from_utf8_lossy(b).lines().last().unwrap_or("no message").trim().to_string();
+    if !dumped.status.success() {
+        return Err(format!("pg_dump failed: {}", last(&dumped.stderr)));
+    }
+    if !restore.status.success() {
+        return Err(format!("pg_restore failed: {}", last(&restore.stderr)));
+    }
+    Ok(())
+}
+
 /// A query for a digest of everything `table` holds, in any order.
 fn contents(table: &str) -> String {
     format!("SELECT count(*) || ':' || md5(coalesce(string_agg(to_jsonb(x.*)::text, E'\\n' ORDER BY to_jsonb(x.*)::text), '')) FROM {table} x")
@@ -105,8 +169,8 @@ fn descendant(v: &serde_json::Value) -> Descendant {
 }
 
 impl Db {
-    pub fn connect(dsn: &str) -> Result<Db, String> {
-        let client = Client::connect(dsn, NoTls).map_err(|e| format!("cannot connect to the database: {}", pe(e)))?;
+    pub fn connect(config: &postgres::Config) -> Result<Db, String> {
+        let client = config.connect(NoTls).map_err(|e| format!("cannot connect to the database: {}", pe(e)))?;
         let mut db = Db { client, table_info: None, cache: None };
         db.client
             .batch_execute(&format!(
@@ -168,6 +232,39 @@ impl Db {
                 let _ = self.client.batch_execute("ROLLBACK");
             }
         }
+    }
+
+    /// The database's name and size in bytes, and the server's major version.
+    pub fn describe(&mut self) -> Result<(String, i64, i32), String> {
+        let r = self
+            .client
+            .query_one("SELECT current_database()::text, pg_database_size(current_database()), current_setting('server_version_num')::int / 10000", &[])
+            .map_err(pe)?;
+        Ok((r.get(0), r.get(1), r.get(2)))
+    }
+
+    /// Creates an empty database `name` (owned by this connection's role).
+    pub fn create_database(&mut self, name: &str) -> Result<(), String> {
+        self.client.batch_execute(&format!("CREATE DATABASE {} TEMPLATE template0", quote_ident(name))).map_err(|e| match e.code() {
+            Some(c) if c.code() == "42P04" => format!("a database {name} exists already"),
+            _ => format!("cannot create the database {name}: {}", pe(e)),
+        })
+    }
+
+    pub fn drop_database(&mut self, name: &str) -> Result<(), String> {
+        self.client.batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", quote_ident(name))).map_err(pe)
+    }
+
+    /// Marks the branch point of a database copied from another at `position`: the copy's
+    /// positions go on from there (a position that changed nothing left no undo row).
+    pub fn mark_branch(&mut self, position: u64) -> Result<(), String> {
+        self.client
+            .execute(
+                &format!("INSERT INTO {UNDO_SCHEMA}.undo (position, stmt, seq, tbl) VALUES ($1, -1, 0, 'branch') ON CONFLICT DO NOTHING"),
+                &[&(position as i64)],
+            )
+            .map_err(pe)?;
+        Ok(())
     }
 
     /// Forgets every catalog answer (after DDL through the proxy itself).
@@ -446,6 +543,10 @@ impl Db {
                 })?;
                 continue;
             }
+            if before.is_none() && after.is_none() {
+                // (a mark: where a copied database branched off)
+                continue;
+            }
             // The relation the row really lived in (an inheritance child, a partition), and only
             // it: a descendant's row with the same key is another row. A partitioned table's row
             // is changed through the table, which routes it back to the partition it lived in
@@ -547,7 +648,7 @@ impl Db {
                         Err(e) => return Err(other(e)),
                     }
                 }
-                (None, None) => continue,
+                (None, None) => unreachable!("marks are skipped above"),
             }
             // Undoing this entry leaves no row under its after-key (an UPDATE of key values moved
             // it away), and the before-image under its before-key; older entries, undone later,

@@ -9,6 +9,7 @@
 //! planarian-mcp-proxy url CONTAINER-ID                 (the sidecar's Streamable HTTP endpoint)
 //! planarian-mcp-proxy capture CONTAINER-ID             (the hook contract of planarian)
 //! planarian-mcp-proxy compensate CONTAINER-ID POSITION
+//! planarian-mcp-proxy branch CONTAINER-ID POSITION NEW-CONTAINER-ID   (a fork's own database)
 //! planarian-mcp-proxy control SOCKET position|status|compensate P|disable [REASON]
 //! ```
 //!
@@ -93,6 +94,9 @@ enum Cmd {
     Capture { container: String },
     /// The hook contract of planarian: undo every call after POSITION.
     Compensate { container: String, position: u64 },
+    /// The hook contract of planarian: a copy of the database at POSITION for the fork
+    /// NEW-CONTAINER-ID; prints its endpoint as JSON.
+    Branch { container: String, position: u64, new_container: String },
     /// Talk to a proxy's control socket.
     Control {
         socket: PathBuf,
@@ -106,6 +110,7 @@ enum ControlOp {
     Position,
     Status,
     Compensate { position: u64 },
+    Branch { at: u64, container: String },
     Disable { reason: Option<String> },
 }
 
@@ -114,6 +119,10 @@ struct Serve {
     /// The database the SQL tool writes to (where undo rows are kept).
     #[arg(long = "database")]
     dsn: String,
+    /// Use this database instead of the one the DSN names (a fork's branch); it also replaces
+    /// `{dbname}` in the upstream command, its environment and its URL.
+    #[arg(long)]
+    dbname: Option<String>,
     /// How the server's SQL tool takes statements.
     #[arg(long, value_enum, default_value = "toolbox")]
     server: ServerKind,
@@ -184,11 +193,22 @@ fn main() {
             })
         }
         Cmd::Compensate { container, position } => control::request(&socket(&container), &json!({"op": "compensate", "to": position})).map(drop),
+        Cmd::Branch { container, position, new_container } => {
+            control::request(&socket(&container), &json!({"op": "branch", "at": position, "container": new_container})).map(|v| {
+                let out = json!({
+                    "external-endpoint": format!("mcp-proxy:{}", socket(&new_container).display()),
+                    "database": v["database"],
+                    "mcp-call-position": position,
+                });
+                println!("{out}");
+            })
+        }
         Cmd::Control { socket, op } => {
             let req = match op {
                 ControlOp::Position => json!({"op": "position"}),
                 ControlOp::Status => json!({"op": "status"}),
                 ControlOp::Compensate { position } => json!({"op": "compensate", "to": position}),
+                ControlOp::Branch { at, container } => json!({"op": "branch", "at": at, "container": container}),
                 ControlOp::Disable { reason } => json!({"op": "disable", "reason": reason}),
             };
             control::request(&socket, &req).map(|v| println!("{v}"))
@@ -213,22 +233,25 @@ fn serve(a: Serve) -> Result<(), String> {
         ServerKind::Toolbox => proxy::Server::Toolbox,
         ServerKind::Dbhub => proxy::Server::Dbhub,
     };
-    let upstream_url = a.upstream_url.map(|u| http::Url::parse(&u)).transpose()?;
-    if upstream.is_empty() && upstream_url.is_none() {
-        return Err("serve needs -- UPSTREAM-COMMAND or --upstream-url URL".into());
-    }
-    let http_listener = a.http.map(|addr| httpd::bind(&addr)).transpose()?;
-    let opts = proxy::Options {
+    let mut opts = proxy::Options {
         upstream,
-        upstream_url,
+        upstream_url: None,
         server,
         sql_tool: a.sql_tool,
         sql_arg: a.sql_arg,
         dsn,
+        dbname: a.dbname,
         state_file,
         disabled: a.disabled,
         sandbox_lock: a.lock,
     };
+    let dbname = opts.effective_dbname()?;
+    opts.upstream_url = a.upstream_url.map(|u| http::Url::parse(&u.replace("{dbname}", &dbname))).transpose()?;
+    let (upstream, upstream_url) = (&opts.upstream, &opts.upstream_url);
+    if upstream.is_empty() && upstream_url.is_none() {
+        return Err("serve needs -- UPSTREAM-COMMAND or --upstream-url URL".into());
+    }
+    let http_listener = a.http.map(|addr| httpd::bind(&addr)).transpose()?;
     let listen = a.listen.or_else(|| container.as_deref().map(clients_socket_for));
     let proxy = proxy::Proxy::new(opts)?;
     if let Some(path) = &control {

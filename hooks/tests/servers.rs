@@ -631,6 +631,66 @@ fn ddl_behind(bin: &Path, srv: &Srv, as_user: Option<&str>) {
 }
 
 #[test]
+fn a_branch_is_a_copy_of_the_database_at_a_position_that_the_source_never_sees() {
+    let (bin, servers) = require!();
+    let Srv::Toolbox(tb) = &servers[0] else { unreachable!() };
+    let pg = Pg::start(&bin, "branch");
+    let mut db = pg.client();
+    schema(&mut db);
+    // The upstream names its database as {dbname}: each proxy's own.
+    let proxy_on = |tag: &str, dbname: Option<&str>| {
+        let dir = std::env::temp_dir().join(format!("planarian-proxy-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (control, state) = (dir.join("control.sock"), dir.join("positions.json"));
+        let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
+        c.args(["serve", "--server", "toolbox", "--database", &pg.dsn(), "--control"]).arg(&control).arg("--state").arg(&state);
+        if let Some(d) = dbname {
+            c.args(["--dbname", d]);
+        }
+        c.arg("--").arg(tb).args(["--prebuilt", "postgres", "--stdio", "--disable-version-check"]);
+        c.env("POSTGRES_HOST", "127.0.0.1")
+            .env("POSTGRES_PORT", pg.port.to_string())
+            .env("POSTGRES_DATABASE", "{dbname}")
+            .env("POSTGRES_USER", "postgres")
+            .env("POSTGRES_PASSWORD", "unused")
+            .stderr(Stdio::null());
+        Proxied { mcp: Mcp::spawn(c), control, state }
+    };
+    let mut src = proxy_on("branch-src", None);
+    src.mcp.sql("INSERT INTO accounts VALUES (4, 'dee', 10, NULL, NULL)");
+    src.mcp.sql("UPDATE accounts SET balance = 0 WHERE id = 1");
+    let at = control(&src.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+    let at_dump = dump(&mut db);
+    src.mcp.sql("DELETE FROM accounts WHERE id = 2");
+    src.mcp.sql("CREATE TABLE later (id int PRIMARY KEY)");
+    let src_dump = dump(&mut db);
+    let b = control(&src.control, &["branch", &at.to_string(), "0123456789abcdef"]).unwrap();
+    let name = b["database"].as_str().unwrap().to_string();
+    assert_eq!(name, "postgres_0123456789ab");
+    assert_eq!(dump(&mut db), src_dump, "the source is untouched");
+    let mut bdb = Client::connect(&format!("{} dbname={name}", pg.dsn().replace("dbname=postgres", "")), NoTls).unwrap();
+    assert_eq!(dump(&mut bdb), at_dump, "the branch is the database at the position");
+    // The fork's proxy on its branch: its calls reach the branch only, and are undone there.
+    let mut fork = proxy_on("branch-fork", Some(&name));
+    assert_eq!(control(&fork.control, &["position"]).unwrap()["position"].as_u64(), Some(at), "positions go on from the branch point");
+    let r = fork.mcp.sql("INSERT INTO accounts VALUES (50, 'fork', 5, NULL, NULL)");
+    assert_ne!(r["isError"], json!(true), "{r}");
+    let r = fork.mcp.sql("SELECT owner FROM accounts WHERE id = 50");
+    assert!(r["content"].to_string().contains("fork"), "the fork's server reads its branch: {r}");
+    assert_eq!(dump(&mut db), src_dump, "the source never sees the fork's rows");
+    control(&fork.control, &["compensate", &at.to_string()]).unwrap();
+    assert_eq!(dump(&mut bdb), at_dump);
+    // A position a rollback of the source undid cannot be branched from.
+    control(&src.control, &["compensate", &(at - 1).to_string()]).unwrap();
+    let err = control(&src.control, &["branch", &at.to_string(), "fedcba9876543210"]).unwrap_err();
+    assert!(err.contains("can no longer be restored"), "{err}");
+    let exists: bool = db.query_one("SELECT EXISTS (SELECT FROM pg_database WHERE datname = 'postgres_fedcba987654')", &[]).unwrap().get(0);
+    assert!(!exists, "a refused branch leaves no database");
+    drop(fork);
+    drop(src);
+}
+
+#[test]
 fn a_compensation_whose_rows_land_elsewhere_fails_and_changes_nothing() {
     let (bin, servers) = require!();
     let pg = Pg::start(&bin, "verify");

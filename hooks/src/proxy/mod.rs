@@ -48,11 +48,35 @@ pub struct Options {
     /// Refuse every SQL call with this reason (a fork: the database cannot branch).
     pub disabled: Option<String>,
     pub dsn: String,
+    /// The database to use instead of the one `dsn` names (a fork's branch); it also replaces
+    /// `{dbname}` in the upstream command, its environment and its URL.
+    pub dbname: Option<String>,
     pub state_file: std::path::PathBuf,
     /// The container's lock file: a mutating call holds it shared, as every tool call does, so
     /// that it waits while a snapshot or a rollback of the sandbox holds it exclusively.
     pub sandbox_lock: Option<std::path::PathBuf>,
 }
+
+impl Options {
+    /// The proxy's own connection: `dsn`, with `dbname` when set.
+    pub fn pg_config(&self) -> Result<postgres::Config, String> {
+        let mut c: postgres::Config = self.dsn.parse().map_err(|e| format!("--database {}: {e}", self.dsn))?;
+        if let Some(d) = &self.dbname {
+            c.dbname(d);
+        }
+        Ok(c)
+    }
+
+    /// The database's name as the upstream server must be told it (`{dbname}`): libpq's
+    /// default is the user's name.
+    pub fn effective_dbname(&self) -> Result<String, String> {
+        let c = self.pg_config()?;
+        Ok(c.get_dbname().or(c.get_user()).unwrap_or("postgres").to_string())
+    }
+}
+
+/// The largest database a fork gets a copy of.
+pub const BRANCH_MAX_BYTES: i64 = 1 << 30;
 
 /// Where messages for a client go: a stream (stdio, a connection to the listening socket), or
 /// one HTTP exchange of a Streamable HTTP session.
@@ -134,7 +158,7 @@ impl Proxy {
     }
 
     pub fn new(opts: Options) -> Result<Arc<Proxy>, String> {
-        let mut db = Db::connect(&opts.dsn)?;
+        let mut db = Db::connect(&opts.pg_config()?)?;
         let positions = Positions::load(&opts.state_file, db.max_position()?)?;
         let p = Arc::new(Proxy {
             last_client: Mutex::new(None),
@@ -321,6 +345,44 @@ impl Proxy {
         })?;
         pos.compensated(to)?;
         Ok(undone)
+    }
+
+    /// Branches the database for the fork `container` at `position`: a copy of it as it is now,
+    /// compensated on the copy back to `position` (the source is never changed). Returns the
+    /// copy's name. Refused when the position can no longer be reached here, when the database
+    /// is larger than BRANCH_MAX_BYTES (a logical copy takes time in proportion), or when this
+    /// proxy's role cannot create databases.
+    pub fn branch(&self, position: u64, container: &str) -> Result<String, String> {
+        self.positions.lock().unwrap().check_reachable(position)?;
+        let (current, size, major) = self.db.lock().unwrap().describe()?;
+        if size > BRANCH_MAX_BYTES {
+            return Err(format!(
+                "the database {current} holds {} MiB; a fork gets its own copy only up to {} MiB (a logical copy)",
+                size >> 20,
+                BRANCH_MAX_BYTES >> 20
+            ));
+        }
+        let suffix: String = container.chars().filter(|c| c.is_ascii_alphanumeric()).take(12).collect();
+        let prefix: String = current.chars().take(63 - 1 - suffix.len()).collect();
+        let name = format!("{prefix}_{suffix}");
+        self.db.lock().unwrap().create_database(&name)?;
+        let from = self.opts.pg_config()?;
+        let mut to = from.clone();
+        to.dbname(&name);
+        let made = (|| {
+            crate::db::copy_database(&from, &to, major)?;
+            let mut copy = Db::connect(&to)?;
+            copy.compensate_to(position).map_err(|e| match e {
+                CompensateError::Conflict(s) => format!("conflict: {s}"),
+                CompensateError::Other(s) => s,
+            })?;
+            copy.mark_branch(position)
+        })();
+        if let Err(e) = made {
+            let _ = self.db.lock().unwrap().drop_database(&name);
+            return Err(format!("cannot branch the database {current}: {e}"));
+        }
+        Ok(name)
     }
 
     pub fn disable(&self, why: String) {

@@ -125,8 +125,15 @@ impl Proxy {
                 nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM).map_err(std::io::Error::from)
             });
         }
+        // `{dbname}`: the database this proxy's sandbox uses (its own branch, for a fork).
+        let dbname = self.opts.effective_dbname()?;
+        for (k, v) in std::env::vars() {
+            if v.contains("{dbname}") {
+                cmd.env(k, v.replace("{dbname}", &dbname));
+            }
+        }
         let mut child = cmd
-            .args(args)
+            .args(args.iter().map(|a| a.replace("{dbname}", &dbname)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
