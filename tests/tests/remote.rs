@@ -49,7 +49,11 @@ impl Pg {
     }
 
     fn psql(&self, sql: &str) -> String {
-        cmd("psql", ["-X", "-A", "-t", "-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres", "-c", sql]).out()
+        self.psql_in("postgres", sql)
+    }
+
+    fn psql_in(&self, db: &str, sql: &str) -> String {
+        cmd("psql", ["-X", "-A", "-t", "-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres", "-d", db, "-c", sql]).out()
     }
 }
 
@@ -180,6 +184,78 @@ fn rollback_undoes_database_changes_with_the_files_and_a_fork_is_refused() {
         port = pg.port
     );
     end_to_end(&pg, &service, false);
+}
+
+/// A service whose upstream names its database as `{dbname}`: each fork of a statepoint gets a
+/// copy of the database as it was at that statepoint, written only by the fork, undone by the
+/// fork's rollbacks; the source and the other forks never see it.
+#[test]
+fn forks_of_one_statepoint_get_their_own_databases() {
+    require_stack!();
+    let Some((node, dbhub)) = node_and_dbhub() else { return };
+    let pg = Pg::start();
+    pg.psql("CREATE TABLE reports (id int PRIMARY KEY, body text NOT NULL)");
+    let _conf = DropIn::new(
+        "zz-mcp-branch",
+        &format!(
+            "[mcp.services.pltest]\nupstream = [\"{node}\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/{{dbname}}?sslmode=disable\"]\nserver = \"dbhub\"\ndatabase = \"host=127.0.0.1 port={port} user=postgres dbname=postgres\"\n",
+            node = node.display(),
+            dbhub = dbhub.display(),
+            port = pg.port
+        ),
+    );
+    let n = name("mcp-branch");
+    let _c = Cleanup(n.clone());
+    podman("planarian", &["run", "-d", "--name", &n, "--annotation", "io.planarian.mcp.service=pltest", BUSYBOX, "sleep", "600"]).ok();
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
+    let mut agent = Harness::connect(&id);
+    let ok = |h: &mut Harness, q: &str| {
+        let r = h.sql(q);
+        assert_ne!(r["isError"], json!(true), "{q}: {r}");
+    };
+    ok(&mut agent, "INSERT INTO reports VALUES (1, 'at the statepoint')");
+    let sp1 = planarian(&["snapshot", &n]).ok().out();
+    ok(&mut agent, "INSERT INTO reports VALUES (2, 'the source, after it')");
+    let rows = |db: &str| pg.psql_in(db, "SELECT string_agg(id || ':' || body, ',' ORDER BY id) FROM reports");
+
+    let mut forks = Vec::new();
+    for (tag, row) in [("a", 10), ("b", 20)] {
+        let f = name(&format!("mcp-branch-{tag}"));
+        let cleanup = Cleanup(f.clone());
+        let out = planarian(&["fork", &n, &sp1, "--name", &f]);
+        out.ok();
+        let fid = podman("planarian", &["inspect", "--format", "{{.Id}}", &f]).out();
+        let db = format!("postgres_{}", &fid[..12]);
+        assert_eq!(rows(&db), "1:at the statepoint", "the fork's database is the source's at {sp1}");
+        let mut h = Harness::connect(&fid);
+        ok(&mut h, &format!("INSERT INTO reports VALUES ({row}, 'fork {tag}')"));
+        forks.push((f, fid, db, h, cleanup, row));
+    }
+    assert_eq!(rows("postgres"), "1:at the statepoint,2:the source, after it", "the source never sees a fork's rows");
+    for (_, _, db, _, _, row) in &forks {
+        assert_eq!(rows(db), format!("1:at the statepoint,{row}:fork {}", if *row == 10 { "a" } else { "b" }), "each fork sees only its own");
+    }
+    // A fork's rollback to its first statepoint undoes its own calls, in its own database.
+    let (f, _, db, h, _, _) = &mut forks[0];
+    let first = planarian(&["statepoint", "list", f, "--json"]).ok().out();
+    let list: Value = serde_json::from_str(&first).unwrap();
+    let first_sp = list[0]["statepoint-id"].as_str().unwrap().to_string();
+    assert!(list[0]["remote-state"][0]["mcp-call-position"].is_u64(), "the fork's first statepoint holds its branch's position: {list}");
+    planarian(&["rollback", f, &first_sp]).ok();
+    assert_eq!(rows(db), "1:at the statepoint");
+    ok(h, "INSERT INTO reports VALUES (11, 'fork a, after its rollback')");
+    assert_eq!(rows(db), "1:at the statepoint,11:fork a, after its rollback");
+    assert_eq!(rows("postgres"), "1:at the statepoint,2:the source, after it");
+    // The source's own rollback leaves the forks' databases alone.
+    planarian(&["rollback", &n, &sp1]).ok();
+    assert_eq!(rows("postgres"), "1:at the statepoint");
+    assert_eq!(rows(&forks[1].2), "1:at the statepoint,20:fork b");
+    drop(agent);
+    for (f, _, db, h, _, _) in forks {
+        drop(h);
+        podman("planarian", &["rm", "-f", "-t", "0", &f]).ok();
+        pg.psql(&format!("DROP DATABASE \"{db}\" WITH (FORCE)"));
+    }
 }
 
 /// The same with the real server serving Streamable HTTP (started here, not by the sidecar),

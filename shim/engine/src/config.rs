@@ -27,6 +27,7 @@ pub const ANNOTATION_KEYS: &[&str] = &[
     "store.retention",
     "mcp.service",
     "mcp.disabled",
+    "mcp.branch",
 ];
 pub const ANNOTATION_PREFIX: &str = "io.planarian.";
 
@@ -52,6 +53,10 @@ pub struct McpConfig {
     /// Set on forks: the sidecar runs but refuses SQL calls with this reason.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disabled: Option<String>,
+    /// Set on forks whose database was branched: the database (on the service's server) this
+    /// container's sidecar uses instead of the one the service names; see `McpService::upstream`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub branch: Option<String>,
     /// planarian-mcp-proxy; when unset, the one beside planarian.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_path: Option<PathBuf>,
@@ -61,7 +66,10 @@ pub struct McpConfig {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct McpService {
-    /// The real MCP server, spawned over stdio: program (absolute path) and arguments …
+    /// The real MCP server, spawned over stdio: program (absolute path) and arguments … Where
+    /// the upstream, its URL or its environment name the database as `{dbname}`, a fork gets a
+    /// database of its own (a copy at the statepoint: see the proxy's `branch`); otherwise a
+    /// fork's SQL calls are refused.
     pub upstream: Vec<String>,
     /// … or reached over Streamable HTTP (`http://127.0.0.1:5000/mcp`).
     pub url: String,

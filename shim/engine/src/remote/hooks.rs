@@ -13,6 +13,12 @@
 //!   restored: undo every remote change after POSITION and exit 0, or exit non-zero with one
 //!   line on stderr (the rollback then stops, and the sandbox is brought back as it was).
 //!
+//! * `HOOK branch CONTAINER-ID POSITION NEW-CONTAINER-ID` — during a fork of a statepoint whose
+//!   remote state this hook captured at POSITION: give the fork NEW-CONTAINER-ID remote state of
+//!   its own, as it was at POSITION, without changing CONTAINER-ID's; print one JSON object
+//!   `{"external-endpoint": "…", "database": "…"}` and exit 0, or exit non-zero with one line on
+//!   stderr (the fork then runs without it, its calls refused with that line).
+//!
 //! Hooks are captured in the configured order and compensated in reverse order. None is
 //! configured by default; the MCP state-proxy sidecar implements this contract.
 
@@ -52,6 +58,28 @@ pub fn compensate(states: &[RemoteState], container_id: &str) -> Result<()> {
         run(Path::new(hook), &["compensate", container_id, &pos.to_string()], None)?;
     }
     Ok(())
+}
+
+/// Branches `state` (one hook's, of the statepoint a fork starts from) for the fork `new_id`:
+/// the new remote state, and the database it names.
+pub fn branch(state: &RemoteState, container_id: &str, new_id: &str) -> Result<(RemoteState, String)> {
+    let (Some(hook), Some(pos)) = (&state.hook_path, state.mcp_call_position) else {
+        return Err(Error::Failed { hook: PathBuf::new(), verb: "branch".into(), message: "the statepoint holds no remote position".into() });
+    };
+    let hook = PathBuf::from(hook);
+    let out = run(&hook, &["branch", container_id, &pos.to_string(), new_id], None)?;
+    let v: serde_json::Value = serde_json::from_str(out.trim()).map_err(|source| Error::NotJson { hook: hook.clone(), source })?;
+    let database = v["database"].as_str().unwrap_or_default().to_string();
+    Ok((
+        RemoteState {
+            external_endpoint: v["external-endpoint"].as_str().map(String::from),
+            mcp_call_position: Some(pos),
+            hook_path: Some(hook.display().to_string()),
+            calls_since_parent: None,
+            tables_since_parent: None,
+        },
+        database,
+    ))
 }
 
 fn run(hook: &Path, args: &[&str], since: Option<u64>) -> Result<String> {
@@ -107,6 +135,19 @@ mod tests {
             std::fs::remove_file(h).unwrap();
         }
         std::fs::remove_file(log).unwrap();
+    }
+
+    #[test]
+    fn branch_gives_the_fork_its_own_endpoint_at_the_same_position() {
+        let h = script("branch", "[ \"$1 $2 $3 $4\" = 'branch src 7 new' ] && echo '{\"external-endpoint\": \"db-new\", \"database\": \"app_new\"}'");
+        let st = RemoteState { hook_path: Some(h.display().to_string()), mcp_call_position: Some(7), ..Default::default() };
+        let (b, db) = branch(&st, "src", "new").unwrap();
+        assert_eq!((b.external_endpoint.as_deref(), b.mcp_call_position, db.as_str()), (Some("db-new"), Some(7), "app_new"));
+        let bad = script("nobranch", "echo 'the database holds 2048 MiB' >&2; exit 1");
+        let st = RemoteState { hook_path: Some(bad.display().to_string()), mcp_call_position: Some(7), ..Default::default() };
+        assert!(branch(&st, "src", "new").unwrap_err().to_string().ends_with("branch failed: the database holds 2048 MiB"));
+        std::fs::remove_file(h).unwrap();
+        std::fs::remove_file(bad).unwrap();
     }
 
     #[test]

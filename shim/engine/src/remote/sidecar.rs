@@ -40,6 +40,13 @@ pub fn remote_hooks(cfg: &Config) -> Result<Vec<PathBuf>> {
     Ok(hooks)
 }
 
+/// Whether forks of a container using this service can get a database of their own: the
+/// upstream is told which database to use (`{dbname}` in its command, URL or environment).
+pub fn can_branch(svc: &McpService) -> bool {
+    let named = |s: &str| s.contains("{dbname}");
+    svc.upstream.iter().any(|a| named(a)) || named(&svc.url) || svc.env.values().any(|v| named(v))
+}
+
 fn running(store: &ContainerStore) -> Option<i32> {
     let pid: i32 = std::fs::read_to_string(store.dir.join(PID_FILE)).ok()?.trim().parse().ok()?;
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
@@ -80,6 +87,9 @@ pub fn start(cfg: &Config, id: &str) -> Result<()> {
     }
     if let Some(why) = &cfg.mcp.disabled {
         cmd.args(["--disabled", why]);
+    }
+    if let Some(db) = &cfg.mcp.branch {
+        cmd.args(["--dbname", db]);
     }
     if !svc.http.is_empty() {
         cmd.args(["--http", &svc.http]);

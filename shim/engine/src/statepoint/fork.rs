@@ -128,7 +128,8 @@ fn fork_into(
     podman::run(&["container", "init", name])?;
     podman::run(&["container", "stop", "-t", "0", name])?;
     let new = podman::inspect(name)?;
-    carry_settings(src, &src_cfg, &new)?;
+    progress.phase("its settings (and its own database, where the service can branch)");
+    let remote = carry_settings(src, &src_cfg, target, &new)?;
     podman::wait_stopped(&new.id, new.upperdir.as_deref(), Duration::from_secs(60))?;
     let store = ContainerStore::new(&cfg.store.path, &new.id);
     progress.phase("its first statepoint (images linked)");
@@ -136,7 +137,7 @@ fn fork_into(
         // The source's lock, shared, so that no removal or retention runs while its images are
         // linked, and tool calls on the source go on meanwhile (a fork runs beside them).
         let _lock = src_store.lock(false)?;
-        let mut m = link_statepoint(src, src_store, target, &store)?;
+        let mut m = link_statepoint(src, src_store, target, &store, remote)?;
         let rootfs = crate::local::rootfs_for(&src_cfg, &store, &new.id, new.upperdir.clone())?;
         if m.local_state.zfs_snapshot.is_some() {
             // NEW's files already are the statepoint's (a clone): its first statepoint is a
@@ -171,33 +172,62 @@ fn src_config(cfg: &Config, src: &PodmanContainer) -> Result<Config> {
 
 /// `podman container clone` does not copy annotations: the fork gets the source's
 /// `io.planarian.*` settings in the OCI config its restore reads (and Podman saves it again).
-/// A source with an MCP service gives the fork a sidecar that refuses SQL calls: the database
-/// cannot branch, and the source's remote state is the source's alone.
-fn carry_settings(src: &PodmanContainer, src_cfg: &Config, new: &PodmanContainer) -> Result<()> {
+/// A source with an MCP service gives the fork a database of its own when the service names its
+/// database as `{dbname}` (a copy at the statepoint's position, made by the proxy's `branch`:
+/// returned, the fork's remote state); otherwise, or when the branch is refused, the fork's
+/// sidecar refuses SQL calls, saying why: the source's database is the source's alone.
+fn carry_settings(src: &PodmanContainer, src_cfg: &Config, target: &Manifest, new: &PodmanContainer) -> Result<Option<crate::store::RemoteState>> {
     let mut settings: Vec<(String, serde_json::Value)> = src
         .annotations
         .iter()
-        .filter(|(k, _)| k.starts_with(crate::config::ANNOTATION_PREFIX))
+        .filter(|(k, _)| k.starts_with(crate::config::ANNOTATION_PREFIX) && k.as_str() != "io.planarian.mcp.branch")
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    if let Some((service, _)) = crate::remote::sidecar::service(src_cfg)? {
-        settings.push((
-            "io.planarian.mcp.disabled".into(),
+    let mut remote = None;
+    if let Some((service, svc)) = crate::remote::sidecar::service(src_cfg)? {
+        let proxy = crate::remote::sidecar::proxy_path(src_cfg)?.display().to_string();
+        let state = target.remote_state.iter().find(|r| r.hook_path.as_deref() == Some(proxy.as_str()));
+        let refused = |why: String| {
             serde_json::json!(format!(
-                "this sandbox is a fork of {}: the database behind MCP service {service} cannot branch, so SQL calls are refused here (they would change the source's data)",
+                "this sandbox is a fork of {}: it has no database of its own behind MCP service {service} ({why}), so SQL calls are refused here (they would change the source's data)",
                 src.name
-            )),
-        ));
+            ))
+        };
+        let disabled = match (src_cfg.mcp.disabled.as_deref(), state) {
+            (Some(_), _) => Some(refused(format!("{} has none either", src.name))),
+            (None, _) if !crate::remote::sidecar::can_branch(svc) => {
+                Some(refused("the service does not name its database as {dbname}, so it cannot branch".into()))
+            }
+            (None, None) => Some(refused(format!("statepoint {} holds no database position", target.statepoint_id))),
+            (None, Some(state)) => match crate::remote::hooks::branch(state, &src.id, &new.id) {
+                Ok((r, database)) => {
+                    settings.push(("io.planarian.mcp.branch".into(), serde_json::json!(database)));
+                    remote = Some(r);
+                    None
+                }
+                Err(e) => Some(refused(e.to_string())),
+            },
+        };
+        if let Some(why) = disabled {
+            settings.retain(|(k, _)| k != "io.planarian.mcp.disabled");
+            settings.push(("io.planarian.mcp.disabled".into(), why));
+        }
     }
-    if settings.is_empty() {
-        return Ok(());
+    if !settings.is_empty() {
+        Bundle::load(&new.bundle)?.set_annotations(settings)?;
     }
-    Ok(Bundle::load(&new.bundle)?.set_annotations(settings)?)
+    Ok(remote)
 }
 
 /// The new container's first statepoint: the source statepoint's images, files and descriptors,
 /// hard-linked into the new store.
-fn link_statepoint(src: &PodmanContainer, src_store: &ContainerStore, target: &Manifest, store: &ContainerStore) -> Result<Manifest> {
+fn link_statepoint(
+    src: &PodmanContainer,
+    src_store: &ContainerStore,
+    target: &Manifest,
+    store: &ContainerStore,
+    remote: Option<crate::store::RemoteState>,
+) -> Result<Manifest> {
     let id = store.next_id();
     let from = src_store.statepoint_dir(&target.statepoint_id);
     let dir = store.statepoint_dir(&id);
@@ -216,8 +246,9 @@ fn link_statepoint(src: &PodmanContainer, src_store: &ContainerStore, target: &M
     m.timestamp = crate::log::rfc3339(std::time::SystemTime::now());
     m.state_evidence.prior_outcomes.push(Outcome::now(format!("forked from {} at {}", src.name, target.statepoint_id), OutcomeStatus::Info, Actor::Harness, None));
     m.chain.prev_images_dir = prev;
-    // The remote state belongs to the source: a rollback of the fork never compensates it.
-    m.remote_state.clear();
+    // The remote state belongs to the source: a rollback of the fork never compensates it, but
+    // compensates the fork's own branch of it, when it has one.
+    m.remote_state = remote.into_iter().collect();
     m.status = Status::Committed;
     store.write_manifest(&m)?;
     store.set_head(Some(&m.statepoint_id))?;
