@@ -297,8 +297,12 @@ impl Proxy {
                 self.forward_request(msg, conn);
             }
             (Some("tools/call"), true) if msg["params"]["name"].as_str() == Some(&self.opts.sql_tool) => {
+                // A read that calls no function needs nothing of the database: straight on.
+                if self.plain_read(&msg) {
+                    return self.forward_request(msg, conn);
+                }
                 let (me, conn) = (self.clone(), conn.clone());
-                // Reads must not wait behind writes: every SQL call gets its own thread.
+                // Reads must not wait behind writes: every other SQL call gets its own thread.
                 std::thread::spawn(move || me.sql_call(msg, &conn));
             }
             (Some(_), true) => self.forward_request(msg, conn),

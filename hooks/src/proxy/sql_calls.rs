@@ -38,6 +38,23 @@ fn tool_error(text: String) -> Value {
 }
 
 impl Proxy {
+    /// Whether a call of the SQL tool only reads and calls no function (nothing to check in the
+    /// catalog, nothing to record), while calls are not refused.
+    pub(super) fn plain_read(&self, msg: &Value) -> bool {
+        let Some(sql) = msg["params"]["arguments"][&self.opts.sql_arg].as_str() else { return false };
+        if self.disabled.lock().unwrap().is_some() {
+            return false;
+        }
+        let texts = match self.opts.server {
+            Server::Toolbox => vec![sql.to_string()],
+            Server::Dbhub => match split(sql) {
+                Ok(t) if !t.is_empty() => t,
+                _ => return false,
+            },
+        };
+        texts.iter().all(|t| matches!(classify(t), Class::ReadOnly { functions } if functions.is_empty()))
+    }
+
     pub(super) fn sql_call(self: Arc<Self>, msg: Value, conn: &Arc<Conn>) {
         let id = msg["id"].clone();
         let Some(sql) = msg["params"]["arguments"][&self.opts.sql_arg].as_str().map(String::from) else {
