@@ -262,6 +262,16 @@ fn control(p: &Path, args: &[&str]) -> Result<Value, String> {
 
 /// Every user table, whole, in key order: what the tests compare.
 fn dump(c: &mut Client) -> String {
+    dump_tables(c, "")
+}
+
+/// Every relation of the schema, each holding only its own rows (`FROM ONLY`: a parent's dump
+/// does not repeat its children's rows, partitions are listed on their own).
+fn dump_only(c: &mut Client) -> String {
+    dump_tables(c, "ONLY ")
+}
+
+fn dump_tables(c: &mut Client, only: &str) -> String {
     let tables: Vec<String> = c
         .query("SELECT format('%I.%I', schemaname, tablename) FROM pg_tables WHERE schemaname = 'public' ORDER BY 1", &[])
         .unwrap()
@@ -270,10 +280,33 @@ fn dump(c: &mut Client) -> String {
         .collect();
     let mut out = String::new();
     for t in tables {
-        let rows = c.query(&format!("SELECT coalesce(jsonb_agg(to_jsonb(x.*) ORDER BY to_jsonb(x.*)::text), '[]')::text FROM {t} x"), &[]).unwrap();
+        let rows = c
+            .query(&format!("SELECT coalesce(jsonb_agg(to_jsonb(x.*) ORDER BY to_jsonb(x.*)::text), '[]')::text FROM {only}{t} x"), &[])
+            .unwrap();
         out += &format!("{t}: {}\n", rows[0].get::<_, String>(0));
     }
     out
+}
+
+/// Sends each call through the proxy (none may be refused) and notes, after each, the position
+/// and every table (`dump`).
+fn record(p: &mut Proxied, db: &mut Client, calls: &[&str], dump: fn(&mut Client) -> String, at: &mut Vec<(u64, String)>) {
+    for q in calls {
+        let r = p.mcp.sql(q);
+        assert_ne!(r["isError"], json!(true), "{q}: {r}");
+        let pos = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+        at.push((pos, dump(db)));
+    }
+}
+
+/// Compensates back to every earlier position noted, newest first: each time every table must
+/// be exactly as it was when that position was current.
+fn back_through(p: &Proxied, db: &mut Client, at: &[(u64, String)], dump: fn(&mut Client) -> String) {
+    for (pos, want) in at.iter().rev().skip(1) {
+        let r = control(&p.control, &["compensate", &pos.to_string()]).unwrap();
+        assert_eq!(r["position"].as_u64(), Some(*pos));
+        assert_eq!(&dump(db), want, "after compensating to position {pos}");
+    }
 }
 
 fn schema(c: &mut Client) {
@@ -337,22 +370,14 @@ fn every_position(bin: &Path, srv: &Srv) {
     let extra: &[&str] = if matches!(srv, Srv::Dbhub(_)) { &several } else { &[] };
     // The CREATE … IF NOT EXISTS of an existing table creates nothing: no position.
     let writes = 23 + extra.len() as u64;
-    for q in session.iter().chain(extra) {
-        let r = p.mcp.sql(q);
-        assert_ne!(r["isError"], json!(true), "{q}: {r}");
-        let pos = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
-        at.push((pos, dump(&mut db)));
-    }
+    let calls: Vec<&str> = session.iter().chain(extra).copied().collect();
+    record(&mut p, &mut db, &calls, dump, &mut at);
     // Reads are not numbered: 11 writes.
     assert_eq!(at.last().unwrap().0, start + writes);
     assert_ne!(at.last().unwrap().1, at[0].1);
     // Back through every earlier position, newest first; each time every table is exactly as it
     // was when that position was current.
-    for (pos, want) in at.iter().rev().skip(1) {
-        let r = control(&p.control, &["compensate", &pos.to_string()]).unwrap();
-        assert_eq!(r["position"].as_u64(), Some(*pos));
-        assert_eq!(&dump(&mut db), want, "after compensating to position {pos}");
-    }
+    back_through(&p, &mut db, &at, dump);
     let undo: i64 = db.query_one("SELECT count(*) FROM planarian.undo", &[]).unwrap().get(0);
     assert_eq!(undo, 0, "each compensation consumes its undo rows");
     let gone: bool = db
@@ -464,25 +489,6 @@ fn refusals(bin: &Path, srv: &Srv) {
     assert!(unknown["error"].is_object(), "{unknown}");
 }
 
-/// Every relation of the schema, each holding only its own rows (`FROM ONLY`: a parent's dump
-/// does not repeat its children's rows, partitions are listed on their own).
-fn dump_only(c: &mut Client) -> String {
-    let tables: Vec<String> = c
-        .query("SELECT format('%I.%I', schemaname, tablename) FROM pg_tables WHERE schemaname = 'public' ORDER BY 1", &[])
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let mut out = String::new();
-    for t in tables {
-        let rows = c
-            .query(&format!("SELECT coalesce(jsonb_agg(to_jsonb(x.*) ORDER BY to_jsonb(x.*)::text), '[]')::text FROM ONLY {t} x"), &[])
-            .unwrap();
-        out += &format!("{t}: {}\n", rows[0].get::<_, String>(0));
-    }
-    out
-}
-
 /// Inheritance children, a grandchild with a row whose key its parent also has, and a
 /// partitioned table: what a statement on the parent reaches.
 fn hierarchy(c: &mut Client) {
@@ -526,7 +532,7 @@ fn children_and_partitions(bin: &Path, srv: &Srv) {
     let mut p = proxy(srv, &pg, "inherit");
     let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
     let mut at = vec![(start, dump_only(&mut db))];
-    for q in [
+    let calls = [
         // Reaches items 1, special 1 and 3, rare 5: each must come back where it was, whole.
         "DELETE FROM items WHERE id IN (1, 3, 5)",
         "UPDATE items SET name = upper(name) WHERE id IN (2, 4)",
@@ -543,12 +549,8 @@ fn children_and_partitions(bin: &Path, srv: &Srv) {
         "UPDATE measures SET region = 'us', id = id + 500 WHERE id = 3",
         "UPDATE items SET id = id * 10 WHERE id = 4",
         "UPDATE special_items SET name = 'after the move' WHERE id = 40",
-    ] {
-        let r = p.mcp.sql(q);
-        assert_ne!(r["isError"], json!(true), "{q}: {r}");
-        let pos = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
-        at.push((pos, dump_only(&mut db)));
-    }
+    ];
+    record(&mut p, &mut db, &calls, dump_only, &mut at);
     // What cannot be told apart or has effects of its own is refused before execution.
     let before = dump_only(&mut db);
     for (q, want) in [
@@ -560,10 +562,7 @@ fn children_and_partitions(bin: &Path, srv: &Srv) {
         assert!(r["isError"] == json!(true) && text.contains(want), "{q}: {r}");
     }
     assert_eq!(dump_only(&mut db), before, "a refusal changes nothing");
-    for (pos, want) in at.iter().rev().skip(1) {
-        control(&p.control, &["compensate", &pos.to_string()]).unwrap();
-        assert_eq!(&dump_only(&mut db), want, "after compensating to position {pos}");
-    }
+    back_through(&p, &mut db, &at, dump_only);
     drop(p);
 }
 
