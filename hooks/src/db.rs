@@ -55,8 +55,8 @@ struct Promise<'a> {
     pos: i64,
     /// `ONLY ` when the relation is the row's own (not a partitioned table routing to it).
     only: &'a str,
-    /// The relation the row must live in.
-    home: String,
+    /// The relation the row must live in (None: not recorded, by a proxy before they were).
+    home: Option<String>,
     /// The row as it must be; None: no row with that key.
     want: Option<serde_json::Value>,
     /// An image carrying its key.
@@ -564,9 +564,10 @@ impl Db {
                 }
             };
             let (target, only, home) = match e.get::<_, Option<String>>(6) {
-                Some(rel) if partitioned => (tbl.clone(), "", rel),
-                Some(rel) => (rel.clone(), "ONLY ", rel),
-                None => (tbl.clone(), "", tbl.clone()),
+                Some(rel) if partitioned => (tbl.clone(), "", Some(rel)),
+                Some(rel) => (rel.clone(), "ONLY ", Some(rel)),
+                // (where it lived is not known: anywhere the named table reaches)
+                None => (tbl.clone(), "", None),
             };
             if !infos.contains_key(&target) {
                 let cols = tx
@@ -668,7 +669,7 @@ impl Db {
             let row = tx
                 .query_one(
                     &format!(
-                        "SELECT count(*), count(*) FILTER (WHERE to_jsonb(o.*) = $2 AND o.tableoid = to_regclass($3)) FROM {}{target} o WHERE {}",
+                        "SELECT count(*), count(*) FILTER (WHERE to_jsonb(o.*) = $2 AND ($3::text IS NULL OR o.tableoid = to_regclass($3))) FROM {}{target} o WHERE {}",
                         p.only,
                         key_match(keys, target, "$1")
                     ),
@@ -682,8 +683,11 @@ impl Db {
             };
             if !ok {
                 let what = match (&p.want, found) {
-                    (Some(_), 0) => format!("is not back in {}", p.home),
-                    (Some(_), _) => format!("is not back in {} as it was ({found} rows with its key, {same} as they were)", p.home),
+                    (Some(_), 0) => format!("is not back in {}", p.home.as_deref().unwrap_or(target)),
+                    (Some(_), _) => format!(
+                        "is not back in {} as it was ({found} rows with its key, {same} as they were)",
+                        p.home.as_deref().unwrap_or(target)
+                    ),
                     (None, _) => "is still there".to_string(),
                 };
                 return Err(CompensateError::Other(format!(

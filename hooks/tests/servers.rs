@@ -690,6 +690,25 @@ fn a_branch_is_a_copy_of_the_database_at_a_position_that_the_source_never_sees()
 }
 
 #[test]
+fn undo_rows_an_older_proxy_wrote_are_still_undone() {
+    let (bin, servers) = require!();
+    let pg = Pg::start(&bin, "older");
+    let mut db = pg.client();
+    hierarchy(&mut db);
+    let mut p = proxy(&servers[0], &pg, "older");
+    let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
+    let before = dump_only(&mut db);
+    for q in ["UPDATE measures SET v = v * 2", "DELETE FROM measures WHERE id = 2", "INSERT INTO measures VALUES (9, 'eu', 90)"] {
+        let r = p.mcp.sql(q);
+        assert_ne!(r["isError"], json!(true), "{q}: {r}");
+    }
+    // As an older proxy wrote them: the table the statement named, not where each row lived.
+    db.batch_execute("UPDATE planarian.undo SET rel = NULL").unwrap();
+    control(&p.control, &["compensate", &start.to_string()]).unwrap();
+    assert_eq!(dump_only(&mut db), before);
+}
+
+#[test]
 fn a_compensation_whose_rows_land_elsewhere_fails_and_changes_nothing() {
     let (bin, servers) = require!();
     let pg = Pg::start(&bin, "verify");
