@@ -1,6 +1,7 @@
 //! Remote state end to end: a sandbox with an MCP service (the sidecar planarian starts with the
 //! container, in front of the real DBHub MCP server and a real PostgreSQL), its files and its
-//! database rows rolled back together, and a fork whose database calls are refused.
+//! database rows rolled back together, forks with databases of their own, and a fork whose
+//! database calls are refused.
 
 use planarian_system_tests::*;
 use serde_json::{json, Value};
@@ -170,15 +171,17 @@ fn node_and_dbhub() -> Option<(PathBuf, PathBuf)> {
     }
 }
 
+/// Its upstream names its database as `{dbname}`: each fork of a statepoint gets a copy of the
+/// database as it was at that statepoint, written only by that fork.
 #[test]
-fn rollback_undoes_database_changes_with_the_files_and_a_fork_is_refused() {
+fn rollback_undoes_database_changes_with_the_files_and_forks_get_their_own_databases() {
     require_stack!();
     // DBHub under node: it starts in seconds under the guest's emulation, the Toolbox (a
     // 300 MB Go binary read over 9p) in minutes.
     let Some((node, dbhub)) = node_and_dbhub() else { return };
     let pg = Pg::start();
     let service = format!(
-        "upstream = [\"{node}\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable\"]\n",
+        "upstream = [\"{node}\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/{{dbname}}?sslmode=disable\"]\n",
         node = node.display(),
         dbhub = dbhub.display(),
         port = pg.port
@@ -186,80 +189,9 @@ fn rollback_undoes_database_changes_with_the_files_and_a_fork_is_refused() {
     end_to_end(&pg, &service, false);
 }
 
-/// A service whose upstream names its database as `{dbname}`: each fork of a statepoint gets a
-/// copy of the database as it was at that statepoint, written only by the fork, undone by the
-/// fork's rollbacks; the source and the other forks never see it.
-#[test]
-fn forks_of_one_statepoint_get_their_own_databases() {
-    require_stack!();
-    let Some((node, dbhub)) = node_and_dbhub() else { return };
-    let pg = Pg::start();
-    pg.psql("CREATE TABLE reports (id int PRIMARY KEY, body text NOT NULL)");
-    let _conf = DropIn::new(
-        "zz-mcp-branch",
-        &format!(
-            "[mcp.services.pltest]\nupstream = [\"{node}\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/{{dbname}}?sslmode=disable\"]\nserver = \"dbhub\"\ndatabase = \"host=127.0.0.1 port={port} user=postgres dbname=postgres\"\n",
-            node = node.display(),
-            dbhub = dbhub.display(),
-            port = pg.port
-        ),
-    );
-    let n = name("mcp-branch");
-    let _c = Cleanup(n.clone());
-    podman("planarian", &["run", "-d", "--name", &n, "--annotation", "io.planarian.mcp.service=pltest", BUSYBOX, "sleep", "600"]).ok();
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
-    let mut agent = Harness::connect(&id);
-    let ok = |h: &mut Harness, q: &str| {
-        let r = h.sql(q);
-        assert_ne!(r["isError"], json!(true), "{q}: {r}");
-    };
-    ok(&mut agent, "INSERT INTO reports VALUES (1, 'at the statepoint')");
-    let sp1 = planarian(&["snapshot", &n]).ok().out();
-    ok(&mut agent, "INSERT INTO reports VALUES (2, 'the source, after it')");
-    let rows = |db: &str| pg.psql_in(db, "SELECT string_agg(id || ':' || body, ',' ORDER BY id) FROM reports");
-
-    let mut forks = Vec::new();
-    for (tag, row) in [("a", 10), ("b", 20)] {
-        let f = name(&format!("mcp-branch-{tag}"));
-        let cleanup = Cleanup(f.clone());
-        let out = planarian(&["fork", &n, &sp1, "--name", &f]);
-        out.ok();
-        let fid = podman("planarian", &["inspect", "--format", "{{.Id}}", &f]).out();
-        let db = format!("postgres_{}", &fid[..12]);
-        assert_eq!(rows(&db), "1:at the statepoint", "the fork's database is the source's at {sp1}");
-        let mut h = Harness::connect(&fid);
-        ok(&mut h, &format!("INSERT INTO reports VALUES ({row}, 'fork {tag}')"));
-        forks.push((f, fid, db, h, cleanup, row));
-    }
-    assert_eq!(rows("postgres"), "1:at the statepoint,2:the source, after it", "the source never sees a fork's rows");
-    for (_, _, db, _, _, row) in &forks {
-        assert_eq!(rows(db), format!("1:at the statepoint,{row}:fork {}", if *row == 10 { "a" } else { "b" }), "each fork sees only its own");
-    }
-    // A fork's rollback to its first statepoint undoes its own calls, in its own database.
-    let (f, _, db, h, _, _) = &mut forks[0];
-    let first = planarian(&["statepoint", "list", f, "--json"]).ok().out();
-    let list: Value = serde_json::from_str(&first).unwrap();
-    let first_sp = list[0]["statepoint-id"].as_str().unwrap().to_string();
-    assert!(list[0]["remote-state"][0]["mcp-call-position"].is_u64(), "the fork's first statepoint holds its branch's position: {list}");
-    planarian(&["rollback", f, &first_sp]).ok();
-    assert_eq!(rows(db), "1:at the statepoint");
-    ok(h, "INSERT INTO reports VALUES (11, 'fork a, after its rollback')");
-    assert_eq!(rows(db), "1:at the statepoint,11:fork a, after its rollback");
-    assert_eq!(rows("postgres"), "1:at the statepoint,2:the source, after it");
-    // The source's own rollback leaves the forks' databases alone.
-    planarian(&["rollback", &n, &sp1]).ok();
-    assert_eq!(rows("postgres"), "1:at the statepoint");
-    assert_eq!(rows(&forks[1].2), "1:at the statepoint,20:fork b");
-    drop(agent);
-    for (f, _, db, h, _, _) in forks {
-        drop(h);
-        podman("planarian", &["rm", "-f", "-t", "0", &f]).ok();
-        pg.psql(&format!("DROP DATABASE \"{db}\" WITH (FORCE)"));
-    }
-}
-
 /// The same with the real server serving Streamable HTTP (started here, not by the sidecar),
-/// and the sidecar serving the harness over HTTP too.
+/// and the sidecar serving the harness over HTTP too. Its URL names no database: a fork's SQL
+/// calls are refused.
 #[test]
 fn over_streamable_http_rollback_undoes_database_changes_with_the_files_and_a_fork_is_refused() {
     require_stack!();
@@ -370,29 +302,68 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
     planarian(&["rollback", &n, &sp2]).ok();
     assert_eq!(pg.psql("SELECT string_agg(id::text, ',' ORDER BY id) FROM reports"), "1,3");
 
-    // A fork of sp1: its own sandbox, but no calls into the source's database.
-    let f = name("mcp-fork");
-    let _cf = Cleanup(f.clone());
-    planarian(&["fork", &n, &sp1, "--name", &f]).ok();
-    let fid = podman("planarian", &["inspect", "--format", "{{.Id}}", &f]).out();
-    assert_eq!(podman("planarian", &["exec", &f, "cat", "/report"]).out(), "first draft");
-    let mut forked = Harness::connect(&fid);
-    let r = forked.sql("DELETE FROM reports");
-    assert_eq!(r["isError"], json!(true), "{r}");
-    assert!(r["content"][0]["text"].as_str().unwrap().contains("fork"), "{r}");
-    assert_eq!(pg.psql("SELECT count(*) FROM reports"), "2", "the fork changed nothing");
-    let fm: Value = serde_json::from_str(&planarian(&["statepoint", "list", &f, "--json"]).out()).unwrap_or(Value::Null);
-    if let Some(list) = fm.as_array() {
-        assert!(list.iter().all(|s| s["remote-state"].as_array().is_none_or(|a| a.is_empty())), "{fm}");
+    let rows = |db: &str| pg.psql_in(db, "SELECT string_agg(id || ':' || body, ',' ORDER BY id) FROM reports");
+    let source_rows = rows("postgres");
+    assert_eq!(source_rows, "1:first draft,3:after rollback");
+    // Forks of sp1: their own sandboxes. With a service that names its database, each gets its
+    // own copy of the database as it was at sp1; without, no calls into the source's database.
+    let branches = !http;
+    let mut forks = Vec::new();
+    for (tag, row) in if branches { vec![("a", 10), ("b", 20)] } else { vec![("a", 10)] } {
+        let f = name(&format!("mcp-fork-{tag}"));
+        let cleanup = Cleanup(f.clone());
+        planarian(&["fork", &n, &sp1, "--name", &f]).ok();
+        let fid = podman("planarian", &["inspect", "--format", "{{.Id}}", &f]).out();
+        assert_eq!(podman("planarian", &["exec", &f, "cat", "/report"]).out(), "first draft");
+        let mut forked = Harness::connect(&fid);
+        let db = format!("postgres_{}", &fid[..12]);
+        if branches {
+            assert_eq!(rows(&db), "1:first draft", "the fork's database is the source's at {sp1}");
+            let r = forked.sql(&format!("INSERT INTO reports VALUES ({row}, 'fork {tag}')"));
+            assert_ne!(r["isError"], json!(true), "{r}");
+        } else {
+            let r = forked.sql("DELETE FROM reports");
+            assert_eq!(r["isError"], json!(true), "{r}");
+            assert!(r["content"][0]["text"].as_str().unwrap().contains("fork"), "{r}");
+            let fm: Value = serde_json::from_str(&planarian(&["statepoint", "list", &f, "--json"]).out()).unwrap_or(Value::Null);
+            if let Some(list) = fm.as_array() {
+                assert!(list.iter().all(|s| s["remote-state"].as_array().is_none_or(|a| a.is_empty())), "{fm}");
+            }
+        }
+        forks.push((f, fid, db, forked, cleanup, row));
+    }
+    assert_eq!(rows("postgres"), source_rows, "the source never sees a fork's calls");
+    if branches {
+        assert_eq!(rows(&forks[0].2), "1:first draft,10:fork a", "each fork sees only its own rows");
+        assert_eq!(rows(&forks[1].2), "1:first draft,20:fork b", "each fork sees only its own rows");
+        // A fork's rollback to its first statepoint undoes its own calls, in its own database.
+        let (f, _, db, h, _, _) = &mut forks[0];
+        let list: Value = serde_json::from_str(&planarian(&["statepoint", "list", f, "--json"]).ok().out()).unwrap();
+        assert!(list[0]["remote-state"][0]["mcp-call-position"].is_u64(), "the fork's first statepoint holds its branch's position: {list}");
+        let first = list[0]["statepoint-id"].as_str().unwrap().to_string();
+        planarian(&["rollback", f, &first]).ok();
+        assert_eq!(rows(db), "1:first draft");
+        let r = h.sql("INSERT INTO reports VALUES (11, 'fork a, after its rollback')");
+        assert_ne!(r["isError"], json!(true), "{r}");
+        assert_eq!(rows(db), "1:first draft,11:fork a, after its rollback");
+        assert_eq!(rows(&forks[1].2), "1:first draft,20:fork b");
+        assert_eq!(rows("postgres"), source_rows);
     }
     // The source's sidecar is untouched.
     let r = agent.sql("SELECT count(*) FROM reports");
     assert_ne!(r["isError"], json!(true), "{r}");
 
-    // Sidecars stop with their containers.
-    drop(forked);
+    // Sidecars stop with their containers (a fork's database stays until dropped).
     drop(agent);
-    podman("planarian", &["rm", "-f", "-t", "0", &f]).ok();
     podman("planarian", &["rm", "-f", "-t", "0", &n]).ok();
-    assert!(wait_for(Duration::from_secs(120), || !sidecar_running(&id) && !sidecar_running(&fid)), "the sidecars stop with their containers");
+    let mut ids = vec![id];
+    for (f, fid, db, forked, _cleanup, _) in forks {
+        drop(forked);
+        podman("planarian", &["rm", "-f", "-t", "0", &f]).ok();
+        if branches {
+            pg.psql(&format!("DROP DATABASE \"{db}\" WITH (FORCE)"));
+        }
+        ids.push(fid);
+    }
+    assert!(wait_for(Duration::from_secs(120), || ids.iter().all(|i| !sidecar_running(i))), "the sidecars stop with their containers");
 }
