@@ -4,7 +4,8 @@
 //! `"calls"` and `"tables"`: how many calls after P changed something, and what;
 //! `{"op":"compensate","to":P}` → `{"position":P,"rows":R}` or `{"error":"…"}`;
 //! `{"op":"branch","at":P,"container":ID}` → `{"database":NAME}`: a copy of the database at
-//! position P for the fork ID;
+//! position P for the fork ID; `{"op":"unbranch","container":ID}` → `{"dropped":NAME}`: that
+//! copy dropped (a fork that failed);
 //! `{"op":"disable","reason":"…"}` → `{"disabled":true}`; `{"op":"status"}` → the proxy's state.
 
 use crate::proxy::Proxy;
@@ -72,7 +73,14 @@ fn handle(conn: UnixStream, proxy: &Proxy) {
             },
             _ => json!({"error": "branch needs \"at\": a position and \"container\": the fork's ID"}),
         },
-        _ => json!({"error": "unknown request: expected op position, compensate, branch, disable or status"}),
+        Some("unbranch") => match req["container"].as_str() {
+            Some(c) => match proxy.unbranch(c) {
+                Ok(name) => json!({"dropped": name}),
+                Err(e) => json!({"error": e}),
+            },
+            None => json!({"error": "unbranch needs \"container\": the fork's ID"}),
+        },
+        _ => json!({"error": "unknown request: expected op position, compensate, branch, unbranch, disable or status"}),
     };
     let mut conn = conn;
     let _ = conn.write_all(format!("{resp}\n").as_bytes());

@@ -10,6 +10,7 @@
 //! planarian-mcp-proxy capture CONTAINER-ID             (the hook contract of planarian)
 //! planarian-mcp-proxy compensate CONTAINER-ID POSITION
 //! planarian-mcp-proxy branch CONTAINER-ID POSITION NEW-CONTAINER-ID   (a fork's own database)
+//! planarian-mcp-proxy unbranch CONTAINER-ID NEW-CONTAINER-ID          (… dropped: the fork failed)
 //! planarian-mcp-proxy control SOCKET position|status|compensate P|disable [REASON]
 //! ```
 //!
@@ -97,6 +98,9 @@ enum Cmd {
     /// The hook contract of planarian: a copy of the database at POSITION for the fork
     /// NEW-CONTAINER-ID; prints its endpoint as JSON.
     Branch { container: String, position: u64, new_container: String },
+    /// The hook contract of planarian: drop the copy made for the fork NEW-CONTAINER-ID, which
+    /// failed.
+    Unbranch { container: String, new_container: String },
     /// Talk to a proxy's control socket.
     Control {
         socket: PathBuf,
@@ -111,6 +115,7 @@ enum ControlOp {
     Status,
     Compensate { position: u64 },
     Branch { at: u64, container: String },
+    Unbranch { container: String },
     Disable { reason: Option<String> },
 }
 
@@ -203,12 +208,16 @@ fn main() {
                 println!("{out}");
             })
         }
+        Cmd::Unbranch { container, new_container } => {
+            control::request(&socket(&container), &json!({"op": "unbranch", "container": new_container})).map(drop)
+        }
         Cmd::Control { socket, op } => {
             let req = match op {
                 ControlOp::Position => json!({"op": "position"}),
                 ControlOp::Status => json!({"op": "status"}),
                 ControlOp::Compensate { position } => json!({"op": "compensate", "to": position}),
                 ControlOp::Branch { at, container } => json!({"op": "branch", "at": at, "container": container}),
+                ControlOp::Unbranch { container } => json!({"op": "unbranch", "container": container}),
                 ControlOp::Disable { reason } => json!({"op": "disable", "reason": reason}),
             };
             control::request(&socket, &req).map(|v| println!("{v}"))

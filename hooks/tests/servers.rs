@@ -683,9 +683,16 @@ fn a_branch_is_a_copy_of_the_database_at_a_position_that_the_source_never_sees()
     control(&src.control, &["compensate", &(at - 1).to_string()]).unwrap();
     let err = control(&src.control, &["branch", &at.to_string(), "fedcba9876543210"]).unwrap_err();
     assert!(err.contains("can no longer be restored"), "{err}");
-    let exists: bool = db.query_one("SELECT EXISTS (SELECT FROM pg_database WHERE datname = 'postgres_fedcba987654')", &[]).unwrap().get(0);
-    assert!(!exists, "a refused branch leaves no database");
+    let exists = |db: &mut Client, name: &str| -> bool {
+        db.query_one("SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)", &[&name]).unwrap().get(0)
+    };
+    assert!(!exists(&mut db, "postgres_fedcba987654"), "a refused branch leaves no database");
+    // A fork that failed after its branch was made: the branch is dropped (its sessions too).
     drop(fork);
+    drop(bdb);
+    let r = control(&src.control, &["unbranch", "0123456789abcdef"]).unwrap();
+    assert_eq!(r["dropped"].as_str(), Some(name.as_str()));
+    assert!(!exists(&mut db, &name));
     drop(src);
 }
 

@@ -308,6 +308,15 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
     // Forks of sp1: their own sandboxes. With a service that names its database, each gets its
     // own copy of the database as it was at sp1; without, no calls into the source's database.
     let branches = !http;
+    let branch_dbs = || pg.psql("SELECT count(*) FROM pg_database WHERE datname LIKE 'postgres\\_%'");
+    if branches {
+        // A fork that fails after its database was branched leaves no database behind.
+        std::fs::write("/run/planarian/fault", "fork.linked").unwrap();
+        let r = planarian(&["fork", &n, &sp1, "--name", &name("mcp-fork-failed")]);
+        let _ = std::fs::remove_file("/run/planarian/fault");
+        assert!(r.code != Some(0) && r.stderr.contains("injected fault at fork.linked"), "{r:?}");
+        assert_eq!(branch_dbs(), "0", "the failed fork's database is dropped");
+    }
     let mut forks = Vec::new();
     for (tag, row) in if branches { vec![("a", 10), ("b", 20)] } else { vec![("a", 10)] } {
         let f = name(&format!("mcp-fork-{tag}"));

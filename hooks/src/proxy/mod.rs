@@ -75,6 +75,13 @@ impl Options {
     }
 }
 
+/// The name of the branch of database `current` for the fork `container`.
+fn branch_name(current: &str, container: &str) -> String {
+    let suffix: String = container.chars().filter(|c| c.is_ascii_alphanumeric()).take(12).collect();
+    let prefix: String = current.chars().take(63 - 1 - suffix.len()).collect();
+    format!("{prefix}_{suffix}")
+}
+
 /// The largest database a fork gets a copy of.
 pub const BRANCH_MAX_BYTES: i64 = 1 << 30;
 
@@ -366,9 +373,7 @@ impl Proxy {
                 BRANCH_MAX_BYTES >> 20
             ));
         }
-        let suffix: String = container.chars().filter(|c| c.is_ascii_alphanumeric()).take(12).collect();
-        let prefix: String = current.chars().take(63 - 1 - suffix.len()).collect();
-        let name = format!("{prefix}_{suffix}");
+        let name = branch_name(&current, container);
         self.db.lock().unwrap().create_database(&name)?;
         let from = self.opts.pg_config()?;
         let mut to = from.clone();
@@ -386,6 +391,16 @@ impl Proxy {
             let _ = self.db.lock().unwrap().drop_database(&name);
             return Err(format!("cannot branch the database {current}: {e}"));
         }
+        Ok(name)
+    }
+
+    /// Drops the branch made for the fork `container` (a fork that failed after it was made);
+    /// returns its name. Nothing when there is none.
+    pub fn unbranch(&self, container: &str) -> Result<String, String> {
+        let mut db = self.db.lock().unwrap();
+        let (current, _, _) = db.describe()?;
+        let name = branch_name(&current, container);
+        db.drop_database(&name)?;
         Ok(name)
     }
 

@@ -469,7 +469,13 @@ pub(crate) mod tests {
         let f = File::options().write(true).open(s.dir.join("lock")).unwrap();
         assert!(f.try_lock_shared().is_err());
         drop(held);
-        assert!(f.try_lock_shared().is_ok());
+        // A child another test forks holds a copy of the lock's descriptor until it execs (then
+        // CLOEXEC closes it): the lock is free once the last copy is gone.
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while f.try_lock_shared().is_err() {
+            assert!(std::time::Instant::now() < end, "the lock was never released");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -18,6 +18,8 @@
 //!   its own, as it was at POSITION, without changing CONTAINER-ID's; print one JSON object
 //!   `{"external-endpoint": "…", "database": "…"}` and exit 0, or exit non-zero with one line on
 //!   stderr (the fork then runs without it, its calls refused with that line).
+//! * `HOOK unbranch CONTAINER-ID NEW-CONTAINER-ID` — the fork failed after `branch`: remove what
+//!   it made (nothing when there is none).
 //!
 //! Hooks are captured in the configured order and compensated in reverse order. None is
 //! configured by default; the MCP state-proxy sidecar implements this contract.
@@ -82,6 +84,11 @@ pub fn branch(state: &RemoteState, container_id: &str, new_id: &str) -> Result<(
     ))
 }
 
+/// Removes what `branch` made for the fork `new_id`, which failed.
+pub fn unbranch(hook: &Path, container_id: &str, new_id: &str) -> Result<()> {
+    run(hook, &["unbranch", container_id, new_id], None).map(drop)
+}
+
 fn run(hook: &Path, args: &[&str], since: Option<u64>) -> Result<String> {
     let mut cmd = Command::new(hook);
     if let Some(p) = since {
@@ -107,11 +114,20 @@ fn run(hook: &Path, args: &[&str], since: Option<u64>) -> Result<String> {
 mod tests {
     use super::*;
 
+    /// An executable script, written by another process: a file this (multi-threaded) test
+    /// process held open for writing could be inherited by a child another test forks, and
+    /// executing it then fails with ETXTBSY ("Text file busy").
     fn script(tag: &str, body: &str) -> PathBuf {
-        use std::os::unix::fs::PermissionsExt;
+        use std::io::Write;
         let p = std::env::temp_dir().join(format!("planarian-hook-{tag}-{}", std::process::id()));
-        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let mut sh = Command::new("/bin/sh")
+            .args(["-c", "cat > \"$0\" && chmod 755 \"$0\""])
+            .arg(&p)
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap();
+        sh.stdin.take().unwrap().write_all(format!("#!/bin/sh\n{body}\n").as_bytes()).unwrap();
+        assert!(sh.wait().unwrap().success());
         p
     }
 
@@ -145,7 +161,8 @@ mod tests {
         assert_eq!((b.external_endpoint.as_deref(), b.mcp_call_position, db.as_str()), (Some("db-new"), Some(7), "app_new"));
         let bad = script("nobranch", "echo 'the database holds 2048 MiB' >&2; exit 1");
         let st = RemoteState { hook_path: Some(bad.display().to_string()), mcp_call_position: Some(7), ..Default::default() };
-        assert!(branch(&st, "src", "new").unwrap_err().to_string().ends_with("branch failed: the database holds 2048 MiB"));
+        let e = branch(&st, "src", "new").unwrap_err().to_string();
+        assert!(e.ends_with("branch failed: the database holds 2048 MiB"), "{e}");
         std::fs::remove_file(h).unwrap();
         std::fs::remove_file(bad).unwrap();
     }

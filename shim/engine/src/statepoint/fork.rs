@@ -71,6 +71,7 @@ impl Fork {
                 let store = ContainerStore::new(&cfg.store.path, &c.id);
                 let _ = crate::local::zfs::remove_container(cfg, &store);
                 let _ = std::fs::remove_dir_all(store.dir);
+                unbranch(cfg, src, &c.id);
             }
             return Err(Error::ForkFailed(Box::new(e)));
         }
@@ -101,6 +102,16 @@ impl Fork {
             let _ = context::append_outcome(&self.src_store, &target.statepoint_id, note);
         }
         Ok((new, ctx))
+    }
+}
+
+/// Drops the database a failed fork `new_id` may have been given (nothing when it has none).
+fn unbranch(cfg: &Config, src: &PodmanContainer, new_id: &str) {
+    let Ok(src_cfg) = src_config(cfg, src) else { return };
+    if let (Ok(Some((_, svc))), Ok(proxy)) = (crate::remote::sidecar::service(&src_cfg), crate::remote::sidecar::proxy_path(&src_cfg)) {
+        if src_cfg.mcp.disabled.is_none() && crate::remote::sidecar::can_branch(svc) {
+            let _ = crate::remote::hooks::unbranch(&proxy, &src.id, new_id);
+        }
     }
 }
 
