@@ -55,6 +55,16 @@ impl Proxy {
         texts.iter().all(|t| matches!(classify(t), Class::ReadOnly { functions } if functions.is_empty()))
     }
 
+    /// A statement that changes the database may call these functions: none is volatile with
+    /// effects of its own.
+    fn writes_may_call(&self, functions: &[String]) -> Result<(), String> {
+        match self.db.lock().unwrap().unsafe_functions(functions) {
+            Ok(bad) if bad.is_empty() => Ok(()),
+            Ok(bad) => Err(format!("the statement calls {}, whose effects cannot be undone", bad.join(", "))),
+            Err(e) => Err(format!("cannot check the statement: {e}")),
+        }
+    }
+
     pub(super) fn sql_call(self: Arc<Self>, msg: Value, conn: &Arc<Conn>) {
         let id = msg["id"].clone();
         let Some(sql) = msg["params"]["arguments"][&self.opts.sql_arg].as_str().map(String::from) else {
@@ -99,13 +109,8 @@ impl Proxy {
             Err(e) => return refuse(e),
         };
         let _guard = self.lock.lock().unwrap();
-        {
-            let mut db = self.db.lock().unwrap();
-            match db.unsafe_functions(&functions) {
-                Ok(bad) if bad.is_empty() => {}
-                Ok(bad) => return refuse(format!("the statement calls {}, whose effects cannot be undone", bad.join(", "))),
-                Err(e) => return refuse(format!("cannot check the statement: {e}")),
-            }
+        if let Err(e) = self.writes_may_call(&functions) {
+            return refuse(e);
         }
         // Rewritten from the catalog answers the proxy keeps; if the catalog moved on since, the
         // statement fails changing nothing, and is rewritten from fresh answers and sent again.
@@ -175,10 +180,8 @@ impl Proxy {
         let _guard = self.lock.lock().unwrap();
         // CREATE TABLE … AS runs its query: what it calls must not change the database.
         if let Some(functions) = &d.fills {
-            match self.db.lock().unwrap().unsafe_functions(functions) {
-                Ok(bad) if bad.is_empty() => {}
-                Ok(bad) => return refuse(format!("the statement calls {}, whose effects cannot be undone", bad.join(", "))),
-                Err(e) => return refuse(format!("cannot check the statement: {e}")),
+            if let Err(e) = self.writes_may_call(functions) {
+                return refuse(e);
             }
         }
         let inverse = match self.db.lock().unwrap().ddl_inverse(&d) {
