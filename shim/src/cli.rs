@@ -408,7 +408,7 @@ pub struct LedgerArgs {
 
 /// `planarian statepoint`.
 #[derive(clap::Parser, Debug)]
-#[command(name = "planarian statepoint", about = "The statepoints of a container: list, show, annotate, remove")]
+#[command(name = "planarian statepoint", about = "The statepoints of a container: list, show, annotate, remove, export, import")]
 pub struct StatepointArgs {
     #[command(subcommand)]
     pub command: StatepointCommand,
@@ -455,6 +455,28 @@ pub enum StatepointCommand {
         container: String,
         #[arg(long)]
         json: bool,
+    },
+    /// Write a statepoint into one file that restores on another machine: its chain of memory
+    /// images, its files (a ZFS stream, or a copy), its manifest, how to create the container.
+    Export {
+        container: String,
+        statepoint: String,
+        file: PathBuf,
+        /// Files on ZFS as an incremental stream from this older statepoint (one the receiving
+        /// machine imported before).
+        #[arg(long)]
+        since: Option<String>,
+    },
+    /// Create a container from a statepoint file and run it from that statepoint.
+    Import {
+        file: PathBuf,
+        /// The new container's name (default: the exported container's).
+        #[arg(long)]
+        name: Option<String>,
+        /// The ZFS dataset its files go under on this machine (default: the exported
+        /// container's setting).
+        #[arg(long)]
+        parent_dataset: Option<String>,
     },
     /// Remove statepoints (all are checked first: a bad one removes nothing).
     Rm {

@@ -5,7 +5,8 @@ use crate::cli::{self, Invocation};
 use crate::Failure;
 use engine::config::Config;
 use engine::log::StderrProgress;
-use engine::statepoint::{self, async_snapshot, fork::Fork, restore::RestoreRequest, rollback::Rollback, snapshot::SnapshotRequest, Ctx};
+use engine::runtime::podman;
+use engine::statepoint::{self, async_snapshot, fork::Fork, restore::RestoreRequest, rollback::Rollback, snapshot::SnapshotRequest, travel, Ctx};
 use engine::context::{Ledger, RestoreContext};
 use engine::store::{Manifest, Outcome};
 use std::ffi::OsString;
@@ -188,6 +189,28 @@ pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
             } else {
                 print!("{}", ctx.text());
             }
+        }
+        cli::StatepointCommand::Export { container, statepoint, file, since } => {
+            let store = statepoint::store_of(&cfg, &container)?;
+            let _lock = store.lock(false)?;
+            let m = store.find(&statepoint)?;
+            let since = since.map(|s| store.find(&s)).transpose()?;
+            let inspect = podman::output(&["container", "inspect", &store.container_id()])?;
+            let c: serde_json::Value = serde_json::from_str(&inspect)?;
+            let recipe = travel::Recipe::of(&c[0]);
+            let e = travel::export(&cfg, &store, &m, since.as_ref(), &recipe, &file)?;
+            println!(
+                "exported {} of {container} to {}: {} ({} of memory images, files as {})",
+                m.statepoint_id,
+                file.display(),
+                human(e.bytes),
+                if e.levels == 1 { "1 level".to_string() } else { format!("{} levels", e.levels) },
+                e.files
+            );
+        }
+        cli::StatepointCommand::Import { file, name, parent_dataset } => {
+            let c = travel::import_file(&cfg, &file, name.as_deref(), parent_dataset.as_deref())?;
+            println!("{} imported from {} at {} ({})", c.name, file.display(), c.statepoint, c.id);
         }
         cli::StatepointCommand::Rm { container, statepoints } => {
             let store = statepoint::store_of(&cfg, &container)?;

@@ -256,3 +256,18 @@ impl Drop for DropIn {
         let _ = std::fs::remove_file(&self.0);
     }
 }
+
+/// The test pool (the guest makes one), or a loud skip / a failure where the stack is required.
+pub fn zfs_test_pool() -> Option<String> {
+    match std::env::var("PLANARIAN_TEST_ZPOOL") {
+        Ok(p) if !p.is_empty() => Some(p),
+        _ => {
+            if std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_some() {
+                panic!("a ZFS test pool is required here (PLANARIAN_TEST_ZPOOL, made by the guest)");
+            }
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED: no ZFS test pool (set PLANARIAN_TEST_ZPOOL; tests/run uses the guest)");
+            None
+        }
+    }
+}

@@ -7,19 +7,8 @@ use planarian_system_tests::sandbox::Sandbox;
 use planarian_system_tests::*;
 use std::time::Duration;
 
-/// The test pool (the guest makes one), or a loud skip / a failure where the stack is required.
 fn pool() -> Option<String> {
-    match std::env::var("PLANARIAN_TEST_ZPOOL") {
-        Ok(p) if !p.is_empty() => Some(p),
-        _ => {
-            if std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_some() {
-                panic!("a ZFS test pool is required here (PLANARIAN_TEST_ZPOOL, made by the guest)");
-            }
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "SKIPPED: no ZFS test pool (set PLANARIAN_TEST_ZPOOL; tests/run uses the guest)");
-            None
-        }
-    }
+    zfs_test_pool()
 }
 
 fn zfs(args: &[&str]) -> Run {

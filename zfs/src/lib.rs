@@ -83,10 +83,7 @@ impl Zfs {
         if out.status.success() {
             return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
         }
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        // The first line says what went wrong; zfs-fuse follows it with the whole usage text.
-        let stderr = stderr.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("(no message)").to_string();
-        Err(Error::Command { args: args.join(" "), kind: classify(&stderr), stderr })
+        Err(failure(args, &out.stderr))
     }
 
     pub fn exists(&self, name: &str) -> Result<bool> {
@@ -184,6 +181,13 @@ impl Zfs {
         Ok(out.lines().map(String::from).filter(|l| !l.is_empty()).collect())
     }
 
+    /// The snapshot below `root` whose `guid` is `guid` (a snapshot keeps it when renamed or
+    /// received elsewhere: the common ground of an incremental stream).
+    pub fn snapshot_by_guid(&self, root: &str, guid: &str) -> Result<Option<String>> {
+        let out = self.run(&["list", "-H", "-o", "name,guid", "-t", "snapshot", "-r", root])?;
+        Ok(out.lines().filter_map(|l| l.split_once('\t')).find(|(_, g)| g.trim() == guid).map(|(n, _)| n.to_string()))
+    }
+
     /// Filesystems below `root` (itself included) with their origin snapshot, if clones.
     pub fn filesystems(&self, root: &str) -> Result<Vec<(String, Option<String>)>> {
         let out = self.run(&["list", "-H", "-o", "name,origin", "-t", "filesystem", "-r", root])?;
@@ -193,6 +197,54 @@ impl Zfs {
             .map(|(n, o)| (n.to_string(), Some(o.to_string()).filter(|o| o != "-")))
             .collect())
     }
+}
+
+impl Zfs {
+    /// `zfs send SNAP` (incremental from `from`, a snapshot of the same dataset's history, when
+    /// given) into `out`.
+    pub fn send(&self, snap: &str, from: Option<&str>, out: std::fs::File) -> Result<()> {
+        let mut args = vec!["send"];
+        if let Some(f) = from {
+            args.extend(["-i", f]);
+        }
+        args.push(snap);
+        self.piped(&args, std::process::Stdio::null(), out.into())
+    }
+
+    /// `zfs receive DATASET` from `input`: DATASET is created with the stream's snapshot (or,
+    /// for an incremental stream, gets it on top of the snapshot the stream starts from).
+    pub fn receive(&self, dataset: &str, input: std::fs::File) -> Result<()> {
+        self.piped(&["receive", dataset], input.into(), std::process::Stdio::null())
+    }
+
+    /// `zfs receive -F DATASET`: an incremental stream into a dataset whose newest snapshot (or,
+    /// for a clone without snapshots, its origin) is where the stream starts.
+    pub fn receive_force(&self, dataset: &str, input: std::fs::File) -> Result<()> {
+        self.piped(&["receive", "-F", dataset], input.into(), std::process::Stdio::null())
+    }
+
+    fn piped(&self, args: &[&str], stdin: std::process::Stdio, stdout: std::process::Stdio) -> Result<()> {
+        let out = Command::new(&self.bin)
+            .args(args)
+            .env("LC_ALL", "C")
+            .stdin(stdin)
+            .stdout(stdout)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .map_err(|err| Error::Spawn { bin: self.bin.clone(), err })?;
+        if out.status.success() {
+            return Ok(());
+        }
+        Err(failure(args, &out.stderr))
+    }
+}
+
+/// A failed command's error: its first line says what went wrong (zfs-fuse follows it with the
+/// whole usage text).
+fn failure(args: &[&str], stderr: &[u8]) -> Error {
+    let stderr = String::from_utf8_lossy(stderr);
+    let stderr = stderr.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("(no message)").to_string();
+    Error::Command { args: args.join(" "), kind: classify(&stderr), stderr }
 }
 
 fn options(props: &[(&str, &str)]) -> Vec<String> {

@@ -308,16 +308,7 @@ pub fn link_chain(images: &Path, store: &ContainerStore, into: &Path) -> Result<
         } else {
             store.dir.join(format!("bases/b{}", next_base(store)?))
         };
-        std::fs::create_dir_all(&dest).at("create", &dest)?;
-        let rd = std::fs::read_dir(src).at("read", src)?;
-        for e in rd.filter_map(Result::ok) {
-            if e.file_type().is_ok_and(|t| t.is_file()) {
-                let to = dest.join(e.file_name());
-                if std::fs::hard_link(e.path(), &to).is_err() {
-                    std::fs::copy(e.path(), &to).at("copy", e.path())?;
-                }
-            }
-        }
+        link_files(src, &dest)?;
         if let Some(p) = &parent {
             std::os::unix::fs::symlink(relative(&dest, p), dest.join("parent"))
                 .at("link parent in", &dest)?;
@@ -325,6 +316,46 @@ pub fn link_chain(images: &Path, store: &ContainerStore, into: &Path) -> Result<
         parent = Some(dest);
     }
     Ok(std::fs::read_link(into.join("parent")).ok().map(|p| p.display().to_string()))
+}
+
+/// The directory, inside a handed-out images directory, that holds its older levels.
+pub const HANDED_OUT_CHAIN: &str = "planarian-chain";
+
+/// Lays the chain of `images` out in `out` so that the directory restores on its own, anywhere:
+/// the newest level's files in `out`, each older one in `out/planarian-chain/N`, every `parent`
+/// link inside `out`. Files are hard links where `out` is on the same file system (no data
+/// copied), copies otherwise. Returns the number of levels.
+pub fn hand_out(images: &Path, out: &Path) -> Result<usize> {
+    let chain = chain_of(images);
+    let level = |i: usize| if i == 0 { out.to_path_buf() } else { out.join(HANDED_OUT_CHAIN).join(i.to_string()) };
+    for (i, src) in chain.iter().enumerate() {
+        if !src.join("inventory.img").exists() {
+            return Err(Error::Broken { images: images.to_path_buf(), at: src.clone() });
+        }
+        let dest = level(i);
+        link_files(src, &dest)?;
+        if i + 1 < chain.len() {
+            std::os::unix::fs::symlink(relative(&dest, &level(i + 1)), dest.join("parent")).at("link parent in", &dest)?;
+        }
+    }
+    Ok(chain.len())
+}
+
+/// Hard links (copies across file systems) of the regular files of `src` in `dest`, which is
+/// created; files already in `dest` are replaced.
+pub fn link_files(src: &Path, dest: &Path) -> Result<()> {
+    std::fs::create_dir_all(dest).at("create", dest)?;
+    let rd = std::fs::read_dir(src).at("read", src)?;
+    for e in rd.filter_map(Result::ok) {
+        if e.file_type().is_ok_and(|t| t.is_file()) {
+            let to = dest.join(e.file_name());
+            let _ = std::fs::remove_file(&to);
+            if std::fs::hard_link(e.path(), &to).is_err() {
+                std::fs::copy(e.path(), &to).at("copy", e.path())?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Pages CRIU scanned, skipped because the parent had them, and wrote, for the dump in `images`.

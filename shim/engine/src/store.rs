@@ -206,6 +206,10 @@ pub struct Manifest {
     pub measurements: Measurements,
     #[serde(default)]
     pub chain: Chain,
+    /// Where an imported statepoint came from (`<container>/<statepoint>` of the store that
+    /// made it): a chain that starts here with images made elsewhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imported_from: Option<String>,
 }
 
 /// One container's part of the store.
@@ -394,6 +398,7 @@ pub(crate) mod tests {
             options: Options::default(),
             measurements: Measurements::default(),
             chain: Chain::default(),
+            imported_from: None,
         }
     }
 

@@ -60,6 +60,10 @@ pub enum Error {
     PoolFull { pool: String, source: ::zfs::Error },
     #[error("dataset {0} already exists; remove it (zfs destroy -r {0}) or unset the parent dataset")]
     DatasetExists(String),
+    #[error("the checkpoint's files are a ZFS stream: restoring it needs ZFS here (set [zfs] parent_dataset, or the annotation io.planarian.zfs.parent_dataset)")]
+    NeedsZfs,
+    #[error("the checkpoint's files are an incremental ZFS stream, and pool {0} holds no snapshot it starts from (import the statepoint it was exported --since first)")]
+    NoCommonSnapshot(String),
     #[error("parent dataset {0} does not exist (zfs create {0}, or fix [zfs] parent_dataset)")]
     NoParentDataset(String),
     #[error("{what}: {source}")]

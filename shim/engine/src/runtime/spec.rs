@@ -14,6 +14,8 @@ pub struct Spec {
     pub root: PathBuf,
     /// Bind mounts as (destination, source).
     pub binds: Vec<(String, String)>,
+    /// The other mounts as (destination, type).
+    pub mounts: Vec<(String, String)>,
     pub masked_paths: Vec<String>,
     /// The network namespace's path, when the container joins an existing one.
     pub netns_path: Option<PathBuf>,
@@ -76,12 +78,10 @@ impl Spec {
         let d = Doc::deserialize(v)?;
         let root = d.root.and_then(|r| r.path).unwrap_or_else(|| "rootfs".into());
         let root = if Path::new(&root).is_absolute() { PathBuf::from(root) } else { bundle.join(root) };
-        let binds = d
-            .mounts
-            .into_iter()
-            .filter(|m| m.kind.as_deref() == Some("bind") || m.options.iter().any(|o| o == "bind" || o == "rbind"))
-            .filter_map(|m| Some((m.destination?, m.source?)))
-            .collect();
+        let (binds, mounts): (Vec<MountEntry>, Vec<MountEntry>) =
+            d.mounts.into_iter().partition(|m| m.kind.as_deref() == Some("bind") || m.options.iter().any(|o| o == "bind" || o == "rbind"));
+        let binds = binds.into_iter().filter_map(|m| Some((m.destination?, m.source?))).collect();
+        let mounts = mounts.into_iter().filter_map(|m| Some((m.destination?, m.kind.unwrap_or_default()))).collect();
         let linux = d.linux.unwrap_or_default();
         let netns_path = linux
             .namespaces
@@ -93,6 +93,7 @@ impl Spec {
         Ok(Spec {
             root,
             binds,
+            mounts,
             masked_paths: linux.masked_paths,
             netns_path,
             cgroups_path: linux.cgroups_path,

@@ -18,7 +18,7 @@
 //!
 //! Any failure removes NEW and its store; CTR is never changed.
 
-use super::podman_dir::leave_for_podman;
+use super::podman_dir::{leave_for_podman, Destination};
 use super::{describe, Error, Result};
 use crate::config::Config;
 use crate::context::{self, RestoreContext, Restored};
@@ -161,7 +161,7 @@ fn fork_into(
         }
         m
     };
-    leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None)?;
+    leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None, Destination::Stays)?;
     crate::fault::point("fork.linked")?;
     progress.phase("processes (podman container restore)");
     let mut args = vec!["container", "restore", "--print-stats"];

@@ -9,6 +9,7 @@ pub mod podman_dir;
 pub mod restore;
 pub mod rollback;
 pub mod snapshot;
+pub mod travel;
 
 use crate::config::Config;
 use crate::local::{self, criu, freezer::FreezeGuard};
@@ -83,6 +84,10 @@ pub enum Error {
     Worker(String),
     #[error("fork failed, nothing was created: {0}")]
     ForkFailed(Box<Error>),
+    #[error("{} is not a statepoint file: {why}", file.display())]
+    NotAStatepointFile { file: PathBuf, why: String },
+    #[error("import failed, nothing was created: {0}")]
+    ImportFailed(Box<Error>),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -149,6 +154,13 @@ impl Ctx {
 /// planarian runs, so one found by containers/storage with a store of its own needs no question
 /// to Podman.
 pub fn store_of(cfg: &Config, name: &str) -> Result<ContainerStore> {
+    // A full ID with a store: also a container Podman does not know (one CRI-O runs).
+    if name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit()) {
+        let store = ContainerStore::new(&cfg.store.path, name);
+        if store.dir.is_dir() {
+            return Ok(store);
+        }
+    }
     if let Some(id) = lookup::storage_id(name) {
         let store = ContainerStore::new(&cfg.store.path, &id);
         if store.dir.is_dir() {

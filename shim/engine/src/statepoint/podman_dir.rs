@@ -3,7 +3,8 @@
 //! Podman.
 //!
 //! A checkpoint leaves what Podman checks and reads there (`inventory.img`, CRIU's log and stats)
-//! and a marker naming the statepoint in planarian's store; a restore reads the marker.
+//! and a marker naming the statepoint in planarian's store; a restore reads the marker. A
+//! directory that leaves the machine carries the statepoint itself ([`super::travel`]).
 
 use super::{Error, Result};
 use crate::store::{ContainerStore, Manifest};
@@ -13,12 +14,27 @@ use sys::Context;
 /// The marker planarian leaves in Podman's checkpoint directory: which statepoint it is.
 pub const MARKER: &str = "planarian-statepoint.json";
 
-/// Leaves what Podman expects after a checkpoint: `inventory.img` at the image path (Podman
-/// checks it before a restore), our marker, the CRIU log and stats in the work path.
-pub fn leave_for_podman(m: &Manifest, sp_dir: &Path, image_path: &Path, work_path: Option<&Path>) -> Result<()> {
+/// Where a checkpoint directory goes after the checkpoint: it stays beside the store (a plain
+/// Podman checkpoint, a rollback's own restore), or it leaves and must restore on its own.
+pub enum Destination<'a> {
+    Stays,
+    Leaves(&'a crate::config::Config, &'a ContainerStore),
+}
+
+/// Leaves what Podman and CRI-O expect after a checkpoint: `inventory.img` at the image path
+/// (both check it before a restore), our marker, the CRIU log and stats in the work path; and,
+/// for a directory that leaves, the statepoint itself ([`super::travel::hand_out`]).
+pub fn leave_for_podman(m: &Manifest, sp_dir: &Path, image_path: &Path, work_path: Option<&Path>, to: Destination) -> Result<()> {
     std::fs::create_dir_all(image_path).at("create", image_path)?;
     let images = sp_dir.join(&m.local_state.criu_checkpoint_path);
-    std::fs::copy(images.join("inventory.img"), image_path.join("inventory.img")).at("copy inventory.img to", image_path)?;
+    match to {
+        Destination::Leaves(cfg, store) => {
+            super::travel::hand_out(cfg, store, m, image_path, None)?;
+        }
+        Destination::Stays => {
+            std::fs::copy(images.join("inventory.img"), image_path.join("inventory.img")).at("copy inventory.img to", image_path)?;
+        }
+    }
     let marker = serde_json::json!({ "container-id": m.container_id, "statepoint-id": m.statepoint_id });
     sys::write_atomic(&image_path.join(MARKER), marker.to_string().as_bytes(), 0o644)?;
     if let Some(w) = work_path {

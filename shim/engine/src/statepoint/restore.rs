@@ -4,6 +4,7 @@
 //! `podman exec/stop/kill/rm` keep working.
 
 use super::podman_dir::{read_marker, Handoff};
+use super::travel;
 use super::{Error, Result};
 use crate::chain::Epoch;
 use crate::config::Config;
@@ -45,18 +46,33 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
         None => std::env::current_dir().at("read", ".")?,
     };
     let image_path = a.image_path.clone().unwrap_or_else(|| bundle.join("checkpoint"));
-    let (ctr_id, sp_id) = read_marker(&image_path)?;
+    let (marker_ctr, marker_sp) = read_marker(&image_path)?;
     let mut b = Bundle::load(&bundle)?;
-    crate::local::zfs::create::prepare_bundle(&cfg, &a.container_id, &mut b)?;
-    let spec = b.spec;
-    let cfg = spec.configure(&cfg)?;
-    let store = ContainerStore::new(&cfg.store.path, &ctr_id);
+    let cfg = b.spec.configure(&cfg)?;
+    // A directory handed out by another store (another machine, a wiped store, Podman's
+    // `--import --name` copy) is imported into this container's store; one this store holds is
+    // read from here.
+    let handed = travel::HandedOut::read(&image_path)?;
+    let marker_store = ContainerStore::new(&cfg.store.path, &marker_ctr);
+    let import = handed.filter(|h| marker_ctr != a.container_id || !h.held_by(&cfg, &marker_store, &marker_sp));
+    let store = if import.is_some() { ContainerStore::new(&cfg.store.path, &a.container_id) } else { marker_store };
     // A rollback that started this restore holds the lock and has handed it over.
     let _lock = if Handoff::taken(&store, &a.container_id) { None } else { Some(store.lock(true)?) };
+    let (m, imported) = match &import {
+        Some(from) => {
+            let (m, guard) = travel::import(&cfg, &store, from, &a.container_id, &b, None)?;
+            (m, Some(guard))
+        }
+        None => {
+            let m = read_manifest(&store.statepoint_dir(&marker_sp).join("manifest.json"))
+                .map_err(|_| Error::UnknownStatepoint { statepoint: marker_sp.clone(), container: marker_ctr.clone() })?;
+            (super::committed(m)?, None)
+        }
+    };
+    let sp_id = m.statepoint_id.clone();
     let sp_dir = store.statepoint_dir(&sp_id);
-    let m = read_manifest(&sp_dir.join("manifest.json"))
-        .map_err(|_| Error::UnknownStatepoint { statepoint: sp_id.clone(), container: ctr_id.clone() })?;
-    let m = super::committed(m)?;
+    crate::local::zfs::create::prepare_bundle(&cfg, &a.container_id, &mut b)?;
+    let spec = b.spec;
     if spec.terminal && a.console_socket.is_none() {
         return Err(Error::TerminalNeedsConsole);
     }
@@ -72,6 +88,9 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     let criu_pid_file = restore_work.join("pidfile");
     let _ = std::fs::remove_file(&criu_pid_file);
 
+    // A rootfs prepared elsewhere (an import: the caller applied only the files diff) may lack
+    // the points the container's mounts go on.
+    ensure_mount_points(&spec)?;
     // CRIU's root must be a mount point: bind the rootfs Podman mounted.
     let criu_root = bundle.join("criu-root");
     let _root_mount = BindMount::new(&spec.root, &criu_root)?;
@@ -168,6 +187,9 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     crate::chain::after_restore(&store, &m, epoch, sys::proc::start_time(pid).unwrap_or(0))?;
     store.set_head(Some(&sp_id))?;
     restored.keep = true;
+    if let Some(i) = imported {
+        i.keep();
+    }
     // The sandbox runs again; so does its MCP sidecar (stopped when Podman deleted the container
     // after a checkpoint). Without it, database calls and the next snapshot fail with its error.
     let mut warnings = Vec::new();
@@ -240,6 +262,40 @@ fn read_epoch(file: &Path, work: &Path) -> Epoch {
         (Some(Ok(e)), Some(Ok(clk))) if clk > 0 => Epoch::Recorded(criu_hooks::ticks_to_usec(e, clk)),
         _ => missing(),
     }
+}
+
+/// Creates the mount points of the container's mounts that its rootfs lacks, as crun does
+/// before a restore: a directory, or an empty file for a bind mount of a file; none below a
+/// tmpfs mount (CRIU restores those with their contents) or for cgroups (CRIU's). A path through
+/// a symbolic link is left alone: what it points at is not ours to create (CRIU says what is
+/// missing).
+fn ensure_mount_points(spec: &crate::runtime::Spec) -> Result<()> {
+    let tmpfs: Vec<&str> = spec.mounts.iter().filter(|(_, t)| t == "tmpfs").map(|(d, _)| d.trim_end_matches('/')).collect();
+    let on_tmpfs = |d: &str| tmpfs.iter().any(|t| d.len() > t.len() && d.starts_with(t) && d.as_bytes()[t.len()] == b'/');
+    let binds = spec.binds.iter().map(|(d, src)| (d, !Path::new(src).is_dir() && Path::new(src).exists()));
+    let others = spec.mounts.iter().filter(|(_, t)| t != "cgroup" && t != "cgroup2").map(|(d, _)| (d, false));
+    for (dest, file) in binds.chain(others) {
+        if on_tmpfs(dest) {
+            continue;
+        }
+        let mut at = spec.root.clone();
+        let parts: Vec<&str> = dest.split('/').filter(|p| !p.is_empty() && *p != ".").collect();
+        if parts.contains(&"..") {
+            continue;
+        }
+        for (i, part) in parts.iter().enumerate() {
+            at.push(part);
+            match std::fs::symlink_metadata(&at) {
+                Ok(md) if md.file_type().is_symlink() => break,
+                Ok(_) => {}
+                Err(_) if file && i + 1 == parts.len() => {
+                    std::fs::File::create(&at).at("create the mount point", &at)?;
+                }
+                Err(_) => std::fs::create_dir(&at).at("create the mount point", &at)?,
+            }
+        }
+    }
+    Ok(())
 }
 
 fn open_inheritable(p: &Path) -> Result<OwnedFd> {

@@ -7,7 +7,7 @@
 //! step fails, the container is brought back to exactly where it was: the previous files and the
 //! safety statepoint.
 
-use super::podman_dir::{leave_for_podman, Handoff};
+use super::podman_dir::{leave_for_podman, Destination, Handoff};
 use super::snapshot::{self, SnapshotRequest};
 use super::{describe, Ctx, Error, Result};
 use crate::config::Config;
@@ -215,7 +215,7 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
 fn podman_restore(store: &ContainerStore, pc: &PodmanContainer, m: &Manifest) -> Result<Option<podman::RestoreStats>> {
     let image_path = pc.bundle.join("checkpoint");
     let _ = std::fs::remove_dir_all(&image_path);
-    leave_for_podman(m, &store.statepoint_dir(&m.statepoint_id), &image_path, None)?;
+    leave_for_podman(m, &store.statepoint_dir(&m.statepoint_id), &image_path, None, Destination::Stays)?;
     let handoff = Handoff::give(store, &pc.id)?;
     let mut args = vec!["container", "restore", "--print-stats"];
     if m.options.tcp_established {

@@ -70,6 +70,7 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest> {
         },
         measurements: store::Measurements::default(),
         chain: store::Chain { prev_images_dir: plan.prev_images_dir.clone(), depth: plan.depth, full_reason: plan.full_reason.clone() },
+        imported_from: None,
     };
     rootfs.plan(&id, &mut m.local_state);
     // Until the manifest is committed, the statepoint's directory is removed on any way out.
@@ -280,7 +281,9 @@ pub fn checkpoint(globals: &crate::runtime::Globals, id: &str, req: &SnapshotReq
     ctx.recover();
     let m = take(&ctx, req)?;
     if let Some(ip) = image_path {
-        super::podman_dir::leave_for_podman(&m, &ctx.store.statepoint_dir(&m.statepoint_id), ip, work_path)?;
+        use super::podman_dir::{leave_for_podman, Destination};
+        let to = if super::travel::leaves() { Destination::Leaves(&ctx.cfg, &ctx.store) } else { Destination::Stays };
+        leave_for_podman(&m, &ctx.store.statepoint_dir(&m.statepoint_id), ip, work_path, to)?;
     }
     Ok(m)
 }

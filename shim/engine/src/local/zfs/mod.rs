@@ -310,6 +310,83 @@ pub fn fork_into(cfg: &Config, src: &Mapping, recorded: &str, new_store: &Contai
 }
 
 // ---------------------------------------------------------------------------------------------
+// statepoints that leave the machine
+
+/// Writes the files of statepoint snapshot `recorded` of `store`'s container into `out` as a
+/// `zfs send` stream: whole, or incremental from snapshot `since` (an older statepoint of the
+/// same dataset's history, which the receiver holds). Returns the `guid` of the snapshot the
+/// stream starts from, for an incremental one.
+pub fn send_statepoint(cfg: &Config, store: &ContainerStore, recorded: &str, since: Option<&str>, out: &Path) -> Result<Option<String>> {
+    let map = mapping(store).ok_or(Error::NoZfsSnapshot)?;
+    let zfs = zfs_from(cfg)?;
+    let find = |recorded: &str| -> Result<String> {
+        let name = recorded.rsplit('@').next().unwrap_or(recorded);
+        find_snapshot(&zfs, &map.dataset, name)?.ok_or_else(|| missing(name, &map.dataset))
+    };
+    let snap = find(recorded)?;
+    let from = since.map(find).transpose()?;
+    let guid = match &from {
+        Some(f) => Some(zfs.get(f, "guid")?.value),
+        None => None,
+    };
+    let file = std::fs::File::create(out).at("create", out)?;
+    zfs.send(&snap, from.as_deref(), file).inspect_err(|_| {
+        let _ = std::fs::remove_file(out);
+    })?;
+    Ok(guid)
+}
+
+/// Makes the stream in `stream` container `id`'s dataset, `<parent>/ctr-<id>`, its snapshot
+/// named `snap_name` (a statepoint of `id`), and maps the container to it. An incremental stream
+/// (from the snapshot whose guid is `from_guid`, found anywhere in `parent`'s pool) is received
+/// into a clone of that snapshot: only the changes travel. Returns the snapshot. On failure
+/// nothing is left.
+pub fn receive_statepoint(cfg: &Config, store: &ContainerStore, id: &str, parent: &str, stream: &Path, from_guid: Option<&str>, snap_name: &str, bundle: &Path) -> Result<String> {
+    let zfs = zfs_from(cfg)?;
+    if !zfs.exists(parent)? {
+        return Err(Error::NoParentDataset(parent.to_string()));
+    }
+    let ds = format!("{parent}/ctr-{id}");
+    if zfs.exists(&ds)? {
+        return Err(Error::DatasetExists(ds));
+    }
+    let input = std::fs::File::open(stream).at("open", stream)?;
+    let step = |what: &str| {
+        let what = format!("cannot {what} the files of container {}", short(id));
+        move |source| Error::ZfsStep { what, source }
+    };
+    if let Some(guid) = from_guid {
+        let base = zfs.snapshot_by_guid(zfs::pool_of(parent), guid)?.ok_or_else(|| Error::NoCommonSnapshot(zfs::pool_of(parent).to_string()))?;
+        zfs.clone_snapshot(&base, &ds, &[]).map_err(step("clone the common snapshot for"))?;
+        zfs.receive_force(&ds, input).inspect_err(|_| {
+            let _ = zfs.destroy(&ds, true);
+        }).map_err(step("receive"))?;
+    } else {
+        zfs.receive(&ds, input).map_err(step("receive"))?;
+    }
+    let r = (|| {
+        let received = zfs
+            .snapshots(&ds)?
+            .into_iter()
+            .filter(|s| zfs::dataset_of(s) == ds)
+            .last()
+            .ok_or_else(|| missing(snap_name, &ds))?;
+        let snap = format!("{ds}@{snap_name}");
+        if received != snap {
+            zfs.rename(&received, &snap)?;
+        }
+        mountpoint(&zfs, &ds)?;
+        let bundle = std::fs::canonicalize(bundle).unwrap_or(bundle.to_path_buf());
+        save_mapping(store, &Mapping { dataset: ds.clone(), owned: true, bundle, image_base: None })?;
+        Ok(snap)
+    })();
+    if r.is_err() {
+        let _ = zfs.destroy(&ds, true);
+    }
+    r
+}
+
+// ---------------------------------------------------------------------------------------------
 // removal of a container
 
 /// Removes everything planarian made in ZFS for a container: its datasets (after promoting the
