@@ -163,6 +163,20 @@ impl Handler {
         cmd(self.path.to_str().unwrap(), all)
     }
 
+    /// What to read when a step fails: every argv, conmon's and planarian's logs.
+    fn diagnose(&self, c: &CrioContainer) -> String {
+        let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_else(|e| format!("({}: {e})", p.display()));
+        let log = read(Path::new("/var/log/planarian.log"));
+        let tail: Vec<&str> = log.lines().rev().take(15).collect();
+        format!(
+            "state: {:?}\nargv:\n{}\ncontainer log:\n{}\nplanarian.log (newest first):\n{}",
+            self.call(&["state", &c.id]),
+            read(&self.log),
+            read(&c.dir.join("ctr.log")),
+            tail.join("\n")
+        )
+    }
+
     fn state(&self, id: &str) -> String {
         let r = self.call(&["state", id]);
         serde_json::from_str::<serde_json::Value>(&r.stdout).ok().and_then(|v| v["status"].as_str().map(String::from)).unwrap_or_default()
@@ -198,17 +212,19 @@ impl CrioContainer {
     /// `--restore DIR` for a restore.
     fn conmon(&self, handler: &Handler, restore: Option<&Path>) {
         let d = self.dir.display().to_string();
+        // CRI-O's ContainerAttachSocketDir (conmon links `<dir>/<id>` to the bundle).
+        let sockets = self.dir.parent().unwrap().join("sockets").display().to_string();
+        std::fs::create_dir_all(&sockets).unwrap();
         let mut args: Vec<String> = [
             "-b", &d, "-c", &self.id, "--exit-dir", &format!("{d}/exits"), "-l", &format!("{d}/ctr.log"), "--log-level", "info",
             "-n", &format!("k8s_{}", self.id), "-P", &format!("{d}/conmon-pidfile"), "-p", &format!("{d}/pidfile"),
             "--persist-dir", &d, "-r", handler.path.to_str().unwrap(), "--runtime-arg", &format!("--root={CRIO_ROOT}"),
-            "--socket-dir-path", &format!("{d}/attach"), "--syslog", "-u", &self.id, "--log-size-max", "-1",
+            "--socket-dir-path", &sockets, "--syslog", "-u", &self.id, "--log-size-max", "-1",
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
         std::fs::create_dir_all(self.dir.join("exits")).unwrap();
-        std::fs::create_dir_all(self.dir.join("attach")).unwrap();
         if let Some(r) = restore {
             args.extend(["--restore".to_string(), r.display().to_string()]);
         }
@@ -301,9 +317,9 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
     set_netns(&mut spec, &pods.0[0]);
     a.write_spec(&spec);
     a.conmon(&handler, None);
-    assert!(wait_for(std::time::Duration::from_secs(60), || handler.state(&a.id) == "created"), "{}", handler.state(&a.id));
+    assert!(wait_for(std::time::Duration::from_secs(60), || handler.state(&a.id) == "created"), "{}", handler.diagnose(&a));
     handler.call(&["start", &a.id]).ok();
-    assert!(wait_for(std::time::Duration::from_secs(60), || a.file("tmp/state").is_some()), "the workload did not start");
+    assert!(wait_for(std::time::Duration::from_secs(60), || a.file("tmp/state").is_some()), "the workload did not start: {}", handler.diagnose(&a));
     a.send(1, "tick");
     let at = a.send(2, "dirty 65536 131072");
     std::fs::create_dir_all(a.rootfs.join("work")).unwrap();
@@ -348,7 +364,7 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
     set_netns(&mut spec_b, &pods.0[1]);
     b.write_spec(&spec_b);
     b.conmon(&handler, Some(&b.dir.join("checkpoint")));
-    assert!(wait_for(std::time::Duration::from_secs(60), || handler.state(&b.id) == "running"), "{}", handler.state(&b.id));
+    assert!(wait_for(std::time::Duration::from_secs(60), || handler.state(&b.id) == "running"), "{}", handler.diagnose(&b));
 
     // Processes: memory and counter as at the checkpoint, in pod b's network namespace.
     let now = b.send(4, "tick");

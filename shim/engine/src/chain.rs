@@ -502,6 +502,34 @@ mod tests {
     }
 
     #[test]
+    fn a_handed_out_chain_is_whole_inside_its_directory_and_imports_into_another_store() {
+        let s = tmp("handout-src");
+        dump(&s, "sp1", None, 0);
+        dump(&s, "sp2", Some("../../sp1/criu"), 1);
+        dump(&s, "sp3", Some("../../sp2/criu"), 2);
+        let out = s.dir.parent().unwrap().join("handed-out");
+        assert_eq!(hand_out(&s.statepoint_dir("sp3").join("criu"), &out).unwrap(), 3);
+        // Every link stays inside: the directory survives the store (another machine).
+        std::fs::remove_dir_all(&s.dir).unwrap();
+        let chain = chain_of(&out);
+        assert_eq!(chain.len(), 3);
+        assert!(chain.iter().all(|d| d.starts_with(&out)), "{chain:?}");
+        let pages: Vec<String> = chain.iter().map(|d| std::fs::read_to_string(d.join("pages-1.img")).unwrap()).collect();
+        assert_eq!(pages, ["sp3", "sp2", "sp1"]);
+        complete(&out).unwrap();
+        // Imported: the newest level a statepoint of the new store, the older ones its bases.
+        let f = tmp("handout-dst");
+        let into = f.statepoint_dir("sp1").join("criu");
+        link_chain(&out, &f, &into).unwrap();
+        std::fs::remove_dir_all(&out).unwrap();
+        let pages: Vec<String> = chain_of(&into).iter().map(|d| std::fs::read_to_string(d.join("pages-1.img")).unwrap()).collect();
+        assert_eq!(pages, ["sp3", "sp2", "sp1"]);
+        complete(&into).unwrap();
+        std::fs::remove_dir_all(f.dir.parent().unwrap().parent().unwrap()).unwrap();
+        let _ = std::fs::remove_dir_all(s.dir.parent().unwrap().parent().unwrap());
+    }
+
+    #[test]
     fn removing_a_middle_statepoint_keeps_the_chain_restorable() {
         let s = tmp("gc");
         dump(&s, "sp1", None, 0);

@@ -273,9 +273,9 @@ impl Recipe {
         }
     }
 
-    /// `podman create` arguments for container `name` on planarian; `parent_dataset` replaces
-    /// the ZFS parent the source used (a dataset of its machine).
-    pub fn create_args(&self, name: &str, parent_dataset: Option<&str>) -> Vec<String> {
+    /// `podman create` arguments for container `name` on planarian. The ZFS parent the source
+    /// used (a dataset of its machine) is left out: an import gives the container its dataset.
+    pub fn create_args(&self, name: &str) -> Vec<String> {
         let mut a: Vec<String> = ["--runtime", "planarian", "create", "--name", name].iter().map(|s| s.to_string()).collect();
         if !self.network.is_empty() && self.network != "default" {
             a.extend(["--network".into(), self.network.clone()]);
@@ -295,11 +295,7 @@ impl Recipe {
         for e in &self.env {
             a.extend(["--env".into(), e.clone()]);
         }
-        let mut annotations = self.annotations.clone();
-        if let Some(p) = parent_dataset {
-            annotations.insert("io.planarian.zfs.parent_dataset".into(), p.to_string());
-        }
-        for (k, v) in &annotations {
+        for (k, v) in self.annotations.iter().filter(|(k, _)| k.as_str() != ZFS_PARENT) {
             a.extend(["--annotation".into(), format!("{k}={v}")]);
         }
         a.push(self.image.clone());
@@ -326,6 +322,7 @@ impl Drop for Staging {
 }
 
 const RECIPE: &str = "container.json";
+const ZFS_PARENT: &str = "io.planarian.zfs.parent_dataset";
 
 /// What an export wrote.
 #[derive(Debug)]
@@ -398,7 +395,13 @@ pub fn import_file(cfg: &Config, file: &Path, name: Option<&str>, parent_dataset
     if podman::inspect(&name).is_ok() {
         return Err(super::Error::ContainerExists(name));
     }
-    let args = recipe.create_args(&name, parent_dataset);
+    let args = recipe.create_args(&name);
+    // Files on ZFS go under `parent_dataset`, else the source's parent, else this host's.
+    let parent = parent_dataset.or(recipe.annotations.get(ZFS_PARENT).map(String::as_str));
+    let cfg_here = match parent {
+        Some(p) => cfg.with_annotations_of([(ZFS_PARENT, p)], Some("zfs"))?,
+        None => cfg.clone(),
+    };
     podman::run(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
     let made = (|| -> Result<ImportedContainer> {
         podman::run(&["container", "init", &name])?;
@@ -406,15 +409,10 @@ pub fn import_file(cfg: &Config, file: &Path, name: Option<&str>, parent_dataset
         let new = podman::inspect(&name)?;
         podman::wait_stopped(&new.id, new.upperdir.as_deref(), std::time::Duration::from_secs(60))?;
         let bundle = Bundle::load(&new.bundle)?;
-        let cfg = bundle.spec.configure(cfg)?;
+        let cfg = bundle.spec.configure(&cfg_here)?;
         let store = ContainerStore::new(&cfg.store.path, &new.id);
         let m = {
             let _lock = store.lock(true)?;
-            if from.dir.join(PART).join(FILES_STREAM).exists() {
-                // The dataset the create gave it (a clone of the image) makes way for the received one.
-                zfs::remove_container(&cfg, &store)?;
-                let _ = std::fs::remove_file(store.dir.join(zfs::MAPPING));
-            }
             let (m, imported) = import(&cfg, &store, &from, &new.id, &bundle, new.upperdir.as_deref())?;
             store.set_head(Some(&m.statepoint_id))?;
             super::podman_dir::leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None, super::podman_dir::Destination::Stays)?;
@@ -442,6 +440,27 @@ mod tests {
 
     fn args(s: &str) -> Vec<String> {
         s.split(' ').map(String::from).collect()
+    }
+
+    #[test]
+    fn a_recipe_creates_the_container_again_without_the_source_machines_dataset() {
+        let inspect = serde_json::json!({
+            "Name": "agent", "ImageName": "localhost/img:1",
+            "Config": { "Cmd": ["python3", "-c", "print(1)"], "Entrypoint": "", "Env": ["PATH=/bin", "HOSTNAME=abc"],
+                        "WorkingDir": "/work", "User": "", "Tty": false,
+                        "Annotations": { "io.planarian.zfs.parent_dataset": "tank/sb", "io.planarian.store.retention": "3", "io.container.manager": "libpod" } },
+            "HostConfig": { "NetworkMode": "none" }
+        });
+        let r = Recipe::of(&inspect);
+        assert_eq!(r.env, ["PATH=/bin"]);
+        assert_eq!(
+            r.create_args("agent-2").join(" "),
+            "--runtime planarian create --name agent-2 --network none --workdir /work --env PATH=/bin \
+             --annotation io.planarian.store.retention=3 localhost/img:1 python3 -c print(1)"
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
     }
 
     #[test]
