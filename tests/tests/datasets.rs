@@ -194,6 +194,13 @@ fn fork_is_a_clone_independent_of_its_source_in_both_directions() {
     assert_eq!(src.sh("cat /work/a").out(), "three");
     assert_eq!(fk.sh("cat /work/a").out(), "two");
 
+    // While the fork runs on a clone of the source's snapshot, the source's files cannot be
+    // swapped (zfs rename remounts the clone): its rollback is refused, changing nothing.
+    let refused = planarian(&["rollback", &src.name, "f1"]);
+    assert!(refused.code != Some(0) && refused.stderr.contains("run on clones of its snapshots"), "{refused:?}");
+    assert_eq!(src.sh("cat /work/a /work/only-src").out(), "three\nsrc");
+    assert_eq!(status(&src.name), "running");
+
     // The fork's statepoints work on its own dataset.
     fk.snapshot("k2");
     fk.sh("rm -rf /work").ok();

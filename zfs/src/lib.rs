@@ -184,8 +184,14 @@ impl Zfs {
     /// The snapshot below `root` whose `guid` is `guid` (a snapshot keeps it when renamed or
     /// received elsewhere: the common ground of an incremental stream).
     pub fn snapshot_by_guid(&self, root: &str, guid: &str) -> Result<Option<String>> {
-        let out = self.run(&["list", "-H", "-o", "name,guid", "-t", "snapshot", "-r", root])?;
-        Ok(out.lines().filter_map(|l| l.split_once('\t')).find(|(_, g)| g.trim() == guid).map(|(n, _)| n.to_string()))
+        // (`get -p`: exact numbers; zfs-fuse's `list` prints guids rounded, e.g. 9.26E.)
+        let out = self.run(&["get", "-H", "-p", "-r", "-o", "name,value", "guid", root])?;
+        Ok(out.lines().filter_map(|l| l.split_once('\t')).find(|(n, g)| n.contains('@') && g.trim() == guid).map(|(n, _)| n.to_string()))
+    }
+
+    /// A dataset's or snapshot's `guid`, exactly.
+    pub fn guid(&self, name: &str) -> Result<String> {
+        Ok(self.run(&["get", "-H", "-p", "-o", "value", "guid", name])?.trim().to_string())
     }
 
     /// Filesystems below `root` (itself included) with their origin snapshot, if clones.
@@ -217,8 +223,8 @@ impl Zfs {
         self.piped(&["receive", dataset], input.into(), std::process::Stdio::null())
     }
 
-    /// `zfs receive -F DATASET`: an incremental stream into a dataset whose newest snapshot (or,
-    /// for a clone without snapshots, its origin) is where the stream starts.
+    /// `zfs receive -F DATASET`: an incremental stream into a dataset whose newest snapshot is
+    /// where the stream starts (rolled back to it first).
     pub fn receive_force(&self, dataset: &str, input: std::fs::File) -> Result<()> {
         self.piped(&["receive", "-F", dataset], input.into(), std::process::Stdio::null())
     }

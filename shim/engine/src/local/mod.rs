@@ -64,6 +64,8 @@ pub enum Error {
     NeedsZfs,
     #[error("the checkpoint's files are an incremental ZFS stream, and pool {0} holds no snapshot it starts from (import the statepoint it was exported --since first)")]
     NoCommonSnapshot(String),
+    #[error("cannot roll back the files on {dataset}: {users} run on clones of its snapshots (a fork, or an import on top of it), and ZFS cannot swap the dataset while they are mounted; stop them first (nothing was changed)")]
+    ClonesInUse { dataset: String, users: String },
     #[error("parent dataset {0} does not exist (zfs create {0}, or fix [zfs] parent_dataset)")]
     NoParentDataset(String),
     #[error("{what}: {source}")]

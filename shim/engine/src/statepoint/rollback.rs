@@ -123,7 +123,7 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         });
     }
     let saved = store.statepoint_dir(&target.statepoint_id);
-    crate::local::zfs::check_available(cfg, store, &target.local_state)?;
+    crate::local::zfs::check_rollback(cfg, store, &target.local_state)?;
     if let Some(copy) = &target.local_state.rootfs_copy_path {
         if !saved.join(copy).exists() {
             return Err(Error::FilesMissing { statepoint: target.statepoint_id.clone(), path: saved.join(copy) });

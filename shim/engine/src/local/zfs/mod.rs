@@ -113,6 +113,33 @@ pub fn check_available(cfg: &Config, store: &ContainerStore, local: &LocalState)
     }
 }
 
+/// Checks, before anything changes, that the container's files can go back to statepoint
+/// `local`: its snapshot is there, and no other container runs on a clone of a snapshot the
+/// rollback would rename. Going back swaps datasets by `zfs rename`, which remounts the clones of
+/// the renamed dataset's snapshots — a fork of this container, or a container imported with
+/// `--since` on top of it — and fails while one is in use, half-way through.
+pub fn check_rollback(cfg: &Config, store: &ContainerStore, local: &LocalState) -> Result<()> {
+    check_available(cfg, store, local)?;
+    let (Some(snap), Some(map)) = (&local.zfs_snapshot, mapping(store)) else { return Ok(()) };
+    let zfs = zfs_from(cfg)?;
+    let name = snap.rsplit('@').next().unwrap_or(snap);
+    let home = find_snapshot(&zfs, &map.dataset, name)?.map(|s| zfs::dataset_of(&s).to_string()).unwrap_or_default();
+    let d = &map.dataset;
+    let in_family = |fs: &str| fs == d || fs.starts_with(&format!("{d}.planarian-")) || fs == home;
+    let users: Vec<String> = zfs
+        .filesystems(zfs::pool_of(d))?
+        .into_iter()
+        .filter(|(fs, origin)| !in_family(fs) && origin.as_deref().is_some_and(|o| in_family(zfs::dataset_of(o))))
+        .filter(|(fs, _)| zfs.get(fs, "mounted").is_ok_and(|p| p.value == "yes"))
+        .map(|(fs, _)| fs)
+        .collect();
+    if users.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::ClonesInUse { dataset: d.clone(), users: users.join(", ") })
+    }
+}
+
 /// Flushes what the kernel holds for the file system mounted at `mp` (FUSE keeps written pages).
 fn syncfs(mp: &Path) -> Result<()> {
     use std::os::fd::AsRawFd;
@@ -326,7 +353,7 @@ pub fn send_statepoint(cfg: &Config, store: &ContainerStore, recorded: &str, sin
     let snap = find(recorded)?;
     let from = since.map(find).transpose()?;
     let guid = match &from {
-        Some(f) => Some(zfs.get(f, "guid")?.value),
+        Some(f) => Some(zfs.guid(f)?),
         None => None,
     };
     let file = std::fs::File::create(out).at("create", out)?;
@@ -356,11 +383,20 @@ pub fn receive_statepoint(cfg: &Config, store: &ContainerStore, id: &str, parent
         move |source| Error::ZfsStep { what, source }
     };
     if let Some(guid) = from_guid {
+        // A clone of the common snapshot, promoted for the receive so that the snapshot is its
+        // own newest (the only ground zfs-fuse receives an incremental stream on; OpenZFS's
+        // `receive -o origin` is the same idea), then the snapshots go back to where they were:
+        // the new dataset is a clone of the common snapshot, as a fork is.
         let base = zfs.snapshot_by_guid(zfs::pool_of(parent), guid)?.ok_or_else(|| Error::NoCommonSnapshot(zfs::pool_of(parent).to_string()))?;
+        let origin_ds = zfs::dataset_of(&base).to_string();
         zfs.clone_snapshot(&base, &ds, &[]).map_err(step("clone the common snapshot for"))?;
-        zfs.receive_force(&ds, input).inspect_err(|_| {
+        let received = zfs.promote(&ds).and_then(|()| zfs.receive_force(&ds, input));
+        let back = zfs.promote(&origin_ds);
+        if let Err(e) = received.and(back) {
+            let _ = zfs.promote(&origin_ds);
             let _ = zfs.destroy(&ds, true);
-        }).map_err(step("receive"))?;
+            return Err(step("receive")(e));
+        }
     } else {
         zfs.receive(&ds, input).map_err(step("receive"))?;
     }
