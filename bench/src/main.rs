@@ -82,6 +82,16 @@ fn run_quiet(program: &str, args: &[&str]) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// Runs a command that reports its phases on stderr (`planarian rollback`, `fork`): the phases.
+fn run_phases(program: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(program).args(args).stdin(Stdio::null()).output().map_err(|e| format!("{program}: {e}"))?;
+    let err = String::from_utf8_lossy(&out.stderr).trim_end().to_string();
+    if !out.status.success() {
+        return Err(format!("{program} {args:?}: {err}"));
+    }
+    Ok(err)
+}
+
 struct Stats {
     mean: Duration,
     median: Duration,
@@ -349,8 +359,9 @@ fn snapshot_cost(ctr: &str) -> Result<(String, Cost), String> {
     Ok((sp, Cost { ms, bytes, pages: meas["pages-written"].as_u64().unwrap_or(0), full_reason, rootfs_bytes, criu_ms, frozen_ms }))
 }
 
-/// Second snapshot, rollback, first snapshot after the rollback, fork, first snapshot in the fork.
-fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32) -> Result<[Cost; 5], String> {
+/// Second snapshot, rollback, first snapshot after the rollback, fork, first snapshot in the fork;
+/// and where the rollback's and the fork's time went (their phases, as they report them).
+fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32) -> Result<([Cost; 5], String), String> {
     let pid = std::process::id();
     let (ctr, fork) = (format!("plbench-{tag}-{pid}"), format!("plbench-{tag}-fork-{pid}"));
     let mut run = vec!["--runtime", "planarian", "run", "-d", "--name", &ctr];
@@ -359,7 +370,7 @@ fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32) -> Res
     }
     let mem_s = mem.to_string();
     run.extend(["localhost/planarian-test/debian", "python3", "-c", WORKLOAD, &mem_s]);
-    let result = (|| -> Result<[Cost; 5], String> {
+    let result = (|| -> Result<([Cost; 5], String), String> {
         run_quiet("podman", &run)?;
         run_quiet("podman", &["exec", &ctr, "sh", "-c", &format!(
             "mkdir -p /data && i=0; while [ $i -lt {files} ]; do head -c 1048576 /dev/urandom > /data/f$i; i=$((i+1)); done")])?;
@@ -369,16 +380,16 @@ fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32) -> Res
         let (_, second) = snapshot_cost(&ctr)?;
         dirty(&ctr)?;
         let t = Instant::now();
-        run_quiet(PLANARIAN, &["rollback", &ctr, &sp1])?;
+        let rollback_phases = run_phases(PLANARIAN, &["rollback", &ctr, &sp1])?;
         let rollback = Cost { ms: t.elapsed().as_secs_f64() * 1e3, ..Cost::default() };
         dirty(&ctr)?;
         let (sp3, after_rollback) = snapshot_cost(&ctr)?;
         let t = Instant::now();
-        run_quiet(PLANARIAN, &["fork", &ctr, &sp3, "--name", &fork])?;
+        let fork_phases = run_phases(PLANARIAN, &["fork", &ctr, &sp3, "--name", &fork])?;
         let fork_cost = Cost { ms: t.elapsed().as_secs_f64() * 1e3, ..Cost::default() };
         dirty(&fork)?;
         let (_, after_fork) = snapshot_cost(&fork)?;
-        Ok([second, rollback, after_rollback, fork_cost, after_fork])
+        Ok(([second, rollback, after_rollback, fork_cost, after_fork], format!("{rollback_phases}\n{fork_phases}")))
     })();
     for n in [&fork, &ctr] {
         if let Ok(id) = run_quiet("podman", &["inspect", "--format", "{{.Id}}", n]) {
@@ -414,10 +425,14 @@ fn chains(args: &[String]) -> i32 {
         ("Full-snapshot", vec!["io.planarian.checkpoint.full_dump_interval=1".to_string()]),
     ];
     let mut results = Vec::new();
+    let mut phases = Vec::new();
     for (tag, annotations) in &systems {
         eprintln!("measuring {tag} ...");
         match chains_system(&tag.to_lowercase(), annotations, mem, files) {
-            Ok(r) => results.push(r),
+            Ok((r, p)) => {
+                results.push(r);
+                phases.push(p);
+            }
             Err(e) => {
                 eprintln!("planarian-bench: {tag}: {e}");
                 return 1;
@@ -458,6 +473,13 @@ fn chains(args: &[String]) -> i32 {
     }
     let p = &results[0];
     println!("planarian: first snapshot after rollback / second snapshot = {:.2}x; first in fork / second = {:.2}x", p[2].ms / p[0].ms, p[4].ms / p[0].ms);
+    // Where a rollback's and a fork's time goes: their own phases (the restore's split from
+    // `podman container restore --print-stats`).
+    for (ph, (tag, _)) in phases.iter().zip(&systems) {
+        println!();
+        println!("{tag}: rollback and fork, phase by phase");
+        println!("```\n{ph}\n```");
+    }
     0
 }
 

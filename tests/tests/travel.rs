@@ -255,6 +255,12 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
         cmd("ip", ["netns", "exec", p, "ip", "link", "set", "lo", "up"]).ok();
     }
     let image = podman("planarian", &["image", "mount", DEBIAN]).ok().out();
+    // Remote state: a hook that says where the sandbox's MCP calls are (position 42), so the
+    // checkpoint records a position that must travel with it.
+    let hook = base.join("remote-hook");
+    let body = "#!/bin/sh\ncase $1 in capture) echo '{\"external-endpoint\": \"db://agents\", \"mcp-call-position\": 42}';; esac\n";
+    cmd("sh", ["-c", "printf '%s' \"$1\" > \"$2\" && chmod 755 \"$2\"", "sh", body, hook.to_str().unwrap()]).ok();
+    let _hooks = DropIn::new("zz-crio-remote-hook", &format!("[hooks]\nremote = [\"{}\"]\n", hook.display()));
 
     // Discovery: what CRI-O runs at start and before checkpoint/restore.
     assert!(handler.call(&["--version"]).ok().stdout.contains("version"));
@@ -341,6 +347,7 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
     // The statepoint came with it, MCP position included, and starts b's chain.
     let imported: serde_json::Value = serde_json::from_str(&planarian(&["statepoint", "list", &b.id, "--json"]).ok().stdout).unwrap();
     let sp = &imported.as_array().unwrap()[0];
+    assert_eq!(handed_manifest["remote-state"][0]["mcp-call-position"], 42, "{handed_manifest}");
     assert_eq!(sp["remote-state"], handed_manifest["remote-state"]);
     assert_eq!(sp["options"]["file-locks"], true, "the dump's options travel with it");
     assert!(sp["imported-from"].as_str().unwrap().starts_with(&a.id[..12]));
@@ -447,10 +454,10 @@ fn statepoints_move_between_pools_and_podman_export_carries_zfs_files() {
     // Podman's own export of the same sandbox, files on ZFS: the container removed, its store and
     // dataset gone (as on another machine), `restore --import` brings it back from the archive.
     let (id, tp) = export_and_lose(&sb, podman_file);
+    // Another machine has none of its datasets either: removing the container removes them (in
+    // the background, once Podman removed the bundle).
     let dataset = format!("{parent}/ctr-{id}");
-    if cmd("zfs", ["list", "-H", &dataset]).code == Some(0) {
-        cmd("zfs", ["destroy", "-r", &dataset]).ok();
-    }
+    assert!(wait_for(std::time::Duration::from_secs(120), || cmd("zfs", ["list", "-H", &dataset]).code != Some(0)), "{dataset} outlived its container");
     podman("planarian", &["container", "restore", &format!("--import={podman_file}")]).ok();
     let mut back = Sandbox::attach(&sb.name);
     assert_continues(&mut back, &at2);
