@@ -173,7 +173,7 @@ pub fn import<'a>(cfg: &'a Config, store: &'a ContainerStore, from: &HandedOut, 
         let parent = cfg.zfs.parent_dataset.clone().ok_or(local::Error::NeedsZfs)?;
         let meta: serde_json::Value = std::fs::read(part.join(FILES_META)).ok().and_then(|d| serde_json::from_slice(&d).ok()).unwrap_or_default();
         guard.dataset = true;
-        let snap = zfs::receive_statepoint(cfg, store, id, &parent, &stream, meta["from-guid"].as_str(), &zfs::snapshot_name(id, &sp), &bundle.dir)?;
+        let snap = zfs::receive_statepoint(cfg, store, id, &parent, zfs::Incoming { stream: &stream, from_guid: meta["from-guid"].as_str() }, &zfs::snapshot_name(id, &sp), &bundle.dir)?;
         local.rootfs_backend = "zfs".into();
         local.zfs_snapshot = Some(snap);
     } else {

@@ -363,12 +363,20 @@ pub fn send_statepoint(cfg: &Config, store: &ContainerStore, recorded: &str, sin
     Ok(guid)
 }
 
-/// Makes the stream in `stream` container `id`'s dataset, `<parent>/ctr-<id>`, its snapshot
+/// A `zfs send` stream to receive: the file, and the guid of the snapshot an incremental one
+/// starts from.
+pub struct Incoming<'a> {
+    pub stream: &'a Path,
+    pub from_guid: Option<&'a str>,
+}
+
+/// Makes the `incoming` stream container `id`'s dataset, `<parent>/ctr-<id>`, its snapshot
 /// named `snap_name` (a statepoint of `id`), and maps the container to it. An incremental stream
-/// (from the snapshot whose guid is `from_guid`, found anywhere in `parent`'s pool) is received
+/// (from the snapshot whose guid it names, found anywhere in `parent`'s pool) is received
 /// into a clone of that snapshot: only the changes travel. Returns the snapshot. On failure
 /// nothing is left.
-pub fn receive_statepoint(cfg: &Config, store: &ContainerStore, id: &str, parent: &str, stream: &Path, from_guid: Option<&str>, snap_name: &str, bundle: &Path) -> Result<String> {
+pub fn receive_statepoint(cfg: &Config, store: &ContainerStore, id: &str, parent: &str, incoming: Incoming, snap_name: &str, bundle: &Path) -> Result<String> {
+    let Incoming { stream, from_guid } = incoming;
     let zfs = zfs_from(cfg)?;
     if !zfs.exists(parent)? {
         return Err(Error::NoParentDataset(parent.to_string()));
@@ -404,8 +412,8 @@ pub fn receive_statepoint(cfg: &Config, store: &ContainerStore, id: &str, parent
         let received = zfs
             .snapshots(&ds)?
             .into_iter()
-            .filter(|s| zfs::dataset_of(s) == ds)
-            .last()
+            .rev()
+            .find(|s| zfs::dataset_of(s) == ds)
             .ok_or_else(|| missing(snap_name, &ds))?;
         let snap = format!("{ds}@{snap_name}");
         if received != snap {
