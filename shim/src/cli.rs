@@ -473,8 +473,8 @@ pub enum StatepointCommand {
         /// The new container's name (default: the exported container's).
         #[arg(long)]
         name: Option<String>,
-        /// The ZFS dataset its files go under on this machine (default: the exported
-        /// container's setting).
+        /// For files on ZFS: the dataset they go under on this machine (default: the exported
+        /// container's setting, else this host's [zfs] parent_dataset).
         #[arg(long)]
         parent_dataset: Option<String>,
     },
