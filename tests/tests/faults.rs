@@ -96,6 +96,18 @@ fn every_failing_step_of_snapshot_rollback_and_restore_leaves_the_sandbox_as_it_
         assert_eq!((back.counter, &back.checksum), (state.counter + 1, &state.checksum), "{target}");
         assert_eq!(sb.sh("cat /root/f 2>/dev/null || echo none").stdout, "none\n", "{target}");
     }
+    // A checkpoint that leaves (Podman's --export) and cannot hand its statepoint out does not
+    // kill the container: the checkpoint fails, the sandbox runs on from where it was.
+    sb.seq = sb.read().expect("state readable").0;
+    let before = sb.send("tick");
+    inject("checkpoint.handed-out");
+    let r = podman("planarian", &["container", "checkpoint", "--export=/tmp/planarian-fault-export.tar.gz", &sb.name]);
+    let _ = std::fs::remove_file("/tmp/planarian-fault-export.tar.gz");
+    assert_ne!(r.code, Some(0), "{r:?}");
+    assert!(!Path::new(FAULT).exists(), "the fault never fired");
+    assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out(), "running", "{r:?}");
+    let now = sb.send("tick");
+    assert_eq!((now.counter, &now.checksum), (before.counter + 1, &before.checksum));
 }
 
 #[test]

@@ -454,10 +454,14 @@ fn statepoints_move_between_pools_and_podman_export_carries_zfs_files() {
     // Podman's own export of the same sandbox, files on ZFS: the container removed, its store and
     // dataset gone (as on another machine), `restore --import` brings it back from the archive.
     let (id, tp) = export_and_lose(&sb, podman_file);
-    // Another machine has none of its datasets either: removing the container removes them (in
-    // the background, once Podman removed the bundle).
+    // Another machine has none of its datasets either. (Removing the container removes it in the
+    // background, which the wiped store may have cut short: destroyed here, retried while that
+    // removal may still be at it.)
     let dataset = format!("{parent}/ctr-{id}");
-    assert!(wait_for(std::time::Duration::from_secs(120), || cmd("zfs", ["list", "-H", &dataset]).code != Some(0)), "{dataset} outlived its container");
+    let gone = wait_for(std::time::Duration::from_secs(120), || {
+        cmd("zfs", ["list", "-H", &dataset]).code != Some(0) || cmd("zfs", ["destroy", "-r", &dataset]).code == Some(0)
+    });
+    assert!(gone, "{dataset} cannot be destroyed");
     podman("planarian", &["container", "restore", &format!("--import={podman_file}")]).ok();
     let mut back = Sandbox::attach(&sb.name);
     assert_continues(&mut back, &at2);

@@ -31,6 +31,14 @@ pub struct SnapshotRequest {
 
 /// Takes a statepoint. With the exclusive lock held by the caller.
 pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest> {
+    take_then(ctx, req, |_| Ok(()))
+}
+
+/// Takes a statepoint and runs `before_release` on it, committed: before the sandbox is killed,
+/// when the request does not leave it running (after the thaw otherwise). When `before_release`
+/// fails the sandbox is not killed: it runs on from the statepoint, which stays committed, and
+/// the error is returned.
+pub fn take_then(ctx: &Ctx, req: &SnapshotRequest, before_release: impl FnOnce(&Manifest) -> Result<()>) -> Result<Manifest> {
     let t0 = Instant::now();
     let pid = ctx.ctr.running_pid()?;
     if let Some(n) = &req.name {
@@ -191,19 +199,28 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest> {
     pending.committed();
     dumping.committed();
     lock_guard.disarm();
-    if !req.leave_running {
-        // Kill while still frozen, so nothing runs past the statepoint.
-        let _ = std::process::Command::new(&ctx.crun).args(ctx.globals.crun_args()).args(["kill", &ctx.ctr.id, "KILL"]).status();
-    }
-    drop(frozen);
-    if req.leave_running {
+    // A sandbox left running thaws first; one to be killed waits, frozen, for `before_release`.
+    let (released, killed) = if req.leave_running {
+        drop(frozen);
+        (before_release(&m), false)
+    } else {
+        let released = before_release(&m);
+        let killed = released.is_ok();
+        if killed {
+            // Kill while still frozen, so nothing runs past the statepoint.
+            let _ = std::process::Command::new(&ctx.crun).args(ctx.globals.crun_args()).args(["kill", &ctx.ctr.id, "KILL"]).status();
+        }
+        drop(frozen);
+        (released, killed)
+    };
+    if !killed {
         crate::chain::after_dump(&ctx.store, &m, init_start)?;
     }
     if !req.internal {
         ctx.store.set_head(Some(&id))?;
         super::enforce_retention(&ctx.cfg, &ctx.store);
     }
-    Ok(m)
+    released.map(|()| m)
 }
 
 /// The network lock of a dump that failed: CRIU unlocks the namespace when it ends, but not when
@@ -279,13 +296,15 @@ pub fn checkpoint(globals: &crate::runtime::Globals, id: &str, req: &SnapshotReq
     ctx.ctr.running_pid()?;
     let _lock = ctx.store.lock(true)?;
     ctx.recover();
-    let m = take(&ctx, req)?;
-    if let Some(ip) = image_path {
+    // What Podman or CRI-O reads is written before the container is let go: when it cannot be
+    // (a full disk during a hand-out), the checkpoint fails and the container runs on.
+    take_then(&ctx, req, |m| {
+        let Some(ip) = image_path else { return Ok(()) };
         use super::podman_dir::{leave_for_podman, Destination};
         let to = if super::travel::leaves() { Destination::Leaves(&ctx.cfg, &ctx.store) } else { Destination::Stays };
-        leave_for_podman(&m, &ctx.store.statepoint_dir(&m.statepoint_id), ip, work_path, to)?;
-    }
-    Ok(m)
+        leave_for_podman(m, &ctx.store.statepoint_dir(&m.statepoint_id), ip, work_path, to)?;
+        Ok(crate::fault::point("checkpoint.handed-out")?)
+    })
 }
 
 /// Podman's `--pre-checkpoint`: a memory pre-dump of container `id` into `image_path`, no
