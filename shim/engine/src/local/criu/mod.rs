@@ -386,7 +386,7 @@ pub fn run(criu: &Path, args: &[OsString], log: &Path, keep_stdio: bool, envs: &
     }
     let why = first_error(log)
         .or_else(|| String::from_utf8_lossy(&out.stderr).lines().last().map(|l| l.trim().to_string()))
-        .unwrap_or_else(|| format!("exit status {}", out.status));
+        .unwrap_or_else(|| out.status.to_string());
     let verb = if args.first().is_some_and(|a| a == "dump") { "dump" } else { "restore" };
     Err(Error::Failed { verb, why, log: log.to_path_buf() })
 }
