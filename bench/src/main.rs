@@ -71,6 +71,12 @@ pub(crate) fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
 }
 
 fn run_quiet(program: &str, args: &[&str]) -> Result<String, String> {
+    let out = run_checked(program, args)?;
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Runs a command, failing with its stderr when it fails.
+fn run_checked(program: &str, args: &[&str]) -> Result<std::process::Output, String> {
     let out = Command::new(program)
         .args(args)
         .stdin(Stdio::null())
@@ -79,17 +85,13 @@ fn run_quiet(program: &str, args: &[&str]) -> Result<String, String> {
     if !out.status.success() {
         return Err(format!("{program} {args:?}: {}", String::from_utf8_lossy(&out.stderr).trim()));
     }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    Ok(out)
 }
 
 /// Runs a command that reports its phases on stderr (`planarian rollback`, `fork`): the phases.
 fn run_phases(program: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(program).args(args).stdin(Stdio::null()).output().map_err(|e| format!("{program}: {e}"))?;
-    let err = String::from_utf8_lossy(&out.stderr).trim_end().to_string();
-    if !out.status.success() {
-        return Err(format!("{program} {args:?}: {err}"));
-    }
-    Ok(err)
+    let out = run_checked(program, args)?;
+    Ok(String::from_utf8_lossy(&out.stderr).trim_end().to_string())
 }
 
 struct Stats {

@@ -271,3 +271,9 @@ pub fn zfs_test_pool() -> Option<String> {
         }
     }
 }
+
+/// Writes an executable script at `path`, from another process: a write descriptor this process
+/// held while a child forks would make executing it fail with ETXTBSY.
+pub fn write_executable(path: &std::path::Path, body: &str) {
+    cmd("sh", ["-c", "printf '%s' \"$1\" > \"$2\" && chmod 755 \"$2\"", "sh", body, path.to_str().unwrap()]).ok();
+}

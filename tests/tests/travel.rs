@@ -113,8 +113,7 @@ impl Handler {
     fn new(dir: &Path) -> Handler {
         let (path, log) = (dir.join("planarian-handler"), dir.join("argv.log"));
         let script = format!("#!/bin/sh\nprintf '%s\\n' \"$*\" >> {}\nexec {} \"$@\"\n", log.display(), planarian_bin().display());
-        // Written by another process: an inherited write descriptor would make exec fail (ETXTBSY).
-        cmd("sh", ["-c", "printf '%s' \"$1\" > \"$2\" && chmod 755 \"$2\"", "sh", script.as_str(), path.to_str().unwrap()]).ok();
+        write_executable(&path, &script);
         Handler { path, log }
     }
 
@@ -259,7 +258,7 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
     // checkpoint records a position that must travel with it.
     let hook = base.join("remote-hook");
     let body = "#!/bin/sh\ncase $1 in capture) echo '{\"external-endpoint\": \"db://agents\", \"mcp-call-position\": 42}';; esac\n";
-    cmd("sh", ["-c", "printf '%s' \"$1\" > \"$2\" && chmod 755 \"$2\"", "sh", body, hook.to_str().unwrap()]).ok();
+    write_executable(&hook, body);
     let _hooks = DropIn::new("zz-crio-remote-hook", &format!("[hooks]\nremote = [\"{}\"]\n", hook.display()));
 
     // Discovery: what CRI-O runs at start and before checkpoint/restore.

@@ -86,6 +86,8 @@ pub enum Error {
     ForkFailed(Box<Error>),
     #[error("{} is not a statepoint file: {why}", file.display())]
     NotAStatepointFile { file: PathBuf, why: String },
+    #[error("cannot write {}: {why}", file.display())]
+    ExportWrite { file: PathBuf, why: String },
     #[error("import failed, nothing was created: {0}")]
     ImportFailed(Box<Error>),
 }

@@ -357,19 +357,20 @@ pub fn export(cfg: &Config, store: &ContainerStore, m: &Manifest, since: Option<
     };
     let text = serde_json::to_string_pretty(recipe).expect("a recipe serialises");
     sys::write_atomic(&staging.0.join(RECIPE), text.as_bytes(), 0o644)?;
-    tar(&["-cf", &file.display().to_string(), "-C", &staging.0.display().to_string(), "."], file)?;
+    tar(&["-cf", &file.display().to_string(), "-C", &staging.0.display().to_string(), "."])?
+        .map_err(|why| super::Error::ExportWrite { file: file.to_path_buf(), why })?;
     let bytes = std::fs::metadata(file).at("read", file)?.len();
     Ok(Exported { bytes, levels, files })
 }
 
-fn tar(args: &[&str], file: &Path) -> Result<()> {
+/// Runs tar; its first line of complaint when it fails.
+fn tar(args: &[&str]) -> Result<Result<(), String>> {
     let bin = crate::tools::locate("tar", None, "PATH")?;
     let out = std::process::Command::new(&bin).args(args).output().map_err(|e| sys::IoError::new("run", &bin, e))?;
     if out.status.success() {
-        return Ok(());
+        return Ok(Ok(()));
     }
-    let why = String::from_utf8_lossy(&out.stderr).lines().next().unwrap_or("tar failed").to_string();
-    Err(super::Error::NotAStatepointFile { file: file.to_path_buf(), why })
+    Ok(Err(String::from_utf8_lossy(&out.stderr).lines().next().unwrap_or("tar failed").to_string()))
 }
 
 /// A container made from a statepoint file, running.
@@ -387,8 +388,8 @@ pub struct ImportedContainer {
 pub fn import_file(cfg: &Config, file: &Path, name: Option<&str>, parent_dataset: Option<&str>) -> Result<ImportedContainer> {
     use crate::runtime::podman;
     let staging = Staging::new(cfg.store.path.join(format!("import-{}", std::process::id())))?;
-    tar(&["-xf", &file.display().to_string(), "-C", &staging.0.display().to_string()], file)?;
     let bad = |why: &str| super::Error::NotAStatepointFile { file: file.to_path_buf(), why: why.to_string() };
+    tar(&["-xf", &file.display().to_string(), "-C", &staging.0.display().to_string()])?.map_err(|why| bad(&why))?;
     let recipe: Recipe = std::fs::read(staging.0.join(RECIPE)).ok().and_then(|d| serde_json::from_slice(&d).ok()).ok_or_else(|| bad("no container.json"))?;
     let from = HandedOut::read(&staging.0.join("checkpoint"))?.ok_or_else(|| bad("no planarian manifest in checkpoint/"))?;
     let name = name.unwrap_or(&recipe.name).to_string();

@@ -104,11 +104,17 @@ fn missing(name: &str, dataset: &str) -> Error {
 
 /// Checks, before anything changes, that a statepoint's snapshot is still there.
 pub fn check_available(cfg: &Config, store: &ContainerStore, local: &LocalState) -> Result<()> {
-    let (Some(snap), Some(map)) = (&local.zfs_snapshot, mapping(store)) else { return Ok(()) };
+    locate(cfg, store, local).map(drop)
+}
+
+/// Where statepoint `local`'s snapshot is now (with the container's dataset and `zfs`), or
+/// `None` when the statepoint or the container keeps no files on ZFS; an error when it is gone.
+fn locate(cfg: &Config, store: &ContainerStore, local: &LocalState) -> Result<Option<(Zfs, Mapping, String)>> {
+    let (Some(snap), Some(map)) = (&local.zfs_snapshot, mapping(store)) else { return Ok(None) };
     let zfs = zfs_from(cfg)?;
     let name = snap.rsplit('@').next().unwrap_or(snap);
     match find_snapshot(&zfs, &map.dataset, name)? {
-        Some(_) => Ok(()),
+        Some(found) => Ok(Some((zfs, map, found))),
         None => Err(missing(name, &map.dataset)),
     }
 }
@@ -119,11 +125,8 @@ pub fn check_available(cfg: &Config, store: &ContainerStore, local: &LocalState)
 /// the renamed dataset's snapshots — a fork of this container, or a container imported with
 /// `--since` on top of it — and fails while one is in use, half-way through.
 pub fn check_rollback(cfg: &Config, store: &ContainerStore, local: &LocalState) -> Result<()> {
-    check_available(cfg, store, local)?;
-    let (Some(snap), Some(map)) = (&local.zfs_snapshot, mapping(store)) else { return Ok(()) };
-    let zfs = zfs_from(cfg)?;
-    let name = snap.rsplit('@').next().unwrap_or(snap);
-    let home = find_snapshot(&zfs, &map.dataset, name)?.map(|s| zfs::dataset_of(&s).to_string()).unwrap_or_default();
+    let Some((zfs, map, snap)) = locate(cfg, store, local)? else { return Ok(()) };
+    let home = zfs::dataset_of(&snap);
     let d = &map.dataset;
     let in_family = |fs: &str| fs == d || fs.starts_with(&format!("{d}.planarian-")) || fs == home;
     let users: Vec<String> = zfs
