@@ -4,6 +4,8 @@
 //!   bytes, keeping every other field as it is (CRIU-NOTES.md, "inventory.img layout").
 //! * [`restored_tree`], [`epoch`] and [`clear_soft_dirty`] are the pieces of the pre-resume hook.
 
+pub mod images;
+
 use std::io;
 use std::path::Path;
 

@@ -7,6 +7,7 @@ pub mod criu;
 pub mod devfs;
 pub mod files;
 pub mod freezer;
+pub mod inplace;
 pub mod zfs;
 
 use crate::config::Config;

@@ -1,0 +1,637 @@
+//! Reading the CRIU images a rollback in place compares a running process tree with: the process
+//! tree (`pstree.img`), each thread's registers and signal state (`core-TID.img`), each process's
+//! memory mappings (`mm-PID.img`) and pages (`pagemap-PID.img` + `pages-N.img`, through the
+//! `parent` links of an incremental chain), and its open files (`fdinfo-N.img`, `files.img`,
+//! `pipes-data.img`).
+//!
+//! Only the fields planarian acts on are decoded (field numbers from CRIU's `images/*.proto`,
+//! unchanged from 3.17 to 4.x); every image is checked for its magic. x86_64 only.
+
+use crate::{read_varint, ImageError};
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+pub const COMMON_MAGIC: u32 = 0x5476_4319;
+pub const PSTREE_MAGIC: u32 = 0x5027_3030;
+pub const CORE_MAGIC: u32 = 0x5505_3847;
+pub const MM_MAGIC: u32 = 0x5749_2820;
+pub const PAGEMAP_MAGIC: u32 = 0x5608_4025;
+pub const FDINFO_MAGIC: u32 = 0x5621_3732;
+pub const FILES_MAGIC: u32 = 0x5630_3138;
+pub const PIPES_DATA_MAGIC: u32 = 0x5645_3709;
+
+pub const PAGE_SIZE: u64 = 4096;
+
+/// `pagemap_entry.flags`.
+pub const PE_PARENT: u32 = 1;
+pub const PE_PRESENT: u32 = 4;
+
+/// `vma_entry.status` bits (CRIU's `criu/include/image.h`).
+pub const VMA_AREA_REGULAR: u32 = 1;
+pub const VMA_AREA_STACK: u32 = 1 << 1;
+pub const VMA_AREA_VSYSCALL: u32 = 1 << 2;
+pub const VMA_AREA_VDSO: u32 = 1 << 3;
+pub const VMA_AREA_HEAP: u32 = 1 << 5;
+pub const VMA_FILE_PRIVATE: u32 = 1 << 6;
+pub const VMA_FILE_SHARED: u32 = 1 << 7;
+pub const VMA_ANON_SHARED: u32 = 1 << 8;
+pub const VMA_ANON_PRIVATE: u32 = 1 << 9;
+pub const VMA_AREA_VVAR: u32 = 1 << 12;
+
+/// `fd_types` of `fdinfo.proto`.
+pub const FD_REG: u32 = 1;
+pub const FD_PIPE: u32 = 2;
+
+/// Why an image could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("cannot read {}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: {source}", path.display())]
+    Image { path: PathBuf, source: ImageError },
+    #[error("{}: {what}", path.display())]
+    Content { path: PathBuf, what: String },
+}
+
+type Result<T, E = ReadError> = std::result::Result<T, E>;
+
+/// One decoded protobuf field.
+#[derive(Debug, Clone, Copy)]
+enum Value<'a> {
+    Int(u64),
+    Bytes(&'a [u8]),
+}
+
+/// The fields of one protobuf message, by number, in order.
+struct Msg<'a>(Vec<(u64, Value<'a>)>);
+
+impl<'a> Msg<'a> {
+    fn parse(b: &'a [u8]) -> std::result::Result<Msg<'a>, ImageError> {
+        let mut out = Vec::new();
+        let mut pos = 0;
+        while pos < b.len() {
+            let key = read_varint(b, &mut pos)?;
+            let v = match key & 7 {
+                0 => Value::Int(read_varint(b, &mut pos)?),
+                1 => {
+                    let w = b.get(pos..pos + 8).ok_or(ImageError::Protobuf("fixed64 runs past the end"))?;
+                    pos += 8;
+                    Value::Int(u64::from_le_bytes(w.try_into().unwrap()))
+                }
+                2 => {
+                    let n = read_varint(b, &mut pos)? as usize;
+                    let w = b.get(pos..pos.checked_add(n).ok_or(ImageError::Protobuf("length overflows"))?).ok_or(ImageError::Protobuf("field runs past the end"))?;
+                    pos += n;
+                    Value::Bytes(w)
+                }
+                5 => {
+                    let w = b.get(pos..pos + 4).ok_or(ImageError::Protobuf("fixed32 runs past the end"))?;
+                    pos += 4;
+                    Value::Int(u64::from(u32::from_le_bytes(w.try_into().unwrap())))
+                }
+                _ => return Err(ImageError::Protobuf("unsupported wire type")),
+            };
+            out.push((key >> 3, v));
+        }
+        Ok(Msg(out))
+    }
+
+    fn int(&self, n: u64) -> Option<u64> {
+        self.0.iter().rev().find_map(|(f, v)| match v {
+            Value::Int(i) if *f == n => Some(*i),
+            _ => None,
+        })
+    }
+
+    fn u(&self, n: u64) -> u64 {
+        self.int(n).unwrap_or(0)
+    }
+
+    fn bytes(&self, n: u64) -> Option<&'a [u8]> {
+        self.0.iter().rev().find_map(|(f, v)| match v {
+            Value::Bytes(b) if *f == n => Some(*b),
+            _ => None,
+        })
+    }
+
+    fn msg(&self, n: u64) -> std::result::Result<Option<Msg<'a>>, ImageError> {
+        self.bytes(n).map(Msg::parse).transpose()
+    }
+
+    fn msgs(&self, n: u64) -> std::result::Result<Vec<Msg<'a>>, ImageError> {
+        self.0
+            .iter()
+            .filter_map(|(f, v)| match v {
+                Value::Bytes(b) if *f == n => Some(Msg::parse(b)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// A repeated integer field, packed or not.
+    fn ints(&self, n: u64) -> std::result::Result<Vec<u64>, ImageError> {
+        let mut out = Vec::new();
+        for (f, v) in &self.0 {
+            if *f != n {
+                continue;
+            }
+            match v {
+                Value::Int(i) => out.push(*i),
+                Value::Bytes(b) => {
+                    let mut pos = 0;
+                    while pos < b.len() {
+                        out.push(read_varint(b, &mut pos)?);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn string(&self, n: u64) -> String {
+        self.bytes(n).map(|b| String::from_utf8_lossy(b).into_owned()).unwrap_or_default()
+    }
+}
+
+/// The entries of an image with the common header and `magic`; a missing file is `None`.
+fn entries(path: &Path, magic: u32) -> Result<Option<Vec<Vec<u8>>>> {
+    let data = match std::fs::read(path) {
+        Ok(d) => d,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(ReadError::Io { path: path.to_path_buf(), source }),
+    };
+    let bad = |source| ReadError::Image { path: path.to_path_buf(), source };
+    let word = |at: usize| data.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()));
+    let (w0, w1) = (word(0).ok_or(bad(ImageError::Short))?, word(4).ok_or(bad(ImageError::Short))?);
+    if w0 != COMMON_MAGIC || w1 != magic {
+        return Err(bad(ImageError::Magic(if w0 == COMMON_MAGIC { w1 } else { w0 })));
+    }
+    let mut at = 8;
+    let mut out = Vec::new();
+    while at < data.len() {
+        let n = word(at).ok_or(bad(ImageError::Short))? as usize;
+        let body = data.get(at + 4..at + 4 + n).ok_or(bad(ImageError::Length { declared: n, actual: data.len() - at - 4 }))?;
+        out.push(body.to_vec());
+        at += 4 + n;
+        if magic == PIPES_DATA_MAGIC {
+            // Each pipe_data_entry is followed by its bytes: one entry says enough.
+            break;
+        }
+    }
+    Ok(Some(out))
+}
+
+fn required(path: &Path, magic: u32) -> Result<Vec<Vec<u8>>> {
+    entries(path, magic)?.ok_or_else(|| ReadError::Io { path: path.to_path_buf(), source: std::io::ErrorKind::NotFound.into() })
+}
+
+fn decode<'a>(path: &Path, b: &'a [u8]) -> Result<Msg<'a>> {
+    Msg::parse(b).map_err(|source| ReadError::Image { path: path.to_path_buf(), source })
+}
+
+/// One process of `pstree.img` (PIDs as the container's PID namespace sees them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Process {
+    pub pid: u32,
+    pub ppid: u32,
+    pub pgid: u32,
+    pub sid: u32,
+    pub threads: Vec<u32>,
+}
+
+pub fn pstree(dir: &Path) -> Result<Vec<Process>> {
+    let path = dir.join("pstree.img");
+    required(&path, PSTREE_MAGIC)?
+        .iter()
+        .map(|e| {
+            let m = decode(&path, e)?;
+            let threads = m.ints(5).map_err(|source| ReadError::Image { path: path.clone(), source })?;
+            Ok(Process { pid: m.u(1) as u32, ppid: m.u(2) as u32, pgid: m.u(3) as u32, sid: m.u(4) as u32, threads: threads.into_iter().map(|t| t as u32).collect() })
+        })
+        .collect()
+}
+
+/// The FXSAVE part of a thread's FPU state and the upper halves of its AVX registers.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct FpRegs {
+    /// 512 bytes in the layout of `struct user_fpregs_struct` (FXSAVE).
+    pub fxsave: Vec<u8>,
+    pub xstate_bv: Option<u64>,
+    /// 256 bytes: the high 128 bits of ymm0..15, when dumped.
+    pub ymmh: Vec<u8>,
+}
+
+/// What `core-TID.img` says of one thread.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Core {
+    /// `struct user_regs_struct` order: r15 … gs (27 words).
+    pub gpregs: Vec<u64>,
+    /// 64-bit (native) registers.
+    pub native: bool,
+    pub fpregs: FpRegs,
+    pub task_state: u32,
+    pub blocked: u64,
+    /// Signals queued to the thread (`signals_p`) or the process (`signals_s`).
+    pub pending_signals: bool,
+    /// Interval timers or POSIX timers armed.
+    pub timers: bool,
+    pub files_id: Option<u32>,
+    pub comm: String,
+    pub sas_sp: u64,
+}
+
+pub const TASK_ALIVE: u32 = 1;
+
+pub fn core(dir: &Path, tid: u32) -> Result<Core> {
+    let path = dir.join(format!("core-{tid}.img"));
+    let e = required(&path, CORE_MAGIC)?;
+    let body = e.first().ok_or_else(|| ReadError::Content { path: path.clone(), what: "no core entry".into() })?;
+    let bad = |source| ReadError::Image { path: path.clone(), source };
+    let m = decode(&path, body)?;
+    if m.u(1) != 1 {
+        return Err(ReadError::Content { path, what: format!("not an x86_64 image (machine type {})", m.u(1)) });
+    }
+    let mut c = Core::default();
+    if let Some(ti) = m.msg(2).map_err(bad)? {
+        if let Some(g) = ti.msg(2).map_err(bad)? {
+            c.gpregs = (1..=27).map(|f| g.u(f)).collect();
+            c.native = g.int(28).unwrap_or(1) == 1;
+        }
+        if let Some(f) = ti.msg(3).map_err(bad)? {
+            let mut fx = Vec::with_capacity(512);
+            fx.extend_from_slice(&(f.u(1) as u16).to_le_bytes());
+            fx.extend_from_slice(&(f.u(2) as u16).to_le_bytes());
+            fx.extend_from_slice(&(f.u(3) as u16).to_le_bytes());
+            fx.extend_from_slice(&(f.u(4) as u16).to_le_bytes());
+            fx.extend_from_slice(&f.u(5).to_le_bytes());
+            fx.extend_from_slice(&f.u(6).to_le_bytes());
+            fx.extend_from_slice(&(f.u(7) as u32).to_le_bytes());
+            fx.extend_from_slice(&(f.u(8) as u32).to_le_bytes());
+            let mut words = |n: u64, count: usize| -> std::result::Result<(), ImageError> {
+                let mut v = f.ints(n)?;
+                v.resize(count, 0);
+                for w in v {
+                    fx.extend_from_slice(&(w as u32).to_le_bytes());
+                }
+                Ok(())
+            };
+            words(9, 32).map_err(bad)?;
+            words(10, 64).map_err(bad)?;
+            words(11, 24).map_err(bad)?;
+            c.fpregs.fxsave = fx;
+            if let Some(x) = f.msg(13).map_err(bad)? {
+                c.fpregs.xstate_bv = x.int(1);
+                c.fpregs.ymmh = x.ints(2).map_err(bad)?.into_iter().flat_map(|w| (w as u32).to_le_bytes()).collect();
+            }
+        }
+    }
+    if let Some(tc) = m.msg(3).map_err(bad)? {
+        c.task_state = tc.u(1) as u32;
+        c.blocked = tc.u(5);
+        c.comm = tc.string(6);
+        c.timers = tc.bytes(7).is_some_and(|t| timers_armed(t).unwrap_or(true));
+        c.pending_signals |= tc.msg(10).map_err(bad)?.is_some_and(|s| !s.0.is_empty());
+    }
+    if let Some(ids) = m.msg(4).map_err(bad)? {
+        c.files_id = ids.int(2).map(|i| i as u32);
+    }
+    if let Some(th) = m.msg(5).map_err(bad)? {
+        if let Some(b) = th.int(6) {
+            c.blocked = b;
+        }
+        c.pending_signals |= th.msg(9).map_err(bad)?.is_some_and(|s| !s.0.is_empty());
+        if let Some(sas) = th.msg(7).map_err(bad)? {
+            c.sas_sp = sas.u(1);
+        }
+        let comm = th.string(13);
+        if !comm.is_empty() {
+            c.comm = comm;
+        }
+    }
+    Ok(c)
+}
+
+/// Whether a `task_timers_entry` (real, virt, prof `itimer_entry`s: isec, iusec, vsec, vusec) has
+/// an interval timer armed.
+fn timers_armed(b: &[u8]) -> std::result::Result<bool, ImageError> {
+    let t = Msg::parse(b)?;
+    for f in 1..=3 {
+        if let Some(it) = t.msg(f)? {
+            if (1..=4).any(|k| it.u(k) != 0) {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// One memory mapping of `mm-PID.img`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Vma {
+    pub start: u64,
+    pub end: u64,
+    pub pgoff: u64,
+    /// For a file mapping, the id of its file in `files.img`.
+    pub shmid: u64,
+    pub prot: u32,
+    pub flags: u32,
+    pub status: u32,
+}
+
+impl Vma {
+    pub fn is(&self, status: u32) -> bool {
+        self.status & status != 0
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Mm {
+    pub brk: u64,
+    pub start_brk: u64,
+    pub vmas: Vec<Vma>,
+}
+
+pub fn mm(dir: &Path, pid: u32) -> Result<Mm> {
+    let path = dir.join(format!("mm-{pid}.img"));
+    let e = required(&path, MM_MAGIC)?;
+    let body = e.first().ok_or_else(|| ReadError::Content { path: path.clone(), what: "no mm entry".into() })?;
+    let m = decode(&path, body)?;
+    let vmas = m
+        .msgs(14)
+        .map_err(|source| ReadError::Image { path: path.clone(), source })?
+        .iter()
+        .map(|v| Vma { start: v.u(1), end: v.u(2), pgoff: v.u(3), shmid: v.u(4), prot: v.u(5) as u32, flags: v.u(6) as u32, status: v.u(7) as u32 })
+        .collect();
+    Ok(Mm { brk: m.u(7), start_brk: m.u(6), vmas })
+}
+
+/// One entry of a `pagemap-PID.img`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagemapEntry {
+    pub vaddr: u64,
+    pub nr_pages: u64,
+    pub flags: u32,
+}
+
+/// `pagemap-PID.img`: the id of its pages image and its entries.
+pub fn pagemap(dir: &Path, pid: u32) -> Result<(u32, Vec<PagemapEntry>)> {
+    let path = dir.join(format!("pagemap-{pid}.img"));
+    let e = required(&path, PAGEMAP_MAGIC)?;
+    let mut it = e.iter();
+    let head = decode(&path, it.next().ok_or_else(|| ReadError::Content { path: path.clone(), what: "no pagemap head".into() })?)?;
+    let entries = it
+        .map(|b| {
+            let m = decode(&path, b)?;
+            let flags = match (m.int(4), m.int(3)) {
+                (_, Some(1)) => PE_PARENT,
+                (Some(f), _) => f as u32,
+                (None, _) => PE_PRESENT,
+            };
+            Ok(PagemapEntry { vaddr: m.u(1), nr_pages: m.int(5).unwrap_or_else(|| m.u(2)), flags })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((head.u(1) as u32, entries))
+}
+
+/// One open descriptor of `fdinfo-N.img`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fd {
+    pub fd: u32,
+    pub id: u32,
+    pub kind: u32,
+    pub flags: u32,
+}
+
+pub fn fdinfo(dir: &Path, files_id: u32) -> Result<Vec<Fd>> {
+    let path = dir.join(format!("fdinfo-{files_id}.img"));
+    required(&path, FDINFO_MAGIC)?
+        .iter()
+        .map(|b| {
+            let m = decode(&path, b)?;
+            Ok(Fd { id: m.u(1) as u32, flags: m.u(2) as u32, kind: m.u(3) as u32, fd: m.u(4) as u32 })
+        })
+        .collect()
+}
+
+/// What `files.img` says of one open file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum File {
+    Regular { flags: u32, pos: u64, name: String },
+    Pipe { inode: u32 },
+    Other(u32),
+}
+
+pub fn files(dir: &Path) -> Result<HashMap<u32, File>> {
+    let path = dir.join("files.img");
+    let mut out = HashMap::new();
+    for b in required(&path, FILES_MAGIC)? {
+        let m = decode(&path, &b)?;
+        let bad = |source| ReadError::Image { path: path.clone(), source };
+        let kind = m.u(1) as u32;
+        let f = match kind {
+            FD_REG => match m.msg(3).map_err(bad)? {
+                Some(r) => File::Regular { flags: r.u(2) as u32, pos: r.u(3), name: r.string(6) },
+                None => File::Other(kind),
+            },
+            FD_PIPE => match m.msg(18).map_err(bad)? {
+                Some(p) => File::Pipe { inode: p.u(2) as u32 },
+                None => File::Other(kind),
+            },
+            k => File::Other(k),
+        };
+        out.insert(m.u(2) as u32, f);
+    }
+    Ok(out)
+}
+
+/// Whether the dump kept data that was buffered in a pipe.
+pub fn pipe_data(dir: &Path) -> Result<bool> {
+    Ok(entries(&dir.join("pipes-data.img"), PIPES_DATA_MAGIC)?.is_some_and(|e| !e.is_empty()))
+}
+
+/// Where one page's content lies: a pages image (by device and inode, so hard links of one file
+/// in a chain's copies compare equal) and the page's offset in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Location {
+    pub dev: u64,
+    pub ino: u64,
+    pub offset: u64,
+}
+
+/// A run of pages whose contents are consecutive in one pages image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageRun {
+    pub vaddr: u64,
+    pub nr_pages: u64,
+    pub file: PathBuf,
+    pub loc: Location,
+}
+
+impl PageRun {
+    pub fn end(&self) -> u64 {
+        self.vaddr + self.nr_pages * PAGE_SIZE
+    }
+}
+
+/// Every page of process `pid` that the dump in `dir` holds, with where its content lies,
+/// following `parent` links for pages the dump left in its parent. Sorted by address.
+pub fn memory(dir: &Path, pid: u32) -> Result<Vec<PageRun>> {
+    let (pages_id, entries) = pagemap(dir, pid)?;
+    let file = dir.join(format!("pages-{pages_id}.img"));
+    let md = std::fs::metadata(&file);
+    let mut parent: Option<Vec<PageRun>> = None;
+    let mut out = Vec::new();
+    let mut offset = 0u64;
+    for e in entries {
+        if e.flags & PE_PARENT != 0 {
+            if parent.is_none() {
+                let p = std::fs::canonicalize(dir.join("parent")).map_err(|source| ReadError::Io { path: dir.join("parent"), source })?;
+                parent = Some(memory(&p, pid)?);
+            }
+            let from = parent.as_ref().unwrap();
+            let (lo, hi) = (e.vaddr, e.vaddr + e.nr_pages * PAGE_SIZE);
+            let mut covered = lo;
+            let first = from.partition_point(|r| r.end() <= lo);
+            for r in &from[first..] {
+                if r.vaddr >= hi {
+                    break;
+                }
+                let s = r.vaddr.max(lo);
+                let t = r.end().min(hi);
+                if s != covered {
+                    break;
+                }
+                out.push(PageRun { vaddr: s, nr_pages: (t - s) / PAGE_SIZE, file: r.file.clone(), loc: Location { offset: r.loc.offset + (s - r.vaddr), ..r.loc } });
+                covered = t;
+            }
+            if covered != hi {
+                return Err(ReadError::Content { path: dir.to_path_buf(), what: format!("pages {covered:#x}..{hi:#x} of process {pid} are in no parent image") });
+            }
+        } else if e.flags & PE_PRESENT != 0 {
+            let md = md.as_ref().map_err(|e| ReadError::Io { path: file.clone(), source: std::io::Error::new(e.kind(), e.to_string()) })?;
+            out.push(PageRun { vaddr: e.vaddr, nr_pages: e.nr_pages, file: file.clone(), loc: Location { dev: md.dev(), ino: md.ino(), offset } });
+            offset += e.nr_pages * PAGE_SIZE;
+        }
+    }
+    out.sort_by_key(|r| r.vaddr);
+    Ok(out)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::write_varint;
+
+    /// A protobuf encoder for the tests' images.
+    #[derive(Default)]
+    pub struct Enc(pub Vec<u8>);
+
+    impl Enc {
+        pub fn int(mut self, f: u64, v: u64) -> Enc {
+            write_varint(&mut self.0, f << 3);
+            write_varint(&mut self.0, v);
+            self
+        }
+        pub fn bytes(mut self, f: u64, b: &[u8]) -> Enc {
+            write_varint(&mut self.0, (f << 3) | 2);
+            write_varint(&mut self.0, b.len() as u64);
+            self.0.extend_from_slice(b);
+            self
+        }
+    }
+
+    pub fn image(path: &Path, magic: u32, entries: &[Vec<u8>]) {
+        let mut out = Vec::new();
+        out.extend_from_slice(&COMMON_MAGIC.to_le_bytes());
+        out.extend_from_slice(&magic.to_le_bytes());
+        for e in entries {
+            out.extend_from_slice(&(e.len() as u32).to_le_bytes());
+            out.extend_from_slice(e);
+        }
+        std::fs::write(path, out).unwrap();
+    }
+
+    fn pm(vaddr: u64, n: u64, flags: u32) -> Vec<u8> {
+        Enc::default().int(1, vaddr).int(2, n).int(4, u64::from(flags)).0
+    }
+
+    fn tmp(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("planarian-images-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn memory_follows_parents_and_splits_runs() {
+        let d = tmp("chain");
+        let (p, c) = (d.join("p"), d.join("c"));
+        std::fs::create_dir_all(&p).unwrap();
+        std::fs::create_dir_all(&c).unwrap();
+        // Parent: 4 pages at 0x10000 present.
+        image(&p.join("pagemap-1.img"), PAGEMAP_MAGIC, &[Enc::default().int(1, 3).0, pm(0x10000, 4, PE_PRESENT)]);
+        std::fs::write(p.join("pages-3.img"), vec![0u8; 4 * 4096]).unwrap();
+        // Child: page 0x11000 rewritten, the rest in the parent, plus a new page.
+        std::os::unix::fs::symlink("../p", c.join("parent")).unwrap();
+        image(
+            &c.join("pagemap-1.img"),
+            PAGEMAP_MAGIC,
+            &[Enc::default().int(1, 5).0, pm(0x10000, 1, PE_PARENT), pm(0x11000, 1, PE_PRESENT), pm(0x12000, 2, PE_PARENT), pm(0x40000, 1, PE_PRESENT)],
+        );
+        std::fs::write(c.join("pages-5.img"), vec![1u8; 2 * 4096]).unwrap();
+        let m = memory(&c, 1).unwrap();
+        let got: Vec<(u64, u64, u64, bool)> = m.iter().map(|r| (r.vaddr, r.nr_pages, r.loc.offset, r.file.ends_with("p/pages-3.img"))).collect();
+        assert_eq!(got, vec![(0x10000, 1, 0, true), (0x11000, 1, 0, false), (0x12000, 2, 8192, true), (0x40000, 1, 4096, false)]);
+        // A parent page that is not there is an error, not a hole.
+        image(&c.join("pagemap-1.img"), PAGEMAP_MAGIC, &[Enc::default().int(1, 5).0, pm(0x20000, 1, PE_PARENT)]);
+        assert!(memory(&c, 1).unwrap_err().to_string().contains("in no parent image"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn core_mm_pstree_and_files_decode() {
+        let d = tmp("decode");
+        let regs: Vec<u64> = (1..=27).map(|i| i * 0x100).collect();
+        let mut g = Enc::default();
+        for (i, r) in regs.iter().enumerate() {
+            g = g.int(i as u64 + 1, *r);
+        }
+        let f = Enc::default().int(1, 0x37f).int(7, 0x1f80).int(9, 5);
+        let ti = Enc::default().int(1, 0).bytes(2, &g.0).bytes(3, &f.0);
+        let tc = Enc::default().int(1, 1).int(5, 0x4000).bytes(6, b"python3");
+        let th = Enc::default().int(1, 0).int(2, 0).int(6, 0x2000).bytes(9, &Enc::default().bytes(1, b"x").0);
+        let core_e = Enc::default().int(1, 1).bytes(2, &ti.0).bytes(3, &tc.0).bytes(4, &Enc::default().int(1, 1).int(2, 9).0).bytes(5, &th.0);
+        image(&d.join("core-7.img"), CORE_MAGIC, &[core_e.0]);
+        let c = core(&d, 7).unwrap();
+        assert_eq!(c.gpregs, regs);
+        assert!(c.native);
+        assert_eq!((c.blocked, c.files_id, c.comm.as_str(), c.task_state, c.pending_signals), (0x2000, Some(9), "python3", TASK_ALIVE, true));
+        assert_eq!(c.fpregs.fxsave.len(), 512);
+        assert_eq!(&c.fpregs.fxsave[0..2], &0x37fu16.to_le_bytes());
+        assert_eq!(&c.fpregs.fxsave[24..28], &0x1f80u32.to_le_bytes());
+        assert_eq!(&c.fpregs.fxsave[32..36], &5u32.to_le_bytes());
+
+        let vma = Enc::default().int(1, 0x1000).int(2, 0x3000).int(3, 0).int(4, 0).int(5, 3).int(6, 0x22).int(7, VMA_AREA_REGULAR as u64 | VMA_ANON_PRIVATE as u64);
+        image(&d.join("mm-7.img"), MM_MAGIC, &[Enc::default().int(6, 0x5000).int(7, 0x6000).bytes(14, &vma.0).0]);
+        let m = mm(&d, 7).unwrap();
+        assert_eq!((m.brk, m.start_brk, m.vmas.len(), m.vmas[0].end, m.vmas[0].is(VMA_ANON_PRIVATE)), (0x6000, 0x5000, 1, 0x3000, true));
+
+        image(&d.join("pstree.img"), PSTREE_MAGIC, &[Enc::default().int(1, 1).int(2, 0).int(3, 1).int(4, 1).int(5, 1).int(5, 2).0]);
+        assert_eq!(pstree(&d).unwrap(), vec![Process { pid: 1, ppid: 0, pgid: 1, sid: 1, threads: vec![1, 2] }]);
+
+        let reg = Enc::default().int(1, 4).int(2, 0o2).int(3, 77).bytes(6, b"/tmp/x");
+        let pipe = Enc::default().int(1, 5).int(2, 4242);
+        image(&d.join("files.img"), FILES_MAGIC, &[Enc::default().int(1, 1).int(2, 4).bytes(3, &reg.0).0, Enc::default().int(1, 2).int(2, 5).bytes(18, &pipe.0).0]);
+        let fs = files(&d).unwrap();
+        assert_eq!(fs[&4], File::Regular { flags: 2, pos: 77, name: "/tmp/x".into() });
+        assert_eq!(fs[&5], File::Pipe { inode: 4242 });
+        assert!(!pipe_data(&d).unwrap());
+        image(&d.join("pipes-data.img"), PIPES_DATA_MAGIC, &[Enc::default().int(1, 4242).int(2, 3).0]);
+        assert!(pipe_data(&d).unwrap());
+        // Another image's magic is refused.
+        image(&d.join("pstree.img"), MM_MAGIC, &[]);
+        assert!(pstree(&d).unwrap_err().to_string().contains("magic"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
