@@ -23,6 +23,7 @@ pub const ANNOTATION_KEYS: &[&str] = &[
     "checkpoint.full_dump_interval",
     "checkpoint.pre_resume_hook",
     "checkpoint.network_lock",
+    "checkpoint.rollback_in_place",
     "zfs.parent_dataset",
     "store.retention",
     "mcp.service",
@@ -131,6 +132,9 @@ pub struct CheckpointConfig {
     pub pre_resume_hook: bool,
     /// How CRIU blocks the container's network while it dumps and restores.
     pub network_lock: NetworkLock,
+    /// Roll a running container back in place when its process tree has the statepoint's
+    /// shape (no stop, no restore); off, every rollback stops and restores.
+    pub rollback_in_place: bool,
 }
 
 /// CRIU's `--network-lock`: `nftables` runs inside CRIU (libnftables); `iptables` (CRIU's
@@ -163,7 +167,7 @@ impl Default for StoreConfig {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { full_dump_interval: 8, pre_resume_hook: true, network_lock: NetworkLock::Auto }
+        CheckpointConfig { full_dump_interval: 8, pre_resume_hook: true, network_lock: NetworkLock::Auto, rollback_in_place: true }
     }
 }
 

@@ -253,6 +253,26 @@ pub struct RestoreContext {
     /// What happened after this statepoint before (its outcomes, this rollback's excluded).
     pub prior_outcomes: Vec<Outcome>,
     pub time: String,
+    /// How a rollback ran: in place, or by stopping and restoring (and why not in place).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub how: Option<How>,
+}
+
+/// The path a rollback took.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub struct How {
+    /// "in-place" or "stop-and-restore".
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pages_written: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pages_dropped: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files_changed: Option<u64>,
+    /// Why the rollback did not run in place, when it did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_in_place: Option<String>,
 }
 
 /// The statepoint a sandbox was returned to.
@@ -488,6 +508,7 @@ mod tests {
             reason: Some("tests failed".into()),
             prior_outcomes: vec![],
             time: "t".into(),
+            how: None,
         };
         let t = c.text();
         assert!(t.starts_with("[planarian] The sandbox agent was rolled back to statepoint sp2 \"deps\"."), "{t}");

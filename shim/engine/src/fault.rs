@@ -27,6 +27,17 @@ fn at(file: &Path, name: &str) -> Result<(), Injected> {
     }
 }
 
+const ORACLE: &str = "/run/planarian/oracle";
+
+/// For the tests of a rollback in place: a directory named by `/run/planarian/oracle` (removed
+/// as it is read) gets a full CRIU dump of the container right after the rollback, before it
+/// runs again, to compare with the statepoint.
+pub fn oracle_dir() -> Option<std::path::PathBuf> {
+    let text = std::fs::read_to_string(ORACLE).ok()?;
+    std::fs::remove_file(ORACLE).ok()?;
+    Some(std::path::PathBuf::from(text.trim()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,7 +2,7 @@
 //! overlay upper directory, with its whiteouts and opaque directories, so deletions of image
 //! files are captured too), taken while the container is frozen.
 
-use super::files::{RestoreGuard, Rootfs};
+use super::files::{InPlaceAt, InPlaceFiles, RestoreGuard, Rootfs};
 use super::{Error, Result};
 use crate::store::LocalState;
 use std::path::{Path, PathBuf};
@@ -90,6 +90,18 @@ impl Rootfs for CopyRootfs {
                 let _ = std::fs::remove_dir_all(old);
             }),
         ))
+    }
+
+    fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Result<InPlaceFiles> {
+        let saved = sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs"));
+        if !saved.is_dir() {
+            return Err(Error::FilesMissing(saved));
+        }
+        if at.lowers.is_empty() {
+            return Err(Error::InPlaceFiles("the container's root is not an overlay with lower layers".into()));
+        }
+        let sync = super::treesync::plan(&saved, &self.upperdir, &at.root, &at.lowers, false, &at.mounted).map_err(Error::InPlaceFiles)?;
+        Ok(InPlaceFiles { sync, cleanup: None })
     }
 }
 

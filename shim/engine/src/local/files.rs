@@ -18,6 +18,44 @@ pub trait Rootfs: Send + Sync {
     /// Makes the files exactly what statepoint `local` (in `sp_dir`) holds. The container does
     /// not run. Returns a guard that, unless committed, puts the previous files back.
     fn restore(&self, sp_dir: &Path, local: &LocalState) -> Result<RestoreGuard>;
+    /// Prepares putting statepoint `local`'s files back under the running, frozen container
+    /// (a rollback in place). Nothing changes
+    /// until [`InPlaceFiles::apply`]; an error means this backend cannot do it now.
+    fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Result<InPlaceFiles>;
+}
+
+/// Where a rollback in place puts files back.
+pub struct InPlaceAt {
+    /// The container's root as its processes see it (`/proc/PID/root`).
+    pub root: std::path::PathBuf,
+    /// The overlay's lower layers (top first), when the root is an overlay.
+    pub lowers: Vec<std::path::PathBuf>,
+    /// The container's mount points, relative to its root: not its files.
+    pub mounted: Vec<std::path::PathBuf>,
+    /// A directory the backend may use.
+    pub scratch: std::path::PathBuf,
+}
+
+/// The files' part of a rollback in place, prepared: applied, or dropped (what it set up to
+/// compare, a ZFS clone, goes away either way).
+pub struct InPlaceFiles {
+    pub sync: super::treesync::Sync,
+    pub cleanup: Option<Box<dyn FnOnce()>>,
+}
+
+impl InPlaceFiles {
+    /// Entries changed.
+    pub fn apply(&self) -> Result<usize> {
+        self.sync.apply().map_err(super::Error::InPlaceFiles)
+    }
+}
+
+impl Drop for InPlaceFiles {
+    fn drop(&mut self) {
+        if let Some(c) = self.cleanup.take() {
+            c();
+        }
+    }
 }
 
 type Undo = Box<dyn FnOnce() -> Result<()>>;

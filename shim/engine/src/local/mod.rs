@@ -8,6 +8,7 @@ pub mod devfs;
 pub mod files;
 pub mod freezer;
 pub mod inplace;
+pub mod treesync;
 pub mod zfs;
 
 use crate::config::Config;
@@ -73,6 +74,8 @@ pub enum Error {
     ZfsStep { what: String, source: ::zfs::Error },
     #[error("cannot copy the image into {dataset}: {source}")]
     ImageCopy { dataset: String, source: Box<Error> },
+    #[error("files in place: {0}")]
+    InPlaceFiles(String),
     /// An undo that failed after the step it undoes failed: both are told.
     #[error("{first}; and {undoing} failed: {then}")]
     UndoFailed { first: Box<Error>, undoing: &'static str, then: Box<Error> },

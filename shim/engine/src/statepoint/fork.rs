@@ -93,6 +93,7 @@ impl Fork {
             reason: None,
             prior_outcomes: target.state_evidence.prior_outcomes.clone(),
             time: crate::log::rfc3339(std::time::SystemTime::now()),
+            how: None,
         };
         let _ = ctx.save(&ContainerStore::new(&cfg.store.path, &new.id));
         {

@@ -11,12 +11,16 @@ use super::podman_dir::{leave_for_podman, Destination, Handoff};
 use super::snapshot::{self, SnapshotRequest};
 use super::{describe, Ctx, Error, Result};
 use crate::config::Config;
-use crate::context::{self, Compensated, RestoreContext, Restored};
+use crate::context::{self, Compensated, How, RestoreContext, Restored};
+use crate::local::files::{InPlaceAt, Rootfs};
+use crate::local::freezer::{FreezeGuard, Freezer};
+use crate::local::inplace;
 use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
 use crate::runtime::Globals;
 use crate::store::{Actor, ContainerStore, Manifest, Outcome, OutcomeStatus};
 use std::fs::File;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// A rollback about to run: the container, its store (locked exclusively until this is dropped)
@@ -76,6 +80,11 @@ impl Rollback {
         if calls > 0 {
             what.push(format!("undid {calls} MCP call{}", if calls == 1 { "" } else { "s" }));
         }
+        match (&done.how.pages_written, &done.how.not_in_place) {
+            (Some(p), _) => what.push(format!("in place, {p} pages written")),
+            (None, Some(why)) => what.push(format!("stopped and restored (not in place: {why})")),
+            (None, None) => {}
+        }
         if let Some(r) = reason {
             what.push(format!("reason: {r}"));
         }
@@ -89,12 +98,16 @@ impl Rollback {
                 state: target.state_evidence.state.clone(),
                 source: None,
             },
-            restored: vec!["processes and memory (CRIU restore)".into(), format!("files ({})", done.files_backend)],
+            restored: match done.how.pages_written {
+                Some(p) => vec![format!("processes and memory (in place: {p} pages written)"), format!("files ({}, in place)", done.files_backend)],
+                None => vec!["processes and memory (CRIU restore)".into(), format!("files ({})", done.files_backend)],
+            },
             compensated,
             discarded_statepoints: left,
             reason: reason.map(String::from),
             prior_outcomes: target.state_evidence.prior_outcomes.clone(),
             time: crate::log::rfc3339(std::time::SystemTime::now()),
+            how: Some(done.how.clone()),
         };
         // Evidence after the fact: the rollback itself succeeded whatever these do.
         let _ = context::append_outcome(store, &target.statepoint_id, Outcome::now(what.join("; "), OutcomeStatus::Abandoned, by, None));
@@ -110,6 +123,7 @@ struct Done {
     /// Remote positions just before the rollback (from the safety statepoint).
     safety_positions: Vec<crate::store::RemoteState>,
     files_backend: &'static str,
+    how: How,
 }
 
 fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest, progress: &mut dyn Progress) -> Result<Done> {
@@ -123,7 +137,9 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         });
     }
     let saved = store.statepoint_dir(&target.statepoint_id);
-    crate::local::zfs::check_rollback(cfg, store, &target.local_state)?;
+    // What stopping and restoring would refuse (clones of the dataset in use): a rollback in
+    // place does not swap datasets and goes ahead.
+    let full_path = crate::local::zfs::check_rollback(cfg, store, &target.local_state);
     if let Some(copy) = &target.local_state.rootfs_copy_path {
         if !saved.join(copy).exists() {
             return Err(Error::FilesMissing { statepoint: target.statepoint_id.clone(), path: saved.join(copy) });
@@ -134,9 +150,35 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
     // up, and compensation needs it.
     let _rolling = crate::remote::sidecar::RollbackMarker::set(store);
 
+    // 0. In place, when the tree has the statepoint's shape.
+    let mut not_in_place = None;
+    let mut taken = None;
+    if pc.status == "running" {
+        let ctx = Ctx::load(globals, &pc.id)?;
+        ctx.recover();
+        if !ctx.cfg.checkpoint.rollback_in_place {
+            not_in_place = Some("turned off (checkpoint.rollback_in_place = false)".to_string());
+        } else {
+            let blocked = full_path.as_ref().err().map(|e| e.to_string());
+            match in_place(&ctx, pc, store, target, rootfs.as_ref(), blocked, progress)? {
+                InPlace::Done { how, safety_positions } => return Ok(Done { from, safety_positions, files_backend: rootfs.backend(), how }),
+                InPlace::Refused { why, safety } => {
+                    progress.phase(&format!("not in place: {why}"));
+                    not_in_place = Some(why);
+                    taken = safety.map(|b| *b);
+                }
+            }
+        }
+    }
+    if taken.is_none() {
+        full_path?;
+    }
+    let how = How { path: "stop-and-restore".into(), not_in_place, ..How::default() };
+
     // 1. Keep the current state until the restore succeeded.
-    let safety = match pc.status.as_str() {
-        "running" | "paused" => {
+    let safety = match (taken, pc.status.as_str()) {
+        (Some(s), _) => Some(s),
+        (None, "running" | "paused") => {
             progress.phase("safety statepoint of the current state");
             let ctx = Ctx::load(globals, &pc.id)?;
             ctx.recover();
@@ -157,7 +199,7 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
             progress.done(&m.statepoint_id);
             Some(m)
         }
-        _ => None,
+        (None, _) => None,
     };
 
     // 2. Remote state first (the sandbox is stopped, nothing calls out), then files, processes.
@@ -190,9 +232,9 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
     match (result, safety) {
         (Ok(()), Some(s)) => {
             let _ = super::remove(cfg, store, &s.statepoint_id);
-            Ok(Done { from, safety_positions: s.remote_state, files_backend })
+            Ok(Done { from, safety_positions: s.remote_state, files_backend, how })
         }
-        (Ok(()), None) => Ok(Done { from, safety_positions: vec![], files_backend }),
+        (Ok(()), None) => Ok(Done { from, safety_positions: vec![], files_backend, how }),
         (Err(e), Some(s)) => {
             // 3. Back to where it was.
             progress.phase(&format!("back to the safety statepoint {}", s.statepoint_id));
@@ -208,6 +250,149 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         }
         (Err(e), None) => Err(Error::RolledBack(Box::new(e))),
     }
+}
+
+enum InPlace {
+    Done { how: How, safety_positions: Vec<crate::store::RemoteState> },
+    /// Not in place, for this reason. With the safety statepoint when it was taken: the
+    /// container was then stopped (frozen, killed) and the rollback goes on with it.
+    Refused { why: String, safety: Option<Box<Manifest>> },
+}
+
+/// Kills the (frozen) container and waits until Podman sees it stopped, thawing it between.
+fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<()> {
+    let _ = std::process::Command::new(&ctx.crun).args(ctx.globals.crun_args()).args(["kill", &ctx.ctr.id, "KILL"]).status();
+    drop(frozen);
+    Ok(podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?)
+}
+
+/// The rollback in place (see [`crate::local::inplace`]): freeze → shape check → safety
+/// statepoint (left frozen) → page and file plan → remote state → files and processes written
+/// → the statepoint's images become the base of the next dump → thaw. Before the first write
+/// any doubt refuses (and the stop-and-restore path runs, with the safety statepoint when there
+/// is one); after it, a failure restores the safety statepoint. `blocked`: why the
+/// stop-and-restore path cannot run, if it cannot.
+fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest, rootfs: &dyn Rootfs, blocked: Option<String>, progress: &mut dyn Progress) -> Result<InPlace> {
+    let pid = ctx.ctr.running_pid()?;
+    let freezer = Freezer::of_pid(pid)?;
+    let frozen = FreezeGuard::freeze(&freezer, store.dir.join(crate::local::freezer::MARKER))?;
+    progress.phase("in place: the process tree against the statepoint");
+    let sp_dir = store.statepoint_dir(&target.statepoint_id);
+    let images = sp_dir.join(&target.local_state.criu_checkpoint_path);
+    let stdio = stdio_pairs(&sp_dir, pid);
+    let shape = match inplace::check(&images, freezer.dir(), &stdio) {
+        Ok(s) => s,
+        Err(e) => return Ok(InPlace::Refused { why: e.to_string(), safety: None }),
+    };
+    progress.phase("safety statepoint of the current state");
+    let safety = snapshot::take(
+        ctx,
+        &SnapshotRequest {
+            tcp_established: target.options.tcp_established,
+            file_locks: target.options.file_locks,
+            leave_running: true,
+            internal: true,
+            description: Some(format!("before rollback to {}", target.statepoint_id)),
+            ..SnapshotRequest::default()
+        },
+    )?;
+    progress.done(&safety.statepoint_id);
+    let safety_dir = store.statepoint_dir(&safety.statepoint_id);
+    let forget_safety = || {
+        let _ = super::remove(&ctx.cfg, store, &safety.statepoint_id);
+    };
+    let prepared = (|| -> std::result::Result<_, String> {
+        let plan = shape.plan(&safety_dir.join(&safety.local_state.criu_checkpoint_path)).map_err(|e| e.to_string())?;
+        let mounts = sys::proc::mounts(pid).unwrap_or_default();
+        let at = InPlaceAt {
+            root: PathBuf::from(format!("/proc/{pid}/root")),
+            lowers: crate::local::zfs::layers::overlay_layers(&mounts, Path::new("/")).map(|l| l.lower).unwrap_or_default(),
+            mounted: mounts.iter().filter_map(|m| Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)).collect(),
+            scratch: store.dir.join("in-place-files"),
+        };
+        let files = rootfs.in_place(&sp_dir, &target.local_state, &at).map_err(|e| e.to_string())?;
+        Ok((plan, files))
+    })();
+    let (plan, files) = match prepared {
+        Ok(p) => p,
+        Err(why) => {
+            if let Some(b) = blocked {
+                forget_safety();
+                return Err(Error::Worker(format!("cannot roll back in place ({why}), nor by stopping and restoring ({b}); nothing was changed")));
+            }
+            stop_frozen(ctx, pc, frozen)?;
+            return Ok(InPlace::Refused { why, safety: Some(Box::new(safety)) });
+        }
+    };
+    if !target.remote_state.is_empty() {
+        progress.phase("remote state compensated");
+    }
+    if let Err(e) = crate::remote::hooks::compensate(&target.remote_state, &pc.id) {
+        forget_safety();
+        return Err(Error::RolledBack(Box::new(e.into())));
+    }
+
+    // The point of no return: from the first write on, failing means the safety statepoint.
+    progress.phase(&format!("in place: files ({}) and {} pages", rootfs.backend(), plan.pages_written));
+    let applied = (|| -> Result<(inplace::Applied, usize)> {
+        crate::fault::point("rollback.in-place.files")?;
+        let n = files.apply()?;
+        let a = plan.apply(&freezer).map_err(|e| Error::Worker(e.to_string()))?;
+        Ok((a, n))
+    })();
+    drop(files);
+    match applied {
+        Ok((a, n)) => {
+            if let Some(dir) = crate::fault::oracle_dir() {
+                if let Err(e) = snapshot::raw_dump(ctx, pid, &freezer, &dir) {
+                    progress.phase(&format!("oracle dump failed: {e}"));
+                }
+            }
+            // The next dump builds on the statepoint's images: the soft-dirty bits were cleared
+            // after the writes, and E covers every thread's start.
+            let init_start = sys::proc::start_time(pid).unwrap_or(0);
+            let epoch = criu_hooks::epoch(Path::new("/proc"), plan.pids())
+                .ok()
+                .zip(nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten())
+                .map(|(e, clk)| crate::chain::Epoch::Recorded(criu_hooks::ticks_to_usec(e, clk as u64)))
+                .unwrap_or_else(|| crate::chain::Epoch::Missing("no start time of the rolled-back threads".into()));
+            if crate::chain::after_restore(store, target, epoch, init_start).is_err() {
+                // Never an incremental dump against the safety statepoint's images.
+                let _ = crate::chain::write_base(store, &crate::chain::Base { images: None, depth: 0, init_start_time: init_start, full_reason: Some("the rollback in place could not record its base".into()) });
+            }
+            store.set_head(Some(&target.statepoint_id))?;
+            let positions = safety.remote_state.clone();
+            forget_safety();
+            drop(frozen);
+            progress.done(&format!("{} pages written, {} dropped, {} system calls, {n} files", a.pages_written, a.pages_dropped, a.system_calls));
+            let how = How { path: "in-place".into(), pages_written: Some(a.pages_written), pages_dropped: Some(a.pages_dropped), files_changed: Some(n as u64), not_in_place: None };
+            Ok(InPlace::Done { how, safety_positions: positions })
+        }
+        Err(e) => {
+            progress.phase(&format!("back to the safety statepoint {}", safety.statepoint_id));
+            let back = stop_frozen(ctx, pc, frozen).and_then(|()| {
+                let files = rootfs.restore(&safety_dir, &safety.local_state)?;
+                podman_restore(store, pc, &safety)?;
+                files.commit();
+                Ok(())
+            });
+            forget_safety();
+            match back {
+                Ok(()) => Err(Error::RolledBack(Box::new(e))),
+                Err(b) => Err(Error::NotRolledBack { first: Box::new(e), then: Box::new(b) }),
+            }
+        }
+    }
+}
+
+/// Where fds 0–2 of the statepoint's init pointed and where they point now: Podman's pipes to
+/// conmon are new after every restore, and stay the container's own.
+fn stdio_pairs(sp_dir: &Path, pid: i32) -> Vec<(String, String)> {
+    let then: Vec<String> = std::fs::read(sp_dir.join("descriptors.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+    then.into_iter()
+        .enumerate()
+        .map(|(i, t)| (t, std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default()))
+        .collect()
 }
 
 /// Asks Podman to restore the container from statepoint `m`, handing our lock to the restore;

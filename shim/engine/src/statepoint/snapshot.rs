@@ -268,6 +268,34 @@ impl Drop for PendingStatepoint<'_> {
     }
 }
 
+/// A full CRIU dump of the frozen tree of `pid` into `images` and nothing else: no statepoint,
+/// no parent images, the chain's base untouched (what the tests compare a rollback in place
+/// with).
+pub(crate) fn raw_dump(ctx: &Ctx, pid: i32, freezer: &Freezer, images: &Path) -> Result<()> {
+    let mounts = sys::proc::mounts(pid).unwrap_or_default();
+    let masked_dirs = criu::masked_dirs(pid, &ctx.ctr.spec, &mounts);
+    let netns = match &ctx.ctr.spec.netns_path {
+        Some(_) => Some(open_netns(pid)?),
+        None => None,
+    };
+    let dev = crate::local::devfs::dev_mount(&mounts);
+    std::fs::create_dir_all(images).at("create", images)?;
+    let p = criu::DumpPlan {
+        pid,
+        images_dir: images,
+        spec: &ctx.ctr.spec,
+        freeze_cgroup: Some(freezer.dir()),
+        prev_images_dir: None,
+        tcp_established: false,
+        file_locks: false,
+        masked_dirs: &masked_dirs,
+        network_lock: criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, netns.is_some(), false),
+        dev_external: dev.is_some(),
+        join_netns: netns.as_ref().map(|f| f.as_raw_fd()),
+    };
+    Ok(criu::run(&ctx.criu, &criu::dump_args(&p), &images.join("dump.log"), false, &[], p.join_netns)?)
+}
+
 /// The network namespace process `pid` is in.
 fn open_netns(pid: i32) -> Result<std::os::fd::OwnedFd> {
     let p = format!("/proc/{pid}/ns/net");

@@ -167,7 +167,7 @@ fn check_live_thread(status: &str, what: &str) -> Result<()> {
         return refuse(format!("{what} is traced by another process"));
     }
     for key in ["SigPnd", "ShdPnd"] {
-        if status_field(status, key).is_some_and(|v| v.trim_start_matches('0').len() > 0) {
+        if status_field(status, key).is_some_and(|v| !v.trim_start_matches('0').is_empty()) {
             return refuse(format!("{what} has a signal pending"));
         }
     }
@@ -316,7 +316,7 @@ pub struct Shape {
 
 /// Compares the frozen tree of cgroup `cgroup` with the statepoint whose CRIU images are in
 /// `images`. `Err(Refused)` says why a rollback in place cannot restore it.
-pub fn check(images: &Path, cgroup: &Path) -> Result<Shape> {
+pub fn check(images: &Path, cgroup: &Path, stdio: &[(String, String)]) -> Result<Shape> {
     let pids = cgroup_pids(cgroup);
     if pids.is_empty() {
         return refuse("no process in the container's cgroup");
@@ -368,7 +368,7 @@ pub fn check(images: &Path, cgroup: &Path) -> Result<Shape> {
         }
         let (layout, target_anon, special) = compare_memory(images, t.pid, l.host, &files)?;
         let seeks = match files_id {
-            Some(id) => compare_fds(images, id, l.host, t.pid, &files, pipe_data)?,
+            Some(id) => compare_fds(images, id, l.host, t.pid, &files, pipe_data, stdio)?,
             None => return refuse(format!("process {}: no descriptor table in the statepoint", t.pid)),
         };
         procs.push(Process { host: l.host, vpid: t.pid, threads, layout, target_anon, special, seeks });
@@ -381,7 +381,11 @@ fn same_file(live: &str, name: &str) -> bool {
     !live.ends_with(" (deleted)") && !name.is_empty() && (live == name || (live.ends_with(name) && name.starts_with('/')))
 }
 
-fn compare_memory(images: &Path, vpid: u32, host: i32, files: &std::collections::HashMap<u32, images::File>) -> Result<(Layout, Segments, Vec<(u64, u64)>)> {
+/// A process's memory against the statepoint's: how to put its layout back, the statepoint's
+/// private anonymous memory, and its vDSO and vvar ranges.
+type MemoryShape = (Layout, Segments, Vec<(u64, u64)>);
+
+fn compare_memory(images: &Path, vpid: u32, host: i32, files: &std::collections::HashMap<u32, images::File>) -> Result<MemoryShape> {
     let mm = images::mm(images, vpid)?;
     let maps = maps_of(host)?;
     let known = images::VMA_AREA_REGULAR
@@ -478,12 +482,8 @@ fn compare_memory(images: &Path, vpid: u32, host: i32, files: &std::collections:
     for (s, e, then, now) in overlay_segments(&ta, &la) {
         match (then, now) {
             (None, Some(_)) => layout.unmap.push((s, e)),
-            (Some((prot, flags)), None) => {
-                // A range that is heap now and not then: brk shrinks it first.
-                if !heap_range(l_heap).iter().any(|h| s >= h.0 && e <= h.1) {
-                    layout.map.push((s, e, prot, flags));
-                }
-            }
+            // A range that is heap now and not then: brk shrinks it first.
+            (Some((prot, flags)), None) if !heap_range(l_heap).iter().any(|h| s >= h.0 && e <= h.1) => layout.map.push((s, e, prot, flags)),
             (Some((tp, _)), Some((lp, _))) if tp != lp => layout.protect.push((s, e, tp)),
             _ => {}
         }
@@ -497,7 +497,7 @@ fn fdinfo_field(text: &str, key: &str) -> Option<String> {
     text.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(':')).map(|v| v.trim().to_string())
 }
 
-fn compare_fds(images: &Path, files_id: u32, host: i32, vpid: u32, files: &std::collections::HashMap<u32, images::File>, pipe_data: bool) -> Result<Vec<(u32, u64)>> {
+fn compare_fds(images: &Path, files_id: u32, host: i32, vpid: u32, files: &std::collections::HashMap<u32, images::File>, pipe_data: bool, stdio: &[(String, String)]) -> Result<Vec<(u32, u64)>> {
     let then = images::fdinfo(images, files_id)?;
     let dir = format!("/proc/{host}/fd");
     let mut now: Vec<u32> = std::fs::read_dir(&dir).map_err(io(format!("read {dir}")))?.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect();
@@ -531,7 +531,9 @@ fn compare_fds(images: &Path, files_id: u32, host: i32, vpid: u32, files: &std::
                 }
             }
             Some(images::File::Pipe { inode }) => {
-                if link != format!("pipe:[{inode}]") {
+                let then = format!("pipe:[{inode}]");
+                // The container's stdio pipes to conmon are new after every restore.
+                if link != then && !stdio.iter().any(|(t, n)| *t == then && *n == link) {
                     return refuse(format!("process {vpid}: descriptor {} is {link} now, pipe:[{inode}] at the statepoint", f.fd));
                 }
                 if pipe_data {

@@ -29,7 +29,7 @@
 pub mod create;
 pub mod layers;
 
-use super::files::{RestoreGuard, Rootfs};
+use super::files::{InPlaceAt, InPlaceFiles, RestoreGuard, Rootfs};
 use super::{Error, Result};
 use crate::config::Config;
 use crate::store::{ContainerStore, LocalState};
@@ -285,6 +285,45 @@ impl Rootfs for ZfsRootfs {
     fn restore(&self, _sp_dir: &Path, local: &LocalState) -> Result<RestoreGuard> {
         let snap = local.zfs_snapshot.as_deref().ok_or(Error::NoZfsSnapshot)?;
         self.restore_snapshot(snap)
+    }
+
+    /// zfs-fuse rolls a mounted dataset back only to its newest snapshot, and has neither
+    /// `.zfs/snapshot` nor `zfs diff`: the statepoint's snapshot is cloned where it can be
+    /// read, compared with the live dataset entry by entry (inode and ctime included) and the
+    /// differences written into the dataset. The clone goes when this is dropped.
+    fn in_place(&self, _sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Result<InPlaceFiles> {
+        let zfs = &self.zfs;
+        let recorded = local.zfs_snapshot.as_deref().ok_or(Error::NoZfsSnapshot)?;
+        let d = &self.map.dataset;
+        let name = recorded.rsplit('@').next().unwrap_or(recorded);
+        let snap = find_snapshot(zfs, d, name)?.ok_or_else(|| missing(name, d))?;
+        let live = mountpoint(zfs, d)?;
+        let view = format!("{d}.planarian-inplace");
+        if zfs.exists(&view)? {
+            zfs.destroy(&view, true)?;
+        }
+        std::fs::create_dir_all(&at.scratch).at("create", &at.scratch)?;
+        let mp = at.scratch.display().to_string();
+        zfs.clone_snapshot(&snap, &view, &[("mountpoint", &mp)])?;
+        let cleanup = {
+            let (zfs, view) = (zfs.clone(), view.clone());
+            move || {
+                let _ = zfs.destroy(&view, true);
+            }
+        };
+        let prepared = (|| {
+            if zfs.get(&view, "mounted")?.value != "yes" {
+                zfs.mount(&view)?;
+            }
+            super::treesync::plan(&at.scratch, &live, &live, &[], true, &at.mounted).map_err(Error::InPlaceFiles)
+        })();
+        match prepared {
+            Ok(sync) => Ok(InPlaceFiles { sync, cleanup: Some(Box::new(cleanup)) }),
+            Err(e) => {
+                cleanup();
+                Err(e)
+            }
+        }
     }
 }
 

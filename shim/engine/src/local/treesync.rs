@@ -1,0 +1,352 @@
+//! Files put back under a running container: the differences between a statepoint's tree and
+//! the current one, applied through the container's own root, so its processes (frozen) see
+//! exactly the statepoint's files when they run again.
+//!
+//! * copy path: the statepoint's copy of the overlay's writable layer against the live layer,
+//!   applied through the overlay (`/proc/PID/root`): an entry the layer has now and had not then
+//!   shows the image's version again, copied from the lower layers;
+//! * ZFS: a clone of the statepoint's snapshot against the live dataset (zfs-fuse has neither
+//!   `.zfs/snapshot` nor `zfs diff`, and rolls back only to the newest snapshot). There entries
+//!   compare by inode and ctime too: a clone shares both with its origin for what did not change.
+//!
+//! A difference the sync cannot express (an overlay directory that became or stopped being
+//! opaque) refuses before anything is written.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Op {
+    /// Make the entry what the statepoint's tree (or, `from` set, a lower layer) has.
+    Put { rel: PathBuf, from: PathBuf },
+    Remove(PathBuf),
+    /// A directory's owner, mode and times.
+    DirMeta { rel: PathBuf, from: PathBuf },
+}
+
+/// What to change, and where.
+#[derive(Debug)]
+pub struct Sync {
+    ops: Vec<Op>,
+    apply_root: PathBuf,
+}
+
+fn is_whiteout(md: &std::fs::Metadata) -> bool {
+    md.file_type().is_char_device() && md.rdev() == 0
+}
+
+fn is_opaque(dir: &Path) -> bool {
+    let Ok(c) = CString::new(dir.as_os_str().as_bytes()) else { return false };
+    let mut buf = [0u8; 4];
+    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
+    let n = unsafe { nix::libc::lgetxattr(c.as_ptr(), c"trusted.overlay.opaque".as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    n == 1 && buf[0] == b'y'
+}
+
+fn same(a: &std::fs::Metadata, b: &std::fs::Metadata, pa: &Path, pb: &Path, strict: bool) -> bool {
+    let base = a.file_type() == b.file_type()
+        && a.mode() == b.mode()
+        && a.uid() == b.uid()
+        && a.gid() == b.gid()
+        && a.rdev() == b.rdev()
+        && (a.is_dir() || (a.size() == b.size() && a.mtime() == b.mtime() && a.mtime_nsec() == b.mtime_nsec()));
+    let links = !a.file_type().is_symlink() || std::fs::read_link(pa).ok() == std::fs::read_link(pb).ok();
+    base && links && (!strict || (a.ino() == b.ino() && a.ctime() == b.ctime() && a.ctime_nsec() == b.ctime_nsec()))
+}
+
+/// The topmost lower layer's version of `rel`, if the image has one (whiteouts and opaque
+/// directories of the lower layers honoured).
+fn lower_of(lowers: &[PathBuf], rel: &Path) -> Option<PathBuf> {
+    for layer in lowers {
+        let mut dir = layer.clone();
+        let mut stop = false;
+        let comps: Vec<_> = rel.components().collect();
+        for (i, c) in comps.iter().enumerate() {
+            dir.push(c);
+            let md = std::fs::symlink_metadata(&dir);
+            match md {
+                Ok(m) if is_whiteout(&m) => return None,
+                Ok(m) if i + 1 == comps.len() => {
+                    let _ = m;
+                    return Some(dir);
+                }
+                Ok(m) if m.is_dir() => stop |= is_opaque(&dir),
+                Ok(_) => return None,
+                Err(_) => break,
+            }
+        }
+        if stop {
+            return None;
+        }
+    }
+    None
+}
+
+/// Compares `target` (the statepoint's tree) with `current` (the live one); changes go to
+/// `apply_root`. `lowers`: the overlay's lower layers (copy path), none on ZFS (`strict`).
+/// Paths in `mounted` (relative: the container's mount points) are not the tree's and are left.
+pub fn plan(target: &Path, current: &Path, apply_root: &Path, lowers: &[PathBuf], strict: bool, mounted: &[PathBuf]) -> Result<Sync, String> {
+    let mut ops = Vec::new();
+    let mut metas = Vec::new();
+    let w = Walk { target, current, lowers, strict, mounted };
+    w.walk(Path::new(""), &mut ops, &mut metas)?;
+    // Directory times last, deepest first: the changes inside would move them again.
+    metas.sort_by_key(|m| match m {
+        Op::DirMeta { rel, .. } => std::cmp::Reverse(rel.components().count()),
+        _ => std::cmp::Reverse(0),
+    });
+    ops.extend(metas);
+    Ok(Sync { ops, apply_root: apply_root.to_path_buf() })
+}
+
+fn names(dir: &Path) -> std::collections::BTreeSet<std::ffi::OsString> {
+    std::fs::read_dir(dir).map(|rd| rd.flatten().map(|e| e.file_name()).collect()).unwrap_or_default()
+}
+
+struct Walk<'a> {
+    target: &'a Path,
+    current: &'a Path,
+    lowers: &'a [PathBuf],
+    strict: bool,
+    mounted: &'a [PathBuf],
+}
+
+impl Walk<'_> {
+fn walk(&self, rel: &Path, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), String> {
+    let (target, current, lowers, strict) = (self.target, self.current, self.lowers, self.strict);
+    let (td, cd) = (target.join(rel), current.join(rel));
+    let mut all = names(&td);
+    all.extend(names(&cd));
+    for n in all {
+        let r = rel.join(&n);
+        if self.mounted.contains(&r) {
+            continue;
+        }
+        let (tp, cp) = (target.join(&r), current.join(&r));
+        let (t, c) = (std::fs::symlink_metadata(&tp).ok(), std::fs::symlink_metadata(&cp).ok());
+        match (t, c) {
+            (Some(t), Some(c)) if t.is_dir() && c.is_dir() => {
+                if !lowers.is_empty() && is_opaque(&tp) != is_opaque(&cp) {
+                    return Err(format!("/{} became or stopped being an opaque overlay directory", r.display()));
+                }
+                self.walk(&r, ops, metas)?;
+                if !same(&t, &c, &tp, &cp, strict) || t.mtime() != c.mtime() || t.mtime_nsec() != c.mtime_nsec() {
+                    metas.push(Op::DirMeta { rel: r, from: tp });
+                }
+            }
+            (Some(t), c) => {
+                if c.as_ref().is_some_and(|c| same(&t, c, &tp, &cp, strict)) {
+                    continue;
+                }
+                if !lowers.is_empty() && t.is_dir() && is_opaque(&tp) {
+                    return Err(format!("/{} is an opaque overlay directory in the statepoint", r.display()));
+                }
+                ops.push(if is_whiteout(&t) && !lowers.is_empty() { Op::Remove(r) } else { Op::Put { rel: r, from: tp } });
+            }
+            (None, Some(_)) => {
+                // Not in the statepoint's layer: the image's version, or nothing.
+                match lower_of(lowers, &r) {
+                    Some(from) => ops.push(Op::Put { rel: r, from }),
+                    None => ops.push(Op::Remove(r)),
+                }
+            }
+            (None, None) => {}
+        }
+    }
+    Ok(())
+}
+}
+
+fn remove_any(p: &Path) -> std::io::Result<()> {
+    match std::fs::symlink_metadata(p) {
+        Ok(md) if md.is_dir() => std::fs::remove_dir_all(p),
+        Ok(_) => std::fs::remove_file(p),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+fn cstr(p: &Path) -> std::io::Result<CString> {
+    CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other)
+}
+
+/// Owner, mode and times of `from` onto `to` (not following links).
+fn set_meta(from: &std::fs::Metadata, to: &Path) -> std::io::Result<()> {
+    std::os::unix::fs::lchown(to, Some(from.uid()), Some(from.gid()))?;
+    if !from.file_type().is_symlink() {
+        std::fs::set_permissions(to, std::fs::Permissions::from_mode(from.mode() & 0o7777))?;
+    }
+    let c = cstr(to)?;
+    let times = [
+        nix::libc::timespec { tv_sec: from.atime(), tv_nsec: from.atime_nsec() },
+        nix::libc::timespec { tv_sec: from.mtime(), tv_nsec: from.mtime_nsec() },
+    ];
+    // SAFETY: a valid path and two timespecs.
+    if unsafe { nix::libc::utimensat(nix::libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), nix::libc::AT_SYMLINK_NOFOLLOW) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Makes `to` what `from` is (a whole tree for a directory). A regular file that exists keeps
+/// its inode (a process holding it open reads the statepoint's content, as after a rollback of
+/// the file system).
+fn put(from: &Path, to: &Path) -> std::io::Result<()> {
+    let md = std::fs::symlink_metadata(from)?;
+    let existing = std::fs::symlink_metadata(to).ok();
+    let ft = md.file_type();
+    if let Some(e) = &existing {
+        let keep = (ft.is_file() && e.file_type().is_file()) || (ft.is_dir() && e.is_dir());
+        if !keep {
+            remove_any(to)?;
+        }
+    }
+    if ft.is_file() {
+        let mut src = std::fs::File::open(from)?;
+        let mut dst = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(to)?;
+        std::io::copy(&mut src, &mut dst)?;
+    } else if ft.is_dir() {
+        if !to.is_dir() {
+            std::fs::create_dir(to)?;
+        }
+        let want = names(from);
+        for n in names(to) {
+            if !want.contains(&n) {
+                remove_any(&to.join(&n))?;
+            }
+        }
+        for n in want {
+            put(&from.join(&n), &to.join(&n))?;
+        }
+    } else if ft.is_symlink() {
+        std::os::unix::fs::symlink(std::fs::read_link(from)?, to)?;
+    } else {
+        let c = cstr(to)?;
+        // SAFETY: a valid path; mode and device from the source's metadata.
+        if unsafe { nix::libc::mknod(c.as_ptr(), md.mode(), md.rdev()) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    set_meta(&md, to)
+}
+
+impl Sync {
+    /// How many entries change.
+    pub fn len(&self) -> usize {
+        self.ops.iter().filter(|o| !matches!(o, Op::DirMeta { .. })).count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Writes the changes; the first failure stops it (the caller restores the safety
+    /// statepoint).
+    pub fn apply(&self) -> Result<usize, String> {
+        for op in &self.ops {
+            let r = match op {
+                Op::Put { rel, from } => put(from, &self.apply_root.join(rel)),
+                Op::Remove(rel) => remove_any(&self.apply_root.join(rel)),
+                Op::DirMeta { rel, from } => std::fs::symlink_metadata(from).and_then(|md| set_meta(&md, &self.apply_root.join(rel))),
+            };
+            r.map_err(|e| format!("{op:?}: {e}"))?;
+        }
+        Ok(self.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("planarian-treesync-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn tree(root: &Path) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        fn go(root: &Path, rel: &Path, out: &mut Vec<(String, String)>) {
+            for n in names(&root.join(rel)) {
+                let r = rel.join(&n);
+                let p = root.join(&r);
+                let md = std::fs::symlink_metadata(&p).unwrap();
+                let what = if md.is_dir() {
+                    go(root, &r, out);
+                    "dir".to_string()
+                } else if md.file_type().is_symlink() {
+                    format!("-> {}", std::fs::read_link(&p).unwrap().display())
+                } else {
+                    std::fs::read_to_string(&p).unwrap()
+                };
+                out.push((r.display().to_string(), format!("{what} {:o} {}", md.mode() & 0o7777, md.mtime())));
+            }
+        }
+        go(root, Path::new(""), &mut out);
+        out.sort();
+        out
+    }
+
+    /// A plain tree (the ZFS case): the live tree becomes the statepoint's, files that stay
+    /// open keep their inode.
+    #[test]
+    fn plain_trees_become_the_statepoints() {
+        let d = tmp("plain");
+        let (t, c) = (d.join("t"), d.join("c"));
+        for x in [&t, &c] {
+            std::fs::create_dir_all(x.join("etc/sub")).unwrap();
+            std::fs::write(x.join("etc/keep"), "same").unwrap();
+        }
+        // Same content written at different times differ by mtime: set them equal.
+        let md = std::fs::metadata(t.join("etc/keep")).unwrap();
+        set_meta(&md, &c.join("etc/keep")).unwrap();
+        std::fs::write(t.join("etc/conf"), "v1").unwrap();
+        std::fs::write(c.join("etc/conf"), "v2, longer").unwrap();
+        std::fs::write(t.join("etc/sub/gone-now"), "was here").unwrap();
+        std::fs::write(c.join("new"), "created after").unwrap();
+        std::fs::create_dir_all(c.join("newdir/deep")).unwrap();
+        std::os::unix::fs::symlink("conf", t.join("etc/link")).unwrap();
+        std::fs::write(c.join("etc/link"), "a file where a link was").unwrap();
+        let ino = std::fs::metadata(c.join("etc/conf")).unwrap().ino();
+        let s = plan(&t, &c, &c, &[], false, &[]).unwrap();
+        assert_eq!(s.len(), 5, "{s:?}");
+        s.apply().unwrap();
+        assert_eq!(tree(&t), tree(&c));
+        assert_eq!(std::fs::metadata(c.join("etc/conf")).unwrap().ino(), ino);
+        assert!(plan(&t, &c, &c, &[], false, &[]).unwrap().is_empty());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// The overlay case: what the writable layer holds now and held not then shows the lower
+    /// layer's version again; whiteouts of the statepoint delete.
+    #[test]
+    fn overlay_layers_put_the_image_back() {
+        let d = tmp("overlay");
+        let (t, c, lower, merged) = (d.join("t"), d.join("c"), d.join("lower"), d.join("merged"));
+        for x in [&t, &c, &lower, &merged] {
+            std::fs::create_dir_all(x).unwrap();
+        }
+        std::fs::write(lower.join("image-file"), "from the image").unwrap();
+        // Now the layer has a changed copy of the image's file (copied up after the statepoint).
+        std::fs::write(c.join("image-file"), "changed by the agent").unwrap();
+        std::fs::write(merged.join("image-file"), "changed by the agent").unwrap();
+        // At the statepoint, a whiteout deleted /gone.
+        nix::sys::stat::mknod(&t.join("gone"), nix::sys::stat::SFlag::S_IFCHR, nix::sys::stat::Mode::from_bits_truncate(0o600), 0).ok();
+        if !t.join("gone").exists() && std::fs::symlink_metadata(t.join("gone")).is_err() {
+            // No CAP_MKNOD here: the whiteout part is left to the guest tests.
+            let _ = std::fs::remove_dir_all(&d);
+            return;
+        }
+        std::fs::write(merged.join("gone"), "recreated").unwrap();
+        std::fs::write(c.join("gone"), "recreated").unwrap();
+        let s = plan(&t, &c, &merged, std::slice::from_ref(&lower), false, &[]).unwrap();
+        s.apply().unwrap();
+        assert_eq!(std::fs::read_to_string(merged.join("image-file")).unwrap(), "from the image");
+        assert!(!merged.join("gone").exists());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
