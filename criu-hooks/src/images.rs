@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-pub const COMMON_MAGIC: u32 = 0x5476_4319;
+pub const COMMON_MAGIC: u32 = 0x5456_4319;
 pub const PSTREE_MAGIC: u32 = 0x5027_3030;
 pub const CORE_MAGIC: u32 = 0x5505_3847;
 pub const MM_MAGIC: u32 = 0x5749_2820;
@@ -20,6 +20,7 @@ pub const PAGEMAP_MAGIC: u32 = 0x5608_4025;
 pub const FDINFO_MAGIC: u32 = 0x5621_3732;
 pub const FILES_MAGIC: u32 = 0x5630_3138;
 pub const PIPES_DATA_MAGIC: u32 = 0x5645_3709;
+pub const IDS_MAGIC: u32 = 0x5443_2030;
 
 pub const PAGE_SIZE: u64 = 4096;
 
@@ -165,7 +166,7 @@ fn entries(path: &Path, magic: u32) -> Result<Option<Vec<Vec<u8>>>> {
     let word = |at: usize| data.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()));
     let (w0, w1) = (word(0).ok_or(bad(ImageError::Short))?, word(4).ok_or(bad(ImageError::Short))?);
     if w0 != COMMON_MAGIC || w1 != magic {
-        return Err(bad(ImageError::Magic(if w0 == COMMON_MAGIC { w1 } else { w0 })));
+        return Err(ReadError::Content { path: path.to_path_buf(), what: format!("not the image expected (magic {w0:#x} {w1:#x}, expected {COMMON_MAGIC:#x} {magic:#x})") });
     }
     let mut at = 8;
     let mut out = Vec::new();
@@ -230,7 +231,8 @@ pub struct Core {
     /// 64-bit (native) registers.
     pub native: bool,
     pub fpregs: FpRegs,
-    pub task_state: u32,
+    /// The process's state (`TASK_ALIVE`, …): in the thread group leader's image only.
+    pub task_state: Option<u32>,
     pub blocked: u64,
     /// Signals queued to the thread (`signals_p`) or the process (`signals_s`).
     pub pending_signals: bool,
@@ -287,7 +289,7 @@ pub fn core(dir: &Path, tid: u32) -> Result<Core> {
         }
     }
     if let Some(tc) = m.msg(3).map_err(bad)? {
-        c.task_state = tc.u(1) as u32;
+        c.task_state = Some(tc.u(1) as u32);
         c.blocked = tc.u(5);
         c.comm = tc.string(6);
         c.timers = tc.bytes(7).is_some_and(|t| timers_armed(t).unwrap_or(true));
@@ -350,6 +352,14 @@ pub struct Mm {
     pub brk: u64,
     pub start_brk: u64,
     pub vmas: Vec<Vma>,
+}
+
+/// The id of process `pid`'s descriptor table (`ids-PID.img`, `task_kobj_ids_entry.files_id`).
+pub fn files_id(dir: &Path, pid: u32) -> Result<u32> {
+    let path = dir.join(format!("ids-{pid}.img"));
+    let e = required(&path, IDS_MAGIC)?;
+    let body = e.first().ok_or_else(|| ReadError::Content { path: path.clone(), what: "no ids entry".into() })?;
+    Ok(decode(&path, body)?.u(2) as u32)
 }
 
 pub fn mm(dir: &Path, pid: u32) -> Result<Mm> {
@@ -606,7 +616,7 @@ pub(crate) mod tests {
         let c = core(&d, 7).unwrap();
         assert_eq!(c.gpregs, regs);
         assert!(c.native);
-        assert_eq!((c.blocked, c.files_id, c.comm.as_str(), c.task_state, c.pending_signals), (0x2000, Some(9), "python3", TASK_ALIVE, true));
+        assert_eq!((c.blocked, c.files_id, c.comm.as_str(), c.task_state, c.pending_signals), (0x2000, Some(9), "python3", Some(TASK_ALIVE), true));
         assert_eq!(c.fpregs.fxsave.len(), 512);
         assert_eq!(&c.fpregs.fxsave[0..2], &0x37fu16.to_le_bytes());
         assert_eq!(&c.fpregs.fxsave[24..28], &0x1f80u32.to_le_bytes());

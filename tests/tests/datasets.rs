@@ -195,11 +195,22 @@ fn fork_is_a_clone_independent_of_its_source_in_both_directions() {
     assert_eq!(fk.sh("cat /work/a").out(), "two");
 
     // While the fork runs on a clone of the source's snapshot, the source's files cannot be
-    // swapped (zfs rename remounts the clone): its rollback is refused, changing nothing.
-    let refused = planarian(&["rollback", &src.name, "f1"]);
-    assert!(refused.code != Some(0) && refused.stderr.contains("run on clones of its snapshots"), "{refused:?}");
-    assert_eq!(src.sh("cat /work/a /work/only-src").out(), "three\nsrc");
-    assert_eq!(status(&src.name), "running");
+    // swapped (zfs rename remounts the clone): a rollback that stops and restores is refused,
+    // changing nothing.
+    {
+        let _off = DropIn::new("in-place-off", "[checkpoint]\nrollback_in_place = false\n");
+        let refused = planarian(&["rollback", &src.name, "f1"]);
+        assert!(refused.code != Some(0) && refused.stderr.contains("run on clones of its snapshots"), "{refused:?}");
+        assert_eq!(src.sh("cat /work/a /work/only-src").out(), "three\nsrc");
+        assert_eq!(status(&src.name), "running");
+    }
+    // In place nothing is swapped: the source goes back to f1 while the fork runs on, untouched.
+    let r = planarian(&["rollback", &src.name, "f1", "--json"]);
+    r.ok();
+    assert!(r.stdout.contains("\"in-place\""), "{}", r.stdout);
+    src.seq = src.read().expect("state").0;
+    assert_eq!(src.sh("cat /work/a; ls /work").out(), "one\na");
+    assert_eq!(fk.sh("cat /work/a /work/only-fork").out(), "two\nfork");
 
     // The fork's statepoints work on its own dataset.
     fk.snapshot("k2");

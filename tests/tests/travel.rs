@@ -443,7 +443,11 @@ fn statepoints_move_between_pools_and_podman_export_carries_zfs_files() {
     // anything changes, and b1 runs on as it was.
     let b1_sp = imported_statepoint(&s1, &id_of(&sb.name));
     s1.sh("echo later > /work/later").ok();
-    let refused = planarian(&["rollback", &b1, &b1_sp]);
+    let refused = {
+        // The stop-and-restore path's refusal (in place, nothing is swapped: tested in datasets).
+        let _off = DropIn::new("in-place-off", "[checkpoint]\nrollback_in_place = false\n");
+        planarian(&["rollback", &b1, &b1_sp])
+    };
     assert_ne!(refused.code, Some(0), "{refused:?}");
     assert!(refused.stderr.contains("run on clones of its snapshots") && refused.stderr.contains(&b2_ds), "{}", refused.stderr);
     assert_eq!(s1.sh("cat /work/later").ok().out(), "later");

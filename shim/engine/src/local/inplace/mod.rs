@@ -351,8 +351,8 @@ pub fn check(images: &Path, cgroup: &Path, stdio: &[(String, String)]) -> Result
             if !c.native || c.gpregs.len() != 27 {
                 return refuse(format!("thread {} is not a 64-bit task", th.vtid));
             }
-            if c.task_state != images::TASK_ALIVE {
-                return refuse(format!("thread {} was not running at the statepoint (state {})", th.vtid, c.task_state));
+            if c.task_state.is_some_and(|s| s != images::TASK_ALIVE) {
+                return refuse(format!("process {} was not running at the statepoint (state {:?})", t.pid, c.task_state));
             }
             if c.pending_signals {
                 return refuse(format!("thread {} had signals pending at the statepoint", th.vtid));
@@ -362,10 +362,7 @@ pub fn check(images: &Path, cgroup: &Path, stdio: &[(String, String)]) -> Result
             }
             threads.push((*th, c));
         }
-        let files_id = threads[0].1.files_id;
-        if threads.iter().any(|(_, c)| c.files_id != files_id) {
-            return refuse(format!("process {}: threads with descriptor tables of their own", t.pid));
-        }
+        let files_id = Some(images::files_id(images, t.pid)?);
         let (layout, target_anon, special) = compare_memory(images, t.pid, l.host, &files)?;
         let seeks = match files_id {
             Some(id) => compare_fds(images, id, l.host, t.pid, &files, pipe_data, stdio)?,
@@ -386,8 +383,15 @@ fn same_file(live: &str, name: &str) -> bool {
 type MemoryShape = (Layout, Segments, Vec<(u64, u64)>);
 
 fn compare_memory(images: &Path, vpid: u32, host: i32, files: &std::collections::HashMap<u32, images::File>) -> Result<MemoryShape> {
-    let mm = images::mm(images, vpid)?;
+    let mut mm = images::mm(images, vpid)?;
     let maps = maps_of(host)?;
+    // CRIU records a grows-down mapping (the stack) with the guard page the kernel hides from
+    // /proc/PID/maps in front of it.
+    for v in mm.vmas.iter_mut().filter(|v| v.flags & libc::MAP_GROWSDOWN as u32 != 0) {
+        if maps.iter().any(|m| m.start == v.start + PAGE_SIZE && m.end == v.end) {
+            v.start += PAGE_SIZE;
+        }
+    }
     let known = images::VMA_AREA_REGULAR
         | images::VMA_AREA_STACK
         | images::VMA_AREA_VSYSCALL
@@ -417,7 +421,8 @@ fn compare_memory(images: &Path, vpid: u32, host: i32, files: &std::collections:
         } else if v.is(images::VMA_ANON_PRIVATE) {
             if v.is(images::VMA_AREA_HEAP) {
                 t_heap = Some((v.start, v.end));
-            } else if v.is(images::VMA_AREA_STACK) {
+            } else if v.flags & libc::MAP_GROWSDOWN as u32 != 0 {
+                // CRIU marks no stack: the grows-down mapping is "[stack]".
                 t_stack = Some((v.start, v.end, v.prot));
             }
             t_anon.push((v.start, v.end, v.prot, v.flags));
@@ -460,7 +465,7 @@ fn compare_memory(images: &Path, vpid: u32, host: i32, files: &std::collections:
         return refuse(format!("process {vpid}: its file mappings changed since the statepoint{at}"));
     }
     if t_stack != l_stack {
-        return refuse(format!("process {vpid}: its stack grew or moved"));
+        return refuse(format!("process {vpid}: its stack grew or moved ({t_stack:x?} then, {l_stack:x?} now)"));
     }
     // The heap through brk; the rest of private anonymous memory mapping by mapping.
     let mut layout = Layout::default();

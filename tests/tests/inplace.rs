@@ -1,0 +1,324 @@
+//! Rollback in place (a running container returns to a statepoint without a stop), against the
+//! real stack. The oracle: right after a rollback in place, before the sandbox runs again, a full
+//! CRIU dump of it equals the statepoint — every page byte for byte, every thread's registers,
+//! FPU state and signal mask, every descriptor and offset — and a CRIU restore of the same
+//! statepoint (the stop-and-restore path) ends in the same state. Shapes it cannot restore take
+//! that path, and a failure at each step leaves the sandbox exactly as before.
+
+use criu_hooks::images;
+use planarian_system_tests::sandbox::*;
+use planarian_system_tests::*;
+use std::collections::BTreeMap;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Private anonymous memory (`mmap`), a second thread, a log file held open, and commands:
+/// `dirty OFF LEN`, `free OFF LEN` (MADV_DONTNEED), `map MIB` (a new mapping, filled), `unmap`,
+/// `log TEXT` (appended, the offset moves), `pipefill` / `piperead` (a pipe holding data).
+/// Publishes `SEQ COUNTER SHA256(memory, every mapping) MAPPINGS PIPE-DATA`.
+const WORKLOAD: &str = r#"
+import hashlib, mmap, os, random, sys, threading, time
+random.seed(7)
+buf = mmap.mmap(-1, int(sys.argv[1]) << 20, flags=mmap.MAP_PRIVATE)
+buf.write(random.randbytes(len(buf)))
+extra = []
+log = open("/tmp/log", "w")
+pipe = None
+got = "-"
+n = 0
+seq = 0
+beats = [0]
+def ticker():
+    while True:
+        beats[0] += 1
+        time.sleep(0.05)
+threading.Thread(target=ticker, daemon=True).start()
+def publish():
+    h = hashlib.sha256(buf)
+    for m in extra:
+        h.update(m)
+    with open("/tmp/.state", "w") as f:
+        f.write("%d %d %s %d %s\n" % (seq, n, h.hexdigest(), len(extra), got))
+    os.rename("/tmp/.state", "/tmp/state")
+publish()
+while True:
+    try:
+        cmd = open("/tmp/cmd").read().split()
+    except FileNotFoundError:
+        time.sleep(0.05)
+        continue
+    os.remove("/tmp/cmd")
+    seq = int(cmd[0])
+    if cmd[1] == "tick":
+        n += 1
+    elif cmd[1] == "dirty":
+        off, ln = int(cmd[2]), int(cmd[3])
+        buf[off:off + ln] = os.urandom(ln)
+    elif cmd[1] == "free":
+        buf.madvise(mmap.MADV_DONTNEED, int(cmd[2]), int(cmd[3]))
+    elif cmd[1] == "map":
+        m = mmap.mmap(-1, int(cmd[2]) << 20, flags=mmap.MAP_PRIVATE)
+        m.write(os.urandom(len(m)))
+        extra.append(m)
+    elif cmd[1] == "unmap":
+        extra.pop().close()
+    elif cmd[1] == "log":
+        log.write(cmd[2] + "\n")
+        log.flush()
+    elif cmd[1] == "pipefill":
+        pipe = os.pipe()
+        os.write(pipe[1], b"buffered")
+    elif cmd[1] == "piperead":
+        got = os.read(pipe[0], 100).decode()
+    publish()
+"#;
+
+fn start(tag: &str, mib: u32, extra: &[&str]) -> Sandbox {
+    let n = name(tag);
+    let mib = mib.to_string();
+    let mut args = vec!["run", "-d", "--name", &n, "--network", "none"];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&[DEBIAN, "python3", "-c", WORKLOAD, &mib]);
+    podman("planarian", &args).ok();
+    let _c = Cleanup(n.clone());
+    assert!(
+        wait_for(Duration::from_secs(120), || podman("planarian", &["exec", &n, "cat", "/tmp/state"]).stdout.split_whitespace().count() >= 3),
+        "workload did not start"
+    );
+    std::mem::forget(_c);
+    Sandbox::attach(&n)
+}
+
+/// The whole published line: counter, checksum, mappings, what the pipe gave.
+fn line(sb: &Sandbox) -> Vec<String> {
+    sb.sh("cat /tmp/state").ok().out().split_whitespace().skip(1).map(String::from).collect()
+}
+
+/// Rolls back with `--json`; the restore context.
+fn rollback(sb: &mut Sandbox, sp: &str) -> serde_json::Value {
+    let r = planarian(&["rollback", &sb.name, sp, "--json"]);
+    r.ok();
+    sb.seq = sb.read().expect("state after rollback").0;
+    serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}: {}", r.stdout))
+}
+
+fn store_of(sb: &Sandbox) -> PathBuf {
+    Path::new("/var/lib/planarian/containers").join(podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).ok().out())
+}
+
+fn images_of(sb: &Sandbox, sp: &str) -> PathBuf {
+    store_of(sb).join("statepoints").join(sp).join("criu")
+}
+
+/// Every page a dump holds (through its chain), by address, outside the vDSO and vvar.
+fn pages(dir: &Path, pid: u32) -> BTreeMap<u64, (PathBuf, u64)> {
+    let mm = images::mm(dir, pid).unwrap();
+    let special: Vec<(u64, u64)> =
+        mm.vmas.iter().filter(|v| v.is(images::VMA_AREA_VDSO | images::VMA_AREA_VVAR | images::VMA_AREA_VSYSCALL)).map(|v| (v.start, v.end)).collect();
+    let mut out = BTreeMap::new();
+    for r in images::memory(dir, pid).unwrap() {
+        for i in 0..r.nr_pages {
+            let a = r.vaddr + i * images::PAGE_SIZE;
+            if !special.iter().any(|s| a >= s.0 && a < s.1) {
+                out.insert(a, (r.file.clone(), r.loc.offset + i * images::PAGE_SIZE));
+            }
+        }
+    }
+    out
+}
+
+fn page(at: &(PathBuf, u64)) -> Vec<u8> {
+    let mut b = vec![0u8; images::PAGE_SIZE as usize];
+    std::fs::File::open(&at.0).unwrap().read_exact_at(&mut b, at.1).unwrap();
+    b
+}
+
+/// The oracle: a full dump taken right after the rollback in place equals the statepoint.
+fn assert_dump_equals(target: &Path, dump: &Path) {
+    let tree = images::pstree(target).unwrap();
+    assert_eq!(images::pstree(dump).unwrap(), tree, "process tree");
+    let (tf, df) = (images::files(target).unwrap(), images::files(dump).unwrap());
+    for p in &tree {
+        let (t, d) = (pages(target, p.pid), pages(dump, p.pid));
+        let only_t: Vec<String> = t.keys().filter(|a| !d.contains_key(a)).take(5).map(|a| format!("{a:#x}")).collect();
+        let only_d: Vec<String> = d.keys().filter(|a| !t.contains_key(a)).take(5).map(|a| format!("{a:#x}")).collect();
+        assert!(only_t.is_empty() && only_d.is_empty(), "process {}: pages only at the statepoint {only_t:?}, only now {only_d:?}", p.pid);
+        let differ: Vec<String> = t.iter().filter(|(a, at)| page(at) != page(&d[a])).take(5).map(|(a, _)| format!("{a:#x}")).collect();
+        assert!(differ.is_empty(), "process {}: {} pages, these differ: {differ:?}", p.pid, t.len());
+        eprintln!("process {}: {} pages equal", p.pid, t.len());
+        for tid in &p.threads {
+            let (ct, cd) = (images::core(target, *tid).unwrap(), images::core(dump, *tid).unwrap());
+            let regs = |c: &images::Core| c.gpregs.iter().enumerate().filter(|(i, _)| *i != 15).map(|(_, v)| *v).collect::<Vec<u64>>();
+            assert_eq!(regs(&cd), regs(&ct), "thread {tid}: registers (orig_ax aside: the rollback clears it, as a sigreturn does)");
+            assert_eq!(cd.fpregs.fxsave[..416], ct.fpregs.fxsave[..416], "thread {tid}: x87/SSE state");
+            assert_eq!(cd.fpregs.ymmh, ct.fpregs.ymmh, "thread {tid}: AVX upper halves");
+            assert_eq!(cd.blocked, ct.blocked, "thread {tid}: signal mask");
+        }
+        let id = images::files_id(target, p.pid).unwrap();
+        let did = images::files_id(dump, p.pid).unwrap();
+        let fds = |dir: &Path, id: u32, files: &std::collections::HashMap<u32, images::File>| -> Vec<(u32, u32, Option<u64>)> {
+            let mut v: Vec<(u32, u32, Option<u64>)> = images::fdinfo(dir, id)
+                .unwrap()
+                .iter()
+                .map(|f| (f.fd, f.kind, match files.get(&f.id) { Some(images::File::Regular { pos, .. }) => Some(*pos), _ => None }))
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(fds(dump, did, &df), fds(target, id, &tf), "process {}: descriptors, kinds and offsets", p.pid);
+    }
+}
+
+fn arm_oracle(dir: &Path) {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all("/run/planarian").unwrap();
+    std::fs::write("/run/planarian/oracle", dir.display().to_string()).unwrap();
+}
+
+#[test]
+fn a_rollback_in_place_equals_the_statepoint_and_a_restore_of_it() {
+    require_stack!();
+    let mut sb = start("inplace", 16, &[]);
+    sb.sh("echo kept > /root/f; echo original > /etc/motd.planarian").ok();
+    sb.send("tick");
+    sb.send("log before");
+    let at_sp = line(&sb);
+    let sp = sb.snapshot("target");
+    let files_then = sb.sh("cat /root/f /etc/motd.planarian /tmp/log; ls /tmp").ok().out();
+
+    // Everything an agent's process does between two tool calls: memory rewritten, freed and
+    // newly mapped, a file it holds appended to, files created, changed and removed, commands
+    // exec'd that came and went.
+    sb.send("dirty 1048576 2097152");
+    sb.send("free 4194304 2097152");
+    sb.send("map 2");
+    sb.send("log after");
+    sb.sh("rm /root/f; echo changed > /etc/motd.planarian; echo new > /tmp/new; echo overwritten > /etc/hostname.planarian").ok();
+    sb.sh("ls / > /dev/null").ok();
+    assert_ne!(line(&sb), at_sp);
+
+    let oracle = PathBuf::from("/var/tmp/planarian-oracle");
+    arm_oracle(&oracle);
+    let ctx = rollback(&mut sb, &sp);
+    assert_eq!(ctx["how"]["path"], "in-place", "{ctx}");
+    let written = ctx["how"]["pages-written"].as_u64().unwrap();
+    assert!(written > 0 && written < 4096, "{ctx}");
+    assert!(ctx["restored"][0].as_str().unwrap().contains("in place"), "{ctx}");
+    assert!(!Path::new("/run/planarian/oracle").exists(), "the oracle dump was not taken");
+    assert_dump_equals(&images_of(&sb, &sp), &oracle);
+
+    // What the sandbox itself sees: the statepoint's memory, mappings, files and log offset.
+    assert_eq!(line(&sb), at_sp);
+    assert_eq!(sb.sh("cat /root/f /etc/motd.planarian /tmp/log; ls /tmp").ok().out(), files_then);
+    assert_ne!(sb.sh("test -e /etc/hostname.planarian").code, Some(0));
+    let after = sb.send("tick");
+    sb.send("log again");
+    assert_eq!(sb.sh("cat /tmp/log").ok().out(), "before\nagain", "the log's offset went back with its content");
+
+    // The next dump builds on the statepoint's images: incremental, small.
+    let sp2 = sb.snapshot("after");
+    let m = sb.manifest(&sp2);
+    assert!(m["chain"]["prev-images-dir"].is_string(), "{m}");
+    assert!(m["measurements"]["pages-written"].as_u64().unwrap() < 2000, "{m}");
+
+    // The reference: the same rollback by stopping and restoring (CRIU restore) ends in the
+    // same state.
+    sb.send("dirty 0 65536");
+    let ref_ctx = {
+        let _off = DropIn::new("in-place-off", "[checkpoint]\nrollback_in_place = false\n");
+        rollback(&mut sb, &sp)
+    };
+    assert_eq!(ref_ctx["how"]["path"], "stop-and-restore", "{ref_ctx}");
+    assert!(ref_ctx["how"]["not-in-place"].as_str().unwrap().contains("rollback_in_place"), "{ref_ctx}");
+    assert_eq!(line(&sb), at_sp);
+    assert_eq!(sb.send("tick"), after, "a restore of the statepoint and the rollback in place agree");
+    assert_eq!(sb.sh("cat /root/f /etc/motd.planarian").ok().out(), "kept\noriginal");
+
+    // After that restore, in place again (new conmon pipes, the same tree), to the newer one.
+    let ctx = rollback(&mut sb, &sp2);
+    assert_eq!(ctx["how"]["path"], "in-place", "{ctx}");
+    assert_eq!(sb.sh("cat /tmp/log").ok().out(), "before\nagain");
+    let _ = std::fs::remove_dir_all(&oracle);
+}
+
+#[test]
+fn shapes_a_rollback_in_place_cannot_restore_stop_and_restore() {
+    require_stack!();
+    let mut sb = start("inplace-shape", 8, &[]);
+    sb.send("tick");
+    let at_sp = line(&sb);
+    let sp = sb.snapshot("one-process");
+    // A process started after the statepoint: the tree changed.
+    let comms = |sb: &Sandbox| sb.sh("cat /proc/[0-9]*/comm").stdout;
+    podman("planarian", &["exec", "-d", &sb.name, "sleep", "1000"]).ok();
+    assert!(wait_for(Duration::from_secs(30), || comms(&sb).contains("sleep")), "the later process did not start");
+    let ctx = rollback(&mut sb, &sp);
+    assert_eq!(ctx["how"]["path"], "stop-and-restore", "{ctx}");
+    assert!(ctx["how"]["not-in-place"].as_str().unwrap().contains("started after the statepoint"), "{ctx}");
+    assert_eq!(line(&sb), at_sp);
+    assert!(!comms(&sb).contains("sleep"), "the later process is gone");
+
+    // A pipe that held data at the statepoint: only a restore puts the data back.
+    sb.send("pipefill");
+    let sp2 = sb.snapshot("pipe");
+    let ctx = rollback(&mut sb, &sp2);
+    assert_eq!(ctx["how"]["path"], "stop-and-restore", "{ctx}");
+    assert!(ctx["how"]["not-in-place"].as_str().unwrap().contains("pipe"), "{ctx}");
+    sb.send("piperead");
+    assert_eq!(line(&sb).last().unwrap(), "buffered");
+}
+
+const FAULT: &str = "/run/planarian/fault";
+
+struct Disarm;
+impl Drop for Disarm {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(FAULT);
+    }
+}
+
+#[test]
+fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
+    require_stack!();
+    let _d = Disarm;
+    let mut sb = start("inplace-again", 8, &[]);
+    sb.send("tick");
+    let at1 = line(&sb);
+    let sp1 = sb.snapshot("one");
+    sb.send("map 1");
+    sb.send("dirty 0 1048576");
+    sb.sh("echo two > /root/two").ok();
+    let at2 = line(&sb);
+    let sp2 = sb.snapshot("two");
+    // Back and forth, to the same statepoint twice: each time exactly there, in place.
+    for (sp, want, two) in [(&sp1, &at1, false), (&sp2, &at2, true), (&sp1, &at1, false), (&sp1, &at1, false)] {
+        sb.send("dirty 65536 65536");
+        sb.sh("echo x > /root/scratch").ok();
+        let ctx = rollback(&mut sb, sp);
+        assert_eq!(ctx["how"]["path"], "in-place", "{sp}: {ctx}");
+        assert_eq!(&line(&sb), want, "{sp}");
+        assert_eq!(sb.sh("test -e /root/two").code == Some(0), two, "{sp}");
+        assert_ne!(sb.sh("test -e /root/scratch").code, Some(0), "{sp}");
+    }
+    // Each step after the point of no return made to fail: the safety statepoint puts the
+    // sandbox back exactly as it was (memory, mappings, files).
+    for point in ["rollback.in-place.files", "rollback.in-place.memory", "rollback.in-place.registers"] {
+        sb.send("map 1");
+        sb.sh("echo now > /root/now").ok();
+        let before = line(&sb);
+        std::fs::create_dir_all("/run/planarian").unwrap();
+        std::fs::write(FAULT, point).unwrap();
+        let r = planarian(&["rollback", &sb.name, &sp2]);
+        assert_ne!(r.code, Some(0), "{point}: {r:?}");
+        assert!(r.stderr.contains("rollback failed, the container is as it was before") && r.stderr.contains(point), "{point}: {r:?}");
+        assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
+        sb.seq = sb.read().expect("state").0;
+        assert_eq!(line(&sb), before, "{point}");
+        assert_eq!(sb.sh("cat /root/now").ok().out(), "now", "{point}");
+    }
+    // And the statepoint is still there to return to, in place.
+    let ctx = rollback(&mut sb, &sp2);
+    assert_eq!(ctx["how"]["path"], "in-place", "{ctx}");
+    assert_eq!(line(&sb), at2);
+}
