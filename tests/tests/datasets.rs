@@ -238,7 +238,11 @@ fn fork_is_a_clone_independent_of_its_source_in_both_directions() {
 
     drop(fk);
     assert!(wait_for(Duration::from_secs(120), || !exists(&fork_ds)), "the fork's dataset goes with it");
-    assert!(snapshots_matching(&pool, &src_snaps).is_empty(), "nothing of the source is left");
+    assert!(
+        snapshots_matching(&pool, &src_snaps).is_empty(),
+        "nothing of the source is left: {}",
+        cmd("zfs", ["list", "-t", "all", "-o", "name,origin", "-r", &pool]).stdout
+    );
 }
 
 #[test]

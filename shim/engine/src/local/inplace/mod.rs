@@ -373,6 +373,21 @@ pub fn check(images: &Path, cgroup: &Path, stdio: &[(String, String)]) -> Result
     Ok(Shape { images: images.to_path_buf(), procs, pids })
 }
 
+/// A file mapping: start, end, prot, shared, file offset, file name.
+type FileMap = (u64, u64, u32, bool, u64, String);
+
+/// Adjacent mappings of the same file at consecutive offsets with the same protection, as one.
+fn merge_file_maps(v: Vec<FileMap>) -> Vec<FileMap> {
+    let mut out: Vec<FileMap> = Vec::new();
+    for m in v {
+        match out.last_mut() {
+            Some(l) if l.1 == m.0 && l.2 == m.2 && l.3 == m.3 && l.5 == m.5 && l.4 + (l.1 - l.0) == m.4 => l.1 = m.1,
+            _ => out.push(m),
+        }
+    }
+    out
+}
+
 /// Whether live path `live` (as the host sees it) names the container's `name`.
 fn same_file(live: &str, name: &str) -> bool {
     !live.ends_with(" (deleted)") && !name.is_empty() && (live == name || (live.ends_with(name) && name.starts_with('/')))
@@ -457,11 +472,16 @@ fn compare_memory(images: &Path, vpid: u32, host: i32, files: &std::collections:
     if t_special_cmp != l_special {
         return refuse(format!("process {vpid}: the vDSO moved"));
     }
-    if t_files.len() != l_files.len()
-        || t_files.iter().zip(&l_files).any(|(t, l)| (t.0, t.1, t.2, t.3, t.4) != (l.start, l.end, l.prot, l.shared, l.offset) || !same_file(&l.path, &t.5))
-    {
-        let first = t_files.iter().zip(&l_files).find(|(t, l)| (t.0, t.1, t.2, t.3, t.4) != (l.start, l.end, l.prot, l.shared, l.offset) || !same_file(&l.path, &t.5));
-        let at = first.map(|(t, l)| format!(": {:#x} {} then, {:#x} {} now", t.0, t.5, l.start, l.path)).unwrap_or_default();
+    // The same memory may be one mapping or several (a restore maps each of CRIU's VMAs,
+    // the kernel merges what it can): compared merged.
+    let l_files: Vec<FileMap> = l_files.iter().map(|l| (l.start, l.end, l.prot, l.shared, l.offset, l.path.clone())).collect();
+    let (t_files, l_files) = (merge_file_maps(t_files), merge_file_maps(l_files));
+    let differs = |t: &FileMap, l: &FileMap| (t.0, t.1, t.2, t.3, t.4) != (l.0, l.1, l.2, l.3, l.4) || !same_file(&l.5, &t.5);
+    if t_files.len() != l_files.len() || t_files.iter().zip(&l_files).any(|(t, l)| differs(t, l)) {
+        let first = t_files.iter().zip(&l_files).find(|(t, l)| differs(t, l));
+        let at = first
+            .map(|(t, l)| format!(": {:#x}-{:#x} prot {} shared {} offset {:#x} {} then, {:#x}-{:#x} prot {} shared {} offset {:#x} {} now", t.0, t.1, t.2, t.3, t.4, t.5, l.0, l.1, l.2, l.3, l.4, l.5))
+            .unwrap_or_else(|| format!(": {} file mappings then, {} now", t_files.len(), l_files.len()));
         return refuse(format!("process {vpid}: its file mappings changed since the statepoint{at}"));
     }
     if t_stack != l_stack {

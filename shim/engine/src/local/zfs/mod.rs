@@ -307,8 +307,15 @@ impl Rootfs for ZfsRootfs {
         zfs.clone_snapshot(&snap, &view, &[("mountpoint", &mp)])?;
         let cleanup = {
             let (zfs, view) = (zfs.clone(), view.clone());
+            // FUSE may still hold the walked mount a moment: unmounted first, tried again.
             move || {
-                let _ = zfs.destroy(&view, true);
+                for _ in 0..20 {
+                    let _ = zfs.unmount(&view);
+                    if zfs.destroy(&view, true).is_ok() || !zfs.exists(&view).unwrap_or(false) {
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
             }
         };
         let prepared = (|| {
@@ -485,7 +492,7 @@ pub fn remove_container(cfg: &Config, store: &ContainerStore) -> Result<()> {
     let id = store.dir.file_name().unwrap_or_default().to_string_lossy().into_owned();
     let ours = format!("@planarian-{}-", short(&id));
     let old_prefix = format!("{d}.planarian-old-");
-    let in_family = |fs: &str| fs == d || fs.starts_with(&old_prefix) || fs == format!("{d}.planarian-new");
+    let in_family = |fs: &str| fs == d || fs.starts_with(&old_prefix) || fs == format!("{d}.planarian-new") || fs == format!("{d}.planarian-inplace");
     if map.owned {
         // Forks (or anything) cloned from the family's snapshots take them over first.
         for _ in 0..64 {
