@@ -383,7 +383,15 @@ fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32) -> Res
         dirty(&ctr)?;
         let t = Instant::now();
         let rollback_phases = run_phases(PLANARIAN, &["rollback", &ctr, &sp1])?;
-        let rollback = Cost { ms: t.elapsed().as_secs_f64() * 1e3, ..Cost::default() };
+        let mut rollback = Cost { ms: t.elapsed().as_secs_f64() * 1e3, ..Cost::default() };
+        // Pages a rollback in place wrote, from the restore context it left.
+        let how = run_quiet(PLANARIAN, &["statepoint", "context", &ctr, "--json"]).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+        if let Some(how) = how.as_ref().map(|c| &c["how"]) {
+            rollback.pages = how["pages-written"].as_u64().unwrap_or(0);
+            if how["path"] == "stop-and-restore" {
+                rollback.full_reason = how["not-in-place"].as_str().map(|w| format!("stop and restore: {w}"));
+            }
+        }
         dirty(&ctr)?;
         let (sp3, after_rollback) = snapshot_cost(&ctr)?;
         let t = Instant::now();
@@ -421,10 +429,14 @@ fn chains(args: &[String]) -> i32 {
         on_zfs.push(format!("io.planarian.zfs.parent_dataset={parent}"));
     }
     let with = |extra: &str| on_zfs.iter().cloned().chain([extra.to_string()]).collect::<Vec<_>>();
+    // planarian twice: rolling back in place (its default) and by stopping and restoring.
+    // CRIU-inc and Full-snapshot restore, as CRIU alone does.
+    let restore = "io.planarian.checkpoint.rollback_in_place=false";
     let systems = [
         ("planarian", on_zfs.clone()),
-        ("CRIU-inc", with("io.planarian.checkpoint.pre_resume_hook=false")),
-        ("Full-snapshot", vec!["io.planarian.checkpoint.full_dump_interval=1".to_string()]),
+        ("planarian-restore", with(restore)),
+        ("CRIU-inc", with("io.planarian.checkpoint.pre_resume_hook=false").into_iter().chain([restore.to_string()]).collect()),
+        ("Full-snapshot", vec!["io.planarian.checkpoint.full_dump_interval=1".to_string(), restore.to_string()]),
     ];
     let mut results = Vec::new();
     let mut phases = Vec::new();
@@ -444,19 +456,26 @@ fn chains(args: &[String]) -> i32 {
     let mb = |b: u64| b as f64 / (1 << 20) as f64;
     let where_files = if pool.is_some() { "files on ZFS for planarian and CRIU-inc, copied for Full-snapshot" } else { "files copied (no ZFS pool)" };
     println!("snapshot/rollback/fork cost: {mem} MiB memory ({} pages), {files} MiB files ({where_files}); 1 % of memory rewritten (one contiguous run) + 64 KiB of files between steps", (mem as u64) << 8);
-    println!("| operation | planarian ms | CRIU-inc ms | Full-snapshot ms | CRIU-inc / planarian | Full / planarian | pages written (pl / inc / full) | MiB written (pl / inc / full) |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| operation | planarian ms | planarian, stop+restore ms | CRIU-inc ms | Full-snapshot ms | CRIU-inc / planarian | Full / planarian | pages written (pl / pl-restore / inc / full) | MiB written (pl / inc / full) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let names = ["second snapshot", "rollback", "first snapshot after rollback", "fork", "first snapshot in the fork"];
     for (i, n) in names.iter().enumerate() {
-        let (p, c, f) = (&results[0][i], &results[1][i], &results[2][i]);
-        let pages = if p.pages + c.pages + f.pages > 0 { format!("{} / {} / {}", p.pages, c.pages, f.pages) } else { "-".into() };
+        let (p, r, c, f) = (&results[0][i], &results[1][i], &results[2][i], &results[3][i]);
+        let pages = if p.pages + r.pages + c.pages + f.pages > 0 { format!("{} / {} / {} / {}", p.pages, r.pages, c.pages, f.pages) } else { "-".into() };
         let bytes = if p.bytes + c.bytes + f.bytes > 0 { format!("{:.1} / {:.1} / {:.1}", mb(p.bytes), mb(c.bytes), mb(f.bytes)) } else { "-".into() };
-        println!("| {n} | {:.0} | {:.0} | {:.0} | {:.2}x | {:.2}x | {pages} | {bytes} |", p.ms, c.ms, f.ms, c.ms / p.ms, f.ms / p.ms);
+        println!("| {n} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2}x | {:.2}x | {pages} | {bytes} |", p.ms, r.ms, c.ms, f.ms, c.ms / p.ms, f.ms / p.ms);
     }
+    // The targets: a rollback within 2x of an incremental snapshot of the same sandbox,
+    // 10x faster than Full-snapshot's.
+    let (p, r, f) = (&results[0], &results[1], &results[3]);
+    println!();
+    println!("rollback in place: {:.0} ms, {} pages written; rollback / incremental snapshot = {:.2}x (stop and restore: {:.2}x); Full-snapshot's rollback / in place = {:.1}x; stop and restore / in place = {:.1}x",
+        p[1].ms, p[1].pages, p[1].ms / p[0].ms, r[1].ms / r[0].ms, f[1].ms / p[1].ms, r[1].ms / p[1].ms);
     for (s, (tag, _)) in results.iter().zip(&systems) {
         for (i, c) in s.iter().enumerate() {
             if let Some(why) = &c.full_reason {
-                println!("  {tag}, {}: full dump: {why}", names[i]);
+                let what = if why.starts_with("stop and restore") { "" } else { "full dump: " };
+                println!("  {tag}, {}: {what}{why}", names[i]);
             }
         }
     }
@@ -467,7 +486,7 @@ fn chains(args: &[String]) -> i32 {
     println!("| snapshot | CRIU dump (pl / inc / full) | CRIU-inc / planarian | Full / planarian | frozen (pl / inc / full) |");
     println!("|---|---:|---:|---:|---:|");
     for i in [0, 2, 4] {
-        let (p, c, f) = (&results[0][i], &results[1][i], &results[2][i]);
+        let (p, c, f) = (&results[0][i], &results[2][i], &results[3][i]);
         println!(
             "| {} | {:.0} / {:.0} / {:.0} | {:.2}x | {:.2}x | {:.0} / {:.0} / {:.0} |",
             names[i], p.criu_ms, c.criu_ms, f.criu_ms, c.criu_ms / p.criu_ms, f.criu_ms / p.criu_ms, p.frozen_ms, c.frozen_ms, f.frozen_ms
