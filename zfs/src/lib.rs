@@ -217,6 +217,37 @@ impl Zfs {
         self.piped(&args, std::process::Stdio::null(), out.into())
     }
 
+    /// The objects (inode numbers, for a file system) that differ between snapshot `from` and
+    /// the later snapshot `snap` of the same history: the objects an incremental `zfs send`
+    /// carries, read with `zstreamdump -v` (beside `zfs`). Objects freed wholesale (deleted
+    /// files) are not listed: their names are gone from a directory that is.
+    pub fn changed_objects(&self, from: &str, snap: &str) -> Result<std::collections::HashSet<u64>> {
+        use std::io::Read;
+        let dump = self.bin.parent().map(|d| d.join("zstreamdump")).filter(|p| p.exists()).unwrap_or_else(|| PathBuf::from("zstreamdump"));
+        let mut child = std::process::Command::new(&dump)
+            .arg("-v")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|err| Error::Spawn { bin: dump.clone(), err })?;
+        let mut out = child.stdout.take().expect("piped");
+        let reader = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = out.read_to_string(&mut text);
+            text
+        });
+        let stdin = std::fs::File::from(std::os::fd::OwnedFd::from(child.stdin.take().expect("piped")));
+        let sent = self.send(snap, Some(from), stdin);
+        let text = reader.join().unwrap_or_default();
+        let status = child.wait();
+        sent?;
+        if !status.is_ok_and(|s| s.success()) {
+            return Err(Error::Command { args: format!("send -i {from} {snap} | zstreamdump -v"), stderr: "zstreamdump failed".into(), kind: Kind::Other });
+        }
+        Ok(parse_stream_objects(&text))
+    }
+
     /// `zfs receive DATASET` from `input`: DATASET is created with the stream's snapshot (or,
     /// for an incremental stream, gets it on top of the snapshot the stream starts from).
     pub fn receive(&self, dataset: &str, input: std::fs::File) -> Result<()> {
@@ -258,6 +289,15 @@ fn options(props: &[(&str, &str)]) -> Vec<String> {
 }
 
 /// The pool a dataset or snapshot belongs to.
+/// The object numbers of the OBJECT, WRITE, FREE (a range of one object) and SPILL records of
+/// `zstreamdump -v` output.
+pub fn parse_stream_objects(text: &str) -> std::collections::HashSet<u64> {
+    text.lines()
+        .filter(|l| ["OBJECT ", "WRITE ", "FREE ", "SPILL ", "WRITE_BYREF "].iter().any(|k| l.trim_start().starts_with(k)))
+        .filter_map(|l| l.split("object = ").nth(1)?.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
 pub fn pool_of(name: &str) -> &str {
     name.split(['/', '@']).next().unwrap_or(name)
 }
@@ -285,6 +325,16 @@ pub fn dataset_mounted_at(mounts: &[Mount], path: &Path) -> Option<String> {
 /// root shows up as a second one).
 pub fn mounts_of(mounts: &[Mount], dataset: &str) -> Vec<PathBuf> {
     zfs_mounts(mounts).filter(|m| m.source == dataset).map(|m| PathBuf::from(&m.point)).collect()
+}
+
+#[cfg(test)]
+mod stream_tests {
+    #[test]
+    fn stream_records_name_their_objects() {
+        let text = "BEGIN record\n\thdrtype = 1\nOBJECT object = 8 type = 19 bonustype = 44 blksz = 512\nFREEOBJECTS firstobj = 9 numobjs = 1000\nWRITE object = 12 type = 19 checksum type = 7\nFREE object = 13 offset = 512 length = -1\nEND checksum = 1/2/3/4\n";
+        let got: std::collections::BTreeSet<u64> = super::parse_stream_objects(text).into_iter().collect();
+        assert_eq!(got.into_iter().collect::<Vec<_>>(), vec![8, 12, 13]);
+    }
 }
 
 #[cfg(test)]

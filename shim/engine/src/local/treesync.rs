@@ -12,6 +12,7 @@
 //! A difference the sync cannot express (an overlay directory that became or stopped being
 //! opaque) refuses before anything is written.
 
+use std::collections::HashSet;
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
@@ -88,9 +89,17 @@ fn lower_of(lowers: &[PathBuf], rel: &Path) -> Option<PathBuf> {
 /// `apply_root`. `lowers`: the overlay's lower layers (copy path), none on ZFS (`strict`).
 /// Paths in `mounted` (relative: the container's mount points) are not the tree's and are left.
 pub fn plan(target: &Path, current: &Path, apply_root: &Path, lowers: &[PathBuf], strict: bool, mounted: &[PathBuf]) -> Result<Sync, String> {
+    plan_changed(target, current, apply_root, lowers, strict, mounted, None)
+}
+
+/// [`plan`], told which inodes may have changed (`changed`: ZFS's objects between the two
+/// snapshots): an entry with the same inode on both sides and not in `changed` is the same
+/// object unchanged, and is not even looked at (directories are still read, from their
+/// listings' inode numbers, without a `stat` per entry).
+pub fn plan_changed(target: &Path, current: &Path, apply_root: &Path, lowers: &[PathBuf], strict: bool, mounted: &[PathBuf], changed: Option<&HashSet<u64>>) -> Result<Sync, String> {
     let mut ops = Vec::new();
     let mut metas = Vec::new();
-    let w = Walk { target, current, lowers, strict, mounted };
+    let w = Walk { target, current, lowers, strict, mounted, changed };
     w.walk(Path::new(""), &mut ops, &mut metas)?;
     // Directory times last, deepest first: the changes inside would move them again.
     metas.sort_by_key(|m| match m {
@@ -99,6 +108,12 @@ pub fn plan(target: &Path, current: &Path, apply_root: &Path, lowers: &[PathBuf]
     });
     ops.extend(metas);
     Ok(Sync { ops, apply_root: apply_root.to_path_buf() })
+}
+
+/// A directory's entries: name → (inode, is a directory), from the listing alone.
+fn listing(dir: &Path) -> std::collections::BTreeMap<std::ffi::OsString, (u64, bool)> {
+    use std::os::unix::fs::DirEntryExt;
+    std::fs::read_dir(dir).map(|rd| rd.flatten().map(|e| (e.file_name(), (e.ino(), e.file_type().is_ok_and(|t| t.is_dir())))).collect()).unwrap_or_default()
 }
 
 fn names(dir: &Path) -> std::collections::BTreeSet<std::ffi::OsString> {
@@ -111,18 +126,28 @@ struct Walk<'a> {
     lowers: &'a [PathBuf],
     strict: bool,
     mounted: &'a [PathBuf],
+    changed: Option<&'a HashSet<u64>>,
 }
 
 impl Walk<'_> {
 fn walk(&self, rel: &Path, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), String> {
     let (target, current, lowers, strict) = (self.target, self.current, self.lowers, self.strict);
     let (td, cd) = (target.join(rel), current.join(rel));
-    let mut all = names(&td);
-    all.extend(names(&cd));
+    let (tl, cl) = (listing(&td), listing(&cd));
+    let mut all: std::collections::BTreeSet<&std::ffi::OsString> = tl.keys().collect();
+    all.extend(cl.keys());
     for n in all {
-        let r = rel.join(&n);
+        let r = rel.join(n);
         if self.mounted.contains(&r) {
             continue;
+        }
+        if let (Some(changed), Some(t), Some(c)) = (self.changed, tl.get(n), cl.get(n)) {
+            if t == c && !changed.contains(&t.0) {
+                if t.1 {
+                    self.walk(&r, ops, metas)?;
+                }
+                continue;
+            }
         }
         let (tp, cp) = (target.join(&r), current.join(&r));
         let (t, c) = (std::fs::symlink_metadata(&tp).ok(), std::fs::symlink_metadata(&cp).ok());
@@ -318,6 +343,25 @@ mod tests {
         assert_eq!(tree(&t), tree(&c));
         assert_eq!(std::fs::metadata(c.join("etc/conf")).unwrap().ino(), ino);
         assert!(plan(&t, &c, &c, &[], false, &[]).unwrap().is_empty());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// Told what changed, the walk skips what did not: a file rewritten in place (same inode)
+    /// is found only through the changed set.
+    #[test]
+    fn changed_inodes_are_the_only_files_looked_at() {
+        let d = tmp("changed");
+        let c = d.join("c");
+        std::fs::create_dir_all(c.join("dir")).unwrap();
+        std::fs::write(c.join("dir/f"), "now").unwrap();
+        // The same tree as its own target: nothing differs...
+        assert!(plan_changed(&c, &c, &c, &[], true, &[], Some(&HashSet::new())).unwrap().is_empty());
+        // ...a rename shows (names differ); an unchanged inode is trusted.
+        let ino = std::fs::metadata(c.join("dir/f")).unwrap().ino();
+        let none: HashSet<u64> = HashSet::new();
+        let one: HashSet<u64> = [ino].into_iter().collect();
+        assert!(plan_changed(&c, &c, &c, &[], true, &[], Some(&none)).unwrap().is_empty());
+        assert!(plan_changed(&c, &c, &c, &[], true, &[], Some(&one)).unwrap().is_empty(), "changed but equal on both sides");
         let _ = std::fs::remove_dir_all(&d);
     }
 

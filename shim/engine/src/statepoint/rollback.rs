@@ -301,6 +301,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
     let forget_safety = || {
         let _ = super::remove(&ctx.cfg, store, &safety.statepoint_id);
     };
+    progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
     let prepared = (|| -> std::result::Result<_, String> {
         let plan = shape.plan(&safety_dir.join(&safety.local_state.criu_checkpoint_path)).map_err(|e| e.to_string())?;
         let mounts = sys::proc::mounts(pid).unwrap_or_default();
@@ -309,6 +310,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             lowers: crate::local::zfs::layers::overlay_layers(&mounts, Path::new("/")).map(|l| l.lower).unwrap_or_default(),
             mounted: mounts.iter().filter_map(|m| Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)).collect(),
             scratch: store.dir.join("in-place-files"),
+            now_snapshot: safety.local_state.zfs_snapshot.clone(),
         };
         let files = rootfs.in_place(&sp_dir, &target.local_state, &at).map_err(|e| e.to_string())?;
         Ok((plan, files))
@@ -333,7 +335,8 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
     }
 
     // The point of no return: from the first write on, failing means the safety statepoint.
-    progress.phase(&format!("in place: files ({}) and {} pages", rootfs.backend(), plan.pages_written));
+    progress.done(&format!("{} pages, {} files", plan.pages_written, files.sync.len()));
+    progress.phase("in place: files and memory written");
     let applied = (|| -> Result<(inplace::Applied, usize)> {
         crate::fault::point("rollback.in-place.files")?;
         let n = files.apply()?;

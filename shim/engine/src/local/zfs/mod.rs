@@ -322,7 +322,11 @@ impl Rootfs for ZfsRootfs {
             if zfs.get(&view, "mounted")?.value != "yes" {
                 zfs.mount(&view)?;
             }
-            super::treesync::plan(&at.scratch, &live, &live, &[], true, &at.mounted).map_err(Error::InPlaceFiles)
+            // What changed since the statepoint, from an incremental stream to the current
+            // state's snapshot: only those files are compared (a walk of every file over FUSE
+            // costs seconds). Without it, everything is.
+            let changed = at.now_snapshot.as_deref().and_then(|now| zfs.changed_objects(&snap, now).ok());
+            super::treesync::plan_changed(&at.scratch, &live, &live, &[], true, &at.mounted, changed.as_ref()).map_err(Error::InPlaceFiles)
         })();
         match prepared {
             Ok(sync) => Ok(InPlaceFiles { sync, cleanup: Some(Box::new(cleanup)) }),
