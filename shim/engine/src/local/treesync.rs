@@ -100,7 +100,9 @@ pub fn plan_changed(target: &Path, current: &Path, apply_root: &Path, lowers: &[
     let mut ops = Vec::new();
     let mut metas = Vec::new();
     let w = Walk { target, current, lowers, strict, mounted, changed };
-    w.walk(Path::new(""), &mut ops, &mut metas)?;
+    let ino = |p: &Path| std::fs::symlink_metadata(p).map(|m| m.ino()).ok();
+    let root_unchanged = changed.is_some_and(|c| ino(target).is_some_and(|i| Some(i) == ino(current) && !c.contains(&i)));
+    w.walk(Path::new(""), root_unchanged, &mut ops, &mut metas)?;
     // Directory times last, deepest first: the changes inside would move them again.
     metas.sort_by_key(|m| match m {
         Op::DirMeta { rel, .. } => std::cmp::Reverse(rel.components().count()),
@@ -130,10 +132,14 @@ struct Walk<'a> {
 }
 
 impl Walk<'_> {
-fn walk(&self, rel: &Path, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), String> {
+/// `unchanged`: the directory is the same object on both sides and did not change, so its
+/// listing is the same: read once, from the live side (the statepoint's side is a fresh mount,
+/// every read of it cold).
+fn walk(&self, rel: &Path, unchanged: bool, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), String> {
     let (target, current, lowers, strict) = (self.target, self.current, self.lowers, self.strict);
     let (td, cd) = (target.join(rel), current.join(rel));
-    let (tl, cl) = (listing(&td), listing(&cd));
+    let cl = listing(&cd);
+    let tl = if unchanged { cl.clone() } else { listing(&td) };
     let mut all: std::collections::BTreeSet<&std::ffi::OsString> = tl.keys().collect();
     all.extend(cl.keys());
     for n in all {
@@ -144,7 +150,7 @@ fn walk(&self, rel: &Path, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(),
         if let (Some(changed), Some(t), Some(c)) = (self.changed, tl.get(n), cl.get(n)) {
             if t == c && !changed.contains(&t.0) {
                 if t.1 {
-                    self.walk(&r, ops, metas)?;
+                    self.walk(&r, true, ops, metas)?;
                 }
                 continue;
             }
@@ -156,7 +162,7 @@ fn walk(&self, rel: &Path, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(),
                 if !lowers.is_empty() && is_opaque(&tp) != is_opaque(&cp) {
                     return Err(format!("/{} became or stopped being an opaque overlay directory", r.display()));
                 }
-                self.walk(&r, ops, metas)?;
+                self.walk(&r, false, ops, metas)?;
                 if !same(&t, &c, &tp, &cp, strict) || t.mtime() != c.mtime() || t.mtime_nsec() != c.mtime_nsec() {
                     metas.push(Op::DirMeta { rel: r, from: tp });
                 }

@@ -343,7 +343,6 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         let a = plan.apply(&freezer).map_err(|e| Error::Worker(e.to_string()))?;
         Ok((a, n))
     })();
-    drop(files);
     match applied {
         Ok((a, n)) => {
             if let Some(dir) = crate::fault::oracle_dir() {
@@ -365,13 +364,17 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             }
             store.set_head(Some(&target.statepoint_id))?;
             let positions = safety.remote_state.clone();
-            forget_safety();
+            // The sandbox runs again; what is left is planarian's own cleanup.
             drop(frozen);
             progress.done(&format!("{} pages written, {} dropped, {} system calls, {n} files", a.pages_written, a.pages_dropped, a.system_calls));
+            progress.phase("in place: the safety statepoint removed (the sandbox runs)");
+            forget_safety();
+            drop(files);
             let how = How { path: "in-place".into(), pages_written: Some(a.pages_written), pages_dropped: Some(a.pages_dropped), files_changed: Some(n as u64), not_in_place: None };
             Ok(InPlace::Done { how, safety_positions: positions })
         }
         Err(e) => {
+            drop(files);
             progress.phase(&format!("back to the safety statepoint {}", safety.statepoint_id));
             let back = stop_frozen(ctx, pc, frozen).and_then(|()| {
                 let files = rootfs.restore(&safety_dir, &safety.local_state)?;
