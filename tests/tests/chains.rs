@@ -125,7 +125,8 @@ fn a_process_reusing_a_pid_after_restore_is_dumped_in_full() {
 #[test]
 fn a_failed_pre_resume_hook_makes_the_next_dump_full_not_corrupt() {
     require_stack!();
-    let mut sb = Sandbox::start("hookfail", MIB, &[]);
+    // The hook runs on a restore: this sandbox's rollbacks stop and restore.
+    let mut sb = Sandbox::start("hookfail", MIB, &["--annotation", "io.planarian.checkpoint.rollback_in_place=false"]);
     let sp1 = sb.snapshot("h1");
     let script = std::env::temp_dir().join(format!("pltest-hook-{}", std::process::id()));
     std::fs::write(&script, "#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = pre-resume ] && exit 1\nexit 0\n").unwrap();

@@ -205,6 +205,8 @@ fn a_rollback_in_place_equals_the_statepoint_and_a_restore_of_it() {
     let written = ctx["how"]["pages-written"].as_u64().unwrap();
     assert!(written > 0 && written < 4096, "{ctx}");
     assert!(ctx["restored"][0].as_str().unwrap().contains("in place"), "{ctx}");
+    let rb = &sb.manifest(&sp)["rollbacks"][0];
+    assert_eq!((&rb["path"], rb["pages-written"].as_u64()), (&serde_json::json!("in-place"), Some(written)), "the manifest says it too: {rb}");
     assert!(!Path::new("/run/planarian/oracle").exists(), "the oracle dump was not taken");
     assert_dump_equals(&images_of(&sb, &sp), &oracle);
 

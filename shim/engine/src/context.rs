@@ -10,6 +10,7 @@
 //! * **RestoreContext**: after a rollback or a fork, what the harness appends to the
 //!   conversation ([`RestoreContext`]), kept in the store so it can be fetched again.
 
+pub use crate::store::How;
 use crate::store::{self, Actor, ContainerStore, Manifest, Outcome, OutcomeStatus};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
@@ -258,22 +259,6 @@ pub struct RestoreContext {
     pub how: Option<How>,
 }
 
-/// The path a rollback took.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
-#[serde(rename_all = "kebab-case")]
-pub struct How {
-    /// "in-place" or "stop-and-restore".
-    pub path: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pages_written: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pages_dropped: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub files_changed: Option<u64>,
-    /// Why the rollback did not run in place, when it did not.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub not_in_place: Option<String>,
-}
 
 /// The statepoint a sandbox was returned to.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -210,6 +210,27 @@ pub struct Manifest {
     /// made it): a chain that starts here with images made elsewhere.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub imported_from: Option<String>,
+    /// Every rollback to this statepoint: which path it took (in place, with the pages it
+    /// wrote, or stop and restore, and why).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rollbacks: Vec<How>,
+}
+
+/// The path a rollback took.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub struct How {
+    /// "in-place" or "stop-and-restore".
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pages_written: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pages_dropped: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files_changed: Option<u64>,
+    /// Why the rollback did not run in place, when it did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_in_place: Option<String>,
 }
 
 /// One container's part of the store.
@@ -398,6 +419,7 @@ pub(crate) mod tests {
             options: Options::default(),
             measurements: Measurements::default(),
             chain: Chain::default(),
+            rollbacks: vec![],
             imported_from: None,
         }
     }

@@ -80,11 +80,6 @@ impl Rollback {
         if calls > 0 {
             what.push(format!("undid {calls} MCP call{}", if calls == 1 { "" } else { "s" }));
         }
-        match (&done.how.pages_written, &done.how.not_in_place) {
-            (Some(p), _) => what.push(format!("in place, {p} pages written")),
-            (None, Some(why)) => what.push(format!("stopped and restored (not in place: {why})")),
-            (None, None) => {}
-        }
         if let Some(r) = reason {
             what.push(format!("reason: {r}"));
         }
@@ -111,6 +106,12 @@ impl Rollback {
         };
         // Evidence after the fact: the rollback itself succeeded whatever these do.
         let _ = context::append_outcome(store, &target.statepoint_id, Outcome::now(what.join("; "), OutcomeStatus::Abandoned, by, None));
+        // Which path it took, in the manifest (the outcome is what a model reads: kept to what
+        // happened to the sandbox).
+        if let Ok(mut m) = store.find(&target.statepoint_id) {
+            m.rollbacks.push(done.how.clone());
+            let _ = store.write_manifest(&m);
+        }
         let _ = ctx.save(store);
         Ok(ctx)
     }
