@@ -313,6 +313,17 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             scratch: store.dir.join("in-place-files"),
             now_snapshot: safety.local_state.zfs_snapshot.clone(),
         };
+        // /dev, a tmpfs planarian keeps itself: put back only by a restore; in place, it must
+        // be as it was.
+        if let (true, Some(dev)) = (crate::local::devfs::saved(&sp_dir), crate::local::devfs::dev_mount(&mounts)) {
+            let then = crate::local::devfs::Restored::mount(&sp_dir, &store.dir.join("in-place-dev")).map_err(|e| e.to_string())?;
+            let live = PathBuf::from(format!("/proc/{pid}/root/dev"));
+            let children: Vec<PathBuf> = dev.children.iter().map(PathBuf::from).collect();
+            let differs = crate::local::treesync::plan(&then.path, &live, &live, &[], false, &children)?;
+            if !differs.is_empty() {
+                return Err(format!("/dev changed since the statepoint ({} entries)", differs.len()));
+            }
+        }
         let files = rootfs.in_place(&sp_dir, &target.local_state, &at).map_err(|e| e.to_string())?;
         Ok((plan, files))
     })();
