@@ -241,6 +241,9 @@ pub struct Core {
     pub files_id: Option<u32>,
     pub comm: String,
     pub sas_sp: u64,
+    /// The thread's registered `struct rseq` (address, size): fields the kernel rewrites each
+    /// time the thread returns to user space (the CPU it runs on).
+    pub rseq: Option<(u64, u32)>,
 }
 
 pub const TASK_ALIVE: u32 = 1;
@@ -305,6 +308,11 @@ pub fn core(dir: &Path, tid: u32) -> Result<Core> {
         c.pending_signals |= th.msg(9).map_err(bad)?.is_some_and(|s| !s.0.is_empty());
         if let Some(sas) = th.msg(7).map_err(bad)? {
             c.sas_sp = sas.u(1);
+        }
+        if let Some(r) = th.msg(15).map_err(bad)? {
+            if r.u(1) != 0 {
+                c.rseq = Some((r.u(1), r.u(2) as u32));
+            }
         }
         let comm = th.string(13);
         if !comm.is_empty() {

@@ -144,8 +144,29 @@ fn assert_dump_equals(target: &Path, dump: &Path) {
         let only_t: Vec<String> = t.keys().filter(|a| !d.contains_key(a)).take(5).map(|a| format!("{a:#x}")).collect();
         let only_d: Vec<String> = d.keys().filter(|a| !t.contains_key(a)).take(5).map(|a| format!("{a:#x}")).collect();
         assert!(only_t.is_empty() && only_d.is_empty(), "process {}: pages only at the statepoint {only_t:?}, only now {only_d:?}", p.pid);
-        let differ: Vec<String> = t.iter().filter(|(a, at)| page(at) != page(&d[a])).take(5).map(|(a, _)| format!("{a:#x}")).collect();
-        assert!(differ.is_empty(), "process {}: {} pages, these differ: {differ:?}", p.pid, t.len());
+        // The kernel writes each thread's rseq CPU fields whenever it returns to user space (a
+        // restore's first return does the same): those 32 bytes are the kernel's, not the
+        // statepoint's.
+        let rseq: Vec<(u64, u64)> = p.threads.iter().filter_map(|t| images::core(target, *t).unwrap().rseq).map(|(a, n)| (a, a + u64::from(n.clamp(20, 32)))).collect();
+        let masked = |a: u64, mut b: Vec<u8>| {
+            for &(s, e) in &rseq {
+                for x in s.max(a)..e.min(a + images::PAGE_SIZE) {
+                    b[(x - a) as usize] = 0;
+                }
+            }
+            b
+        };
+        let differ: Vec<String> = t
+            .iter()
+            .filter(|(a, at)| masked(**a, page(at)) != masked(**a, page(&d[a])))
+            .take(5)
+            .map(|(a, at)| {
+                let (x, y) = (page(at), page(&d[a]));
+                let offs: Vec<usize> = (0..x.len()).filter(|i| x[*i] != y[*i]).take(8).collect();
+                format!("{a:#x} (bytes {offs:?})")
+            })
+            .collect();
+        assert!(differ.is_empty(), "process {}: {} pages, these differ: {differ:?} (rseq areas {rseq:x?})", p.pid, t.len());
         eprintln!("process {}: {} pages equal", p.pid, t.len());
         for tid in &p.threads {
             let (ct, cd) = (images::core(target, *tid).unwrap(), images::core(dump, *tid).unwrap());
