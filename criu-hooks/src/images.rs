@@ -240,7 +240,6 @@ pub struct Core {
     pub timers: bool,
     pub files_id: Option<u32>,
     pub comm: String,
-    pub sas_sp: u64,
     /// The thread's registered `struct rseq` (address, size): fields the kernel rewrites each
     /// time the thread returns to user space (the CPU it runs on).
     pub rseq: Option<(u64, u32)>,
@@ -306,9 +305,6 @@ pub fn core(dir: &Path, tid: u32) -> Result<Core> {
             c.blocked = b;
         }
         c.pending_signals |= th.msg(9).map_err(bad)?.is_some_and(|s| !s.0.is_empty());
-        if let Some(sas) = th.msg(7).map_err(bad)? {
-            c.sas_sp = sas.u(1);
-        }
         if let Some(r) = th.msg(15).map_err(bad)? {
             if r.u(1) != 0 {
                 c.rseq = Some((r.u(1), r.u(2) as u32));

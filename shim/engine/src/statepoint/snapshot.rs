@@ -94,14 +94,7 @@ pub fn take_then(ctx: &Ctx, req: &SnapshotRequest, before_release: impl FnOnce(&
     m.measurements.freeze_ms = ms(tf);
     crate::fault::point("snapshot.frozen")?;
 
-    let mounts = sys::proc::mounts(pid).unwrap_or_default();
-    let masked_dirs = criu::masked_dirs(pid, &ctx.ctr.spec, &mounts);
-    // Podman's network namespace: CRIU dumps from inside it (see criu::in_netns).
-    let netns = match &ctx.ctr.spec.netns_path {
-        Some(_) => Some(open_netns(pid)?),
-        None => None,
-    };
-    let dev = crate::local::devfs::dev_mount(&mounts);
+    let DumpSetting { masked_dirs, netns, dev } = DumpSetting::of(ctx, pid)?;
     let network_lock = criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, netns.is_some(), req.tcp_established);
     // A CRIU that dies while the namespace is locked leaves its lock behind: removed on failure.
     let lock_guard = StaleNetworkLock { pid, armed: network_lock == Some("nftables") && netns.is_none() };
@@ -273,13 +266,7 @@ impl Drop for PendingStatepoint<'_> {
 /// no parent images, the chain's base untouched (what the tests compare a rollback in place
 /// with).
 pub(crate) fn raw_dump(ctx: &Ctx, pid: i32, freezer: &Freezer, images: &Path) -> Result<()> {
-    let mounts = sys::proc::mounts(pid).unwrap_or_default();
-    let masked_dirs = criu::masked_dirs(pid, &ctx.ctr.spec, &mounts);
-    let netns = match &ctx.ctr.spec.netns_path {
-        Some(_) => Some(open_netns(pid)?),
-        None => None,
-    };
-    let dev = crate::local::devfs::dev_mount(&mounts);
+    let DumpSetting { masked_dirs, netns, dev } = DumpSetting::of(ctx, pid)?;
     std::fs::create_dir_all(images).at("create", images)?;
     let p = criu::DumpPlan {
         pid,
@@ -295,6 +282,26 @@ pub(crate) fn raw_dump(ctx: &Ctx, pid: i32, freezer: &Freezer, images: &Path) ->
         join_netns: netns.as_ref().map(|f| f.as_raw_fd()),
     };
     Ok(criu::run(&ctx.criu, &criu::dump_args(&p), &images.join("dump.log"), false, &[], p.join_netns)?)
+}
+
+/// What every CRIU dump of a container's tree needs from the container as it is now.
+struct DumpSetting {
+    masked_dirs: Vec<String>,
+    /// Podman's network namespace: CRIU dumps from inside it (see criu::in_netns).
+    netns: Option<std::os::fd::OwnedFd>,
+    /// `/dev`, when planarian keeps it (see devfs).
+    dev: Option<crate::local::devfs::DevMount>,
+}
+
+impl DumpSetting {
+    fn of(ctx: &Ctx, pid: i32) -> Result<DumpSetting> {
+        let mounts = sys::proc::mounts(pid).unwrap_or_default();
+        let netns = match &ctx.ctr.spec.netns_path {
+            Some(_) => Some(open_netns(pid)?),
+            None => None,
+        };
+        Ok(DumpSetting { masked_dirs: criu::masked_dirs(pid, &ctx.ctr.spec, &mounts), netns, dev: crate::local::devfs::dev_mount(&mounts) })
+    }
 }
 
 /// The network namespace process `pid` is in.

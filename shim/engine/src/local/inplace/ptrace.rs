@@ -194,7 +194,7 @@ mod tests {
                 unsafe { libc::pause() };
             }
         }
-        let done = scopeguard(child);
+        let done = Kill(child);
         let t = match Tracee::seize(child) {
             Ok(t) => t,
             // Some sandboxes forbid ptrace: nothing to test there.
@@ -239,8 +239,5 @@ mod tests {
                 libc::waitpid(self.0, std::ptr::null_mut(), 0);
             }
         }
-    }
-    fn scopeguard(pid: i32) -> Kill {
-        Kill(pid)
     }
 }
