@@ -248,6 +248,27 @@ impl Zfs {
         Ok(parse_stream_objects(&text))
     }
 
+    /// Where objects of snapshot `snap` (a file system's) are in its tree, read with
+    /// `zdb -dddd SNAP OBJECT...` (beside `zfs`), which follows each object's parent pointers in
+    /// the snapshot. Every object asked for must exist in `snap` (zdb stops at one that does
+    /// not, which is an error here).
+    pub fn object_paths(&self, snap: &str, objects: &[u64]) -> Result<Vec<ObjectInfo>> {
+        let zdb = self.bin.parent().map(|d| d.join("zdb")).filter(|p| p.exists()).unwrap_or_else(|| PathBuf::from("zdb"));
+        let mut args = vec!["-dddd".to_string(), snap.to_string()];
+        args.extend(objects.iter().map(u64::to_string));
+        let out = Command::new(&zdb).args(&args).env("LC_ALL", "C").output().map_err(|err| Error::Spawn { bin: zdb.clone(), err })?;
+        let found = parse_zdb_objects(&String::from_utf8_lossy(&out.stdout));
+        if !out.status.success() || found.len() != objects.len() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            return Err(Error::Command {
+                args: format!("zdb -dddd {snap} ({} objects)", objects.len()),
+                stderr: format!("{} of {} objects read; {}", found.len(), objects.len(), err.trim()),
+                kind: Kind::Other,
+            });
+        }
+        Ok(found)
+    }
+
     /// `zfs receive DATASET` from `input`: DATASET is created with the stream's snapshot (or,
     /// for an incremental stream, gets it on top of the snapshot the stream starts from).
     pub fn receive(&self, dataset: &str, input: std::fs::File) -> Result<()> {
@@ -296,6 +317,59 @@ pub fn parse_stream_objects(text: &str) -> std::collections::HashSet<u64> {
         .filter(|l| ["OBJECT ", "WRITE ", "FREE ", "SPILL ", "WRITE_BYREF "].iter().any(|k| l.trim_start().starts_with(k)))
         .filter_map(|l| l.split("object = ").nth(1)?.split_whitespace().next()?.parse().ok())
         .collect()
+}
+
+/// One object of a file system, as `zdb -dddd` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectInfo {
+    pub object: u64,
+    /// Its type as zdb names it (`ZFS plain file`, `ZFS directory`, `ZFS master node`, ...).
+    pub kind: String,
+    /// Where it is: a path from the file system's root; `None` for an object that is no file
+    /// (no path line), `Some("???<object#N>")` for one no directory holds (unlinked, still open).
+    pub path: Option<String>,
+    pub links: Option<u64>,
+}
+
+impl ObjectInfo {
+    pub fn is_dir(&self) -> bool {
+        self.kind == "ZFS directory"
+    }
+
+    /// Not in the tree: no file at all, or unlinked.
+    pub fn unlinked(&self) -> bool {
+        self.path.as_deref().is_none_or(|p| p.starts_with("???"))
+    }
+}
+
+/// The objects of `zdb -dddd` output: each starts at the line under an `Object  lvl ...` header
+/// (number first, type last) and may have `\tpath\t...` and `\tlinks\t...` lines.
+pub fn parse_zdb_objects(text: &str) -> Vec<ObjectInfo> {
+    let mut out: Vec<ObjectInfo> = Vec::new();
+    let mut header = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with("Object ") && line.contains(" type") {
+            header = true;
+            continue;
+        }
+        if header {
+            header = false;
+            let mut words = line.split_whitespace();
+            if let Some(object) = words.next().and_then(|w| w.parse().ok()) {
+                // number, lvl, iblk, dblk, dsize, lsize, %full, then the type's words.
+                let kind = line.split_whitespace().skip(7).collect::<Vec<_>>().join(" ");
+                out.push(ObjectInfo { object, kind, path: None, links: None });
+            }
+            continue;
+        }
+        let Some(last) = out.last_mut() else { continue };
+        if let Some(p) = line.strip_prefix("\tpath\t") {
+            last.path = Some(p.to_string());
+        } else if let Some(n) = line.strip_prefix("\tlinks\t") {
+            last.links = n.trim().parse().ok();
+        }
+    }
+    out
 }
 
 pub fn pool_of(name: &str) -> &str {
@@ -347,6 +421,54 @@ mod tests {
 50 29 0:40 / /srv/my\\040box rw - zfs pool/my\\040box rw,xattr
 60 29 0:45 / /var/lib/containers/storage/overlay/abc/merged rw - overlay overlay rw,lowerdir=/l/A,upperdir=/u,workdir=/w
 ";
+
+    /// As zfs-fuse's zdb prints it (trimmed): a system object without a path, the root, a
+    /// file, a file unlinked while open.
+    const ZDB: &str = "\
+Dataset tp/ds@s3 [ZPL], ID 37, cr_txg 23, 1000K, 210 objects, rootbp DVA[0]=<0:19e000:1000> [L0 DMU objset]
+
+    Object  lvl   iblk   dblk  dsize  lsize   %full  type
+         1    1    16K    512     8K    512  100.00  ZFS master node
+\tdnode flags: USED_BYTES USERUSED_ACCOUNTED\x20
+\tmicrozap: 512 bytes, 6 entries
+
+\t\tROOT = 3\x20
+
+    Object  lvl   iblk   dblk  dsize  lsize   %full  type
+         3    1    16K    512     8K    512  100.00  ZFS directory
+                                        264   bonus  ZFS znode
+\tpath\t/
+\tparent\t3
+\tlinks\t4
+
+    Object  lvl   iblk   dblk  dsize  lsize   %full  type
+       209    1    16K    512     4K    512  100.00  ZFS plain file
+                                        264   bonus  ZFS znode
+\tpath\t/a/b/c/deep name
+\tmode\t100644
+\tlinks\t1
+
+    Object  lvl   iblk   dblk  dsize  lsize   %full  type
+        19    1    16K    512     4K    512  100.00  ZFS plain file
+                                        264   bonus  ZFS znode
+\tpath\t???<object#19>
+\tlinks\t0
+";
+
+    #[test]
+    fn zdb_objects_give_their_paths() {
+        let o = parse_zdb_objects(ZDB);
+        let view: Vec<_> = o.iter().map(|o| (o.object, o.kind.as_str(), o.path.as_deref(), o.links, o.is_dir(), o.unlinked())).collect();
+        assert_eq!(
+            view,
+            [
+                (1, "ZFS master node", None, None, false, true),
+                (3, "ZFS directory", Some("/"), Some(4), true, false),
+                (209, "ZFS plain file", Some("/a/b/c/deep name"), Some(1), false, false),
+                (19, "ZFS plain file", Some("???<object#19>"), Some(0), false, true),
+            ]
+        );
+    }
 
     #[test]
     fn finds_the_dataset_mounted_exactly_at_a_path() {

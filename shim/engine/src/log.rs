@@ -64,7 +64,7 @@ impl Sink {
 /// planarian's own log: one line per statepoint event, whoever called.
 pub const OWN_LOG: &str = "/var/log/planarian.log";
 
-fn own_log(level: &str, msg: &str) {
+pub(crate) fn own_log(level: &str, msg: &str) {
     let path = std::env::var_os("PLANARIAN_LOG").map(std::path::PathBuf::from).unwrap_or_else(|| OWN_LOG.into());
     let line = format_line(LogFormat::Text, level, msg, SystemTime::now());
     if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {

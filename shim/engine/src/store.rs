@@ -216,11 +216,11 @@ pub struct Manifest {
     pub rollbacks: Vec<How>,
 }
 
-/// The path a rollback took.
+/// The path a rollback took (or that a fork was a spare handed out).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
 #[serde(rename_all = "kebab-case")]
 pub struct How {
-    /// "in-place" or "stop-and-restore".
+    /// "in-place" or "stop-and-restore" (a rollback); "spare" (a fork from a spare).
     pub path: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pages_written: Option<u64>,
@@ -228,6 +228,10 @@ pub struct How {
     pub pages_dropped: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files_changed: Option<u64>,
+    /// On ZFS, the places of the objects changed since the statepoint that were examined (set
+    /// only when no directory had to be compared whole).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub places_examined: Option<u64>,
     /// Why the rollback did not run in place, when it did not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_in_place: Option<String>,

@@ -32,6 +32,8 @@ enum Op {
 pub struct Sync {
     ops: Vec<Op>,
     apply_root: PathBuf,
+    /// [`plan_places`]: how many places were examined (no directory was read otherwise).
+    pub places: Option<usize>,
 }
 
 fn is_whiteout(md: &std::fs::Metadata) -> bool {
@@ -99,17 +101,74 @@ pub fn plan(target: &Path, current: &Path, apply_root: &Path, lowers: &[PathBuf]
 pub fn plan_changed(target: &Path, current: &Path, apply_root: &Path, lowers: &[PathBuf], strict: bool, mounted: &[PathBuf], changed: Option<&HashSet<u64>>) -> Result<Sync, String> {
     let mut ops = Vec::new();
     let mut metas = Vec::new();
-    let w = Walk { target, current, lowers, strict, mounted, changed };
+    let w = Walk { target, current, lowers, strict, mounted, changed, focused: false };
     let ino = |p: &Path| std::fs::symlink_metadata(p).map(|m| m.ino()).ok();
     let root_unchanged = changed.is_some_and(|c| ino(target).is_some_and(|i| Some(i) == ino(current) && !c.contains(&i)));
     w.walk(Path::new(""), root_unchanged, &mut ops, &mut metas)?;
-    // Directory times last, deepest first: the changes inside would move them again.
-    metas.sort_by_key(|m| match m {
-        Op::DirMeta { rel, .. } => std::cmp::Reverse(rel.components().count()),
-        _ => std::cmp::Reverse(0),
-    });
+    Ok(finish(ops, metas, target, apply_root))
+}
+
+/// The plan in the order it is applied: entries put back or removed (none inside another that
+/// is put back or removed whole, each once), then the times and modes of directories, deepest
+/// first — of those that differ and of those the changes inside would move (an entry's
+/// directory, when the statepoint's tree has it).
+fn finish(mut ops: Vec<Op>, mut metas: Vec<Op>, target: &Path, apply_root: &Path) -> Sync {
+    let whole: std::collections::BTreeSet<PathBuf> = ops.iter().map(|o| o.rel().to_path_buf()).collect();
+    for dir in whole.iter().filter_map(|r| r.parent()) {
+        if std::fs::symlink_metadata(target.join(dir)).is_ok_and(|m| m.is_dir()) {
+            metas.push(Op::DirMeta { rel: dir.to_path_buf(), from: target.join(dir) });
+        }
+    }
+    let inside = |r: &Path| r.ancestors().skip(1).any(|a| whole.contains(a));
+    ops.sort_by(|a, b| a.rel().cmp(b.rel()));
+    ops.dedup();
+    ops.retain(|o| !inside(o.rel()));
+    metas.sort_by(|a, b| b.rel().components().count().cmp(&a.rel().components().count()).then_with(|| a.rel().cmp(b.rel())));
+    metas.dedup();
+    metas.retain(|o| !inside(o.rel()) && !whole.contains(o.rel()));
     ops.extend(metas);
-    Ok(Sync { ops, apply_root: apply_root.to_path_buf() })
+    Sync { ops, apply_root: apply_root.to_path_buf(), places: None }
+}
+
+/// [`plan`] on ZFS when the objects that may differ are known with their places: `changed`,
+/// the objects between the two snapshots, and `places`, the paths in the current tree of those
+/// of them it holds (each the only path of its object). Only those paths are examined, and a
+/// directory among them only one level down: every difference is either one of those objects,
+/// or a name that came, went or changed object in a directory, which then is one of them too (a
+/// directory whose listing changed changed). No other directory is read.
+pub fn plan_places(target: &Path, current: &Path, apply_root: &Path, mounted: &[PathBuf], changed: &HashSet<u64>, places: &[PathBuf]) -> Result<Sync, String> {
+    let mut ops = Vec::new();
+    let mut metas = Vec::new();
+    let w = Walk { target, current, lowers: &[], strict: true, mounted, changed: Some(changed), focused: true };
+    let mut places: Vec<&PathBuf> = places.iter().collect();
+    places.sort();
+    places.dedup();
+    let examined = places.len();
+    for rel in places {
+        if rel.as_os_str().is_empty() {
+            w.walk(rel, false, &mut ops, &mut metas)?;
+        } else if !mounted.iter().any(|m| rel.starts_with(m)) {
+            w.entry(rel, true, &mut ops, &mut metas)?;
+        }
+    }
+    Ok(Sync { places: Some(examined), ..finish(ops, metas, target, apply_root) })
+}
+
+/// Whether the entry at `rel` is the same object, unchanged, on both sides (ZFS: inode and
+/// ctime included), reached without following a symbolic link.
+pub fn unchanged(target: &Path, current: &Path, rel: &Path) -> bool {
+    match (within(target, rel), within(current, rel)) {
+        (Some(t), Some(c)) => same(&t, &c, &target.join(rel), &current.join(rel), true),
+        _ => false,
+    }
+}
+
+impl Op {
+    fn rel(&self) -> &Path {
+        match self {
+            Op::Put { rel, .. } | Op::DirMeta { rel, .. } | Op::Remove(rel) => rel,
+        }
+    }
 }
 
 /// A directory's entries: name → (inode, is a directory), from the listing alone.
@@ -122,6 +181,19 @@ fn names(dir: &Path) -> std::collections::BTreeSet<std::ffi::OsString> {
     std::fs::read_dir(dir).map(|rd| rd.flatten().map(|e| e.file_name()).collect()).unwrap_or_default()
 }
 
+/// `base/rel`'s metadata when every directory on the way is one (no symbolic link followed).
+fn within(base: &Path, rel: &Path) -> Option<std::fs::Metadata> {
+    let mut at = base.to_path_buf();
+    let comps: Vec<_> = rel.components().collect();
+    for c in &comps[..comps.len().saturating_sub(1)] {
+        at.push(c);
+        if !std::fs::symlink_metadata(&at).is_ok_and(|m| m.is_dir()) {
+            return None;
+        }
+    }
+    std::fs::symlink_metadata(base.join(rel)).ok()
+}
+
 struct Walk<'a> {
     target: &'a Path,
     current: &'a Path,
@@ -129,6 +201,9 @@ struct Walk<'a> {
     strict: bool,
     mounted: &'a [PathBuf],
     changed: Option<&'a HashSet<u64>>,
+    /// [`plan_places`]: an entry that is the same object on both sides is examined, if at all,
+    /// at its own place; never through its directory.
+    focused: bool,
 }
 
 impl Walk<'_> {
@@ -136,8 +211,7 @@ impl Walk<'_> {
 /// listing is the same: read once, from the live side (the statepoint's side is a fresh mount,
 /// every read of it cold).
 fn walk(&self, rel: &Path, unchanged: bool, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), String> {
-    let (target, current, lowers, strict) = (self.target, self.current, self.lowers, self.strict);
-    let (td, cd) = (target.join(rel), current.join(rel));
+    let (td, cd) = (self.target.join(rel), self.current.join(rel));
     let cl = listing(&cd);
     let tl = if unchanged { cl.clone() } else { listing(&td) };
     let mut all: std::collections::BTreeSet<&std::ffi::OsString> = tl.keys().collect();
@@ -148,43 +222,55 @@ fn walk(&self, rel: &Path, unchanged: bool, ops: &mut Vec<Op>, metas: &mut Vec<O
             continue;
         }
         if let (Some(changed), Some(t), Some(c)) = (self.changed, tl.get(n), cl.get(n)) {
-            if t == c && !changed.contains(&t.0) {
-                if t.1 {
+            if t == c && (self.focused || !changed.contains(&t.0)) {
+                if t.1 && !self.focused {
                     self.walk(&r, true, ops, metas)?;
                 }
                 continue;
             }
         }
-        let (tp, cp) = (target.join(&r), current.join(&r));
-        let (t, c) = (std::fs::symlink_metadata(&tp).ok(), std::fs::symlink_metadata(&cp).ok());
-        match (t, c) {
-            (Some(t), Some(c)) if t.is_dir() && c.is_dir() => {
-                if !lowers.is_empty() && is_opaque(&tp) != is_opaque(&cp) {
-                    return Err(format!("/{} became or stopped being an opaque overlay directory", r.display()));
-                }
-                self.walk(&r, false, ops, metas)?;
-                if !same(&t, &c, &tp, &cp, strict) || t.mtime() != c.mtime() || t.mtime_nsec() != c.mtime_nsec() {
-                    metas.push(Op::DirMeta { rel: r, from: tp });
-                }
+        self.entry(&r, false, ops, metas)?;
+    }
+    Ok(())
+}
+
+/// Compares the entry at `r` on both sides. `checked`: its directories are checked on the way
+/// (it was not reached through them).
+fn entry(&self, r: &Path, checked: bool, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), String> {
+    let (target, current, lowers, strict) = (self.target, self.current, self.lowers, self.strict);
+    let (tp, cp) = (target.join(r), current.join(r));
+    let (t, c) = if checked {
+        (within(target, r), within(current, r))
+    } else {
+        (std::fs::symlink_metadata(&tp).ok(), std::fs::symlink_metadata(&cp).ok())
+    };
+    match (t, c) {
+        (Some(t), Some(c)) if t.is_dir() && c.is_dir() => {
+            if !lowers.is_empty() && is_opaque(&tp) != is_opaque(&cp) {
+                return Err(format!("/{} became or stopped being an opaque overlay directory", r.display()));
             }
-            (Some(t), c) => {
-                if c.as_ref().is_some_and(|c| same(&t, c, &tp, &cp, strict)) {
-                    continue;
-                }
-                if !lowers.is_empty() && t.is_dir() && is_opaque(&tp) {
-                    return Err(format!("/{} is an opaque overlay directory in the statepoint", r.display()));
-                }
-                ops.push(if is_whiteout(&t) && !lowers.is_empty() { Op::Remove(r) } else { Op::Put { rel: r, from: tp } });
+            self.walk(r, false, ops, metas)?;
+            if !same(&t, &c, &tp, &cp, strict) || t.mtime() != c.mtime() || t.mtime_nsec() != c.mtime_nsec() {
+                metas.push(Op::DirMeta { rel: r.to_path_buf(), from: tp });
             }
-            (None, Some(_)) => {
-                // Not in the statepoint's layer: the image's version, or nothing.
-                match lower_of(lowers, &r) {
-                    Some(from) => ops.push(Op::Put { rel: r, from }),
-                    None => ops.push(Op::Remove(r)),
-                }
-            }
-            (None, None) => {}
         }
+        (Some(t), c) => {
+            if c.as_ref().is_some_and(|c| same(&t, c, &tp, &cp, strict)) {
+                return Ok(());
+            }
+            if !lowers.is_empty() && t.is_dir() && is_opaque(&tp) {
+                return Err(format!("/{} is an opaque overlay directory in the statepoint", r.display()));
+            }
+            ops.push(if is_whiteout(&t) && !lowers.is_empty() { Op::Remove(r.to_path_buf()) } else { Op::Put { rel: r.to_path_buf(), from: tp } });
+        }
+        (None, Some(_)) => {
+            // Not in the statepoint's layer: the image's version, or nothing.
+            match lower_of(lowers, r) {
+                Some(from) => ops.push(Op::Put { rel: r.to_path_buf(), from }),
+                None => ops.push(Op::Remove(r.to_path_buf())),
+            }
+        }
+        (None, None) => {}
     }
     Ok(())
 }

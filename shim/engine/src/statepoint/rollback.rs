@@ -347,7 +347,8 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
     }
 
     // The point of no return: from the first write on, failing means the safety statepoint.
-    progress.done(&format!("{} pages, {} files", plan.pages_written, files.sync.len()));
+    let examined = files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
+    progress.done(&format!("{} pages, {} files{examined}", plan.pages_written, files.sync.len()));
     progress.phase("in place: files and memory written");
     let applied = (|| -> Result<(inplace::Applied, usize)> {
         crate::fault::point("rollback.in-place.files")?;
@@ -381,8 +382,9 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             progress.done(&format!("{} pages written, {} dropped, {} system calls, {n} files", a.pages_written, a.pages_dropped, a.system_calls));
             progress.phase("in place: the safety statepoint removed (the sandbox runs)");
             forget_safety();
+            let places_examined = files.sync.places;
             drop(files);
-            let how = How { path: "in-place".into(), pages_written: Some(a.pages_written), pages_dropped: Some(a.pages_dropped), files_changed: Some(n as u64), not_in_place: None };
+            let how = How { path: "in-place".into(), pages_written: Some(a.pages_written), pages_dropped: Some(a.pages_dropped), files_changed: Some(n as u64), places_examined: places_examined.map(|p| p as u64), not_in_place: None };
             Ok(InPlace::Done { how, safety_positions: positions })
         }
         Err(e) => {

@@ -325,8 +325,17 @@ impl Rootfs for ZfsRootfs {
             // What changed since the statepoint, from an incremental stream to the current
             // state's snapshot: only those files are compared (a walk of every file over FUSE
             // costs seconds). Without it, everything is.
-            let changed = at.now_snapshot.as_deref().and_then(|now| zfs.changed_objects(&snap, now).ok());
-            super::treesync::plan_changed(&at.scratch, &live, &live, &[], true, &at.mounted, changed.as_ref()).map_err(Error::InPlaceFiles)
+            let changed = at.now_snapshot.as_deref().and_then(|now| Some((now, zfs.changed_objects(&snap, now).ok()?)));
+            // And where those objects are now (zdb follows their parent pointers): only those
+            // places are examined. When a place cannot be trusted (an object with more than one
+            // name, a path that does not lead to it), every directory is read instead.
+            let places = changed.as_ref().and_then(|(now, c)| places(zfs, now, c, &live));
+            // A file with other names is trusted only unchanged (then all its names are).
+            let places = places.filter(|(_, named)| named.iter().all(|rel| super::treesync::unchanged(&at.scratch, &live, rel)));
+            if let Some((places, _)) = places {
+                return super::treesync::plan_places(&at.scratch, &live, &live, &at.mounted, &changed.as_ref().expect("known").1, &places).map_err(Error::InPlaceFiles);
+            }
+            super::treesync::plan_changed(&at.scratch, &live, &live, &[], true, &at.mounted, changed.as_ref().map(|(_, c)| c)).map_err(Error::InPlaceFiles)
         })();
         match prepared {
             Ok(sync) => Ok(InPlaceFiles { sync, cleanup: Some(Box::new(cleanup)) }),
@@ -336,6 +345,40 @@ impl Rootfs for ZfsRootfs {
             }
         }
     }
+}
+
+/// The places in the live tree (`live`, which is snapshot `now`, frozen) of the `changed` objects
+/// it holds, relative to its root, and, apart, those of files with more than one name (zdb
+/// knows one); `None` when one cannot be trusted: zdb failed, or a path does not lead to its
+/// object. Objects that are no file, and files no directory holds any more (unlinked, still
+/// open), have no place; system directories (zdb shows them at `/`) neither.
+fn places(zfs: &Zfs, now: &str, changed: &std::collections::HashSet<u64>, live: &Path) -> Option<(Vec<PathBuf>, Vec<PathBuf>)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut objects: Vec<u64> = changed.iter().copied().collect();
+    objects.sort_unstable();
+    let infos = zfs.object_paths(now, &objects).map_err(|e| crate::log::own_log("warning", &format!("in place: where the changed objects are: {e}"))).ok()?;
+    let (mut out, mut named) = (Vec::new(), Vec::new());
+    for o in infos {
+        if o.unlinked() {
+            continue;
+        }
+        let path = o.path.as_deref().expect("linked");
+        let rel = PathBuf::from(path.trim_start_matches('/'));
+        let ino = std::fs::symlink_metadata(live.join(&rel)).ok().map(|m| m.ino());
+        if ino != Some(o.object) {
+            if path == "/" && o.is_dir() {
+                continue; // a system directory (zdb calls them "/"), not the root
+            }
+            crate::log::own_log("warning", &format!("in place: object {} is not at {path}: every directory is compared", o.object));
+            return None;
+        }
+        if !o.is_dir() && o.links.unwrap_or(1) > 1 {
+            named.push(rel);
+        } else {
+            out.push(rel);
+        }
+    }
+    Some((out, named))
 }
 
 /// Destroys the container's retired datasets that hold no snapshot any more.
