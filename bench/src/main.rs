@@ -361,18 +361,28 @@ fn snapshot_cost(ctr: &str) -> Result<(String, Cost), String> {
     Ok((sp, Cost { ms, bytes, pages: meas["pages-written"].as_u64().unwrap_or(0), full_reason, rootfs_bytes, criu_ms, frozen_ms }))
 }
 
+/// How long `f` takes.
+fn timed_cost(f: &mut dyn FnMut() -> Result<(), String>) -> Result<Cost, String> {
+    let t = Instant::now();
+    f()?;
+    Ok(Cost { ms: t.elapsed().as_secs_f64() * 1e3, ..Cost::default() })
+}
+
 /// Second snapshot, rollback, first snapshot after the rollback, fork, first snapshot in the fork;
-/// and where the rollback's and the fork's time went (their phases, as they report them).
-fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32) -> Result<([Cost; 5], String), String> {
+/// and where the rollback's and the fork's time went (their phases, as they report them). With
+/// `spare`, also a spare of the fork's statepoint made (6th: its cost) and a fork that takes it
+/// (7th).
+fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare: bool) -> Result<([Cost; 7], String), String> {
     let pid = std::process::id();
     let (ctr, fork) = (format!("plbench-{tag}-{pid}"), format!("plbench-{tag}-fork-{pid}"));
+    let fork2 = format!("plbench-{tag}-fork2-{pid}");
     let mut run = vec!["--runtime", "planarian", "run", "-d", "--name", &ctr];
     for a in annotations {
         run.extend(["--annotation", a.as_str()]);
     }
     let mem_s = mem.to_string();
     run.extend(["localhost/planarian-test/debian", "python3", "-c", WORKLOAD, &mem_s]);
-    let result = (|| -> Result<([Cost; 5], String), String> {
+    let result = (|| -> Result<([Cost; 7], String), String> {
         run_quiet("podman", &run)?;
         run_quiet("podman", &["exec", &ctr, "sh", "-c", &format!(
             "mkdir -p /data && i=0; while [ $i -lt {files} ]; do head -c 1048576 /dev/urandom > /data/f$i; i=$((i+1)); done")])?;
@@ -399,9 +409,18 @@ fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32) -> Res
         let fork_cost = Cost { ms: t.elapsed().as_secs_f64() * 1e3, ..Cost::default() };
         dirty(&fork)?;
         let (_, after_fork) = snapshot_cost(&fork)?;
-        Ok(([second, rollback, after_rollback, fork_cost, after_fork], format!("{rollback_phases}\n{fork_phases}")))
+        let (mut spare_cost, mut spare_fork) = (Cost::default(), Cost::default());
+        if spare {
+            spare_cost = timed_cost(&mut || run_quiet(PLANARIAN, &["spare", &ctr, &sp3, "--count", "1"]).map(drop))?;
+            spare_fork = timed_cost(&mut || run_quiet(PLANARIAN, &["fork", &ctr, &sp3, "--name", &fork2]).map(drop))?;
+            wait_file(&fork2, "/tmp/up")?;
+        }
+        Ok(([second, rollback, after_rollback, fork_cost, after_fork, spare_cost, spare_fork], format!("{rollback_phases}\n{fork_phases}")))
     })();
-    for n in [&fork, &ctr] {
+    // (a spare left when the fork that should have taken it failed)
+    let spares = run_quiet("podman", &["ps", "-a", "--filter", &format!("name={ctr}-spare-"), "--format", "{{.Names}}"]).unwrap_or_default();
+    for n in spares.lines().map(str::to_string).chain([fork2, fork, ctr.clone()]) {
+        let n = &n;
         if let Ok(id) = run_quiet("podman", &["inspect", "--format", "{{.Id}}", n]) {
             let _ = run_quiet("podman", &["rm", "-f", "-t", "0", n]);
             let _ = run_quiet(PLANARIAN, &["gc"]);
@@ -442,7 +461,7 @@ fn chains(args: &[String]) -> i32 {
     let mut phases = Vec::new();
     for (tag, annotations) in &systems {
         eprintln!("measuring {tag} ...");
-        match chains_system(&tag.to_lowercase(), annotations, mem, files) {
+        match chains_system(&tag.to_lowercase(), annotations, mem, files, *tag == "planarian") {
             Ok((r, p)) => {
                 results.push(r);
                 phases.push(p);
@@ -471,8 +490,14 @@ fn chains(args: &[String]) -> i32 {
     println!();
     println!("rollback in place: {:.0} ms, {} pages written; rollback / incremental snapshot = {:.2}x (stop and restore: {:.2}x); Full-snapshot's rollback / in place = {:.1}x; stop and restore / in place = {:.1}x",
         p[1].ms, p[1].pages, p[1].ms / p[0].ms, r[1].ms / r[0].ms, f[1].ms / p[1].ms, r[1].ms / p[1].ms);
+    // A fork on the caller's critical path: one that takes a spare made beforehand (while the
+    // model is asked, say), against an incremental snapshot.
+    println!(
+        "fork from a spare: {:.0} ms (the spare, made beforehand: {:.0} ms; a fork made on the spot: {:.0} ms); fork from a spare / incremental snapshot = {:.2}x",
+        p[6].ms, p[5].ms, p[3].ms, p[6].ms / p[0].ms
+    );
     for (s, (tag, _)) in results.iter().zip(&systems) {
-        for (i, c) in s.iter().enumerate() {
+        for (i, c) in s.iter().take(names.len()).enumerate() {
             if let Some(why) = &c.full_reason {
                 let what = if why.starts_with("stop and restore") { "" } else { "full dump: " };
                 println!("  {tag}, {}: {what}{why}", names[i]);
@@ -513,11 +538,6 @@ fn files_system(tag: &str, annotation: Option<&str>, files: u32) -> Result<[Cost
         run.extend(["--annotation", a]);
     }
     run.extend(["localhost/planarian-test/busybox", "sh", "-c", "touch /tmp/up; while :; do sleep 1; done"]);
-    let timed_cost = |f: &mut dyn FnMut() -> Result<(), String>| -> Result<Cost, String> {
-        let t = Instant::now();
-        f()?;
-        Ok(Cost { ms: t.elapsed().as_secs_f64() * 1e3, ..Cost::default() })
-    };
     let result = (|| -> Result<[Cost; 4], String> {
         run_quiet("podman", &run)?;
         run_quiet("podman", &["exec", &ctr, "sh", "-c", &format!(

@@ -106,6 +106,9 @@ class RestoreContext:
     time: str
     text: str
     container_id: Optional[str] = None
+    #: The path taken: ``{"path": "in-place" | "stop-and-restore", "pages-written": ...}`` for a
+    #: rollback, ``{"path": "spare"}`` for a fork handed out from a spare (see :meth:`Sandbox.spare`).
+    how: Optional[Dict[str, Any]] = None
 
     @classmethod
     def from_json(cls, v: Dict[str, Any]) -> "RestoreContext":
@@ -121,6 +124,7 @@ class RestoreContext:
             time=v.get("time", ""),
             text=v.get("text", ""),
             container_id=v.get("container-id"),
+            how=v.get("how"),
         )
 
 
@@ -264,6 +268,21 @@ class Sandbox:
         ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"planarian-fork-{self.name}")
         try:
             return ex.submit(self.fork, statepoint, count, names)
+        finally:
+            ex.shutdown(wait=False)
+
+    def spare(self, statepoint: str, count: int = 1) -> List[str]:
+        """Keeps ``count`` forks of ``statepoint`` ready, restored and paused (``0`` removes them):
+        a later :meth:`fork` of it takes one, which costs a rename and an unpause instead of a
+        restore. Returns the spares' names."""
+        out = self._cli.run([self._cli.planarian, "spare", self.name, statepoint, "--count", str(int(count))])
+        return [line.split(" ", 1)[0] for line in out.splitlines() if line.strip()]
+
+    def spare_async(self, statepoint: str, count: int = 1) -> "Future[List[str]]":
+        """:meth:`spare`, in the background (while the model is asked what to try next)."""
+        ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"planarian-spare-{self.name}")
+        try:
+            return ex.submit(self.spare, statepoint, count)
         finally:
             ex.shutdown(wait=False)
 

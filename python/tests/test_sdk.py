@@ -115,6 +115,17 @@ class CommandLines(unittest.TestCase):
         self.assertEqual([r.name for r in results], ["c", "d"])
         self.assertEqual(self.calls()[-2:], ["fork agent sp1 --name c --by harness --json", "fork agent sp1 --name d --by harness --json"])
 
+    def test_spare_asks_for_a_count_and_returns_the_names(self):
+        sb = Sandbox("agent", self.cli)
+        self.answer("agent-spare-sp1-1 (0123456789ab, paused)\nagent-spare-sp1-2 (ba9876543210, paused)\n")
+        self.assertEqual(sb.spare("sp1", 2), ["agent-spare-sp1-1", "agent-spare-sp1-2"])
+        self.answer("")
+        self.assertEqual(sb.spare_async("sp1", 0).result(timeout=60), [])
+        self.assertEqual(self.calls()[-2:], ["spare agent sp1 --count 2", "spare agent sp1 --count 0"])
+        self.answer(json.dumps(dict(CONTEXT, operation="fork", container="e", how={"path": "spare"})))
+        (e,) = sb.fork("sp1", names=["e"])
+        self.assertEqual(e.context.how, {"path": "spare"})
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -383,6 +383,22 @@ pub struct ForkArgs {
     pub json: bool,
 }
 
+/// `planarian spare`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "planarian spare",
+    about = "Keep forks of a statepoint ready, restored and paused, so that `planarian fork` of it is a rename and an unpause"
+)]
+pub struct SpareArgs {
+    /// The container.
+    pub container: String,
+    /// Its statepoint (id or name).
+    pub statepoint: String,
+    /// How many to keep (0 removes them).
+    #[arg(long, default_value_t = 1)]
+    pub count: usize,
+}
+
 /// `planarian mcp`.
 #[derive(clap::Parser, Debug)]
 #[command(name = "planarian mcp", about = "Statepoint tools for the agent in container CTR: an MCP server over stdio")]

@@ -153,6 +153,18 @@ pub fn fork(args: &[OsString]) -> Result<i32, Failure> {
     Ok(0)
 }
 
+/// `planarian spare CTR SP [--count N]`: the spares' names, a line each.
+pub fn spare(args: &[OsString]) -> Result<i32, Failure> {
+    let a: cli::SpareArgs = parse!("spare", args);
+    let mut progress = StderrProgress::start(&format!("keeping {} spare(s) of {} at {}", a.count, a.container, a.statepoint));
+    let spares = statepoint::spares::fill(&a.container, &a.statepoint, a.count, &mut progress)?;
+    progress.finish();
+    for s in spares {
+        println!("{} ({}, paused)", s.name, statepoint::short(&s.id));
+    }
+    Ok(0)
+}
+
 /// `planarian statepoint list|show|set|rm`.
 pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::StatepointArgs = parse!("statepoint", args);

@@ -52,6 +52,7 @@ fn run(inv: &Invocation) -> Result<i32, Failure> {
         Some("restore") => commands::restore(inv, args),
         Some("rollback") => commands::rollback(inv, args),
         Some("fork") => commands::fork(args),
+        Some("spare") => commands::spare(args),
         Some("snapshot") => commands::snapshot(inv, args),
         Some("statepoint") => commands::statepoint(args),
         Some("ledger") => commands::ledger(args),
@@ -166,6 +167,7 @@ Statepoints (each verb has --help):
   snapshot CTR [--name N] [--description D] [--state FILE|-] [--async]   a statepoint of a running container
   rollback CTR STATEPOINT [--reason R] [--json]   processes, files, remote state back to it
   fork CTR STATEPOINT --name NEW [--json]         a new container running from a statepoint
+  spare CTR STATEPOINT [--count N]                keep N forks of it ready (restored, paused)
   statepoint list CTR [--json] | show CTR SP | set CTR SP [--name N] [--description D]
              [--outcome TEXT --status S --by W --reward R] | wait CTR SP | context CTR | rm CTR SP...
   ledger CTR [--json] [--max-chars N]          the statepoints as a tree, with their evidence

@@ -103,3 +103,60 @@ fn a_fork_runs_beside_a_tool_call_on_the_source() {
     assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &new]).out(), "running");
     assert_eq!(rollback.code, Some(124), "the rollback did not wait for the tool call: {rollback:?}");
 }
+
+/// Spares: forks of a statepoint made ahead of time and paused by Podman. A fork of that
+/// statepoint takes one (a rename and an unpause), starting exactly at the statepoint; `--count`
+/// keeps as many as asked (the same call twice makes nothing new, 0 removes them); with none
+/// left, a fork is made anew.
+#[test]
+fn a_fork_takes_a_spare_made_ahead_of_time() {
+    require_stack!();
+    let mut src = Sandbox::start("fspare", 16, &[]);
+    src.sh("echo base > /root/f").ok();
+    let at_sp = src.send("tick");
+    let sp = src.snapshot("spare-point");
+    src.send("dirty 0 65536");
+    src.sh("echo src > /root/f").ok();
+    let pl = planarian_bin();
+    let pl = pl.to_str().unwrap();
+    let spare = |count: &str| cmd(pl, ["spare", &src.name, &sp, "--count", count]).out();
+    let status = |n: &str| podman("planarian", &["inspect", "--format", "{{.State.Status}}", n]);
+    let listed = spare("2");
+    let spares: Vec<String> = listed.lines().map(|l| l.split(' ').next().unwrap().to_string()).collect();
+    let _c: Vec<Cleanup> = spares.iter().cloned().map(Cleanup).collect();
+    assert_eq!(spares, [format!("{}-spare-{sp}-1", src.name), format!("{}-spare-{sp}-2", src.name)], "{listed}");
+    for s in &spares {
+        assert_eq!(status(s).out(), "paused", "{s}");
+    }
+    assert_eq!(spare("2"), listed, "asked again for as many: nothing new");
+
+    let new = name("fspare-a");
+    let r = cmd(pl, ["fork", &src.name, &sp, "--name", &new, "--json"]);
+    r.ok();
+    let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!((ctx["how"]["path"].as_str(), ctx["container"].as_str(), ctx["operation"].as_str()), (Some("spare"), Some(new.as_str()), Some("fork")), "{ctx}");
+    assert_eq!(status(&new).out(), "running");
+    assert_ne!(status(&spares[0]).code, Some(0), "the spare handed out is {new} now");
+    let mut a = Sandbox::attach(&new);
+    assert_eq!(a.state(), at_sp, "the spare starts at the statepoint");
+    let now = a.send("tick");
+    assert_eq!((now.counter, &now.checksum), (at_sp.counter + 1, &at_sp.checksum));
+    assert_eq!(a.sh("cat /root/f").stdout, "base\n");
+    let spa = a.snapshot("a1");
+    a.assert_incremental(&spa, 1, 2_048);
+    // The other spare waits, paused; the source never noticed.
+    assert_eq!(status(&spares[1]).out(), "paused");
+    assert_eq!(src.sh("cat /root/f").stdout, "src\n");
+    let notes = cmd(pl, ["statepoint", "show", &src.name, &sp]).out();
+    assert!(notes.contains(&format!("forked into {new}")), "{notes}");
+
+    assert_eq!(spare("0"), "");
+    assert_ne!(status(&spares[1]).code, Some(0), "--count 0 removed the spare");
+    let b = name("fspare-b");
+    let _cb = Cleanup(b.clone());
+    let r = cmd(pl, ["fork", &src.name, &sp, "--name", &b, "--json"]);
+    r.ok();
+    let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    assert!(ctx["how"].is_null(), "no spare left, made anew: {ctx}");
+    assert_eq!(Sandbox::attach(&b).state(), at_sp);
+}

@@ -16,7 +16,8 @@
 //! 4. `podman container restore NEW` runs `planarian restore` through conmon, exactly as for a
 //!    rollback, so NEW's first snapshot is incremental on its own base.
 //!
-//! Any failure removes NEW and its store; CTR is never changed.
+//! Any failure removes NEW and its store; CTR is never changed. A spare of the statepoint made
+//! beforehand ([`super::spares`]) replaces all four steps with a rename and an unpause.
 
 use super::podman_dir::{leave_for_podman, Destination};
 use super::{describe, Error, Result};
@@ -34,8 +35,8 @@ pub struct Fork {
     pub source: PodmanContainer,
     pub target: Manifest,
     pub name: String,
-    src_store: ContainerStore,
-    cfg: Config,
+    pub(super) src_store: ContainerStore,
+    pub(super) cfg: Config,
 }
 
 impl Fork {
@@ -60,19 +61,44 @@ impl Fork {
     /// source statepoint gets a note naming the fork. On failure nothing is left (no container,
     /// no store).
     pub fn run(self, progress: &mut dyn Progress, by: Actor) -> Result<(PodmanContainer, RestoreContext)> {
+        let name = self.name.as_str();
+        // A spare of the statepoint, restored and paused beforehand, is handed out when there is
+        // one (a rename and an unpause); otherwise the fork is made now.
+        let handed = match super::spares::claim(&self.cfg, &self.source, &self.src_store, &self.target.statepoint_id) {
+            Some(spare) => {
+                progress.phase("a spare of the statepoint (podman rename + unpause)");
+                match super::spares::hand_out(&self.cfg, &self.source, &spare, name) {
+                    Ok(x) => Some(x),
+                    Err(e) => {
+                        progress.done(&format!("spare {} not usable ({e}): forking anew", spare.name));
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        let (new, ctx) = match handed {
+            Some(x) => x,
+            None => self.make(progress)?,
+        };
+        {
+            // Beside the source's tool calls: its lock shared, and the notes lock.
+            let _lock = (self.src_store.lock(false), self.src_store.notes_lock());
+            let note = Outcome::now(format!("forked into {name} ({})", super::short(&new.id)), OutcomeStatus::Info, by, None);
+            let _ = context::append_outcome(&self.src_store, &self.target.statepoint_id, note);
+        }
+        Ok((new, ctx))
+    }
+
+    /// Makes the new container, running, and its restore context (kept in its store). On
+    /// failure nothing is left (no container, no store).
+    pub(super) fn make(&self, progress: &mut dyn Progress) -> Result<(PodmanContainer, RestoreContext)> {
         let (src, cfg, name) = (&self.source, &self.cfg, self.name.as_str());
         // A clone gets the engine's default runtime unless told: the fork must run on planarian too.
         progress.phase("new container (podman container clone)");
         podman::run(&["--runtime", &src.runtime, "container", "clone", &src.id, name])?;
         if let Err(e) = fork_into(cfg, src, &self.src_store, &self.target, name, progress) {
-            let removed = podman::inspect(name).ok();
-            let _ = podman::run(&["rm", "-f", name]);
-            if let Some(c) = removed {
-                let store = ContainerStore::new(&cfg.store.path, &c.id);
-                let _ = crate::local::zfs::remove_container(cfg, &store);
-                let _ = std::fs::remove_dir_all(store.dir);
-                unbranch(cfg, src, &c.id);
-            }
+            discard(cfg, src, name);
             return Err(Error::ForkFailed(Box::new(e)));
         }
         let new = podman::inspect(name)?;
@@ -96,13 +122,20 @@ impl Fork {
             how: None,
         };
         let _ = ctx.save(&ContainerStore::new(&cfg.store.path, &new.id));
-        {
-            // Beside the source's tool calls: its lock shared, and the notes lock.
-            let _lock = (self.src_store.lock(false), self.src_store.notes_lock());
-            let note = Outcome::now(format!("forked into {name} ({})", super::short(&new.id)), OutcomeStatus::Info, by, None);
-            let _ = context::append_outcome(&self.src_store, &target.statepoint_id, note);
-        }
         Ok((new, ctx))
+    }
+}
+
+/// Removes fork `name` of `src` and everything it was given: the container, its store, its
+/// dataset, its database.
+pub(super) fn discard(cfg: &Config, src: &PodmanContainer, name: &str) {
+    let removed = podman::inspect(name).ok();
+    let _ = podman::run(&["rm", "-f", "-t", "0", name]);
+    if let Some(c) = removed {
+        let store = ContainerStore::new(&cfg.store.path, &c.id);
+        let _ = crate::local::zfs::remove_container(cfg, &store);
+        let _ = std::fs::remove_dir_all(store.dir);
+        unbranch(cfg, src, &c.id);
     }
 }
 

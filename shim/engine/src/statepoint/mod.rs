@@ -9,6 +9,7 @@ pub mod podman_dir;
 pub mod restore;
 pub mod rollback;
 pub mod snapshot;
+pub mod spares;
 pub mod travel;
 
 use crate::config::Config;
