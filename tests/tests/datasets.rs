@@ -164,7 +164,7 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
 
 /// A rollback in place on ZFS puts back exactly the statepoint's tree: every entry's type,
 /// mode, owner, size, times (directories' too) and content, after files were changed, appended,
-/// removed, renamed, re-typed, created in new directories. Only the places of the objects that
+/// removed (a directory at the root too), renamed, re-typed, created in new directories. Only the places of the objects that
 /// changed are examined (zdb tells where they are); a file with two names that changed makes it
 /// compare every directory, with the same result.
 #[test]
@@ -176,11 +176,11 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     let mut sb = Sandbox::start("zfsinplace", 8, &["--annotation", &ann]);
     sb.sh("mkdir -p /work/a/b/c /work/d /work/e/f && for i in $(seq 1 100); do echo $i > /work/a/b/f$i; done \
            && echo x > /work/a/b/c/deep && echo top > /work/d/top && ln -s ../d /work/e/l && echo h > /work/hard && ln /work/hard /work/d/hard2 \
-           && mkfifo /work/fifo && chmod 751 /work/d")
+           && mkfifo /work/fifo && chmod 751 /work/d && mkdir /proj && echo p > /proj/x")
         .ok();
     let tree = |sb: &Sandbox| {
-        let entries = sb.sh("find /work /root /etc -xdev ! -path /etc/hosts ! -path /etc/hostname ! -path /etc/resolv.conf -printf '%p %y %m %U:%G %s %T@ %l\\n' | sort").ok().out();
-        let sums = sb.sh(&format!("find /work /root /etc -xdev -type f {PODMAN_FILES} | sort | xargs md5sum")).ok().out();
+        let entries = sb.sh("ls -a / && find /work /proj /root /etc -xdev ! -path /etc/hosts ! -path /etc/hostname ! -path /etc/resolv.conf -printf '%p %y %m %U:%G %s %T@ %l\\n' | sort").ok().out();
+        let sums = sb.sh(&format!("find /work /proj /root /etc -xdev -type f {PODMAN_FILES} | sort | xargs md5sum")).ok().out();
         format!("{entries}\n{sums}")
     };
     let before = tree(&sb);
@@ -190,7 +190,7 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     sb.sh("echo more >> /work/a/b/c/deep && rm /work/a/b/f7 && echo new > /work/d/new && mv /work/e/f /work/moved \
            && chmod 600 /work/a/b/f20 && touch -d 2001-01-01 /work/a/b/f21 && rm /work/e/l && mkdir /work/e/l && echo in > /work/e/l/x \
            && mkdir -p /work/n/m && echo p > /work/n/m/p && mv /work/d/top /work/top2 && rm /work/fifo && echo f > /work/fifo \
-           && echo root >> /root/.profile && rm /etc/issue")
+           && echo root >> /root/.profile && rm /etc/issue && rm -r /proj && touch /newtop")
         .ok();
     sb.send("dirty 0 65536");
     assert_ne!(tree(&sb), before);
@@ -204,7 +204,7 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     assert_eq!(sb.send("tick").checksum, at.checksum);
 
     // The file with two names changes: every directory is compared, to the same end.
-    sb.sh("echo changed > /work/d/hard2 && rm -r /work/a/b").ok();
+    sb.sh("echo changed > /work/d/hard2 && rm -r /work/a/b /proj").ok();
     let r = planarian(&["rollback", &sb.name, &sp, "--json"]);
     r.ok();
     let how: serde_json::Value = serde_json::from_str::<serde_json::Value>(&r.stdout).unwrap()["how"].clone();

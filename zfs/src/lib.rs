@@ -329,6 +329,9 @@ pub struct ObjectInfo {
     /// (no path line), `Some("???<object#N>")` for one no directory holds (unlinked, still open).
     pub path: Option<String>,
     pub links: Option<u64>,
+    /// The master node's `ROOT` entry: the object of the file system's root directory (which
+    /// zdb shows at `/`, like the other directories no directory holds).
+    pub root: Option<u64>,
 }
 
 impl ObjectInfo {
@@ -358,7 +361,7 @@ pub fn parse_zdb_objects(text: &str) -> Vec<ObjectInfo> {
             if let Some(object) = words.next().and_then(|w| w.parse().ok()) {
                 // number, lvl, iblk, dblk, dsize, lsize, %full, then the type's words.
                 let kind = line.split_whitespace().skip(7).collect::<Vec<_>>().join(" ");
-                out.push(ObjectInfo { object, kind, path: None, links: None });
+                out.push(ObjectInfo { object, kind, path: None, links: None, root: None });
             }
             continue;
         }
@@ -367,6 +370,8 @@ pub fn parse_zdb_objects(text: &str) -> Vec<ObjectInfo> {
             last.path = Some(p.to_string());
         } else if let Some(n) = line.strip_prefix("\tlinks\t") {
             last.links = n.trim().parse().ok();
+        } else if let Some(n) = line.trim_start().strip_prefix("ROOT = ").filter(|_| last.kind == "ZFS master node") {
+            last.root = n.trim().parse().ok();
         }
     }
     out
@@ -459,6 +464,7 @@ Dataset tp/ds@s3 [ZPL], ID 37, cr_txg 23, 1000K, 210 objects, rootbp DVA[0]=<0:1
     fn zdb_objects_give_their_paths() {
         let o = parse_zdb_objects(ZDB);
         let view: Vec<_> = o.iter().map(|o| (o.object, o.kind.as_str(), o.path.as_deref(), o.links, o.is_dir(), o.unlinked())).collect();
+        assert_eq!(o[0].root, Some(3));
         assert_eq!(
             view,
             [

@@ -354,21 +354,28 @@ impl Rootfs for ZfsRootfs {
 /// open), have no place; system directories (zdb shows them at `/`) neither.
 fn places(zfs: &Zfs, now: &str, changed: &std::collections::HashSet<u64>, live: &Path) -> Option<(Vec<PathBuf>, Vec<PathBuf>)> {
     use std::os::unix::fs::MetadataExt;
-    let mut objects: Vec<u64> = changed.iter().copied().collect();
+    // (object 1, the master node, names the root: FUSE shows every mount's root as inode 1)
+    let mut objects: Vec<u64> = changed.iter().copied().chain([1]).collect();
     objects.sort_unstable();
+    objects.dedup();
     let infos = zfs.object_paths(now, &objects).map_err(|e| crate::log::own_log("warning", &format!("in place: where the changed objects are: {e}"))).ok()?;
+    let root = infos.iter().find_map(|o| o.root)?;
     let (mut out, mut named) = (Vec::new(), Vec::new());
-    for o in infos {
+    for o in infos.into_iter().filter(|o| changed.contains(&o.object)) {
         if o.unlinked() {
             continue;
         }
         let path = o.path.as_deref().expect("linked");
+        if path == "/" {
+            // The root, or a system directory (zdb shows them at "/" too).
+            if o.object == root {
+                out.push(PathBuf::new());
+            }
+            continue;
+        }
         let rel = PathBuf::from(path.trim_start_matches('/'));
         let ino = std::fs::symlink_metadata(live.join(&rel)).ok().map(|m| m.ino());
         if ino != Some(o.object) {
-            if path == "/" && o.is_dir() {
-                continue; // a system directory (zdb calls them "/"), not the root
-            }
             crate::log::own_log("warning", &format!("in place: object {} is not at {path}: every directory is compared", o.object));
             return None;
         }
