@@ -231,6 +231,8 @@ pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
             let found: Vec<Manifest> = statepoints.iter().map(|s| store.find(s)).collect::<Result<_, _>>()?;
             for m in found {
                 statepoint::remove(&cfg, &store, &m.statepoint_id)?;
+                // (its spares, forks of it made ahead, go with it)
+                let _ = statepoint::spares::remove_all(&container, &m.statepoint_id);
                 println!("{}", m.statepoint_id);
             }
         }

@@ -107,7 +107,7 @@ fn a_fork_runs_beside_a_tool_call_on_the_source() {
 /// Spares: forks of a statepoint made ahead of time and paused by Podman. A fork of that
 /// statepoint takes one (a rename and an unpause), starting exactly at the statepoint; `--count`
 /// keeps as many as asked (the same call twice makes nothing new, 0 removes them); with none
-/// left, a fork is made anew.
+/// left, a fork is made anew; removing the statepoint removes its spares.
 #[test]
 fn a_fork_takes_a_spare_made_ahead_of_time() {
     require_stack!();
@@ -159,4 +159,12 @@ fn a_fork_takes_a_spare_made_ahead_of_time() {
     let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
     assert!(ctx["how"].is_null(), "no spare left, made anew: {ctx}");
     assert_eq!(Sandbox::attach(&b).state(), at_sp);
+
+    // Removing the statepoint removes its spares.
+    let third = spare("1");
+    let third = third.split(' ').next().unwrap().to_string();
+    let _c3 = Cleanup(third.clone());
+    assert_eq!(status(&third).out(), "paused");
+    cmd(pl, ["statepoint", "rm", &src.name, &sp]).ok();
+    assert_ne!(status(&third).code, Some(0), "statepoint rm removed its spare");
 }

@@ -12,8 +12,9 @@
 //!
 //! A spare runs for the moment between its restore and its pause: a process that acts on the
 //! world outside the sandbox the moment it resumes does so then, not when the spare is handed
-//! out. Spares are containers of their own: `--count 0` removes a statepoint's spares; removing
-//! CTR leaves them to `podman rm`.
+//! out. Spares are containers of their own: `--count 0` removes a statepoint's spares, and so does
+//! `planarian statepoint rm`; removing CTR, or its retention removing the statepoint, leaves them
+//! to `podman rm`.
 
 use super::fork::{discard, Fork};
 use super::{Error, Result};
@@ -108,6 +109,22 @@ pub fn fill(container: &str, statepoint: &str, count: usize, progress: &mut dyn 
         have.push(spare);
     }
     Ok(have)
+}
+
+/// Removes every spare of statepoint `sp` of `container` (its statepoint removed).
+pub fn remove_all(container: &str, sp: &str) -> Result<usize> {
+    let source = podman::inspect(container)?;
+    let cfg = Config::load()?;
+    let store = ContainerStore::new(&cfg.store.path, &source.id);
+    let mut n = 0;
+    for s in registered(&store, sp) {
+        if unregister(&store, sp, &s) {
+            discard(&cfg, &source, &s.id);
+            n += 1;
+        }
+    }
+    let _ = std::fs::remove_dir(dir(&store, sp));
+    Ok(n)
 }
 
 /// Claims a registered spare of `sp` that is still a paused container (spares found unusable

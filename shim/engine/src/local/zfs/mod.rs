@@ -298,13 +298,33 @@ impl Rootfs for ZfsRootfs {
         let name = recorded.rsplit('@').next().unwrap_or(recorded);
         let snap = find_snapshot(zfs, d, name)?.ok_or_else(|| missing(name, d))?;
         let live = mountpoint(zfs, d)?;
-        let view = format!("{d}.planarian-inplace");
-        if zfs.exists(&view)? {
-            zfs.destroy(&view, true)?;
-        }
-        std::fs::create_dir_all(&at.scratch).at("create", &at.scratch)?;
-        let mp = at.scratch.display().to_string();
-        zfs.clone_snapshot(&snap, &view, &[("mountpoint", &mp)])?;
+        // What changed since the statepoint, from an incremental stream to the current state's
+        // snapshot: only those files are compared (a walk of every file over FUSE costs
+        // seconds); without it, everything is. And where those objects are now (zdb follows
+        // their parent pointers): only those places are examined. When a place cannot be
+        // trusted (a path that does not lead to its object), every directory is read instead.
+        // Found beside the clone's making, which does not need them.
+        type Found = (Option<std::collections::HashSet<u64>>, Option<(Vec<PathBuf>, Vec<PathBuf>)>);
+        let (view, found) = std::thread::scope(|s| -> Result<(String, Found)> {
+            let finding = s.spawn(|| -> Found {
+                let Some(now) = at.now_snapshot.as_deref() else { return (None, None) };
+                let Ok(changed) = zfs.changed_objects(&snap, now) else { return (None, None) };
+                let places = places(zfs, now, &changed, &live);
+                (Some(changed), places)
+            });
+            let view = format!("{d}.planarian-inplace");
+            let made = (|| -> Result<String> {
+                if zfs.exists(&view)? {
+                    zfs.destroy(&view, true)?;
+                }
+                std::fs::create_dir_all(&at.scratch).at("create", &at.scratch)?;
+                let mp = at.scratch.display().to_string();
+                zfs.clone_snapshot(&snap, &view, &[("mountpoint", &mp)])?;
+                Ok(view)
+            })();
+            let found = finding.join().unwrap_or((None, None));
+            Ok((made?, found))
+        })?;
         let cleanup = {
             let (zfs, view) = (zfs.clone(), view.clone());
             // FUSE may still hold the walked mount a moment: unmounted first, tried again.
@@ -322,20 +342,13 @@ impl Rootfs for ZfsRootfs {
             if zfs.get(&view, "mounted")?.value != "yes" {
                 zfs.mount(&view)?;
             }
-            // What changed since the statepoint, from an incremental stream to the current
-            // state's snapshot: only those files are compared (a walk of every file over FUSE
-            // costs seconds). Without it, everything is.
-            let changed = at.now_snapshot.as_deref().and_then(|now| Some((now, zfs.changed_objects(&snap, now).ok()?)));
-            // And where those objects are now (zdb follows their parent pointers): only those
-            // places are examined. When a place cannot be trusted (an object with more than one
-            // name, a path that does not lead to it), every directory is read instead.
-            let places = changed.as_ref().and_then(|(now, c)| places(zfs, now, c, &live));
+            let (changed, places) = found;
             // A file with other names is trusted only unchanged (then all its names are).
             let places = places.filter(|(_, named)| named.iter().all(|rel| super::treesync::unchanged(&at.scratch, &live, rel)));
-            if let Some((places, _)) = places {
-                return super::treesync::plan_places(&at.scratch, &live, &live, &at.mounted, &changed.as_ref().expect("known").1, &places).map_err(Error::InPlaceFiles);
+            if let (Some(changed), Some((places, _))) = (&changed, places) {
+                return super::treesync::plan_places(&at.scratch, &live, &live, &at.mounted, changed, &places).map_err(Error::InPlaceFiles);
             }
-            super::treesync::plan_changed(&at.scratch, &live, &live, &[], true, &at.mounted, changed.as_ref().map(|(_, c)| c)).map_err(Error::InPlaceFiles)
+            super::treesync::plan_changed(&at.scratch, &live, &live, &[], true, &at.mounted, changed.as_ref()).map_err(Error::InPlaceFiles)
         })();
         match prepared {
             Ok(sync) => Ok(InPlaceFiles { sync, cleanup: Some(Box::new(cleanup)) }),
