@@ -59,6 +59,8 @@ while True:
 pub struct Sandbox {
     pub name: String,
     pub seq: u64,
+    /// The container's ID and the host PID of its first process, once looked up.
+    proc: std::cell::RefCell<Option<(String, u32)>>,
     _cleanup: Cleanup,
 }
 
@@ -83,14 +85,14 @@ impl Sandbox {
         args.extend_from_slice(extra);
         args.extend_from_slice(&[DEBIAN, "python3", "-c", WORKLOAD, &mib]);
         podman("planarian", &args).ok();
-        let sb = Sandbox { name: name.clone(), seq: 0, _cleanup: Cleanup(name) };
+        let sb = Sandbox { name: name.clone(), seq: 0, proc: Default::default(), _cleanup: Cleanup(name) };
         assert!(wait_for(Duration::from_secs(60), || sb.read().is_some()), "workload did not start");
         sb
     }
 
     /// A sandbox that already runs (e.g. a fork), removed at the end of the test.
     pub fn attach(name: &str) -> Sandbox {
-        let mut sb = Sandbox { name: name.to_string(), seq: 0, _cleanup: Cleanup(name.to_string()) };
+        let mut sb = Sandbox { name: name.to_string(), seq: 0, proc: Default::default(), _cleanup: Cleanup(name.to_string()) };
         sb.seq = sb.read().expect("the workload runs").0;
         sb
     }
@@ -119,9 +121,38 @@ impl Sandbox {
         assert!(c["prev-images-dir"].is_null() && c["full-reason"].as_str().unwrap_or("").contains(why), "{sp}: {c}");
     }
 
+    /// The workload's root, `/proc/PID/root` of the container's first process, while it runs
+    /// and is not frozen (a frozen or paused container answers nothing, as `podman exec` would
+    /// not). The workload's files are read and written there, not through a `podman exec` each:
+    /// under emulation an exec costs a second or more, and a test sends hundreds of commands.
+    /// Its PID is looked up again when a restore gave the container another one.
+    fn root(&self) -> Option<std::path::PathBuf> {
+        let cgroup = |id: &str, pid: u32| {
+            let c = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+            let path = c.lines().find_map(|l| l.strip_prefix("0::"))?.to_string();
+            path.contains(id).then_some(path)
+        };
+        let known = self.proc.borrow().clone().filter(|(id, pid)| cgroup(id, *pid).is_some());
+        let (id, pid) = match known {
+            Some(p) => p,
+            None => {
+                let out = podman("planarian", &["inspect", "--format", "{{.Id}} {{.State.Pid}}", &self.name]).stdout;
+                let (id, pid) = out.trim().split_once(' ')?;
+                let p = (id.to_string(), pid.parse().ok().filter(|&p: &u32| p > 0)?);
+                *self.proc.borrow_mut() = Some(p.clone());
+                p
+            }
+        };
+        let events = std::fs::read_to_string(format!("/sys/fs/cgroup{}/cgroup.events", cgroup(&id, pid)?)).ok()?;
+        if events.lines().any(|l| l == "frozen 1") {
+            return None;
+        }
+        Some(format!("/proc/{pid}/root").into())
+    }
+
     pub fn read(&self) -> Option<(u64, State)> {
-        let r = podman("planarian", &["exec", &self.name, "cat", "/tmp/state"]);
-        let mut f = r.stdout.split_whitespace();
+        let text = std::fs::read_to_string(self.root()?.join("tmp/state")).ok()?;
+        let mut f = text.split_whitespace();
         let seq = f.next()?.parse().ok()?;
         let counter = f.next()?.parse().ok()?;
         let checksum = f.next()?.to_string();
@@ -136,7 +167,9 @@ impl Sandbox {
     pub fn send(&mut self, cmd: &str) -> State {
         self.seq += 1000;
         let seq = self.seq;
-        podman("planarian", &["exec", &self.name, "sh", "-c", &format!("echo '{seq} {cmd}' > /tmp/.cmd && mv /tmp/.cmd /tmp/cmd")]).ok();
+        let root = self.root().unwrap_or_else(|| panic!("{} is not running (or frozen): cannot send {cmd}", self.name));
+        std::fs::write(root.join("tmp/.cmd"), format!("{seq} {cmd}\n")).unwrap();
+        std::fs::rename(root.join("tmp/.cmd"), root.join("tmp/cmd")).unwrap();
         let mut last = None;
         assert!(
             wait_for(Duration::from_secs(60), || {

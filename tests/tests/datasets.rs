@@ -179,9 +179,8 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
            && mkfifo /work/fifo && chmod 751 /work/d && mkdir /proj && echo p > /proj/x")
         .ok();
     let tree = |sb: &Sandbox| {
-        let entries = sb.sh("ls -a / && find /work /proj /root /etc -xdev ! -path /etc/hosts ! -path /etc/hostname ! -path /etc/resolv.conf -printf '%p %y %m %U:%G %s %T@ %l\\n' | sort").ok().out();
-        let sums = sb.sh(&format!("find /work /proj /root /etc -xdev -type f {PODMAN_FILES} | sort | xargs md5sum")).ok().out();
-        format!("{entries}\n{sums}")
+        let (dirs, skip) = ("/work /proj /root /etc", "! -path /etc/hosts ! -path /etc/hostname ! -path /etc/resolv.conf");
+        sb.sh(&format!("ls -a / && find {dirs} -xdev {skip} -printf '%p %y %m %U:%G %s %T@ %l\\n' | sort && find {dirs} -xdev -type f {skip} | sort | xargs md5sum")).ok().out()
     };
     let before = tree(&sb);
     let at = sb.send("tick");

@@ -1,15 +1,29 @@
 //! `planarian fork`: new containers running from a statepoint, independent of each other and of
-//! the source, each snapshotting incrementally and rolling back within its own branch.
+//! the source, each snapshotting incrementally and rolling back within its own branch; and
+//! `planarian spare`, forks made ahead of time that a fork takes.
 
 use planarian_system_tests::sandbox::*;
 use planarian_system_tests::*;
 
-fn fork(src: &Sandbox, sp: &str, tag: &str) -> Sandbox {
+/// A fork, and the path it took (`how` of its restore context: "spare" when it was one).
+fn fork(src: &Sandbox, sp: &str, tag: &str) -> (Sandbox, Option<String>) {
     let new = name(tag);
-    let r = cmd(planarian_bin().to_str().unwrap(), ["fork", &src.name, sp, "--name", &new]);
+    let r = cmd(planarian_bin().to_str().unwrap(), ["fork", &src.name, sp, "--name", &new, "--json"]);
     r.ok();
-    assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &new]).out(), "running");
-    Sandbox::attach(&new)
+    let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!((ctx["container"].as_str(), ctx["operation"].as_str()), (Some(new.as_str()), Some("fork")), "{ctx}");
+    assert_eq!(status(&new).out(), "running");
+    (Sandbox::attach(&new), ctx["how"]["path"].as_str().map(String::from))
+}
+
+fn status(name: &str) -> Run {
+    podman("planarian", &["inspect", "--format", "{{.State.Status}}", name])
+}
+
+/// `planarian spare CTR SP --count N`: the spares' names.
+fn spare(src: &Sandbox, sp: &str, count: u32) -> Vec<String> {
+    let out = cmd(planarian_bin().to_str().unwrap(), ["spare", &src.name, sp, "--count", &count.to_string()]).ok().out();
+    out.lines().map(|l| l.split(' ').next().unwrap().to_string()).collect()
 }
 
 #[test]
@@ -23,8 +37,22 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     src.sh("echo src > /root/f").ok();
     let src_state = src.send("tick");
 
-    let mut a = fork(&src, &sp, "fa");
-    let mut b = fork(&src, &sp, "fb");
+    // Spares: forks made ahead of time, paused by Podman; a fork of the statepoint takes one (a
+    // rename and an unpause). Asked again for as many, nothing new is made.
+    let spares = spare(&src, &sp, 3);
+    let _c: Vec<Cleanup> = spares.iter().cloned().map(Cleanup).collect();
+    assert_eq!(spares, (1..=3).map(|k| format!("{}-spare-{sp}-{k}", src.name)).collect::<Vec<_>>());
+    for s in &spares {
+        assert_eq!(status(s).out(), "paused", "{s}");
+    }
+    assert_eq!(spare(&src, &sp, 3), spares);
+    let (mut a, how_a) = fork(&src, &sp, "fa");
+    let (mut b, how_b) = fork(&src, &sp, "fb");
+    assert_eq!((how_a.as_deref(), how_b.as_deref()), (Some("spare"), Some("spare")));
+    assert!(status(&spares[0]).code != Some(0) && status(&spares[1]).code != Some(0), "handed out under their new names");
+    assert_eq!(status(&spares[2]).out(), "paused");
+    assert_eq!(spare(&src, &sp, 0), Vec::<String>::new());
+    assert_ne!(status(&spares[2]).code, Some(0), "--count 0 removed the spare left");
     let ps = podman("planarian", &["ps", "--format", "{{.Names}}"]).stdout;
     assert!(ps.contains(&a.name) && ps.contains(&b.name) && ps.contains(&src.name), "{ps}");
     for f in [&mut a, &mut b] {
@@ -57,6 +85,15 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     // The source never noticed.
     assert_eq!(src.send("tick").checksum, src_state.checksum);
     assert_eq!(src.sh("cat /root/f").stdout, "src\n");
+
+    // Removing the statepoint removes its spares.
+    let last = spare(&src, &sp, 1);
+    let _c1 = Cleanup(last[0].clone());
+    assert_eq!(status(&last[0]).out(), "paused");
+    let notes = cmd(planarian_bin().to_str().unwrap(), ["statepoint", "show", &src.name, &sp]).ok().out();
+    assert!(notes.contains(&format!("forked into {}", a.name)) && notes.contains(&format!("forked into {}", b.name)), "{notes}");
+    planarian(&["statepoint", "rm", &src.name, &sp]).ok();
+    assert_ne!(status(&last[0]).code, Some(0), "statepoint rm removed its spare");
 
     // Removing the source breaks nothing: a fork's chain is its own.
     podman("planarian", &["rm", "-f", &src.name]).ok();
@@ -102,69 +139,4 @@ fn a_fork_runs_beside_a_tool_call_on_the_source() {
     r.ok();
     assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &new]).out(), "running");
     assert_eq!(rollback.code, Some(124), "the rollback did not wait for the tool call: {rollback:?}");
-}
-
-/// Spares: forks of a statepoint made ahead of time and paused by Podman. A fork of that
-/// statepoint takes one (a rename and an unpause), starting exactly at the statepoint; `--count`
-/// keeps as many as asked (the same call twice makes nothing new, 0 removes them); with none
-/// left, a fork is made anew; removing the statepoint removes its spares.
-#[test]
-fn a_fork_takes_a_spare_made_ahead_of_time() {
-    require_stack!();
-    let mut src = Sandbox::start("fspare", 16, &[]);
-    src.sh("echo base > /root/f").ok();
-    let at_sp = src.send("tick");
-    let sp = src.snapshot("spare-point");
-    src.send("dirty 0 65536");
-    src.sh("echo src > /root/f").ok();
-    let pl = planarian_bin();
-    let pl = pl.to_str().unwrap();
-    let spare = |count: &str| cmd(pl, ["spare", &src.name, &sp, "--count", count]).out();
-    let status = |n: &str| podman("planarian", &["inspect", "--format", "{{.State.Status}}", n]);
-    let listed = spare("2");
-    let spares: Vec<String> = listed.lines().map(|l| l.split(' ').next().unwrap().to_string()).collect();
-    let _c: Vec<Cleanup> = spares.iter().cloned().map(Cleanup).collect();
-    assert_eq!(spares, [format!("{}-spare-{sp}-1", src.name), format!("{}-spare-{sp}-2", src.name)], "{listed}");
-    for s in &spares {
-        assert_eq!(status(s).out(), "paused", "{s}");
-    }
-    assert_eq!(spare("2"), listed, "asked again for as many: nothing new");
-
-    let new = name("fspare-a");
-    let r = cmd(pl, ["fork", &src.name, &sp, "--name", &new, "--json"]);
-    r.ok();
-    let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
-    assert_eq!((ctx["how"]["path"].as_str(), ctx["container"].as_str(), ctx["operation"].as_str()), (Some("spare"), Some(new.as_str()), Some("fork")), "{ctx}");
-    assert_eq!(status(&new).out(), "running");
-    assert_ne!(status(&spares[0]).code, Some(0), "the spare handed out is {new} now");
-    let mut a = Sandbox::attach(&new);
-    assert_eq!(a.state(), at_sp, "the spare starts at the statepoint");
-    let now = a.send("tick");
-    assert_eq!((now.counter, &now.checksum), (at_sp.counter + 1, &at_sp.checksum));
-    assert_eq!(a.sh("cat /root/f").stdout, "base\n");
-    let spa = a.snapshot("a1");
-    a.assert_incremental(&spa, 1, 2_048);
-    // The other spare waits, paused; the source never noticed.
-    assert_eq!(status(&spares[1]).out(), "paused");
-    assert_eq!(src.sh("cat /root/f").stdout, "src\n");
-    let notes = cmd(pl, ["statepoint", "show", &src.name, &sp]).out();
-    assert!(notes.contains(&format!("forked into {new}")), "{notes}");
-
-    assert_eq!(spare("0"), "");
-    assert_ne!(status(&spares[1]).code, Some(0), "--count 0 removed the spare");
-    let b = name("fspare-b");
-    let _cb = Cleanup(b.clone());
-    let r = cmd(pl, ["fork", &src.name, &sp, "--name", &b, "--json"]);
-    r.ok();
-    let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
-    assert!(ctx["how"].is_null(), "no spare left, made anew: {ctx}");
-    assert_eq!(Sandbox::attach(&b).state(), at_sp);
-
-    // Removing the statepoint removes its spares.
-    let third = spare("1");
-    let third = third.split(' ').next().unwrap().to_string();
-    let _c3 = Cleanup(third.clone());
-    assert_eq!(status(&third).out(), "paused");
-    cmd(pl, ["statepoint", "rm", &src.name, &sp]).ok();
-    assert_ne!(status(&third).code, Some(0), "statepoint rm removed its spare");
 }
