@@ -64,7 +64,7 @@ impl Fork {
         let name = self.name.as_str();
         // A spare of the statepoint, restored and paused beforehand, is handed out when there is
         // one (a rename and an unpause); otherwise the fork is made now.
-        let handed = match super::spares::claim(&self.cfg, &self.source, &self.src_store, &self.target.statepoint_id) {
+        let handed = match super::spares::claim(&self.src_store, &self.target.statepoint_id) {
             Some(spare) => {
                 progress.phase("a spare of the statepoint (podman rename + unpause)");
                 match super::spares::hand_out(&self.cfg, &self.source, &spare, name) {

@@ -127,19 +127,12 @@ pub fn remove_all(container: &str, sp: &str) -> Result<usize> {
     Ok(n)
 }
 
-/// Claims a registered spare of `sp` that is still a paused container (spares found unusable
-/// on the way are removed); none when there is none.
-pub fn claim(cfg: &Config, src: &PodmanContainer, store: &ContainerStore, sp: &str) -> Option<Spare> {
-    for s in registered(store, sp) {
-        if !unregister(store, sp, &s) {
-            continue; // another fork took it
-        }
-        if usable(&s) {
-            return Some(s);
-        }
-        discard(cfg, src, &s.id);
-    }
-    None
+/// Claims a registered spare of `sp`; none when there is none. Whether it is still a paused
+/// container shows when it is handed out (the rename and the unpause fail otherwise): a Podman
+/// call less on the fork's path.
+pub fn claim(store: &ContainerStore, sp: &str) -> Option<Spare> {
+    // (false: another fork took it)
+    registered(store, sp).into_iter().find(|s| unregister(store, sp, s))
 }
 
 /// Hands claimed spare `s` out as `name`: renamed, unpaused, its restore context saying so. On
