@@ -156,8 +156,9 @@ pub fn fork(args: &[OsString]) -> Result<i32, Failure> {
 /// `planarian spare CTR SP [--count N]`: the spares' names, a line each.
 pub fn spare(args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::SpareArgs = parse!("spare", args);
-    let mut progress = StderrProgress::start(&format!("keeping {} spare(s) of {} at {}", a.count, a.container, a.statepoint));
-    let spares = statepoint::spares::fill(&a.container, &a.statepoint, a.count, &mut progress)?;
+    let pool = statepoint::spares::pool(&a.container, &a.statepoint)?;
+    let mut progress = StderrProgress::start(&format!("keeping {} spare(s) of {} at {}", a.count, a.container, pool.sp));
+    let spares = statepoint::spares::fill(pool, a.count, &mut progress)?;
     progress.finish();
     for s in spares {
         println!("{} ({}, paused)", s.name, statepoint::short(&s.id));

@@ -73,13 +73,29 @@ fn free_name(src: &str, sp: &str) -> String {
     (1..).map(|k| format!("{src}-spare-{sp}-{k}")).find(|n| podman::inspect(n).is_err()).expect("some K is free")
 }
 
-/// Keeps `count` spares of statepoint `statepoint` of `container`: makes the missing ones,
-/// removes the extra ones and any that is no longer a paused container. Returns them.
-pub fn fill(container: &str, statepoint: &str, count: usize, progress: &mut dyn Progress) -> Result<Vec<Spare>> {
+/// The spares of one committed statepoint of a planarian container.
+pub struct Pool {
+    source: PodmanContainer,
+    cfg: Config,
+    store: ContainerStore,
+    /// The statepoint's ID.
+    pub sp: String,
+}
+
+/// The pool of statepoint `statepoint` of `container`, or the error that says why there is none
+/// (before anything is done).
+pub fn pool(container: &str, statepoint: &str) -> Result<Pool> {
     let source = podman::planarian_container(container)?;
     let cfg = Config::load()?;
     let store = ContainerStore::new(&cfg.store.path, &source.id);
     let sp = super::committed(store.find(statepoint)?)?.statepoint_id;
+    Ok(Pool { source, cfg, store, sp })
+}
+
+/// Keeps `count` spares of the pool's statepoint: makes the missing ones, removes the extra ones
+/// and any that is no longer a paused container. Returns them.
+pub fn fill(pool: Pool, count: usize, progress: &mut dyn Progress) -> Result<Vec<Spare>> {
+    let Pool { source, cfg, store, sp } = pool;
     let mut have = Vec::new();
     for s in registered(&store, &sp) {
         if usable(&s) {
