@@ -132,18 +132,18 @@ impl Sandbox {
             let path = c.lines().find_map(|l| l.strip_prefix("0::"))?.to_string();
             path.contains(id).then_some(path)
         };
-        let known = self.proc.borrow().clone().filter(|(id, pid)| cgroup(id, *pid).is_some());
-        let (id, pid) = match known {
+        let known = self.proc.borrow().clone().and_then(|(id, pid)| Some((pid, cgroup(&id, pid)?)));
+        let (pid, path) = match known {
             Some(p) => p,
             None => {
                 let out = podman("planarian", &["inspect", "--format", "{{.Id}} {{.State.Pid}}", &self.name]).stdout;
                 let (id, pid) = out.trim().split_once(' ')?;
-                let p = (id.to_string(), pid.parse().ok().filter(|&p: &u32| p > 0)?);
-                *self.proc.borrow_mut() = Some(p.clone());
-                p
+                let pid: u32 = pid.parse().ok().filter(|&p| p > 0)?;
+                *self.proc.borrow_mut() = Some((id.to_string(), pid));
+                (pid, cgroup(id, pid)?)
             }
         };
-        let events = std::fs::read_to_string(format!("/sys/fs/cgroup{}/cgroup.events", cgroup(&id, pid)?)).ok()?;
+        let events = std::fs::read_to_string(format!("/sys/fs/cgroup{path}/cgroup.events")).ok()?;
         if events.lines().any(|l| l == "frozen 1") {
             return None;
         }

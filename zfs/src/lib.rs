@@ -223,7 +223,7 @@ impl Zfs {
     /// files) are not listed: their names are gone from a directory that is.
     pub fn changed_objects(&self, from: &str, snap: &str) -> Result<std::collections::HashSet<u64>> {
         use std::io::Read;
-        let dump = self.bin.parent().map(|d| d.join("zstreamdump")).filter(|p| p.exists()).unwrap_or_else(|| PathBuf::from("zstreamdump"));
+        let dump = self.beside("zstreamdump");
         let mut child = std::process::Command::new(&dump)
             .arg("-v")
             .stdin(std::process::Stdio::piped())
@@ -248,12 +248,17 @@ impl Zfs {
         Ok(parse_stream_objects(&text))
     }
 
+    /// A tool of the ZFS tools beside `zfs` (the same installation), else found in PATH.
+    fn beside(&self, tool: &str) -> PathBuf {
+        self.bin.parent().map(|d| d.join(tool)).filter(|p| p.exists()).unwrap_or_else(|| PathBuf::from(tool))
+    }
+
     /// Where objects of snapshot `snap` (a file system's) are in its tree, read with
     /// `zdb -dddd SNAP OBJECT...` (beside `zfs`), which follows each object's parent pointers in
     /// the snapshot. Every object asked for must exist in `snap` (zdb stops at one that does
     /// not, which is an error here).
     pub fn object_paths(&self, snap: &str, objects: &[u64]) -> Result<Vec<ObjectInfo>> {
-        let zdb = self.bin.parent().map(|d| d.join("zdb")).filter(|p| p.exists()).unwrap_or_else(|| PathBuf::from("zdb"));
+        let zdb = self.beside("zdb");
         let mut args = vec!["-dddd".to_string(), snap.to_string()];
         args.extend(objects.iter().map(u64::to_string));
         let out = Command::new(&zdb).args(&args).env("LC_ALL", "C").output().map_err(|err| Error::Spawn { bin: zdb.clone(), err })?;
@@ -359,8 +364,8 @@ pub fn parse_zdb_objects(text: &str) -> Vec<ObjectInfo> {
             header = false;
             let mut words = line.split_whitespace();
             if let Some(object) = words.next().and_then(|w| w.parse().ok()) {
-                // number, lvl, iblk, dblk, dsize, lsize, %full, then the type's words.
-                let kind = line.split_whitespace().skip(7).collect::<Vec<_>>().join(" ");
+                // number, then lvl, iblk, dblk, dsize, lsize, %full, then the type's words.
+                let kind = words.skip(6).collect::<Vec<_>>().join(" ");
                 out.push(ObjectInfo { object, kind, path: None, links: None, root: None });
             }
             continue;
