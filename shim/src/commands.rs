@@ -122,7 +122,7 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 /// `planarian rollback CTR SP`: phases on stderr, the result on stdout.
 pub fn rollback(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::RollbackArgs = parse!("rollback", args);
-    let r = Rollback::begin(&a.container, &a.statepoint, true)?;
+    let r = Rollback::begin(&inv.globals(), &a.container, &a.statepoint, true)?;
     let name = r.container.name.clone();
     let mut progress = StderrProgress::start(&r.title());
     let ctx = r.run(&inv.globals(), &mut progress, a.reason.as_deref(), a.by.into())?;
@@ -136,9 +136,9 @@ pub fn rollback(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 }
 
 /// `planarian fork CTR SP --name NEW`.
-pub fn fork(args: &[OsString]) -> Result<i32, Failure> {
+pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::ForkArgs = parse!("fork", args);
-    let f = Fork::begin(&a.container, &a.statepoint, &a.name)?;
+    let f = Fork::begin(&inv.globals(), &a.container, &a.statepoint, &a.name)?;
     let (source, sp) = (f.source.name.clone(), f.target.statepoint_id.clone());
     let mut progress = StderrProgress::start(&f.title());
     let (new, ctx) = f.run(&mut progress, a.by.into())?;
@@ -154,9 +154,9 @@ pub fn fork(args: &[OsString]) -> Result<i32, Failure> {
 }
 
 /// `planarian spare CTR SP [--count N]`: the spares' names, a line each.
-pub fn spare(args: &[OsString]) -> Result<i32, Failure> {
+pub fn spare(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::SpareArgs = parse!("spare", args);
-    let pool = statepoint::spares::pool(&a.container, &a.statepoint)?;
+    let pool = statepoint::spares::pool(&inv.globals(), &a.container, &a.statepoint)?;
     let mut progress = StderrProgress::start(&format!("keeping {} spare(s) of {} at {}", a.count, a.container, pool.sp));
     let spares = statepoint::spares::fill(pool, a.count, &mut progress)?;
     progress.finish();
@@ -316,6 +316,14 @@ fn human(b: u64) -> String {
 
 /// The background half of `snapshot --async` (not for people: started by planarian itself with
 /// the container's locked file).
+/// `planarian __rollback-cleanup FD SPEC`: what a rollback in place leaves, removed.
+pub fn cleanup_worker(args: &[OsString]) -> Result<i32, Failure> {
+    let [fd, spec] = args else { return Err("usage: planarian __rollback-cleanup FD SPEC".into()) };
+    let fd: i32 = fd.to_str().and_then(|f| f.parse().ok()).ok_or("__rollback-cleanup: FD is a number")?;
+    statepoint::rollback::cleanup_worker(fd, &spec.to_string_lossy())?;
+    Ok(0)
+}
+
 pub fn snapshot_worker(args: &[OsString]) -> Result<i32, Failure> {
     let [fd, spec] = args else { return Err("usage: planarian __snapshot-worker FD SPEC".into()) };
     let fd: i32 = fd.to_str().and_then(|f| f.parse().ok()).ok_or("__snapshot-worker: FD is a number")?;

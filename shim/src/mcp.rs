@@ -231,7 +231,7 @@ impl Server {
     fn rollback(&self, args: &Value) -> Result<String, Failure> {
         let sp = required(args, "statepoint")?;
         let reason = required(args, "reason")?;
-        let r = Rollback::begin(&self.id, &sp, false)?;
+        let r = Rollback::begin(&self.globals, &self.id, &sp, false)?;
         let ctx = r.run(&self.globals, &mut Silent, Some(&reason), Actor::Agent)?;
         Ok(ctx.text())
     }
@@ -239,7 +239,7 @@ impl Server {
     fn fork(&self, args: &Value) -> Result<String, Failure> {
         let sp = required(args, "statepoint")?;
         let name = required(args, "name")?;
-        let f = Fork::begin(&self.id, &sp, &name)?;
+        let f = Fork::begin(&self.globals, &self.id, &sp, &name)?;
         let (_, ctx) = f.run(&mut Silent, Actor::Agent)?;
         Ok(format!("{}The sandbox {} continues unchanged; the fork is {name}.", ctx.text(), self.name))
     }

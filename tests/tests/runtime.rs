@@ -71,6 +71,19 @@ fn detached_container_lifecycle_exec_logs_top_stop_rm() {
     assert_eq!(seen[0], seen[1]);
 }
 
+/// What a rollback and a fork find of container `n` without asking Podman (containers/storage,
+/// crun's record, its conmon) is what `podman inspect` says, by name and by ID prefix.
+fn podman_free_lookup_agrees(n: &str, status: &str) {
+    let podman = engine::runtime::podman::inspect(n).unwrap();
+    assert_eq!(podman.status, status);
+    for key in [n.to_string(), podman.id[..12].to_string()] {
+        let found = engine::statepoint::planarian_container(&engine::runtime::Globals::default(), &key).unwrap();
+        let fields = |c: &engine::runtime::podman::PodmanContainer| (c.id.clone(), c.name.clone(), c.status.clone(), c.runtime.clone(), c.bundle.clone(), c.upperdir.clone());
+        assert_eq!(fields(&found), fields(&podman), "{key}");
+        assert!(podman.upperdir.as_ref().is_some_and(|u| u.is_dir()), "{podman:?}");
+    }
+}
+
 #[test]
 fn pause_and_unpause() {
     require_stack!();
@@ -79,8 +92,15 @@ fn pause_and_unpause() {
         let _c = Cleanup(n.clone());
         // A counter the test can read from outside through the log.
         podman(rt, &["run", "-d", "--name", &n, BUSYBOX, "sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done"]).ok();
+        if rt == "planarian" {
+            podman_free_lookup_agrees(&n, "running");
+        }
         podman(rt, &["pause", &n]).ok();
         assert_eq!(podman(rt, &["inspect", "--format", "{{.State.Status}}", &n]).out(), "paused", "{rt}");
+        if rt == "planarian" {
+            // Frozen: only Podman knows whether it is paused; asked.
+            podman_free_lookup_agrees(&n, "paused");
+        }
         let a = podman(rt, &["inspect", "--format", "{{.State.Paused}}", &n]).out();
         assert_eq!(a, "true");
         podman(rt, &["unpause", &n]).ok();

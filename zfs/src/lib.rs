@@ -257,21 +257,60 @@ impl Zfs {
     /// `zdb -dddd SNAP OBJECT...` (beside `zfs`), which follows each object's parent pointers in
     /// the snapshot. Every object asked for must exist in `snap` (zdb stops at one that does
     /// not, which is an error here).
+    ///
+    /// zdb's answer takes a fraction of its run: on its way out it waits up to a second for its
+    /// cache's reclaim thread (a timed wait nobody cuts short). So, where `stdbuf` is there, zdb
+    /// writes line by line and is asked for the master node once more after the objects: when
+    /// that object's header arrives, the answer is complete and zdb is stopped (it only reads
+    /// the pool).
     pub fn object_paths(&self, snap: &str, objects: &[u64]) -> Result<Vec<ObjectInfo>> {
+        use std::io::BufRead;
         let zdb = self.beside("zdb");
         let mut args = vec!["-dddd".to_string(), snap.to_string()];
         args.extend(objects.iter().map(u64::to_string));
-        let out = Command::new(&zdb).args(&args).env("LC_ALL", "C").output().map_err(|err| Error::Spawn { bin: zdb.clone(), err })?;
-        let found = parse_zdb_objects(&String::from_utf8_lossy(&out.stdout));
-        if !out.status.success() || found.len() != objects.len() {
-            let err = String::from_utf8_lossy(&out.stderr);
-            return Err(Error::Command {
-                args: format!("zdb -dddd {snap} ({} objects)", objects.len()),
-                stderr: format!("{} of {} objects read; {}", found.len(), objects.len(), err.trim()),
-                kind: Kind::Other,
-            });
+        let failed = |found: usize, err: &str| Error::Command {
+            args: format!("zdb -dddd {snap} ({} objects)", objects.len()),
+            stderr: format!("{found} of {} objects read; {}", objects.len(), err.trim()),
+            kind: Kind::Other,
+        };
+        let Some(stdbuf) = in_path("stdbuf") else {
+            let out = Command::new(&zdb).args(&args).env("LC_ALL", "C").output().map_err(|err| Error::Spawn { bin: zdb.clone(), err })?;
+            let found = parse_zdb_objects(&String::from_utf8_lossy(&out.stdout));
+            if !out.status.success() || found.len() != objects.len() {
+                return Err(failed(found.len(), &String::from_utf8_lossy(&out.stderr)));
+            }
+            return Ok(found);
+        };
+        args.push("1".into());
+        let mut child = Command::new(&stdbuf)
+            .arg("-oL")
+            .arg(&zdb)
+            .args(&args)
+            .env("LC_ALL", "C")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|err| Error::Spawn { bin: stdbuf.clone(), err })?;
+        let out = std::io::BufReader::new(child.stdout.take().expect("piped"));
+        let (mut text, mut headers) = (String::new(), 0);
+        for line in out.lines() {
+            let Ok(line) = line else { break };
+            if is_object_header(&line) {
+                headers += 1;
+                if headers > objects.len() {
+                    // The master node again: everything asked for came.
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    let found = parse_zdb_objects(&text);
+                    return if found.len() == objects.len() { Ok(found) } else { Err(failed(found.len(), "")) };
+                }
+            }
+            text.push_str(&line);
+            text.push('\n');
         }
-        Ok(found)
+        let status = child.wait();
+        let found = parse_zdb_objects(&text);
+        Err(failed(found.len(), if status.is_ok_and(|s| s.success()) { "" } else { "zdb failed" }))
     }
 
     /// `zfs receive DATASET` from `input`: DATASET is created with the stream's snapshot (or,
@@ -356,7 +395,7 @@ pub fn parse_zdb_objects(text: &str) -> Vec<ObjectInfo> {
     let mut out: Vec<ObjectInfo> = Vec::new();
     let mut header = false;
     for line in text.lines() {
-        if line.trim_start().starts_with("Object ") && line.contains(" type") {
+        if is_object_header(line) {
             header = true;
             continue;
         }
@@ -380,6 +419,16 @@ pub fn parse_zdb_objects(text: &str) -> Vec<ObjectInfo> {
         }
     }
     out
+}
+
+/// zdb's header line before each object (`    Object  lvl   iblk ...  type`).
+fn is_object_header(line: &str) -> bool {
+    line.trim_start().starts_with("Object ") && line.contains(" type")
+}
+
+/// `tool` in PATH, if it is there.
+fn in_path(tool: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into())).map(|d| d.join(tool)).find(|p| p.is_file())
 }
 
 pub fn pool_of(name: &str) -> &str {

@@ -101,7 +101,7 @@ impl Rootfs for CopyRootfs {
             return Err(Error::InPlaceFiles("the container's root is not an overlay with lower layers".into()));
         }
         let sync = super::treesync::plan(&saved, &self.upperdir, &at.root, &at.lowers, false, &at.mounted).map_err(Error::InPlaceFiles)?;
-        Ok(InPlaceFiles { sync, cleanup: None })
+        Ok(InPlaceFiles { sync, cleanup: None, clone: None })
     }
 }
 

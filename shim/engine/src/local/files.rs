@@ -43,12 +43,21 @@ pub struct InPlaceAt {
 pub struct InPlaceFiles {
     pub sync: super::treesync::Sync,
     pub cleanup: Option<Box<dyn FnOnce()>>,
+    /// The ZFS clone `cleanup` destroys, if that is what it does.
+    pub clone: Option<String>,
 }
 
 impl InPlaceFiles {
     /// Entries changed.
     pub fn apply(&self) -> Result<usize> {
         self.sync.apply().map_err(super::Error::InPlaceFiles)
+    }
+
+    /// The ZFS clone to destroy, left to the caller (who destroys it later, elsewhere, with
+    /// [`super::zfs::destroy_clone`]); dropping this then destroys nothing.
+    pub fn hand_off(mut self) -> Option<String> {
+        self.cleanup = None;
+        self.clone.take()
     }
 }
 

@@ -101,7 +101,7 @@ pub fn plan(target: &Path, current: &Path, apply_root: &Path, lowers: &[PathBuf]
 pub fn plan_changed(target: &Path, current: &Path, apply_root: &Path, lowers: &[PathBuf], strict: bool, mounted: &[PathBuf], changed: Option<&HashSet<u64>>) -> Result<Sync, String> {
     let mut ops = Vec::new();
     let mut metas = Vec::new();
-    let w = Walk { target, current, lowers, strict, mounted, changed, focused: false };
+    let w = Walk { target, current, lowers, strict, mounted, changed, focused: false, dirs: Default::default() };
     let ino = |p: &Path| std::fs::symlink_metadata(p).map(|m| m.ino()).ok();
     let root_unchanged = changed.is_some_and(|c| ino(target).is_some_and(|i| Some(i) == ino(current) && !c.contains(&i)));
     w.walk(Path::new(""), root_unchanged, &mut ops, &mut metas)?;
@@ -139,7 +139,7 @@ fn finish(mut ops: Vec<Op>, mut metas: Vec<Op>, target: &Path, apply_root: &Path
 pub fn plan_places(target: &Path, current: &Path, apply_root: &Path, mounted: &[PathBuf], changed: &HashSet<u64>, places: &[PathBuf]) -> Result<Sync, String> {
     let mut ops = Vec::new();
     let mut metas = Vec::new();
-    let w = Walk { target, current, lowers: &[], strict: true, mounted, changed: Some(changed), focused: true };
+    let w = Walk { target, current, lowers: &[], strict: true, mounted, changed: Some(changed), focused: true, dirs: Default::default() };
     let mut places: Vec<&PathBuf> = places.iter().collect();
     places.sort();
     places.dedup();
@@ -204,9 +204,29 @@ struct Walk<'a> {
     /// [`plan_places`]: an entry that is the same object on both sides is examined, if at all,
     /// at its own place; never through its directory.
     focused: bool,
+    /// Directories found to be directories on the way to an entry (the trees do not change
+    /// while planned): each looked at once.
+    dirs: std::cell::RefCell<HashSet<PathBuf>>,
 }
 
 impl Walk<'_> {
+/// [`within`], each directory on the way looked at once per plan.
+fn within(&self, base: &Path, rel: &Path) -> Option<std::fs::Metadata> {
+    let mut at = base.to_path_buf();
+    let comps: Vec<_> = rel.components().collect();
+    for c in &comps[..comps.len().saturating_sub(1)] {
+        at.push(c);
+        if self.dirs.borrow().contains(&at) {
+            continue;
+        }
+        if !std::fs::symlink_metadata(&at).is_ok_and(|m| m.is_dir()) {
+            return None;
+        }
+        self.dirs.borrow_mut().insert(at.clone());
+    }
+    std::fs::symlink_metadata(base.join(rel)).ok()
+}
+
 /// `unchanged`: the directory is the same object on both sides and did not change, so its
 /// listing is the same: read once, from the live side (the statepoint's side is a fresh mount,
 /// every read of it cold).
@@ -240,12 +260,17 @@ fn entry(&self, r: &Path, checked: bool, ops: &mut Vec<Op>, metas: &mut Vec<Op>)
     let (target, current, lowers, strict) = (self.target, self.current, self.lowers, self.strict);
     let (tp, cp) = (target.join(r), current.join(r));
     let (t, c) = if checked {
-        (within(target, r), within(current, r))
+        (self.within(target, r), self.within(current, r))
     } else {
         (std::fs::symlink_metadata(&tp).ok(), std::fs::symlink_metadata(&cp).ok())
     };
     match (t, c) {
         (Some(t), Some(c)) if t.is_dir() && c.is_dir() => {
+            // The same directory, unchanged (ZFS: inode and ctime): the same listing, and each
+            // entry that changed is a place of its own.
+            if self.focused && same(&t, &c, &tp, &cp, true) && t.mtime() == c.mtime() && t.mtime_nsec() == c.mtime_nsec() {
+                return Ok(());
+            }
             if !lowers.is_empty() && is_opaque(&tp) != is_opaque(&cp) {
                 return Err(format!("/{} became or stopped being an opaque overlay directory", r.display()));
             }

@@ -16,6 +16,8 @@ pub struct Container {
     pub id: String,
     pub status: String,
     pub pid: Option<i32>,
+    /// The bundle crun was given (Podman's userdata directory).
+    pub bundle: PathBuf,
     pub spec: Spec,
 }
 
@@ -41,6 +43,7 @@ impl Container {
             status: st["status"].as_str().unwrap_or("unknown").to_string(),
             pid: st["pid"].as_i64().filter(|p| *p > 0).map(|p| p as i32),
             spec: Bundle::load(&bundle)?.spec,
+            bundle,
         })
     }
 
@@ -61,8 +64,9 @@ impl Container {
         if sys::proc::start_time(pid)? != st["process-start-time"].as_u64()? {
             return None;
         }
-        let spec = Bundle::load(Path::new(st["bundle"].as_str()?)).ok()?.spec;
-        Some(Container { id: id.to_string(), status: "running".into(), pid: Some(pid), spec })
+        let bundle = PathBuf::from(st["bundle"].as_str()?);
+        let spec = Bundle::load(&bundle).ok()?.spec;
+        Some(Container { id: id.to_string(), status: "running".into(), pid: Some(pid), bundle, spec })
     }
 
     /// The running container's init PID, or a clear error.
@@ -146,7 +150,7 @@ mod tests {
 
     #[test]
     fn not_running_is_one_clear_line() {
-        let c = Container { id: "abc".into(), status: "stopped".into(), pid: None, spec: Spec::default() };
+        let c = Container { id: "abc".into(), status: "stopped".into(), pid: None, bundle: PathBuf::new(), spec: Spec::default() };
         assert_eq!(c.running_pid().unwrap_err().to_string(), "container abc is not running (it is stopped)");
     }
 }

@@ -28,35 +28,60 @@ fn graphroot() -> PathBuf {
     PathBuf::from("/var/lib/containers/storage")
 }
 
-/// The ID of the container `name` (a name, a full ID, or an unambiguous ID prefix) in
-/// containers/storage's records under `graphroot`; `None` when they do not say.
-pub fn storage_id_in(graphroot: &Path, name: &str) -> Option<String> {
-    let mut found: Vec<String> = Vec::new();
+/// What containers/storage records of a container.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    pub id: String,
+    /// Its (first) name, as Podman shows it.
+    pub name: String,
+    /// The writable layer's directory, as Podman's `GraphDriver.Data.UpperDir` says it (overlay
+    /// driver only).
+    pub upperdir: Option<PathBuf>,
+}
+
+/// The container `name` (a name, a full ID, or an unambiguous ID prefix) in containers/storage's
+/// records under `graphroot`; `None` when they do not say.
+pub fn storage_entry_in(graphroot: &Path, name: &str) -> Option<Entry> {
+    let entry = |driver: &str, c: &serde_json::Value, id: &str| Entry {
+        id: id.to_string(),
+        name: c["names"].as_array().and_then(|ns| ns.first()?.as_str()).unwrap_or(id).to_string(),
+        upperdir: c["layer"].as_str().filter(|_| driver == "overlay").map(|l| graphroot.join(driver).join(l).join("diff")),
+    };
+    let mut found: Vec<Entry> = Vec::new();
     for dir in std::fs::read_dir(graphroot).ok()?.flatten() {
-        if !dir.file_name().to_string_lossy().ends_with("-containers") {
-            continue;
-        }
+        let file_name = dir.file_name();
+        let Some(driver) = file_name.to_str().and_then(|n| n.strip_suffix("-containers")) else { continue };
         let Ok(data) = std::fs::read(dir.path().join("containers.json")) else { continue };
         let Ok(serde_json::Value::Array(list)) = serde_json::from_slice(&data) else { continue };
         for c in &list {
             let Some(id) = c["id"].as_str() else { continue };
             let named = c["names"].as_array().is_some_and(|ns| ns.iter().any(|n| n.as_str() == Some(name)));
             if named || id == name {
-                return Some(id.to_string());
+                return Some(entry(driver, c, id));
             }
-            if name.len() >= 3 && id.starts_with(name) && !found.iter().any(|f| f == id) {
-                found.push(id.to_string());
+            if name.len() >= 3 && id.starts_with(name) && !found.iter().any(|f| f.id == id) {
+                found.push(entry(driver, c, id));
             }
         }
     }
-    match &found[..] {
-        [one] => Some(one.clone()),
-        _ => None,
+    match <[Entry; 1]>::try_from(found) {
+        Ok([one]) => Some(one),
+        Err(_) => None,
     }
 }
 
+pub fn storage_entry(name: &str) -> Option<Entry> {
+    storage_entry_in(&graphroot(), name)
+}
+
+/// Whether containers/storage has a record of containers to read here at all (else only
+/// Podman can say whether a name is taken).
+pub fn storage_readable() -> bool {
+    std::fs::read_dir(graphroot()).is_ok_and(|d| d.flatten().any(|e| e.file_name().to_string_lossy().ends_with("-containers") && e.path().join("containers.json").is_file()))
+}
+
 pub fn storage_id(name: &str) -> Option<String> {
-    storage_id_in(&graphroot(), name)
+    storage_entry(name).map(|e| e.id)
 }
 
 /// Whether the container whose init process is `pid` runs under planarian: its parent is the
@@ -98,15 +123,19 @@ mod tests {
             format!(r#"[{{"id":"{a}","names":["agent"],"layer":"x"}},{{"id":"{b}","names":["agent-b","other"]}}]"#),
         )
         .unwrap();
-        assert_eq!(storage_id_in(&root, "agent").as_deref(), Some(a.as_str()));
-        assert_eq!(storage_id_in(&root, "other").as_deref(), Some(b.as_str()));
-        assert_eq!(storage_id_in(&root, &b).as_deref(), Some(b.as_str()));
-        assert_eq!(storage_id_in(&root, "ab12a").as_deref(), Some(a.as_str()));
+        assert_eq!(storage_entry_in(&root, "agent").map(|e| e.id).as_deref(), Some(a.as_str()));
+        assert_eq!(storage_entry_in(&root, "other").map(|e| e.id).as_deref(), Some(b.as_str()));
+        assert_eq!(storage_entry_in(&root, &b).map(|e| e.id).as_deref(), Some(b.as_str()));
+        assert_eq!(storage_entry_in(&root, "ab12a").map(|e| e.id).as_deref(), Some(a.as_str()));
         // Ambiguous or too short a prefix, an unknown name, no storage at all: Podman decides.
-        assert_eq!(storage_id_in(&root, "ab1"), None);
-        assert_eq!(storage_id_in(&root, "ab"), None);
-        assert_eq!(storage_id_in(&root, "nobody"), None);
-        assert_eq!(storage_id_in(&root.join("missing"), "agent"), None);
+        assert_eq!(storage_entry_in(&root, "ab1").map(|e| e.id), None);
+        assert_eq!(storage_entry_in(&root, "ab").map(|e| e.id), None);
+        assert_eq!(storage_entry_in(&root, "nobody").map(|e| e.id), None);
+        assert_eq!(storage_entry_in(&root.join("missing"), "agent"), None);
+        // What Podman's inspect says of them: the first name, the overlay's upper directory.
+        let other = storage_entry_in(&root, "other").unwrap();
+        assert_eq!((other.name.as_str(), other.upperdir), ("agent-b", None));
+        assert_eq!(storage_entry_in(&root, "agent").unwrap().upperdir, Some(root.join("overlay/x/diff")));
         std::fs::remove_dir_all(&root).unwrap();
     }
 

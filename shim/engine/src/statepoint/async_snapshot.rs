@@ -51,7 +51,7 @@ pub fn start(globals: &Globals, name: &str, req: &SnapshotRequest, worker: &std:
         "name": req.name, "description": req.description, "state": req.state,
         "tcp-established": req.tcp_established, "file-locks": req.file_locks,
     });
-    let spawned = spawn_worker(worker, &lock, &spec.to_string());
+    let spawned = spawn_worker(worker, "__snapshot-worker", &lock, &spec.to_string());
     if let Err(e) = spawned {
         let _ = std::fs::remove_file(record_path(&ctx.store, &id));
         return Err(e);
@@ -112,11 +112,11 @@ pub fn wait(store: &ContainerStore, sp: &str) -> Result<AsyncOutcome> {
     }
 }
 
-fn spawn_worker(worker: &std::path::Path, lock: &File, spec: &str) -> Result<()> {
+pub(super) fn spawn_worker(worker: &std::path::Path, verb: &str, lock: &File, spec: &str) -> Result<()> {
     use std::os::unix::process::CommandExt;
     let fd = lock.as_raw_fd();
     let mut cmd = std::process::Command::new(worker);
-    cmd.arg("__snapshot-worker").arg(fd.to_string()).arg(spec);
+    cmd.arg(verb).arg(fd.to_string()).arg(spec);
     cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
     // SAFETY: setsid(2) and fcntl(2) only, async-signal-safe, between fork and exec: the worker
     // is a session of its own (no signal to the caller's group reaches it) and keeps the locked
@@ -135,6 +135,6 @@ fn spawn_worker(worker: &std::path::Path, lock: &File, spec: &str) -> Result<()>
             Ok(())
         });
     }
-    cmd.spawn().map_err(|source| Error::Worker(format!("cannot start the snapshot worker {}: {source}", worker.display())))?;
+    cmd.spawn().map_err(|source| Error::Worker(format!("cannot start {verb} ({}): {source}", worker.display())))?;
     Ok(())
 }

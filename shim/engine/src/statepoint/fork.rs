@@ -25,7 +25,7 @@ use crate::config::Config;
 use crate::context::{self, RestoreContext, Restored};
 use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
-use crate::runtime::Bundle;
+use crate::runtime::{lookup, Bundle, Globals};
 use crate::store::{Actor, ContainerStore, Manifest, Outcome, OutcomeStatus, Status};
 use std::time::Duration;
 use sys::Context;
@@ -37,19 +37,23 @@ pub struct Fork {
     pub name: String,
     pub(super) src_store: ContainerStore,
     pub(super) cfg: Config,
+    pub(super) globals: Globals,
 }
 
 impl Fork {
     /// Finds container `name`'s committed statepoint `statepoint`; refuses a new name taken.
-    pub fn begin(container: &str, statepoint: &str, new_name: &str) -> Result<Fork> {
-        let source = podman::planarian_container(container)?;
+    pub fn begin(globals: &Globals, container: &str, statepoint: &str, new_name: &str) -> Result<Fork> {
+        let source = super::planarian_container(globals, container)?;
         let cfg = Config::load()?;
         let src_store = ContainerStore::new(&cfg.store.path, &source.id);
         let target = src_store.find(statepoint)?;
-        if podman::inspect(new_name).is_ok() {
+        // containers/storage's records hold every container's names (Podman's too): Podman is
+        // asked only when they cannot be read.
+        let taken = lookup::storage_entry(new_name).is_some() || (!lookup::storage_readable() && podman::inspect(new_name).is_ok());
+        if taken {
             return Err(Error::ContainerExists(new_name.to_string()));
         }
-        Ok(Fork { source, target, name: new_name.to_string(), src_store, cfg })
+        Ok(Fork { source, target, name: new_name.to_string(), src_store, cfg, globals: globals.clone() })
     }
 
     /// `forking agent at sp3 (deps-installed) into agent-b`.
@@ -67,7 +71,7 @@ impl Fork {
         let handed = match super::spares::claim(&self.src_store, &self.target.statepoint_id) {
             Some(spare) => {
                 progress.phase("a spare of the statepoint (podman rename + unpause)");
-                match super::spares::hand_out(&self.cfg, &self.source, &spare, name) {
+                match super::spares::hand_out(&self.globals, &self.cfg, &self.source, &spare, name) {
                     Ok(x) => Some(x),
                     Err(e) => {
                         progress.done(&format!("spare {} not usable ({e}): forking anew", spare.name));

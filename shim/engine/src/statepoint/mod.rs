@@ -153,6 +153,35 @@ impl Ctx {
     }
 }
 
+/// The planarian container a user names (a name, an ID or a prefix), as `podman inspect`
+/// describes it. One that runs (not frozen) is found without Podman when containers/storage,
+/// crun and its conmon tell ([`lookup`]): Podman's inspect costs half a second and more, on
+/// the path of every rollback and fork. Anything else — frozen (paused, or inside a snapshot),
+/// stopped, not found — is asked of Podman, whose answer also makes the clearer error.
+pub fn planarian_container(globals: &Globals, name: &str) -> Result<podman::PodmanContainer> {
+    let found = || -> Option<podman::PodmanContainer> {
+        let e = lookup::storage_entry(name)?;
+        let ctx = Ctx::load(globals, &e.id).ok()?;
+        let pid = ctx.ctr.running_pid().ok()?;
+        if lookup::runtime_is_planarian(pid) != Some(true) || local::freezer::Freezer::of_pid(pid).ok()?.is_frozen() {
+            return None;
+        }
+        Some(podman::PodmanContainer {
+            id: e.id,
+            name: e.name,
+            status: "running".into(),
+            runtime: "planarian".into(),
+            bundle: ctx.ctr.bundle,
+            upperdir: e.upperdir,
+            annotations: ctx.ctr.spec.annotations.into_iter().map(|(k, v)| (k, serde_json::Value::String(v))).collect(),
+        })
+    };
+    match found() {
+        Some(pc) => Ok(pc),
+        None => Ok(podman::planarian_container(name)?),
+    }
+}
+
 /// The statepoint store of the container a user names. A container with statepoints is one
 /// planarian runs, so one found by containers/storage with a store of its own needs no question
 /// to Podman.
@@ -194,6 +223,13 @@ pub fn discard_stale(cfg: &Config, store: &ContainerStore) {
 /// the chain links to them ([`crate::chain::collect`]). Call with the exclusive lock held.
 pub fn remove(cfg: &Config, store: &ContainerStore, id: &str) -> Result<()> {
     let m = store.mark_discarded(id)?;
+    free(cfg, store, &m)
+}
+
+/// What statepoint `m`, discarded, still holds: its copy of the files, its ZFS snapshot, its
+/// images (once no chain needs them).
+pub fn free(cfg: &Config, store: &ContainerStore, m: &Manifest) -> Result<()> {
+    let id = &m.statepoint_id;
     let dir = store.statepoint_dir(id);
     if let Some(copy) = &m.local_state.rootfs_copy_path {
         let p = dir.join(copy);

@@ -37,8 +37,8 @@ impl Rollback {
     /// Finds container `name` and its committed statepoint `statepoint` (id or name), and takes
     /// the container's exclusive lock: waiting for it, or, with `wait` false, refusing when
     /// another operation (a snapshot, a rollback, a tool call) holds it.
-    pub fn begin(name: &str, statepoint: &str, wait: bool) -> Result<Rollback> {
-        let container = podman::planarian_container(name)?;
+    pub fn begin(globals: &Globals, name: &str, statepoint: &str, wait: bool) -> Result<Rollback> {
+        let container = super::planarian_container(globals, name)?;
         let cfg = Config::load()?;
         let store = ContainerStore::new(&cfg.store.path, &container.id);
         let lock = match wait {
@@ -113,6 +113,10 @@ impl Rollback {
             let _ = store.write_manifest(&m);
         }
         let _ = ctx.save(store);
+        if let Some(l) = done.leftover {
+            progress.phase("in place: the safety statepoint and the comparison removed in the background (the sandbox runs)");
+            l.remove_after(&self.cfg, store, &self._lock);
+        }
         Ok(ctx)
     }
 }
@@ -125,6 +129,55 @@ struct Done {
     safety_positions: Vec<crate::store::RemoteState>,
     files_backend: &'static str,
     how: How,
+    /// What a rollback in place leaves to remove.
+    leftover: Option<Leftover>,
+}
+
+/// What a rollback in place leaves once the sandbox runs again: its safety statepoint
+/// (discarded) and the ZFS clone the files were compared with. Removing them (half a second and
+/// more on ZFS: `zfs destroy` twice, the images) is no part of the rollback the caller waits
+/// for: a worker does it, holding the container's lock shared — tool calls go on, the next
+/// statepoint operation waits for it.
+struct Leftover {
+    safety: String,
+    clone: Option<String>,
+}
+
+impl Leftover {
+    /// Hands the removal to a worker (`planarian __rollback-cleanup`) that inherits `lock`; done
+    /// here when no worker starts.
+    fn remove_after(self, cfg: &Config, store: &ContainerStore, lock: &File) {
+        let spec = serde_json::json!({ "container": store.container_id(), "safety": self.safety, "clone": self.clone });
+        let started = std::env::current_exe()
+            .map_err(|e| Error::Worker(e.to_string()))
+            .and_then(|exe| super::async_snapshot::spawn_worker(&exe, "__rollback-cleanup", lock, &spec.to_string()));
+        if started.is_err() {
+            self.remove_now(cfg, store);
+        }
+    }
+
+    fn remove_now(self, cfg: &Config, store: &ContainerStore) {
+        if let (Some(clone), Ok(zfs)) = (&self.clone, crate::local::zfs::zfs_from(cfg)) {
+            crate::local::zfs::destroy_clone(&zfs, clone);
+        }
+        if let Ok(m) = store.find(&self.safety) {
+            let _ = super::free(cfg, store, &m);
+        }
+    }
+}
+
+/// The worker of [`Leftover::remove_after`]: holds the lock it inherited (fd `lock_fd`), shared,
+/// until the leftovers are removed.
+pub fn cleanup_worker(lock_fd: i32, spec: &str) -> Result<()> {
+    // SAFETY: the fd was inherited locked from `remove_after`; owning it keeps the lock until we exit.
+    let lock: File = unsafe { std::os::fd::FromRawFd::from_raw_fd(lock_fd) };
+    let _ = lock.lock_shared();
+    let v: serde_json::Value = serde_json::from_str(spec).map_err(|e| Error::Worker(format!("bad worker spec: {e}")))?;
+    let s = |k: &str| v[k].as_str().map(String::from);
+    let cfg = Config::load()?;
+    let store = ContainerStore::new(&cfg.store.path, &s("container").unwrap_or_default());
+    Leftover { safety: s("safety").unwrap_or_default(), clone: s("clone") }.remove_now(&cfg, &store);
+    Ok(())
 }
 
 fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest, progress: &mut dyn Progress) -> Result<Done> {
@@ -162,7 +215,7 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         } else {
             let blocked = full_path.as_ref().err().map(|e| e.to_string());
             match in_place(&ctx, pc, store, target, rootfs.as_ref(), blocked, progress)? {
-                InPlace::Done { how, safety_positions } => return Ok(Done { from, safety_positions, files_backend: rootfs.backend(), how }),
+                InPlace::Done { how, safety_positions, leftover } => return Ok(Done { from, safety_positions, files_backend: rootfs.backend(), how, leftover }),
                 InPlace::Refused { why, safety } => {
                     progress.phase(&format!("not in place: {why}"));
                     not_in_place = Some(why);
@@ -233,9 +286,9 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
     match (result, safety) {
         (Ok(()), Some(s)) => {
             let _ = super::remove(cfg, store, &s.statepoint_id);
-            Ok(Done { from, safety_positions: s.remote_state, files_backend, how })
+            Ok(Done { from, safety_positions: s.remote_state, files_backend, how, leftover: None })
         }
-        (Ok(()), None) => Ok(Done { from, safety_positions: vec![], files_backend, how }),
+        (Ok(()), None) => Ok(Done { from, safety_positions: vec![], files_backend, how, leftover: None }),
         (Err(e), Some(s)) => {
             // 3. Back to where it was.
             progress.phase(&format!("back to the safety statepoint {}", s.statepoint_id));
@@ -254,7 +307,7 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
 }
 
 enum InPlace {
-    Done { how: How, safety_positions: Vec<crate::store::RemoteState> },
+    Done { how: How, safety_positions: Vec<crate::store::RemoteState>, leftover: Option<Leftover> },
     /// Not in place, for this reason. With the safety statepoint when it was taken: the
     /// container was then stopped (frozen, killed) and the rollback goes on with it.
     Refused { why: String, safety: Option<Box<Manifest>> },
@@ -303,8 +356,10 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         let _ = super::remove(&ctx.cfg, store, &safety.statepoint_id);
     };
     progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
-    let prepared = (|| -> std::result::Result<_, String> {
-        let plan = shape.plan(&safety_dir.join(&safety.local_state.criu_checkpoint_path)).map_err(|e| e.to_string())?;
+    let prepared = std::thread::scope(|scope| -> std::result::Result<_, String> {
+        // The page plan (the images read) beside the files' comparison.
+        let planning = scope.spawn(|| shape.plan(&safety_dir.join(&safety.local_state.criu_checkpoint_path)).map_err(|e| e.to_string()));
+        let plan = || planning.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         let mounts = sys::proc::mounts(pid).unwrap_or_default();
         let at = InPlaceAt {
             root: PathBuf::from(format!("/proc/{pid}/root")),
@@ -325,8 +380,8 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             }
         }
         let files = rootfs.in_place(&sp_dir, &target.local_state, &at).map_err(|e| e.to_string())?;
-        Ok((plan, files))
-    })();
+        Ok((plan()?, files))
+    });
     let (plan, files) = match prepared {
         Ok(p) => p,
         Err(why) => {
@@ -377,15 +432,22 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             }
             store.set_head(Some(&target.statepoint_id))?;
             let positions = safety.remote_state.clone();
-            // The sandbox runs again; what is left is planarian's own cleanup.
+            // The sandbox runs again; what is left is planarian's own cleanup: the safety
+            // statepoint, discarded now, and what it and the files' comparison hold, removed
+            // once the caller has its answer ([`Leftover`]).
             drop(frozen);
             progress.done(&format!("{} pages written, {} dropped, {} system calls, {n} files", a.pages_written, a.pages_dropped, a.system_calls));
-            progress.phase("in place: the safety statepoint removed (the sandbox runs)");
-            forget_safety();
             let places_examined = files.sync.places;
-            drop(files);
+            let leftover = match store.mark_discarded(&safety.statepoint_id) {
+                Ok(_) => Some(Leftover { safety: safety.statepoint_id.clone(), clone: files.hand_off() }),
+                Err(_) => {
+                    forget_safety();
+                    drop(files);
+                    None
+                }
+            };
             let how = How { path: "in-place".into(), pages_written: Some(a.pages_written), pages_dropped: Some(a.pages_dropped), files_changed: Some(n as u64), places_examined: places_examined.map(|p| p as u64), not_in_place: None };
-            Ok(InPlace::Done { how, safety_positions: positions })
+            Ok(InPlace::Done { how, safety_positions: positions, leftover })
         }
         Err(e) => {
             drop(files);

@@ -22,6 +22,7 @@ use crate::config::Config;
 use crate::context::RestoreContext;
 use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
+use crate::runtime::Globals;
 use crate::store::{ContainerStore, How};
 use std::path::PathBuf;
 use sys::Context;
@@ -80,22 +81,23 @@ pub struct Pool {
     store: ContainerStore,
     /// The statepoint's ID.
     pub sp: String,
+    globals: Globals,
 }
 
 /// The pool of statepoint `statepoint` of `container`, or the error that says why there is none
 /// (before anything is done).
-pub fn pool(container: &str, statepoint: &str) -> Result<Pool> {
-    let source = podman::planarian_container(container)?;
+pub fn pool(globals: &Globals, container: &str, statepoint: &str) -> Result<Pool> {
+    let source = super::planarian_container(globals, container)?;
     let cfg = Config::load()?;
     let store = ContainerStore::new(&cfg.store.path, &source.id);
     let sp = super::committed(store.find(statepoint)?)?.statepoint_id;
-    Ok(Pool { source, cfg, store, sp })
+    Ok(Pool { source, cfg, store, sp, globals: globals.clone() })
 }
 
 /// Keeps `count` spares of the pool's statepoint: makes the missing ones, removes the extra ones
 /// and any that is no longer a paused container. Returns them.
 pub fn fill(pool: Pool, count: usize, progress: &mut dyn Progress) -> Result<Vec<Spare>> {
-    let Pool { source, cfg, store, sp } = pool;
+    let Pool { source, cfg, store, sp, globals } = pool;
     let mut have = Vec::new();
     for s in registered(&store, &sp) {
         if usable(&s) {
@@ -113,7 +115,7 @@ pub fn fill(pool: Pool, count: usize, progress: &mut dyn Progress) -> Result<Vec
     }
     while have.len() < count {
         let name = free_name(&source.name, &sp);
-        let fork = Fork::begin(&source.id, &sp, &name)?;
+        let fork = Fork::begin(&globals, &source.id, &sp, &name)?;
         progress.phase(&format!("spare {name}: {}", fork.title()));
         let (new, _) = fork.make(progress)?;
         progress.phase(&format!("spare {name}: paused (podman pause)"));
@@ -151,13 +153,20 @@ pub fn claim(store: &ContainerStore, sp: &str) -> Option<Spare> {
     registered(store, sp).into_iter().find(|s| unregister(store, sp, s))
 }
 
-/// Hands claimed spare `s` out as `name`: renamed, unpaused, its restore context saying so. On
-/// failure the spare is removed (the caller forks anew).
-pub fn hand_out(cfg: &Config, src: &PodmanContainer, s: &Spare, name: &str) -> Result<(PodmanContainer, RestoreContext)> {
+/// Hands claimed spare `s` out as `name`: renamed and unpaused (together), its restore context
+/// saying so. On failure the spare is removed (the caller forks anew).
+pub fn hand_out(globals: &Globals, cfg: &Config, src: &PodmanContainer, s: &Spare, name: &str) -> Result<(PodmanContainer, RestoreContext)> {
     let out = (|| {
-        podman::run(&["rename", &s.id, name])?;
-        podman::run(&["unpause", &s.id])?;
-        let new = podman::inspect(&s.id)?;
+        // Both at once: each is mostly Podman starting up, and the order does not matter (the
+        // processes never see the name).
+        let (renamed, unpaused) = std::thread::scope(|scope| {
+            let rename = scope.spawn(|| podman::run(&["rename", &s.id, name]));
+            let unpaused = podman::run(&["unpause", &s.id]);
+            (rename.join().unwrap_or_else(|p| std::panic::resume_unwind(p)), unpaused)
+        });
+        renamed?;
+        unpaused?;
+        let new = super::planarian_container(globals, &s.id)?;
         let store = ContainerStore::new(&cfg.store.path, &new.id);
         let mut ctx = RestoreContext::last(&store).ok_or_else(|| Error::Worker(format!("spare {} has no restore context", s.name)))?;
         ctx.container = name.to_string();

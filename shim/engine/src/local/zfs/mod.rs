@@ -305,12 +305,16 @@ impl Rootfs for ZfsRootfs {
         // trusted (a path that does not lead to its object), every directory is read instead.
         // Found beside the clone's making, which does not need them.
         type Found = (Option<std::collections::HashSet<u64>>, Option<(Vec<PathBuf>, Vec<PathBuf>)>);
-        let (view, found) = std::thread::scope(|s| -> Result<(String, Found)> {
-            let finding = s.spawn(|| -> Found {
-                let Some(now) = at.now_snapshot.as_deref() else { return (None, None) };
-                let Ok(changed) = zfs.changed_objects(&snap, now) else { return (None, None) };
+        let started = std::time::Instant::now();
+        let ms = |t: std::time::Duration| t.as_millis();
+        let (view, found, times) = std::thread::scope(|s| -> Result<(String, Found, String)> {
+            let finding = s.spawn(|| -> (Found, String) {
+                let Some(now) = at.now_snapshot.as_deref() else { return ((None, None), "no safety snapshot".into()) };
+                let t = std::time::Instant::now();
+                let Ok(changed) = zfs.changed_objects(&snap, now) else { return ((None, None), "no stream".into()) };
+                let streamed = t.elapsed();
                 let places = places(zfs, now, &changed, &live);
-                (Some(changed), places)
+                ((Some(changed), places), format!("stream {} ms, zdb and places {} ms", ms(streamed), ms(t.elapsed() - streamed)))
             });
             let view = format!("{d}.planarian-inplace");
             let made = (|| -> Result<String> {
@@ -319,39 +323,36 @@ impl Rootfs for ZfsRootfs {
                 }
                 std::fs::create_dir_all(&at.scratch).at("create", &at.scratch)?;
                 let mp = at.scratch.display().to_string();
-                zfs.clone_snapshot(&snap, &view, &[("mountpoint", &mp)])?;
+                zfs.clone_snapshot(&snap, &view, &[("mountpoint", &mp), ("readonly", "on")])?;
                 Ok(view)
             })();
-            let found = finding.join().unwrap_or((None, None));
-            Ok((made?, found))
+            let cloned = started.elapsed();
+            let (found, times) = finding.join().unwrap_or(((None, None), "failed".into()));
+            Ok((made?, found, format!("clone {} ms; {times}", ms(cloned))))
         })?;
         let cleanup = {
             let (zfs, view) = (zfs.clone(), view.clone());
-            // FUSE may still hold the walked mount a moment: unmounted first, tried again.
-            move || {
-                for _ in 0..20 {
-                    let _ = zfs.unmount(&view);
-                    if zfs.destroy(&view, true).is_ok() || !zfs.exists(&view).unwrap_or(false) {
-                        return;
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(100));
-                }
-            }
+            move || destroy_clone(&zfs, &view)
         };
         let prepared = (|| {
-            if zfs.get(&view, "mounted")?.value != "yes" {
+            let mounted = sys::proc::own_mounts().ok().and_then(|m| zfs::dataset_mounted_at(&m, &at.scratch));
+            if mounted.as_deref() != Some(view.as_str()) {
                 zfs.mount(&view)?;
             }
+            let t = std::time::Instant::now();
             let (changed, places) = found;
             // A file with other names is trusted only unchanged (then all its names are).
             let places = places.filter(|(_, named)| named.iter().all(|rel| super::treesync::unchanged(&at.scratch, &live, rel)));
-            if let (Some(changed), Some((places, _))) = (&changed, places) {
-                return super::treesync::plan_places(&at.scratch, &live, &live, &at.mounted, changed, &places).map_err(Error::InPlaceFiles);
-            }
-            super::treesync::plan_changed(&at.scratch, &live, &live, &[], true, &at.mounted, changed.as_ref()).map_err(Error::InPlaceFiles)
+            let planned = if let (Some(changed), Some((places, _))) = (&changed, places) {
+                super::treesync::plan_places(&at.scratch, &live, &live, &at.mounted, changed, &places).map_err(Error::InPlaceFiles)
+            } else {
+                super::treesync::plan_changed(&at.scratch, &live, &live, &[], true, &at.mounted, changed.as_ref()).map_err(Error::InPlaceFiles)
+            };
+            crate::log::own_log("info", &format!("in place on ZFS: {times}; plan {} ms; {} ms in all", ms(t.elapsed()), ms(started.elapsed())));
+            planned
         })();
         match prepared {
-            Ok(sync) => Ok(InPlaceFiles { sync, cleanup: Some(Box::new(cleanup)) }),
+            Ok(sync) => Ok(InPlaceFiles { sync, cleanup: Some(Box::new(cleanup)), clone: Some(view) }),
             Err(e) => {
                 cleanup();
                 Err(e)
@@ -371,7 +372,9 @@ fn places(zfs: &Zfs, now: &str, changed: &std::collections::HashSet<u64>, live: 
     let mut objects: Vec<u64> = changed.iter().copied().chain([1]).collect();
     objects.sort_unstable();
     objects.dedup();
+    let t = std::time::Instant::now();
     let infos = zfs.object_paths(now, &objects).map_err(|e| crate::log::own_log("warning", &format!("in place: where the changed objects are: {e}"))).ok()?;
+    crate::log::own_log("info", &format!("in place on ZFS: zdb {} ms for {} objects", t.elapsed().as_millis(), objects.len()));
     let root = infos.iter().find_map(|o| o.root)?;
     let (mut out, mut named) = (Vec::new(), Vec::new());
     for o in infos.into_iter().filter(|o| changed.contains(&o.object)) {
@@ -399,6 +402,18 @@ fn places(zfs: &Zfs, now: &str, changed: &std::collections::HashSet<u64>, live: 
         }
     }
     Some((out, named))
+}
+
+/// Destroys the clone a rollback in place compared with. Destroying a clone unmounts it; FUSE
+/// may still hold the walked mount a moment: then it is unmounted first and tried again.
+pub fn destroy_clone(zfs: &Zfs, view: &str) {
+    for _ in 0..20 {
+        if zfs.destroy(view, true).is_ok() || !zfs.exists(view).unwrap_or(false) {
+            return;
+        }
+        let _ = zfs.unmount(view);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }
 
 /// Destroys the container's retired datasets that hold no snapshot any more.
