@@ -211,6 +211,13 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     sb.seq = sb.read().expect("state").0;
     assert_eq!(tree(&sb), before, "the tree after the second rollback in place");
     assert_eq!(sb.sh("cat /work/hard; stat -c %h /work/hard").out(), "h\n2", "still one file with two names");
+
+    // What the rollbacks left — their safety statepoints, the statepoint's clone, the snapshot
+    // of the frozen state — is removed after they answered; nothing else goes.
+    let ds = format!("{parent}/ctr-{}", id_of(&sb.name));
+    let left = || zfs(&["list", "-H", "-o", "name", "-t", "all", "-r", &parent]).out().lines().filter(|l| l.starts_with(&ds)).map(String::from).collect::<Vec<_>>();
+    let kept = vec![ds.clone(), format!("{ds}@planarian-{}-{sp}", &id_of(&sb.name)[..12])];
+    assert!(wait_for(Duration::from_secs(120), || left() == kept), "{:?}", left());
 }
 
 #[test]

@@ -92,7 +92,7 @@ impl Rootfs for CopyRootfs {
         ))
     }
 
-    fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Result<InPlaceFiles> {
+    fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt, _start: Option<super::files::InPlaceStart>) -> Result<InPlaceFiles> {
         let saved = sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs"));
         if !saved.is_dir() {
             return Err(Error::FilesMissing(saved));
@@ -101,7 +101,7 @@ impl Rootfs for CopyRootfs {
             return Err(Error::InPlaceFiles("the container's root is not an overlay with lower layers".into()));
         }
         let sync = super::treesync::plan(&saved, &self.upperdir, &at.root, &at.lowers, false, &at.mounted).map_err(Error::InPlaceFiles)?;
-        Ok(InPlaceFiles { sync, cleanup: None, clone: None })
+        Ok(InPlaceFiles { sync, cleanup: None, leftovers: vec![] })
     }
 }
 

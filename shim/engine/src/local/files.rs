@@ -21,8 +21,18 @@ pub trait Rootfs: Send + Sync {
     /// Prepares putting statepoint `local`'s files back under the running, frozen container
     /// (a rollback in place). Nothing changes
     /// until [`InPlaceFiles::apply`]; an error means this backend cannot do it now.
-    fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Result<InPlaceFiles>;
+    /// `start`: what [`Rootfs::in_place_start`] began.
+    fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt, start: Option<InPlaceStart>) -> Result<InPlaceFiles>;
+    /// Begins, the container frozen and nothing else yet decided, what [`Rootfs::in_place`]
+    /// will need, while the caller does other work; `scratch` as in [`InPlaceAt`]. Dropped
+    /// unused, it undoes what it made. `None`: nothing to begin.
+    fn in_place_start(&self, _local: &LocalState, _scratch: &Path) -> Option<InPlaceStart> {
+        None
+    }
 }
+
+/// What [`Rootfs::in_place_start`] began, for the same backend's [`Rootfs::in_place`].
+pub struct InPlaceStart(pub Box<dyn std::any::Any + Send>);
 
 /// Where a rollback in place puts files back.
 pub struct InPlaceAt {
@@ -43,8 +53,8 @@ pub struct InPlaceAt {
 pub struct InPlaceFiles {
     pub sync: super::treesync::Sync,
     pub cleanup: Option<Box<dyn FnOnce()>>,
-    /// The ZFS clone `cleanup` destroys, if that is what it does.
-    pub clone: Option<String>,
+    /// The ZFS clone and snapshot `cleanup` destroys, if that is what it does.
+    pub leftovers: Vec<String>,
 }
 
 impl InPlaceFiles {
@@ -53,11 +63,11 @@ impl InPlaceFiles {
         self.sync.apply().map_err(super::Error::InPlaceFiles)
     }
 
-    /// The ZFS clone to destroy, left to the caller (who destroys it later, elsewhere, with
-    /// [`super::zfs::destroy_clone`]); dropping this then destroys nothing.
-    pub fn hand_off(mut self) -> Option<String> {
+    /// The ZFS clone and snapshot to destroy, left to the caller (who destroys them later,
+    /// elsewhere, with [`super::zfs::destroy_clone`]); dropping this then destroys nothing.
+    pub fn hand_off(mut self) -> Vec<String> {
         self.cleanup = None;
-        self.clone.take()
+        std::mem::take(&mut self.leftovers)
     }
 }
 

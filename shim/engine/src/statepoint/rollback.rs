@@ -134,20 +134,21 @@ struct Done {
 }
 
 /// What a rollback in place leaves once the sandbox runs again: its safety statepoint
-/// (discarded) and the ZFS clone the files were compared with. Removing them (half a second and
-/// more on ZFS: `zfs destroy` twice, the images) is no part of the rollback the caller waits
-/// for: a worker does it, holding the container's lock shared — tool calls go on, the next
-/// statepoint operation waits for it.
+/// (discarded) and, on ZFS, the clone the files were compared with and the snapshot of the
+/// frozen state they were found in. Removing them (half a second and more on ZFS: a `zfs
+/// destroy` each, the images) is no part of the rollback the caller waits for: a worker does
+/// it, holding the container's lock shared — tool calls go on, the next statepoint operation
+/// waits for it.
 struct Leftover {
     safety: String,
-    clone: Option<String>,
+    zfs: Vec<String>,
 }
 
 impl Leftover {
     /// Hands the removal to a worker (`planarian __rollback-cleanup`) that inherits `lock`; done
     /// here when no worker starts.
     fn remove_after(self, cfg: &Config, store: &ContainerStore, lock: &File) {
-        let spec = serde_json::json!({ "container": store.container_id(), "safety": self.safety, "clone": self.clone });
+        let spec = serde_json::json!({ "container": store.container_id(), "safety": self.safety, "zfs": self.zfs });
         let started = std::env::current_exe()
             .map_err(|e| Error::Worker(e.to_string()))
             .and_then(|exe| super::async_snapshot::spawn_worker(&exe, "__rollback-cleanup", lock, &spec.to_string()));
@@ -157,8 +158,8 @@ impl Leftover {
     }
 
     fn remove_now(self, cfg: &Config, store: &ContainerStore) {
-        if let (Some(clone), Ok(zfs)) = (&self.clone, crate::local::zfs::zfs_from(cfg)) {
-            crate::local::zfs::destroy_clone(&zfs, clone);
+        if let (false, Ok(zfs)) = (self.zfs.is_empty(), crate::local::zfs::zfs_from(cfg)) {
+            self.zfs.iter().for_each(|m| crate::local::zfs::destroy_clone(&zfs, m));
         }
         if let Ok(m) = store.find(&self.safety) {
             let _ = super::free(cfg, store, &m);
@@ -176,7 +177,8 @@ pub fn cleanup_worker(lock_fd: i32, spec: &str) -> Result<()> {
     let s = |k: &str| v[k].as_str().map(String::from);
     let cfg = Config::load()?;
     let store = ContainerStore::new(&cfg.store.path, &s("container").unwrap_or_default());
-    Leftover { safety: s("safety").unwrap_or_default(), clone: s("clone") }.remove_now(&cfg, &store);
+    let zfs = v["zfs"].as_array().map(|a| a.iter().filter_map(|m| m.as_str().map(String::from)).collect()).unwrap_or_default();
+    Leftover { safety: s("safety").unwrap_or_default(), zfs }.remove_now(&cfg, &store);
     Ok(())
 }
 
@@ -338,6 +340,10 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         Ok(s) => s,
         Err(e) => return Ok(InPlace::Refused { why: e.to_string(), safety: None }),
     };
+    // What the files need (ZFS: a snapshot of the frozen state, what changed, where) is found
+    // beside the safety statepoint and the page plan.
+    let scratch = store.dir.join("in-place-files");
+    let started = rootfs.in_place_start(&target.local_state, &scratch);
     progress.phase("safety statepoint of the current state");
     let safety = snapshot::take(
         ctx,
@@ -365,7 +371,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             root: PathBuf::from(format!("/proc/{pid}/root")),
             lowers: crate::local::zfs::layers::overlay_layers(&mounts, Path::new("/")).map(|l| l.lower).unwrap_or_default(),
             mounted: mounts.iter().filter_map(|m| Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)).collect(),
-            scratch: store.dir.join("in-place-files"),
+            scratch,
             now_snapshot: safety.local_state.zfs_snapshot.clone(),
         };
         // /dev, a tmpfs planarian keeps itself: put back only by a restore; in place, it must
@@ -379,7 +385,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
                 return Err(format!("/dev changed since the statepoint ({} entries)", differs.len()));
             }
         }
-        let files = rootfs.in_place(&sp_dir, &target.local_state, &at).map_err(|e| e.to_string())?;
+        let files = rootfs.in_place(&sp_dir, &target.local_state, &at, started).map_err(|e| e.to_string())?;
         Ok((plan()?, files))
     });
     let (plan, files) = match prepared {
@@ -439,7 +445,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             progress.done(&format!("{} pages written, {} dropped, {} system calls, {n} files", a.pages_written, a.pages_dropped, a.system_calls));
             let places_examined = files.sync.places;
             let leftover = match store.mark_discarded(&safety.statepoint_id) {
-                Ok(_) => Some(Leftover { safety: safety.statepoint_id.clone(), clone: files.hand_off() }),
+                Ok(_) => Some(Leftover { safety: safety.statepoint_id.clone(), zfs: files.hand_off() }),
                 Err(_) => {
                     forget_safety();
                     drop(files);

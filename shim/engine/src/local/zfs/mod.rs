@@ -29,7 +29,7 @@
 pub mod create;
 pub mod layers;
 
-use super::files::{InPlaceAt, InPlaceFiles, RestoreGuard, Rootfs};
+use super::files::{InPlaceAt, InPlaceFiles, InPlaceStart, RestoreGuard, Rootfs};
 use super::{Error, Result};
 use crate::config::Config;
 use crate::store::{ContainerStore, LocalState};
@@ -287,76 +287,170 @@ impl Rootfs for ZfsRootfs {
         self.restore_snapshot(snap)
     }
 
+    /// Started as soon as the container is frozen: [`find_in_place`] in a thread of its own,
+    /// beside the safety statepoint and the page plan.
+    fn in_place_start(&self, local: &LocalState, scratch: &Path) -> Option<InPlaceStart> {
+        let recorded = local.zfs_snapshot.clone()?;
+        let (zfs, d, scratch) = (self.zfs.clone(), self.map.dataset.clone(), scratch.to_path_buf());
+        let now = format!("{d}@planarian-inplace-now");
+        let made = vec![format!("{d}.planarian-inplace"), now.clone()];
+        let thread = {
+            let zfs = zfs.clone();
+            std::thread::spawn(move || find_in_place(&zfs, &d, &recorded, &scratch, Now::Take(now)))
+        };
+        Some(InPlaceStart(Box::new(Early { zfs, made, thread: Some(thread) })))
+    }
+
     /// zfs-fuse rolls a mounted dataset back only to its newest snapshot, and has neither
     /// `.zfs/snapshot` nor `zfs diff`: the statepoint's snapshot is cloned where it can be
     /// read, compared with the live dataset entry by entry (inode and ctime included) and the
-    /// differences written into the dataset. The clone goes when this is dropped.
-    fn in_place(&self, _sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Result<InPlaceFiles> {
+    /// differences written into the dataset. The clone (and the snapshot an early start took)
+    /// goes when this is dropped, or later ([`InPlaceFiles::hand_off`]).
+    fn in_place(&self, _sp_dir: &Path, local: &LocalState, at: &InPlaceAt, start: Option<InPlaceStart>) -> Result<InPlaceFiles> {
         let zfs = &self.zfs;
-        let recorded = local.zfs_snapshot.as_deref().ok_or(Error::NoZfsSnapshot)?;
-        let d = &self.map.dataset;
-        let name = recorded.rsplit('@').next().unwrap_or(recorded);
-        let snap = find_snapshot(zfs, d, name)?.ok_or_else(|| missing(name, d))?;
-        let live = mountpoint(zfs, d)?;
-        // What changed since the statepoint, from an incremental stream to the current state's
-        // snapshot: only those files are compared (a walk of every file over FUSE costs
-        // seconds); without it, everything is. And where those objects are now (zdb follows
-        // their parent pointers): only those places are examined. When a place cannot be
-        // trusted (a path that does not lead to its object), every directory is read instead.
-        // Found beside the clone's making, which does not need them.
-        type Found = (Option<std::collections::HashSet<u64>>, Option<(Vec<PathBuf>, Vec<PathBuf>)>);
-        let started = std::time::Instant::now();
-        let ms = |t: std::time::Duration| t.as_millis();
-        let (view, found, times) = std::thread::scope(|s| -> Result<(String, Found, String)> {
-            let finding = s.spawn(|| -> (Found, String) {
-                let Some(now) = at.now_snapshot.as_deref() else { return ((None, None), "no safety snapshot".into()) };
-                let t = std::time::Instant::now();
-                let Ok(changed) = zfs.changed_objects(&snap, now) else { return ((None, None), "no stream".into()) };
-                let streamed = t.elapsed();
-                let places = places(zfs, now, &changed, &live);
-                ((Some(changed), places), format!("stream {} ms, zdb and places {} ms", ms(streamed), ms(t.elapsed() - streamed)))
-            });
-            let view = format!("{d}.planarian-inplace");
-            let made = (|| -> Result<String> {
-                if zfs.exists(&view)? {
-                    zfs.destroy(&view, true)?;
-                }
-                std::fs::create_dir_all(&at.scratch).at("create", &at.scratch)?;
-                let mp = at.scratch.display().to_string();
-                zfs.clone_snapshot(&snap, &view, &[("mountpoint", &mp), ("readonly", "on")])?;
-                Ok(view)
-            })();
-            let cloned = started.elapsed();
-            let (found, times) = finding.join().unwrap_or(((None, None), "failed".into()));
-            Ok((made?, found, format!("clone {} ms; {times}", ms(cloned))))
-        })?;
+        let t = std::time::Instant::now();
+        let (found, made) = match start.and_then(|s| s.0.downcast::<Early>().ok()) {
+            Some(mut early) => {
+                let found = early.thread.take().expect("joined once").join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                (found, std::mem::take(&mut early.made))
+            }
+            None => {
+                let recorded = local.zfs_snapshot.as_deref().ok_or(Error::NoZfsSnapshot)?;
+                let now = at.now_snapshot.clone().map(Now::Have).unwrap_or(Now::None);
+                let view = format!("{}.planarian-inplace", self.map.dataset);
+                (find_in_place(zfs, &self.map.dataset, recorded, &at.scratch, now), vec![view])
+            }
+        };
+        let waited = t.elapsed();
         let cleanup = {
-            let (zfs, view) = (zfs.clone(), view.clone());
-            move || destroy_clone(&zfs, &view)
+            let (zfs, made) = (zfs.clone(), made.clone());
+            move || made.iter().for_each(|m| destroy_clone(&zfs, m))
         };
         let prepared = (|| {
+            let found = found?;
+            let (live, view) = (&found.live, &found.view);
             let mounted = sys::proc::own_mounts().ok().and_then(|m| zfs::dataset_mounted_at(&m, &at.scratch));
             if mounted.as_deref() != Some(view.as_str()) {
-                zfs.mount(&view)?;
+                zfs.mount(view)?;
             }
             let t = std::time::Instant::now();
-            let (changed, places) = found;
             // A file with other names is trusted only unchanged (then all its names are).
-            let places = places.filter(|(_, named)| named.iter().all(|rel| super::treesync::unchanged(&at.scratch, &live, rel)));
-            let planned = if let (Some(changed), Some((places, _))) = (&changed, places) {
-                super::treesync::plan_places(&at.scratch, &live, &live, &at.mounted, changed, &places).map_err(Error::InPlaceFiles)
+            let places = found.places.filter(|(_, named)| named.iter().all(|rel| super::treesync::unchanged(&at.scratch, live, rel)));
+            let planned = if let (Some(changed), Some((places, _))) = (&found.changed, places) {
+                super::treesync::plan_places(&at.scratch, live, live, &at.mounted, changed, &places).map_err(Error::InPlaceFiles)
             } else {
-                super::treesync::plan_changed(&at.scratch, &live, &live, &[], true, &at.mounted, changed.as_ref()).map_err(Error::InPlaceFiles)
+                super::treesync::plan_changed(&at.scratch, live, live, &[], true, &at.mounted, found.changed.as_ref()).map_err(Error::InPlaceFiles)
             };
-            crate::log::own_log("info", &format!("in place on ZFS: {times}; plan {} ms; {} ms in all", ms(t.elapsed()), ms(started.elapsed())));
+            crate::log::own_log("info", &format!("in place on ZFS: {}; waited for it {} ms; plan {} ms", found.times, waited.as_millis(), t.elapsed().as_millis()));
             planned
         })();
         match prepared {
-            Ok(sync) => Ok(InPlaceFiles { sync, cleanup: Some(Box::new(cleanup)), clone: Some(view) }),
+            Ok(sync) => Ok(InPlaceFiles { sync, cleanup: Some(Box::new(cleanup)), leftovers: made }),
             Err(e) => {
                 cleanup();
                 Err(e)
             }
+        }
+    }
+}
+
+/// The current state a rollback in place on ZFS compares with the statepoint.
+enum Now {
+    /// A snapshot of it to take (the container is frozen): the early start.
+    Take(String),
+    /// Its snapshot (the safety statepoint's).
+    Have(String),
+    /// None: every file is compared.
+    None,
+}
+
+/// What the files' part of a rollback in place on ZFS needs: the statepoint's snapshot cloned
+/// and mounted read-only where it can be read (`view`); what changed since the statepoint, from
+/// an incremental stream to the current state's snapshot, and where those objects are now
+/// (zdb follows their parent pointers). Only those places are examined; without them (or when
+/// a place cannot be trusted: a path that does not lead to its object) every directory is. The
+/// stream and zdb run beside the clone's making.
+struct Found {
+    live: PathBuf,
+    view: String,
+    changed: Option<std::collections::HashSet<u64>>,
+    places: Option<(Vec<PathBuf>, Vec<PathBuf>)>,
+    times: String,
+}
+
+fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: Now) -> Result<Found> {
+    let started = std::time::Instant::now();
+    let ms = |t: std::time::Duration| t.as_millis();
+    let name = recorded.rsplit('@').next().unwrap_or(recorded);
+    // The statepoint's snapshot is usually on the dataset; a rollback that swapped datasets may
+    // have left it on a retired one: looked for only when it is not there (and whatever the
+    // first try met in the way, removed).
+    let snap = format!("{d}@{name}");
+    let located = || -> Result<String> { find_snapshot(zfs, d, name)?.ok_or_else(|| missing(name, d)) };
+    let mounted = sys::proc::own_mounts().map(|ms| zfs::mounts_of(&ms, d)).unwrap_or_default();
+    let live = match &mounted[..] {
+        [one] => one.clone(),
+        _ => mountpoint(zfs, d)?,
+    };
+    let view = format!("{d}.planarian-inplace");
+    type Changes = (Option<std::collections::HashSet<u64>>, Option<(Vec<PathBuf>, Vec<PathBuf>)>);
+    let (made, (changes, times)) = std::thread::scope(|s| {
+        let finding = s.spawn(|| -> Result<(Changes, String)> {
+            let t = std::time::Instant::now();
+            let now = match now {
+                Now::Take(p) => {
+                    syncfs(&live)?;
+                    if zfs.snapshot(&p).is_err() {
+                        let _ = zfs.destroy_snapshot(&p);
+                        zfs.snapshot(&p)?;
+                    }
+                    p
+                }
+                Now::Have(p) => p,
+                Now::None => return Ok(((None, None), "no current snapshot".into())),
+            };
+            let snapped = t.elapsed();
+            let changed = zfs.changed_objects(&snap, &now).or_else(|_| Ok::<_, Error>(zfs.changed_objects(&located()?, &now)?));
+            let Ok(changed) = changed else { return Ok(((None, None), "no stream".into())) };
+            let streamed = t.elapsed();
+            let places = places(zfs, &now, &changed, &live);
+            let times = format!("snapshot {} ms, stream {} ms, zdb and places {} ms", ms(snapped), ms(streamed - snapped), ms(t.elapsed() - streamed));
+            Ok(((Some(changed), places), times))
+        });
+        let made = (|| -> Result<()> {
+            std::fs::create_dir_all(scratch).at("create", scratch)?;
+            let mp = scratch.display().to_string();
+            let props = [("mountpoint", mp.as_str()), ("readonly", "on")];
+            if zfs.clone_snapshot(&snap, &view, &props).is_err() {
+                if zfs.exists(&view)? {
+                    zfs.destroy(&view, true)?;
+                }
+                zfs.clone_snapshot(&located()?, &view, &props)?;
+            }
+            Ok(())
+        })()
+        .map(|()| started.elapsed());
+        (made, finding.join().unwrap_or_else(|p| std::panic::resume_unwind(p)).unwrap_or_else(|e| ((None, None), format!("not found: {e}"))))
+    });
+    let cloned = made?;
+    Ok(Found { live, view, changed: changes.0, places: changes.1, times: format!("clone {} ms; {times}; {} ms in all", ms(cloned), ms(started.elapsed())) })
+}
+
+/// An early start's thread, and what it makes: destroyed, unless taken by [`ZfsRootfs::in_place`],
+/// once the thread ends.
+struct Early {
+    zfs: Zfs,
+    made: Vec<String>,
+    thread: Option<std::thread::JoinHandle<Result<Found>>>,
+}
+
+impl Drop for Early {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        for m in &self.made {
+            destroy_clone(&self.zfs, m);
         }
     }
 }
@@ -404,8 +498,9 @@ fn places(zfs: &Zfs, now: &str, changed: &std::collections::HashSet<u64>, live: 
     Some((out, named))
 }
 
-/// Destroys the clone a rollback in place compared with. Destroying a clone unmounts it; FUSE
-/// may still hold the walked mount a moment: then it is unmounted first and tried again.
+/// Destroys the clone a rollback in place compared with (or the snapshot it took). Destroying a
+/// clone unmounts it; FUSE may still hold the walked mount a moment: then it is unmounted first
+/// and tried again.
 pub fn destroy_clone(zfs: &Zfs, view: &str) {
     for _ in 0..20 {
         if zfs.destroy(view, true).is_ok() || !zfs.exists(view).unwrap_or(false) {
