@@ -161,7 +161,9 @@ impl Leftover {
         if let (false, Ok(zfs)) = (self.zfs.is_empty(), crate::local::zfs::zfs_from(cfg)) {
             self.zfs.iter().for_each(|m| crate::local::zfs::destroy_clone(&zfs, m));
         }
-        if let Ok(m) = store.find(&self.safety) {
+        // (discarded already: `find` knows only committed statepoints)
+        let discarded = crate::store::read_manifest(&store.statepoint_dir(&self.safety).join("manifest.json"));
+        if let Some(m) = discarded.ok().filter(|m| m.status == crate::store::Status::Discarded) {
             let _ = super::free(cfg, store, &m);
         }
     }
