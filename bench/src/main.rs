@@ -372,7 +372,7 @@ fn timed_cost(f: &mut dyn FnMut() -> Result<(), String>) -> Result<Cost, String>
 /// and where the rollback's and the fork's time went (their phases, as they report them). With
 /// `spare`, also a spare of the fork's statepoint made (6th: its cost) and a fork that takes it
 /// (7th).
-fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare: bool) -> Result<([Cost; 7], String), String> {
+fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare: bool) -> Result<([Cost; 8], String), String> {
     let pid = std::process::id();
     let (ctr, fork) = (format!("plbench-{tag}-{pid}"), format!("plbench-{tag}-fork-{pid}"));
     let fork2 = format!("plbench-{tag}-fork2-{pid}");
@@ -382,7 +382,7 @@ fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare:
     }
     let mem_s = mem.to_string();
     run.extend(["localhost/planarian-test/debian", "python3", "-c", WORKLOAD, &mem_s]);
-    let result = (|| -> Result<([Cost; 7], String), String> {
+    let result = (|| -> Result<([Cost; 8], String), String> {
         run_quiet("podman", &run)?;
         run_quiet("podman", &["exec", &ctr, "sh", "-c", &format!(
             "mkdir -p /data && i=0; while [ $i -lt {files} ]; do head -c 1048576 /dev/urandom > /data/f$i; i=$((i+1)); done")])?;
@@ -409,13 +409,16 @@ fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare:
         let fork_cost = Cost { ms: t.elapsed().as_secs_f64() * 1e3, ..Cost::default() };
         dirty(&fork)?;
         let (_, after_fork) = snapshot_cost(&fork)?;
-        let (mut spare_cost, mut spare_fork) = (Cost::default(), Cost::default());
+        let (mut spare_cost, mut spare_fork, mut spare_own) = (Cost::default(), Cost::default(), Cost::default());
         if spare {
             spare_cost = timed_cost(&mut || run_quiet(PLANARIAN, &["spare", &ctr, &sp3, "--count", "1"]).map(drop))?;
             spare_fork = timed_cost(&mut || run_quiet(PLANARIAN, &["fork", &ctr, &sp3, "--name", &fork2]).map(drop))?;
             wait_file(&fork2, "/tmp/up")?;
+            // Another, taken under its own name (no --name: an unpause, no rename).
+            run_quiet(PLANARIAN, &["spare", &ctr, &sp3, "--count", "1"])?;
+            spare_own = timed_cost(&mut || run_quiet(PLANARIAN, &["fork", &ctr, &sp3]).map(drop))?;
         }
-        Ok(([second, rollback, after_rollback, fork_cost, after_fork, spare_cost, spare_fork], format!("{rollback_phases}\n{fork_phases}")))
+        Ok(([second, rollback, after_rollback, fork_cost, after_fork, spare_cost, spare_fork, spare_own], format!("{rollback_phases}\n{fork_phases}")))
     })();
     // (a spare left when the fork that should have taken it failed)
     let spares = run_quiet("podman", &["ps", "-a", "--filter", &format!("name={ctr}-spare-"), "--format", "{{.Names}}"]).unwrap_or_default();
@@ -493,8 +496,8 @@ fn chains(args: &[String]) -> i32 {
     // A fork on the caller's critical path: one that takes a spare made beforehand (while the
     // model is asked, say), against an incremental snapshot.
     println!(
-        "fork from a spare: {:.0} ms (the spare, made beforehand: {:.0} ms; a fork made on the spot: {:.0} ms); fork from a spare / incremental snapshot = {:.2}x",
-        p[6].ms, p[5].ms, p[3].ms, p[6].ms / p[0].ms
+        "fork from a spare: {:.0} ms (the spare, made beforehand: {:.0} ms; a fork made on the spot: {:.0} ms); fork from a spare / incremental snapshot = {:.2}x; under the spare's own name (no --name: an unpause): {:.0} ms = {:.2}x",
+        p[6].ms, p[5].ms, p[3].ms, p[6].ms / p[0].ms, p[7].ms, p[7].ms / p[0].ms
     );
     for (s, (tag, _)) in results.iter().zip(&systems) {
         for (i, c) in s.iter().take(names.len()).enumerate() {

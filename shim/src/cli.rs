@@ -372,9 +372,10 @@ pub struct ForkArgs {
     pub container: String,
     /// Its statepoint (id or name).
     pub statepoint: String,
-    /// The new container's name.
+    /// The new container's name. Without it, a spare of the statepoint keeps its own name (an
+    /// unpause, no rename), or the fork is made as CTR-fork-SP-K.
     #[arg(long)]
-    pub name: String,
+    pub name: Option<String>,
     /// Who asks for it.
     #[arg(long, value_enum, default_value = "user")]
     pub by: By,
@@ -652,7 +653,7 @@ mod tests {
         let s: SnapshotArgs = parse_verb("snapshot", &os(&["--description", "d", "agent", "--name", "n"])).unwrap();
         assert_eq!((s.container.as_str(), s.name.as_deref(), s.description.as_deref()), ("agent", Some("n"), Some("d")));
         let f: ForkArgs = parse_verb("fork", &os(&["agent", "sp1", "--name", "b"])).unwrap();
-        assert_eq!(f.name, "b");
+        assert_eq!(f.name.as_deref(), Some("b"));
     }
 
     #[test]

@@ -135,10 +135,10 @@ pub fn rollback(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     Ok(0)
 }
 
-/// `planarian fork CTR SP --name NEW`.
+/// `planarian fork CTR SP [--name NEW]`.
 pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::ForkArgs = parse!("fork", args);
-    let f = Fork::begin(&inv.globals(), &a.container, &a.statepoint, &a.name)?;
+    let f = Fork::begin(&inv.globals(), &a.container, &a.statepoint, a.name.as_deref())?;
     let (source, sp) = (f.source.name.clone(), f.target.statepoint_id.clone());
     let mut progress = StderrProgress::start(&f.title());
     let (new, ctx) = f.run(&mut progress, a.by.into())?;
@@ -148,7 +148,7 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
         v["container-id"] = serde_json::json!(new.id);
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
-        println!("{} forked from {source} at {sp} ({})", a.name, new.id);
+        println!("{} forked from {source} at {sp} ({})", ctx.container, new.id);
     }
     Ok(0)
 }

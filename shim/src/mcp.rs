@@ -239,7 +239,7 @@ impl Server {
     fn fork(&self, args: &Value) -> Result<String, Failure> {
         let sp = required(args, "statepoint")?;
         let name = required(args, "name")?;
-        let f = Fork::begin(&self.globals, &self.id, &sp, &name)?;
+        let f = Fork::begin(&self.globals, &self.id, &sp, Some(&name))?;
         let (_, ctx) = f.run(&mut Silent, Actor::Agent)?;
         Ok(format!("{}The sandbox {} continues unchanged; the fork is {name}.", ctx.text(), self.name))
     }

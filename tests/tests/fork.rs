@@ -16,6 +16,13 @@ fn fork(src: &Sandbox, sp: &str, tag: &str) -> (Sandbox, Option<String>) {
     (Sandbox::attach(&new), ctx["how"]["path"].as_str().map(String::from))
 }
 
+/// The spares of `sp` registered in `src`'s store.
+fn registered_spares(src: &Sandbox, sp: &str) -> Vec<std::path::PathBuf> {
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &src.name]).ok().out();
+    let dir = std::path::Path::new("/var/lib/planarian/containers").join(id).join("spares").join(sp);
+    std::fs::read_dir(dir).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default()
+}
+
 fn status(name: &str) -> Run {
     podman("planarian", &["inspect", "--format", "{{.State.Status}}", name])
 }
@@ -51,8 +58,14 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     assert_eq!((how_a.as_deref(), how_b.as_deref()), (Some("spare"), Some("spare")));
     assert!(status(&spares[0]).code != Some(0) && status(&spares[1]).code != Some(0), "handed out under their new names");
     assert_eq!(status(&spares[2]).out(), "paused");
-    assert_eq!(spare(&src, &sp, 0), Vec::<String>::new());
-    assert_ne!(status(&spares[2]).code, Some(0), "--count 0 removed the spare left");
+    // Without a name, a fork takes the spare left under its own name (an unpause, no rename).
+    let r = cmd(planarian_bin().to_str().unwrap(), ["fork", &src.name, &sp, "--json"]);
+    r.ok();
+    let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!((ctx["container"].as_str(), ctx["how"]["path"].as_str()), (Some(spares[2].as_str()), Some("spare")), "{ctx}");
+    assert_eq!(status(&spares[2]).out(), "running");
+    assert_eq!(Sandbox::attach(&spares[2]).state(), at_sp, "the spare kept under its name starts at the statepoint");
+    assert!(registered_spares(&src, &sp).is_empty(), "no spare left registered");
     let ps = podman("planarian", &["ps", "--format", "{{.Names}}"]).stdout;
     assert!(ps.contains(&a.name) && ps.contains(&b.name) && ps.contains(&src.name), "{ps}");
     for f in [&mut a, &mut b] {
@@ -86,7 +99,11 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     assert_eq!(src.send("tick").checksum, src_state.checksum);
     assert_eq!(src.sh("cat /root/f").stdout, "src\n");
 
-    // Removing the statepoint removes its spares.
+    // `--count 0` removes a statepoint's spares; removing the statepoint removes them too.
+    let gone = spare(&src, &sp, 1);
+    let _c0 = Cleanup(gone[0].clone());
+    assert_eq!(spare(&src, &sp, 0), Vec::<String>::new());
+    assert_ne!(status(&gone[0]).code, Some(0), "--count 0 removed the spare");
     let last = spare(&src, &sp, 1);
     let _c1 = Cleanup(last[0].clone());
     assert_eq!(status(&last[0]).out(), "paused");

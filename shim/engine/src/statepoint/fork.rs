@@ -34,7 +34,8 @@ use sys::Context;
 pub struct Fork {
     pub source: PodmanContainer,
     pub target: Manifest,
-    pub name: String,
+    /// The new container's name, when one was asked for.
+    pub name: Option<String>,
     pub(super) src_store: ContainerStore,
     pub(super) cfg: Config,
     pub(super) globals: Globals,
@@ -42,35 +43,36 @@ pub struct Fork {
 
 impl Fork {
     /// Finds container `name`'s committed statepoint `statepoint`; refuses a new name taken.
-    pub fn begin(globals: &Globals, container: &str, statepoint: &str, new_name: &str) -> Result<Fork> {
+    /// Without `new_name`, the fork takes a spare under the spare's own name, or is made as the
+    /// first free `CTR-fork-SP-K`.
+    pub fn begin(globals: &Globals, container: &str, statepoint: &str, new_name: Option<&str>) -> Result<Fork> {
         let source = super::planarian_container(globals, container)?;
         let cfg = Config::load()?;
         let src_store = ContainerStore::new(&cfg.store.path, &source.id);
         let target = src_store.find(statepoint)?;
         // containers/storage's records hold every container's names (Podman's too): Podman is
         // asked only when they cannot be read.
-        let taken = lookup::storage_entry(new_name).is_some() || (!lookup::storage_readable() && podman::inspect(new_name).is_ok());
-        if taken {
+        if let Some(new_name) = new_name.filter(|n| taken(n)) {
             return Err(Error::ContainerExists(new_name.to_string()));
         }
-        Ok(Fork { source, target, name: new_name.to_string(), src_store, cfg, globals: globals.clone() })
+        Ok(Fork { source, target, name: new_name.map(String::from), src_store, cfg, globals: globals.clone() })
     }
 
     /// `forking agent at sp3 (deps-installed) into agent-b`.
     pub fn title(&self) -> String {
-        format!("forking {} at {} into {}", self.source.name, describe(&self.target), self.name)
+        format!("forking {} at {} into {}", self.source.name, describe(&self.target), self.name.as_deref().unwrap_or("a spare or a new container"))
     }
 
     /// Runs it: the new container, running, and its restore context (kept in its store); the
     /// source statepoint gets a note naming the fork. On failure nothing is left (no container,
     /// no store).
     pub fn run(self, progress: &mut dyn Progress, by: Actor) -> Result<(PodmanContainer, RestoreContext)> {
-        let name = self.name.as_str();
         // A spare of the statepoint, restored and paused beforehand, is handed out when there is
-        // one (a rename and an unpause); otherwise the fork is made now.
+        // one (a rename, unless it keeps its name, and an unpause); otherwise the fork is made now.
         let handed = match super::spares::claim(&self.src_store, &self.target.statepoint_id) {
             Some(spare) => {
-                progress.phase("a spare of the statepoint (podman rename + unpause)");
+                let name = self.name.as_deref().unwrap_or(&spare.name);
+                progress.phase(if name == spare.name { "a spare of the statepoint, under its own name (podman unpause)" } else { "a spare of the statepoint (podman rename + unpause)" });
                 match super::spares::hand_out(&self.globals, &self.cfg, &self.source, &spare, name) {
                     Ok(x) => Some(x),
                     Err(e) => {
@@ -83,8 +85,14 @@ impl Fork {
         };
         let (new, ctx) = match handed {
             Some(x) => x,
-            None => self.make(progress)?,
+            None => {
+                let name = self.name.clone().unwrap_or_else(|| {
+                    (1..).map(|k| format!("{}-fork-{}-{k}", self.source.name, self.target.statepoint_id)).find(|n| !taken(n)).expect("some K is free")
+                });
+                self.make(&name, progress)?
+            }
         };
+        let name = ctx.container.as_str();
         {
             // Beside the source's tool calls: its lock shared, and the notes lock.
             let _lock = (self.src_store.lock(false), self.src_store.notes_lock());
@@ -96,8 +104,8 @@ impl Fork {
 
     /// Makes the new container, running, and its restore context (kept in its store). On
     /// failure nothing is left (no container, no store).
-    pub(super) fn make(&self, progress: &mut dyn Progress) -> Result<(PodmanContainer, RestoreContext)> {
-        let (src, cfg, name) = (&self.source, &self.cfg, self.name.as_str());
+    pub(super) fn make(&self, name: &str, progress: &mut dyn Progress) -> Result<(PodmanContainer, RestoreContext)> {
+        let (src, cfg) = (&self.source, &self.cfg);
         // A clone gets the engine's default runtime unless told: the fork must run on planarian too.
         progress.phase("new container (podman container clone)");
         podman::run(&["--runtime", &src.runtime, "container", "clone", &src.id, name])?;
@@ -128,6 +136,12 @@ impl Fork {
         let _ = ctx.save(&ContainerStore::new(&cfg.store.path, &new.id));
         Ok((new, ctx))
     }
+}
+
+/// Whether a container already has name `n`: containers/storage's records hold every container's
+/// names (Podman's too); Podman is asked only when they cannot be read.
+fn taken(n: &str) -> bool {
+    lookup::storage_entry(n).is_some() || (!lookup::storage_readable() && podman::inspect(n).is_ok())
 }
 
 /// Removes fork `name` of `src` and everything it was given: the container, its store, its

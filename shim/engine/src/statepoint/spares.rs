@@ -115,9 +115,9 @@ pub fn fill(pool: Pool, count: usize, progress: &mut dyn Progress) -> Result<Vec
     }
     while have.len() < count {
         let name = free_name(&source.name, &sp);
-        let fork = Fork::begin(&globals, &source.id, &sp, &name)?;
+        let fork = Fork::begin(&globals, &source.id, &sp, Some(&name))?;
         progress.phase(&format!("spare {name}: {}", fork.title()));
-        let (new, _) = fork.make(progress)?;
+        let (new, _) = fork.make(&name, progress)?;
         progress.phase(&format!("spare {name}: paused (podman pause)"));
         let spare = Spare { id: new.id, name };
         if let Err(e) = podman::run(&["pause", &spare.id]).map_err(Error::from).and_then(|()| register(&store, &sp, &spare)) {
@@ -153,11 +153,14 @@ pub fn claim(store: &ContainerStore, sp: &str) -> Option<Spare> {
     registered(store, sp).into_iter().find(|s| unregister(store, sp, s))
 }
 
-/// Hands claimed spare `s` out as `name`: renamed and unpaused, its restore context saying so. On failure the spare is removed (the caller forks anew).
+/// Hands claimed spare `s` out as `name`: renamed (unless that is its name) and unpaused, its
+/// restore context saying so. On failure the spare is removed (the caller forks anew).
 pub fn hand_out(globals: &Globals, cfg: &Config, src: &PodmanContainer, s: &Spare, name: &str) -> Result<(PodmanContainer, RestoreContext)> {
     let out = (|| {
         // (Both at once measured no faster: Podman's two processes share two CPUs and its locks.)
-        podman::run(&["rename", &s.id, name])?;
+        if name != s.name {
+            podman::run(&["rename", &s.id, name])?;
+        }
         podman::run(&["unpause", &s.id])?;
         let new = super::planarian_container(globals, &s.id)?;
         let store = ContainerStore::new(&cfg.store.path, &new.id);
