@@ -245,17 +245,20 @@ class Sandbox:
     def fork(self, statepoint: str, count: Optional[int] = None, names: Optional[Sequence[str]] = None) -> List[Union["Sandbox", ForkError]]:
         """``count`` new sandboxes from one statepoint (one per name when names are given, else
         one); one result per fork: the sandbox (with its ``context``), or the :class:`ForkError`
-        that says why that one failed."""
+        that says why that one failed. Without names, each fork takes a spare of the statepoint
+        under the spare's own name (an unpause: see :meth:`spare`), or is made as
+        ``NAME-fork-SP-K``; its name is the sandbox's."""
         if count is None:
             count = len(names) if names else 1
-        names = list(names) if names else [f"{self.name}-fork-{i + 1}" for i in range(count)]
-        if len(names) != count:
+        wanted: List[Optional[str]] = list(names) if names else [None] * count
+        if len(wanted) != count:
             raise ValueError("give one name per fork")
         out: List[Union[Sandbox, ForkError]] = []
-        for n in names:
+        for n in wanted:
             try:
-                ctx = RestoreContext.from_json(self._cli.planarian_json("fork", self.name, statepoint, "--name", n, "--by", "harness", "--json"))
-                sb = Sandbox(n, self._cli)
+                named = ["--name", n] if n else []
+                ctx = RestoreContext.from_json(self._cli.planarian_json("fork", self.name, statepoint, *named, "--by", "harness", "--json"))
+                sb = Sandbox(n or ctx.container, self._cli)
                 sb.context = ctx  # type: ignore[attr-defined]
                 out.append(sb)
             except PlanarianError as e:

@@ -101,6 +101,11 @@ class CommandLines(unittest.TestCase):
         self.assertEqual(len(results), 2)
         self.assertTrue(all(isinstance(r, ForkError) for r in results))
         self.assertEqual(str(results[0]), "a container named agent-fork-1 already exists")
+        # Without names the CLI names each fork (a spare keeps its own name).
+        self.assertEqual(self.calls()[-2:], ["fork agent sp1 --by harness --json"] * 2)
+        self.answer(json.dumps(dict(CONTEXT, operation="fork", container="agent-spare-sp1-1", how={"path": "spare"})))
+        (s,) = sb.fork("sp1")
+        self.assertEqual((s.name, s.context.how), ("agent-spare-sp1-1", {"path": "spare"}))
         self.answer(json.dumps(dict(CONTEXT, operation="fork", container="b")))
         (b,) = sb.fork("sp1", names=["b"])
         self.assertEqual((b.name, b.context.operation), ("b", "fork"))
