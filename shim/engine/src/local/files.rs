@@ -44,8 +44,6 @@ pub struct InPlaceAt {
     pub mounted: Vec<std::path::PathBuf>,
     /// A directory the backend may use.
     pub scratch: std::path::PathBuf,
-    /// The ZFS snapshot of the current state (the safety statepoint's), when there is one.
-    pub now_snapshot: Option<String>,
 }
 
 /// The files' part of a rollback in place, prepared: applied, or dropped (what it set up to

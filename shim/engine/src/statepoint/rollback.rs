@@ -374,7 +374,6 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             lowers: crate::local::zfs::layers::overlay_layers(&mounts, Path::new("/")).map(|l| l.lower).unwrap_or_default(),
             mounted: mounts.iter().filter_map(|m| Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)).collect(),
             scratch,
-            now_snapshot: safety.local_state.zfs_snapshot.clone(),
         };
         // /dev, a tmpfs planarian keeps itself: put back only by a restore; in place, it must
         // be as it was.

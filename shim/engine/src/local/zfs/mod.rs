@@ -296,7 +296,7 @@ impl Rootfs for ZfsRootfs {
         let made = vec![format!("{d}.planarian-inplace"), now.clone()];
         let thread = {
             let zfs = zfs.clone();
-            std::thread::spawn(move || find_in_place(&zfs, &d, &recorded, &scratch, Now::Take(now)))
+            std::thread::spawn(move || find_in_place(&zfs, &d, &recorded, &scratch, &now))
         };
         Some(InPlaceStart(Box::new(Early { zfs, made, thread: Some(thread) })))
     }
@@ -309,18 +309,11 @@ impl Rootfs for ZfsRootfs {
     fn in_place(&self, _sp_dir: &Path, local: &LocalState, at: &InPlaceAt, start: Option<InPlaceStart>) -> Result<InPlaceFiles> {
         let zfs = &self.zfs;
         let t = std::time::Instant::now();
-        let (found, made) = match start.and_then(|s| s.0.downcast::<Early>().ok()) {
-            Some(mut early) => {
-                let found = early.thread.take().expect("joined once").join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-                (found, std::mem::take(&mut early.made))
-            }
-            None => {
-                let recorded = local.zfs_snapshot.as_deref().ok_or(Error::NoZfsSnapshot)?;
-                let now = at.now_snapshot.clone().map(Now::Have).unwrap_or(Now::None);
-                let view = format!("{}.planarian-inplace", self.map.dataset);
-                (find_in_place(zfs, &self.map.dataset, recorded, &at.scratch, now), vec![view])
-            }
-        };
+        // (not begun early: begun now)
+        let start = start.or_else(|| self.in_place_start(local, &at.scratch)).ok_or(Error::NoZfsSnapshot)?;
+        let mut early = start.0.downcast::<Early>().map_err(|_| Error::InPlaceFiles("not a ZFS start".into()))?;
+        let found = early.thread.take().expect("joined once").join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        let made = std::mem::take(&mut early.made);
         let waited = t.elapsed();
         let cleanup = {
             let (zfs, made) = (zfs.clone(), made.clone());
@@ -354,16 +347,6 @@ impl Rootfs for ZfsRootfs {
     }
 }
 
-/// The current state a rollback in place on ZFS compares with the statepoint.
-enum Now {
-    /// A snapshot of it to take (the container is frozen): the early start.
-    Take(String),
-    /// Its snapshot (the safety statepoint's).
-    Have(String),
-    /// None: every file is compared.
-    None,
-}
-
 /// What the files' part of a rollback in place on ZFS needs: the statepoint's snapshot cloned
 /// and mounted read-only where it can be read (`view`); what changed since the statepoint, from
 /// an incremental stream to the current state's snapshot, and where those objects are now
@@ -378,7 +361,7 @@ struct Found {
     times: String,
 }
 
-fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: Now) -> Result<Found> {
+fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: &str) -> Result<Found> {
     let started = std::time::Instant::now();
     let ms = |t: std::time::Duration| t.as_millis();
     let name = recorded.rsplit('@').next().unwrap_or(recorded);
@@ -397,23 +380,17 @@ fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: Now) -
     let (made, (changes, times)) = std::thread::scope(|s| {
         let finding = s.spawn(|| -> Result<(Changes, String)> {
             let t = std::time::Instant::now();
-            let now = match now {
-                Now::Take(p) => {
-                    syncfs(&live)?;
-                    if zfs.snapshot(&p).is_err() {
-                        let _ = zfs.destroy_snapshot(&p);
-                        zfs.snapshot(&p)?;
-                    }
-                    p
-                }
-                Now::Have(p) => p,
-                Now::None => return Ok(((None, None), "no current snapshot".into())),
-            };
+            // The frozen state's snapshot (one a crashed rollback left is replaced).
+            syncfs(&live)?;
+            if zfs.snapshot(now).is_err() {
+                let _ = zfs.destroy_snapshot(now);
+                zfs.snapshot(now)?;
+            }
             let snapped = t.elapsed();
-            let changed = zfs.changed_objects(&snap, &now).or_else(|_| Ok::<_, Error>(zfs.changed_objects(&located()?, &now)?));
+            let changed = zfs.changed_objects(&snap, now).or_else(|_| Ok::<_, Error>(zfs.changed_objects(&located()?, now)?));
             let Ok(changed) = changed else { return Ok(((None, None), "no stream".into())) };
             let streamed = t.elapsed();
-            let places = places(zfs, &now, &changed, &live);
+            let places = places(zfs, now, &changed, &live);
             let times = format!("snapshot {} ms, stream {} ms, zdb and places {} ms", ms(snapped), ms(streamed - snapped), ms(t.elapsed() - streamed));
             Ok(((Some(changed), places), times))
         });
@@ -466,9 +443,7 @@ fn places(zfs: &Zfs, now: &str, changed: &std::collections::HashSet<u64>, live: 
     let mut objects: Vec<u64> = changed.iter().copied().chain([1]).collect();
     objects.sort_unstable();
     objects.dedup();
-    let t = std::time::Instant::now();
     let infos = zfs.object_paths(now, &objects).map_err(|e| crate::log::own_log("warning", &format!("in place: where the changed objects are: {e}"))).ok()?;
-    crate::log::own_log("info", &format!("in place on ZFS: zdb {} ms for {} objects", t.elapsed().as_millis(), objects.len()));
     let root = infos.iter().find_map(|o| o.root)?;
     let (mut out, mut named) = (Vec::new(), Vec::new());
     for o in infos.into_iter().filter(|o| changed.contains(&o.object)) {
