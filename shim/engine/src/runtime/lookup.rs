@@ -42,22 +42,30 @@ pub struct Entry {
 /// The container `name` (a name, a full ID, or an unambiguous ID prefix) in containers/storage's
 /// records under `graphroot`; `None` when they do not say.
 pub fn storage_entry_in(graphroot: &Path, name: &str) -> Option<Entry> {
+    scan(graphroot, name).1
+}
+
+/// Whether containers/storage's records could be read at all under `graphroot` (else they say
+/// nothing of any name), and the container `name` in them.
+fn scan(graphroot: &Path, name: &str) -> (bool, Option<Entry>) {
     let entry = |driver: &str, c: &serde_json::Value, id: &str| Entry {
         id: id.to_string(),
         name: c["names"].as_array().and_then(|ns| ns.first()?.as_str()).unwrap_or(id).to_string(),
         upperdir: c["layer"].as_str().filter(|_| driver == "overlay").map(|l| graphroot.join(driver).join(l).join("diff")),
     };
-    let mut found: Vec<Entry> = Vec::new();
-    for dir in std::fs::read_dir(graphroot).ok()?.flatten() {
+    let (mut found, mut readable): (Vec<Entry>, bool) = (Vec::new(), false);
+    let Ok(dirs) = std::fs::read_dir(graphroot) else { return (false, None) };
+    for dir in dirs.flatten() {
         let file_name = dir.file_name();
         let Some(driver) = file_name.to_str().and_then(|n| n.strip_suffix("-containers")) else { continue };
         let Ok(data) = std::fs::read(dir.path().join("containers.json")) else { continue };
         let Ok(serde_json::Value::Array(list)) = serde_json::from_slice(&data) else { continue };
+        readable = true;
         for c in &list {
             let Some(id) = c["id"].as_str() else { continue };
             let named = c["names"].as_array().is_some_and(|ns| ns.iter().any(|n| n.as_str() == Some(name)));
             if named || id == name {
-                return Some(entry(driver, c, id));
+                return (true, Some(entry(driver, c, id)));
             }
             if name.len() >= 3 && id.starts_with(name) && !found.iter().any(|f| f.id == id) {
                 found.push(entry(driver, c, id));
@@ -65,8 +73,8 @@ pub fn storage_entry_in(graphroot: &Path, name: &str) -> Option<Entry> {
         }
     }
     match <[Entry; 1]>::try_from(found) {
-        Ok([one]) => Some(one),
-        Err(_) => None,
+        Ok([one]) => (true, Some(one)),
+        Err(_) => (readable, None),
     }
 }
 
@@ -74,10 +82,14 @@ pub fn storage_entry(name: &str) -> Option<Entry> {
     storage_entry_in(&graphroot(), name)
 }
 
-/// Whether containers/storage has a record of containers to read here at all (else only
-/// Podman can say whether a name is taken).
-pub fn storage_readable() -> bool {
-    std::fs::read_dir(graphroot()).is_ok_and(|d| d.flatten().any(|e| e.file_name().to_string_lossy().ends_with("-containers") && e.path().join("containers.json").is_file()))
+/// Whether a container has name (or ID, or ID prefix) `name`, by containers/storage's records,
+/// which hold every container's names (Podman's too); `None` when there are none to read.
+pub fn name_taken(name: &str) -> Option<bool> {
+    match scan(&graphroot(), name) {
+        (_, Some(_)) => Some(true),
+        (true, None) => Some(false),
+        (false, None) => None,
+    }
 }
 
 pub fn storage_id(name: &str) -> Option<String> {
@@ -132,6 +144,9 @@ mod tests {
         assert_eq!(storage_entry_in(&root, "ab").map(|e| e.id), None);
         assert_eq!(storage_entry_in(&root, "nobody").map(|e| e.id), None);
         assert_eq!(storage_entry_in(&root.join("missing"), "agent"), None);
+        // Whether the records could be read at all: an unknown name is free only then.
+        assert_eq!(scan(&root, "nobody"), (true, None));
+        assert_eq!(scan(&root.join("missing"), "nobody"), (false, None));
         // What Podman's inspect says of them: the first name, the overlay's upper directory.
         let other = storage_entry_in(&root, "other").unwrap();
         assert_eq!((other.name.as_str(), other.upperdir), ("agent-b", None));

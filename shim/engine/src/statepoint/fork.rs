@@ -50,8 +50,6 @@ impl Fork {
         let cfg = Config::load()?;
         let src_store = ContainerStore::new(&cfg.store.path, &source.id);
         let target = src_store.find(statepoint)?;
-        // containers/storage's records hold every container's names (Podman's too): Podman is
-        // asked only when they cannot be read.
         if let Some(new_name) = new_name.filter(|n| taken(n)) {
             return Err(Error::ContainerExists(new_name.to_string()));
         }
@@ -86,9 +84,7 @@ impl Fork {
         let (new, ctx) = match handed {
             Some(x) => x,
             None => {
-                let name = self.name.clone().unwrap_or_else(|| {
-                    (1..).map(|k| format!("{}-fork-{}-{k}", self.source.name, self.target.statepoint_id)).find(|n| !taken(n)).expect("some K is free")
-                });
+                let name = self.name.clone().unwrap_or_else(|| free_name(&format!("{}-fork-{}", self.source.name, self.target.statepoint_id)));
                 self.make(&name, progress)?
             }
         };
@@ -138,10 +134,15 @@ impl Fork {
     }
 }
 
-/// Whether a container already has name `n`: containers/storage's records hold every container's
-/// names (Podman's too); Podman is asked only when they cannot be read.
+/// Whether a container already has name `n`: Podman is asked only when containers/storage's
+/// records cannot be read.
 fn taken(n: &str) -> bool {
-    lookup::storage_entry(n).is_some() || (!lookup::storage_readable() && podman::inspect(n).is_ok())
+    lookup::name_taken(n).unwrap_or_else(|| podman::inspect(n).is_ok())
+}
+
+/// The first free `STEM-K` (K = 1, 2, …).
+pub(super) fn free_name(stem: &str) -> String {
+    (1..).map(|k| format!("{stem}-{k}")).find(|n| !taken(n)).expect("some K is free")
 }
 
 /// Removes fork `name` of `src` and everything it was given: the container, its store, its

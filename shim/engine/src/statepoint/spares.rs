@@ -69,10 +69,6 @@ fn usable(s: &Spare) -> bool {
     podman::inspect(&s.id).is_ok_and(|c| c.status == "paused")
 }
 
-/// The first free `CTR-spare-SP-K`.
-fn free_name(src: &str, sp: &str) -> String {
-    (1..).map(|k| format!("{src}-spare-{sp}-{k}")).find(|n| podman::inspect(n).is_err()).expect("some K is free")
-}
 
 /// The spares of one committed statepoint of a planarian container.
 pub struct Pool {
@@ -114,7 +110,7 @@ pub fn fill(pool: Pool, count: usize, progress: &mut dyn Progress) -> Result<Vec
         }
     }
     while have.len() < count {
-        let name = free_name(&source.name, &sp);
+        let name = super::fork::free_name(&format!("{}-spare-{sp}", source.name));
         let fork = Fork::begin(&globals, &source.id, &sp, Some(&name))?;
         progress.phase(&format!("spare {name}: {}", fork.title()));
         let (new, _) = fork.make(&name, progress)?;
