@@ -496,7 +496,7 @@ fn chains(args: &[String]) -> i32 {
     // A fork on the caller's critical path: one that takes a spare made beforehand (while the
     // model is asked, say), against an incremental snapshot.
     println!(
-        "fork from a spare: {:.0} ms (the spare, made beforehand: {:.0} ms; a fork made on the spot: {:.0} ms); fork from a spare / incremental snapshot = {:.2}x; under the spare's own name (no --name: an unpause): {:.0} ms = {:.2}x",
+        "fork from a spare: {:.0} ms (the spare, made beforehand: {:.0} ms; a fork made on the spot: {:.0} ms); fork from a spare / incremental snapshot = {:.2}x; under the spare's own name (no --name: a thaw): {:.0} ms = {:.2}x",
         p[6].ms, p[5].ms, p[3].ms, p[6].ms / p[0].ms, p[7].ms, p[7].ms / p[0].ms
     );
     for (s, (tag, _)) in results.iter().zip(&systems) {

@@ -246,7 +246,7 @@ class Sandbox:
         """``count`` new sandboxes from one statepoint (one per name when names are given, else
         one); one result per fork: the sandbox (with its ``context``), or the :class:`ForkError`
         that says why that one failed. Without names, each fork takes a spare of the statepoint
-        under the spare's own name (an unpause: see :meth:`spare`), or is made as
+        under the spare's own name (a thaw: see :meth:`spare`), or is made as
         ``NAME-fork-SP-K``; its name is the sandbox's."""
         if count is None:
             count = len(names) if names else 1
@@ -275,9 +275,9 @@ class Sandbox:
             ex.shutdown(wait=False)
 
     def spare(self, statepoint: str, count: int = 1) -> List[str]:
-        """Keeps ``count`` forks of ``statepoint`` ready, restored and paused (``0`` removes them):
-        a later :meth:`fork` of it takes one, which costs a rename and an unpause instead of a
-        restore. Returns the spares' names."""
+        """Keeps ``count`` forks of ``statepoint`` ready, restored and frozen (``0`` removes them):
+        a later :meth:`fork` of it takes one, which costs a thaw (and a rename, when named) instead
+        of a restore. Returns the spares' names."""
         out = self._cli.run([self._cli.planarian, "spare", self.name, statepoint, "--count", str(int(count))])
         return [line.split(" ", 1)[0] for line in out.splitlines() if line.strip()]
 

@@ -122,7 +122,7 @@ class CommandLines(unittest.TestCase):
 
     def test_spare_asks_for_a_count_and_returns_the_names(self):
         sb = Sandbox("agent", self.cli)
-        self.answer("agent-spare-sp1-1 (0123456789ab, paused)\nagent-spare-sp1-2 (ba9876543210, paused)\n")
+        self.answer("agent-spare-sp1-1 (0123456789ab, frozen)\nagent-spare-sp1-2 (ba9876543210, frozen)\n")
         self.assertEqual(sb.spare("sp1", 2), ["agent-spare-sp1-1", "agent-spare-sp1-2"])
         self.answer("")
         self.assertEqual(sb.spare_async("sp1", 0).result(timeout=60), [])

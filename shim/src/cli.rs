@@ -372,8 +372,8 @@ pub struct ForkArgs {
     pub container: String,
     /// Its statepoint (id or name).
     pub statepoint: String,
-    /// The new container's name. Without it, a spare of the statepoint keeps its own name (an
-    /// unpause, no rename), or the fork is made as CTR-fork-SP-K.
+    /// The new container's name. Without it, a spare of the statepoint keeps its own name (a
+    /// thaw, no rename), or the fork is made as CTR-fork-SP-K.
     #[arg(long)]
     pub name: Option<String>,
     /// Who asks for it.
@@ -388,7 +388,7 @@ pub struct ForkArgs {
 #[derive(clap::Parser, Debug)]
 #[command(
     name = "planarian spare",
-    about = "Keep forks of a statepoint ready, restored and paused, so that `planarian fork` of it is a rename and an unpause"
+    about = "Keep forks of a statepoint ready, restored and frozen, so that `planarian fork` of it is a thaw (and a rename)"
 )]
 pub struct SpareArgs {
     /// The container.

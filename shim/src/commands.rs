@@ -161,7 +161,7 @@ pub fn spare(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let spares = statepoint::spares::fill(pool, a.count, &mut progress)?;
     progress.finish();
     for s in spares {
-        println!("{} ({}, paused)", s.name, statepoint::short(&s.id));
+        println!("{} ({}, frozen)", s.name, statepoint::short(&s.id));
     }
     Ok(0)
 }

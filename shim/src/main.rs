@@ -168,7 +168,7 @@ Statepoints (each verb has --help):
   snapshot CTR [--name N] [--description D] [--state FILE|-] [--async]   a statepoint of a running container
   rollback CTR STATEPOINT [--reason R] [--json]   processes, files, remote state back to it
   fork CTR STATEPOINT [--name NEW] [--json]       a new container running from a statepoint
-  spare CTR STATEPOINT [--count N]                keep N forks of it ready (restored, paused)
+  spare CTR STATEPOINT [--count N]                keep N forks of it ready (restored, frozen)
   statepoint list CTR [--json] | show CTR SP | set CTR SP [--name N] [--description D]
              [--outcome TEXT --status S --by W --reward R] | wait CTR SP | context CTR | rm CTR SP...
   ledger CTR [--json] [--max-chars N]          the statepoints as a tree, with their evidence

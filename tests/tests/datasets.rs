@@ -5,7 +5,11 @@
 
 use planarian_system_tests::sandbox::Sandbox;
 use planarian_system_tests::*;
+use std::path::Path;
 use std::time::Duration;
+
+/// planarian's fault file (see the faults tests).
+const FAULT: &str = "/run/planarian/fault";
 
 fn pool() -> Option<String> {
     zfs_test_pool()
@@ -164,9 +168,11 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
 
 /// A rollback in place on ZFS puts back exactly the statepoint's tree: every entry's type,
 /// mode, owner, size, times (directories' too) and content, after files were changed, appended,
-/// removed (a directory at the root too), renamed, re-typed, created in new directories. Only the places of the objects that
-/// changed are examined (zdb tells where they are); a file with two names that changed makes it
-/// compare every directory, with the same result.
+/// removed (a directory at the root too), renamed, re-typed, created in new directories. Only the
+/// places of the objects that changed are examined, found through the znodes the incremental
+/// stream carries; where that needs more than a bounded search (a file deep below directories
+/// nothing else changed near), zdb tells, and the next time the place is known. A file with two
+/// names that changed makes it compare every directory, with the same result.
 #[test]
 fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     require_stack!();
@@ -176,10 +182,12 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     let mut sb = Sandbox::start("zfsinplace", 8, &["--annotation", &ann]);
     sb.sh("mkdir -p /work/a/b/c /work/d /work/e/f && for i in $(seq 1 100); do echo $i > /work/a/b/f$i; done \
            && echo x > /work/a/b/c/deep && echo top > /work/d/top && ln -s ../d /work/e/l && echo h > /work/hard && ln /work/hard /work/d/hard2 \
-           && mkfifo /work/fifo && chmod 751 /work/d && mkdir /proj && echo p > /proj/x")
+           && mkfifo /work/fifo && chmod 751 /work/d && mkdir /proj && echo p > /proj/x \
+           && mkdir -p /deep/x1/x2/x3/x4 /wide && for i in $(seq 100 299); do mkdir /wide/d$i; done \
+           && echo d > /deep/x1/x2/x3/x4/file && for i in $(seq 100 139); do mkdir /wide/e$i; done")
         .ok();
     let tree = |sb: &Sandbox| {
-        let (dirs, skip) = ("/work /proj /root /etc", "! -path /etc/hosts ! -path /etc/hostname ! -path /etc/resolv.conf");
+        let (dirs, skip) = ("/work /proj /root /etc /deep", "! -path /etc/hosts ! -path /etc/hostname ! -path /etc/resolv.conf");
         sb.sh(&format!("ls -a / && find {dirs} -xdev {skip} -printf '%p %y %m %U:%G %s %T@ %l\\n' | sort && find {dirs} -xdev -type f {skip} | sort | xargs md5sum")).ok().out()
     };
     let before = tree(&sb);
@@ -198,9 +206,39 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     let how: serde_json::Value = serde_json::from_str::<serde_json::Value>(&r.stdout).unwrap()["how"].clone();
     assert_eq!(how["path"], "in-place", "{how}");
     assert!(how["places-examined"].as_u64().is_some_and(|n| n > 0), "only the changed objects' places examined: {how}");
+    assert_eq!(how["places-from"], "stream", "{how}");
     sb.seq = sb.read().expect("state").0;
     assert_eq!(tree(&sb), before, "the tree after the rollback in place");
     assert_eq!(sb.send("tick").checksum, at.checksum);
+
+    // A file deep below directories that did not change, with nothing else changed near it
+    // and hundreds of directories before it breadth first: zdb tells where it is; the second
+    // time its directory is known. (Its directories were made before the 200 under /wide, the
+    // file between those and 40 more: the stream carries each changed object's neighbours in
+    // its block of znodes, and those are /wide's, not the file's directories.)
+    // The first of these rollbacks' cleanup worker dies before it removes anything (a fault
+    // point): what it leaves, the next one removes.
+    let ds = format!("{parent}/ctr-{}", id_of(&sb.name));
+    let left = || zfs(&["list", "-H", "-o", "name", "-t", "all", "-r", &parent]).out().lines().filter(|l| l.starts_with(&ds)).map(String::from).collect::<Vec<_>>();
+    let kept = vec![ds.clone(), format!("{ds}@planarian-{}-{sp}", &id_of(&sb.name)[..12])];
+    for from in ["zdb", "stream"] {
+        sb.sh("echo more >> /deep/x1/x2/x3/x4/file").ok();
+        if from == "zdb" {
+            assert!(wait_for(Duration::from_secs(120), || left() == kept), "{:?}", left());
+            std::fs::create_dir_all("/run/planarian").unwrap();
+            std::fs::write(FAULT, "rollback.cleanup").unwrap();
+        }
+        let r = planarian(&["rollback", &sb.name, &sp, "--json"]);
+        r.ok();
+        let how: serde_json::Value = serde_json::from_str::<serde_json::Value>(&r.stdout).unwrap()["how"].clone();
+        assert_eq!((how["path"].as_str(), how["places-from"].as_str()), (Some("in-place"), Some(from)), "{how}");
+        sb.seq = sb.read().expect("state").0;
+        assert_eq!(tree(&sb), before, "the tree after the rollback in place (places from {from})");
+        if from == "zdb" {
+            assert!(wait_for(Duration::from_secs(60), || !Path::new(FAULT).exists()), "the worker reached its fault point");
+            assert!(left().len() > kept.len(), "the killed worker left its safety statepoint's snapshot: {:?}", left());
+        }
+    }
 
     // The file with two names changes: every directory is compared, to the same end.
     sb.sh("echo changed > /work/d/hard2 && rm -r /work/a/b /proj").ok();
@@ -214,9 +252,6 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
 
     // What the rollbacks left — their safety statepoints, the statepoint's clone, the snapshot
     // of the frozen state — is removed after they answered; nothing else goes.
-    let ds = format!("{parent}/ctr-{}", id_of(&sb.name));
-    let left = || zfs(&["list", "-H", "-o", "name", "-t", "all", "-r", &parent]).out().lines().filter(|l| l.starts_with(&ds)).map(String::from).collect::<Vec<_>>();
-    let kept = vec![ds.clone(), format!("{ds}@planarian-{}-{sp}", &id_of(&sb.name)[..12])];
     assert!(wait_for(Duration::from_secs(120), || left() == kept), "{:?}", left());
 }
 

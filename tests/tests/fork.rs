@@ -27,6 +27,15 @@ fn status(name: &str) -> Run {
     podman("planarian", &["inspect", "--format", "{{.State.Status}}", name])
 }
 
+/// Whether container `name` runs, its cgroup frozen (a spare planarian holds).
+fn held_frozen(name: &str) -> bool {
+    let pid = podman("planarian", &["inspect", "--format", "{{.State.Pid}}", name]).ok().out();
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let rel = cgroup.lines().find_map(|l| l.strip_prefix("0::")).expect("cgroup v2").trim().trim_start_matches('/');
+    let events = std::fs::read_to_string(std::path::Path::new("/sys/fs/cgroup").join(rel).join("cgroup.events")).unwrap();
+    status(name).out() == "running" && events.lines().any(|l| l == "frozen 1")
+}
+
 /// `planarian spare CTR SP --count N`: the spares' names.
 fn spare(src: &Sandbox, sp: &str, count: u32) -> Vec<String> {
     let out = cmd(planarian_bin().to_str().unwrap(), ["spare", &src.name, sp, "--count", &count.to_string()]).ok().out();
@@ -44,26 +53,26 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     src.sh("echo src > /root/f").ok();
     let src_state = src.send("tick");
 
-    // Spares: forks made ahead of time, paused by Podman; a fork of the statepoint takes one (a
-    // rename and an unpause). Asked again for as many, nothing new is made.
+    // Spares: forks made ahead of time, held frozen; a fork of the statepoint takes one (a rename
+    // and a thaw). Asked again for as many, nothing new is made.
     let spares = spare(&src, &sp, 3);
     let _c: Vec<Cleanup> = spares.iter().cloned().map(Cleanup).collect();
     assert_eq!(spares, (1..=3).map(|k| format!("{}-spare-{sp}-{k}", src.name)).collect::<Vec<_>>());
     for s in &spares {
-        assert_eq!(status(s).out(), "paused", "{s}");
+        assert!(held_frozen(s), "{s}");
     }
     assert_eq!(spare(&src, &sp, 3), spares);
     let (mut a, how_a) = fork(&src, &sp, "fa");
     let (mut b, how_b) = fork(&src, &sp, "fb");
     assert_eq!((how_a.as_deref(), how_b.as_deref()), (Some("spare"), Some("spare")));
     assert!(status(&spares[0]).code != Some(0) && status(&spares[1]).code != Some(0), "handed out under their new names");
-    assert_eq!(status(&spares[2]).out(), "paused");
-    // Without a name, a fork takes the spare left under its own name (an unpause, no rename).
+    assert!(held_frozen(&spares[2]));
+    // Without a name, a fork takes the spare left under its own name (a thaw, no rename).
     let r = cmd(planarian_bin().to_str().unwrap(), ["fork", &src.name, &sp, "--json"]);
     r.ok();
     let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
     assert_eq!((ctx["container"].as_str(), ctx["how"]["path"].as_str()), (Some(spares[2].as_str()), Some("spare")), "{ctx}");
-    assert_eq!(status(&spares[2]).out(), "running");
+    assert!(status(&spares[2]).out() == "running" && !held_frozen(&spares[2]));
     assert_eq!(Sandbox::attach(&spares[2]).state(), at_sp, "the spare kept under its name starts at the statepoint");
     assert!(registered_spares(&src, &sp).is_empty(), "no spare left registered");
     let ps = podman("planarian", &["ps", "--format", "{{.Names}}"]).stdout;
@@ -106,7 +115,7 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     assert_ne!(status(&gone[0]).code, Some(0), "--count 0 removed the spare");
     let last = spare(&src, &sp, 1);
     let _c1 = Cleanup(last[0].clone());
-    assert_eq!(status(&last[0]).out(), "paused");
+    assert!(held_frozen(&last[0]));
     let notes = cmd(planarian_bin().to_str().unwrap(), ["statepoint", "show", &src.name, &sp]).ok().out();
     assert!(notes.contains(&format!("forked into {}", a.name)) && notes.contains(&format!("forked into {}", b.name)), "{notes}");
     planarian(&["statepoint", "rm", &src.name, &sp]).ok();

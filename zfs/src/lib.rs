@@ -5,6 +5,8 @@
 //! dependants are found through `origin`, and deferred destruction (`destroy -d`) keeps a
 //! snapshot a clone still needs.
 
+pub mod stream;
+
 use sys::proc::Mount;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -218,34 +220,35 @@ impl Zfs {
     }
 
     /// The objects (inode numbers, for a file system) that differ between snapshot `from` and
-    /// the later snapshot `snap` of the same history: the objects an incremental `zfs send`
-    /// carries, read with `zstreamdump -v` (beside `zfs`). Objects freed wholesale (deleted
-    /// files) are not listed: their names are gone from a directory that is.
-    pub fn changed_objects(&self, from: &str, snap: &str) -> Result<std::collections::HashSet<u64>> {
-        use std::io::Read;
-        let dump = self.beside("zstreamdump");
-        let mut child = std::process::Command::new(&dump)
-            .arg("-v")
-            .stdin(std::process::Stdio::piped())
+    /// the later snapshot `snap` of the same history, with the znode of each file and directory
+    /// among them: what an incremental `zfs send` carries, read as it comes ([`stream::read`]).
+    /// Objects freed wholesale (deleted files) are not listed: their names are gone from a
+    /// directory that is.
+    pub fn changes(&self, from: &str, snap: &str) -> Result<stream::Changes> {
+        let mut child = Command::new(&self.bin)
+            .args(["send", "-i", from, snap])
+            .env("LC_ALL", "C")
+            .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
             .spawn()
-            .map_err(|err| Error::Spawn { bin: dump.clone(), err })?;
-        let mut out = child.stdout.take().expect("piped");
-        let reader = std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = out.read_to_string(&mut text);
-            text
-        });
-        let stdin = std::fs::File::from(std::os::fd::OwnedFd::from(child.stdin.take().expect("piped")));
-        let sent = self.send(snap, Some(from), stdin);
-        let text = reader.join().unwrap_or_default();
-        let status = child.wait();
-        sent?;
-        if !status.is_ok_and(|s| s.success()) {
-            return Err(Error::Command { args: format!("send -i {from} {snap} | zstreamdump -v"), stderr: "zstreamdump failed".into(), kind: Kind::Other });
+            .map_err(|err| Error::Spawn { bin: self.bin.clone(), err })?;
+        let read = stream::read(std::io::BufReader::with_capacity(1 << 16, child.stdout.take().expect("piped")));
+        if read.is_err() {
+            let _ = child.kill();
         }
-        Ok(parse_stream_objects(&text))
+        let out = child.wait_with_output().map_err(|err| Error::Spawn { bin: self.bin.clone(), err })?;
+        let args = ["send", "-i", from, snap];
+        match read {
+            Ok(changes) if out.status.success() => Ok(changes),
+            Ok(_) => Err(failure(&args, &out.stderr)),
+            Err(e) => Err(Error::Command { args: args.join(" "), stderr: e.to_string(), kind: Kind::Other }),
+        }
+    }
+
+    /// The objects of [`Zfs::changes`] alone.
+    pub fn changed_objects(&self, from: &str, snap: &str) -> Result<std::collections::HashSet<u64>> {
+        Ok(self.changes(from, snap)?.objects.into_keys().collect())
     }
 
     /// A tool of the ZFS tools beside `zfs` (the same installation), else found in PATH.
@@ -353,16 +356,6 @@ fn options(props: &[(&str, &str)]) -> Vec<String> {
     props.iter().flat_map(|(k, v)| ["-o".to_string(), format!("{k}={v}")]).collect()
 }
 
-/// The pool a dataset or snapshot belongs to.
-/// The object numbers of the OBJECT, WRITE, FREE (a range of one object) and SPILL records of
-/// `zstreamdump -v` output.
-pub fn parse_stream_objects(text: &str) -> std::collections::HashSet<u64> {
-    text.lines()
-        .filter(|l| ["OBJECT ", "WRITE ", "FREE ", "SPILL ", "WRITE_BYREF "].iter().any(|k| l.trim_start().starts_with(k)))
-        .filter_map(|l| l.split("object = ").nth(1)?.split_whitespace().next()?.parse().ok())
-        .collect()
-}
-
 /// One object of a file system, as `zdb -dddd` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ObjectInfo {
@@ -431,6 +424,7 @@ fn in_path(tool: &str) -> Option<PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into())).map(|d| d.join(tool)).find(|p| p.is_file())
 }
 
+/// The pool a dataset or snapshot belongs to.
 pub fn pool_of(name: &str) -> &str {
     name.split(['/', '@']).next().unwrap_or(name)
 }
@@ -458,16 +452,6 @@ pub fn dataset_mounted_at(mounts: &[Mount], path: &Path) -> Option<String> {
 /// root shows up as a second one).
 pub fn mounts_of(mounts: &[Mount], dataset: &str) -> Vec<PathBuf> {
     zfs_mounts(mounts).filter(|m| m.source == dataset).map(|m| PathBuf::from(&m.point)).collect()
-}
-
-#[cfg(test)]
-mod stream_tests {
-    #[test]
-    fn stream_records_name_their_objects() {
-        let text = "BEGIN record\n\thdrtype = 1\nOBJECT object = 8 type = 19 bonustype = 44 blksz = 512\nFREEOBJECTS firstobj = 9 numobjs = 1000\nWRITE object = 12 type = 19 checksum type = 7\nFREE object = 13 offset = 512 length = -1\nEND checksum = 1/2/3/4\n";
-        let got: std::collections::BTreeSet<u64> = super::parse_stream_objects(text).into_iter().collect();
-        assert_eq!(got.into_iter().collect::<Vec<_>>(), vec![8, 12, 13]);
-    }
 }
 
 #[cfg(test)]

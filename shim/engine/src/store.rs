@@ -232,6 +232,10 @@ pub struct How {
     /// only when no directory had to be compared whole).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub places_examined: Option<u64>,
+    /// Where those places came from: `stream` (the changed objects' own znodes, in the
+    /// incremental stream) or `zdb`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub places_from: Option<String>,
     /// Why the rollback did not run in place, when it did not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_in_place: Option<String>,

@@ -24,9 +24,9 @@ pub trait Rootfs: Send + Sync {
     /// `start`: what [`Rootfs::in_place_start`] began.
     fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt, start: Option<InPlaceStart>) -> Result<InPlaceFiles>;
     /// Begins, the container frozen and nothing else yet decided, what [`Rootfs::in_place`]
-    /// will need, while the caller does other work; `scratch` as in [`InPlaceAt`]. Dropped
-    /// unused, it undoes what it made. `None`: nothing to begin.
-    fn in_place_start(&self, _local: &LocalState, _scratch: &Path) -> Option<InPlaceStart> {
+    /// will need, while the caller does other work. Dropped unused, it undoes what it made.
+    /// `None`: nothing to begin.
+    fn in_place_start(&self, _local: &LocalState, _at: &InPlaceAt) -> Option<InPlaceStart> {
         None
     }
 }
@@ -35,6 +35,7 @@ pub trait Rootfs: Send + Sync {
 pub struct InPlaceStart(pub Box<dyn std::any::Any + Send>);
 
 /// Where a rollback in place puts files back.
+#[derive(Debug, Clone)]
 pub struct InPlaceAt {
     /// The container's root as its processes see it (`/proc/PID/root`).
     pub root: std::path::PathBuf,

@@ -36,6 +36,12 @@ impl Freezer {
         Err(Error::NoFreezer(pid))
     }
 
+    /// The freezer of the cgroup at `dir` (as a marker names it).
+    pub fn at(dir: PathBuf) -> Freezer {
+        let v2 = dir.join("cgroup.freeze").exists();
+        Freezer { dir, v2 }
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -120,9 +126,7 @@ impl FreezeGuard<'_> {
     /// removes the marker. Whether there was one.
     pub fn recover(marker: &Path) -> bool {
         let Ok(dir) = std::fs::read_to_string(marker) else { return false };
-        let dir = PathBuf::from(dir.trim());
-        let v2 = dir.join("cgroup.freeze").exists();
-        let _ = Freezer { dir, v2 }.thaw();
+        let _ = Freezer::at(PathBuf::from(dir.trim())).thaw();
         let _ = std::fs::remove_file(marker);
         true
     }

@@ -34,6 +34,8 @@ pub struct Sync {
     apply_root: PathBuf,
     /// [`plan_places`]: how many places were examined (no directory was read otherwise).
     pub places: Option<usize>,
+    /// Where those places came from (ZFS: `stream`, the changed objects' znodes, or `zdb`).
+    pub located_by: Option<&'static str>,
 }
 
 fn is_whiteout(md: &std::fs::Metadata) -> bool {
@@ -127,7 +129,7 @@ fn finish(mut ops: Vec<Op>, mut metas: Vec<Op>, target: &Path, apply_root: &Path
     metas.dedup();
     metas.retain(|o| !inside(o.rel()) && !whole.contains(o.rel()));
     ops.extend(metas);
-    Sync { ops, apply_root: apply_root.to_path_buf(), places: None }
+    Sync { ops, apply_root: apply_root.to_path_buf(), places: None, located_by: None }
 }
 
 /// [`plan`] on ZFS when the objects that may differ are known with their places: `changed`,
@@ -172,7 +174,7 @@ impl Op {
 }
 
 /// A directory's entries: name → (inode, is a directory), from the listing alone.
-fn listing(dir: &Path) -> std::collections::BTreeMap<std::ffi::OsString, (u64, bool)> {
+pub(crate) fn listing(dir: &Path) -> std::collections::BTreeMap<std::ffi::OsString, (u64, bool)> {
     use std::os::unix::fs::DirEntryExt;
     std::fs::read_dir(dir).map(|rd| rd.flatten().map(|e| (e.file_name(), (e.ino(), e.file_type().is_ok_and(|t| t.is_dir())))).collect()).unwrap_or_default()
 }

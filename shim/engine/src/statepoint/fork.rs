@@ -17,7 +17,7 @@
 //!    rollback, so NEW's first snapshot is incremental on its own base.
 //!
 //! Any failure removes NEW and its store; CTR is never changed. A spare of the statepoint made
-//! beforehand ([`super::spares`]) replaces all four steps with a rename and an unpause.
+//! beforehand ([`super::spares`]) replaces all four steps with a thaw (and a rename).
 
 use super::podman_dir::{leave_for_podman, Destination};
 use super::{describe, Error, Result};
@@ -65,12 +65,12 @@ impl Fork {
     /// source statepoint gets a note naming the fork. On failure nothing is left (no container,
     /// no store).
     pub fn run(self, progress: &mut dyn Progress, by: Actor) -> Result<(PodmanContainer, RestoreContext)> {
-        // A spare of the statepoint, restored and paused beforehand, is handed out when there is
-        // one (a rename, unless it keeps its name, and an unpause); otherwise the fork is made now.
+        // A spare of the statepoint, restored and frozen beforehand, is handed out when there is
+        // one (a rename, unless it keeps its name, and a thaw); otherwise the fork is made now.
         let handed = match super::spares::claim(&self.src_store, &self.target.statepoint_id) {
             Some(spare) => {
                 let name = self.name.as_deref().unwrap_or(&spare.name);
-                progress.phase(if name == spare.name { "a spare of the statepoint, under its own name (podman unpause)" } else { "a spare of the statepoint (podman rename + unpause)" });
+                progress.phase(if name == spare.name { "a spare of the statepoint, under its own name (thawed)" } else { "a spare of the statepoint (podman rename, thawed)" });
                 match super::spares::hand_out(&self.globals, &self.cfg, &self.source, &spare, name) {
                     Ok(x) => Some(x),
                     Err(e) => {

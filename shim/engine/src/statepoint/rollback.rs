@@ -166,6 +166,8 @@ impl Leftover {
         if let Some(m) = discarded.ok().filter(|m| m.status == crate::store::Status::Discarded) {
             let _ = super::free(cfg, store, &m);
         }
+        // (and what a worker before this one left, killed before it was done)
+        super::sweep_discarded(cfg, store);
     }
 }
 
@@ -180,6 +182,8 @@ pub fn cleanup_worker(lock_fd: i32, spec: &str) -> Result<()> {
     let cfg = Config::load()?;
     let store = ContainerStore::new(&cfg.store.path, &s("container").unwrap_or_default());
     let zfs = v["zfs"].as_array().map(|a| a.iter().filter_map(|m| m.as_str().map(String::from)).collect()).unwrap_or_default();
+    // (a worker that dies here leaves it all to the next one)
+    crate::fault::point("rollback.cleanup")?;
     Leftover { safety: s("safety").unwrap_or_default(), zfs }.remove_now(&cfg, &store);
     Ok(())
 }
@@ -344,8 +348,14 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
     };
     // What the files need (ZFS: a snapshot of the frozen state, what changed, where) is found
     // beside the safety statepoint and the page plan.
-    let scratch = store.dir.join("in-place-files");
-    let started = rootfs.in_place_start(&target.local_state, &scratch);
+    let mounts = sys::proc::mounts(pid).unwrap_or_default();
+    let at = InPlaceAt {
+        root: PathBuf::from(format!("/proc/{pid}/root")),
+        lowers: crate::local::zfs::layers::overlay_layers(&mounts, Path::new("/")).map(|l| l.lower).unwrap_or_default(),
+        mounted: mounts.iter().filter_map(|m| Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)).collect(),
+        scratch: store.dir.join("in-place-files"),
+    };
+    let started = rootfs.in_place_start(&target.local_state, &at);
     progress.phase("safety statepoint of the current state");
     let safety = snapshot::take(
         ctx,
@@ -368,13 +378,6 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         // The page plan (the images read) beside the files' comparison.
         let planning = scope.spawn(|| shape.plan(&safety_dir.join(&safety.local_state.criu_checkpoint_path)).map_err(|e| e.to_string()));
         let plan = || planning.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-        let mounts = sys::proc::mounts(pid).unwrap_or_default();
-        let at = InPlaceAt {
-            root: PathBuf::from(format!("/proc/{pid}/root")),
-            lowers: crate::local::zfs::layers::overlay_layers(&mounts, Path::new("/")).map(|l| l.lower).unwrap_or_default(),
-            mounted: mounts.iter().filter_map(|m| Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)).collect(),
-            scratch,
-        };
         // /dev, a tmpfs planarian keeps itself: put back only by a restore; in place, it must
         // be as it was.
         if let (true, Some(dev)) = (crate::local::devfs::saved(&sp_dir), crate::local::devfs::dev_mount(&mounts)) {
@@ -444,7 +447,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             // once the caller has its answer ([`Leftover`]).
             drop(frozen);
             progress.done(&format!("{} pages written, {} dropped, {} system calls, {n} files", a.pages_written, a.pages_dropped, a.system_calls));
-            let places_examined = files.sync.places;
+            let (places_examined, places_from) = (files.sync.places, files.sync.located_by);
             let leftover = match store.mark_discarded(&safety.statepoint_id) {
                 Ok(_) => Some(Leftover { safety: safety.statepoint_id.clone(), zfs: files.hand_off() }),
                 Err(_) => {
@@ -453,7 +456,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
                     None
                 }
             };
-            let how = How { path: "in-place".into(), pages_written: Some(a.pages_written), pages_dropped: Some(a.pages_dropped), files_changed: Some(n as u64), places_examined: places_examined.map(|p| p as u64), not_in_place: None };
+            let how = How { path: "in-place".into(), pages_written: Some(a.pages_written), pages_dropped: Some(a.pages_dropped), files_changed: Some(n as u64), places_examined: places_examined.map(|p| p as u64), places_from: places_from.map(String::from), not_in_place: None };
             Ok(InPlace::Done { how, safety_positions: positions, leftover })
         }
         Err(e) => {

@@ -1,25 +1,30 @@
 //! Spare forks (FAST-ROLLBACK's direction 3): forks of a statepoint made ahead of time, restored
-//! and then paused by Podman, so that a later fork of that statepoint is a rename and an unpause
+//! and then held frozen, so that a later fork of that statepoint is a thaw (and a rename)
 //! instead of a clone, an init and a CRIU restore.
 //!
 //! `planarian spare CTR SP --count N` keeps N of them. Each is an ordinary fork (its own
-//! container, store, files and database branch), named `CTR-spare-SP-K`, paused with
-//! `podman pause` — so `podman ps` shows it, paused, and Podman, conmon and the network stay in
-//! charge of it — and registered in CTR's store under `spares/SP/ID`. `planarian fork CTR SP
-//! --name NEW` claims a registered spare (removing its registration, so that two forks never get
-//! the same one), renames it NEW and unpauses it; when there is none, or the one claimed is
+//! container, store, files and database branch), named `CTR-spare-SP-K`, frozen by planarian
+//! through its cgroup's freezer as a snapshot freezes a sandbox (a marker in its store,
+//! `spare-frozen`, names the cgroup) and registered in CTR's store under `spares/SP/ID`. Podman,
+//! conmon and the network stay in charge of it; `podman ps` shows it running, since to Podman it
+//! is (`podman pause` would make handing it out a Podman call: an unpause costs more than a
+//! snapshot). `planarian fork CTR SP --name NEW` claims a registered spare (removing its
+//! registration, so that two forks never get the same one), renames it NEW and thaws it; without
+//! `--name` it keeps its own name and is only thawed. When there is none, or the one claimed is
 //! unusable, the fork is made as before.
 //!
-//! A spare runs for the moment between its restore and its pause: a process that acts on the
+//! A spare runs for the moment between its restore and its freeze: a process that acts on the
 //! world outside the sandbox the moment it resumes does so then, not when the spare is handed
 //! out. Spares are containers of their own: `--count 0` removes a statepoint's spares, and so does
 //! `planarian statepoint rm`; removing CTR, or its retention removing the statepoint, leaves them
-//! to `podman rm`.
+//! to `podman rm -f` (`podman stop` waits for its timeout: a frozen process does not act on
+//! SIGTERM).
 
 use super::fork::{discard, Fork};
 use super::{Error, Result};
 use crate::config::Config;
 use crate::context::RestoreContext;
+use crate::local::freezer::Freezer;
 use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
 use crate::runtime::Globals;
@@ -64,9 +69,46 @@ fn unregister(store: &ContainerStore, sp: &str, s: &Spare) -> bool {
     std::fs::remove_file(dir(store, sp).join(&s.id)).is_ok()
 }
 
-/// Whether spare `s` is still a paused container.
-fn usable(s: &Spare) -> bool {
-    podman::inspect(&s.id).is_ok_and(|c| c.status == "paused")
+/// Present in a spare's own store while planarian holds it frozen; names its cgroup.
+const FROZEN: &str = "spare-frozen";
+
+fn marker(cfg: &Config, id: &str) -> PathBuf {
+    ContainerStore::new(&cfg.store.path, id).dir.join(FROZEN)
+}
+
+/// Freezes the running spare `id` and marks it held.
+fn freeze(globals: &Globals, cfg: &Config, id: &str) -> Result<()> {
+    let ctx = super::Ctx::load(globals, id)?;
+    let freezer = Freezer::of_pid(ctx.ctr.running_pid()?)?;
+    let m = marker(cfg, id);
+    std::fs::write(&m, freezer.dir().display().to_string()).at("write", &m)?;
+    Ok(freezer.freeze()?)
+}
+
+/// The freezer of spare `id`, if planarian holds it.
+fn held(cfg: &Config, id: &str) -> Option<Freezer> {
+    let dir = std::fs::read_to_string(marker(cfg, id)).ok()?;
+    Some(Freezer::at(PathBuf::from(dir.trim())))
+}
+
+/// Thaws spare `id`: it runs.
+fn thaw(cfg: &Config, id: &str) -> Result<()> {
+    let f = held(cfg, id).ok_or_else(|| Error::Worker("not held frozen by planarian".into()))?;
+    f.thaw()?;
+    let _ = std::fs::remove_file(marker(cfg, id));
+    Ok(())
+}
+
+/// Whether spare `s` is still a running container that planarian holds frozen.
+fn usable(cfg: &Config, s: &Spare) -> bool {
+    held(cfg, &s.id).is_some_and(|f| f.is_frozen()) && podman::inspect(&s.id).is_ok_and(|c| c.status == "running")
+}
+
+/// Removes spare `s` (thawed first: a frozen process waits for its thaw even to die, under the
+/// cgroup-v1 freezer).
+fn remove(cfg: &Config, src: &PodmanContainer, s: &Spare) {
+    let _ = thaw(cfg, &s.id);
+    discard(cfg, src, &s.id);
 }
 
 
@@ -91,22 +133,22 @@ pub fn pool(globals: &Globals, container: &str, statepoint: &str) -> Result<Pool
 }
 
 /// Keeps `count` spares of the pool's statepoint: makes the missing ones, removes the extra ones
-/// and any that is no longer a paused container. Returns them.
+/// and any that is no longer a container planarian holds frozen. Returns them.
 pub fn fill(pool: Pool, count: usize, progress: &mut dyn Progress) -> Result<Vec<Spare>> {
     let Pool { source, cfg, store, sp, globals } = pool;
     let mut have = Vec::new();
     for s in registered(&store, &sp) {
-        if usable(&s) {
+        if usable(&cfg, &s) {
             have.push(s);
         } else if unregister(&store, &sp, &s) {
-            discard(&cfg, &source, &s.id);
+            remove(&cfg, &source, &s);
         }
     }
     while have.len() > count {
         let s = have.pop().expect("more than count");
         if unregister(&store, &sp, &s) {
             progress.phase(&format!("removing spare {}", s.name));
-            discard(&cfg, &source, &s.id);
+            remove(&cfg, &source, &s);
         }
     }
     while have.len() < count {
@@ -114,10 +156,10 @@ pub fn fill(pool: Pool, count: usize, progress: &mut dyn Progress) -> Result<Vec
         let fork = Fork::begin(&globals, &source.id, &sp, Some(&name))?;
         progress.phase(&format!("spare {name}: {}", fork.title()));
         let (new, _) = fork.make(&name, progress)?;
-        progress.phase(&format!("spare {name}: paused (podman pause)"));
+        progress.phase(&format!("spare {name}: frozen"));
         let spare = Spare { id: new.id, name };
-        if let Err(e) = podman::run(&["pause", &spare.id]).map_err(Error::from).and_then(|()| register(&store, &sp, &spare)) {
-            discard(&cfg, &source, &spare.id);
+        if let Err(e) = freeze(&globals, &cfg, &spare.id).and_then(|()| register(&store, &sp, &spare)) {
+            remove(&cfg, &source, &spare);
             return Err(Error::ForkFailed(Box::new(e)));
         }
         have.push(spare);
@@ -133,7 +175,7 @@ pub fn remove_all(container: &str, sp: &str) -> Result<usize> {
     let mut n = 0;
     for s in registered(&store, sp) {
         if unregister(&store, sp, &s) {
-            discard(&cfg, &source, &s.id);
+            remove(&cfg, &source, &s);
             n += 1;
         }
     }
@@ -141,23 +183,22 @@ pub fn remove_all(container: &str, sp: &str) -> Result<usize> {
     Ok(n)
 }
 
-/// Claims a registered spare of `sp`; none when there is none. Whether it is still a paused
-/// container shows when it is handed out (the rename and the unpause fail otherwise): a Podman
-/// call less on the fork's path.
+/// Claims a registered spare of `sp`; none when there is none. Whether it is still a frozen
+/// container shows when it is handed out (the thaw and the lookup fail otherwise): a Podman call
+/// less on the fork's path.
 pub fn claim(store: &ContainerStore, sp: &str) -> Option<Spare> {
     // (false: another fork took it)
     registered(store, sp).into_iter().find(|s| unregister(store, sp, s))
 }
 
-/// Hands claimed spare `s` out as `name`: renamed (unless that is its name) and unpaused, its
+/// Hands claimed spare `s` out as `name`: renamed (unless that is its name) and thawed, its
 /// restore context saying so. On failure the spare is removed (the caller forks anew).
 pub fn hand_out(globals: &Globals, cfg: &Config, src: &PodmanContainer, s: &Spare, name: &str) -> Result<(PodmanContainer, RestoreContext)> {
     let out = (|| {
-        // (Both at once measured no faster: Podman's two processes share two CPUs and its locks.)
         if name != s.name {
             podman::run(&["rename", &s.id, name])?;
         }
-        podman::run(&["unpause", &s.id])?;
+        thaw(cfg, &s.id)?;
         let new = super::planarian_container(globals, &s.id)?;
         let store = ContainerStore::new(&cfg.store.path, &new.id);
         let mut ctx = RestoreContext::last(&store).ok_or_else(|| Error::Worker(format!("spare {} has no restore context", s.name)))?;
@@ -168,7 +209,7 @@ pub fn hand_out(globals: &Globals, cfg: &Config, src: &PodmanContainer, s: &Spar
         Ok((new, ctx))
     })();
     if out.is_err() {
-        discard(cfg, src, &s.id);
+        remove(cfg, src, s);
     }
     out
 }

@@ -28,6 +28,7 @@
 
 pub mod create;
 pub mod layers;
+pub mod places;
 
 use super::files::{InPlaceAt, InPlaceFiles, InPlaceStart, RestoreGuard, Rootfs};
 use super::{Error, Result};
@@ -287,16 +288,19 @@ impl Rootfs for ZfsRootfs {
         self.restore_snapshot(snap)
     }
 
-    /// Started as soon as the container is frozen: [`find_in_place`] in a thread of its own,
-    /// beside the safety statepoint and the page plan.
-    fn in_place_start(&self, local: &LocalState, scratch: &Path) -> Option<InPlaceStart> {
+    /// Started as soon as the container is frozen: [`find_in_place`] and the comparison of what
+    /// it found in a thread of its own, beside the safety statepoint and the page plan.
+    fn in_place_start(&self, local: &LocalState, at: &InPlaceAt) -> Option<InPlaceStart> {
         let recorded = local.zfs_snapshot.clone()?;
-        let (zfs, d, scratch) = (self.zfs.clone(), self.map.dataset.clone(), scratch.to_path_buf());
+        let (zfs, d, at) = (self.zfs.clone(), self.map.dataset.clone(), at.clone());
         let now = format!("{d}@planarian-inplace-now");
         let made = vec![format!("{d}.planarian-inplace"), now.clone()];
         let thread = {
             let zfs = zfs.clone();
-            std::thread::spawn(move || find_in_place(&zfs, &d, &recorded, &scratch, &now))
+            std::thread::spawn(move || {
+                let found = find_in_place(&zfs, &d, &recorded, &at.scratch, &now)?;
+                compare(&zfs, &found, &at)
+            })
         };
         Some(InPlaceStart(Box::new(Early { zfs, made, thread: Some(thread) })))
     }
@@ -310,35 +314,19 @@ impl Rootfs for ZfsRootfs {
         let zfs = &self.zfs;
         let t = std::time::Instant::now();
         // (not begun early: begun now)
-        let start = start.or_else(|| self.in_place_start(local, &at.scratch)).ok_or(Error::NoZfsSnapshot)?;
+        let start = start.or_else(|| self.in_place_start(local, at)).ok_or(Error::NoZfsSnapshot)?;
         let mut early = start.0.downcast::<Early>().map_err(|_| Error::InPlaceFiles("not a ZFS start".into()))?;
-        let found = early.thread.take().expect("joined once").join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        let compared = early.thread.take().expect("joined once").join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         let made = std::mem::take(&mut early.made);
-        let waited = t.elapsed();
         let cleanup = {
             let (zfs, made) = (zfs.clone(), made.clone());
             move || made.iter().for_each(|m| destroy_clone(&zfs, m))
         };
-        let prepared = (|| {
-            let found = found?;
-            let (live, view) = (&found.live, &found.view);
-            let mounted = sys::proc::own_mounts().ok().and_then(|m| zfs::dataset_mounted_at(&m, &at.scratch));
-            if mounted.as_deref() != Some(view.as_str()) {
-                zfs.mount(view)?;
+        match compared {
+            Ok((sync, times)) => {
+                crate::log::own_log("info", &format!("in place on ZFS: {times}; waited for it {} ms", t.elapsed().as_millis()));
+                Ok(InPlaceFiles { sync, cleanup: Some(Box::new(cleanup)), leftovers: made })
             }
-            let t = std::time::Instant::now();
-            // A file with other names is trusted only unchanged (then all its names are).
-            let places = found.places.filter(|(_, named)| named.iter().all(|rel| super::treesync::unchanged(&at.scratch, live, rel)));
-            let planned = if let (Some(changed), Some((places, _))) = (&found.changed, places) {
-                super::treesync::plan_places(&at.scratch, live, live, &at.mounted, changed, &places).map_err(Error::InPlaceFiles)
-            } else {
-                super::treesync::plan_changed(&at.scratch, live, live, &[], true, &at.mounted, found.changed.as_ref()).map_err(Error::InPlaceFiles)
-            };
-            crate::log::own_log("info", &format!("in place on ZFS: {}; waited for it {} ms; plan {} ms", found.times, waited.as_millis(), t.elapsed().as_millis()));
-            planned
-        })();
-        match prepared {
-            Ok(sync) => Ok(InPlaceFiles { sync, cleanup: Some(Box::new(cleanup)), leftovers: made }),
             Err(e) => {
                 cleanup();
                 Err(e)
@@ -347,17 +335,40 @@ impl Rootfs for ZfsRootfs {
     }
 }
 
+/// Compares the statepoint's tree (the clone, mounted read-only at `at.scratch`) with the live
+/// one where [`find_in_place`] says they can differ: the plan, and how long each part took.
+fn compare(zfs: &Zfs, found: &Found, at: &InPlaceAt) -> Result<(super::treesync::Sync, String)> {
+    let (live, view) = (&found.live, &found.view);
+    let mounted = sys::proc::own_mounts().ok().and_then(|m| zfs::dataset_mounted_at(&m, &at.scratch));
+    if mounted.as_deref() != Some(view.as_str()) {
+        zfs.mount(view)?;
+    }
+    let t = std::time::Instant::now();
+    // A file with other names is trusted only unchanged (then all its names are).
+    let places = found.places.as_ref().filter(|(_, named, _)| named.iter().all(|rel| super::treesync::unchanged(&at.scratch, live, rel)));
+    let planned = if let (Some(changed), Some((places, _, by))) = (&found.changed, places) {
+        let mut s = super::treesync::plan_places(&at.scratch, live, live, &at.mounted, changed, places).map_err(Error::InPlaceFiles)?;
+        s.located_by = Some(by);
+        s
+    } else {
+        super::treesync::plan_changed(&at.scratch, live, live, &[], true, &at.mounted, found.changed.as_ref()).map_err(Error::InPlaceFiles)?
+    };
+    Ok((planned, format!("{}; plan {} ms", found.times, t.elapsed().as_millis())))
+}
+
 /// What the files' part of a rollback in place on ZFS needs: the statepoint's snapshot cloned
 /// and mounted read-only where it can be read (`view`); what changed since the statepoint, from
-/// an incremental stream to the current state's snapshot, and where those objects are now
-/// (zdb follows their parent pointers). Only those places are examined; without them (or when
-/// a place cannot be trusted: a path that does not lead to its object) every directory is. The
-/// stream and zdb run beside the clone's making.
+/// an incremental stream to the current state's snapshot, and where those objects are now (from
+/// their znodes in the stream, [`places::places`]; else zdb, which follows their parent pointers
+/// in the snapshot). Only those places are examined; without them (or when a place cannot be
+/// trusted: a path that does not lead to its object) every directory is. The stream and the
+/// places are found beside the clone's making.
 struct Found {
     live: PathBuf,
     view: String,
     changed: Option<std::collections::HashSet<u64>>,
-    places: Option<(Vec<PathBuf>, Vec<PathBuf>)>,
+    /// The places, those of files with other names apart, and who told them.
+    places: Option<(Vec<PathBuf>, Vec<PathBuf>, &'static str)>,
     times: String,
 }
 
@@ -376,7 +387,7 @@ fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: &str) 
         _ => mountpoint(zfs, d)?,
     };
     let view = format!("{d}.planarian-inplace");
-    type Changes = (Option<std::collections::HashSet<u64>>, Option<(Vec<PathBuf>, Vec<PathBuf>)>);
+    type Changes = (Option<std::collections::HashSet<u64>>, Option<(Vec<PathBuf>, Vec<PathBuf>, &'static str)>);
     let (made, (changes, times)) = std::thread::scope(|s| {
         let finding = s.spawn(|| -> Result<(Changes, String)> {
             let t = std::time::Instant::now();
@@ -387,11 +398,31 @@ fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: &str) 
                 zfs.snapshot(now)?;
             }
             let snapped = t.elapsed();
-            let changed = zfs.changed_objects(&snap, now).or_else(|_| Ok::<_, Error>(zfs.changed_objects(&located()?, now)?));
-            let Ok(changed) = changed else { return Ok(((None, None), "no stream".into())) };
+            let changes = zfs.changes(&snap, now).or_else(|_| Ok::<_, Error>(zfs.changes(&located()?, now)?));
+            let changes = match changes {
+                Ok(c) => c,
+                Err(e) => return Ok(((None, None), format!("no stream: {e}"))),
+            };
             let streamed = t.elapsed();
-            let places = places(zfs, now, &changed, &live);
-            let times = format!("snapshot {} ms, stream {} ms, zdb and places {} ms", ms(snapped), ms(streamed - snapped), ms(t.elapsed() - streamed));
+            let changed: std::collections::HashSet<u64> = changes.objects.keys().copied().collect();
+            // Where they are: from their znodes and the live tree's listings, else from zdb.
+            // What this learns of directories' places is kept for the next rollback.
+            let cache = scratch.with_file_name("zfs-dirs.json");
+            let known = places::load_known(&cache);
+            let (places, how) = match places::places(&changes, &live, &[], &known) {
+                Some(p) => {
+                    places::save_known(&cache, &known, &p.dirs);
+                    (Some((p.single, p.named, "stream")), format!("{} directories read", p.read))
+                }
+                None => {
+                    let found = places(zfs, now, &changed, &live);
+                    if let Some((single, _)) = &found {
+                        places::save_known(&cache, &known, &places::dirs_of(&live, single));
+                    }
+                    (found.map(|(single, named)| (single, named, "zdb")), "zdb".to_string())
+                }
+            };
+            let times = format!("snapshot {} ms, stream {} ms ({} objects), places {} ms ({how})", ms(snapped), ms(streamed - snapped), changed.len(), ms(t.elapsed() - streamed));
             Ok(((Some(changed), places), times))
         });
         let made = (|| -> Result<()> {
@@ -418,7 +449,7 @@ fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: &str) 
 struct Early {
     zfs: Zfs,
     made: Vec<String>,
-    thread: Option<std::thread::JoinHandle<Result<Found>>>,
+    thread: Option<std::thread::JoinHandle<Result<(super::treesync::Sync, String)>>>,
 }
 
 impl Drop for Early {

@@ -1,0 +1,313 @@
+//! Where the objects an incremental stream carries are in the live tree, without zdb: each
+//! file's znode (in the stream) names its directory; a directory the stream carries too is found
+//! the same way through its own, and one it does not carry (unchanged: same name, same place)
+//! by reading the live tree from its root, breadth first, a bounded number of directories. A
+//! name is the live directory's entry with the object's inode number (ZFS's inode numbers are
+//! its object numbers). Anything that does not add up — a file not in the directory its znode
+//! names, a znode the stream could not read, a directory not found within the bound — gives no
+//! answer, and the caller asks zdb.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::{Path, PathBuf};
+use zfs::stream::{Changes, Object};
+
+/// Directories read breadth first, at most, to find the unchanged ones that hold changed files.
+pub const SEARCH_BOUND: usize = 128;
+
+/// What [`places`] found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Places {
+    /// The places (relative to the live root) of the changed objects the tree holds, each the
+    /// only name of its object; the root itself is the empty path.
+    pub single: Vec<PathBuf>,
+    /// Those of files with more than one name (the name in the directory their znode names).
+    pub named: Vec<PathBuf>,
+    /// Directories read (listings of the changed objects' directories, and the search).
+    pub read: usize,
+    /// The places of the directories that hold changed objects: worth keeping for the next
+    /// rollback (a file changed once often changes again).
+    pub dirs: HashMap<u64, PathBuf>,
+}
+
+struct Finder<'a> {
+    live: &'a Path,
+    mounted: &'a [PathBuf],
+    changes: &'a Changes,
+    /// Directory object → its place.
+    found: HashMap<u64, PathBuf>,
+    /// Places earlier rollbacks learned (each checked before it is used).
+    known: &'a HashMap<u64, PathBuf>,
+    listings: HashMap<PathBuf, std::collections::BTreeMap<std::ffi::OsString, (u64, bool)>>,
+}
+
+impl Finder<'_> {
+    fn listing(&mut self, rel: &Path) -> &std::collections::BTreeMap<std::ffi::OsString, (u64, bool)> {
+        let live = self.live;
+        self.listings.entry(rel.to_path_buf()).or_insert_with(|| crate::local::treesync::listing(&live.join(rel)))
+    }
+
+    /// The name of object `ino` in the directory at `dir`.
+    fn name_in(&mut self, dir: &Path, ino: u64) -> Option<PathBuf> {
+        let name = self.listing(dir).iter().find(|(_, (i, _))| *i == ino).map(|(n, _)| n.clone())?;
+        Some(dir.join(name))
+    }
+
+    /// The place of directory `obj`, through the znodes the stream carries (`depth` bounds the
+    /// chain: a loop is no tree).
+    fn dir(&mut self, obj: u64, depth: usize) -> Option<PathBuf> {
+        if let Some(p) = self.found.get(&obj) {
+            return Some(p.clone());
+        }
+        let Some(Object::File(z)) = self.changes.objects.get(&obj) else {
+            // Unchanged: where it was, if that is known and it is still there.
+            let place = self.known.get(&obj).filter(|p| is_dir_at(self.live, p, obj))?.clone();
+            self.found.insert(obj, place.clone());
+            return Some(place);
+        };
+        if !z.is_dir() || depth > 4096 {
+            return None;
+        }
+        let place = if z.parent == obj { PathBuf::new() } else { self.dir(z.parent, depth + 1).and_then(|parent| self.name_in(&parent, obj))? };
+        self.found.insert(obj, place.clone());
+        Some(place)
+    }
+
+    /// Reads the live tree breadth first until every directory in `wanted` is found, or
+    /// [`SEARCH_BOUND`] directories were read: first below the directories already found (a
+    /// file that changed is most often near others that did), then from the root. A directory
+    /// is found by its entry in its own directory, or by holding a changed object whose znode
+    /// names it (the root has no entry).
+    fn search(&mut self, wanted: &mut HashSet<u64>) {
+        let mut near: VecDeque<PathBuf> = self.found.values().filter(|p| !p.as_os_str().is_empty()).cloned().collect();
+        let mut far = VecDeque::from([PathBuf::new()]);
+        let mut seen = HashSet::new();
+        while let Some(at) = near.pop_front().map(|p| (p, true)).or_else(|| far.pop_front().map(|p| (p, false))) {
+            let (at, is_near) = at;
+            if wanted.is_empty() || seen.len() == SEARCH_BOUND {
+                return;
+            }
+            if !seen.insert(at.clone()) {
+                continue;
+            }
+            let entries: Vec<_> = self.listing(&at).iter().map(|(n, e)| (n.clone(), *e)).collect();
+            for (name, (ino, is_dir)) in entries {
+                let rel = at.join(&name);
+                if let Some(Object::File(z)) = self.changes.objects.get(&ino) {
+                    // Only a directory or a file of one name is surely in the directory its
+                    // znode names.
+                    if (z.is_dir() || z.links == 1) && wanted.remove(&z.parent) {
+                        self.found.insert(z.parent, at.clone());
+                    }
+                }
+                if is_dir && !self.mounted.contains(&rel) {
+                    if wanted.remove(&ino) {
+                        self.found.insert(ino, rel.clone());
+                    }
+                    if is_near { near.push_back(rel) } else { far.push_back(rel) }
+                }
+            }
+        }
+    }
+}
+
+/// Whether `live/rel` is directory `obj`, reached without following a symbolic link.
+fn is_dir_at(live: &Path, rel: &Path, obj: u64) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let mut at = live.to_path_buf();
+    rel.components().all(|c| {
+        at.push(c);
+        std::fs::symlink_metadata(&at).is_ok_and(|m| m.is_dir())
+    }) && std::fs::symlink_metadata(&at).is_ok_and(|m| m.ino() == obj)
+}
+
+/// The places in `live` (the frozen tree the stream ends at) of the objects `changes` carries;
+/// `None` when they cannot all be trusted. `mounted`: the container's mount points (relative),
+/// not searched; `known`: directories' places earlier rollbacks learned ([`Places::dirs`]).
+pub fn places(changes: &Changes, live: &Path, mounted: &[PathBuf], known: &HashMap<u64, PathBuf>) -> Option<Places> {
+    let mut f = Finder { live, mounted, changes, found: HashMap::new(), known, listings: HashMap::new() };
+    let mut files = Vec::new();
+    for (&obj, seen) in &changes.objects {
+        match seen {
+            Object::System => {}
+            Object::Unknown => return None,
+            // Unlinked, still open: no place.
+            Object::File(z) if z.links == 0 => {}
+            Object::File(z) => files.push((obj, *z)),
+        }
+    }
+    // The directories that hold changed files, found through the stream where it can; the
+    // others searched for, all at once.
+    let parents: HashSet<u64> = files.iter().map(|(obj, z)| if z.parent == *obj { *obj } else { z.parent }).collect();
+    let mut wanted: HashSet<u64> = parents.iter().copied().filter(|&p| f.dir(p, 0).is_none()).collect();
+    if !wanted.is_empty() {
+        f.search(&mut wanted);
+        // (a directory the stream carries may hang below one the search found)
+        wanted.retain(|&p| f.dir(p, 0).is_none());
+        if !wanted.is_empty() {
+            return None;
+        }
+    }
+    let mut out = Places::default();
+    for (obj, z) in files {
+        let place = if z.parent == obj {
+            PathBuf::new()
+        } else {
+            let parent = f.dir(z.parent, 0)?;
+            f.name_in(&parent, obj)?
+        };
+        if !z.is_dir() && z.links > 1 {
+            out.named.push(place);
+        } else {
+            out.single.push(place);
+        }
+    }
+    out.read = f.listings.len();
+    out.dirs = f.found;
+    Some(out)
+}
+
+/// Directories' places kept this many at most.
+const KNOWN_BOUND: usize = 4096;
+
+/// The directories' places earlier rollbacks kept at `file` (none when it cannot be read).
+pub fn load_known(file: &Path) -> HashMap<u64, PathBuf> {
+    let Ok(text) = std::fs::read(file) else { return HashMap::new() };
+    let map: HashMap<u64, String> = serde_json::from_slice(&text).unwrap_or_default();
+    map.into_iter().map(|(o, p)| (o, PathBuf::from(p))).collect()
+}
+
+/// Keeps `learned` beside what was `known` (learned first, up to [`KNOWN_BOUND`]) at `file`,
+/// when it adds anything; a place that cannot be written as text is left out (and found again).
+pub fn save_known(file: &Path, known: &HashMap<u64, PathBuf>, learned: &HashMap<u64, PathBuf>) {
+    if learned.iter().all(|(o, p)| known.get(o) == Some(p)) {
+        return;
+    }
+    let mut map: HashMap<u64, String> = HashMap::new();
+    for (o, p) in learned.iter().chain(known) {
+        if map.len() == KNOWN_BOUND {
+            break;
+        }
+        // (the root: FUSE shows it as inode 1, never its object)
+        if let (false, Some(p)) = (map.contains_key(o) || p.as_os_str().is_empty(), p.to_str()) {
+            map.insert(*o, p.to_string());
+        }
+    }
+    let tmp = file.with_extension("tmp");
+    if serde_json::to_vec(&map).ok().is_some_and(|b| std::fs::write(&tmp, b).is_ok()) {
+        let _ = std::fs::rename(&tmp, file);
+    }
+}
+
+/// The directories of `places` (relative to `live`) and the places' own directories, by their
+/// inode numbers (the root left out: FUSE shows it as inode 1, not its object).
+pub fn dirs_of(live: &Path, places: &[PathBuf]) -> HashMap<u64, PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let mut dirs: HashSet<&Path> = places.iter().filter_map(|p| p.parent()).collect();
+    dirs.extend(places.iter().map(PathBuf::as_path));
+    dirs.into_iter()
+        .filter(|d| !d.as_os_str().is_empty())
+        .filter_map(|d| std::fs::symlink_metadata(live.join(d)).ok().filter(|m| m.is_dir()).map(|m| (m.ino(), d.to_path_buf())))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+    use zfs::stream::Znode;
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("planarian-places-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn ino(p: &Path) -> u64 {
+        std::fs::symlink_metadata(p).unwrap().ino()
+    }
+
+    /// A changed object's znode, as the stream would carry it, from the tree itself.
+    fn changed(c: &mut Changes, root: &Path, rel: &str) {
+        let p = root.join(rel);
+        let md = std::fs::symlink_metadata(&p).unwrap();
+        let parent = if rel.is_empty() { md.ino() } else { ino(p.parent().unwrap()) };
+        c.objects.insert(md.ino(), Object::File(Znode { parent, links: md.nlink(), mode: u64::from(md.mode()) }));
+    }
+
+    #[test]
+    fn files_are_found_through_their_directories() {
+        let d = tmp("found");
+        for dir in ["data", "usr/lib/deep/er", "tmp/new/sub", "etc"] {
+            std::fs::create_dir_all(d.join(dir)).unwrap();
+        }
+        for f in ["data/f1", "usr/lib/deep/er/mod.py", "tmp/new/sub/x", "etc/passwd"] {
+            std::fs::write(d.join(f), f).unwrap();
+        }
+        std::fs::hard_link(d.join("etc/passwd"), d.join("data/two")).unwrap();
+        let mut c = Changes::default();
+        // A file rewritten in an unchanged directory deep down; a new tree (its directories in
+        // the stream); a file with two names; the root; a system object.
+        for rel in ["data/f1", "usr/lib/deep/er/mod.py", "tmp", "tmp/new", "tmp/new/sub", "tmp/new/sub/x", "etc/passwd", ""] {
+            changed(&mut c, &d, rel);
+        }
+        c.objects.insert(1, Object::System);
+        let p = places(&c, &d, &[], &HashMap::new()).unwrap();
+        let mut single: Vec<_> = p.single.iter().map(|p| p.display().to_string()).collect();
+        single.sort();
+        assert_eq!(single, ["", "data/f1", "tmp", "tmp/new", "tmp/new/sub", "tmp/new/sub/x", "usr/lib/deep/er/mod.py"]);
+        assert_eq!(p.named, [PathBuf::from("etc/passwd")]);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A directory found once is found again without a search, if it is still there; one that
+    /// moved is searched for (first below the directories already found).
+    #[test]
+    fn known_places_are_checked_then_used() {
+        let d = tmp("known");
+        std::fs::create_dir_all(d.join("w/a/b")).unwrap();
+        std::fs::write(d.join("w/a/b/f"), "x").unwrap();
+        let mut c = Changes::default();
+        changed(&mut c, &d, "w/a/b/f");
+        let first = places(&c, &d, &[], &HashMap::new()).unwrap();
+        let b = ino(&d.join("w/a/b"));
+        assert_eq!(first.dirs.get(&b), Some(&PathBuf::from("w/a/b")));
+        let file = d.join("known.json");
+        save_known(&file, &HashMap::new(), &first.dirs);
+        let known = load_known(&file);
+        assert_eq!(known, first.dirs);
+        // Known: only the file's directory is read.
+        let again = places(&c, &d, &[], &known).unwrap();
+        assert_eq!((again.single.clone(), again.read), (vec![PathBuf::from("w/a/b/f")], 1));
+        // Moved since: the known place is no longer it, and it is searched for.
+        std::fs::rename(d.join("w/a"), d.join("w/z")).unwrap();
+        let moved = places(&c, &d, &[], &known).unwrap();
+        assert_eq!(moved.single, vec![PathBuf::from("w/z/b/f")]);
+        assert_eq!(dirs_of(&d, &moved.single).get(&b), Some(&PathBuf::from("w/z/b")));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn what_does_not_add_up_gives_no_answer() {
+        let d = tmp("doubt");
+        std::fs::create_dir_all(d.join("a/b")).unwrap();
+        std::fs::write(d.join("a/b/f"), "x").unwrap();
+        let mut c = Changes::default();
+        changed(&mut c, &d, "a/b/f");
+        assert!(places(&c, &d, &[], &HashMap::new()).is_some());
+        // A znode that names a directory that does not hold the file.
+        let f = ino(&d.join("a/b/f"));
+        c.objects.insert(f, Object::File(Znode { parent: ino(&d.join("a")), links: 1, mode: 0o100644 }));
+        assert_eq!(places(&c, &d, &[], &HashMap::new()), None);
+        // An object the stream wrote without its znode.
+        let mut c = Changes::default();
+        changed(&mut c, &d, "a/b/f");
+        c.objects.insert(999_999_999, Object::Unknown);
+        assert_eq!(places(&c, &d, &[], &HashMap::new()), None);
+        // A directory no search reaches: behind a mount point (not searched).
+        let mut c = Changes::default();
+        changed(&mut c, &d, "a/b/f");
+        assert_eq!(places(&c, &d, &[PathBuf::from("a")], &HashMap::new()), None);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
