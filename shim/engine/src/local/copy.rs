@@ -92,17 +92,41 @@ impl Rootfs for CopyRootfs {
         ))
     }
 
-    fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt, _start: Option<super::files::InPlaceStart>) -> Result<InPlaceFiles> {
-        let saved = sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs"));
-        if !saved.is_dir() {
-            return Err(Error::FilesMissing(saved));
-        }
-        if at.lowers.is_empty() {
-            return Err(Error::InPlaceFiles("the container's root is not an overlay with lower layers".into()));
-        }
-        let sync = super::treesync::plan(&saved, &self.upperdir, &at.root, &at.lowers, false, &at.mounted).map_err(Error::InPlaceFiles)?;
+    /// Started as soon as the container is frozen: the comparison in a thread of its own, beside
+    /// the safety statepoint and the page plan (it only reads).
+    fn in_place_start(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Option<super::files::InPlaceStart> {
+        let (saved, upper, at) = (saved_of(sp_dir, local), self.upperdir.clone(), at.clone());
+        let thread: Planning = std::thread::spawn(move || compare(&saved, &upper, &at));
+        Some(super::files::InPlaceStart(Box::new(thread)))
+    }
+
+    fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt, start: Option<super::files::InPlaceStart>) -> Result<InPlaceFiles> {
+        let sync = match start.and_then(|s| s.0.downcast::<Planning>().ok()) {
+            Some(thread) => thread.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?,
+            None => compare(&saved_of(sp_dir, local), &self.upperdir, at)?,
+        };
         Ok(InPlaceFiles { sync, cleanup: None, leftovers: vec![] })
     }
+}
+
+/// The comparison a rollback in place began early.
+type Planning = std::thread::JoinHandle<Result<super::treesync::Sync>>;
+
+/// Where a statepoint keeps its copy of the writable layer.
+fn saved_of(sp_dir: &Path, local: &LocalState) -> std::path::PathBuf {
+    sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs"))
+}
+
+/// The statepoint's copy of the writable layer (`saved`) against the live one (`upper`), the
+/// changes to be written through the container's root.
+fn compare(saved: &Path, upper: &Path, at: &InPlaceAt) -> Result<super::treesync::Sync> {
+    if !saved.is_dir() {
+        return Err(Error::FilesMissing(saved.to_path_buf()));
+    }
+    if at.lowers.is_empty() {
+        return Err(Error::InPlaceFiles("the container's root is not an overlay with lower layers".into()));
+    }
+    super::treesync::plan(saved, upper, &at.root, &at.lowers, false, &at.mounted).map_err(Error::InPlaceFiles)
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ pub trait Rootfs: Send + Sync {
     /// Begins, the container frozen and nothing else yet decided, what [`Rootfs::in_place`]
     /// will need, while the caller does other work. Dropped unused, it undoes what it made.
     /// `None`: nothing to begin.
-    fn in_place_start(&self, _local: &LocalState, _at: &InPlaceAt) -> Option<InPlaceStart> {
+    fn in_place_start(&self, _sp_dir: &Path, _local: &LocalState, _at: &InPlaceAt) -> Option<InPlaceStart> {
         None
     }
 }

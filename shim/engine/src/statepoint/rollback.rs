@@ -355,7 +355,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         mounted: mounts.iter().filter_map(|m| Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)).collect(),
         scratch: store.dir.join("in-place-files"),
     };
-    let started = rootfs.in_place_start(&target.local_state, &at);
+    let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at);
     progress.phase("safety statepoint of the current state");
     let safety = snapshot::take(
         ctx,

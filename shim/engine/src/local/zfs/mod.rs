@@ -290,7 +290,7 @@ impl Rootfs for ZfsRootfs {
 
     /// Started as soon as the container is frozen: [`find_in_place`] and the comparison of what
     /// it found in a thread of its own, beside the safety statepoint and the page plan.
-    fn in_place_start(&self, local: &LocalState, at: &InPlaceAt) -> Option<InPlaceStart> {
+    fn in_place_start(&self, _sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Option<InPlaceStart> {
         let recorded = local.zfs_snapshot.clone()?;
         let (zfs, d, at) = (self.zfs.clone(), self.map.dataset.clone(), at.clone());
         let now = format!("{d}@planarian-inplace-now");
@@ -310,11 +310,11 @@ impl Rootfs for ZfsRootfs {
     /// read, compared with the live dataset entry by entry (inode and ctime included) and the
     /// differences written into the dataset. The clone (and the snapshot an early start took)
     /// goes when this is dropped, or later ([`InPlaceFiles::hand_off`]).
-    fn in_place(&self, _sp_dir: &Path, local: &LocalState, at: &InPlaceAt, start: Option<InPlaceStart>) -> Result<InPlaceFiles> {
+    fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt, start: Option<InPlaceStart>) -> Result<InPlaceFiles> {
         let zfs = &self.zfs;
         let t = std::time::Instant::now();
         // (not begun early: begun now)
-        let start = start.or_else(|| self.in_place_start(local, at)).ok_or(Error::NoZfsSnapshot)?;
+        let start = start.or_else(|| self.in_place_start(sp_dir, local, at)).ok_or(Error::NoZfsSnapshot)?;
         let mut early = start.0.downcast::<Early>().map_err(|_| Error::InPlaceFiles("not a ZFS start".into()))?;
         let compared = early.thread.take().expect("joined once").join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         let made = std::mem::take(&mut early.made);
