@@ -93,9 +93,12 @@ impl Finder<'_> {
             for (name, (ino, is_dir)) in entries {
                 let rel = at.join(&name);
                 if let Some(Object::File(z)) = self.changes.objects.get(&ino) {
-                    // Only a directory or a file of one name is surely in the directory its
-                    // znode names.
-                    if (z.is_dir() || z.links == 1) && wanted.remove(&z.parent) {
+                    // Only a directory or a file of one name is in the directory its znode names
+                    // (a file that had more keeps the first one's), and that directory is this
+                    // one when its inode says so (the root's cannot: FUSE shows it as inode 1).
+                    let this = at.as_os_str().is_empty() || is_dir_at(self.live, &at, z.parent);
+                    if (z.is_dir() || z.links == 1) && wanted.contains(&z.parent) && this {
+                        wanted.remove(&z.parent);
                         self.found.insert(z.parent, at.clone());
                     }
                 }
