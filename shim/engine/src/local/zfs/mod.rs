@@ -410,16 +410,16 @@ fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: &str) 
             let cache = scratch.with_file_name("zfs-dirs.json");
             let known = places::load_known(&cache);
             let (places, how) = match places::places(&changes, &live, &[], &known) {
-                Some(p) => {
+                Ok(p) => {
                     places::save_known(&cache, &known, &p.dirs);
                     (Some((p.single, p.named, "stream")), format!("{} directories read", p.read))
                 }
-                None => {
+                Err(why) => {
                     let found = places(zfs, now, &changed, &live);
                     if let Some((single, _)) = &found {
                         places::save_known(&cache, &known, &places::dirs_of(&live, single));
                     }
-                    (found.map(|(single, named)| (single, named, "zdb")), "zdb".to_string())
+                    (found.map(|(single, named)| (single, named, "zdb")), format!("zdb: from the stream, {why}"))
                 }
             };
             let times = format!("snapshot {} ms, stream {} ms ({} objects), places {} ms ({how})", ms(snapped), ms(streamed - snapped), changed.len(), ms(t.elapsed() - streamed));

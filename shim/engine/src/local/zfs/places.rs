@@ -124,17 +124,20 @@ fn is_dir_at(live: &Path, rel: &Path, obj: u64) -> bool {
 }
 
 /// The places in `live` (the frozen tree the stream ends at) of the objects `changes` carries;
-/// `None` when they cannot all be trusted. `mounted`: the container's mount points (relative),
+/// why not, when they cannot all be trusted. `mounted`: the container's mount points (relative),
 /// not searched; `known`: directories' places earlier rollbacks learned ([`Places::dirs`]).
-pub fn places(changes: &Changes, live: &Path, mounted: &[PathBuf], known: &HashMap<u64, PathBuf>) -> Option<Places> {
+pub fn places(changes: &Changes, live: &Path, mounted: &[PathBuf], known: &HashMap<u64, PathBuf>) -> Result<Places, String> {
     let mut f = Finder { live, mounted, changes, found: HashMap::new(), known, listings: HashMap::new() };
+    // (an extended attribute's directory, or a file in one: not in the tree, and whatever
+    // changed there changed the file they belong to too)
+    let attribute = |z: &zfs::stream::Znode| z.xattr || matches!(changes.objects.get(&z.parent), Some(Object::File(p)) if !p.is_dir() || p.xattr);
     let mut files = Vec::new();
     for (&obj, seen) in &changes.objects {
         match seen {
             Object::System => {}
-            Object::Unknown => return None,
+            Object::Unknown => return Err(format!("object {obj}: no znode in the stream")),
             // Unlinked, still open: no place.
-            Object::File(z) if z.links == 0 => {}
+            Object::File(z) if z.links == 0 || attribute(z) => {}
             Object::File(z) => files.push((obj, *z)),
         }
     }
@@ -147,7 +150,10 @@ pub fn places(changes: &Changes, live: &Path, mounted: &[PathBuf], known: &HashM
         // (a directory the stream carries may hang below one the search found)
         wanted.retain(|&p| f.dir(p, 0).is_none());
         if !wanted.is_empty() {
-            return None;
+            let mut w: Vec<_> = wanted.into_iter().collect();
+            w.sort_unstable();
+            let holds: Vec<u64> = files.iter().filter(|(_, z)| w.contains(&z.parent)).map(|(o, _)| *o).take(5).collect();
+            return Err(format!("directories {w:?} (holding {holds:?}) not found within {SEARCH_BOUND} directories"));
         }
     }
     let mut out = Places::default();
@@ -155,8 +161,8 @@ pub fn places(changes: &Changes, live: &Path, mounted: &[PathBuf], known: &HashM
         let place = if z.parent == obj {
             PathBuf::new()
         } else {
-            let parent = f.dir(z.parent, 0)?;
-            f.name_in(&parent, obj)?
+            let parent = f.dir(z.parent, 0).ok_or_else(|| format!("object {obj}: its directory {} has no place", z.parent))?;
+            f.name_in(&parent, obj).ok_or_else(|| format!("object {obj}: not in /{} (its directory {})", parent.display(), z.parent))?
         };
         if !z.is_dir() && z.links > 1 {
             out.named.push(place);
@@ -166,7 +172,7 @@ pub fn places(changes: &Changes, live: &Path, mounted: &[PathBuf], known: &HashM
     }
     out.read = f.listings.len();
     out.dirs = f.found;
-    Some(out)
+    Ok(out)
 }
 
 /// Directories' places kept this many at most.
@@ -235,7 +241,7 @@ mod tests {
         let p = root.join(rel);
         let md = std::fs::symlink_metadata(&p).unwrap();
         let parent = if rel.is_empty() { md.ino() } else { ino(p.parent().unwrap()) };
-        c.objects.insert(md.ino(), Object::File(Znode { parent, links: md.nlink(), mode: u64::from(md.mode()) }));
+        c.objects.insert(md.ino(), Object::File(Znode { parent, links: md.nlink(), mode: u64::from(md.mode()), xattr: false }));
     }
 
     #[test]
@@ -255,6 +261,10 @@ mod tests {
             changed(&mut c, &d, rel);
         }
         c.objects.insert(1, Object::System);
+        // A file's extended attributes (a hidden directory, a file in it): not in the tree.
+        let passwd = ino(&d.join("etc/passwd"));
+        c.objects.insert(900_000_001, Object::File(Znode { parent: passwd, links: 2, mode: 0o040755, xattr: true }));
+        c.objects.insert(900_000_002, Object::File(Znode { parent: 900_000_001, links: 1, mode: 0o100644, xattr: false }));
         let p = places(&c, &d, &[], &HashMap::new()).unwrap();
         let mut single: Vec<_> = p.single.iter().map(|p| p.display().to_string()).collect();
         single.sort();
@@ -297,20 +307,20 @@ mod tests {
         std::fs::write(d.join("a/b/f"), "x").unwrap();
         let mut c = Changes::default();
         changed(&mut c, &d, "a/b/f");
-        assert!(places(&c, &d, &[], &HashMap::new()).is_some());
+        assert!(places(&c, &d, &[], &HashMap::new()).is_ok());
         // A znode that names a directory that does not hold the file.
         let f = ino(&d.join("a/b/f"));
-        c.objects.insert(f, Object::File(Znode { parent: ino(&d.join("a")), links: 1, mode: 0o100644 }));
-        assert_eq!(places(&c, &d, &[], &HashMap::new()), None);
+        c.objects.insert(f, Object::File(Znode { parent: ino(&d.join("a")), links: 1, mode: 0o100644, xattr: false }));
+        assert!(places(&c, &d, &[], &HashMap::new()).is_err());
         // An object the stream wrote without its znode.
         let mut c = Changes::default();
         changed(&mut c, &d, "a/b/f");
         c.objects.insert(999_999_999, Object::Unknown);
-        assert_eq!(places(&c, &d, &[], &HashMap::new()), None);
+        assert!(places(&c, &d, &[], &HashMap::new()).is_err());
         // A directory no search reaches: behind a mount point (not searched).
         let mut c = Changes::default();
         changed(&mut c, &d, "a/b/f");
-        assert_eq!(places(&c, &d, &[PathBuf::from("a")], &HashMap::new()), None);
+        assert!(places(&c, &d, &[PathBuf::from("a")], &HashMap::new()).is_err());
         let _ = std::fs::remove_dir_all(&d);
     }
 }
