@@ -49,6 +49,8 @@ pub struct Znode {
     /// An extended attribute's directory or file (the hidden namespace a file's attributes
     /// live in, not the tree).
     pub xattr: bool,
+    /// When its content or metadata last changed (seconds since the epoch, the host's clock).
+    pub ctime: u64,
 }
 
 impl Znode {
@@ -103,9 +105,9 @@ fn skip(r: &mut impl Read, n: u64) -> std::io::Result<()> {
 /// A file or directory's placing fields, from its bonus buffer.
 fn znode(bonustype: u32, bonus: &[u8]) -> Option<Znode> {
     let z = match bonustype {
-        // znode_phys_t: gen at 64, mode 72, size 80, parent 88, links 96, xattr 104, rdev 112,
-        // flags 120 (ZFS_XATTR is bit 0).
-        DMU_OT_ZNODE if bonus.len() >= 128 => Znode { mode: u64_at(bonus, 72), parent: u64_at(bonus, 88), links: u64_at(bonus, 96), xattr: u64_at(bonus, 120) & 1 != 0 },
+        // znode_phys_t: atime, mtime, ctime (at 32), crtime (16 bytes each), gen at 64, mode 72,
+        // size 80, parent 88, links 96, xattr 104, rdev 112, flags 120 (ZFS_XATTR is bit 0).
+        DMU_OT_ZNODE if bonus.len() >= 128 => Znode { mode: u64_at(bonus, 72), parent: u64_at(bonus, 88), links: u64_at(bonus, 96), xattr: u64_at(bonus, 120) & 1 != 0, ctime: u64_at(bonus, 32) },
         DMU_OT_SA if bonus.len() >= 8 && u32_at(bonus, 0) == SA_MAGIC => {
             // sa_hdr_phys_t: magic, then layout (bits 0-9) and header size in 8-byte units
             // (bits 10-15), then the variable-size attributes' lengths.
@@ -114,7 +116,7 @@ fn znode(bonustype: u32, bonus: &[u8]) -> Option<Znode> {
             // mode, size, gen, uid, gid, parent, flags, atime, mtime, ctime, crtime (16 bytes
             // each of the times), links.
             let at = |i: usize| (bonus.len() >= hdr + i + 8).then(|| u64_at(bonus, hdr + i));
-            Znode { mode: at(0)?, parent: at(40)?, links: at(120)?, xattr: at(48)? & 1 != 0 }
+            Znode { mode: at(0)?, parent: at(40)?, links: at(120)?, xattr: at(48)? & 1 != 0, ctime: at(88)? }
         }
         _ => return None,
     };
@@ -209,6 +211,7 @@ mod tests {
         b[88..96].copy_from_slice(&parent.to_le_bytes());
         b[96..104].copy_from_slice(&links.to_le_bytes());
         b[120..128].copy_from_slice(&(1u64 << 32).to_le_bytes());
+        b[32..40].copy_from_slice(&1_700_000_000u64.to_le_bytes());
         b
     }
 
@@ -220,6 +223,7 @@ mod tests {
         b[8..16].copy_from_slice(&mode.to_le_bytes());
         b[48..56].copy_from_slice(&parent.to_le_bytes());
         b[128..136].copy_from_slice(&links.to_le_bytes());
+        b[96..104].copy_from_slice(&1_700_000_001u64.to_le_bytes());
         b
     }
 
@@ -248,8 +252,8 @@ mod tests {
             vec![
                 (1, Object::System),
                 (2, Object::System),
-                (34, Object::File(Znode { parent: 4, links: 1, mode: 0o100644, xattr: false })),
-                (35, Object::File(Znode { parent: 34, links: 2, mode: 0o040755, xattr: false })),
+                (34, Object::File(Znode { parent: 4, links: 1, mode: 0o100644, xattr: false, ctime: 1_700_000_000 })),
+                (35, Object::File(Znode { parent: 34, links: 2, mode: 0o040755, xattr: false, ctime: 1_700_000_001 })),
                 (36, Object::Unknown),
                 (37, Object::Unknown),
             ]
@@ -261,7 +265,7 @@ mod tests {
         let mut s = record(DRR_BEGIN, 0, &[(8, MAGIC)]);
         s.extend(object(50, 20, DMU_OT_ZNODE, &b));
         s.extend(record(DRR_END, 0, &[]));
-        assert_eq!(read(&s[..]).unwrap().objects[&50], Object::File(Znode { parent: 34, links: 2, mode: 0o040755, xattr: true }));
+        assert_eq!(read(&s[..]).unwrap().objects[&50], Object::File(Znode { parent: 34, links: 2, mode: 0o040755, xattr: true, ctime: 1_700_000_000 }));
     }
 
     #[test]

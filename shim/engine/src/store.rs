@@ -132,6 +132,37 @@ pub struct LocalState {
     pub rootfs_copy_path: Option<String>,
     /// The container's writable layer when the statepoint was taken.
     pub rootfs_upperdir: Option<String>,
+    /// ZFS: the host's clocks just before the statepoint's snapshot was taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zfs_clock: Option<Clock>,
+}
+
+/// The host's clocks at one moment: the wall clock, the time since boot, and which boot.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+pub struct Clock {
+    /// Seconds since the epoch.
+    pub wall: u64,
+    /// Seconds since boot (`/proc/uptime`).
+    pub uptime: f64,
+    pub boot_id: String,
+}
+
+impl Clock {
+    pub fn now() -> Option<Clock> {
+        let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?.as_secs();
+        let uptime = std::fs::read_to_string("/proc/uptime").ok()?.split_whitespace().next()?.parse().ok()?;
+        let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?.trim().to_string();
+        Some(Clock { wall, uptime, boot_id })
+    }
+
+    /// Whether the wall clock kept time from `self` to `now`: the same boot, and the wall clock
+    /// moved as the time since boot did (within `slack` seconds: it was not set back, or
+    /// forward, in between — as far as two readings can tell).
+    pub fn kept_time_to(&self, now: &Clock, slack: f64) -> bool {
+        let (wall, up) = (now.wall as f64 - self.wall as f64, now.uptime - self.uptime);
+        self.boot_id == now.boot_id && up >= 0.0 && (wall - up).abs() <= slack
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -404,6 +435,16 @@ pub fn du(path: &Path) -> u64 {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    #[test]
+    fn a_clock_kept_time_only_within_one_boot_and_with_the_uptime() {
+        let then = Clock { wall: 1000, uptime: 50.0, boot_id: "a".into() };
+        let at = |wall, uptime: f64, boot: &str| Clock { wall, uptime, boot_id: boot.into() };
+        assert!(then.kept_time_to(&at(1100, 150.5, "a"), 2.0));
+        assert!(!then.kept_time_to(&at(1100, 50.0, "a"), 2.0), "set forward");
+        assert!(!then.kept_time_to(&at(990, 60.0, "a"), 2.0), "set back");
+        assert!(!then.kept_time_to(&at(1100, 150.0, "b"), 2.0), "another boot");
+    }
 
     fn tmp(tag: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("planarian-store-{tag}-{}", std::process::id()));

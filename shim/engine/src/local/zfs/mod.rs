@@ -259,6 +259,8 @@ impl Rootfs for ZfsRootfs {
         local.zfs_snapshot = Some(self.snapshot_of(sp));
         local.rootfs_copy_path = None;
         local.rootfs_upperdir = None;
+        // (before the snapshot: whatever changed later changed after this)
+        local.zfs_clock = crate::store::Clock::now();
     }
 
     fn snapshot(&self, _sp_dir: &Path, local: &LocalState) -> Result<()> {
@@ -292,13 +294,18 @@ impl Rootfs for ZfsRootfs {
     /// it found in a thread of its own, beside the safety statepoint and the page plan.
     fn in_place_start(&self, _sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Option<InPlaceStart> {
         let recorded = local.zfs_snapshot.clone()?;
+        // Objects whose last change came before the statepoint's snapshot (two seconds and more
+        // before it was decided on) did not change since: the stream carries them only as
+        // neighbours of ones that did (it sends whole blocks of znodes). Trusted only while the
+        // wall clock kept time since (same boot, moved as the time since boot did).
+        let unchanged_before = local.zfs_clock.as_ref().zip(crate::store::Clock::now()).filter(|(then, now)| then.kept_time_to(now, 2.0)).map(|(then, _)| then.wall.saturating_sub(2));
         let (zfs, d, at) = (self.zfs.clone(), self.map.dataset.clone(), at.clone());
         let now = format!("{d}@planarian-inplace-now");
         let made = vec![format!("{d}.planarian-inplace"), now.clone()];
         let thread = {
             let zfs = zfs.clone();
             std::thread::spawn(move || {
-                let found = find_in_place(&zfs, &d, &recorded, &at.scratch, &now)?;
+                let found = find_in_place(&zfs, &d, &recorded, &at.scratch, &now, unchanged_before)?;
                 compare(&zfs, &found, &at)
             })
         };
@@ -372,7 +379,7 @@ struct Found {
     times: String,
 }
 
-fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: &str) -> Result<Found> {
+fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: &str, unchanged_before: Option<u64>) -> Result<Found> {
     let started = std::time::Instant::now();
     let ms = |t: std::time::Duration| t.as_millis();
     let name = recorded.rsplit('@').next().unwrap_or(recorded);
@@ -404,6 +411,11 @@ fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: &str) 
                 Err(e) => return Ok(((None, None), format!("no stream: {e}"))),
             };
             let streamed = t.elapsed();
+            let mut changes = changes;
+            let carried = changes.objects.len();
+            if let Some(before) = unchanged_before {
+                changes.objects.retain(|_, o| !matches!(o, zfs::stream::Object::File(z) if z.ctime < before));
+            }
             let changed: std::collections::HashSet<u64> = changes.objects.keys().copied().collect();
             // Where they are: from their znodes and the live tree's listings, else from zdb.
             // What this learns of directories' places is kept for the next rollback.
@@ -422,7 +434,7 @@ fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: &str) 
                     (found.map(|(single, named)| (single, named, "zdb")), format!("zdb: from the stream, {why}"))
                 }
             };
-            let times = format!("snapshot {} ms, stream {} ms ({} objects), places {} ms ({how})", ms(snapped), ms(streamed - snapped), changed.len(), ms(t.elapsed() - streamed));
+            let times = format!("snapshot {} ms, stream {} ms ({carried} objects, {} changed since the statepoint), places {} ms ({how})", ms(snapped), ms(streamed - snapped), changed.len(), ms(t.elapsed() - streamed));
             Ok(((Some(changed), places), times))
         });
         let made = (|| -> Result<()> {

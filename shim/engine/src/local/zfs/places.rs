@@ -241,7 +241,7 @@ mod tests {
         let p = root.join(rel);
         let md = std::fs::symlink_metadata(&p).unwrap();
         let parent = if rel.is_empty() { md.ino() } else { ino(p.parent().unwrap()) };
-        c.objects.insert(md.ino(), Object::File(Znode { parent, links: md.nlink(), mode: u64::from(md.mode()), xattr: false }));
+        c.objects.insert(md.ino(), Object::File(Znode { parent, links: md.nlink(), mode: u64::from(md.mode()), xattr: false, ctime: 0 }));
     }
 
     #[test]
@@ -263,8 +263,8 @@ mod tests {
         c.objects.insert(1, Object::System);
         // A file's extended attributes (a hidden directory, a file in it): not in the tree.
         let passwd = ino(&d.join("etc/passwd"));
-        c.objects.insert(900_000_001, Object::File(Znode { parent: passwd, links: 2, mode: 0o040755, xattr: true }));
-        c.objects.insert(900_000_002, Object::File(Znode { parent: 900_000_001, links: 1, mode: 0o100644, xattr: false }));
+        c.objects.insert(900_000_001, Object::File(Znode { parent: passwd, links: 2, mode: 0o040755, xattr: true, ctime: 0 }));
+        c.objects.insert(900_000_002, Object::File(Znode { parent: 900_000_001, links: 1, mode: 0o100644, xattr: false, ctime: 0 }));
         let p = places(&c, &d, &[], &HashMap::new()).unwrap();
         let mut single: Vec<_> = p.single.iter().map(|p| p.display().to_string()).collect();
         single.sort();
@@ -310,7 +310,7 @@ mod tests {
         assert!(places(&c, &d, &[], &HashMap::new()).is_ok());
         // A znode that names a directory that does not hold the file.
         let f = ino(&d.join("a/b/f"));
-        c.objects.insert(f, Object::File(Znode { parent: ino(&d.join("a")), links: 1, mode: 0o100644, xattr: false }));
+        c.objects.insert(f, Object::File(Znode { parent: ino(&d.join("a")), links: 1, mode: 0o100644, xattr: false, ctime: 0 }));
         assert!(places(&c, &d, &[], &HashMap::new()).is_err());
         // An object the stream wrote without its znode.
         let mut c = Changes::default();
