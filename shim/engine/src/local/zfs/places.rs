@@ -53,21 +53,21 @@ impl Finder<'_> {
     }
 
     /// The place of directory `obj`, through the znodes the stream carries (`depth` bounds the
-    /// chain: a loop is no tree).
+    /// chain: a loop is no tree), else where an earlier rollback found it, if it is still there.
     fn dir(&mut self, obj: u64, depth: usize) -> Option<PathBuf> {
         if let Some(p) = self.found.get(&obj) {
             return Some(p.clone());
         }
-        let Some(Object::File(z)) = self.changes.objects.get(&obj) else {
-            // Unchanged: where it was, if that is known and it is still there.
-            let place = self.known.get(&obj).filter(|p| is_dir_at(self.live, p, obj))?.clone();
-            self.found.insert(obj, place.clone());
-            return Some(place);
+        let chained = match self.changes.objects.get(&obj) {
+            Some(Object::File(z)) if !z.is_dir() => return None,
+            Some(Object::File(z)) if z.parent == obj => Some(PathBuf::new()),
+            Some(Object::File(z)) if depth <= 4096 => {
+                let parent = z.parent;
+                self.dir(parent, depth + 1).and_then(|p| self.name_in(&p, obj))
+            }
+            _ => None,
         };
-        if !z.is_dir() || depth > 4096 {
-            return None;
-        }
-        let place = if z.parent == obj { PathBuf::new() } else { self.dir(z.parent, depth + 1).and_then(|parent| self.name_in(&parent, obj))? };
+        let place = chained.or_else(|| self.known.get(&obj).filter(|p| is_dir_at(self.live, p, obj)).cloned())?;
         self.found.insert(obj, place.clone());
         Some(place)
     }
@@ -143,8 +143,9 @@ pub fn places(changes: &Changes, live: &Path, mounted: &[PathBuf], known: &HashM
     }
     // The directories that hold changed files, found through the stream where it can; the
     // others searched for, all at once.
-    let parents: HashSet<u64> = files.iter().map(|(obj, z)| if z.parent == *obj { *obj } else { z.parent }).collect();
-    let mut wanted: HashSet<u64> = parents.iter().copied().filter(|&p| f.dir(p, 0).is_none()).collect();
+    // (a directory's own place; a file's directory)
+    let needed: HashSet<u64> = files.iter().map(|(obj, z)| if z.is_dir() { *obj } else { z.parent }).collect();
+    let mut wanted: HashSet<u64> = needed.iter().copied().filter(|&p| f.dir(p, 0).is_none()).collect();
     if !wanted.is_empty() {
         f.search(&mut wanted);
         // (a directory the stream carries may hang below one the search found)
@@ -158,8 +159,8 @@ pub fn places(changes: &Changes, live: &Path, mounted: &[PathBuf], known: &HashM
     }
     let mut out = Places::default();
     for (obj, z) in files {
-        let place = if z.parent == obj {
-            PathBuf::new()
+        let place = if z.is_dir() {
+            f.dir(obj, 0).ok_or_else(|| format!("directory {obj} has no place"))?
         } else {
             let parent = f.dir(z.parent, 0).ok_or_else(|| format!("object {obj}: its directory {} has no place", z.parent))?;
             f.name_in(&parent, obj).ok_or_else(|| format!("object {obj}: not in /{} (its directory {})", parent.display(), z.parent))?
@@ -292,6 +293,12 @@ mod tests {
         // Known: only the file's directory is read.
         let again = places(&c, &d, &[], &known).unwrap();
         assert_eq!((again.single.clone(), again.read), (vec![PathBuf::from("w/a/b/f")], 1));
+        // Changed itself (its times put back, say), its own directory unknown: still known.
+        let mut c2 = c.clone();
+        changed(&mut c2, &d, "w/a/b");
+        let mut single = places(&c2, &d, &[], &known).unwrap().single;
+        single.sort();
+        assert_eq!(single, vec![PathBuf::from("w/a/b"), PathBuf::from("w/a/b/f")]);
         // Moved since: the known place is no longer it, and it is searched for.
         std::fs::rename(d.join("w/a"), d.join("w/z")).unwrap();
         let moved = places(&c, &d, &[], &known).unwrap();
