@@ -218,25 +218,6 @@ pub fn discard_stale(cfg: &Config, store: &ContainerStore) {
     }
 }
 
-/// Frees what discarded statepoints still hold when whoever should have freed them did not (a
-/// rollback's cleanup worker killed, a removal that failed half-way): a copy of the files, a ZFS
-/// snapshot (one listing of the pool tells which are still there), their images.
-pub fn sweep_discarded(cfg: &Config, store: &ContainerStore) {
-    let discarded: Vec<Manifest> = store.manifests().into_iter().filter(|m| m.status == store::Status::Discarded).collect();
-    let snaps: Vec<&str> = discarded.iter().filter_map(|m| m.local_state.zfs_snapshot.as_deref()).collect();
-    let present: std::collections::HashSet<String> = match (snaps.first(), local::zfs::zfs_from(cfg)) {
-        (Some(first), Ok(zfs)) => zfs.snapshots(zfs::pool_of(first)).unwrap_or_default().into_iter().filter_map(|s| s.split_once('@').map(|(_, n)| n.to_string())).collect(),
-        _ => Default::default(),
-    };
-    for m in &discarded {
-        let copy = m.local_state.rootfs_copy_path.as_ref().is_some_and(|c| store.statepoint_dir(&m.statepoint_id).join(c).exists());
-        let snap = m.local_state.zfs_snapshot.as_deref().and_then(|s| s.rsplit_once('@')).is_some_and(|(_, n)| present.contains(n));
-        if copy || snap {
-            let _ = free(cfg, store, m);
-        }
-    }
-}
-
 /// Removes a statepoint: discarded in the registry first (a crash half-way leaves no committed
 /// statepoint without its parts), then its files; its memory images stay while a later dump of
 /// the chain links to them ([`crate::chain::collect`]). Call with the exclusive lock held.

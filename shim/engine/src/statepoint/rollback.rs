@@ -166,8 +166,6 @@ impl Leftover {
         if let Some(m) = discarded.ok().filter(|m| m.status == crate::store::Status::Discarded) {
             let _ = super::free(cfg, store, &m);
         }
-        // (and what a worker before this one left, killed before it was done)
-        super::sweep_discarded(cfg, store);
     }
 }
 
@@ -182,8 +180,6 @@ pub fn cleanup_worker(lock_fd: i32, spec: &str) -> Result<()> {
     let cfg = Config::load()?;
     let store = ContainerStore::new(&cfg.store.path, &s("container").unwrap_or_default());
     let zfs = v["zfs"].as_array().map(|a| a.iter().filter_map(|m| m.as_str().map(String::from)).collect()).unwrap_or_default();
-    // (a worker that dies here leaves it all to the next one)
-    crate::fault::point("rollback.cleanup")?;
     Leftover { safety: s("safety").unwrap_or_default(), zfs }.remove_now(&cfg, &store);
     Ok(())
 }
