@@ -184,7 +184,7 @@ fn names(dir: &Path) -> std::collections::BTreeSet<std::ffi::OsString> {
 }
 
 /// `base/rel`'s metadata when every directory on the way is one (no symbolic link followed).
-fn within(base: &Path, rel: &Path) -> Option<std::fs::Metadata> {
+pub(crate) fn within(base: &Path, rel: &Path) -> Option<std::fs::Metadata> {
     let mut at = base.to_path_buf();
     let comps: Vec<_> = rel.components().collect();
     for c in &comps[..comps.len().saturating_sub(1)] {

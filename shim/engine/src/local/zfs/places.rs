@@ -116,11 +116,7 @@ impl Finder<'_> {
 /// Whether `live/rel` is directory `obj`, reached without following a symbolic link.
 fn is_dir_at(live: &Path, rel: &Path, obj: u64) -> bool {
     use std::os::unix::fs::MetadataExt;
-    let mut at = live.to_path_buf();
-    rel.components().all(|c| {
-        at.push(c);
-        std::fs::symlink_metadata(&at).is_ok_and(|m| m.is_dir())
-    }) && std::fs::symlink_metadata(&at).is_ok_and(|m| m.ino() == obj)
+    crate::local::treesync::within(live, rel).is_some_and(|m| m.is_dir() && m.ino() == obj)
 }
 
 /// The places in `live` (the frozen tree the stream ends at) of the objects `changes` carries;
