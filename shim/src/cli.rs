@@ -512,6 +512,25 @@ pub struct GcArgs {
     pub wait: Option<String>,
 }
 
+/// `planarian zfs-base`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "planarian zfs-base",
+    about = "Copy an image into ZFS once, before its first container: the per-image base its containers' datasets are cloned from",
+    long_about = "Copy an image into ZFS once, before its first container: the per-image base its containers' \
+datasets are cloned from. The first `podman run` of an image does this itself when the base is missing, \
+but inside Podman's fixed time limit for creating a container: on a slow machine or for a large image, \
+run this first."
+)]
+pub struct ZfsBaseArgs {
+    /// The image (any name or ID Podman knows).
+    pub image: String,
+    /// The parent dataset the containers get their datasets under (default: zfs.parent_dataset of
+    /// the configuration).
+    #[arg(long)]
+    pub parent_dataset: Option<String>,
+}
+
 /// `planarian config`.
 #[derive(clap::Parser, Debug)]
 #[command(name = "planarian config", about = "The effective configuration, optionally with a container's io.planarian.* annotations applied")]

@@ -285,6 +285,24 @@ pub fn gc(args: &[OsString]) -> Result<i32, Failure> {
     Ok(0)
 }
 
+/// `planarian zfs-base IMAGE [--parent-dataset DS]`.
+pub fn zfs_base(args: &[OsString]) -> Result<i32, Failure> {
+    let a: cli::ZfsBaseArgs = parse!("zfs-base", args);
+    let cfg = Config::load()?;
+    let Some(parent) = a.parent_dataset.or(cfg.zfs.parent_dataset.clone()) else {
+        return Err("no parent dataset: give --parent-dataset, or set zfs.parent_dataset in the configuration".to_string().into());
+    };
+    let layers = podman::image_layers(&a.image)?;
+    let started = std::time::Instant::now();
+    let (base, made) = engine::local::zfs::create::prepare_image_base(&cfg, &parent, &layers)?;
+    if made {
+        println!("{base}: {} copied ({} layers) in {:.1} s", a.image, layers.len(), started.elapsed().as_secs_f64());
+    } else {
+        println!("{base}: {} was copied before", a.image);
+    }
+    Ok(0)
+}
+
 fn table(list: &[Manifest], head: Option<&str>) -> String {
     let mut out = format!("{:<6} {:<18} {:<7} {:<24} {:<6} {:>9} {:>9} {:>9}  {}\n", "ID", "NAME", "PARENT", "CREATED", "DUMP", "MEMORY", "FILES", "TOOK", "DESCRIPTION");
     for m in list {

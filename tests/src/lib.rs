@@ -257,6 +257,18 @@ impl Drop for DropIn {
     }
 }
 
+/// `<pool>/sb`, the parent dataset the tests' containers get their datasets under, made when
+/// missing, with the Debian test image's base copied into it ahead by `planarian zfs-base` (as
+/// the README says to: the first container's create would copy it inside Podman's time limit).
+pub fn zfs_parent(pool: &str) -> String {
+    let p = format!("{pool}/sb");
+    if cmd("zfs", ["list", "-H", &p]).code != Some(0) {
+        cmd("zfs", ["create", &p]).ok();
+    }
+    planarian(&["zfs-base", DEBIAN, "--parent-dataset", &p]).ok();
+    p
+}
+
 /// The test pool (the guest makes one), or a loud skip / a failure where the stack is required.
 pub fn zfs_test_pool() -> Option<String> {
     match std::env::var("PLANARIAN_TEST_ZPOOL") {

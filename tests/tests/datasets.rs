@@ -27,13 +27,10 @@ fn snapshots_matching(pool: &str, needle: &str) -> Vec<String> {
     zfs(&["list", "-H", "-o", "name", "-t", "snapshot", "-r", pool]).out().lines().filter(|l| l.contains(needle)).map(String::from).collect()
 }
 
-/// `<pool>/sb`, the parent dataset the tests' containers get their datasets under.
+/// `<pool>/sb`, the parent dataset the tests' containers get their datasets under, with the test
+/// image's base made ahead (see `zfs_parent`).
 fn parent(pool: &str) -> String {
-    let p = format!("{pool}/sb");
-    if !exists(&p) {
-        zfs(&["create", &p]).ok();
-    }
-    p
+    zfs_parent(pool)
 }
 
 fn id_of(name: &str) -> String {
@@ -119,6 +116,64 @@ fn per_image_clone_rolls_back_exactly_in_any_order_and_shares_the_image() {
     assert!(wait_for(Duration::from_secs(120), || !exists(&ds2)), "{ds2} removed with its container");
     assert!(exists(&ds) && exists(&origin), "the other container and the image base stay");
     assert_eq!(files(&sb), f1);
+}
+
+/// The image's base made by its first container's `create` and by `planarian zfs-base` is one and
+/// the same (same dataset, found either way), and a bad image changes nothing.
+#[test]
+fn the_image_base_is_made_by_the_first_create_or_ahead_by_zfs_base() {
+    require_stack!();
+    let Some(pool) = pool() else { return };
+    let parent = format!("{pool}/sbbase{}", std::process::id());
+    zfs(&["create", &parent]).ok();
+    let _cleanup = Defer(|| drop(zfs(&["destroy", "-r", &parent])));
+    let ann = format!("io.planarian.zfs.parent_dataset={parent}");
+    let name = format!("pltest-zfsbase-{}", std::process::id());
+    let _gone = Defer(|| drop(podman("planarian", &["rm", "-f", "-t", "0", &name])));
+
+    // Made by create: the first container of the image, with no base under this parent yet.
+    podman("planarian", &["run", "-d", "--name", &name, "--network", "none", "--annotation", &ann, BUSYBOX, "sleep", "600"]).ok();
+    let origin = prop(&format!("{parent}/ctr-{}", id_of(&name)), "origin");
+    assert!(origin.starts_with(&format!("{parent}/image-")) && origin.ends_with("@base"), "{origin}");
+    // zfs-base finds that very base: the key it computes from the image equals the one create
+    // computed from the container's overlay.
+    let again = planarian(&["zfs-base", BUSYBOX, "--parent-dataset", &parent]);
+    again.ok();
+    assert_eq!(again.out(), format!("{origin}: {BUSYBOX} was copied before"));
+
+    // Made ahead: under a second parent, zfs-base copies the image, and a container's create
+    // clones it instead of copying.
+    let parent2 = format!("{parent}/ahead");
+    zfs(&["create", &parent2]).ok();
+    let made = planarian(&["zfs-base", BUSYBOX, "--parent-dataset", &parent2]);
+    made.ok();
+    let base2 = format!("{parent2}/{}", origin.strip_prefix(&format!("{parent}/")).unwrap());
+    assert!(made.out().starts_with(&format!("{base2}: {BUSYBOX} copied (")), "{}", made.out());
+    let name2 = format!("{name}-2");
+    let _gone2 = Defer(|| drop(podman("planarian", &["rm", "-f", "-t", "0", &name2])));
+    let ann2 = format!("io.planarian.zfs.parent_dataset={parent2}");
+    podman("planarian", &["run", "-d", "--name", &name2, "--network", "none", "--annotation", &ann2, BUSYBOX, "sleep", "600"]).ok();
+    assert_eq!(prop(&format!("{parent2}/ctr-{}", id_of(&name2)), "origin"), base2);
+    assert_eq!(podman("planarian", &["exec", &name2, "cat", "/etc/hostname"]).code, Some(0));
+
+    // Bad input: one clear line, nothing made.
+    let before = zfs(&["list", "-H", "-o", "name", "-t", "all", "-r", &parent]).out();
+    let bad = planarian(&["zfs-base", "localhost/planarian-test/no-such-image", "--parent-dataset", &parent]);
+    assert_ne!(bad.code, Some(0));
+    assert_eq!(bad.stderr.trim().lines().count(), 1, "{bad:?}");
+    assert!(bad.stderr.contains("no-such-image"), "{bad:?}");
+    let missing = planarian(&["zfs-base", BUSYBOX, "--parent-dataset", &format!("{parent}/missing")]);
+    assert_ne!(missing.code, Some(0));
+    assert_eq!(missing.stderr.trim().lines().count(), 1, "{missing:?}");
+    assert_eq!(zfs(&["list", "-H", "-o", "name", "-t", "all", "-r", &parent]).out(), before);
+}
+
+/// Runs a closure when dropped (cleanup that also runs when an assertion fails).
+struct Defer<F: FnMut()>(F);
+impl<F: FnMut()> Drop for Defer<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
 }
 
 #[test]

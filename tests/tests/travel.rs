@@ -393,10 +393,7 @@ fn size(p: &str) -> u64 {
 fn statepoints_move_between_pools_and_podman_export_carries_zfs_files() {
     require_stack!();
     let Some(pool) = zfs_test_pool() else { return };
-    let parent = format!("{pool}/sb");
-    if cmd("zfs", ["list", "-H", &parent]).code != Some(0) {
-        cmd("zfs", ["create", &parent]).ok();
-    }
+    let parent = zfs_parent(&pool);
     let other = Pool::new(&format!("pltestb{}", std::process::id()));
     let ann = format!("io.planarian.zfs.parent_dataset={parent}");
     let mut sb = Sandbox::start("move", 8, &["--annotation", &ann]);

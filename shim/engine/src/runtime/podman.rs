@@ -48,6 +48,26 @@ pub fn inspect(name: &str) -> Result<PodmanContainer> {
     })
 }
 
+/// An image's layers on Podman's overlay driver, top first (the order its containers' overlay
+/// lists them in). Podman's own error when it does not know the image.
+pub fn image_layers(image: &str) -> Result<Vec<PathBuf>> {
+    let out = output(&["image", "inspect", "--format", "json", image])?;
+    let v: serde_json::Value =
+        serde_json::from_str(&out).map_err(|source| Error::Json { what: format!("podman image inspect {image}"), source })?;
+    let gd = &v[0]["GraphDriver"];
+    let driver = gd["Name"].as_str().unwrap_or_default();
+    let upper = gd["Data"]["UpperDir"].as_str().filter(|_| driver == "overlay");
+    let Some(upper) = upper else {
+        return Err(Error::Podman {
+            command: "image inspect".into(),
+            message: format!("{image} is not on the overlay storage driver (it is on {driver:?})"),
+        });
+    };
+    let mut layers = vec![PathBuf::from(upper)];
+    layers.extend(gd["Data"]["LowerDir"].as_str().unwrap_or_default().split(':').filter(|p| !p.is_empty()).map(PathBuf::from));
+    Ok(layers)
+}
+
 /// Runs a podman command; the error is Podman's own last line.
 pub fn run(args: &[&str]) -> Result<()> {
     output(args).map(drop)

@@ -41,7 +41,7 @@ pub fn on_create(cfg: &Config, id: &str, bundle: &mut Bundle) -> Result<()> {
     let Some(parent) = cfg.zfs.parent_dataset.clone() else { return Ok(()) };
     let Some(layers) = overlay_layers(&mounts, &root) else { return Ok(()) };
     let zfs = zfs_from(&cfg)?;
-    let base = ensure_image_base(&zfs, &cfg, &parent, &layers.lower)?;
+    let (base, _) = ensure_image_base(&zfs, &cfg, &parent, &layers.lower)?;
     let ds = format!("{parent}/ctr-{id}");
     if zfs.exists(&ds)? {
         // A leftover of a container with this ID whose mapping is gone: not ours to guess about.
@@ -74,8 +74,19 @@ fn image_key(lower: &[PathBuf]) -> String {
     format!("{h:016x}")
 }
 
-/// `<parent>/image-<key>@base`, made once per image: the layers applied bottom-up.
-fn ensure_image_base(zfs: &Zfs, cfg: &Config, parent: &str, lower: &[PathBuf]) -> Result<String> {
+/// The per-image base of an image whose layers are `layers` (top first, as Podman's image
+/// inspect lists them), made now when it is missing: what the image's first container's `create`
+/// does otherwise, inside Podman's fixed time limit for creating a container. Returns the
+/// snapshot, and whether it was made now.
+pub fn prepare_image_base(cfg: &Config, parent: &str, layers: &[PathBuf]) -> Result<(String, bool)> {
+    // The same key the container's overlay gives: its lower layers, resolved.
+    let lower: Vec<PathBuf> = layers.iter().map(|p| std::fs::canonicalize(p).unwrap_or(p.clone())).collect();
+    ensure_image_base(&zfs_from(cfg)?, cfg, parent, &lower)
+}
+
+/// `<parent>/image-<key>@base`, made once per image: the layers applied bottom-up. Whether it
+/// was made now comes with it.
+fn ensure_image_base(zfs: &Zfs, cfg: &Config, parent: &str, lower: &[PathBuf]) -> Result<(String, bool)> {
     let ds = format!("{parent}/image-{}", image_key(lower));
     let snap = format!("{ds}@base");
     std::fs::create_dir_all(&cfg.store.path).at("create", &cfg.store.path)?;
@@ -83,7 +94,7 @@ fn ensure_image_base(zfs: &Zfs, cfg: &Config, parent: &str, lower: &[PathBuf]) -
     let lock = std::fs::File::options().create(true).truncate(false).write(true).open(&lock_path).at("open", &lock_path)?;
     lock.lock().at("lock", &lock_path)?;
     if zfs.exists(&snap)? {
-        return Ok(snap);
+        return Ok((snap, false));
     }
     if zfs.exists(&ds)? {
         // A copy that never finished.
@@ -105,7 +116,7 @@ fn ensure_image_base(zfs: &Zfs, cfg: &Config, parent: &str, lower: &[PathBuf]) -
         let _ = zfs.destroy(&ds, true);
         return Err(Error::ImageCopy { dataset: ds, source: Box::new(e) });
     }
-    Ok(snap)
+    Ok((snap, true))
 }
 
 
