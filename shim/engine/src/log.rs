@@ -223,3 +223,46 @@ mod tests {
         );
     }
 }
+
+/// Where one long operation's time went, to the millisecond, for planarian's own log: the
+/// stretches its progress phases do not cover (look-ups, locks, bookkeeping) included.
+static MARKS: std::sync::Mutex<Vec<(&'static str, std::time::Instant)>> = std::sync::Mutex::new(Vec::new());
+
+/// Marks that the operation under way reached `what` (the first mark is its start).
+pub fn mark(what: &'static str) {
+    if let Ok(mut m) = MARKS.lock() {
+        m.push((what, std::time::Instant::now()));
+    }
+}
+
+/// Writes the marks since the first as one line of planarian's own log (`TITLE: a 12, b 40,
+/// …, total 900 ms`: each the milliseconds since the one before), and forgets them.
+pub fn log_marks(title: &str) {
+    let marks = match MARKS.lock() {
+        Ok(mut m) => std::mem::take(&mut *m),
+        Err(_) => return,
+    };
+    if let Some(line) = marks_line(&marks) {
+        own_log("info", &format!("{title}: {line}"));
+    }
+}
+
+fn marks_line(marks: &[(&str, std::time::Instant)]) -> Option<String> {
+    let (first, last) = (marks.first()?.1, marks.last()?.1);
+    let parts: Vec<String> = marks.windows(2).map(|w| format!("{} {}", w[1].0, w[1].1.duration_since(w[0].1).as_millis())).collect();
+    Some(format!("{}, total {} ms", parts.join(", "), last.duration_since(first).as_millis()))
+}
+
+#[cfg(test)]
+mod marks_tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn each_mark_is_the_time_since_the_one_before() {
+        let t = Instant::now();
+        let m = [("start", t), ("a", t + Duration::from_millis(12)), ("b", t + Duration::from_millis(40))];
+        assert_eq!(marks_line(&m).unwrap(), "a 12, b 28, total 40 ms");
+        assert_eq!(marks_line(&[]), None);
+    }
+}

@@ -39,13 +39,16 @@ impl Rollback {
     /// another operation (a snapshot, a rollback, a tool call) holds it.
     pub fn begin(globals: &Globals, name: &str, statepoint: &str, wait: bool) -> Result<Rollback> {
         let container = super::planarian_container(globals, name)?;
+        crate::log::mark("found");
         let cfg = Config::load()?;
         let store = ContainerStore::new(&cfg.store.path, &container.id);
         let lock = match wait {
             true => store.lock(true)?,
             false => store.try_lock(true)?.ok_or_else(|| Error::Busy(container.name.clone()))?,
         };
+        crate::log::mark("locked");
         let target = store.find(statepoint)?;
+        crate::log::mark("statepoint");
         Ok(Rollback { container, target, store, cfg, _lock: lock })
     }
 
@@ -61,6 +64,7 @@ impl Rollback {
         let (store, target) = (&self.store, &self.target);
         let left = context::left_behind(&store.manifests(), store.head().as_deref(), &target.statepoint_id);
         let done = rollback(globals, &self.cfg, &self.container, store, target, progress)?;
+        crate::log::mark("rolled back");
         let compensated: Vec<Compensated> = target
             .remote_state
             .iter()
@@ -106,6 +110,7 @@ impl Rollback {
         };
         // Evidence after the fact: the rollback itself succeeded whatever these do.
         let _ = context::append_outcome(store, &target.statepoint_id, Outcome::now(what.join("; "), OutcomeStatus::Abandoned, by, None));
+        crate::log::mark("outcome");
         // Which path it took, in the manifest (the outcome is what a model reads: kept to what
         // happened to the sandbox).
         if let Ok(mut m) = store.find(&target.statepoint_id) {
@@ -113,9 +118,11 @@ impl Rollback {
             let _ = store.write_manifest(&m);
         }
         let _ = ctx.save(store);
+        crate::log::mark("recorded");
         if let Some(l) = done.leftover {
             progress.phase("in place: the safety statepoint and the comparison removed in the background (the sandbox runs)");
             l.remove_after(&self.cfg, store, &self._lock);
+            crate::log::mark("worker");
         }
         Ok(ctx)
     }
@@ -187,6 +194,7 @@ pub fn cleanup_worker(lock_fd: i32, spec: &str) -> Result<()> {
 fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest, progress: &mut dyn Progress) -> Result<Done> {
     let from = store.head();
     let rootfs = crate::local::rootfs_for(cfg, store, &pc.id, pc.upperdir.clone())?;
+    crate::log::mark("rootfs");
     if rootfs.backend() != target.local_state.rootfs_backend {
         return Err(Error::BackendChanged {
             statepoint: target.statepoint_id.clone(),
@@ -196,8 +204,12 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
     }
     let saved = store.statepoint_dir(&target.statepoint_id);
     // What stopping and restoring would refuse (clones of the dataset in use): a rollback in
-    // place does not swap datasets and goes ahead.
-    let full_path = crate::local::zfs::check_rollback(cfg, store, &target.local_state);
+    // place does not swap datasets and goes ahead. Asked beside it (`zfs list`s: a few hundred
+    // ms through zfs-fuse), and waited for only where the answer matters: before the stop.
+    let mut full_path = {
+        let (cfg, store, local) = (cfg.clone(), store.clone(), target.local_state.clone());
+        Beside::start(move || crate::local::zfs::check_rollback(&cfg, &store, &local))
+    };
     if let Some(copy) = &target.local_state.rootfs_copy_path {
         if !saved.join(copy).exists() {
             return Err(Error::FilesMissing { statepoint: target.statepoint_id.clone(), path: saved.join(copy) });
@@ -214,11 +226,12 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
     if pc.status == "running" {
         let ctx = Ctx::load(globals, &pc.id)?;
         ctx.recover();
+        crate::log::mark("ctx");
         if !ctx.cfg.checkpoint.rollback_in_place {
             not_in_place = Some("turned off (checkpoint.rollback_in_place = false)".to_string());
         } else {
-            let blocked = full_path.as_ref().err().map(|e| e.to_string());
-            match in_place(&ctx, pc, store, target, rootfs.as_ref(), blocked, progress)? {
+            let mut blocked = || full_path.get().as_ref().err().map(|e| e.to_string());
+            match in_place(&ctx, pc, store, target, rootfs.as_ref(), &mut blocked, progress)? {
                 InPlace::Done { how, safety_positions, leftover } => return Ok(Done { from, safety_positions, files_backend: rootfs.backend(), how, leftover }),
                 InPlace::Refused { why, safety } => {
                     progress.phase(&format!("not in place: {why}"));
@@ -229,7 +242,7 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         }
     }
     if taken.is_none() {
-        full_path?;
+        full_path.into_inner()?;
     }
     let how = How { path: "stop-and-restore".into(), not_in_place, ..How::default() };
 
@@ -330,10 +343,11 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 /// any doubt refuses (and the stop-and-restore path runs, with the safety statepoint when there
 /// is one); after it, a failure restores the safety statepoint. `blocked`: why the
 /// stop-and-restore path cannot run, if it cannot.
-fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest, rootfs: &dyn Rootfs, blocked: Option<String>, progress: &mut dyn Progress) -> Result<InPlace> {
+fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest, rootfs: &dyn Rootfs, blocked: &mut dyn FnMut() -> Option<String>, progress: &mut dyn Progress) -> Result<InPlace> {
     let pid = ctx.ctr.running_pid()?;
     let freezer = Freezer::of_pid(pid)?;
     let frozen = FreezeGuard::freeze(&freezer, store.dir.join(crate::local::freezer::MARKER))?;
+    crate::log::mark("frozen");
     progress.phase("in place: the process tree against the statepoint");
     let sp_dir = store.statepoint_dir(&target.statepoint_id);
     let images = sp_dir.join(&target.local_state.criu_checkpoint_path);
@@ -351,7 +365,9 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         mounted: mounts.iter().filter_map(|m| Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)).collect(),
         scratch: store.dir.join("in-place-files"),
     };
+    crate::log::mark("shape");
     let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at);
+    crate::log::mark("files started");
     progress.phase("safety statepoint of the current state");
     let safety = snapshot::take(
         ctx,
@@ -364,6 +380,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             ..SnapshotRequest::default()
         },
     )?;
+    crate::log::mark("safety");
     progress.done(&safety.statepoint_id);
     let safety_dir = store.statepoint_dir(&safety.statepoint_id);
     let forget_safety = || {
@@ -388,10 +405,11 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         let files = rootfs.in_place(&sp_dir, &target.local_state, &at, started).map_err(|e| e.to_string())?;
         Ok((plan()?, files))
     });
+    crate::log::mark("differs");
     let (plan, files) = match prepared {
         Ok(p) => p,
         Err(why) => {
-            if let Some(b) = blocked {
+            if let Some(b) = blocked() {
                 forget_safety();
                 return Err(Error::Worker(format!("cannot roll back in place ({why}), nor by stopping and restoring ({b}); nothing was changed")));
             }
@@ -408,6 +426,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
     }
 
     // The point of no return: from the first write on, failing means the safety statepoint.
+    crate::log::mark("remote");
     let examined = files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
     progress.done(&format!("{} pages, {} files{examined}", plan.pages_written, files.sync.len()));
     progress.phase("in place: files and memory written");
@@ -417,6 +436,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         let a = plan.apply(&freezer).map_err(|e| Error::Worker(e.to_string()))?;
         Ok((a, n))
     })();
+    crate::log::mark("written");
     match applied {
         Ok((a, n)) => {
             if let Some(dir) = crate::fault::oracle_dir() {
@@ -437,11 +457,13 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
                 let _ = crate::chain::write_base(store, &crate::chain::Base { images: None, depth: 0, init_start_time: init_start, full_reason: Some("the rollback in place could not record its base".into()) });
             }
             store.set_head(Some(&target.statepoint_id))?;
+            crate::log::mark("chain");
             let positions = safety.remote_state.clone();
             // The sandbox runs again; what is left is planarian's own cleanup: the safety
             // statepoint, discarded now, and what it and the files' comparison hold, removed
             // once the caller has its answer ([`Leftover`]).
             drop(frozen);
+            crate::log::mark("thawed");
             progress.done(&format!("{} pages written, {} dropped, {} system calls, {n} files", a.pages_written, a.pages_dropped, a.system_calls));
             let (places_examined, places_from) = (files.sync.places, files.sync.located_by);
             let leftover = match store.mark_discarded(&safety.statepoint_id) {
@@ -452,6 +474,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
                     None
                 }
             };
+            crate::log::mark("discarded");
             let how = How { path: "in-place".into(), pages_written: Some(a.pages_written), pages_dropped: Some(a.pages_dropped), files_changed: Some(n as u64), places_examined: places_examined.map(|p| p as u64), places_from: places_from.map(String::from), not_in_place: None };
             Ok(InPlace::Done { how, safety_positions: positions, leftover })
         }
@@ -501,4 +524,29 @@ fn podman_restore(store: &ContainerStore, pc: &PodmanContainer, m: &Manifest) ->
         let _ = std::fs::remove_dir_all(&image_path);
     }
     Ok(podman::RestoreStats::parse(&r?))
+}
+
+/// A question asked on a thread of its own beside the rollback, waited for only where its
+/// answer matters.
+struct Beside<T> {
+    handle: Option<std::thread::JoinHandle<T>>,
+    value: Option<T>,
+}
+
+impl<T: Send + 'static> Beside<T> {
+    fn start(f: impl FnOnce() -> T + Send + 'static) -> Beside<T> {
+        Beside { handle: Some(std::thread::spawn(f)), value: None }
+    }
+
+    fn get(&mut self) -> &T {
+        if let Some(h) = self.handle.take() {
+            self.value = Some(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+        }
+        self.value.as_ref().expect("joined above")
+    }
+
+    fn into_inner(mut self) -> T {
+        self.get();
+        self.value.take().expect("joined above")
+    }
 }
