@@ -54,6 +54,11 @@ pub fn image_layers(image: &str) -> Result<Vec<PathBuf>> {
     let out = output(&["image", "inspect", "--format", "json", image])?;
     let v: serde_json::Value =
         serde_json::from_str(&out).map_err(|source| Error::Json { what: format!("podman image inspect {image}"), source })?;
+    layers_in(&v, image)
+}
+
+/// The layers in `podman image inspect`'s answer `v` about `image`.
+fn layers_in(v: &serde_json::Value, image: &str) -> Result<Vec<PathBuf>> {
     let gd = &v[0]["GraphDriver"];
     let driver = gd["Name"].as_str().unwrap_or_default();
     let upper = gd["Data"]["UpperDir"].as_str().filter(|_| driver == "overlay");
@@ -158,6 +163,20 @@ impl RestoreStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn image_layers_top_first_on_overlay_only() {
+        let v = serde_json::json!([{"GraphDriver": {"Name": "overlay", "Data": {
+            "UpperDir": "/s/overlay/top/diff", "LowerDir": "/s/overlay/mid/diff:/s/overlay/base/diff"}}}]);
+        let want: Vec<PathBuf> = ["/s/overlay/top/diff", "/s/overlay/mid/diff", "/s/overlay/base/diff"].iter().map(PathBuf::from).collect();
+        assert_eq!(layers_in(&v, "img").unwrap(), want);
+        // A one-layer image has no LowerDir.
+        let one = serde_json::json!([{"GraphDriver": {"Name": "overlay", "Data": {"UpperDir": "/s/overlay/only/diff"}}}]);
+        assert_eq!(layers_in(&one, "img").unwrap(), vec![PathBuf::from("/s/overlay/only/diff")]);
+        let vfs = serde_json::json!([{"GraphDriver": {"Name": "vfs", "Data": {}}}]);
+        let e = layers_in(&vfs, "img").unwrap_err().to_string();
+        assert!(e.contains("img is not on the overlay storage driver") && e.contains("vfs"), "{e}");
+    }
 
     #[test]
     fn restore_stats_as_podman_prints_them() {
