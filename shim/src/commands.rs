@@ -122,7 +122,6 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 /// `planarian rollback CTR SP`: phases on stderr, the result on stdout.
 pub fn rollback(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::RollbackArgs = parse!("rollback", args);
-    engine::log::mark("start");
     let r = Rollback::begin(&inv.globals(), &a.container, &a.statepoint, true)?;
     let name = r.container.name.clone();
     let mut progress = StderrProgress::start(&r.title());
@@ -133,8 +132,6 @@ pub fn rollback(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     } else {
         println!("{name} rolled back to {}", ctx.statepoint.id);
     }
-    engine::log::mark("answered");
-    engine::log::log_marks("rollback timeline (ms)");
     Ok(0)
 }
 

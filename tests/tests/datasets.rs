@@ -27,12 +27,6 @@ fn snapshots_matching(pool: &str, needle: &str) -> Vec<String> {
     zfs(&["list", "-H", "-o", "name", "-t", "snapshot", "-r", pool]).out().lines().filter(|l| l.contains(needle)).map(String::from).collect()
 }
 
-/// `<pool>/sb`, the parent dataset the tests' containers get their datasets under, with the test
-/// image's base made ahead (see `zfs_parent`).
-fn parent(pool: &str) -> String {
-    zfs_parent(pool)
-}
-
 fn id_of(name: &str) -> String {
     podman("planarian", &["inspect", "--format", "{{.Id}}", name]).ok().out()
 }
@@ -53,7 +47,7 @@ fn status(name: &str) -> String {
 fn per_image_clone_rolls_back_exactly_in_any_order_and_shares_the_image() {
     require_stack!();
     let Some(pool) = pool() else { return };
-    let parent = parent(&pool);
+    let parent = zfs_parent(&pool);
     let ann = format!("io.planarian.zfs.parent_dataset={parent}");
     let mut sb = Sandbox::start("zfs", 8, &["--annotation", &ann]);
     let id = id_of(&sb.name);
@@ -128,8 +122,8 @@ fn the_image_base_is_made_by_the_first_create_or_ahead_by_zfs_base() {
     zfs(&["create", &parent]).ok();
     let _cleanup = Defer(|| drop(zfs(&["destroy", "-r", &parent])));
     let ann = format!("io.planarian.zfs.parent_dataset={parent}");
-    let name = format!("pltest-zfsbase-{}", std::process::id());
-    let _gone = Defer(|| drop(podman("planarian", &["rm", "-f", "-t", "0", &name])));
+    let name = name("zfsbase");
+    let _gone = Cleanup(name.clone());
 
     // Made by create: the first container of the image, with no base under this parent yet.
     podman("planarian", &["run", "-d", "--name", &name, "--network", "none", "--annotation", &ann, BUSYBOX, "sleep", "600"]).ok();
@@ -149,8 +143,8 @@ fn the_image_base_is_made_by_the_first_create_or_ahead_by_zfs_base() {
     made.ok();
     let base2 = format!("{parent2}/{}", origin.strip_prefix(&format!("{parent}/")).unwrap());
     assert!(made.out().starts_with(&format!("{base2}: {BUSYBOX} copied (")), "{}", made.out());
-    let name2 = format!("{name}-2");
-    let _gone2 = Defer(|| drop(podman("planarian", &["rm", "-f", "-t", "0", &name2])));
+    let name2 = planarian_system_tests::name("zfsbase");
+    let _gone2 = Cleanup(name2.clone());
     let ann2 = format!("io.planarian.zfs.parent_dataset={parent2}");
     podman("planarian", &["run", "-d", "--name", &name2, "--network", "none", "--annotation", &ann2, BUSYBOX, "sleep", "600"]).ok();
     assert_eq!(prop(&format!("{parent2}/ctr-{}", id_of(&name2)), "origin"), base2);
@@ -228,7 +222,7 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
 fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     require_stack!();
     let Some(pool) = pool() else { return };
-    let parent = parent(&pool);
+    let parent = zfs_parent(&pool);
     let ann = format!("io.planarian.zfs.parent_dataset={parent}");
     let mut sb = Sandbox::start("zfsinplace", 8, &["--annotation", &ann]);
     sb.sh("mkdir -p /work/a/b/c /work/d /work/e/f && for i in $(seq 1 100); do echo $i > /work/a/b/f$i; done \
@@ -299,7 +293,7 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
 fn fork_is_a_clone_independent_of_its_source_in_both_directions() {
     require_stack!();
     let Some(pool) = pool() else { return };
-    let parent = parent(&pool);
+    let parent = zfs_parent(&pool);
     let ann = format!("io.planarian.zfs.parent_dataset={parent}");
     let mut src = Sandbox::start("zfsfork", 8, &["--annotation", &ann]);
     let src_id = id_of(&src.name);

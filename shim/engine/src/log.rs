@@ -228,7 +228,15 @@ mod tests {
 /// stretches its progress phases do not cover (look-ups, locks, bookkeeping) included.
 static MARKS: std::sync::Mutex<Vec<(&'static str, std::time::Instant)>> = std::sync::Mutex::new(Vec::new());
 
-/// Marks that the operation under way reached `what` (the first mark is its start).
+/// Starts a new timeline (what an earlier operation left unlogged, as one that failed, is dropped).
+pub fn start_marks() {
+    if let Ok(mut m) = MARKS.lock() {
+        m.clear();
+        m.push(("start", std::time::Instant::now()));
+    }
+}
+
+/// Marks that the operation under way reached `what`.
 pub fn mark(what: &'static str) {
     if let Ok(mut m) = MARKS.lock() {
         m.push((what, std::time::Instant::now()));

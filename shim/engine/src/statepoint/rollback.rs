@@ -38,6 +38,7 @@ impl Rollback {
     /// the container's exclusive lock: waiting for it, or, with `wait` false, refusing when
     /// another operation (a snapshot, a rollback, a tool call) holds it.
     pub fn begin(globals: &Globals, name: &str, statepoint: &str, wait: bool) -> Result<Rollback> {
+        crate::log::start_marks();
         let container = super::planarian_container(globals, name)?;
         crate::log::mark("found");
         let cfg = Config::load()?;
@@ -124,6 +125,8 @@ impl Rollback {
             l.remove_after(&self.cfg, store, &self._lock);
             crate::log::mark("worker");
         }
+        // Every caller's rollback (the CLI, the MCP tools) logs where its time went.
+        crate::log::log_marks("rollback timeline (ms)");
         Ok(ctx)
     }
 }
