@@ -56,7 +56,7 @@ fn main() {
         _ => {
             eprintln!("usage: planarian-bench passthrough [--iterations N] [--planarian PATH] [--crun PATH]");
             eprintln!("       planarian-bench statepoint [--mem MiB] [--files MiB] [--iterations N]");
-            eprintln!("       planarian-bench chains [--mem MiB] [--files MiB] [--pool POOL]");
+            eprintln!("       planarian-bench chains [--mem MiB] [--files MiB] [--pool POOL] [--repeat N]");
             eprintln!("       planarian-bench files [--files MiB] [--pool POOL]");
             eprintln!("       planarian-bench mcp [--iterations N] [--proxy PATH]");
             eprintln!("       planarian-bench e2e [--scales 1,0.5,0.25] [--traces NAME,...]");
@@ -372,7 +372,15 @@ fn timed_cost(f: &mut dyn FnMut() -> Result<(), String>) -> Result<Cost, String>
 /// and where the rollback's and the fork's time went (their phases, as they report them). With
 /// `spare`, also a spare of the fork's statepoint made (6th: its cost) and a fork that takes it
 /// (7th).
-fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare: bool) -> Result<([Cost; 8], String), String> {
+/// The chains measured for one system: the operations ([`chains_system`]), their phases, and,
+/// repeated, an incremental snapshot and a rollback to the first statepoint (ms each).
+struct Chains {
+    costs: [Cost; 8],
+    phases: String,
+    repeated: Vec<(f64, f64)>,
+}
+
+fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare: bool, repeat: usize) -> Result<Chains, String> {
     let pid = std::process::id();
     let (ctr, fork) = (format!("plbench-{tag}-{pid}"), format!("plbench-{tag}-fork-{pid}"));
     let fork2 = format!("plbench-{tag}-fork2-{pid}");
@@ -382,7 +390,7 @@ fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare:
     }
     let mem_s = mem.to_string();
     run.extend(["localhost/planarian-test/debian", "python3", "-c", WORKLOAD, &mem_s]);
-    let result = (|| -> Result<([Cost; 8], String), String> {
+    let result = (|| -> Result<Chains, String> {
         run_quiet("podman", &run)?;
         run_quiet("podman", &["exec", &ctr, "sh", "-c", &format!(
             "mkdir -p /data && i=0; while [ $i -lt {files} ]; do head -c 1048576 /dev/urandom > /data/f$i; i=$((i+1)); done")])?;
@@ -418,7 +426,18 @@ fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare:
             run_quiet(PLANARIAN, &["spare", &ctr, &sp3, "--count", "1"])?;
             spare_own = timed_cost(&mut || run_quiet(PLANARIAN, &["fork", &ctr, &sp3]).map(drop))?;
         }
-        Ok(([second, rollback, after_rollback, fork_cost, after_fork, spare_cost, spare_fork, spare_own], format!("{rollback_phases}\n{fork_phases}")))
+        // Snapshot and roll back again and again, under the same conditions: one measurement
+        // under emulation moves by tens of percent.
+        let mut repeated = Vec::new();
+        for _ in 0..repeat {
+            dirty(&ctr)?;
+            let (_, snap) = snapshot_cost(&ctr)?;
+            dirty(&ctr)?;
+            let back = timed_cost(&mut || run_quiet(PLANARIAN, &["rollback", &ctr, &sp1]).map(drop))?;
+            repeated.push((snap.ms, back.ms));
+        }
+        let costs = [second, rollback, after_rollback, fork_cost, after_fork, spare_cost, spare_fork, spare_own];
+        Ok(Chains { costs, phases: format!("{rollback_phases}\n{fork_phases}"), repeated })
     })();
     // (a spare left when the fork that should have taken it failed)
     let spares = run_quiet("podman", &["ps", "-a", "--filter", &format!("name={ctr}-spare-"), "--format", "{{.Names}}"]).unwrap_or_default();
@@ -435,6 +454,8 @@ fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare:
 
 fn chains(args: &[String]) -> i32 {
     let mem: u32 = flag(args, "--mem").and_then(|s| s.parse().ok()).unwrap_or(256);
+    // How many more times planarian snapshots and rolls back in place, for the medians.
+    let repeat: usize = flag(args, "--repeat").and_then(|s| s.parse().ok()).unwrap_or(5);
     let files: u32 = flag(args, "--files").and_then(|s| s.parse().ok()).unwrap_or(64);
     // With a ZFS pool, planarian and CRIU-inc keep their files on datasets (snapshots are
     // zero-copy); Full-snapshot always copies the files, as a full snapshot does.
@@ -462,12 +483,15 @@ fn chains(args: &[String]) -> i32 {
     ];
     let mut results = Vec::new();
     let mut phases = Vec::new();
+    let mut repeated = Vec::new();
     for (tag, annotations) in &systems {
         eprintln!("measuring {tag} ...");
-        match chains_system(&tag.to_lowercase(), annotations, mem, files, *tag == "planarian") {
-            Ok((r, p)) => {
-                results.push(r);
-                phases.push(p);
+        let first = *tag == "planarian";
+        match chains_system(&tag.to_lowercase(), annotations, mem, files, first, if first { repeat } else { 0 }) {
+            Ok(c) => {
+                results.push(c.costs);
+                phases.push(c.phases);
+                repeated.extend(c.repeated);
             }
             Err(e) => {
                 eprintln!("planarian-bench: {tag}: {e}");
@@ -499,6 +523,20 @@ fn chains(args: &[String]) -> i32 {
         "fork from a spare: {:.0} ms (the spare, made beforehand: {:.0} ms; a fork made on the spot: {:.0} ms); fork from a spare / incremental snapshot = {:.2}x; under the spare's own name (no --name: a thaw): {:.0} ms = {:.2}x",
         p[6].ms, p[5].ms, p[3].ms, p[6].ms / p[0].ms, p[7].ms, p[7].ms / p[0].ms
     );
+    if !repeated.is_empty() {
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let ratios: Vec<String> = repeated.iter().map(|(s, r)| format!("{:.2}x", r / s)).collect();
+        let (snap, back) = (median(repeated.iter().map(|r| r.0).collect()), median(repeated.iter().map(|r| r.1).collect()));
+        println!(
+            "repeated {} times (snapshot, then a rollback in place to the first statepoint): median snapshot {snap:.0} ms, median rollback {back:.0} ms = {:.2}x; each pair: {}",
+            repeated.len(),
+            back / snap,
+            ratios.join(" ")
+        );
+    }
     for (s, (tag, _)) in results.iter().zip(&systems) {
         for (i, c) in s.iter().take(names.len()).enumerate() {
             if let Some(why) = &c.full_reason {

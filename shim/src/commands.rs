@@ -39,6 +39,7 @@ pub fn checkpoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             description: a.description.clone(),
             state: None,
             id: None,
+            files_taken: None,
         };
         statepoint::snapshot::checkpoint(&globals, &a.container_id, &req, a.image_path.as_deref(), a.work_path.as_deref()).map(Some)
     };
@@ -113,6 +114,7 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             description: a.description,
             state,
             id: None,
+            files_taken: None,
         },
     )?;
     println!("{}", m.statepoint_id);

@@ -289,6 +289,63 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     assert!(wait_for(Duration::from_secs(120), || left() == kept), "{:?}", left());
 }
 
+/// A rollback in place on ZFS that fails leaves the sandbox as it was and nothing of itself in
+/// the pool: while its safety statepoint is taken — which adopts the snapshot of the frozen
+/// state that the files' comparison took, so that failing before, during and after that
+/// adoption are each a different owner of it — and after the point of no return. Then it
+/// goes back in place, and what the rollback left is removed.
+#[test]
+fn a_failing_rollback_in_place_on_zfs_leaves_the_sandbox_and_the_pool_as_they_were() {
+    require_stack!();
+    let Some(pool) = pool() else { return };
+    const FAULT: &str = "/run/planarian/fault";
+    struct Disarm;
+    impl Drop for Disarm {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(FAULT);
+        }
+    }
+    let _d = Disarm;
+    let parent = zfs_parent(&pool);
+    let ann = format!("io.planarian.zfs.parent_dataset={parent}");
+    let mut sb = Sandbox::start("zfsinfault", 8, &["--annotation", &ann]);
+    let ds = format!("{parent}/ctr-{}", id_of(&sb.name));
+    let left = || zfs(&["list", "-H", "-o", "name", "-t", "all", "-r", &parent]).out().lines().filter(|l| l.starts_with(&ds)).map(String::from).collect::<Vec<_>>();
+    sb.sh("echo then > /root/f").ok();
+    let at = sb.send("tick");
+    let sp = sb.snapshot("good");
+    let kept = left();
+    assert_eq!(kept.len(), 2, "the dataset and the statepoint's snapshot: {kept:?}");
+    let mut before = sb.send("dirty 0 65536");
+    for point in ["snapshot.before-freeze", "snapshot.frozen", "snapshot.dumped", "snapshot.before-commit", "rollback.in-place.files", "rollback.in-place.memory"] {
+        sb.sh("echo now > /root/f").ok();
+        std::fs::create_dir_all("/run/planarian").unwrap();
+        std::fs::write(FAULT, point).unwrap();
+        let r = planarian(&["rollback", &sb.name, &sp]);
+        assert_ne!(r.code, Some(0), "{point}: {r:?}");
+        assert!(r.stderr.contains(point), "{point}: {r:?}");
+        assert!(!std::path::Path::new(FAULT).exists(), "{point}: the fault never fired");
+        assert_eq!(status(&sb.name), "running", "{point}");
+        sb.seq = sb.read().expect("state").0;
+        let now = sb.send("tick");
+        assert_eq!((now.counter, &now.checksum), (before.counter + 1, &before.checksum), "{point}: the memory is not as it was");
+        before = now;
+        assert_eq!(sb.sh("cat /root/f").out(), "now", "{point}: the files are not as they were");
+        let list = sb.statepoints();
+        let sps: Vec<&str> = list.iter().map(|m| m["statepoint-id"].as_str().unwrap_or("")).collect();
+        assert_eq!(sps, vec![sp.as_str()], "{point}: only the statepoint stays");
+        assert!(wait_for(Duration::from_secs(120), || left() == kept), "{point}: left in the pool: {:?}", left());
+    }
+    let r = planarian(&["rollback", &sb.name, &sp, "--json"]);
+    r.ok();
+    let how: serde_json::Value = serde_json::from_str::<serde_json::Value>(&r.stdout).unwrap()["how"].clone();
+    assert_eq!(how["path"], "in-place", "{how}");
+    sb.seq = sb.read().expect("state").0;
+    assert_eq!(sb.send("tick").checksum, at.checksum);
+    assert_eq!(sb.sh("cat /root/f").out(), "then");
+    assert!(wait_for(Duration::from_secs(120), || left() == kept), "left in the pool: {:?}", left());
+}
+
 #[test]
 fn fork_is_a_clone_independent_of_its_source_in_both_directions() {
     require_stack!();

@@ -97,11 +97,11 @@ impl Rootfs for CopyRootfs {
     fn in_place_start(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Option<super::files::InPlaceStart> {
         let (saved, upper, at) = (saved_of(sp_dir, local), self.upperdir.clone(), at.clone());
         let thread: Planning = std::thread::spawn(move || compare(&saved, &upper, &at));
-        Some(super::files::InPlaceStart(Box::new(thread)))
+        Some(super::files::InPlaceStart::new(thread))
     }
 
     fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt, start: Option<super::files::InPlaceStart>) -> Result<InPlaceFiles> {
-        let sync = match start.and_then(|s| s.0.downcast::<Planning>().ok()) {
+        let sync = match start.and_then(|s| s.work.downcast::<Planning>().ok()) {
             Some(thread) => thread.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?,
             None => compare(&saved_of(sp_dir, local), &self.upperdir, at)?,
         };

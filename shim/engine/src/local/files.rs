@@ -32,7 +32,100 @@ pub trait Rootfs: Send + Sync {
 }
 
 /// What [`Rootfs::in_place_start`] began, for the same backend's [`Rootfs::in_place`].
-pub struct InPlaceStart(pub Box<dyn std::any::Any + Send>);
+pub struct InPlaceStart {
+    pub work: Box<dyn std::any::Any + Send>,
+    /// The files of the frozen state, when the start captures them for itself under the name
+    /// the safety statepoint's would have ([`InPlaceAt::safety`]): that statepoint adopts them.
+    pub files_taken: Option<TakenFiles>,
+}
+
+impl InPlaceStart {
+    pub fn new(work: impl std::any::Any + Send) -> InPlaceStart {
+        InPlaceStart { work: Box::new(work), files_taken: None }
+    }
+}
+
+/// Files of the frozen state captured once for two users: a rollback in place's early start
+/// (on ZFS: the snapshot it compares the statepoint with) and the safety statepoint taken in
+/// the same freeze, which adopts them ([`TakenFiles::adopt`]) instead of capturing the same
+/// state a second time. Whoever captures them says how that went ([`TakenFiles::made`]; a
+/// capturer that ends without saying has failed). Once adopted, they belong to the statepoint
+/// (removed with it, or by its discard when it fails); until then, to the capturer.
+#[derive(Clone)]
+pub struct TakenFiles(std::sync::Arc<Taken>);
+
+struct Taken {
+    /// What was captured (the ZFS snapshot's full name).
+    name: String,
+    /// `None` while being captured; then how that went.
+    state: std::sync::Mutex<Option<std::result::Result<(), String>>>,
+    said: std::sync::Condvar,
+    adopted: std::sync::atomic::AtomicBool,
+}
+
+impl TakenFiles {
+    pub fn new(name: String) -> TakenFiles {
+        TakenFiles(std::sync::Arc::new(Taken { name, state: std::sync::Mutex::new(None), said: std::sync::Condvar::new(), adopted: false.into() }))
+    }
+
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    /// Says how capturing went (the first word counts).
+    pub fn made(&self, how: std::result::Result<(), String>) {
+        let mut s = self.0.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if s.is_none() {
+            *s = Some(how);
+            self.0.said.notify_all();
+        }
+    }
+
+    /// Waits until they were captured and takes them over, or says why they were not.
+    pub fn adopt(&self) -> std::result::Result<(), String> {
+        let s = self.0.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let s = self.0.said.wait_while(s, |s| s.is_none()).unwrap_or_else(std::sync::PoisonError::into_inner);
+        let how = s.clone().expect("waited for");
+        if how.is_ok() {
+            self.0.adopted.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        how
+    }
+
+    /// Captured and not taken over by a statepoint: the capturer's to remove. (Not captured,
+    /// they may be the statepoint's own, under the same name.)
+    pub fn capturers(&self) -> bool {
+        let made = matches!(*self.0.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner), Some(Ok(())));
+        made && !self.0.adopted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Says, when dropped without having said anything, that capturing failed: nobody waits
+    /// for ever on a capturer that returned early or panicked.
+    pub fn capturing(&self) -> Capturing {
+        Capturing(self.clone())
+    }
+}
+
+impl std::fmt::Debug for TakenFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TakenFiles({})", self.0.name)
+    }
+}
+
+/// See [`TakenFiles::capturing`].
+pub struct Capturing(TakenFiles);
+
+impl Capturing {
+    pub fn made(&self, how: std::result::Result<(), String>) {
+        self.0.made(how)
+    }
+}
+
+impl Drop for Capturing {
+    fn drop(&mut self) {
+        self.0.made(Err("the capture ended before it was made".into()));
+    }
+}
 
 /// Where a rollback in place puts files back.
 #[derive(Debug, Clone)]
@@ -45,6 +138,9 @@ pub struct InPlaceAt {
     pub mounted: Vec<std::path::PathBuf>,
     /// A directory the backend may use.
     pub scratch: std::path::PathBuf,
+    /// The ID reserved for the safety statepoint taken in the same freeze, when it will adopt
+    /// what the start captures of the frozen state ([`InPlaceStart::files_taken`]).
+    pub safety: Option<String>,
 }
 
 /// The files' part of a rollback in place, prepared: applied, or dropped (what it set up to
@@ -116,5 +212,44 @@ impl RestoreGuard {
 impl Drop for RestoreGuard {
     fn drop(&mut self) {
         let _ = self.undo_inner();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TakenFiles;
+
+    #[test]
+    fn taken_files_are_adopted_once_made_and_are_then_the_adopters() {
+        let t = TakenFiles::new("pool/ds@planarian-x-sp4".into());
+        let capturing = t.capturing();
+        let waiter = {
+            let t = t.clone();
+            std::thread::spawn(move || t.adopt())
+        };
+        capturing.made(Ok(()));
+        assert_eq!(waiter.join().unwrap(), Ok(()));
+        assert!(!t.capturers(), "adopted: the statepoint's, not the capturer's to remove");
+        drop(capturing);
+        assert_eq!(t.adopt(), Ok(()), "the first word counts");
+    }
+
+    #[test]
+    fn a_capture_that_ends_without_a_word_failed_and_leaves_nothing_to_remove() {
+        let t = TakenFiles::new("s".into());
+        let waiter = {
+            let t = t.clone();
+            std::thread::spawn(move || t.adopt())
+        };
+        drop(t.capturing());
+        assert!(waiter.join().unwrap().is_err());
+        assert!(!t.capturers(), "never made: a snapshot under that name is the statepoint's own");
+    }
+
+    #[test]
+    fn made_and_not_adopted_is_the_capturers() {
+        let t = TakenFiles::new("s".into());
+        t.capturing().made(Ok(()));
+        assert!(t.capturers());
     }
 }

@@ -77,6 +77,7 @@ pub fn work(lock_fd: i32, spec: &str) -> Result<()> {
         description: s("description"),
         state: v.get("state").filter(|x| !x.is_null()).cloned(),
         id: Some(sp.clone()),
+        files_taken: None,
     };
     let taken = Ctx::load(&globals, &container).and_then(|ctx| snapshot::take(&ctx, &req).map(|m| (ctx, m)));
     let cfg = crate::config::Config::load()?;

@@ -267,6 +267,7 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
                     description: Some(format!("before rollback to {}", target.statepoint_id)),
                     state: None,
                     id: None,
+                    files_taken: None,
                 },
             )?;
             podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
@@ -367,9 +368,12 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         lowers: crate::local::zfs::layers::overlay_layers(&mounts, Path::new("/")).map(|l| l.lower).unwrap_or_default(),
         mounted: mounts.iter().filter_map(|m| Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)).collect(),
         scratch: store.dir.join("in-place-files"),
+        // (reserved: the lock is held; what the files' start captures of this freeze is its)
+        safety: Some(store.next_id()),
     };
     crate::log::mark("shape");
     let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at);
+    let files_taken = started.as_ref().and_then(|s| s.files_taken.clone());
     crate::log::mark("files started");
     progress.phase("safety statepoint of the current state");
     let safety = snapshot::take(
@@ -380,6 +384,8 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             leave_running: true,
             internal: true,
             description: Some(format!("before rollback to {}", target.statepoint_id)),
+            id: at.safety.clone(),
+            files_taken,
             ..SnapshotRequest::default()
         },
     )?;

@@ -27,6 +27,10 @@ pub struct SnapshotRequest {
     pub state: Option<serde_json::Value>,
     /// An id reserved before (an asynchronous snapshot answers with it at once).
     pub id: Option<String>,
+    /// The files of this very freeze, captured already under the name this statepoint's files
+    /// get (a rollback in place's comparison snapshots the frozen state): adopted, not captured
+    /// again. Captured here when they were not made, or under another name.
+    pub files_taken: Option<crate::local::files::TakenFiles>,
 }
 
 /// Takes a statepoint. With the exclusive lock held by the caller.
@@ -102,13 +106,22 @@ pub fn take_then(ctx: &Ctx, req: &SnapshotRequest, before_release: impl FnOnce(&
     let dumping = crate::chain::DumpInProgress::start(&ctx.store, init_start);
     let result = std::thread::scope(|scope| -> Result<()> {
         // The files beside the memory: the container is frozen, and CRIU only reads its files.
-        let (local, rootfs, dir, dev) = (m.local_state.clone(), &rootfs, &dir, &dev);
+        let (local, rootfs, dir, dev, files_taken, id) = (m.local_state.clone(), &rootfs, &dir, &dev, req.files_taken.as_ref(), &id);
         let files = scope.spawn(move || {
             let t = Instant::now();
             if let Some(dev) = dev {
                 crate::local::devfs::save(pid, dev, dir)?;
             }
-            rootfs.snapshot(dir, &local).map(|()| ms(t))
+            let taken = files_taken.filter(|t| local.zfs_snapshot.as_deref() == Some(t.name()));
+            match taken.map(|t| t.adopt()) {
+                Some(Ok(())) => Ok(ms(t)),
+                adopted => {
+                    if let Some(Err(why)) = adopted {
+                        crate::log::own_log("info", &format!("statepoint {id}: the files captured beside it were not made ({why}): captured now"));
+                    }
+                    rootfs.snapshot(dir, &local).map(|()| ms(t))
+                }
+            }
         });
         let memory = (|| -> Result<()> {
             let td = Instant::now();

@@ -30,7 +30,7 @@ pub mod create;
 pub mod layers;
 pub mod places;
 
-use super::files::{InPlaceAt, InPlaceFiles, InPlaceStart, RestoreGuard, Rootfs};
+use super::files::{InPlaceAt, InPlaceFiles, InPlaceStart, RestoreGuard, Rootfs, TakenFiles};
 use super::{Error, Result};
 use crate::config::Config;
 use crate::store::{ContainerStore, LocalState};
@@ -291,7 +291,10 @@ impl Rootfs for ZfsRootfs {
     }
 
     /// Started as soon as the container is frozen: [`find_in_place`] and the comparison of what
-    /// it found in a thread of its own, beside the safety statepoint and the page plan.
+    /// it found in a thread of its own, beside the safety statepoint and the page plan. The
+    /// snapshot of the frozen state it compares from is taken under the safety statepoint's name
+    /// when `at` reserves one: that statepoint adopts it ([`InPlaceStart::files_taken`]), and
+    /// zfs-fuse makes one snapshot of the frozen state, not two one after the other.
     fn in_place_start(&self, _sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Option<InPlaceStart> {
         let recorded = local.zfs_snapshot.clone()?;
         // Objects whose last change came before the statepoint's snapshot (two seconds and more
@@ -300,16 +303,20 @@ impl Rootfs for ZfsRootfs {
         // wall clock kept time since (same boot, moved as the time since boot did).
         let unchanged_before = local.zfs_clock.as_ref().zip(crate::store::Clock::now()).filter(|(then, now)| then.kept_time_to(now, 2.0)).map(|(then, _)| then.wall.saturating_sub(2));
         let (zfs, d, at) = (self.zfs.clone(), self.map.dataset.clone(), at.clone());
-        let now = format!("{d}@planarian-inplace-now");
-        let made = vec![format!("{d}.planarian-inplace"), now.clone()];
+        let taken = TakenFiles::new(match &at.safety {
+            Some(sp) => self.snapshot_of(sp),
+            None => format!("{d}@planarian-inplace-now"),
+        });
+        let made = vec![format!("{d}.planarian-inplace")];
+        let files_taken = at.safety.is_some().then(|| taken.clone());
         let thread = {
-            let zfs = zfs.clone();
+            let (zfs, taken) = (zfs.clone(), taken.clone());
             std::thread::spawn(move || {
-                let found = find_in_place(&zfs, &d, &recorded, &at.scratch, &now, unchanged_before)?;
+                let found = find_in_place(&zfs, &d, &recorded, &at.scratch, &taken, unchanged_before)?;
                 compare(&zfs, &found, &at)
             })
         };
-        Some(InPlaceStart(Box::new(Early { zfs, made, thread: Some(thread) })))
+        Some(InPlaceStart { work: Box::new(Early { zfs, made, now: Some(taken), thread: Some(thread) }), files_taken })
     }
 
     /// zfs-fuse rolls a mounted dataset back only to its newest snapshot, and has neither
@@ -320,11 +327,15 @@ impl Rootfs for ZfsRootfs {
     fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt, start: Option<InPlaceStart>) -> Result<InPlaceFiles> {
         let zfs = &self.zfs;
         let t = std::time::Instant::now();
-        // (not begun early: begun now)
-        let start = start.or_else(|| self.in_place_start(sp_dir, local, at)).ok_or(Error::NoZfsSnapshot)?;
-        let mut early = start.0.downcast::<Early>().map_err(|_| Error::InPlaceFiles("not a ZFS start".into()))?;
+        // (not begun early: begun now, with a snapshot of its own)
+        let start = start.or_else(|| self.in_place_start(sp_dir, local, &InPlaceAt { safety: None, ..at.clone() })).ok_or(Error::NoZfsSnapshot)?;
+        let mut early = start.work.downcast::<Early>().map_err(|_| Error::InPlaceFiles("not a ZFS start".into()))?;
         let compared = early.thread.take().expect("joined once").join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-        let made = std::mem::take(&mut early.made);
+        let mut made = std::mem::take(&mut early.made);
+        // (the snapshot of the frozen state: the safety statepoint's when it adopted it)
+        if let Some(now) = early.now.take().filter(TakenFiles::capturers) {
+            made.push(now.name().to_string());
+        }
         let cleanup = {
             let (zfs, made) = (zfs.clone(), made.clone());
             move || made.iter().for_each(|m| destroy_clone(&zfs, m))
@@ -379,7 +390,8 @@ struct Found {
     times: String,
 }
 
-fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: &str, unchanged_before: Option<u64>) -> Result<Found> {
+fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, taken: &TakenFiles, unchanged_before: Option<u64>) -> Result<Found> {
+    let now = taken.name();
     let started = std::time::Instant::now();
     let ms = |t: std::time::Duration| t.as_millis();
     let name = recorded.rsplit('@').next().unwrap_or(recorded);
@@ -398,12 +410,20 @@ fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: &str, 
     let (made, (changes, times)) = std::thread::scope(|s| {
         let finding = s.spawn(|| -> Result<(Changes, String)> {
             let t = std::time::Instant::now();
-            // The frozen state's snapshot (one a crashed rollback left is replaced).
-            syncfs(&live)?;
-            if zfs.snapshot(now).is_err() {
-                let _ = zfs.destroy_snapshot(now);
-                zfs.snapshot(now)?;
-            }
+            // The frozen state's snapshot (one a crashed rollback left is replaced), said to
+            // the statepoint that adopts it.
+            let capturing = taken.capturing();
+            let snapshot = || -> Result<()> {
+                syncfs(&live)?;
+                if zfs.snapshot(now).is_err() {
+                    let _ = zfs.destroy_snapshot(now);
+                    zfs.snapshot(now)?;
+                }
+                Ok(())
+            };
+            let snapshot = snapshot();
+            capturing.made(snapshot.as_ref().map(drop).map_err(|e| e.to_string()));
+            snapshot?;
             let snapped = t.elapsed();
             let changes = zfs.changes(&snap, now).or_else(|_| Ok::<_, Error>(zfs.changes(&located()?, now)?));
             let changes = match changes {
@@ -461,6 +481,9 @@ fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, now: &str, 
 struct Early {
     zfs: Zfs,
     made: Vec<String>,
+    /// The snapshot of the frozen state: destroyed too, unless a statepoint adopted it (or it
+    /// was handed on with the rest).
+    now: Option<TakenFiles>,
     thread: Option<std::thread::JoinHandle<Result<(super::treesync::Sync, String)>>>,
 }
 
@@ -471,6 +494,9 @@ impl Drop for Early {
         }
         for m in &self.made {
             destroy_clone(&self.zfs, m);
+        }
+        if let Some(now) = self.now.take().filter(TakenFiles::capturers) {
+            let _ = self.zfs.destroy_snapshot(now.name());
         }
     }
 }

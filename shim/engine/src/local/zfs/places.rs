@@ -73,16 +73,24 @@ impl Finder<'_> {
     }
 
     /// Reads the live tree breadth first until every directory in `wanted` is found, or
-    /// [`SEARCH_BOUND`] directories were read: first below the directories already found (a
-    /// file that changed is most often near others that did), then from the root. A directory
-    /// is found by its entry in its own directory, or by holding a changed object whose znode
-    /// names it (the root has no entry).
+    /// [`SEARCH_BOUND`] directories were read: below the directories already found (a file
+    /// that changed is most often near others that did) and from the root, a directory of each
+    /// in turn — a found directory with hundreds below it (a neighbour the stream carried)
+    /// does not use up the bound before the root's own are read. A directory is found by its
+    /// entry in its own directory, or by holding a changed object whose znode names it (the
+    /// root has no entry).
     fn search(&mut self, wanted: &mut HashSet<u64>) {
         let mut near: VecDeque<PathBuf> = self.found.values().filter(|p| !p.as_os_str().is_empty()).cloned().collect();
         let mut far = VecDeque::from([PathBuf::new()]);
         let mut seen = HashSet::new();
-        while let Some(at) = near.pop_front().map(|p| (p, true)).or_else(|| far.pop_front().map(|p| (p, false))) {
-            let (at, is_near) = at;
+        let mut turn_near = true;
+        loop {
+            let next = match turn_near {
+                true => near.pop_front().map(|p| (p, true)).or_else(|| far.pop_front().map(|p| (p, false))),
+                false => far.pop_front().map(|p| (p, false)).or_else(|| near.pop_front().map(|p| (p, true))),
+            };
+            let Some((at, is_near)) = next else { return };
+            turn_near = !is_near;
             if wanted.is_empty() || seen.len() == SEARCH_BOUND {
                 return;
             }
@@ -300,6 +308,26 @@ mod tests {
         let moved = places(&c, &d, &[], &known).unwrap();
         assert_eq!(moved.single, vec![PathBuf::from("w/z/b/f")]);
         assert_eq!(dirs_of(&d, &moved.single).get(&b), Some(&PathBuf::from("w/z/b")));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A directory found through the stream with hundreds of directories below it (the
+    /// neighbours a stream carries) does not keep the search from the root's own directories.
+    #[test]
+    fn a_wide_found_directory_does_not_use_up_the_search() {
+        let d = tmp("wide");
+        for i in 0..300 {
+            std::fs::create_dir_all(d.join(format!("wide/d{i}"))).unwrap();
+        }
+        std::fs::create_dir_all(d.join("root")).unwrap();
+        std::fs::write(d.join("root/.profile"), "x").unwrap();
+        let mut c = Changes::default();
+        for rel in ["", "wide", "wide/d7", "root/.profile"] {
+            changed(&mut c, &d, rel);
+        }
+        let p = places(&c, &d, &[], &HashMap::new()).unwrap();
+        assert!(p.single.contains(&PathBuf::from("root/.profile")), "{:?}", p.single);
+        assert!(p.read <= SEARCH_BOUND, "{}", p.read);
         let _ = std::fs::remove_dir_all(&d);
     }
 
