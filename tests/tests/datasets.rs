@@ -235,8 +235,13 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
         let (dirs, skip) = ("/work /proj /root /etc /deep", "! -path /etc/hosts ! -path /etc/hostname ! -path /etc/resolv.conf");
         sb.sh(&format!("ls -a / && find {dirs} -xdev {skip} -printf '%p %y %m %U:%G %s %T@ %l\\n' | sort && find {dirs} -xdev -type f {skip} | sort | xargs md5sum")).ok().out()
     };
+    let made = std::time::Instant::now();
     let before = tree(&sb);
     let at = sb.send("tick");
+    // Objects last changed two seconds and more before a statepoint are the stream's
+    // neighbours, not changes: the statepoint comes that long after the tree was made, however
+    // fast this machine made it (else, places found here depend on its speed).
+    assert!(wait_for(Duration::from_secs(10), || made.elapsed() > Duration::from_secs(3)));
     let sp = sb.snapshot("tree");
     // Changes of every kind; the file with two names is left alone this time.
     sb.sh("echo more >> /work/a/b/c/deep && rm /work/a/b/f7 && echo new > /work/d/new && mv /work/e/f /work/moved \
