@@ -57,46 +57,63 @@ pub struct TakenFiles(std::sync::Arc<Taken>);
 struct Taken {
     /// What was captured (the ZFS snapshot's full name).
     name: String,
-    /// `None` while being captured; then how that went.
-    state: std::sync::Mutex<Option<std::result::Result<(), String>>>,
+    state: std::sync::Mutex<Capture>,
     said: std::sync::Condvar,
-    adopted: std::sync::atomic::AtomicBool,
+}
+
+/// Where the captured files stand.
+#[derive(Clone)]
+enum Capture {
+    Underway,
+    /// Made, and the capturer's.
+    Made,
+    Failed(String),
+    /// Made, and the statepoint's.
+    Adopted,
 }
 
 impl TakenFiles {
     pub fn new(name: String) -> TakenFiles {
-        TakenFiles(std::sync::Arc::new(Taken { name, state: std::sync::Mutex::new(None), said: std::sync::Condvar::new(), adopted: false.into() }))
+        TakenFiles(std::sync::Arc::new(Taken { name, state: std::sync::Mutex::new(Capture::Underway), said: std::sync::Condvar::new() }))
     }
 
     pub fn name(&self) -> &str {
         &self.0.name
     }
 
+    fn state(&self) -> std::sync::MutexGuard<'_, Capture> {
+        self.0.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Says how capturing went (the first word counts).
-    pub fn made(&self, how: std::result::Result<(), String>) {
-        let mut s = self.0.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if s.is_none() {
-            *s = Some(how);
+    fn made(&self, how: std::result::Result<(), String>) {
+        let mut s = self.state();
+        if matches!(*s, Capture::Underway) {
+            *s = match how {
+                Ok(()) => Capture::Made,
+                Err(why) => Capture::Failed(why),
+            };
             self.0.said.notify_all();
         }
     }
 
     /// Waits until they were captured and takes them over, or says why they were not.
     pub fn adopt(&self) -> std::result::Result<(), String> {
-        let s = self.0.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let s = self.0.said.wait_while(s, |s| s.is_none()).unwrap_or_else(std::sync::PoisonError::into_inner);
-        let how = s.clone().expect("waited for");
-        if how.is_ok() {
-            self.0.adopted.store(true, std::sync::atomic::Ordering::SeqCst);
+        let s = self.state();
+        let mut s = self.0.said.wait_while(s, |s| matches!(s, Capture::Underway)).unwrap_or_else(std::sync::PoisonError::into_inner);
+        match s.clone() {
+            Capture::Failed(why) => Err(why),
+            _ => {
+                *s = Capture::Adopted;
+                Ok(())
+            }
         }
-        how
     }
 
     /// Captured and not taken over by a statepoint: the capturer's to remove. (Not captured,
     /// they may be the statepoint's own, under the same name.)
     pub fn capturers(&self) -> bool {
-        let made = matches!(*self.0.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner), Some(Ok(())));
-        made && !self.0.adopted.load(std::sync::atomic::Ordering::SeqCst)
+        matches!(*self.state(), Capture::Made)
     }
 
     /// Says, when dropped without having said anything, that capturing failed: nobody waits
