@@ -5,6 +5,7 @@
 //! * [`restored_tree`], [`epoch`] and [`clear_soft_dirty`] are the pieces of the pre-resume hook.
 
 pub mod images;
+pub mod pagemap;
 
 use std::io;
 use std::path::Path;

@@ -1,6 +1,8 @@
 //! Fault injection for the system tests: each step of a statepoint operation that must be undone
 //! on failure is a named point, and `/run/planarian/fault` holding a point's name makes that step
 //! fail once (the file is removed as it fires, so the recovery that follows runs for real).
+//! `pause:NAME` instead makes that step wait, once, for as long as `/run/planarian/paused`
+//! (written as it pauses) exists: a test does there what the machine might do at that moment.
 //! A file rather than an environment variable: `restore` runs under conmon, which Podman starts
 //! with an environment of its own. Only statepoint operations look; pass-through verbs never do.
 
@@ -17,12 +19,26 @@ pub struct Injected {
 
 /// Fails with "injected fault at NAME" when the fault file names this point.
 pub fn point(name: &str) -> Result<(), Injected> {
-    at(Path::new(FILE), name)
+    at(Path::new(FILE), Path::new(PAUSED), name)
 }
 
-fn at(file: &Path, name: &str) -> Result<(), Injected> {
+const PAUSED: &str = "/run/planarian/paused";
+
+/// How long a pause lasts at most (a test that died does not hold the sandbox for good).
+const PAUSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(600);
+
+fn at(file: &Path, paused: &Path, name: &str) -> Result<(), Injected> {
     match std::fs::read_to_string(file) {
         Ok(text) if text.trim() == name && std::fs::remove_file(file).is_ok() => Err(Injected { point: name.to_string() }),
+        Ok(text) if text.trim().strip_prefix("pause:") == Some(name) && std::fs::remove_file(file).is_ok() => {
+            if std::fs::write(paused, name).is_ok() {
+                let since = std::time::Instant::now();
+                while paused.exists() && since.elapsed() < PAUSE_LIMIT {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            }
+            Ok(())
+        }
         _ => Ok(()),
     }
 }
@@ -47,11 +63,38 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("planarian-fault-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let f = dir.join("fault");
-        assert_eq!(at(&f, "snapshot.frozen"), Ok(()));
+        let paused = dir.join("paused");
+        assert_eq!(at(&f, &paused, "snapshot.frozen"), Ok(()));
         std::fs::write(&f, "snapshot.frozen\n").unwrap();
-        assert_eq!(at(&f, "snapshot.dumped"), Ok(()));
-        assert_eq!(at(&f, "snapshot.frozen").unwrap_err().to_string(), "injected fault at snapshot.frozen");
-        assert_eq!(at(&f, "snapshot.frozen"), Ok(()));
+        assert_eq!(at(&f, &paused, "snapshot.dumped"), Ok(()));
+        assert_eq!(at(&f, &paused, "snapshot.frozen").unwrap_err().to_string(), "injected fault at snapshot.frozen");
+        assert_eq!(at(&f, &paused, "snapshot.frozen"), Ok(()));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_pause_waits_until_the_paused_file_is_removed_once() {
+        let dir = std::env::temp_dir().join(format!("planarian-pause-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (f, paused) = (dir.join("fault"), dir.join("paused"));
+        std::fs::write(&f, "pause:rollback.in-place.files\n").unwrap();
+        assert_eq!(at(&f, &paused, "snapshot.frozen"), Ok(()));
+        let released = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !paused.exists() {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                assert_eq!(std::fs::read_to_string(&paused).unwrap(), "rollback.in-place.files");
+                released.store(true, std::sync::atomic::Ordering::SeqCst);
+                std::fs::remove_file(&paused).unwrap();
+            });
+            assert_eq!(at(&f, &paused, "rollback.in-place.files"), Ok(()));
+            assert!(released.load(std::sync::atomic::Ordering::SeqCst), "returned before it was released");
+        });
+        assert!(!f.exists());
+        // Once: the next time the point does not wait.
+        assert_eq!(at(&f, &paused, "rollback.in-place.files"), Ok(()));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

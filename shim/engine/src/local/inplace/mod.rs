@@ -24,10 +24,12 @@
 //! safety statepoint, taken frozen just before): a page is written when its content comes from
 //! another image location than the statepoint's, dropped (`MADV_DONTNEED`) when it was not
 //! there at the statepoint. [`Plan::apply`] holds every thread with ptrace, writes the pages
-//! through `/proc/PID/mem`, sets registers (`orig_ax = -1`: no system-call restart on top of
-//! CRIU's own fix-ups), FPU state, signal masks, names and file offsets, clears the soft-dirty
-//! bits (the next dump is incremental on the statepoint's images), and checks that the
-//! mappings now are the statepoint's.
+//! through `/proc/PID/mem` (transparent huge pages off meanwhile), drops any page the process
+//! has that the statepoint has not (`/proc/PID/pagemap`: khugepaged may have filled holes since
+//! the dump), sets registers (`orig_ax = -1`: no system-call restart on top of CRIU's own
+//! fix-ups), FPU state, signal masks, names and file offsets, clears the soft-dirty bits (the
+//! next dump is incremental on the statepoint's images), and checks that the mappings now are
+//! the statepoint's.
 
 pub mod ptrace;
 
@@ -586,6 +588,8 @@ fn compare_fds(images: &Path, files_id: u32, host: i32, vpid: u32, files: &std::
 struct Pages {
     write: Vec<PageRun>,
     drop: Vec<(u64, u64)>,
+    /// Where the statepoint has pages: any other page present after the writes is dropped.
+    had: Vec<(u64, u64)>,
 }
 
 /// The plan of a rollback in place: the shape, and the pages of each process.
@@ -658,7 +662,8 @@ impl Shape {
             let drop = subtract(&drop, &p.layout.gone);
             written += pages_of(&write);
             dropped += drop.iter().map(|d| (d.1 - d.0) / PAGE_SIZE).sum::<u64>();
-            pages.push(Pages { write, drop });
+            let had = merge(target.iter().map(|r| (r.vaddr, r.end())).collect());
+            pages.push(Pages { write, drop, had });
         }
         Ok(Plan { shape: self, pages, pages_written: written, pages_dropped: dropped })
     }
@@ -706,6 +711,8 @@ impl Plan {
     fn apply_held(&self, tracees: &[ptrace::Tracee]) -> Result<Applied> {
         let mut applied = Applied::default();
         let mut ti = 0;
+        // Each process's main thread and vDSO `syscall`, and whether it had THP turned off.
+        let mut held = Vec::new();
         for (p, pages) in self.shape.procs.iter().zip(&self.pages) {
             let main = &tracees[ti];
             crate::fault::point("rollback.in-place.memory").map_err(|e| Error::Failed(e.to_string()))?;
@@ -714,6 +721,16 @@ impl Plan {
                 applied.system_calls += 1;
                 ptrace::call(main, insn, name, nr, args).map_err(io(format!("process {}", p.vpid)))
             };
+            // No transparent huge page while the memory is put back: a page written where the
+            // process has none would fault in a whole 2 MiB one, and khugepaged (which ignores
+            // the freezer) collapsing a range fills its holes with pages the statepoint does not
+            // have. Turned back on once the soft-dirty bits are cleared: a collapse after that
+            // marks what it fills as dirty, so the next dump carries it.
+            let thp_off = sys("prctl", libc::SYS_prctl, &[libc::PR_GET_THP_DISABLE as u64, 0, 0, 0, 0])? != 0;
+            if !thp_off {
+                sys("prctl", libc::SYS_prctl, &[libc::PR_SET_THP_DISABLE as u64, 1, 0, 0, 0])?;
+            }
+            held.push((ti, insn, thp_off));
             let l = &p.layout;
             if let Some(brk) = l.brk {
                 let got = sys("brk", libc::SYS_brk, &[brk])?;
@@ -740,6 +757,14 @@ impl Plan {
             }
             applied.pages_dropped += pages.drop.iter().map(|d| (d.1 - d.0) / PAGE_SIZE).sum::<u64>();
             applied.pages_written += write_pages(p.host, &pages.write)?;
+            // Pages present now that neither the statepoint nor the dump of the current state
+            // had (a range khugepaged collapsed after that dump): left, they would read the same
+            // (zeros) but, their soft-dirty bits cleared below, the next dump would look for them
+            // in the statepoint's images.
+            for (s, e) in strays(p.host, &pages.had)? {
+                sys("madvise", libc::SYS_madvise, &[s, e - s, libc::MADV_DONTNEED as u64])?;
+                applied.pages_dropped += (e - s) / PAGE_SIZE;
+            }
             check_layout(p)?;
             for (th, core) in &p.threads {
                 let t = &tracees[ti];
@@ -760,6 +785,12 @@ impl Plan {
             // is what it dumps.
             let f = format!("/proc/{}/clear_refs", p.host);
             std::fs::write(&f, "4").map_err(io(format!("write {f}")))?;
+        }
+        for (p, &(t, insn, thp_off)) in self.shape.procs.iter().zip(&held) {
+            if !thp_off {
+                applied.system_calls += 1;
+                ptrace::call(&tracees[t], insn, "prctl", libc::SYS_prctl, &[libc::PR_SET_THP_DISABLE as u64, 0, 0, 0, 0]).map_err(io(format!("process {}", p.vpid)))?;
+            }
         }
         Ok(applied)
     }
@@ -789,6 +820,17 @@ fn write_pages(pid: i32, runs: &[PageRun]) -> Result<u64> {
         n += r.nr_pages;
     }
     Ok(n)
+}
+
+/// The ranges of private anonymous memory of process `pid` where it has pages (present or
+/// swapped out, not the zero page) outside `had` (merged, sorted).
+fn strays(pid: i32, had: &[(u64, u64)]) -> Result<Vec<(u64, u64)>> {
+    let zero = criu_hooks::pagemap::zero_pfn();
+    let mut has = Vec::new();
+    for m in maps_of(pid)?.iter().filter(|m| is_anon_private(m)) {
+        has.extend(criu_hooks::pagemap::pages(pid, m.start, m.end, zero).map_err(io(format!("read /proc/{pid}/pagemap")))?);
+    }
+    Ok(subtract(&merge(has), had))
 }
 
 /// After the layout was changed: the process's private anonymous memory is the statepoint's.
