@@ -761,9 +761,8 @@ impl Plan {
             applied.pages_dropped += pages.drop.iter().map(|d| (d.1 - d.0) / PAGE_SIZE).sum::<u64>();
             applied.pages_written += write_pages(p.host, &pages.write)?;
             // Pages present now that neither the statepoint nor the dump of the current state
-            // had (a range khugepaged collapsed after that dump): left, they would read the same
-            // (zeros) but, their soft-dirty bits cleared below, the next dump would look for them
-            // in the statepoint's images.
+            // had (a range khugepaged collapsed after that dump, filling its holes): left, they
+            // read the same (zeros), but the process holds memory the statepoint did not.
             for (s, e) in strays(p.host, &pages.had)? {
                 sys("madvise", libc::SYS_madvise, &[s, e - s, libc::MADV_DONTNEED as u64])?;
                 applied.pages_dropped += (e - s) / PAGE_SIZE;
