@@ -6,7 +6,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-pub const PAGE_SIZE: u64 = 4096;
+use crate::images::PAGE_SIZE;
 const PRESENT: u64 = 1 << 63;
 const SWAPPED: u64 = 1 << 62;
 const PFN: u64 = (1 << 55) - 1;

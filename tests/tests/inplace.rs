@@ -105,6 +105,12 @@ fn line(sb: &Sandbox) -> Vec<String> {
 /// Rolls back with `--json`; the restore context.
 fn rollback(sb: &mut Sandbox, sp: &str) -> serde_json::Value {
     let r = planarian(&["rollback", &sb.name, sp, "--json"]);
+    rolled_back(sb, r)
+}
+
+/// The restore context of a finished `rollback --json`; the workload's sequence number is the
+/// statepoint's again.
+fn rolled_back(sb: &mut Sandbox, r: Run) -> serde_json::Value {
     r.ok();
     sb.seq = sb.read().expect("state after rollback").0;
     serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}: {}", r.stdout))
@@ -231,9 +237,7 @@ fn rollback_with_strays(sb: &mut Sandbox, sp: &str, holes: &[u64]) -> serde_json
         assert_eq!(now, before + holes.len() as u64, "zeroed pages in the holes of the frozen sandbox's memory");
         rb.join().unwrap()
     });
-    r.ok();
-    sb.seq = sb.read().expect("state after rollback").0;
-    serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}: {}", r.stdout))
+    rolled_back(sb, r)
 }
 
 fn arm_oracle(dir: &Path) {
