@@ -38,7 +38,7 @@ pub fn listen(path: &Path, proxy: Arc<Proxy>) -> Result<(), String> {
     Ok(())
 }
 
-fn handle(conn: UnixStream, proxy: &Proxy) {
+fn handle(conn: UnixStream, proxy: &Arc<Proxy>) {
     let mut line = String::new();
     if BufReader::new(&conn).read_line(&mut line).is_err() {
         return;
@@ -46,11 +46,14 @@ fn handle(conn: UnixStream, proxy: &Proxy) {
     let req: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
     let resp = match req["op"].as_str() {
         Some("position") => match proxy.capture() {
-            Ok(p) => match req["since"].as_u64().map(|since| proxy.changes(since, p)) {
-                None => json!({"position": p}),
-                Some(Ok((calls, tables))) => json!({"position": p, "calls": calls, "tables": tables}),
-                Some(Err(e)) => json!({"error": e}),
-            },
+            Ok(p) => {
+                let uncovered = proxy.uncovered().map(|(since, tools)| json!({"since": since, "tools": tools}));
+                match req["since"].as_u64().map(|since| proxy.changes(since, p)) {
+                    None => json!({"position": p, "uncovered": uncovered}),
+                    Some(Ok((calls, tables))) => json!({"position": p, "calls": calls, "tables": tables, "uncovered": uncovered}),
+                    Some(Err(e)) => json!({"error": e}),
+                }
+            }
             Err(e) => json!({"error": e}),
         },
         Some("compensate") => match req["to"].as_u64() {

@@ -1,7 +1,8 @@
 //! `planarian-mcp-proxy`: the MCP state-proxy sidecar, and the remote-state hook that talks to it.
 //!
 //! ```text
-//! planarian-mcp-proxy serve --database DSN [--server toolbox|dbhub] [--sql-tool NAME] [--sql-arg ARG] [--container ID]
+//! planarian-mcp-proxy serve [--database DSN] [--server toolbox|dbhub] [--sql-tool NAME] [--sql-arg ARG]
+//!                           [--spec NAME|FILE]… [--pass TOOL]… [--toolbox-config FILE]… [--container ID]
 //!                           [--control SOCKET] [--state FILE] [--listen SOCKET] [--http ADDR:PORT]
 //!                           [--disabled REASON]   (-- UPSTREAM-COMMAND [ARGS…] | --upstream-url URL)
 //! planarian-mcp-proxy connect CONTAINER-ID             (stdio MCP server for a harness: the
@@ -25,9 +26,12 @@ mod control;
 mod db;
 mod http;
 mod httpd;
+mod journal;
 mod proxy;
+mod spec;
 mod sql;
 mod state;
+mod toolbox;
 
 use serde_json::json;
 use std::path::PathBuf;
@@ -121,9 +125,21 @@ enum ControlOp {
 
 #[derive(clap::Args, Debug)]
 struct Serve {
-    /// The database the SQL tool writes to (where undo rows are kept).
+    /// The database the SQL tools write to (where undo rows are kept); none for a server
+    /// without SQL.
     #[arg(long = "database")]
-    dsn: String,
+    dsn: Option<String>,
+    /// Declared compensations: a builtin spec (memory, filesystem) or a TOML file.
+    #[arg(long = "spec")]
+    specs: Vec<String>,
+    /// Let this tool through unrecorded (`*`: every tool nothing else classified); statepoints
+    /// taken after such a call say they do not cover this service.
+    #[arg(long)]
+    pass: Vec<String>,
+    /// MCP Toolbox's tool configuration, when the proxy does not start Toolbox itself (with
+    /// `--upstream-url`); otherwise it is read from Toolbox's command line.
+    #[arg(long = "toolbox-config")]
+    toolbox_config: Vec<PathBuf>,
     /// Use this database instead of the one the DSN names (a fork's branch); it also replaces
     /// `{dbname}` in the upstream command, its environment and its URL.
     #[arg(long)]
@@ -194,6 +210,9 @@ fn main() {
                     out["calls-since-parent"] = c.clone();
                     out["tables-since-parent"] = t.clone();
                 }
+                if let Some(u) = v.get("uncovered").filter(|u| !u.is_null()) {
+                    out["uncovered"] = u.clone();
+                }
                 println!("{out}");
             })
         }
@@ -232,7 +251,7 @@ fn main() {
 fn serve(a: Serve) -> Result<(), String> {
     let container = a.container;
     let dsn = a.dsn;
-    let upstream = a.upstream;
+    let mut upstream = a.upstream;
     let control = a.control.or_else(|| container.as_deref().map(socket_for));
     let state_file = a
         .state
@@ -242,6 +261,22 @@ fn serve(a: Serve) -> Result<(), String> {
         ServerKind::Toolbox => proxy::Server::Toolbox,
         ServerKind::Dbhub => proxy::Server::Dbhub,
     };
+    let specs = a.specs.iter().map(|s| spec::Spec::load(s)).collect::<Result<Vec<_>, _>>()?;
+    // Toolbox's own tools: from its command line (which then gets the hidden execute tools) or
+    // from --toolbox-config.
+    let found = toolbox::config_args(upstream.get(1..).unwrap_or_default());
+    let toolbox = if !a.toolbox_config.is_empty() {
+        Some(toolbox::Config::load(&a.toolbox_config)?)
+    } else if let Some((_, _, files)) = found.first() {
+        let config = toolbox::Config::load(files)?;
+        let extra = state_file.with_extension("toolbox.yaml");
+        let args = toolbox::with_hidden_tools(&upstream[1..], &config, &extra)?;
+        upstream.truncate(1);
+        upstream.extend(args);
+        Some(config)
+    } else {
+        None
+    };
     let mut opts = proxy::Options {
         upstream,
         upstream_url: None,
@@ -249,6 +284,9 @@ fn serve(a: Serve) -> Result<(), String> {
         sql_tool: a.sql_tool,
         sql_arg: a.sql_arg,
         dsn,
+        specs,
+        pass: a.pass,
+        toolbox,
         dbname: a.dbname,
         state_file,
         disabled: a.disabled,
@@ -257,7 +295,7 @@ fn serve(a: Serve) -> Result<(), String> {
     let dbname = opts.effective_dbname()?;
     opts.upstream_url = a.upstream_url.map(|u| http::Url::parse(&u.replace("{dbname}", &dbname))).transpose()?;
     let (upstream, upstream_url) = (&opts.upstream, &opts.upstream_url);
-    if upstream.is_empty() && upstream_url.is_none() {
+    if upstream.is_empty() && upstream_url.is_none() && opts.disabled.is_none() {
         return Err("serve needs -- UPSTREAM-COMMAND or --upstream-url URL".into());
     }
     let http_listener = a.http.map(|addr| httpd::bind(&addr)).transpose()?;

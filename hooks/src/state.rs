@@ -4,7 +4,9 @@
 //! is the position a statepoint captures: the newest call that is in effect (after a
 //! compensation to P it is P, although later calls had higher numbers). Each compensation is
 //! remembered as (to, last): it undid the calls in (to, last], so a statepoint captured at a
-//! position in that range can no longer be reached by compensation, and says so.
+//! position in that range can no longer be reached by compensation, and says so. A tool let
+//! through unrecorded is remembered with the position current then (`passed`): no statepoint
+//! captured since covers the service.
 
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -13,12 +15,13 @@ pub struct Positions {
     pub current: u64,
     pub last: u64,
     pub events: Vec<(u64, u64)>,
+    pub passed: Vec<(u64, String)>,
     path: PathBuf,
 }
 
 impl Positions {
     pub fn load(path: &Path, floor: u64) -> Result<Positions, String> {
-        let mut p = Positions { current: floor, last: floor, events: vec![], path: path.to_path_buf() };
+        let mut p = Positions { current: floor, last: floor, events: vec![], passed: vec![], path: path.to_path_buf() };
         match std::fs::read(path) {
             Ok(data) => {
                 let v: Value = serde_json::from_slice(&data).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -33,6 +36,10 @@ impl Positions {
                     .as_array()
                     .map(|a| a.iter().filter_map(|e| Some((e[0].as_u64()?, e[1].as_u64()?))).collect())
                     .unwrap_or_default();
+                p.passed = v["passed"]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|e| Some((e[0].as_u64()?, e[1].as_str()?.to_string()))).collect())
+                    .unwrap_or_default();
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
@@ -42,7 +49,12 @@ impl Positions {
     }
 
     fn save(&self) -> Result<(), String> {
-        let v = json!({"current": self.current, "last": self.last, "compensations": self.events.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>()});
+        let v = json!({
+            "current": self.current,
+            "last": self.last,
+            "compensations": self.events.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>(),
+            "passed": self.passed.iter().map(|(p, t)| json!([p, t])).collect::<Vec<_>>(),
+        });
         sys::write_atomic(&self.path, v.to_string().as_bytes(), 0o644).map_err(|e| e.to_string())
     }
 
@@ -61,6 +73,15 @@ impl Positions {
     pub fn captured(&self) -> Result<u64, String> {
         self.save()?;
         Ok(self.current)
+    }
+
+    /// A call of `tool` let through unrecorded (written down before it is sent).
+    pub fn passed(&mut self, tool: &str) -> Result<(), String> {
+        if !self.passed.iter().any(|(_, t)| t == tool) {
+            self.passed.push((self.current, tool.to_string()));
+            self.save()?;
+        }
+        Ok(())
     }
 
     pub fn check_reachable(&self, to: u64) -> Result<(), String> {
@@ -113,8 +134,12 @@ mod tests {
         assert_eq!((q.current, q.last), (12, 12));
         assert_eq!(q.next(), 13);
         // Restart: the state file is read back; undo rows beyond it win.
-        let p = Positions::load(&path, 14).unwrap();
+        let mut p = Positions::load(&path, 14).unwrap();
         assert_eq!((p.current, p.last, p.events.len()), (14, 14, 1));
+        p.passed("raw").unwrap();
+        p.passed("raw").unwrap();
+        let p = Positions::load(&path, 0).unwrap();
+        assert_eq!(p.passed, vec![(14, "raw".to_string())]);
         std::fs::remove_file(&path).unwrap();
     }
 }

@@ -4,20 +4,25 @@
 //! Messages are raw JSON values: whatever the proxy does not need to understand passes through
 //! unchanged. Every client request gets a fresh upstream id (the proxy's own requests come from
 //! the same counter, so they can never collide); responses are mapped back, and
-//! `notifications/cancelled` is remapped. Calls of the SQL tool are classified: reads pass
-//! through at once, writes are numbered (the MCP call position), rewritten to record their undo
-//! rows, and run one at a time under the proxy lock; what cannot be undone is refused with a
-//! tool error before it reaches the server.
+//! `notifications/cancelled` is remapped. Every `tools/call` goes through the tool policy
+//! ([`tool_calls`]): reads pass through at once; SQL (the SQL tool, Toolbox's own SQL tools) is
+//! classified, and writes are numbered (the MCP call position), rewritten to record their undo
+//! rows, and run one at a time under the proxy lock; declared tools are numbered and journaled
+//! with their compensation; what cannot be undone is refused with a tool error before it
+//! reaches the server. A disabled proxy (a fork without a copy of the service) starts no
+//! upstream at all: it answers the harness itself and refuses every call, saying why.
 
 //!
 //! This module routes messages and remaps ids; [`upstream`] is the way to the real server (a
 //! child over stdio, or Streamable HTTP with messages sent in order), [`sql_calls`] the
-//! interception of the SQL tool.
+//! interception of SQL, [`tool_calls`] the policy and the declared tools.
 
 mod sql_calls;
+mod tool_calls;
 mod upstream;
 
 use crate::db::{CompensateError, Db};
+use crate::journal::Journal;
 use crate::http;
 use crate::state::Positions;
 use serde_json::{json, Value};
@@ -45,9 +50,17 @@ pub struct Options {
     pub server: Server,
     pub sql_tool: String,
     pub sql_arg: String,
-    /// Refuse every SQL call with this reason (a fork: the database cannot branch).
+    /// Refuse every call with this reason and start no upstream (a fork: the service has no
+    /// copy of its own for it).
     pub disabled: Option<String>,
-    pub dsn: String,
+    /// The database SQL tools write to, where their undo rows are kept (none: no SQL tool).
+    pub dsn: Option<String>,
+    /// Declared compensations, reads, refusals and passes.
+    pub specs: Vec<crate::spec::Spec>,
+    /// Tools let through unrecorded (`*`: every tool nothing else classified).
+    pub pass: Vec<String>,
+    /// MCP Toolbox's configuration, when the upstream is Toolbox with tools of its own.
+    pub toolbox: Option<crate::toolbox::Config>,
     /// The database to use instead of the one `dsn` names (a fork's branch); it also replaces
     /// `{dbname}` in the upstream command, its environment and its URL.
     pub dbname: Option<String>,
@@ -60,7 +73,8 @@ pub struct Options {
 impl Options {
     /// The proxy's own connection: `dsn`, with `dbname` when set.
     pub fn pg_config(&self) -> Result<postgres::Config, String> {
-        let mut c: postgres::Config = self.dsn.parse().map_err(|e| format!("--database {}: {e}", self.dsn))?;
+        let dsn = self.dsn.as_deref().ok_or("this proxy has no database (--database)")?;
+        let mut c: postgres::Config = dsn.parse().map_err(|e| format!("--database {dsn}: {e}"))?;
         if let Some(d) = &self.dbname {
             c.dbname(d);
         }
@@ -70,6 +84,9 @@ impl Options {
     /// The database's name as the upstream server must be told it (`{dbname}`): libpq's
     /// default is the user's name.
     pub fn effective_dbname(&self) -> Result<String, String> {
+        if self.dsn.is_none() {
+            return Ok(String::new());
+        }
         let c = self.pg_config()?;
         Ok(c.get_dbname().or(c.get_user()).unwrap_or("postgres").to_string())
     }
@@ -126,8 +143,21 @@ impl Conn {
     }
 }
 
+/// How a rewritten SQL call reaches the database: through the tool that was called (its SQL
+/// argument replaced), or through the hidden execute tool of a Toolbox source.
+pub(super) enum Via {
+    Own,
+    Hidden(String),
+}
+
+fn tool_error(text: String) -> Value {
+    json!({"content": [{"type": "text", "text": text}], "isError": true})
+}
+
 enum Pending {
-    Client(Value, Arc<Conn>),
+    /// A client's request: its own id, its connection, and whether it is a `tools/list` (whose
+    /// answer loses the hidden tools).
+    Client(Value, Arc<Conn>, bool),
     Own(Sender<Value>),
 }
 
@@ -146,7 +176,10 @@ pub struct Proxy {
     /// response arrives, and by captures and compensations.
     lock: Mutex<()>,
     positions: Mutex<Positions>,
-    db: Mutex<Db>,
+    db: Option<Mutex<Db>>,
+    journal: Mutex<Journal>,
+    /// The server's tools and their annotations, once asked.
+    tools: Mutex<Option<HashMap<String, Value>>>,
     disabled: Mutex<Option<String>>,
     initialize: Mutex<Option<Value>>,
     closing: AtomicBool,
@@ -165,8 +198,14 @@ impl Proxy {
     }
 
     pub fn new(opts: Options) -> Result<Arc<Proxy>, String> {
-        let mut db = Db::connect(&opts.pg_config()?)?;
-        let positions = Positions::load(&opts.state_file, db.max_position()?)?;
+        // A disabled proxy reaches nothing of the source: no database, no upstream.
+        let mut db = match (&opts.dsn, &opts.disabled) {
+            (Some(_), None) => Some(Db::connect(&opts.pg_config()?)?),
+            _ => None,
+        };
+        let journal = Journal::load(&Journal::path_for(&opts.state_file))?;
+        let floor = db.as_mut().map(|d| d.max_position()).transpose()?.unwrap_or(0).max(journal.max_position());
+        let positions = Positions::load(&opts.state_file, floor)?;
         let p = Arc::new(Proxy {
             last_client: Mutex::new(None),
             standing: Mutex::new(None),
@@ -176,13 +215,17 @@ impl Proxy {
             next_id: AtomicU64::new(1),
             lock: Mutex::new(()),
             positions: Mutex::new(positions),
-            db: Mutex::new(db),
+            db: db.map(Mutex::new),
+            journal: Mutex::new(journal),
+            tools: Mutex::new(None),
             disabled: Mutex::new(opts.disabled.clone()),
             initialize: Mutex::new(None),
             closing: AtomicBool::new(false),
             opts,
         });
-        p.start_upstream()?;
+        if p.opts.disabled.is_none() {
+            p.start_upstream()?;
+        }
         Ok(p)
     }
 
@@ -210,11 +253,18 @@ impl Proxy {
         conn.send(&json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}}));
     }
 
+    /// The proxy's own database connection: only SQL paths use it, and the policy sends calls
+    /// down them only when there is one.
+    fn db(&self) -> std::sync::MutexGuard<'_, Db> {
+        self.db.as_ref().expect("an SQL call on a proxy without a database").lock().unwrap()
+    }
+
     /// Forwards a client request under a fresh upstream id.
     fn forward_request(self: &Arc<Self>, mut msg: Value, conn: &Arc<Conn>) {
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        let list = msg["method"] == json!("tools/list");
         let orig = std::mem::replace(&mut msg["id"], json!(id));
-        self.pending.lock().unwrap().insert(id, Pending::Client(orig.clone(), conn.clone()));
+        self.pending.lock().unwrap().insert(id, Pending::Client(orig.clone(), conn.clone(), list));
         if let Err(e) = self.send_upstream(&msg) {
             self.pending.lock().unwrap().remove(&id);
             Self::reply_error(conn, &orig, -32603, &e);
@@ -236,13 +286,19 @@ impl Proxy {
     fn on_upstream_message(&self, mut msg: Value) {
         let is_response = msg.get("method").is_none() && msg.get("id").is_some();
         if !is_response {
+            if msg["method"] == json!("notifications/tools/list_changed") {
+                self.forget_tools();
+            }
             // Server-to-client requests and notifications pass through unchanged.
             return self.send_client(&msg);
         }
         let Some(id) = msg["id"].as_u64() else { return };
         match self.pending.lock().unwrap().remove(&id) {
-            Some(Pending::Client(orig, conn)) => {
+            Some(Pending::Client(orig, conn, list)) => {
                 msg["id"] = orig;
+                if let (true, Some(tools)) = (list, msg["result"]["tools"].as_array_mut()) {
+                    tools.retain(|t| !t["name"].as_str().is_some_and(crate::toolbox::is_hidden));
+                }
                 conn.send(&msg);
             }
             Some(Pending::Own(tx)) => {
@@ -298,19 +354,23 @@ impl Proxy {
     fn from_client(self: &Arc<Self>, mut msg: Value, conn: &Arc<Conn>) {
         let method = msg.get("method").and_then(Value::as_str).map(String::from);
         let has_id = msg.get("id").is_some_and(|v| !v.is_null());
+        if self.opts.disabled.is_some() {
+            return self.answer_disabled(method.as_deref(), has_id, &msg, conn);
+        }
         match (method.as_deref(), has_id) {
             (Some("initialize"), true) => {
                 *self.initialize.lock().unwrap() = Some(msg["params"].clone());
                 self.forward_request(msg, conn);
             }
-            (Some("tools/call"), true) if msg["params"]["name"].as_str() == Some(&self.opts.sql_tool) => {
-                // A read that calls no function needs nothing of the database: straight on.
-                if self.plain_read(&msg) {
+            (Some("tools/call"), true) => {
+                // A read of the SQL tool that calls no function needs nothing of the database:
+                // straight on.
+                if msg["params"]["name"].as_str() == Some(&self.opts.sql_tool) && self.db.is_some() && self.plain_read(&msg) {
                     return self.forward_request(msg, conn);
                 }
                 let (me, conn) = (self.clone(), conn.clone());
-                // Reads must not wait behind writes: every other SQL call gets its own thread.
-                std::thread::spawn(move || me.sql_call(msg, &conn));
+                // Reads must not wait behind writes: every other call gets its own thread.
+                std::thread::spawn(move || me.tool_call(msg, &conn));
             }
             (Some(_), true) => self.forward_request(msg, conn),
             (Some("notifications/cancelled"), false) => {
@@ -320,7 +380,7 @@ impl Proxy {
                     .lock()
                     .unwrap()
                     .iter()
-                    .find_map(|(k, p)| matches!(p, Pending::Client(o, c) if *o == orig && c.client == conn.client).then_some(*k));
+                    .find_map(|(k, p)| matches!(p, Pending::Client(o, c, _) if *o == orig && c.client == conn.client).then_some(*k));
                 if let Some(up) = up {
                     msg["params"]["requestId"] = json!(up);
                     let _ = self.send_upstream(&msg);
@@ -330,6 +390,30 @@ impl Proxy {
             _ => {
                 let _ = self.send_upstream(&msg);
             }
+        }
+    }
+
+    /// A disabled proxy has no upstream: it answers the harness itself, lists no tools and
+    /// refuses every call with the reason.
+    fn answer_disabled(&self, method: Option<&str>, has_id: bool, msg: &Value, conn: &Arc<Conn>) {
+        if !has_id {
+            return;
+        }
+        let why = self.disabled.lock().unwrap().clone().unwrap_or_default();
+        let id = &msg["id"];
+        match method {
+            Some("initialize") => {
+                let version = msg["params"]["protocolVersion"].as_str().unwrap_or("2025-06-18");
+                Self::reply(
+                    conn,
+                    id,
+                    json!({"protocolVersion": version, "capabilities": {"tools": {}}, "serverInfo": {"name": "planarian-mcp-proxy", "version": env!("CARGO_PKG_VERSION")}, "instructions": format!("Every tool of this service is refused here: {why}")}),
+                );
+            }
+            Some("ping") => Self::reply(conn, id, json!({})),
+            Some("tools/list") => Self::reply(conn, id, json!({"tools": []})),
+            Some("tools/call") => Self::reply(conn, id, tool_error(format!("planarian: not executed: {why}"))),
+            _ => Self::reply_error(conn, id, -32601, &format!("not available in this sandbox: {why}")),
         }
     }
 
@@ -343,18 +427,75 @@ impl Proxy {
 
     /// The calls after position `from` up to `to` that changed something, and the tables.
     pub fn changes(&self, from: u64, to: u64) -> Result<(u64, Vec<String>), String> {
-        self.db.lock().unwrap().changes_between(from, to)
+        let (mut calls, mut tables) = match &self.db {
+            Some(db) => db.lock().unwrap().changes_between(from, to)?,
+            None => (0, vec![]),
+        };
+        let (n, tools) = self.journal.lock().unwrap().between(from, to);
+        calls += n;
+        tables.extend(tools);
+        Ok((calls, tables))
     }
 
-    pub fn compensate(&self, to: u64) -> Result<u64, String> {
+    /// The tools passed unrecorded, and the first position after which one was: no statepoint
+    /// captured since covers this service.
+    pub fn uncovered(&self) -> Option<(u64, Vec<String>)> {
+        let pos = self.positions.lock().unwrap();
+        pos.passed.first().map(|(p, _)| {
+            let mut tools: Vec<String> = pos.passed.iter().map(|(_, t)| t.clone()).collect();
+            tools.sort();
+            tools.dedup();
+            (*p, tools)
+        })
+    }
+
+    /// Undoes every call after `to`, newest first: declared tools through their undo calls,
+    /// SQL through its undo rows (one transaction for each run of SQL calls). When a step fails
+    /// it stops there; what was undone before stays undone, and the position says so.
+    pub fn compensate(self: &Arc<Self>, to: u64) -> Result<u64, String> {
         let _guard = self.lock.lock().unwrap();
         let mut pos = self.positions.lock().unwrap();
         pos.check_reachable(to)?;
-        let undone = self.db.lock().unwrap().compensate_to(to).map_err(|e| match e {
-            CompensateError::Conflict(s) => format!("conflict: {s}"),
-            CompensateError::Other(s) => s,
-        })?;
+        let sql = |down_to: u64| -> Result<u64, String> {
+            match &self.db {
+                Some(db) => db.lock().unwrap().compensate_to(down_to).map_err(|e| match e {
+                    CompensateError::Conflict(s) => format!("conflict: {s}"),
+                    CompensateError::Other(s) => s,
+                }),
+                None => Ok(0),
+            }
+        };
+        let entries = self.journal.lock().unwrap().after(to);
+        let mut undone = 0;
+        let mut reached = pos.current;
+        for e in &entries {
+            let step = sql(e.position).and_then(|n| {
+                undone += n;
+                reached = reached.min(e.position);
+                self.undo_entry(e)
+            });
+            if let Err(err) = step {
+                if reached < pos.current {
+                    pos.compensated(reached)?;
+                    return Err(format!("{err} (the calls after position {reached} were undone)"));
+                }
+                return Err(err);
+            }
+            self.journal.lock().unwrap().undone(e.position)?;
+            undone += 1;
+            reached = e.position - 1;
+        }
+        if let Err(err) = sql(to) {
+            if reached < pos.current {
+                pos.compensated(reached)?;
+                return Err(format!("{err} (the calls after position {reached} were undone)"));
+            }
+            return Err(err);
+        }
         pos.compensated(to)?;
+        if let Err(e) = self.journal.lock().unwrap().compact() {
+            eprintln!("planarian-mcp-proxy: {e}");
+        }
         Ok(undone)
     }
 
@@ -365,7 +506,13 @@ impl Proxy {
     /// proxy's role cannot create databases.
     pub fn branch(&self, position: u64, container: &str) -> Result<String, String> {
         self.positions.lock().unwrap().check_reachable(position)?;
-        let (current, size, major) = self.db.lock().unwrap().describe()?;
+        if self.db.is_none() {
+            return Err("this service has no database to copy for a fork".into());
+        }
+        if self.journal.lock().unwrap().max_position() > 0 || !self.opts.specs.is_empty() {
+            return Err("this service's tools change state that cannot be copied for a fork: the fork's calls are refused".into());
+        }
+        let (current, size, major) = self.db().describe()?;
         if size > BRANCH_MAX_BYTES {
             return Err(format!(
                 "the database {current} holds {} MiB; a fork gets its own copy only up to {} MiB (a logical copy)",
@@ -374,7 +521,7 @@ impl Proxy {
             ));
         }
         let name = branch_name(&current, container);
-        self.db.lock().unwrap().create_database(&name)?;
+        self.db().create_database(&name)?;
         let from = self.opts.pg_config()?;
         let mut to = from.clone();
         to.dbname(&name);
@@ -388,7 +535,7 @@ impl Proxy {
             copy.mark_branch(position)
         })();
         if let Err(e) = made {
-            let _ = self.db.lock().unwrap().drop_database(&name);
+            let _ = self.db().drop_database(&name);
             return Err(format!("cannot branch the database {current}: {e}"));
         }
         Ok(name)
@@ -397,7 +544,10 @@ impl Proxy {
     /// Drops the branch made for the fork `container` (a fork that failed after it was made);
     /// returns its name. Nothing when there is none.
     pub fn unbranch(&self, container: &str) -> Result<String, String> {
-        let mut db = self.db.lock().unwrap();
+        if self.db.is_none() {
+            return Ok(String::new());
+        }
+        let mut db = self.db();
         let (current, _, _) = db.describe()?;
         let name = branch_name(&current, container);
         db.drop_database(&name)?;
@@ -421,6 +571,8 @@ impl Proxy {
             "last": pos.last,
             "compensations": pos.events.len(),
             "disabled": *self.disabled.lock().unwrap(),
+            "uncovered": self.uncovered().map(|(p, t)| json!({"since": p, "tools": t})),
+            "specs": self.opts.specs.iter().map(|s| s.server.clone()).collect::<Vec<_>>(),
             "upstream-pid": pid,
         })
     }

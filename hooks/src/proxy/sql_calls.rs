@@ -1,7 +1,7 @@
 //! The SQL tool's calls: classified, refused before execution when they cannot be undone,
 //! numbered and rewritten to record their undo rows when they write.
 
-use super::{Conn, Proxy, Server};
+use super::{tool_error, Conn, Proxy, Server, Via};
 use crate::sql::{classify, split, Class, Ddl, CATALOG_CHANGED};
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -33,10 +33,6 @@ fn failed_on_changed_catalog(resp: &Value) -> bool {
     (resp.get("error").is_some() || resp["result"]["isError"] == json!(true)) && resp.to_string().contains(CATALOG_CHANGED)
 }
 
-fn tool_error(text: String) -> Value {
-    json!({"content": [{"type": "text", "text": text}], "isError": true})
-}
-
 impl Proxy {
     /// Whether a call of the SQL tool only reads and calls no function (nothing to check in the
     /// catalog, nothing to record), while calls are not refused.
@@ -58,29 +54,29 @@ impl Proxy {
     /// A statement that changes the database may call these functions: none is volatile with
     /// effects of its own.
     fn writes_may_call(&self, functions: &[String]) -> Result<(), String> {
-        match self.db.lock().unwrap().unsafe_functions(functions) {
+        match self.db().unsafe_functions(functions) {
             Ok(bad) if bad.is_empty() => Ok(()),
             Ok(bad) => Err(format!("the statement calls {}, whose effects cannot be undone", bad.join(", "))),
             Err(e) => Err(format!("cannot check the statement: {e}")),
         }
     }
 
-    pub(super) fn sql_call(self: Arc<Self>, msg: Value, conn: &Arc<Conn>) {
+    /// A call that carries SQL: `sql` is what it runs (a Toolbox tool's statement with its
+    /// parameters bound); a write is rewritten and sent `via` the tool itself or the hidden
+    /// execute tool of its source.
+    pub(super) fn sql_call(self: Arc<Self>, msg: Value, conn: &Arc<Conn>, sql: String, via: Via) {
         let id = msg["id"].clone();
-        let Some(sql) = msg["params"]["arguments"][&self.opts.sql_arg].as_str().map(String::from) else {
-            return self.forward_request(msg, conn);
-        };
         let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
         if let Some(why) = self.disabled.lock().unwrap().clone() {
             return refuse(why);
         }
-        let texts = match self.opts.server {
-            Server::Toolbox => vec![sql.clone()],
-            Server::Dbhub => match split(&sql) {
+        let texts = match (self.opts.server, &via) {
+            (Server::Dbhub, Via::Own) => match split(&sql) {
                 Ok(t) if !t.is_empty() => t,
                 Ok(_) => vec![sql.clone()],
                 Err(e) => return refuse(e),
             },
+            _ => vec![sql.clone()],
         };
         let mut functions = Vec::new();
         let mut writes = Vec::new();
@@ -98,7 +94,7 @@ impl Proxy {
             }
         }
         if writes.is_empty() {
-            return match self.db.lock().unwrap().unsafe_functions(&functions) {
+            return match self.db().unsafe_functions(&functions) {
                 Ok(bad) if bad.is_empty() => self.forward_request(msg, conn),
                 Ok(bad) => refuse(format!("the statement calls {}, which may change the database in ways that cannot be undone", bad.join(", "))),
                 Err(e) => refuse(format!("cannot check the statement: {e}")),
@@ -117,7 +113,7 @@ impl Proxy {
         for attempt in 0..2 {
             let mut tables = Vec::new();
             {
-                let mut db = self.db.lock().unwrap();
+                let mut db = self.db();
                 if attempt > 0 {
                     db.catalog_changed();
                 }
@@ -142,7 +138,8 @@ impl Proxy {
                 }
             }
             let position = self.positions.lock().unwrap().next();
-            let count_rows = self.opts.server == Server::Dbhub;
+            let dbhub = self.opts.server == Server::Dbhub && matches!(via, Via::Own);
+            let count_rows = dbhub;
             let mut sent = texts.clone();
             for ((i, d), t) in writes.iter().zip(&tables) {
                 match d.rewrite(t, position, *i, count_rows) {
@@ -151,11 +148,17 @@ impl Proxy {
                 }
             }
             let mut call = msg["params"].clone();
-            call["arguments"][&self.opts.sql_arg] = json!(sent.join(";\n"));
+            match &via {
+                Via::Own => call["arguments"][&self.opts.sql_arg] = json!(sent.join(";\n")),
+                Via::Hidden(tool) => {
+                    call["name"] = json!(tool);
+                    call["arguments"] = json!({"sql": sent.join(";\n")});
+                }
+            }
             match self.call_upstream("tools/call", call) {
                 Ok(resp) if attempt == 0 && failed_on_changed_catalog(&resp) => continue,
                 Ok(mut resp) => {
-                    if self.opts.server == Server::Dbhub {
+                    if dbhub {
                         let no_returning: Vec<usize> = writes.iter().filter(|(_, d)| !d.has_returning()).map(|(i, _)| *i).collect();
                         dbhub_as_original(&mut resp["result"], &texts, &no_returning);
                     }
@@ -184,25 +187,25 @@ impl Proxy {
                 return refuse(e);
             }
         }
-        let inverse = match self.db.lock().unwrap().ddl_inverse(&d) {
+        let inverse = match self.db().ddl_inverse(&d) {
             Ok(Some(inv)) => inv,
             // Creates nothing: pass through, no position.
             Ok(None) => return self.forward_request(msg, conn),
             Err(e) => return refuse(e),
         };
-        self.db.lock().unwrap().catalog_changed();
+        self.db().catalog_changed();
         let position = self.positions.lock().unwrap().next();
-        if let Err(e) = self.db.lock().unwrap().record_ddl(position, &format!("{:?}", d.object), &inverse) {
+        if let Err(e) = self.db().record_ddl(position, &format!("{:?}", d.object), &inverse) {
             return refuse(format!("cannot record the statement's inverse: {e}"));
         }
         match self.call_upstream("tools/call", msg["params"].clone()) {
             Ok(mut resp) => {
                 if resp.get("error").is_some() || resp["result"]["isError"] == json!(true) {
-                    let _ = self.db.lock().unwrap().forget(position);
+                    let _ = self.db().forget(position);
                 } else if d.fills.is_some() {
                     // (a failure here leaves the record without contents: undo then refuses to
                     // drop the filled table, and says so)
-                    let _ = self.db.lock().unwrap().record_contents(position, &inverse);
+                    let _ = self.db().record_contents(position, &inverse);
                 }
                 resp["id"] = id;
                 conn.send(&resp);

@@ -358,7 +358,7 @@ impl Proxy {
         let lost: Vec<Pending> = self.pending.lock().unwrap().drain().map(|(_, p)| p).collect();
         for p in lost {
             match p {
-                Pending::Client(orig, conn) => {
+                Pending::Client(orig, conn, _) => {
                     Self::reply_error(&conn, &orig, -32603, "the upstream MCP server exited during the call; it has been restarted: retry")
                 }
                 Pending::Own(tx) => drop(tx),

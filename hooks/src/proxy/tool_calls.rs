@@ -1,0 +1,261 @@
+//! The tool policy: every `tools/call` is a read (passes), compensable (numbered and recorded
+//! with its compensation), passed unrecorded by the user's explicit choice (and then every
+//! statepoint says it does not cover this service), or refused before it reaches the server.
+//!
+//! In order: what the proxy understands itself (the SQL tool, Toolbox's own SQL tools), then the
+//! specs (declared compensations, reads, refusals, passes), then `--pass`, then the server's
+//! annotations for reads (`readOnlyHint`; the proxy trusts the upstream it was configured
+//! with). A tool nobody classified is refused, saying how to declare it.
+
+use super::{tool_error, Conn, Proxy, Via};
+use crate::journal::Entry;
+use crate::spec::{answer, failed, holds, render, same_answer, Call, Scope, ToolSpec};
+use crate::toolbox::{self, Tool};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub(super) enum Policy {
+    Read,
+    /// SQL in the call's argument, through the server's own SQL tool.
+    Sql,
+    /// A Toolbox `postgres-sql` tool: its statement with the call's arguments bound.
+    ToolboxSql { statement: String, params: Vec<toolbox::Param>, source: String },
+    Declared(Box<ToolSpec>),
+    Pass,
+    Refuse(String),
+}
+
+/// The first text of a failed answer, for a message.
+fn failure_text(resp: &Value) -> String {
+    let t = resp["error"]["message"].as_str().or(resp["result"]["content"][0]["text"].as_str()).unwrap_or("no message");
+    t.lines().next().unwrap_or_default().chars().take(300).collect()
+}
+
+/// Whether an undo needs the call's answer.
+fn mentions_result(calls: &[Call]) -> bool {
+    calls.iter().any(|c| c.arguments.to_string().contains("$result"))
+}
+
+impl Proxy {
+    /// The server's tools and their annotations (`tools/list`, every page), asked once and again
+    /// after the server says its list changed.
+    fn annotations(self: &Arc<Self>) -> Result<HashMap<String, Value>, String> {
+        if let Some(t) = self.tools.lock().unwrap().clone() {
+            return Ok(t);
+        }
+        let mut all = HashMap::new();
+        let mut cursor: Option<Value> = None;
+        loop {
+            let params = match &cursor {
+                Some(c) => json!({"cursor": c}),
+                None => json!({}),
+            };
+            let resp = self.call_upstream("tools/list", params)?;
+            if resp.get("error").is_some() {
+                return Err(format!("the server's tools/list failed: {}", failure_text(&resp)));
+            }
+            for t in resp["result"]["tools"].as_array().into_iter().flatten() {
+                if let Some(n) = t["name"].as_str() {
+                    all.insert(n.to_string(), t["annotations"].clone());
+                }
+            }
+            match resp["result"].get("nextCursor").filter(|c| !c.is_null()) {
+                Some(c) => cursor = Some(c.clone()),
+                None => break,
+            }
+        }
+        *self.tools.lock().unwrap() = Some(all.clone());
+        Ok(all)
+    }
+
+    pub(super) fn forget_tools(&self) {
+        *self.tools.lock().unwrap() = None;
+    }
+
+    pub(super) fn policy(self: &Arc<Self>, name: &str) -> Policy {
+        if toolbox::is_hidden(name) {
+            return Policy::Refuse(format!("unknown tool {name}"));
+        }
+        let no_db = || Policy::Refuse(format!("the tool {name} runs SQL, and this proxy was started without --database (where its undo is recorded)"));
+        if name == self.opts.sql_tool {
+            return if self.db.is_some() { Policy::Sql } else { no_db() };
+        }
+        if let Some(tb) = &self.opts.toolbox {
+            match tb.tools.get(name) {
+                Some(Tool::ExecuteSql { .. }) => return if self.db.is_some() { Policy::Sql } else { no_db() },
+                Some(Tool::Sql { source, statement, params, templated }) => {
+                    if *templated {
+                        return Policy::Refuse(format!(
+                            "the Toolbox tool {name} has templateParameters (text put into its statement), which planarian cannot classify; declare it in a spec if it only reads"
+                        ));
+                    }
+                    if !tb.is_postgres(source) {
+                        return Policy::Refuse(format!("the Toolbox tool {name} uses the source {source}, which is not PostgreSQL: planarian cannot undo its statement"));
+                    }
+                    if self.db.is_none() {
+                        return no_db();
+                    }
+                    return Policy::ToolboxSql { statement: statement.clone(), params: params.clone(), source: source.clone() };
+                }
+                _ => {}
+            }
+        }
+        for spec in &self.opts.specs {
+            if let Some(why) = spec.refuse.get(name) {
+                return Policy::Refuse(format!("the tool {name} cannot be undone: {why}"));
+            }
+            if let Some(t) = spec.tools.get(name) {
+                return Policy::Declared(Box::new(t.clone()));
+            }
+            if spec.reads.iter().any(|r| r == name) {
+                return Policy::Read;
+            }
+            if spec.pass.iter().any(|r| r == name) {
+                return Policy::Pass;
+            }
+        }
+        if self.opts.pass.iter().any(|p| p == name || p == "*") {
+            return Policy::Pass;
+        }
+        let tools = match self.annotations() {
+            Ok(t) => t,
+            Err(e) => return Policy::Refuse(format!("cannot tell whether the tool {name} changes anything: {e}")),
+        };
+        match tools.get(name) {
+            None => Policy::Refuse(format!("the server does not list a tool {name}")),
+            Some(a) if a["readOnlyHint"] == json!(true) => Policy::Read,
+            Some(_) => Policy::Refuse(format!(
+                "the tool {name} may change state that planarian cannot undo: the server does not mark it read-only, and no spec says how to undo it. \
+                 Declare it in a spec (--spec FILE: [tools.{name}] with its capture and undo calls, or reads = [\"{name}\"] if it only reads), \
+                 or let it pass unrecorded (pass = [\"{name}\"]; statepoints taken after that say they do not cover this service)"
+            )),
+        }
+    }
+
+    /// One `tools/call` from a client, on a thread of its own.
+    pub(super) fn tool_call(self: Arc<Self>, msg: Value, conn: &Arc<Conn>) {
+        let id = msg["id"].clone();
+        let name = msg["params"]["name"].as_str().unwrap_or_default().to_string();
+        let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
+        if let Some(why) = self.disabled.lock().unwrap().clone() {
+            return refuse(why);
+        }
+        match self.policy(&name) {
+            Policy::Read => self.forward_request(msg, conn),
+            Policy::Refuse(why) => {
+                eprintln!("planarian-mcp-proxy: refused a call of {name}: {why}");
+                refuse(why)
+            }
+            Policy::Pass => {
+                if let Err(e) = self.positions.lock().unwrap().passed(&name) {
+                    return refuse(e);
+                }
+                self.forward_request(msg, conn)
+            }
+            Policy::Sql => match msg["params"]["arguments"][&self.opts.sql_arg].as_str().map(String::from) {
+                Some(sql) => self.sql_call(msg, conn, sql, Via::Own),
+                None => refuse(format!("the call of {name} has no \"{}\" argument", self.opts.sql_arg)),
+            },
+            Policy::ToolboxSql { statement, params, source } => {
+                let args = msg["params"]["arguments"].clone();
+                match toolbox::bind(&statement, &params, if args.is_null() { &Value::Null } else { &args }) {
+                    Ok(sql) => self.sql_call(msg, conn, sql, Via::Hidden(toolbox::hidden_tool(&source))),
+                    Err(e) => refuse(format!("the Toolbox tool {name}: {e}")),
+                }
+            }
+            Policy::Declared(spec) => self.declared_call(msg, conn, name, &spec),
+        }
+    }
+
+    /// A call of the server's tool `call`, templated from `scope`: its answer.
+    fn own_call(self: &Arc<Self>, call: &Call, scope: &Scope) -> Result<Value, String> {
+        let args = render(&call.arguments, scope)?;
+        let resp = self.call_upstream("tools/call", json!({"name": call.call, "arguments": args}))?;
+        if failed(&resp) {
+            return Err(format!("{} failed: {}", call.call, failure_text(&resp)));
+        }
+        Ok(answer(&resp["result"]))
+    }
+
+    fn declared_call(self: &Arc<Self>, msg: Value, conn: &Arc<Conn>, name: String, spec: &ToolSpec) {
+        let id = msg["id"].clone();
+        let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
+        let args = match &msg["params"]["arguments"] {
+            Value::Null => json!({}),
+            a => a.clone(),
+        };
+        let mut scope = Scope { args, ..Default::default() };
+        if let Some(r) = &spec.read_if {
+            match holds(r, &scope) {
+                Ok(true) => return self.forward_request(msg, conn),
+                Ok(false) => {}
+                Err(e) => return refuse(e),
+            }
+        }
+        let _sandbox = match self.sandbox_lock() {
+            Ok(l) => l,
+            Err(e) => return refuse(e),
+        };
+        let _guard = self.lock.lock().unwrap();
+        if let Some(c) = &spec.capture {
+            match self.own_call(c, &scope) {
+                Ok(pre) => scope.pre = pre,
+                Err(e) => {
+                    return refuse(match &spec.refuse_when_capture_fails {
+                        Some(why) => format!("{name}: {why} ({e})"),
+                        None => format!("{name}: cannot read what it would change: {e}"),
+                    })
+                }
+            }
+            if let Some((needle, why)) = &spec.refuse_when_pre_contains {
+                if scope.pre.to_string().contains(needle.as_str()) {
+                    return refuse(format!("{name}: {why}"));
+                }
+            }
+        }
+        let position = self.positions.lock().unwrap().next();
+        let entry = Entry { position, tool: name.clone(), scope: scope.clone(), undo: spec.undo.clone(), check: spec.check.clone(), post: None };
+        if let Err(e) = self.journal.lock().unwrap().sent(entry) {
+            return refuse(format!("cannot record how to undo it: {e}"));
+        }
+        match self.call_upstream("tools/call", msg["params"].clone()) {
+            Ok(mut resp) => {
+                let noted = if failed(&resp) {
+                    self.journal.lock().unwrap().failed(position)
+                } else {
+                    scope.result = answer(&resp["result"]);
+                    // (a check that cannot be read now is compared as its failure later)
+                    let post = spec.check.as_ref().map(|c| self.own_call(c, &scope).unwrap_or_else(|e| json!({"check-failed": e})));
+                    self.journal.lock().unwrap().answered(position, scope.result.clone(), post)
+                };
+                if let Err(e) = noted {
+                    eprintln!("planarian-mcp-proxy: {name} at position {position}: {e}");
+                }
+                resp["id"] = id;
+                conn.send(&resp);
+            }
+            // (the entry stays: whether the call took effect is not known)
+            Err(e) => Self::reply_error(conn, &id, -32603, &e),
+        }
+    }
+
+    /// Undoes one recorded call of a declared tool: first checks that what it left is still
+    /// there, then runs its undo calls.
+    pub(super) fn undo_entry(self: &Arc<Self>, e: &Entry) -> Result<(), String> {
+        let at = format!("position {} ({})", e.position, e.tool);
+        if e.scope.result.is_null() && mentions_result(&e.undo) {
+            return Err(format!("{at}: the proxy stopped before the call's answer came, and its undo needs that answer"));
+        }
+        if let (Some(c), Some(post)) = (&e.check, &e.post) {
+            let now = self.own_call(c, &e.scope).unwrap_or_else(|err| json!({"check-failed": err}));
+            if !same_answer(&now, post, c.unordered) {
+                return Err(format!("conflict: {at}: what the call left was changed since by something other than this proxy ({} answers differently)", c.call));
+            }
+        }
+        for u in &e.undo {
+            self.own_call(u, &e.scope).map_err(|err| format!("{at}: its undo {err}"))?;
+        }
+        Ok(())
+    }
+}
