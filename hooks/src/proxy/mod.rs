@@ -296,7 +296,8 @@ impl Proxy {
         match self.pending.lock().unwrap().remove(&id) {
             Some(Pending::Client(orig, conn, list)) => {
                 msg["id"] = orig;
-                if let (true, Some(tools)) = (list, msg["result"]["tools"].as_array_mut()) {
+                // (`get_mut`: indexing a Value mutably would add the keys it looks for)
+                if let Some(tools) = msg.get_mut("result").and_then(|r| r.get_mut("tools")).and_then(Value::as_array_mut).filter(|_| list) {
                     tools.retain(|t| !t["name"].as_str().is_some_and(crate::toolbox::is_hidden));
                 }
                 conn.send(&msg);
