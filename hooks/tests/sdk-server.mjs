@@ -35,7 +35,7 @@ function newServer() {
   });
   // A slow tool that reports progress and notices cancellation (it then records that it was
   // cancelled, in the database, where a test can see it).
-  server.registerTool("sleep", { description: "Waits", inputSchema: { ms: z.number() } }, async ({ ms }, extra) => {
+  server.registerTool("sleep", { description: "Waits", inputSchema: { ms: z.number() }, annotations: { readOnlyHint: true } }, async ({ ms }, extra) => {
     const token = extra._meta?.progressToken;
     for (let done = 0; done < ms; done += 100) {
       if (extra.signal.aborted) {

@@ -1075,7 +1075,8 @@ fn messages_to_an_http_upstream_arrive_in_order_one_after_another() {
     let dir = std::env::temp_dir().join(format!("planarian-proxy-order-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
-    c.args(["serve", "--database", &pg.dsn(), "--upstream-url", &up.url, "--state"]).arg(dir.join("positions.json"));
+    // (a tool the server does not list, let through: this test is about the order of messages)
+    c.args(["serve", "--database", &pg.dsn(), "--upstream-url", &up.url, "--pass", "anything", "--state"]).arg(dir.join("positions.json"));
     c.arg("--control").arg(dir.join("control.sock"));
     let mut m = Mcp::spawn(c);
     assert_eq!(m.request("tools/list", json!({}))["result"]["tools"], json!([]));

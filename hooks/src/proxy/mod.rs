@@ -369,9 +369,7 @@ impl Proxy {
                 if msg["params"]["name"].as_str() == Some(&self.opts.sql_tool) && self.db.is_some() && self.plain_read(&msg) {
                     return self.forward_request(msg, conn);
                 }
-                let (me, conn) = (self.clone(), conn.clone());
-                // Reads must not wait behind writes: every other call gets its own thread.
-                std::thread::spawn(move || me.tool_call(msg, &conn));
+                self.tool_call(msg, conn);
             }
             (Some(_), true) => self.forward_request(msg, conn),
             (Some("notifications/cancelled"), false) => {
@@ -560,6 +558,7 @@ impl Proxy {
     }
 
     pub fn status(&self) -> Value {
+        let uncovered = self.uncovered();
         let pos = self.positions.lock().unwrap();
         let (pid, url) = match self.upstream.lock().unwrap().as_ref() {
             Some(Upstream::Stdio(c, _)) => (Some(c.id()), None),
@@ -572,7 +571,7 @@ impl Proxy {
             "last": pos.last,
             "compensations": pos.events.len(),
             "disabled": *self.disabled.lock().unwrap(),
-            "uncovered": self.uncovered().map(|(p, t)| json!({"since": p, "tools": t})),
+            "uncovered": uncovered.map(|(p, t)| json!({"since": p, "tools": t})),
             "specs": self.opts.specs.iter().map(|s| s.server.clone()).collect::<Vec<_>>(),
             "upstream-pid": pid,
         })

@@ -73,51 +73,66 @@ impl Proxy {
         *self.tools.lock().unwrap() = None;
     }
 
-    pub(super) fn policy(self: &Arc<Self>, name: &str) -> Policy {
+    /// The policy for `name`; `None` when only the server's annotations can tell, they were
+    /// not asked yet, and `ask` is false (the caller is the client's reader, which must not
+    /// wait for the server: what it decides is forwarded in the order the client sent it).
+    pub(super) fn policy(self: &Arc<Self>, name: &str, ask: bool) -> Option<Policy> {
+        if let Some(p) = self.policy_known(name) {
+            return Some(p);
+        }
+        (ask || self.tools.lock().unwrap().is_some()).then(|| self.policy_by_annotations(name))
+    }
+
+    /// What the proxy itself, the specs and `--pass` say of `name` (`None`: none of them knows it).
+    fn policy_known(self: &Arc<Self>, name: &str) -> Option<Policy> {
         if toolbox::is_hidden(name) {
-            return Policy::Refuse(format!("unknown tool {name}"));
+            return Some(Policy::Refuse(format!("unknown tool {name}")));
         }
         let no_db = || Policy::Refuse(format!("the tool {name} runs SQL, and this proxy was started without --database (where its undo is recorded)"));
         if name == self.opts.sql_tool {
-            return if self.db.is_some() { Policy::Sql } else { no_db() };
+            return Some(if self.db.is_some() { Policy::Sql } else { no_db() });
         }
         if let Some(tb) = &self.opts.toolbox {
             match tb.tools.get(name) {
-                Some(Tool::ExecuteSql { .. }) => return if self.db.is_some() { Policy::Sql } else { no_db() },
+                Some(Tool::ExecuteSql { .. }) => return Some(if self.db.is_some() { Policy::Sql } else { no_db() }),
                 Some(Tool::Sql { source, statement, params, templated }) => {
                     if *templated {
-                        return Policy::Refuse(format!(
+                        return Some(Policy::Refuse(format!(
                             "the Toolbox tool {name} has templateParameters (text put into its statement), which planarian cannot classify; declare it in a spec if it only reads"
-                        ));
+                        )));
                     }
                     if !tb.is_postgres(source) {
-                        return Policy::Refuse(format!("the Toolbox tool {name} uses the source {source}, which is not PostgreSQL: planarian cannot undo its statement"));
+                        return Some(Policy::Refuse(format!("the Toolbox tool {name} uses the source {source}, which is not PostgreSQL: planarian cannot undo its statement")));
                     }
                     if self.db.is_none() {
-                        return no_db();
+                        return Some(no_db());
                     }
-                    return Policy::ToolboxSql { statement: statement.clone(), params: params.clone(), source: source.clone() };
+                    return Some(Policy::ToolboxSql { statement: statement.clone(), params: params.clone(), source: source.clone() });
                 }
                 _ => {}
             }
         }
         for spec in &self.opts.specs {
             if let Some(why) = spec.refuse.get(name) {
-                return Policy::Refuse(format!("the tool {name} cannot be undone: {why}"));
+                return Some(Policy::Refuse(format!("the tool {name} cannot be undone: {why}")));
             }
             if let Some(t) = spec.tools.get(name) {
-                return Policy::Declared(Box::new(t.clone()));
+                return Some(Policy::Declared(Box::new(t.clone())));
             }
             if spec.reads.iter().any(|r| r == name) {
-                return Policy::Read;
+                return Some(Policy::Read);
             }
             if spec.pass.iter().any(|r| r == name) {
-                return Policy::Pass;
+                return Some(Policy::Pass);
             }
         }
         if self.opts.pass.iter().any(|p| p == name || p == "*") {
-            return Policy::Pass;
+            return Some(Policy::Pass);
         }
+        None
+    }
+
+    fn policy_by_annotations(self: &Arc<Self>, name: &str) -> Policy {
         let tools = match self.annotations() {
             Ok(t) => t,
             Err(e) => return Policy::Refuse(format!("cannot tell whether the tool {name} changes anything: {e}")),
@@ -133,15 +148,32 @@ impl Proxy {
         }
     }
 
-    /// One `tools/call` from a client, on a thread of its own.
-    pub(super) fn tool_call(self: Arc<Self>, msg: Value, conn: &Arc<Conn>) {
-        let id = msg["id"].clone();
+    /// One `tools/call` from a client. Read on the client's reader: what needs nothing of the
+    /// server to decide (a read, a pass, a refusal) is done there, in the client's order (a
+    /// `notifications/cancelled` right behind the call finds it forwarded); the rest on a
+    /// thread of its own (reads must not wait behind writes).
+    pub(super) fn tool_call(self: &Arc<Self>, msg: Value, conn: &Arc<Conn>) {
         let name = msg["params"]["name"].as_str().unwrap_or_default().to_string();
-        let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
-        if let Some(why) = self.disabled.lock().unwrap().clone() {
-            return refuse(why);
+        let quick = match self.disabled.lock().unwrap().clone() {
+            Some(why) => Some(Policy::Refuse(why)),
+            None => self.policy(&name, false),
+        };
+        match quick {
+            Some(p @ (Policy::Read | Policy::Pass | Policy::Refuse(_))) => self.apply(p, msg, conn, name),
+            _ => {
+                let (me, conn) = (self.clone(), conn.clone());
+                std::thread::spawn(move || {
+                    let p = me.policy(&name, true).expect("a policy: the annotations were asked");
+                    me.apply(p, msg, &conn, name)
+                });
+            }
         }
-        match self.policy(&name) {
+    }
+
+    fn apply(self: &Arc<Self>, policy: Policy, msg: Value, conn: &Arc<Conn>, name: String) {
+        let id = msg["id"].clone();
+        let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
+        match policy {
             Policy::Read => self.forward_request(msg, conn),
             Policy::Refuse(why) => {
                 eprintln!("planarian-mcp-proxy: refused a call of {name}: {why}");
@@ -154,13 +186,13 @@ impl Proxy {
                 self.forward_request(msg, conn)
             }
             Policy::Sql => match msg["params"]["arguments"][&self.opts.sql_arg].as_str().map(String::from) {
-                Some(sql) => self.sql_call(msg, conn, sql, Via::Own),
+                Some(sql) => self.clone().sql_call(msg, conn, sql, Via::Own),
                 None => refuse(format!("the call of {name} has no \"{}\" argument", self.opts.sql_arg)),
             },
             Policy::ToolboxSql { statement, params, source } => {
                 let args = msg["params"]["arguments"].clone();
                 match toolbox::bind(&statement, &params, if args.is_null() { &Value::Null } else { &args }) {
-                    Ok(sql) => self.sql_call(msg, conn, sql, Via::Hidden(toolbox::hidden_tool(&source))),
+                    Ok(sql) => self.clone().sql_call(msg, conn, sql, Via::Hidden(toolbox::hidden_tool(&source))),
                     Err(e) => refuse(format!("the Toolbox tool {name}: {e}")),
                 }
             }

@@ -81,11 +81,21 @@ pub struct McpService {
     pub env: std::collections::BTreeMap<String, String>,
     /// `toolbox` (one statement per call) or `dbhub` (several).
     pub server: String,
-    /// The database the SQL tool writes to, for the proxy's own connection (libpq DSN).
+    /// The database the SQL tools write to, for the proxy's own connection (libpq DSN); empty
+    /// for a server without SQL (its tools are then classified by `specs` and annotations).
     pub database: String,
     /// The tool that carries SQL, and its argument.
     pub sql_tool: String,
     pub sql_arg: String,
+    /// Declared compensations for the server's other tools: a spec shipped with planarian
+    /// (`memory`, `filesystem`) or a TOML file (see the proxy's spec.rs). A tool nothing
+    /// classifies is refused.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub specs: Vec<String>,
+    /// Tools let through unrecorded (`*`: all that nothing else classifies): every statepoint
+    /// taken after such a call says it does not cover this service.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pass: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]

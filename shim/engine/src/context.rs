@@ -48,6 +48,12 @@ pub struct Node {
     /// What those calls changed (tables), when the remote-state hook said.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remote_tables_since_parent: Vec<String>,
+    /// What its remote state does not cover: tools let through unrecorded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remote_uncovered: Vec<String>,
+    /// Why it can no longer be restored (a rollback undid the remote calls it holds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unreachable: Option<String>,
     pub outcomes: Vec<Outcome>,
 }
 
@@ -89,6 +95,8 @@ impl Ledger {
                     bytes: m.measurements.criu_bytes + m.measurements.rootfs_bytes,
                     remote_calls_since_parent: remote,
                     remote_tables_since_parent: m.remote_state.iter().flat_map(|r| r.tables_since_parent.iter().flatten().cloned()).collect(),
+                    remote_uncovered: m.remote_state.iter().flat_map(|r| r.uncovered.iter().flat_map(|u| u.tools.iter().cloned())).collect(),
+                    unreachable: m.unreachable.clone(),
                     outcomes: m.state_evidence.prior_outcomes.clone(),
                 }
             })
@@ -197,6 +205,12 @@ fn headline(n: &Node) -> String {
         let tables = if n.remote_tables_since_parent.is_empty() { String::new() } else { format!(": {}", n.remote_tables_since_parent.join(", ")) };
         facts.push(format!("{c} remote call{} since its parent{tables}", if c == 1 { "" } else { "s" }));
     }
+    if !n.remote_uncovered.is_empty() {
+        facts.push(format!("remote state NOT covered: {} let through unrecorded", n.remote_uncovered.join(", ")));
+    }
+    if n.unreachable.is_some() {
+        facts.push("no longer restorable: its remote calls were undone".into());
+    }
     format!("{h} ({})", facts.join(", "))
 }
 
@@ -250,6 +264,13 @@ pub struct RestoreContext {
     pub compensated: Vec<Compensated>,
     /// Statepoints after the target on the branch that was left (still restorable).
     pub discarded_statepoints: Vec<String>,
+    /// Statepoints left behind that can no longer be restored: the remote calls they hold
+    /// were undone by this rollback.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unreachable_statepoints: Vec<String>,
+    /// What the statepoint's remote state does not cover (tools let through unrecorded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub uncovered: Vec<String>,
     pub reason: Option<String>,
     /// What happened after this statepoint before (its outcomes, this rollback's excluded).
     pub prior_outcomes: Vec<Outcome>,
@@ -319,8 +340,14 @@ impl RestoreContext {
                 None => t += &format!("Remote state: back to position {}.\n", c.to_position),
             }
         }
+        for u in &self.uncovered {
+            t += &format!("Remote state NOT restored: {u}.\n");
+        }
         if !self.discarded_statepoints.is_empty() {
             t += &format!("Left behind (still restorable): {}.\n", self.discarded_statepoints.join(", "));
+        }
+        if !self.unreachable_statepoints.is_empty() {
+            t += &format!("Left behind, no longer restorable (the MCP calls they hold were undone): {}.\n", self.unreachable_statepoints.join(", "));
         }
         if let Some(r) = &self.reason {
             t += &format!("Reason: {r}\n");
@@ -372,6 +399,48 @@ pub fn left_behind(list: &[Manifest], head: Option<&str>, target: &str) -> Vec<S
     }
     out.retain(|id| list.iter().any(|m| &m.statepoint_id == id && m.status == store::Status::Committed && !m.internal));
     out
+}
+
+/// After a rollback to `target` compensated its remote state: marks every committed statepoint
+/// that holds a later position of the same remote state as no longer restorable (compensation
+/// undid those calls, and cannot redo them), and returns their ids (all so marked, now or
+/// before).
+pub fn mark_unreachable(store: &ContainerStore, target: &Manifest) -> Vec<String> {
+    let mut out = vec![];
+    for mut m in store.committed() {
+        if m.statepoint_id == target.statepoint_id {
+            continue;
+        }
+        let later = target.remote_state.iter().find_map(|t| {
+            let (Some(hook), Some(to)) = (&t.hook_path, t.mcp_call_position) else { return None };
+            let at = m.remote_state.iter().find(|r| r.hook_path.as_ref() == Some(hook))?.mcp_call_position?;
+            (at > to).then(|| format!("the remote calls after position {to} it holds were undone by the rollback to {}", target.statepoint_id))
+        });
+        if m.unreachable.is_some() {
+            out.push(m.statepoint_id.clone());
+        } else if let Some(why) = later {
+            m.unreachable = Some(why);
+            if store.write_manifest(&m).is_ok() {
+                out.push(m.statepoint_id.clone());
+            }
+        }
+    }
+    out
+}
+
+/// What a statepoint's remote state does not cover, one line per remote state.
+pub fn uncovered(m: &Manifest) -> Vec<String> {
+    m.remote_state
+        .iter()
+        .filter_map(|r| {
+            let u = r.uncovered.as_ref()?;
+            Some(format!(
+                "{} let through unrecorded (by the service's configuration) since position {}: what they changed is as it is now, not as it was at this statepoint",
+                u.tools.join(", "),
+                u.since
+            ))
+        })
+        .collect()
 }
 
 fn seq(id: &str) -> u64 {
@@ -426,7 +495,7 @@ mod tests {
         m.name = name.map(String::from);
         m.state_evidence.state_description = desc.into();
         m.timestamp = t.into();
-        m.remote_state = vec![RemoteState { external_endpoint: None, mcp_call_position: Some(pos), hook_path: Some("/h".into()), calls_since_parent: None, tables_since_parent: None }];
+        m.remote_state = vec![RemoteState { external_endpoint: None, mcp_call_position: Some(pos), hook_path: Some("/h".into()), ..Default::default() }];
         m.measurements.criu_bytes = 3 << 20;
         m
     }
@@ -490,6 +559,8 @@ mod tests {
             restored: vec!["processes and memory".into(), "files (zfs)".into()],
             compensated: vec![Compensated { endpoint: None, from_position: Some(5), to_position: 3 }],
             discarded_statepoints: vec!["sp3".into()],
+            unreachable_statepoints: vec!["sp4".into()],
+            uncovered: vec!["raw_write let through unrecorded".into()],
             reason: Some("tests failed".into()),
             prior_outcomes: vec![],
             time: "t".into(),
@@ -497,7 +568,14 @@ mod tests {
         };
         let t = c.text();
         assert!(t.starts_with("[planarian] The sandbox agent was rolled back to statepoint sp2 \"deps\"."), "{t}");
-        for want in ["2 MCP calls undone (back to position 3)", "Left behind (still restorable): sp3.", "Reason: tests failed", "Nothing was tried"] {
+        for want in [
+            "2 MCP calls undone (back to position 3)",
+            "Left behind (still restorable): sp3.",
+            "Left behind, no longer restorable (the MCP calls they hold were undone): sp4.",
+            "Remote state NOT restored: raw_write let through unrecorded.",
+            "Reason: tests failed",
+            "Nothing was tried",
+        ] {
             assert!(t.contains(want), "{want}: {t}");
         }
         assert_eq!(parse_rfc3339(&crate::log::rfc3339(UNIX_EPOCH + std::time::Duration::from_secs(1_795_000_000))), Some(1_795_000_000));

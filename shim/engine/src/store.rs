@@ -177,6 +177,18 @@ pub struct RemoteState {
     pub calls_since_parent: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tables_since_parent: Option<Vec<String>>,
+    /// Tools were let through unrecorded (the user's explicit pass) at or before this
+    /// statepoint: its remote state does not cover what they changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uncovered: Option<Uncovered>,
+}
+
+/// What a remote state does not cover: the tools let through unrecorded, since which position.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+pub struct Uncovered {
+    pub since: u64,
+    pub tools: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -245,6 +257,10 @@ pub struct Manifest {
     /// wrote, or stop and restore, and why).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rollbacks: Vec<How>,
+    /// Why this statepoint can no longer be restored: a rollback to an earlier one undid the
+    /// remote calls it holds (compensation cannot be rolled forward).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unreachable: Option<String>,
 }
 
 /// The path a rollback took (or that a fork was a spare handed out).
@@ -469,6 +485,7 @@ pub(crate) mod tests {
             measurements: Measurements::default(),
             chain: Chain::default(),
             rollbacks: vec![],
+            unreachable: None,
             imported_from: None,
         }
     }

@@ -8,7 +8,8 @@
 //!   the statepoint is not committed. `PLANARIAN_SINCE_POSITION` holds the position this hook
 //!   gave the parent statepoint, when there is one: a hook may add `"calls-since-parent": N`
 //!   and `"tables-since-parent": [NAME, …]`, what the calls since changed on this branch (the
-//!   ledger shows it).
+//!   ledger shows it), and `"uncovered": {"since": N, "tools": [NAME, …]}` when calls it could
+//!   not undo were let through (the ledger and the restore context say so).
 //! * `HOOK compensate CONTAINER-ID POSITION` — during a rollback, before files and processes are
 //!   restored: undo every remote change after POSITION and exit 0, or exit non-zero with one
 //!   line on stderr (the rollback then stops, and the sandbox is brought back as it was).
@@ -48,6 +49,7 @@ pub fn capture(hooks: &[PathBuf], container_id: &str, parent: &[RemoteState]) ->
                 hook_path: Some(hook.display().to_string()),
                 calls_since_parent: v["calls-since-parent"].as_u64(),
                 tables_since_parent: v["tables-since-parent"].as_array().map(|a| a.iter().filter_map(|t| t.as_str().map(String::from)).collect()),
+                uncovered: serde_json::from_value(v["uncovered"].clone()).ok(),
             })
         })
         .collect()
@@ -79,6 +81,7 @@ pub fn branch(state: &RemoteState, container_id: &str, new_id: &str) -> Result<(
             hook_path: Some(hook.display().to_string()),
             calls_since_parent: None,
             tables_since_parent: None,
+            uncovered: None,
         },
         database,
     ))

@@ -40,11 +40,14 @@ pub fn remote_hooks(cfg: &Config) -> Result<Vec<PathBuf>> {
     Ok(hooks)
 }
 
-/// Whether forks of a container using this service can get a database of their own: the
-/// upstream is told which database to use (`{dbname}` in its command, URL or environment).
+/// Whether forks of a container using this service can get a copy of its state of their own:
+/// its state is a database (no declared tools, whose state cannot be copied) and the upstream
+/// is told which database to use (`{dbname}` in its command, URL or environment).
 pub fn can_branch(svc: &McpService) -> bool {
     let named = |s: &str| s.contains("{dbname}");
-    svc.upstream.iter().any(|a| named(a)) || named(&svc.url) || svc.env.values().any(|v| named(v))
+    !svc.database.is_empty()
+        && svc.specs.is_empty()
+        && (svc.upstream.iter().any(|a| named(a)) || named(&svc.url) || svc.env.values().any(|v| named(v)))
 }
 
 fn running(store: &ContainerStore) -> Option<i32> {
@@ -60,7 +63,7 @@ pub fn start(cfg: &Config, id: &str) -> Result<()> {
     if running(&store).is_some() {
         return Ok(());
     }
-    if svc.upstream.is_empty() == svc.url.is_empty() || svc.database.is_empty() {
+    if svc.upstream.is_empty() == svc.url.is_empty() {
         return Err(Error::ServiceIncomplete(name.to_string()));
     }
     let proxy = proxy_path(cfg)?;
@@ -72,7 +75,16 @@ pub fn start(cfg: &Config, id: &str) -> Result<()> {
         .open(&log_path)
         .at("open", &log_path)?;
     let mut cmd = std::process::Command::new(&proxy);
-    cmd.args(["serve", "--container", id, "--database", &svc.database]);
+    cmd.args(["serve", "--container", id]);
+    if !svc.database.is_empty() {
+        cmd.args(["--database", &svc.database]);
+    }
+    for s in &svc.specs {
+        cmd.args(["--spec", s]);
+    }
+    for t in &svc.pass {
+        cmd.args(["--pass", t]);
+    }
     cmd.arg("--state").arg(store.dir.join("mcp-positions.json"));
     // Its mutating calls are tool calls of the sandbox: they take its lock shared.
     cmd.arg("--lock").arg(store.dir.join("lock"));

@@ -50,6 +50,9 @@ impl Fork {
         let cfg = Config::load()?;
         let src_store = ContainerStore::new(&cfg.store.path, &source.id);
         let target = src_store.find(statepoint)?;
+        if let Some(why) = &target.unreachable {
+            return Err(Error::Unreachable { statepoint: target.statepoint_id.clone(), why: why.clone() });
+        }
         if let Some(new_name) = new_name.filter(|n| taken(n)) {
             return Err(Error::ContainerExists(new_name.to_string()));
         }
@@ -124,6 +127,8 @@ impl Fork {
             restored: vec!["processes and memory (CRIU restore)".into(), if target.local_state.zfs_snapshot.is_some() { "files (a ZFS clone)".into() } else { "files (a copy)".into() }],
             compensated: vec![],
             discarded_statepoints: vec![],
+            unreachable_statepoints: vec![],
+            uncovered: crate::context::uncovered(target),
             reason: None,
             prior_outcomes: target.state_evidence.prior_outcomes.clone(),
             time: crate::log::rfc3339(std::time::SystemTime::now()),
@@ -239,7 +244,8 @@ fn src_config(cfg: &Config, src: &PodmanContainer) -> Result<Config> {
 /// A source with an MCP service gives the fork a database of its own when the service names its
 /// database as `{dbname}` (a copy at the statepoint's position, made by the proxy's `branch`:
 /// returned, the fork's remote state); otherwise, or when the branch is refused, the fork's
-/// sidecar refuses SQL calls, saying why: the source's database is the source's alone.
+/// sidecar starts no upstream and refuses every call, saying why: the source's service is the
+/// source's alone.
 fn carry_settings(src: &PodmanContainer, src_cfg: &Config, target: &Manifest, new: &PodmanContainer) -> Result<Option<crate::store::RemoteState>> {
     let mut settings: Vec<(String, serde_json::Value)> = src
         .annotations
@@ -253,14 +259,18 @@ fn carry_settings(src: &PodmanContainer, src_cfg: &Config, target: &Manifest, ne
         let state = target.remote_state.iter().find(|r| r.hook_path.as_deref() == Some(proxy.as_str()));
         let refused = |why: String| {
             serde_json::json!(format!(
-                "this sandbox is a fork of {}: it has no database of its own behind MCP service {service} ({why}), so SQL calls are refused here (they would change the source's data)",
+                "this sandbox is a fork of {}: it has no copy of its own of MCP service {service} ({why}), so its tools are refused here (they would change the source's state)",
                 src.name
             ))
         };
         let disabled = match (src_cfg.mcp.disabled.as_deref(), state) {
             (Some(_), _) => Some(refused(format!("{} has none either", src.name))),
             (None, _) if !crate::remote::sidecar::can_branch(svc) => {
-                Some(refused("the service does not name its database as {dbname}, so it cannot branch".into()))
+                Some(refused(if svc.database.is_empty() || !svc.specs.is_empty() {
+                    "its state is not a database planarian can copy".into()
+                } else {
+                    "the service does not name its database as {dbname}, so it cannot branch".into()
+                }))
             }
             (None, None) => Some(refused(format!("statepoint {} holds no database position", target.statepoint_id))),
             (None, Some(state)) => match crate::remote::hooks::branch(state, &src.id, &new.id) {

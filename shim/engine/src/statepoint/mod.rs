@@ -60,6 +60,8 @@ pub enum Error {
     UnknownStatepoint { statepoint: String, container: String },
     #[error("statepoint {0} is not committed")]
     NotCommitted(String),
+    #[error("statepoint {statepoint} can no longer be restored: {why}")]
+    Unreachable { statepoint: String, why: String },
     #[error("a container with a terminal (-t) is restored only with --console-socket")]
     TerminalNeedsConsole,
     #[error("criu restored the container without its terminal")]

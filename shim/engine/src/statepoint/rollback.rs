@@ -49,6 +49,9 @@ impl Rollback {
         };
         crate::log::mark("locked");
         let target = store.find(statepoint)?;
+        if let Some(why) = &target.unreachable {
+            return Err(Error::Unreachable { statepoint: target.statepoint_id.clone(), why: why.clone() });
+        }
         crate::log::mark("statepoint");
         Ok(Rollback { container, target, store, cfg, _lock: lock })
     }
@@ -75,6 +78,9 @@ impl Rollback {
             })
             .collect();
         let calls: u64 = compensated.iter().filter_map(|c| Some(c.from_position?.saturating_sub(c.to_position))).sum();
+        // Statepoints holding remote calls that the compensation undid can no longer be restored.
+        let gone = context::mark_unreachable(store, target);
+        let (left, unreachable): (Vec<String>, Vec<String>) = left.into_iter().partition(|id| !gone.contains(id));
         let mut what = vec![match &done.from {
             Some(from) => format!("rolled back here from the state after {from}"),
             None => "rolled back here".to_string(),
@@ -104,6 +110,8 @@ impl Rollback {
             },
             compensated,
             discarded_statepoints: left,
+            unreachable_statepoints: unreachable,
+            uncovered: context::uncovered(target),
             reason: reason.map(String::from),
             prior_outcomes: target.state_evidence.prior_outcomes.clone(),
             time: crate::log::rfc3339(std::time::SystemTime::now()),

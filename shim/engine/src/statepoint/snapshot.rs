@@ -84,6 +84,7 @@ pub fn take_then(ctx: &Ctx, req: &SnapshotRequest, before_release: impl FnOnce(&
         chain: store::Chain { prev_images_dir: plan.prev_images_dir.clone(), depth: plan.depth, full_reason: plan.full_reason.clone() },
         imported_from: None,
         rollbacks: vec![],
+        unreachable: None,
     };
     rootfs.plan(&id, &mut m.local_state);
     // Until the manifest is committed, the statepoint's directory is removed on any way out.
