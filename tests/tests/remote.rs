@@ -1,7 +1,9 @@
 //! Remote state end to end: a sandbox with an MCP service (the sidecar planarian starts with the
 //! container, in front of the real DBHub MCP server and a real PostgreSQL), its files and its
 //! database rows rolled back together, forks with databases of their own, and a fork whose
-//! database calls are refused.
+//! database calls are refused; a service without a database (the reference knowledge-graph
+//! server, with the spec planarian ships), rolled back with the files, the statepoints a
+//! rollback made unreachable marked so, and a tool let through unrecorded marked in the ledger.
 
 use planarian_system_tests::*;
 use serde_json::{json, Value};
@@ -128,7 +130,11 @@ impl Harness {
     }
 
     fn sql(&mut self, sql: &str) -> Value {
-        let r = self.request("tools/call", json!({"name": "execute_sql", "arguments": {"sql": sql}}));
+        self.call("execute_sql", json!({"sql": sql}))
+    }
+
+    fn call(&mut self, tool: &str, args: Value) -> Value {
+        let r = self.request("tools/call", json!({"name": tool, "arguments": args}));
         r["result"].clone()
     }
 }
@@ -375,4 +381,185 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
         ids.push(fid);
     }
     assert!(wait_for(Duration::from_secs(120), || ids.iter().all(|i| !sidecar_running(i))), "the sidecars stop with their containers");
+}
+
+/// The knowledge graph in its file, taken as sets (the server's own model).
+fn graph(file: &Path) -> String {
+    let mut lines: Vec<String> = std::fs::read_to_string(file).unwrap_or_default().lines().filter(|l| !l.trim().is_empty()).map(String::from).collect();
+    lines.sort();
+    lines.join("\n")
+}
+
+/// A service whose state is not a database: the reference knowledge-graph server from npm,
+/// with the spec planarian ships for it. Its calls are undone with the sandbox's files; the
+/// statepoint left behind, whose calls were undone, is marked so and refused as a target; a
+/// fork reaches nothing of it. A second service lets a tool through unrecorded: the ledger says
+/// its statepoints do not cover it.
+#[test]
+fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_offered_again() {
+    require_stack!();
+    let Some((node, _)) = node_and_dbhub() else { return };
+    let server = repo().join("target/npm/node_modules/@modelcontextprotocol/server-memory/dist/index.js");
+    assert!(server.exists(), "{}: tests/run installs it", server.display());
+    let file = PathBuf::from(format!("/tmp/pltest-memory-{}.jsonl", std::process::id()));
+    let raw = PathBuf::from(format!("/tmp/pltest-memory-raw-{}.jsonl", std::process::id()));
+    let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_file(&raw);
+    let _conf = DropIn::new(
+        "zz-mcp-memory",
+        &format!(
+            "[mcp.services.pltest-memory]\nupstream = [\"{node}\", \"{server}\"]\nspecs = [\"memory\"]\nenv = {{ MEMORY_FILE_PATH = \"{file}\" }}\n\
+             [mcp.services.pltest-raw]\nupstream = [\"{node}\", \"{server}\"]\npass = [\"create_entities\"]\nenv = {{ MEMORY_FILE_PATH = \"{raw}\" }}\n",
+            node = node.display(),
+            server = server.display(),
+            file = file.display(),
+            raw = raw.display()
+        ),
+    );
+    let n = name("kg");
+    let _c = Cleanup(n.clone());
+    podman("planarian", &["run", "-d", "--name", &n, "--annotation", "io.planarian.mcp.service=pltest-memory", BUSYBOX, "sleep", "600"]).ok();
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
+    let mut agent = Harness::connect(&id);
+    let ok = |r: &Value| assert_ne!(r["isError"], json!(true), "{r}");
+    let e = |name: &str, obs: &[&str]| json!({"name": name, "entityType": "person", "observations": obs});
+    ok(&agent.call("create_entities", json!({"entities": [e("ann", &["likes tea"])]})));
+    podman("planarian", &["exec", &n, "sh", "-c", "echo one > /notes"]).ok();
+    let sp1 = planarian(&["snapshot", &n, "--name", "one-entity"]).ok().out();
+    let at_sp1 = graph(&file);
+    ok(&agent.call("add_observations", json!({"observations": [{"entityName": "ann", "contents": ["plays chess"]}]})));
+    ok(&agent.call("create_entities", json!({"entities": [e("bob", &[])]})));
+    ok(&agent.call("create_relations", json!({"relations": [{"from": "ann", "to": "bob", "relationType": "knows"}]})));
+    podman("planarian", &["exec", &n, "sh", "-c", "echo two > /notes"]).ok();
+    let sp2 = planarian(&["snapshot", &n, "--name", "two-entities"]).ok().out();
+    let m2: Value = serde_json::from_str(&planarian(&["statepoint", "show", &n, &sp2]).out()).unwrap();
+    assert_eq!(m2["remote-state"][0]["calls-since-parent"], json!(3), "{m2}");
+    ok(&agent.call("delete_entities", json!({"entityNames": ["ann"]})));
+    assert!(!graph(&file).contains("\"ann\""));
+
+    planarian(&["rollback", &n, &sp1]).ok();
+    let r = planarian(&["statepoint", "context", &n]).ok().out();
+    assert_eq!(podman("planarian", &["exec", &n, "cat", "/notes"]).out(), "one");
+    assert_eq!(graph(&file), at_sp1, "the graph is as it was at {sp1}");
+    assert!(r.contains(&format!("no longer restorable (the MCP calls they hold were undone): {sp2}")), "{r}");
+    let ledger = planarian(&["ledger", &n]).out();
+    assert!(ledger.lines().any(|l| l.contains(&sp2) && l.contains("no longer restorable")), "{ledger}");
+    let again = planarian(&["rollback", &n, &sp2]);
+    assert!(again.code != Some(0) && again.stderr.contains(&format!("statepoint {sp2} can no longer be restored")), "{again:?}");
+    assert_eq!(graph(&file), at_sp1, "a refused rollback changes nothing");
+    assert_eq!(podman("planarian", &["exec", &n, "cat", "/notes"]).out(), "one");
+
+    // A fork has no copy of the graph: its sidecar reaches nothing of it.
+    let f = name("kg-fork");
+    let _cf = Cleanup(f.clone());
+    planarian(&["fork", &n, &sp1, "--name", &f]).ok();
+    let fid = podman("planarian", &["inspect", "--format", "{{.Id}}", &f]).out();
+    let mut forked = Harness::connect(&fid);
+    for tool in ["create_entities", "read_graph"] {
+        let r = forked.call(tool, json!({"entities": [e("mallory", &[])]}));
+        assert_eq!(r["isError"], json!(true), "{r}");
+        assert!(r["content"][0]["text"].as_str().unwrap().contains("fork"), "{r}");
+    }
+    assert_eq!(graph(&file), at_sp1, "the fork changed nothing of the source's graph");
+    drop(forked);
+
+    // A tool let through unrecorded: the statepoints after it say they do not cover it.
+    let raw_n = name("kg-raw");
+    let _cr = Cleanup(raw_n.clone());
+    podman("planarian", &["run", "-d", "--name", &raw_n, "--annotation", "io.planarian.mcp.service=pltest-raw", BUSYBOX, "sleep", "600"]).ok();
+    let raw_id = podman("planarian", &["inspect", "--format", "{{.Id}}", &raw_n]).out();
+    let mut raw_agent = Harness::connect(&raw_id);
+    let before = planarian(&["snapshot", &raw_n]).ok().out();
+    ok(&raw_agent.call("create_entities", json!({"entities": [e("zed", &[])]})));
+    let refused = raw_agent.call("delete_entities", json!({"entityNames": ["zed"]}));
+    assert!(refused["isError"] == json!(true) && refused["content"][0]["text"].as_str().unwrap().contains("may change state that planarian cannot undo"), "{refused}");
+    let after = planarian(&["snapshot", &raw_n]).ok().out();
+    let ledger = planarian(&["ledger", &raw_n]).out();
+    assert!(ledger.lines().any(|l| l.contains(&after) && l.contains("remote state NOT covered: create_entities")), "{ledger}");
+    assert!(!ledger.lines().any(|l| l.contains(&before) && l.contains("NOT covered")), "{ledger}");
+    planarian(&["rollback", &raw_n, &after]).ok();
+    let r = planarian(&["statepoint", "context", &raw_n]).ok().out();
+    assert!(r.contains("Remote state NOT restored: create_entities let through unrecorded"), "{r}");
+    drop(raw_agent);
+    drop(agent);
+    let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_file(&raw);
+}
+
+/// Every step of a rollback made to fail in turn (the fault points, and a real conflict in the
+/// compensation: a row changed behind the proxy), on both paths (in place, and stop and
+/// restore): afterwards the sandbox *and* the database are both as they were before; then the
+/// rollback succeeds and both are at the statepoint. Compensation is the rollback's last step.
+#[test]
+fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
+    require_stack!();
+    let Some((node, dbhub)) = node_and_dbhub() else { return };
+    let pg = Pg::start();
+    pg.psql("CREATE TABLE reports (id int PRIMARY KEY, body text NOT NULL)");
+    let _conf = DropIn::new(
+        "zz-mcp-atomic",
+        &format!(
+            "[mcp.services.pltest-atomic]\nupstream = [\"{node}\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable\"]\nserver = \"dbhub\"\ndatabase = \"host=127.0.0.1 port={port} user=postgres dbname=postgres\"\n",
+            node = node.display(),
+            dbhub = dbhub.display(),
+            port = pg.port
+        ),
+    );
+    const FAULT: &str = "/run/planarian/fault";
+    struct Disarm;
+    impl Drop for Disarm {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(FAULT);
+        }
+    }
+    let _disarm = Disarm;
+    let rows = || pg.psql("SELECT coalesce(string_agg(id || ':' || body, ',' ORDER BY id), '') FROM reports");
+    for (in_place, points) in [
+        (true, &["rollback.in-place.files", "rollback.in-place.memory", "rollback.in-place.registers", "rollback.in-place.written"][..]),
+        (false, &["rollback.stopped", "rollback.files-restored", "rollback.restored"][..]),
+    ] {
+        pg.psql("DELETE FROM reports");
+        let n = name(if in_place { "atomic-inplace" } else { "atomic-restore" });
+        let _c = Cleanup(n.clone());
+        podman(
+            "planarian",
+            &["run", "-d", "--name", &n, "--annotation", "io.planarian.mcp.service=pltest-atomic", "--annotation", &format!("io.planarian.checkpoint.rollback_in_place={in_place}"), BUSYBOX, "sleep", "600"],
+        )
+        .ok();
+        let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
+        let mut agent = Harness::connect(&id);
+        let ok = |r: Value| assert_ne!(r["isError"], json!(true), "{r}");
+        ok(agent.sql("INSERT INTO reports VALUES (1, 'at the statepoint')"));
+        podman("planarian", &["exec", &n, "sh", "-c", "echo at-the-statepoint > /f"]).ok();
+        let sp1 = planarian(&["snapshot", &n]).ok().out();
+        let at_sp1 = rows();
+        ok(agent.sql("UPDATE reports SET body = 'later' WHERE id = 1"));
+        ok(agent.sql("INSERT INTO reports VALUES (2, 'later too')"));
+        podman("planarian", &["exec", &n, "sh", "-c", "echo later > /f"]).ok();
+        let later = rows();
+        let sandbox = || podman("planarian", &["exec", &n, "cat", "/f"]).out();
+        for point in points {
+            std::fs::write(FAULT, point).unwrap();
+            let r = planarian(&["rollback", &n, &sp1]);
+            assert!(r.code != Some(0) && r.stderr.contains(&format!("injected fault at {point}")), "{point}: {r:?}");
+            assert!(r.stderr.contains("the container and its remote state are as they were before"), "{point}: {r:?}");
+            assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
+            assert_eq!(sandbox(), "later", "{point}: the sandbox is as it was");
+            assert_eq!(rows(), later, "{point}: the database is as it was");
+        }
+        // A real failure of the compensation: a row changed behind the proxy is a conflict.
+        pg.psql("UPDATE reports SET body = 'by hand' WHERE id = 2");
+        let by_hand = rows();
+        let r = planarian(&["rollback", &n, &sp1]);
+        assert!(r.code != Some(0) && r.stderr.contains("conflict") && r.stderr.contains("as they were before"), "{r:?}");
+        assert_eq!(sandbox(), "later", "after the conflict the sandbox is as it was");
+        assert_eq!(rows(), by_hand, "after the conflict the database is as it was");
+        pg.psql("UPDATE reports SET body = 'later too' WHERE id = 2");
+        // Then it succeeds: both at the statepoint, and the agent goes on.
+        planarian(&["rollback", &n, &sp1]).ok();
+        assert_eq!(sandbox(), "at-the-statepoint");
+        assert_eq!(rows(), at_sp1);
+        ok(agent.sql("INSERT INTO reports VALUES (3, 'after')"));
+        drop(agent);
+    }
 }

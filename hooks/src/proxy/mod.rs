@@ -476,7 +476,7 @@ impl Proxy {
             if let Err(err) = step {
                 if reached < pos.current {
                     pos.compensated(reached)?;
-                    return Err(format!("{err} (the calls after position {reached} were undone)"));
+                    return Err(format!("partly undone: the calls after position {reached} were undone, then: {err}"));
                 }
                 return Err(err);
             }
@@ -487,7 +487,7 @@ impl Proxy {
         if let Err(err) = sql(to) {
             if reached < pos.current {
                 pos.compensated(reached)?;
-                return Err(format!("{err} (the calls after position {reached} were undone)"));
+                return Err(format!("partly undone: the calls after position {reached} were undone, then: {err}"));
             }
             return Err(err);
         }

@@ -10,9 +10,11 @@
 //!   and `"tables-since-parent": [NAME, …]`, what the calls since changed on this branch (the
 //!   ledger shows it), and `"uncovered": {"since": N, "tools": [NAME, …]}` when calls it could
 //!   not undo were let through (the ledger and the restore context say so).
-//! * `HOOK compensate CONTAINER-ID POSITION` — during a rollback, before files and processes are
-//!   restored: undo every remote change after POSITION and exit 0, or exit non-zero with one
-//!   line on stderr (the rollback then stops, and the sandbox is brought back as it was).
+//! * `HOOK compensate CONTAINER-ID POSITION` — during a rollback, after the files and processes
+//!   were restored (the last step: it cannot be taken back, every step that can fail comes
+//!   first): undo every remote change after POSITION and exit 0, or exit non-zero with one line
+//!   on stderr (the sandbox is then brought back as it was). A hook that undid part before it
+//!   failed starts that line with `partly undone:` and says how far it got.
 //!
 //! * `HOOK branch CONTAINER-ID POSITION NEW-CONTAINER-ID` — during a fork of a statepoint whose
 //!   remote state this hook captured at POSITION: give the fork NEW-CONTAINER-ID remote state of
@@ -29,6 +31,9 @@ use super::{Error, Result};
 use crate::store::RemoteState;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+
+/// How a compensate hook's error starts when it undid part of the calls before it failed.
+pub const PARTLY_UNDONE: &str = "partly undone:";
 
 /// Asks each hook for its position; `parent` is the parent statepoint's remote state (what
 /// each hook recorded then).

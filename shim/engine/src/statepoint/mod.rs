@@ -79,8 +79,10 @@ pub enum Error {
     /// A step failed and what undoes it failed too: both are told.
     #[error("{first}; and {undoing} failed: {then}")]
     UndoFailed { first: Box<Error>, undoing: &'static str, then: Box<Error> },
-    #[error("rollback failed, the container is as it was before: {0}")]
+    #[error("rollback failed, the container and its remote state are as they were before: {0}")]
     RolledBack(Box<Error>),
+    #[error("rollback failed: the container is as it was before, but its remote state was partly undone: {0}")]
+    RemotePartly(Box<Error>),
     #[error("rollback failed: {first}; restoring the previous state failed too: {then} (its statepoint is kept)")]
     NotRolledBack { first: Box<Error>, then: Box<Error> },
     #[error("{0}")]

@@ -2,10 +2,12 @@
 //! and Podman sees it running.
 //!
 //! exclusive lock → a safety statepoint of the current state (processes killed while frozen) →
-//! remote state compensated → the files of the statepoint put in place (the previous ones kept
-//! aside) → `podman container restore`, which calls `planarian restore` through conmon. If any
-//! step fails, the container is brought back to exactly where it was: the previous files and the
-//! safety statepoint.
+//! the files of the statepoint put in place (the previous ones kept aside) → `podman container
+//! restore`, which calls `planarian restore` through conmon → remote state compensated, last:
+//! it cannot be taken back, so every step that can fail comes before it. If any step fails, the
+//! container is brought back to exactly where it was (the previous files and the safety
+//! statepoint) and its remote state was not touched (a compensation that fails changes nothing
+//! of PostgreSQL; one that undid some declared tools' calls before failing says how far).
 
 use super::podman_dir::{leave_for_podman, Destination, Handoff};
 use super::snapshot::{self, SnapshotRequest};
@@ -285,29 +287,47 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         (None, _) => None,
     };
 
-    // 2. Remote state first (the sandbox is stopped, nothing calls out), then files, processes.
-    if !target.remote_state.is_empty() {
-        progress.phase("remote state compensated");
-    }
+    // 2. Files, processes, and the remote state last: compensation cannot be taken back, so
+    // every local step that can fail comes before it (their undo is the safety statepoint). The
+    // restored processes run while it compensates, but their calls that change anything wait:
+    // the sidecar takes the sandbox's lock, which the rollback holds.
     let result = (|| -> Result<()> {
         crate::fault::point("rollback.stopped")?;
-        crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
         progress.phase(&format!("files ({})", rootfs.backend()));
         let files = rootfs.restore(&saved, &target.local_state)?;
         progress.phase("processes (podman container restore)");
         let restored = crate::fault::point("rollback.files-restored").map_err(Error::from).and_then(|()| podman_restore(store, pc, target));
         match restored {
-            Ok(stats) => {
-                files.commit();
-                if let Some(s) = stats {
-                    progress.done(&s.breakdown());
+            Ok(Some(s)) => progress.done(&s.breakdown()),
+            Ok(None) => {}
+            Err(e) => {
+                return match files.undo() {
+                    Ok(()) => Err(e),
+                    Err(u) => Err(Error::UndoFailed { first: Box::new(e), undoing: "putting the previous files back", then: Box::new(u.into()) }),
                 }
+            }
+        }
+        if !target.remote_state.is_empty() {
+            progress.phase("remote state compensated");
+        }
+        let compensated = crate::fault::point("rollback.restored").map_err(Error::from).and_then(|()| Ok(crate::remote::hooks::compensate(&target.remote_state, &pc.id)?));
+        match compensated {
+            Ok(()) => {
+                files.commit();
                 Ok(())
             }
-            Err(e) => match files.undo() {
-                Ok(()) => Err(e),
-                Err(u) => Err(Error::UndoFailed { first: Box::new(e), undoing: "putting the previous files back", then: Box::new(u.into()) }),
-            },
+            // The target's processes run on the target's files: stopped, and the previous files
+            // put back (the safety statepoint's processes follow).
+            Err(e) => {
+                let back = podman::run(&["kill", &pc.id])
+                    .and_then(|()| podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60)))
+                    .map_err(Error::from)
+                    .and_then(|()| files.undo().map_err(Error::from));
+                match back {
+                    Ok(()) => Err(e),
+                    Err(u) => Err(Error::UndoFailed { first: Box::new(e), undoing: "stopping the restored container and putting the previous files back", then: Box::new(u) }),
+                }
+            }
         }
     })();
 
@@ -327,11 +347,11 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
             }
             let _ = super::remove(cfg, store, &s.statepoint_id);
             match back {
-                Ok(()) => Err(Error::RolledBack(Box::new(e))),
+                Ok(()) => Err(rolled_back(e)),
                 Err(b) => Err(Error::NotRolledBack { first: Box::new(e), then: Box::new(b) }),
             }
         }
-        (Err(e), None) => Err(Error::RolledBack(Box::new(e))),
+        (Err(e), None) => Err(rolled_back(e)),
     }
 }
 
@@ -434,16 +454,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             return Ok(InPlace::Refused { why, safety: Some(Box::new(safety)) });
         }
     };
-    if !target.remote_state.is_empty() {
-        progress.phase("remote state compensated");
-    }
-    if let Err(e) = crate::remote::hooks::compensate(&target.remote_state, &pc.id) {
-        forget_safety();
-        return Err(Error::RolledBack(Box::new(e.into())));
-    }
-
     // The point of no return: from the first write on, failing means the safety statepoint.
-    crate::log::mark("remote");
     let examined = files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
     progress.done(&format!("{} pages, {} files{examined}", plan.pages_written, files.sync.len()));
     progress.phase("in place: files and memory written");
@@ -451,9 +462,17 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         crate::fault::point("rollback.in-place.files")?;
         let n = files.apply()?;
         let a = plan.apply(&freezer).map_err(|e| Error::Worker(e.to_string()))?;
+        crate::log::mark("written");
+        // The remote state last, the sandbox still frozen: compensation cannot be taken back,
+        // so every local step that can fail comes before it.
+        crate::fault::point("rollback.in-place.written")?;
+        if !target.remote_state.is_empty() {
+            progress.phase("remote state compensated");
+        }
+        crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
         Ok((a, n))
     })();
-    crate::log::mark("written");
+    crate::log::mark("remote");
     match applied {
         Ok((a, n)) => {
             if let Some(dir) = crate::fault::oracle_dir() {
@@ -506,10 +525,19 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             });
             forget_safety();
             match back {
-                Ok(()) => Err(Error::RolledBack(Box::new(e))),
+                Ok(()) => Err(rolled_back(e)),
                 Err(b) => Err(Error::NotRolledBack { first: Box::new(e), then: Box::new(b) }),
             }
         }
+    }
+}
+
+/// The error of a rollback whose sandbox was brought back as it was: so was its remote state,
+/// unless a remote-state hook undid part of it before it failed (it says so: `partly undone:`).
+fn rolled_back(e: Error) -> Error {
+    match &e {
+        Error::Remote(crate::remote::Error::Failed { message, .. }) if message.starts_with(crate::remote::hooks::PARTLY_UNDONE) => Error::RemotePartly(Box::new(e)),
+        _ => Error::RolledBack(Box::new(e)),
     }
 }
 
