@@ -87,6 +87,12 @@ pub fn exec_process_file(args: &[OsString]) -> Option<PathBuf> {
     VerbArgs::scan("exec", args).value(&["--process", "-p"]).map(PathBuf::from)
 }
 
+/// The `--pid-file` of a detached `exec` (conmon's: `--detach`, `-d`), if it is one.
+pub fn exec_detached_pid_file(args: &[OsString]) -> Option<PathBuf> {
+    let v = VerbArgs::scan("exec", args);
+    v.flags.iter().any(|(n, _)| *n == "--detach" || *n == "-d").then(|| v.value(&["--pid-file"]).map(PathBuf::from))?
+}
+
 /// The container ID of a `delete` invocation: its last operand.
 pub fn delete_container_id(args: &[OsString]) -> Option<&str> {
     VerbArgs::scan("delete", args).operands.last()?.to_str()
@@ -602,6 +608,8 @@ mod tests {
             .collect();
         assert_eq!(exec_container_id(&a), Some("abc123"));
         assert_eq!(exec_container_id(&[OsString::from("-d")]), None);
+        assert_eq!(exec_detached_pid_file(&a), Some(PathBuf::from("/x/pid")));
+        assert_eq!(exec_detached_pid_file(&a[1..]), None, "not detached: crun itself waits");
     }
 
     #[test]

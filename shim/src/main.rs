@@ -119,6 +119,27 @@ fn passthrough(inv: &Invocation) -> Failure {
             engine::runtime::exec::rewrite_process_file(&file, pid);
         }
     }
+    // conmon's `exec --detach`: crun returns once the command started; the lock is left with a
+    // holder that lets go when the command exits (runtime/inflight.rs), so a snapshot waits for
+    // it. crun's exit status is this process's.
+    if let (Some(_), Some(id), Some(pid_file)) = (&_lock, exec_id, cli::exec_detached_pid_file(inv.verb_args())) {
+        let lock = _lock.expect("matched");
+        let status = match Command::new(&crun).args(&inv.args).status() {
+            Ok(s) => s,
+            Err(e) => return format!("cannot execute {}: {e}", crun.display()).into(),
+        };
+        if status.success() {
+            if let Some(pid) = std::fs::read_to_string(&pid_file).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
+                let store = engine::store::ContainerStore::new(&cfg.store.path, id);
+                let what = cli::exec_process_file(inv.verb_args()).map(|f| engine::runtime::exec::command_line(&f)).unwrap_or_default();
+                // (what crun printed is all this prints: a holder that cannot start leaves the
+                // command unwaited for, as before)
+                let _ = engine::runtime::inflight::hold_until_exit(lock, pid, &store.dir, &what, cfg.checkpoint.in_flight_wait());
+            }
+        }
+        use std::os::unix::process::ExitStatusExt;
+        std::process::exit(status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0)));
+    }
     let err = Command::new(&crun).args(&inv.args).exec();
     format!("cannot execute {}: {err}", crun.display()).into()
 }

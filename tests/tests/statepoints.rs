@@ -712,3 +712,32 @@ fn a_background_process_started_by_exec_is_in_the_statepoint() {
     assert_eq!(missing.code, Some(127), "{missing:?}");
     assert!(missing.stderr.contains("executable file `no-such-command` not found in $PATH"), "{}", missing.stderr);
 }
+
+/// A snapshot asked for while a `podman exec` still writes waits for it to end, saying what it
+/// waits for: the statepoint holds every line the command wrote and nothing after. A command
+/// that runs on (a server started with `podman exec -d`) is waited for at most
+/// `in_flight_wait_seconds`, then captured running: it does not keep statepoints away for good.
+#[test]
+fn a_snapshot_waits_for_a_podman_exec_in_flight() {
+    require_stack!();
+    let _conf = DropIn::new("zz-inflight", "[checkpoint]\nin_flight_wait_seconds = 20\n");
+    let mut sb = Sandbox::start("inflight", 8, &[]);
+    let name = sb.name.clone();
+    let writer = std::thread::spawn(move || podman("planarian", &["exec", &name, "sh", "-c", "for i in 1 2 3 4 5 6; do echo $i >> /w; sleep 1; done; echo done >> /w"]));
+    assert!(wait_for(std::time::Duration::from_secs(120), || sb.sh("cat /w 2>/dev/null").stdout.starts_with('1')), "the exec began");
+    let r = planarian(&["snapshot", &sb.name]);
+    r.ok();
+    assert!(r.stderr.contains("waiting for what is in flight") && r.stderr.contains("for i in 1 2 3"), "{r:?}");
+    writer.join().unwrap().ok();
+    let sp = r.out();
+    sb.sh("echo later >> /w").ok();
+    sb.rollback(&sp);
+    assert_eq!(sb.sh("cat /w").stdout, "1\n2\n3\n4\n5\n6\ndone\n", "the statepoint holds all the exec wrote, and nothing after");
+    // A server started with exec -d runs on: the next snapshot waits for it at most the bound.
+    podman("planarian", &["exec", "-d", &sb.name, "sleep", "600"]).ok();
+    let r = planarian(&["snapshot", &sb.name]);
+    r.ok();
+    let sp2 = r.out();
+    assert!(sb.statepoints().iter().any(|s| s["statepoint-id"] == sp2.as_str()), "{sp2} committed");
+    assert!(sb.sh("ps").stdout.contains("sleep 600"), "the server runs on");
+}

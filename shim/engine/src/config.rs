@@ -145,6 +145,15 @@ pub struct CheckpointConfig {
     /// Roll a running container back in place when its process tree has the statepoint's
     /// shape (no stop, no restore); off, every rollback stops and restores.
     pub rollback_in_place: bool,
+    /// How long a snapshot or rollback waits for tool calls in flight (a `podman exec` still
+    /// running, an MCP call that changes something) before it fails, changing nothing.
+    pub in_flight_wait_seconds: u64,
+}
+
+impl CheckpointConfig {
+    pub fn in_flight_wait(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.in_flight_wait_seconds)
+    }
 }
 
 /// CRIU's `--network-lock`: `nftables` runs inside CRIU (libnftables); `iptables` (CRIU's
@@ -177,7 +186,7 @@ impl Default for StoreConfig {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { full_dump_interval: 8, pre_resume_hook: true, network_lock: NetworkLock::Auto, rollback_in_place: true }
+        CheckpointConfig { full_dump_interval: 8, pre_resume_hook: true, network_lock: NetworkLock::Auto, rollback_in_place: true, in_flight_wait_seconds: 120 }
     }
 }
 

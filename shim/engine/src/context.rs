@@ -532,6 +532,38 @@ mod tests {
         assert!(short.contains("sp4*") && short.contains("left out"), "{short}");
     }
 
+    /// After a rollback to sp2 (position 3) compensated: sp3 (5) and sp4 (4) hold undone calls,
+    /// sp1 (0) does not; the ledger and a second marking agree, and what a remote state does not
+    /// cover is said.
+    #[test]
+    fn statepoints_whose_calls_a_rollback_undid_are_marked_and_shown() {
+        let dir = std::env::temp_dir().join(format!("planarian-unreachable-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let store = ContainerStore::new(&dir, "c");
+        let mut list = tree();
+        list[3].remote_state[0].uncovered = Some(crate::store::Uncovered { since: 4, tools: vec!["raw_write".into()] });
+        for m in &list {
+            std::fs::create_dir_all(store.statepoint_dir(&m.statepoint_id)).unwrap();
+            store.write_manifest(m).unwrap();
+        }
+        let mut gone = mark_unreachable(&store, &list[1]);
+        gone.sort();
+        assert_eq!(gone, vec!["sp3".to_string(), "sp4".to_string()]);
+        assert!(store.find("sp3").unwrap().unreachable.unwrap().contains("after position 3 it holds were undone by the rollback to sp2"));
+        assert!(store.find("sp1").unwrap().unreachable.is_none());
+        let mut again = mark_unreachable(&store, &list[0]);
+        again.sort();
+        assert_eq!(again, vec!["sp2".to_string(), "sp3".to_string(), "sp4".to_string()], "marks stay, more are added");
+        let l = Ledger::from_manifests("agent", store.committed(), Some("sp4".into()), parse_rfc3339("2026-11-24T11:00:00Z").unwrap());
+        let t = l.text(None);
+        assert!(t.lines().any(|x| x.contains("sp3") && x.contains("no longer restorable")), "{t}");
+        assert!(t.lines().any(|x| x.contains("sp4") && x.contains("remote state NOT covered: raw_write let through unrecorded")), "{t}");
+        assert!(!t.lines().any(|x| x.contains("sp1 ") && x.contains("no longer")), "{t}");
+        assert_eq!(uncovered(&list[3]).len(), 1);
+        assert!(uncovered(&list[2]).is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn rewards_read_as_a_person_writes_them() {
         let o = |r| outcome_line(&Outcome::now("tried", OutcomeStatus::Info, Actor::Harness, Some(r)));

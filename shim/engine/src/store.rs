@@ -28,6 +28,8 @@ pub enum Error {
     Manifest { path: PathBuf, source: serde_json::Error },
     #[error("unknown statepoint {0} (see `planarian statepoint list`)")]
     Unknown(String),
+    #[error("still in flight after {waited} s ({what}): nothing was done; try again when it has ended ([checkpoint] in_flight_wait_seconds)")]
+    InFlight { waited: u64, what: String },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -323,6 +325,18 @@ impl ContainerStore {
         let r = if exclusive { f.lock() } else { f.lock_shared() };
         r.at("lock", &path)?;
         Ok(f)
+    }
+
+    /// The container's lock, exclusive, for a statepoint operation: it waits for the tool calls
+    /// in flight (a `podman exec` still running, an MCP call), at most `wait`, telling
+    /// `waiting` first what it waits for.
+    pub fn lock_for_statepoint(&self, wait: std::time::Duration, waiting: &mut dyn FnMut(&str)) -> Result<File> {
+        std::fs::create_dir_all(&self.dir).at("create", &self.dir)?;
+        let path = self.dir.join("lock");
+        let f = File::options().create(true).truncate(false).write(true).open(&path).at("open", &path)?;
+        // (the holders of `exec`s let go at the latest `wait` after the command started)
+        let wait = wait + std::time::Duration::from_secs(5);
+        crate::runtime::inflight::lock_within(f, &self.dir, wait, waiting).map_err(|what| Error::InFlight { waited: wait.as_secs(), what })
     }
 
     /// The container's lock if it can be had now; `None` while another operation holds it.

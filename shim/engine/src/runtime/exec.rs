@@ -98,6 +98,19 @@ pub fn rewrite_process_file(file: &Path, init_pid: i32) -> bool {
     std::fs::write(file, text).is_ok()
 }
 
+/// The command of an exec's process file, as one line (for messages).
+pub fn command_line(file: &Path) -> String {
+    let Ok(bytes) = std::fs::read(file) else { return String::new() };
+    let Ok(process) = serde_json::from_slice::<Value>(&bytes) else { return String::new() };
+    let args: Vec<&str> = process["args"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+    // (the setsid planarian put in front is not the user's)
+    let args = match args.first() {
+        Some(a) if SETSID.contains(a) => &args[1..],
+        _ => &args[..],
+    };
+    args.join(" ").chars().take(200).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,6 +3,7 @@
 
 pub mod container;
 pub mod exec;
+pub mod inflight;
 pub mod lookup;
 pub mod podman;
 pub mod spec;

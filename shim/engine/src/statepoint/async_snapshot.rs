@@ -42,7 +42,7 @@ fn record(store: &ContainerStore, o: &AsyncOutcome) -> Result<()> {
 /// must call [`work`] when started with the arguments given.
 pub fn start(globals: &Globals, name: &str, req: &SnapshotRequest, worker: &std::path::Path) -> Result<String> {
     let ctx = Ctx::running(globals, name)?;
-    let lock = ctx.store.lock(true)?;
+    let lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| eprintln!("waiting for what is in flight in {name} ({what})"))?;
     ctx.recover();
     let id = ctx.store.next_id();
     record(&ctx.store, &AsyncOutcome { statepoint: id.clone(), status: "pending".into(), error: None, total_ms: None })?;

@@ -46,7 +46,7 @@ impl Rollback {
         let cfg = Config::load()?;
         let store = ContainerStore::new(&cfg.store.path, &container.id);
         let lock = match wait {
-            true => store.lock(true)?,
+            true => store.lock_for_statepoint(cfg.checkpoint.in_flight_wait(), &mut |what| eprintln!("waiting for what is in flight in {} ({what})", container.name))?,
             false => store.try_lock(true)?.ok_or_else(|| Error::Busy(container.name.clone()))?,
         };
         crate::log::mark("locked");

@@ -344,7 +344,7 @@ fn record_descriptors(pid: i32, dir: &Path) -> Result<()> {
 pub fn checkpoint(globals: &crate::runtime::Globals, id: &str, req: &SnapshotRequest, image_path: Option<&Path>, work_path: Option<&Path>) -> Result<Manifest> {
     let ctx = Ctx::load(globals, id)?;
     ctx.ctr.running_pid()?;
-    let _lock = ctx.store.lock(true)?;
+    let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |_| {})?;
     ctx.recover();
     // What Podman or CRI-O reads is written before the container is let go: when it cannot be
     // (a full disk during a hand-out), the checkpoint fails and the container runs on.

@@ -1,0 +1,119 @@
+//! Tool calls in flight: a statepoint waits for them.
+//!
+//! A tool call takes the container's lock shared (the MCP sidecar for each call that changes
+//! something; the runtime for `exec`), and a snapshot or rollback takes it exclusive. conmon runs
+//! `exec --detach`: crun starts the command and returns at once, so the lock would be let go
+//! while the command still runs, and a snapshot could freeze it midway. So after a detached
+//! `exec`, planarian leaves a small holder process with the lock (the same open file) and a
+//! pidfd of the command: it lets go when the command exits, or at the latest
+//! `[checkpoint] in_flight_wait_seconds` after it started — a command that runs longer (a server
+//! started with `podman exec -d`) is part of the sandbox's state, captured running, and must not
+//! keep statepoints away for good. The holder names the command in the store's `in-flight/PID`
+//! file, for the message of a statepoint that waits for it.
+//!
+//! A statepoint waits for the lock at most that long (and a little more: the holders' own
+//! bounds), saying what it waits for; then (an MCP call that does not end) it fails, changing
+//! nothing.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+const DIR: &str = "in-flight";
+
+fn dir(store_dir: &Path) -> PathBuf {
+    store_dir.join(DIR)
+}
+
+/// Holds `lock` (a container's lock, held shared) until process `pid` exits, at most `max`, in
+/// a detached holder process; this process goes on at once. Nothing when the process is gone
+/// already.
+pub fn hold_until_exit(lock: File, pid: i32, store_dir: &Path, what: &str, max: Duration) -> Result<(), String> {
+    use nix::libc;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: pidfd_open(2) with a pid and no flags; the result is a new descriptor or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if raw < 0 {
+        // (it exited already: nothing to wait for)
+        return Ok(());
+    }
+    // SAFETY: a descriptor pidfd_open just returned, owned here.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+    let note = dir(store_dir).join(pid.to_string());
+    std::fs::create_dir_all(dir(store_dir)).map_err(|e| format!("cannot create {}: {e}", dir(store_dir).display()))?;
+    std::fs::write(&note, what).map_err(|e| format!("cannot write {}: {e}", note.display()))?;
+    let keep = [lock.as_raw_fd(), pidfd.as_raw_fd()];
+    let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default();
+    let note_c = std::ffi::CString::new(note.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let devnull = c"/dev/null";
+    // SAFETY: the runtime is single-threaded here; the child only makes system calls on values
+    // made before the fork, and leaves by _exit.
+    match unsafe { nix::unistd::fork() } {
+        Ok(nix::unistd::ForkResult::Child) => unsafe {
+            libc::setsid();
+            for fd in fds.iter().copied().filter(|fd| !keep.contains(fd)) {
+                libc::close(fd);
+            }
+            // Nothing of the caller's: conmon reads the runtime's output until it is closed.
+            let null = libc::open(devnull.as_ptr(), libc::O_RDWR);
+            for fd in 0..3 {
+                libc::dup2(null, fd);
+            }
+            let mut p = libc::pollfd { fd: keep[1], events: libc::POLLIN, revents: 0 };
+            let ms = max.as_millis().min(i32::MAX as u128) as i32;
+            // (an interrupted wait simply ends early: the bound is an upper one)
+            libc::poll(&mut p, 1, ms);
+            libc::unlink(note_c.as_ptr());
+            libc::_exit(0)
+        },
+        Ok(nix::unistd::ForkResult::Parent { .. }) => {
+            drop(lock);
+            Ok(())
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&note);
+            Err(format!("cannot fork the holder of the container's lock: {e}"))
+        }
+    }
+}
+
+/// The commands in flight in a container (their holders' notes), as `pid N: COMMAND`.
+pub fn list(store_dir: &Path) -> Vec<String> {
+    let mut out: Vec<String> = std::fs::read_dir(dir(store_dir))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            // (a note left by a holder that was killed names no live process)
+            Path::new(&format!("/proc/{pid}")).exists().then(|| format!("pid {pid}: {}", std::fs::read_to_string(e.path()).unwrap_or_default().trim()))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Takes `file`'s lock exclusive, waiting at most `wait`; `waiting` is told what it waits for
+/// first. `Err` with what was still in flight when the wait ran out.
+pub fn lock_within(file: File, store_dir: &Path, wait: Duration, waiting: &mut dyn FnMut(&str)) -> Result<File, String> {
+    if file.try_lock().is_ok() {
+        return Ok(file);
+    }
+    let what = |list: Vec<String>| if list.is_empty() { "a tool call".to_string() } else { list.join("; ") };
+    waiting(&what(list(store_dir)));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mine = file.try_clone().map_err(|e| e.to_string())?;
+    // (the lock is the open file's: taken through a clone, it is `file`'s; if the wait ran out
+    // meanwhile, the clone is dropped with the last reference and the lock let go)
+    std::thread::spawn(move || {
+        if mine.lock().is_ok() {
+            let _ = tx.send(mine);
+        }
+    });
+    match rx.recv_timeout(wait) {
+        Ok(_clone) => Ok(file),
+        Err(_) => Err(what(list(store_dir))),
+    }
+}
