@@ -489,7 +489,8 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
 /// Every step of a rollback made to fail in turn (the fault points, and a real conflict in the
 /// compensation: a row changed behind the proxy), on both paths (in place, and stop and
 /// restore): afterwards the sandbox *and* the database are both as they were before; then the
-/// rollback succeeds and both are at the statepoint. Compensation is the rollback's last step.
+/// rollback succeeds and both are at the statepoint — or, planarian killed between the restored
+/// sandbox and the compensation, the next operation finishes it. Compensation is the last step.
 #[test]
 fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
     require_stack!();
@@ -555,8 +556,24 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
         assert_eq!(sandbox(), "later", "after the conflict the sandbox is as it was");
         assert_eq!(rows(), by_hand, "after the conflict the database is as it was");
         pg.psql("UPDATE reports SET body = 'later too' WHERE id = 2");
-        // Then it succeeds: both at the statepoint, and the agent goes on.
-        planarian(&["rollback", &n, &sp1]).ok();
+        if in_place {
+            // Then it succeeds: both at the statepoint, and the agent goes on.
+            planarian(&["rollback", &n, &sp1]).ok();
+        } else {
+            // planarian killed between the restored sandbox and the compensation: the sandbox
+            // is at the statepoint, the database not yet; a call meanwhile is refused, and the
+            // next operation finishes the compensation.
+            std::fs::write(FAULT, "kill:rollback.restored").unwrap();
+            let r = planarian(&["rollback", &n, &sp1]);
+            assert!(r.code.is_none() || r.code == Some(137), "killed: {r:?}");
+            assert_eq!(sandbox(), "at-the-statepoint");
+            assert_eq!(rows(), later, "not compensated yet");
+            let refused = agent.sql("INSERT INTO reports VALUES (9, 'in between')");
+            assert!(refused["isError"] == json!(true) && refused["content"][0]["text"].as_str().unwrap().contains("interrupted"), "{refused}");
+            let r = planarian(&["snapshot", &n]);
+            r.ok();
+            assert!(r.stderr.contains("finished the compensation of an interrupted rollback"), "{r:?}");
+        }
         assert_eq!(sandbox(), "at-the-statepoint");
         assert_eq!(rows(), at_sp1);
         ok(agent.sql("INSERT INTO reports VALUES (3, 'after')"));

@@ -194,6 +194,12 @@ impl Proxy {
         let f = std::fs::File::options().read(true).write(true).create(true).truncate(false).open(path)
             .map_err(|e| format!("cannot open the sandbox's lock {}: {e}", path.display()))?;
         f.lock_shared().map_err(|e| format!("cannot lock {}: {e}", path.display()))?;
+        // A rollback whose planarian was killed after it restored the sandbox and before its
+        // compensation ended leaves its intent: a call now would be undone by the compensation
+        // that finishes it.
+        if path.with_file_name("compensating.json").exists() {
+            return Err("a rollback of this sandbox was interrupted before its remote state was put back; the next planarian operation on it (a snapshot, a rollback) finishes it".into());
+        }
         Ok(Some(f))
     }
 

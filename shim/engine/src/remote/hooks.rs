@@ -60,6 +60,47 @@ pub fn capture(hooks: &[PathBuf], container_id: &str, parent: &[RemoteState]) ->
         .collect()
 }
 
+const INTENT: &str = "compensating.json";
+
+/// A compensation under way, written down before it starts (`intent`) and removed once the
+/// rollback is over: a planarian killed in between leaves it, and the next statepoint operation
+/// on the container finishes it ([`finish_interrupted`]): the sandbox was restored to the
+/// target before compensation began, so finishing brings both to the target.
+pub struct Intent(std::path::PathBuf);
+
+impl Intent {
+    pub fn write(store_dir: &Path, target: &str, states: &[RemoteState]) -> Result<Intent> {
+        let p = store_dir.join(INTENT);
+        let v = serde_json::json!({"pid": std::process::id(), "target": target, "remote-state": states});
+        sys::write_atomic(&p, v.to_string().as_bytes(), 0o600).map_err(|e| Error::Intent(e.to_string()))?;
+        Ok(Intent(p))
+    }
+}
+
+impl Drop for Intent {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Finishes the compensation of a rollback whose planarian was killed during it (its intent
+/// left, its process gone): `Ok(Some(target))` when it did, `Err` when it still fails (the
+/// intent stays, and says so again next time).
+pub fn finish_interrupted(store_dir: &Path, container_id: &str) -> Result<Option<String>> {
+    let p = store_dir.join(INTENT);
+    let Ok(text) = std::fs::read_to_string(&p) else { return Ok(None) };
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    let alive = v["pid"].as_i64().is_some_and(|pid| pid as u32 != std::process::id() && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), None).is_ok());
+    if alive {
+        return Ok(None);
+    }
+    let states: Vec<RemoteState> = serde_json::from_value(v["remote-state"].clone()).unwrap_or_default();
+    let target = v["target"].as_str().unwrap_or("its target").to_string();
+    compensate(&states, container_id)?;
+    let _ = std::fs::remove_file(&p);
+    Ok(Some(target))
+}
+
 /// Compensates each recorded remote state back to its position, in reverse order.
 pub fn compensate(states: &[RemoteState], container_id: &str) -> Result<()> {
     for st in states.iter().rev() {

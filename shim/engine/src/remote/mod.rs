@@ -22,6 +22,8 @@ pub enum Error {
     Failed { hook: PathBuf, verb: String, message: String },
     #[error("remote hook {} capture printed no JSON object: {source}", hook.display())]
     NotJson { hook: PathBuf, source: serde_json::Error },
+    #[error("cannot write down the compensation under way: {0}")]
+    Intent(String),
     #[error("remote hook {} capture gave no mcp-call-position", .0.display())]
     NoPosition(PathBuf),
     #[error("unknown MCP service {name} (configured in [mcp.services]: {known})")]

@@ -154,6 +154,19 @@ impl Ctx {
             FreezeGuard::recover(&marker);
         }
         discard_stale(&self.cfg, &self.store);
+        finish_compensation(&self.store, &self.ctr.id);
+    }
+}
+
+/// A rollback whose planarian was killed after it restored the sandbox, before its
+/// compensation ended: the compensation is finished now, so sandbox and services are both at
+/// the target (said on stderr; a compensation that still fails is said too, and tried again
+/// by the next operation).
+pub fn finish_compensation(store: &ContainerStore, id: &str) {
+    match crate::remote::hooks::finish_interrupted(&store.dir, id) {
+        Ok(Some(target)) => eprintln!("planarian: finished the compensation of an interrupted rollback to {target}: the remote state is at {target}, like the sandbox"),
+        Ok(None) => {}
+        Err(e) => eprintln!("planarian: an interrupted rollback's compensation still fails (tried again by the next operation): {e}"),
     }
 }
 

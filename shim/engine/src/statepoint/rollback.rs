@@ -310,7 +310,9 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         if !target.remote_state.is_empty() {
             progress.phase("remote state compensated");
         }
+        let intent = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)?;
         let compensated = crate::fault::point("rollback.restored").map_err(Error::from).and_then(|()| Ok(crate::remote::hooks::compensate(&target.remote_state, &pc.id)?));
+        drop(intent);
         match compensated {
             Ok(()) => {
                 files.commit();
@@ -469,6 +471,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         if !target.remote_state.is_empty() {
             progress.phase("remote state compensated");
         }
+        let _intent = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)?;
         crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
         Ok((a, n))
     })();
