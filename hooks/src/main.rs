@@ -261,7 +261,13 @@ fn serve(a: Serve) -> Result<(), String> {
         ServerKind::Toolbox => proxy::Server::Toolbox,
         ServerKind::Dbhub => proxy::Server::Dbhub,
     };
-    let specs = a.specs.iter().map(|s| spec::Spec::load(s)).collect::<Result<Vec<_>, _>>()?;
+    let mut names = a.specs.clone();
+    // Toolbox's prebuilt PostgreSQL set: the reads it does not annotate (hooks/specs).
+    let prebuilt = upstream.windows(2).any(|w| w[0] == "--prebuilt" && w[1].contains("postgres")) || upstream.iter().any(|a| a.starts_with("--prebuilt=") && a.contains("postgres"));
+    if prebuilt && !names.iter().any(|n| n == "toolbox-postgres") {
+        names.push("toolbox-postgres".into());
+    }
+    let specs = names.iter().map(|s| spec::Spec::load(s)).collect::<Result<Vec<_>, _>>()?;
     // Toolbox's own tools: from its command line (which then gets the hidden execute tools) or
     // from --toolbox-config.
     let found = toolbox::config_args(upstream.get(1..).unwrap_or_default());

@@ -425,3 +425,32 @@ fn toolbox_custom_sql_tools_are_classified_and_undone_like_sql() {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+#[test]
+fn toolbox_prebuilt_tools_are_reads_sql_or_refused() {
+    let (Some(pgb), Some(tb)) = (pg_bin(), bin("toolbox")) else {
+        eprintln!("SKIPPED {}: needs PostgreSQL's server binaries and MCP Toolbox (tests/run installs them)", module_path!());
+        return;
+    };
+    let pg = Pg::start(&pgb, "prebuilt");
+    pg.client().batch_execute("CREATE TABLE t (id int PRIMARY KEY)").unwrap();
+    let dir = scratch("prebuilt");
+    let mut server = Command::new(&tb);
+    server.args(["--prebuilt", "postgres", "--stdio", "--disable-version-check"]);
+    for (k, v) in [("POSTGRES_HOST", "127.0.0.1".to_string()), ("POSTGRES_PORT", pg.port.to_string()), ("POSTGRES_DATABASE", "postgres".into()), ("POSTGRES_USER", "postgres".into()), ("POSTGRES_PASSWORD", "x".into())] {
+        server.env(k, v);
+    }
+    let mut p = Proxied::start(&dir, &["--database", &pg.dsn()], server);
+    // Annotated read-only, read by the shipped spec, and SQL: they pass.
+    for (tool, args) in [("list_tables", json!({})), ("list_invalid_indexes", json!({})), ("execute_sql", json!({"sql": "INSERT INTO t VALUES (1)"}))] {
+        let r = p.call(tool, args);
+        assert!(!is_error(&r), "{tool}: {r}");
+    }
+    assert_eq!(p.position(), 1, "the insert took a position");
+    // Not annotated, not declared: refused.
+    let r = p.call("get_query_plan", json!({"query": "SELECT 1"}));
+    assert!(is_error(&r) && text(&r).contains("may change state that planarian cannot undo"), "{r}");
+    control(&p.control, &["compensate", "0"]).unwrap();
+    assert_eq!(pg.client().query_one("SELECT count(*) FROM t", &[]).unwrap().get::<_, i64>(0), 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
