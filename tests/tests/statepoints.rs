@@ -671,6 +671,9 @@ fn an_async_snapshot_answers_at_once_and_the_next_tool_call_waits_for_it() {
     }
     assert_eq!(sb.manifest(&sp3)["parent-statepoint-id"], sp2.as_str());
     assert_eq!(sb.manifest(&sp2)["parent-statepoint-id"], sp1.as_str());
+    // Waited for by the name it was asked for, while still pending.
+    let sp4 = cmd(pl, ["snapshot", &sb.name, "--async", "--name", "by-name"]).out();
+    assert_eq!(cmd(pl, ["statepoint", "wait", &sb.name, "by-name"]).out(), format!("{sp4} committed"));
 
     let t = std::time::Instant::now();
     cmd(pl, ["snapshot", &sb.name]).ok();

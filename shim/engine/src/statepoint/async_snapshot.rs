@@ -26,6 +26,30 @@ pub struct AsyncOutcome {
     pub error: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub total_ms: Option<f64>,
+    /// The name asked for (`snapshot --async --name N`): `statepoint wait CTR N` finds it while
+    /// it is pending, before any manifest bears the name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// The record of asynchronous snapshot `key`: by id, else by the name it was asked for (the
+/// newest such).
+fn find_record(store: &ContainerStore, key: &str) -> Option<PathBuf> {
+    let by_id = record_path(store, key);
+    if by_id.exists() {
+        return Some(by_id);
+    }
+    let mut named: Vec<(u64, PathBuf)> = std::fs::read_dir(store.dir.join("async"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let o: AsyncOutcome = serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok()?;
+            (o.name.as_deref() == Some(key)).then(|| (o.statepoint.trim_start_matches("sp").parse().unwrap_or(0), e.path()))
+        })
+        .collect();
+    named.sort();
+    named.pop().map(|(_, p)| p)
 }
 
 fn record_path(store: &ContainerStore, sp: &str) -> PathBuf {
@@ -45,7 +69,7 @@ pub fn start(globals: &Globals, name: &str, req: &SnapshotRequest, worker: &std:
     let lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| eprintln!("waiting for what is in flight in {name} ({what})"))?;
     ctx.recover();
     let id = ctx.store.next_id();
-    record(&ctx.store, &AsyncOutcome { statepoint: id.clone(), status: "pending".into(), error: None, total_ms: None })?;
+    record(&ctx.store, &AsyncOutcome { statepoint: id.clone(), status: "pending".into(), error: None, total_ms: None, name: req.name.clone() })?;
     let spec = serde_json::json!({
         "container": ctx.ctr.id, "statepoint": id, "root": globals.root, "systemd-cgroup": globals.systemd_cgroup,
         "name": req.name, "description": req.description, "state": req.state,
@@ -83,9 +107,9 @@ pub fn work(lock_fd: i32, spec: &str) -> Result<()> {
     let cfg = crate::config::Config::load()?;
     let store = ContainerStore::new(&cfg.store.path, &container);
     match taken {
-        Ok((_, m)) => record(&store, &AsyncOutcome { statepoint: sp, status: "committed".into(), error: None, total_ms: Some(m.measurements.total_ms) }),
+        Ok((_, m)) => record(&store, &AsyncOutcome { statepoint: sp, status: "committed".into(), error: None, total_ms: Some(m.measurements.total_ms), name: s("name") }),
         Err(e) => {
-            record(&store, &AsyncOutcome { statepoint: sp, status: "failed".into(), error: Some(e.to_string()), total_ms: None })?;
+            record(&store, &AsyncOutcome { statepoint: sp, status: "failed".into(), error: Some(e.to_string()), total_ms: None, name: s("name") })?;
             Err(e)
         }
     }
@@ -94,12 +118,12 @@ pub fn work(lock_fd: i32, spec: &str) -> Result<()> {
 /// Waits until statepoint `sp`'s asynchronous snapshot has ended (the worker released the lock)
 /// and says how: `Ok` with the outcome when committed, the recorded error when it failed.
 pub fn wait(store: &ContainerStore, sp: &str) -> Result<AsyncOutcome> {
-    let path = record_path(store, sp);
+    let path = find_record(store, sp).unwrap_or_else(|| record_path(store, sp));
     let read = || -> Option<AsyncOutcome> { serde_json::from_slice(&std::fs::read(&path).ok()?).ok() };
     let Some(first) = read() else {
         // Not asynchronous (or long forgotten): what the registry says.
         return match store.find(sp) {
-            Ok(_) => Ok(AsyncOutcome { statepoint: sp.to_string(), status: "committed".into(), error: None, total_ms: None }),
+            Ok(m) => Ok(AsyncOutcome { statepoint: m.statepoint_id, status: "committed".into(), error: None, total_ms: None, name: m.name }),
             Err(e) => Err(e.into()),
         };
     };
@@ -138,4 +162,26 @@ pub(super) fn spawn_worker(worker: &std::path::Path, verb: &str, lock: &File, sp
     }
     cmd.spawn().map_err(|source| Error::Worker(format!("cannot start {verb} ({}): {source}", worker.display())))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `statepoint wait CTR NAME` finds an asynchronous snapshot by the name it was asked for,
+    /// while no manifest bears it yet.
+    #[test]
+    fn wait_finds_an_async_snapshot_by_its_name() {
+        let dir = std::env::temp_dir().join(format!("planarian-async-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let store = ContainerStore::new(&dir, "c");
+        std::fs::create_dir_all(store.dir.join("async")).unwrap();
+        for (id, status) in [("sp3", "failed"), ("sp7", "committed")] {
+            record(&store, &AsyncOutcome { statepoint: id.into(), status: status.into(), error: (status == "failed").then(|| "x".into()), total_ms: None, name: Some("tests-pass".into()) }).unwrap();
+        }
+        assert_eq!(wait(&store, "tests-pass").unwrap().statepoint, "sp7", "the newest of that name");
+        assert!(wait(&store, "sp3").is_err());
+        assert!(wait(&store, "no-such").is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
