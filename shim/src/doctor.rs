@@ -221,7 +221,7 @@ fn check_cgroup() -> Check {
         let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
         let rel = own.lines().find_map(|l| l.strip_prefix("0::")).unwrap_or("/").trim_start_matches('/');
         let probe = if rel.is_empty() { None } else { Some(root.join(rel).join("cgroup.freeze")) };
-        let has_freeze = probe.as_deref().is_some_and(Path::exists) || any_child_has_freeze(root);
+        let has_freeze = probe.as_deref().is_some_and(Path::exists) || any_child_has_freeze(root) || new_child_has_freeze(root);
         return if has_freeze {
             Check::pass(name, "cgroup v2 (unified), freezer available")
         } else {
@@ -241,6 +241,18 @@ fn check_cgroup() -> Check {
     } else {
         Check::fail(name, true, "cgroup v1 without the freezer controller", "mount the freezer controller or switch to cgroup v2")
     }
+}
+
+/// Where no cgroup but the root exists yet (a host without systemd, a fresh guest: the root
+/// cgroup has no cgroup.freeze of its own), a child made for the question answers it.
+fn new_child_has_freeze(root: &Path) -> bool {
+    let child = root.join(format!("planarian-doctor-{}", std::process::id()));
+    if std::fs::create_dir(&child).is_err() {
+        return false;
+    }
+    let has = child.join("cgroup.freeze").exists();
+    let _ = std::fs::remove_dir(&child);
+    has
 }
 
 fn any_child_has_freeze(root: &Path) -> bool {
