@@ -82,11 +82,11 @@ fn every_failing_step_of_snapshot_rollback_and_restore_leaves_the_sandbox_as_it_
     let sp2 = sb.snapshot("after-faults");
     assert!(sb.chain(&sp2)["full-reason"].as_str().unwrap_or("").contains("not committed"), "{}", sb.chain(&sp2));
     let at_sp2 = before.clone();
-    for point in ["rollback.stopped", "rollback.files-restored", "restore.before-criu", "restore.restored"] {
+    for point in ["rollback.stopped", "rollback.files-restored", "restore.before-criu", "restore.restored", "rollback.restored"] {
         sb.sh("echo now > /root/f").ok();
         inject(point);
         let r = planarian(&["rollback", &sb.name, &sp]);
-        assert!(r.stderr.contains("rollback failed, the container is as it was before"), "{point}: {r:?}");
+        assert!(r.stderr.contains("rollback failed, the container and its remote state are as they were before"), "{point}: {r:?}");
         before = assert_unharmed(&mut sb, &r, point, &before, &[&sp, &sp2]);
         assert_eq!(sb.sh("cat /root/f").stdout, "now\n", "{point}: the files are not as they were");
     }

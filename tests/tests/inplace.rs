@@ -383,7 +383,7 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     }
     // Each step after the point of no return made to fail: the safety statepoint puts the
     // sandbox back exactly as it was (memory, mappings, files).
-    for point in ["rollback.in-place.files", "rollback.in-place.memory", "rollback.in-place.registers"] {
+    for point in ["rollback.in-place.files", "rollback.in-place.memory", "rollback.in-place.registers", "rollback.in-place.written"] {
         sb.send("map 1");
         sb.sh("echo now > /root/now").ok();
         let before = line(&sb);
@@ -391,7 +391,7 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
         std::fs::write(FAULT, point).unwrap();
         let r = planarian(&["rollback", &sb.name, &sp2]);
         assert_ne!(r.code, Some(0), "{point}: {r:?}");
-        assert!(r.stderr.contains("rollback failed, the container is as it was before") && r.stderr.contains(point), "{point}: {r:?}");
+        assert!(r.stderr.contains("rollback failed, the container and its remote state are as they were before") && r.stderr.contains(point), "{point}: {r:?}");
         assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
         sb.seq = sb.read().expect("state").0;
         assert_eq!(line(&sb), before, "{point}");
