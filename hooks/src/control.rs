@@ -47,7 +47,7 @@ fn handle(conn: UnixStream, proxy: &Arc<Proxy>) {
     let resp = match req["op"].as_str() {
         Some("position") => match proxy.capture() {
             Ok(p) => {
-                let uncovered = proxy.uncovered().map(|(since, tools)| json!({"since": since, "tools": tools}));
+                let uncovered = proxy.uncovered();
                 match req["since"].as_u64().map(|since| proxy.changes(since, p)) {
                     None => json!({"position": p, "uncovered": uncovered}),
                     Some(Ok((calls, tables))) => json!({"position": p, "calls": calls, "tables": tables, "uncovered": uncovered}),

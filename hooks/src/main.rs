@@ -243,7 +243,8 @@ fn main() {
         }
     };
     if let Err(e) = r {
-        eprintln!("planarian-mcp-proxy: {e}");
+        // One line: planarian reads the last line of a hook's errors.
+        eprintln!("planarian-mcp-proxy: {}", e.replace('\n', " "));
         std::process::exit(1);
     }
 }

@@ -5,8 +5,9 @@
 //! compensation to P it is P, although later calls had higher numbers). Each compensation is
 //! remembered as (to, last): it undid the calls in (to, last], so a statepoint captured at a
 //! position in that range can no longer be reached by compensation, and says so. A tool let
-//! through unrecorded is remembered with the position current then (`passed`): no statepoint
-//! captured since covers the service.
+//! through unrecorded is remembered with the positions current at its first and its last pass
+//! (`passed`): no statepoint captured since the first covers the service, and a rollback to a
+//! position before the last cannot undo what it did.
 
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -15,7 +16,8 @@ pub struct Positions {
     pub current: u64,
     pub last: u64,
     pub events: Vec<(u64, u64)>,
-    pub passed: Vec<(u64, String)>,
+    /// (first, last, tool): the positions current at a tool's first and last pass.
+    pub passed: Vec<(u64, u64, String)>,
     path: PathBuf,
 }
 
@@ -38,7 +40,7 @@ impl Positions {
                     .unwrap_or_default();
                 p.passed = v["passed"]
                     .as_array()
-                    .map(|a| a.iter().filter_map(|e| Some((e[0].as_u64()?, e[1].as_str()?.to_string()))).collect())
+                    .map(|a| a.iter().filter_map(|e| Some((e[0].as_u64()?, e[2].as_u64().or(e[0].as_u64())?, e[1].as_str()?.to_string()))).collect())
                     .unwrap_or_default();
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -53,7 +55,7 @@ impl Positions {
             "current": self.current,
             "last": self.last,
             "compensations": self.events.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>(),
-            "passed": self.passed.iter().map(|(p, t)| json!([p, t])).collect::<Vec<_>>(),
+            "passed": self.passed.iter().map(|(p, l, t)| json!([p, t, l])).collect::<Vec<_>>(),
         });
         sys::write_atomic(&self.path, v.to_string().as_bytes(), 0o644).map_err(|e| e.to_string())
     }
@@ -77,11 +79,13 @@ impl Positions {
 
     /// A call of `tool` let through unrecorded (written down before it is sent).
     pub fn passed(&mut self, tool: &str) -> Result<(), String> {
-        if !self.passed.iter().any(|(_, t)| t == tool) {
-            self.passed.push((self.current, tool.to_string()));
-            self.save()?;
+        let now = self.current;
+        match self.passed.iter_mut().find(|(_, _, t)| t == tool) {
+            Some((_, last, _)) if *last == now => return Ok(()),
+            Some((_, last, _)) => *last = now,
+            None => self.passed.push((now, now, tool.to_string())),
         }
-        Ok(())
+        self.save()
     }
 
     pub fn check_reachable(&self, to: u64) -> Result<(), String> {
@@ -138,8 +142,10 @@ mod tests {
         assert_eq!((p.current, p.last, p.events.len()), (14, 14, 1));
         p.passed("raw").unwrap();
         p.passed("raw").unwrap();
+        p.next();
+        p.passed("raw").unwrap();
         let p = Positions::load(&path, 0).unwrap();
-        assert_eq!(p.passed, vec![(14, "raw".to_string())]);
+        assert_eq!(p.passed, vec![(14, 15, "raw".to_string())]);
         std::fs::remove_file(&path).unwrap();
     }
 }

@@ -38,6 +38,8 @@ pub struct Config {
     pub tools: BTreeMap<String, Tool>,
     /// Source name → type (`postgres`, `cloud-sql-postgres`, …).
     pub sources: BTreeMap<String, String>,
+    /// Source name → its `database` and `port` as written (`${VAR}` not yet resolved).
+    pub targets: BTreeMap<String, (Option<String>, Option<String>)>,
     /// The files it was read from.
     pub files: Vec<PathBuf>,
 }
@@ -102,6 +104,7 @@ impl Config {
                     let ty = v["type"].as_str().unwrap_or_default();
                     match kind {
                         "source" | "sources" => {
+                            self.targets.insert(name.clone(), target_of(&v));
                             self.sources.insert(name, ty.to_string());
                         }
                         "tool" | "tools" => {
@@ -113,6 +116,7 @@ impl Config {
                 // The map format.
                 None => {
                     for (name, s) in v["sources"].as_object().into_iter().flatten() {
+                        self.targets.insert(name.clone(), target_of(s));
                         self.sources.insert(name.clone(), s["kind"].as_str().or(s["type"].as_str()).unwrap_or_default().to_string());
                     }
                     for (name, t) in v["tools"].as_object().into_iter().flatten() {
@@ -125,6 +129,22 @@ impl Config {
         Ok(())
     }
 
+    /// Why the statements of `source` would not land in database `dbname` on `port` (where the
+    /// proxy records their undo), if they would not: its `database` or `port` says otherwise.
+    /// `${VAR}` and `${VAR:default}` are read from the environment the upstream gets, and
+    /// `{dbname}` is the proxy's own database (a fork's branch).
+    pub fn elsewhere(&self, source: &str, dbname: &str, port: Option<u16>) -> Option<String> {
+        let (db, p) = self.targets.get(source)?;
+        let resolve = |v: &str| expand(v).replace("{dbname}", dbname);
+        if let Some(db) = db.as_deref().map(resolve).filter(|d| !d.is_empty() && d != dbname) {
+            return Some(format!("its source {source} names the database {db}, and this proxy records undo in {dbname} (--database)"));
+        }
+        match (p.as_deref().map(resolve).and_then(|p| p.parse::<u16>().ok()), port) {
+            (Some(a), Some(b)) if a != b => Some(format!("its source {source} is on port {a}, and this proxy's database on port {b} (--database)")),
+            _ => None,
+        }
+    }
+
     /// Whether a source speaks PostgreSQL.
     pub fn is_postgres(&self, source: &str) -> bool {
         self.sources.get(source).is_some_and(|t| t.contains("postgres") || t == "alloydb-omni")
@@ -132,7 +152,7 @@ impl Config {
 
     /// The sources a hidden execute tool is needed for.
     pub fn sql_sources(&self) -> Vec<String> {
-        let mut s: Vec<String> = self
+        let s: std::collections::BTreeSet<String> = self
             .tools
             .values()
             .filter_map(|t| match t {
@@ -140,8 +160,7 @@ impl Config {
                 _ => None,
             })
             .collect();
-        s.dedup();
-        s
+        s.into_iter().collect()
     }
 
     /// The configuration added to Toolbox's: a hidden execute tool per source, in the flat format.
@@ -157,6 +176,31 @@ impl Config {
             .collect::<Vec<_>>()
             .join("---\n")
     }
+}
+
+fn target_of(v: &Value) -> (Option<String>, Option<String>) {
+    let s = |k: &str| match &v[k] {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    };
+    (s("database"), s("port"))
+}
+
+/// `${VAR}` and `${VAR:default}` from the environment, as Toolbox reads its configuration.
+fn expand(v: &str) -> String {
+    let mut out = String::new();
+    let mut rest = v;
+    while let Some(i) = rest.find("${") {
+        out.push_str(&rest[..i]);
+        let Some(j) = rest[i..].find('}') else { break };
+        let inner = &rest[i + 2..i + j];
+        let (name, default) = inner.split_once(':').map_or((inner, ""), |(n, d)| (n, d));
+        out.push_str(&std::env::var(name).unwrap_or_else(|_| default.to_string()));
+        rest = &rest[i + j + 1..];
+    }
+    out.push_str(rest);
+    out
 }
 
 fn tool(ty: &str, v: &Value) -> Result<Tool, String> {
@@ -277,6 +321,14 @@ mod tests {
         assert_eq!(c.tools["run"], Tool::ExecuteSql { source: "pg".into() });
         assert_eq!(c.tools["other"], Tool::Other("postgres-list-tables".into()));
         assert!(c.is_postgres("pg2"));
+        // (the map's source names no database: nothing to compare; the flat one's none either)
+        assert_eq!(c.elsewhere("pg", "postgres", Some(5432)), None);
+        c.targets.insert("pg3".into(), (Some("${PLANARIAN_TEST_UNSET_DB:orders}".into()), Some("5433".into())));
+        assert!(c.elsewhere("pg3", "postgres", None).unwrap().contains("names the database orders"));
+        assert!(c.elsewhere("pg3", "orders", Some(5432)).unwrap().contains("port 5433"));
+        assert_eq!(c.elsewhere("pg3", "orders", Some(5433)), None);
+        c.targets.insert("pg4".into(), (Some("{dbname}".into()), None));
+        assert_eq!(c.elsewhere("pg4", "postgres_fork1", None), None, "a fork's branch");
         assert_eq!(c.sql_sources(), vec!["pg".to_string(), "pg2".to_string()]);
         assert!(c.hidden_tools_yaml().contains("name: planarian-execute-sql-pg2\ntype: postgres-execute-sql\nsource: pg2"));
     }

@@ -279,13 +279,22 @@ fn a_tool_nobody_classified_is_refused_and_a_pass_marks_the_service_uncovered() 
     // Passed by the user's choice: it reaches the server, and from then on the service is not
     // covered (a restarted proxy remembers it).
     let mut p = Proxied::start(&dir, &["--pass", "create_entities"], memory_server(&file));
+    // A batch inside a batch is no message: an error, never forwarded (nor a call without id).
+    let call = json!({"jsonrpc": "2.0", "id": "nested", "method": "tools/call", "params": {"name": "create_entities", "arguments": {"entities": [{"name": "nested", "entityType": "t", "observations": []}]}}});
+    p.mcp.send(&json!([[call]]));
+    assert_eq!(p.mcp.recv()["error"]["code"], json!(-32600));
+    let mut no_id = call.clone();
+    no_id.as_object_mut().unwrap().remove("id");
+    p.mcp.send(&no_id);
+    assert!(!is_error(&p.call("read_graph", json!({}))));
+    assert!(!file.exists() || !graph(&file).contains("nested"), "neither reached the server");
     assert!(!is_error(&p.call("create_entities", json!({"entities": [{"name": "x", "entityType": "t", "observations": []}]}))));
     assert!(graph(&file).contains("\"x\""));
     assert!(is_error(&p.call("delete_entities", json!({"entityNames": ["x"]}))), "only what was named passes");
     drop(p);
     let p = Proxied::start(&dir, &[], memory_server(&file));
     let pos = control(&p.control, &["position"]).unwrap();
-    assert_eq!(pos["uncovered"], json!({"since": 0, "tools": ["create_entities"]}), "{pos}");
+    assert_eq!(pos["uncovered"], json!({"since": 0, "last": 0, "tools": ["create_entities"]}), "{pos}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

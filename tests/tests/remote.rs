@@ -477,9 +477,11 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
     let ledger = planarian(&["ledger", &raw_n]).out();
     assert!(ledger.lines().any(|l| l.contains(&after) && l.contains("remote state NOT covered: create_entities")), "{ledger}");
     assert!(!ledger.lines().any(|l| l.contains(&before) && l.contains("NOT covered")), "{ledger}");
-    planarian(&["rollback", &raw_n, &after]).ok();
+    // Back to before the pass: what the passed call did is not undone, and the context says so.
+    planarian(&["rollback", &raw_n, &before]).ok();
     let r = planarian(&["statepoint", "context", &raw_n]).ok().out();
     assert!(r.contains("Remote state NOT restored: create_entities let through unrecorded"), "{r}");
+    assert!(graph(&raw).contains("\"zed\""), "the passed call was not undone");
     drop(raw_agent);
     drop(agent);
     let _ = std::fs::remove_file(&file);

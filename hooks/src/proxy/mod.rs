@@ -359,8 +359,17 @@ impl Proxy {
     }
 
     fn from_client(self: &Arc<Self>, mut msg: Value, conn: &Arc<Conn>) {
+        // Only objects are messages (a batch is split once): anything else would pass unseen.
+        if !msg.is_object() {
+            return Self::reply_error(conn, &Value::Null, -32600, "invalid request: not a JSON-RPC message (a batch inside a batch?)");
+        }
         let method = msg.get("method").and_then(Value::as_str).map(String::from);
         let has_id = msg.get("id").is_some_and(|v| !v.is_null());
+        // A tool call without an id has no answer to carry a refusal: it is never forwarded.
+        if method.as_deref() == Some("tools/call") && !has_id {
+            eprintln!("planarian-mcp-proxy: dropped a tools/call without an id (a JSON-RPC request needs one)");
+            return;
+        }
         if self.opts.disabled.is_some() {
             return self.answer_disabled(method.as_deref(), has_id, &msg, conn);
         }
@@ -444,14 +453,13 @@ impl Proxy {
 
     /// The tools passed unrecorded, and the first position after which one was: no statepoint
     /// captured since covers this service.
-    pub fn uncovered(&self) -> Option<(u64, Vec<String>)> {
+    pub fn uncovered(&self) -> Option<Value> {
         let pos = self.positions.lock().unwrap();
-        pos.passed.first().map(|(p, _)| {
-            let mut tools: Vec<String> = pos.passed.iter().map(|(_, t)| t.clone()).collect();
-            tools.sort();
-            tools.dedup();
-            (*p, tools)
-        })
+        let since = pos.passed.iter().map(|(f, _, _)| *f).min()?;
+        let last = pos.passed.iter().map(|(_, l, _)| *l).max()?;
+        let mut tools: Vec<String> = pos.passed.iter().map(|(_, _, t)| t.clone()).collect();
+        tools.sort();
+        Some(json!({"since": since, "last": last, "tools": tools}))
     }
 
     /// Undoes every call after `to`, newest first: declared tools through their undo calls,
@@ -459,8 +467,13 @@ impl Proxy {
     /// it stops there; what was undone before stays undone, and the position says so.
     pub fn compensate(self: &Arc<Self>, to: u64) -> Result<u64, String> {
         let _guard = self.lock.lock().unwrap();
-        let mut pos = self.positions.lock().unwrap();
-        pos.check_reachable(to)?;
+        // (the positions are not held across the server's calls: a pass on a client's reader
+        // takes them; the proxy lock keeps every other change out)
+        let current = {
+            let pos = self.positions.lock().unwrap();
+            pos.check_reachable(to)?;
+            pos.current
+        };
         let sql = |down_to: u64| -> Result<u64, String> {
             match &self.db {
                 Some(db) => db.lock().unwrap().compensate_to(down_to).map_err(|e| match e {
@@ -472,36 +485,36 @@ impl Proxy {
         };
         let entries = self.journal.lock().unwrap().after(to);
         let mut undone = 0;
-        let mut reached = pos.current;
-        for e in &entries {
-            let step = sql(e.position).and_then(|n| {
-                undone += n;
+        // Where the remote state is: every call after `reached` is undone.
+        let mut reached = current;
+        let mut run = || -> Result<(), String> {
+            for e in &entries {
+                undone += sql(e.position)?;
                 reached = reached.min(e.position);
-                self.undo_entry(e)
-            });
-            if let Err(err) = step {
-                if reached < pos.current {
-                    pos.compensated(reached)?;
-                    return Err(format!("partly undone: the calls after position {reached} were undone, then: {err}"));
+                self.undo_entry(e)?;
+                reached = e.position - 1;
+                undone += 1;
+                self.journal.lock().unwrap().undone(e.position)?;
+            }
+            undone += sql(to)?;
+            reached = to;
+            Ok(())
+        };
+        let result = run();
+        // Written down however it ended: a statepoint after `reached` can no longer be reached.
+        let noted = self.positions.lock().unwrap().compensated(reached);
+        match (result, noted) {
+            (Ok(()), Ok(())) => {
+                if let Err(e) = self.journal.lock().unwrap().compact() {
+                    eprintln!("planarian-mcp-proxy: {e}");
                 }
-                return Err(err);
+                Ok(undone)
             }
-            self.journal.lock().unwrap().undone(e.position)?;
-            undone += 1;
-            reached = e.position - 1;
-        }
-        if let Err(err) = sql(to) {
-            if reached < pos.current {
-                pos.compensated(reached)?;
-                return Err(format!("partly undone: the calls after position {reached} were undone, then: {err}"));
+            (Err(err), _) | (Ok(()), Err(err)) if reached < current => {
+                Err(format!("partly undone: the calls after position {reached} were undone, then: {}", err.replace('\n', " ")))
             }
-            return Err(err);
+            (Err(err), _) | (Ok(()), Err(err)) => Err(err),
         }
-        pos.compensated(to)?;
-        if let Err(e) = self.journal.lock().unwrap().compact() {
-            eprintln!("planarian-mcp-proxy: {e}");
-        }
-        Ok(undone)
     }
 
     /// Branches the database for the fork `container` at `position`: a copy of it as it is now,
@@ -514,7 +527,7 @@ impl Proxy {
         if self.db.is_none() {
             return Err("this service has no database to copy for a fork".into());
         }
-        if self.journal.lock().unwrap().max_position() > 0 || !self.opts.specs.is_empty() {
+        if self.journal.lock().unwrap().max_position() > 0 || self.opts.specs.iter().any(|s| !s.tools.is_empty()) {
             return Err("this service's tools change state that cannot be copied for a fork: the fork's calls are refused".into());
         }
         let (current, size, major) = self.db().describe()?;
@@ -577,7 +590,7 @@ impl Proxy {
             "last": pos.last,
             "compensations": pos.events.len(),
             "disabled": *self.disabled.lock().unwrap(),
-            "uncovered": uncovered.map(|(p, t)| json!({"since": p, "tools": t})),
+            "uncovered": uncovered,
             "specs": self.opts.specs.iter().map(|s| s.server.clone()).collect::<Vec<_>>(),
             "upstream-pid": pid,
         })

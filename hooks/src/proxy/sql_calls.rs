@@ -15,6 +15,9 @@ fn dbhub_as_original(result: &mut Value, texts: &[String], no_returning: &[usize
     if stmts.len() != texts.len() {
         return;
     }
+    if stmts.iter().any(|s| !s.is_object()) {
+        return;
+    }
     for (i, st) in stmts.iter_mut().enumerate() {
         st["sql"] = json!(texts[i]);
         if no_returning.contains(&i) {
@@ -160,7 +163,9 @@ impl Proxy {
                 Ok(mut resp) => {
                     if dbhub {
                         let no_returning: Vec<usize> = writes.iter().filter(|(_, d)| !d.has_returning()).map(|(i, _)| *i).collect();
-                        dbhub_as_original(&mut resp["result"], &texts, &no_returning);
+                        if let Some(result) = resp.get_mut("result") {
+                            dbhub_as_original(result, &texts, &no_returning);
+                        }
                     }
                     resp["id"] = id;
                     conn.send(&resp);

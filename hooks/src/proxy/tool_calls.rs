@@ -93,9 +93,22 @@ impl Proxy {
             return Some(if self.db.is_some() { Policy::Sql } else { no_db() });
         }
         if let Some(tb) = &self.opts.toolbox {
+            let elsewhere = |source: &str| {
+                let (dbname, port) = self.opts.pg_config().map(|c| (c.get_dbname().map(String::from), c.get_ports().first().copied())).unwrap_or((None, None));
+                let dbname = dbname.or_else(|| self.opts.effective_dbname().ok()).unwrap_or_default();
+                tb.elsewhere(source, &dbname, port).map(|why| Policy::Refuse(format!("the Toolbox tool {name}: {why}: its changes could not be undone")))
+            };
             match tb.tools.get(name) {
-                Some(Tool::ExecuteSql { .. }) => return Some(if self.db.is_some() { Policy::Sql } else { no_db() }),
+                Some(Tool::ExecuteSql { source }) => {
+                    if self.db.is_none() {
+                        return Some(no_db());
+                    }
+                    return Some(elsewhere(source).unwrap_or(Policy::Sql));
+                }
                 Some(Tool::Sql { source, statement, params, templated }) => {
+                    if let Some(p) = elsewhere(source) {
+                        return Some(p);
+                    }
                     if *templated {
                         return Some(Policy::Refuse(format!(
                             "the Toolbox tool {name} has templateParameters (text put into its statement), which planarian cannot classify; declare it in a spec if it only reads"
@@ -154,7 +167,8 @@ impl Proxy {
     /// thread of its own (reads must not wait behind writes).
     pub(super) fn tool_call(self: &Arc<Self>, msg: Value, conn: &Arc<Conn>) {
         let name = msg["params"]["name"].as_str().unwrap_or_default().to_string();
-        let quick = match self.disabled.lock().unwrap().clone() {
+        let disabled = self.disabled.lock().unwrap().clone();
+        let quick = match disabled {
             Some(why) => Some(Policy::Refuse(why)),
             None => self.policy(&name, false),
         };

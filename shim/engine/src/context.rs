@@ -428,6 +428,25 @@ pub fn mark_unreachable(store: &ContainerStore, target: &Manifest) -> Vec<String
     out
 }
 
+/// What a rollback to `target` did not undo: tools let through unrecorded after it (the remote
+/// states just before the rollback say, `before`), one line per remote state.
+pub fn not_undone(target: &Manifest, before: &[store::RemoteState]) -> Vec<String> {
+    before
+        .iter()
+        .filter_map(|b| {
+            let u = b.uncovered.as_ref()?;
+            let at = target.remote_state.iter().find(|t| t.hook_path == b.hook_path)?.mcp_call_position?;
+            (u.last >= at).then(|| {
+                format!(
+                    "{} let through unrecorded (by the service's configuration) after position {at}: what they changed since {} is as it is now",
+                    u.tools.join(", "),
+                    target.statepoint_id
+                )
+            })
+        })
+        .collect()
+}
+
 /// What a statepoint's remote state does not cover, one line per remote state.
 pub fn uncovered(m: &Manifest) -> Vec<String> {
     m.remote_state
@@ -541,7 +560,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let store = ContainerStore::new(&dir, "c");
         let mut list = tree();
-        list[3].remote_state[0].uncovered = Some(crate::store::Uncovered { since: 4, tools: vec!["raw_write".into()] });
+        list[3].remote_state[0].uncovered = Some(crate::store::Uncovered { since: 4, last: 4, tools: vec!["raw_write".into()] });
         for m in &list {
             std::fs::create_dir_all(store.statepoint_dir(&m.statepoint_id)).unwrap();
             store.write_manifest(m).unwrap();
@@ -561,6 +580,10 @@ mod tests {
         assert!(!t.lines().any(|x| x.contains("sp1 ") && x.contains("no longer")), "{t}");
         assert_eq!(uncovered(&list[3]).len(), 1);
         assert!(uncovered(&list[2]).is_empty());
+        // A rollback to sp2 (position 3) from a state whose last pass was at 4: not undone.
+        let before = list[3].remote_state.clone();
+        assert!(not_undone(&list[1], &before)[0].contains("raw_write let through unrecorded (by the service's configuration) after position 3"));
+        assert!(not_undone(&list[3], &list[0].remote_state).is_empty(), "no pass before the rollback");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -189,7 +189,10 @@ pub struct RemoteState {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "kebab-case")]
 pub struct Uncovered {
+    /// The position current at the first pass, and at the last.
     pub since: u64,
+    #[serde(default)]
+    pub last: u64,
     pub tools: Vec<String>,
 }
 

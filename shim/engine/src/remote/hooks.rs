@@ -89,11 +89,8 @@ impl Drop for Intent {
 pub fn finish_interrupted(store_dir: &Path, container_id: &str) -> Result<Option<String>> {
     let p = store_dir.join(INTENT);
     let Ok(text) = std::fs::read_to_string(&p) else { return Ok(None) };
+    // (called under the container's exclusive lock: the rollback that wrote it is over)
     let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-    let alive = v["pid"].as_i64().is_some_and(|pid| pid as u32 != std::process::id() && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), None).is_ok());
-    if alive {
-        return Ok(None);
-    }
     let states: Vec<RemoteState> = serde_json::from_value(v["remote-state"].clone()).unwrap_or_default();
     let target = v["target"].as_str().unwrap_or("its target").to_string();
     compensate(&states, container_id)?;
@@ -103,9 +100,17 @@ pub fn finish_interrupted(store_dir: &Path, container_id: &str) -> Result<Option
 
 /// Compensates each recorded remote state back to its position, in reverse order.
 pub fn compensate(states: &[RemoteState], container_id: &str) -> Result<()> {
+    let mut done: Vec<&str> = vec![];
     for st in states.iter().rev() {
         let (Some(hook), Some(pos)) = (&st.hook_path, st.mcp_call_position) else { continue };
-        run(Path::new(hook), &["compensate", container_id, &pos.to_string()], None)?;
+        match run(Path::new(hook), &["compensate", container_id, &pos.to_string()], None) {
+            Ok(_) => done.push(hook),
+            // The hooks before it compensated: the remote state is partly undone.
+            Err(Error::Failed { hook: h, verb, message }) if !done.is_empty() && !message.contains(PARTLY_UNDONE) => {
+                return Err(Error::Failed { hook: h, verb, message: format!("{PARTLY_UNDONE} {} compensated, then: {message}", done.join(", ")) })
+            }
+            Err(e) => return Err(e),
+        }
     }
     Ok(())
 }

@@ -41,13 +41,12 @@ pub fn remote_hooks(cfg: &Config) -> Result<Vec<PathBuf>> {
 }
 
 /// Whether forks of a container using this service can get a copy of its state of their own:
-/// its state is a database (no declared tools, whose state cannot be copied) and the upstream
-/// is told which database to use (`{dbname}` in its command, URL or environment).
+/// its state is a database and the upstream is told which database to use (`{dbname}` in its
+/// command, URL or environment). (The proxy refuses the branch when declared tools hold state
+/// a copy of the database would not carry.)
 pub fn can_branch(svc: &McpService) -> bool {
     let named = |s: &str| s.contains("{dbname}");
-    !svc.database.is_empty()
-        && svc.specs.is_empty()
-        && (svc.upstream.iter().any(|a| named(a)) || named(&svc.url) || svc.env.values().any(|v| named(v)))
+    !svc.database.is_empty() && (svc.upstream.iter().any(|a| named(a)) || named(&svc.url) || svc.env.values().any(|v| named(v)))
 }
 
 fn running(store: &ContainerStore) -> Option<i32> {

@@ -266,7 +266,7 @@ fn carry_settings(src: &PodmanContainer, src_cfg: &Config, target: &Manifest, ne
         let disabled = match (src_cfg.mcp.disabled.as_deref(), state) {
             (Some(_), _) => Some(refused(format!("{} has none either", src.name))),
             (None, _) if !crate::remote::sidecar::can_branch(svc) => {
-                Some(refused(if svc.database.is_empty() || !svc.specs.is_empty() {
+                Some(refused(if svc.database.is_empty() {
                     "its state is not a database planarian can copy".into()
                 } else {
                     "the service does not name its database as {dbname}, so it cannot branch".into()

@@ -164,7 +164,12 @@ impl Ctx {
 /// by the next operation).
 pub fn finish_compensation(store: &ContainerStore, id: &str) {
     match crate::remote::hooks::finish_interrupted(&store.dir, id) {
-        Ok(Some(target)) => eprintln!("planarian: finished the compensation of an interrupted rollback to {target}: the remote state is at {target}, like the sandbox"),
+        Ok(Some(target)) => {
+            eprintln!("planarian: finished the compensation of an interrupted rollback to {target}: the remote state is at {target}, like the sandbox");
+            if let Ok(m) = store.find(&target) {
+                crate::context::mark_unreachable(store, &m);
+            }
+        }
         Ok(None) => {}
         Err(e) => eprintln!("planarian: an interrupted rollback's compensation still fails (tried again by the next operation): {e}"),
     }

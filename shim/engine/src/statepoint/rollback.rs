@@ -50,6 +50,8 @@ impl Rollback {
             false => store.try_lock(true)?.ok_or_else(|| Error::Busy(container.name.clone()))?,
         };
         crate::log::mark("locked");
+        // (a rollback killed during its compensation is finished first, whatever the state)
+        super::finish_compensation(&store, &container.id);
         let target = store.find(statepoint)?;
         if let Some(why) = &target.unreachable {
             return Err(Error::Unreachable { statepoint: target.statepoint_id.clone(), why: why.clone() });
@@ -113,7 +115,7 @@ impl Rollback {
             compensated,
             discarded_statepoints: left,
             unreachable_statepoints: unreachable,
-            uncovered: context::uncovered(target),
+            uncovered: context::not_undone(target, &done.safety_positions),
             reason: reason.map(String::from),
             prior_outcomes: target.state_evidence.prior_outcomes.clone(),
             time: crate::log::rfc3339(std::time::SystemTime::now()),
@@ -310,9 +312,14 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         if !target.remote_state.is_empty() {
             progress.phase("remote state compensated");
         }
-        let intent = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)?;
-        let compensated = crate::fault::point("rollback.restored").map_err(Error::from).and_then(|()| Ok(crate::remote::hooks::compensate(&target.remote_state, &pc.id)?));
-        drop(intent);
+        let compensated = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)
+            .map_err(Error::from)
+            .and_then(|intent| {
+                crate::fault::point("rollback.restored")?;
+                crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
+                drop(intent);
+                Ok(())
+            });
         match compensated {
             Ok(()) => {
                 files.commit();
@@ -471,6 +478,13 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         if !target.remote_state.is_empty() {
             progress.phase("remote state compensated");
         }
+        if !target.remote_state.is_empty() {
+            // Killed during the compensation, the next dump must not build on the safety
+            // statepoint's images (the pages just written were cleared as clean): full, until
+            // the chain's base is the statepoint's below.
+            let init_start = sys::proc::start_time(pid).unwrap_or(0);
+            crate::chain::write_base(store, &crate::chain::Base { images: None, depth: 0, init_start_time: init_start, full_reason: Some("a rollback in place was interrupted while it compensated the remote state".into()) })?;
+        }
         let _intent = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)?;
         crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
         Ok((a, n))
@@ -539,7 +553,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
 /// unless a remote-state hook undid part of it before it failed (it says so: `partly undone:`).
 fn rolled_back(e: Error) -> Error {
     match &e {
-        Error::Remote(crate::remote::Error::Failed { message, .. }) if message.starts_with(crate::remote::hooks::PARTLY_UNDONE) => Error::RemotePartly(Box::new(e)),
+        Error::Remote(crate::remote::Error::Failed { message, .. }) if message.contains(crate::remote::hooks::PARTLY_UNDONE) => Error::RemotePartly(Box::new(e)),
         _ => Error::RolledBack(Box::new(e)),
     }
 }
