@@ -3,7 +3,8 @@
 //! planarian-mcp-proxy, interleaved; reads (a primary-key SELECT) and writes (a primary-key
 //! UPDATE, which the proxy rewrites to record its undo row in the same transaction); over stdio,
 //! and over Streamable HTTP (the servers' own HTTP mode; the proxy serving HTTP and reaching the
-//! server by URL).
+//! server by URL). Then the declared tools of the reference memory and filesystem servers
+//! (hooks/specs), directly and through the proxy.
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
@@ -183,11 +184,16 @@ impl Client {
     }
 
     fn sql(&mut self, sql: &str) -> Result<Duration, String> {
+        self.call("execute_sql", json!({"sql": sql}))
+    }
+
+    /// One tool call, timed; an error answer is an error.
+    fn call(&mut self, tool: &str, args: Value) -> Result<Duration, String> {
         let t = Instant::now();
-        let r = self.request("tools/call", json!({"name": "execute_sql", "arguments": {"sql": sql}}))?;
+        let r = self.request("tools/call", json!({"name": tool, "arguments": args.clone()}))?;
         let d = t.elapsed();
         if r["result"]["isError"] == json!(true) || r.get("error").is_some() {
-            return Err(format!("{sql}: {r}"));
+            return Err(format!("{tool} {args}: {r}"));
         }
         Ok(d)
     }
@@ -326,5 +332,83 @@ fn run(args: &[String]) -> Result<(), String> {
         }
         let _ = std::fs::remove_file(&state);
     }
+    declared(iterations, &npm, &proxy)
+}
+
+/// Declared tools (the specs planarian ships): the reference memory and filesystem servers,
+/// each client on state of its own, directly and through the proxy (which captures, journals
+/// with an fsync, and reads the check after each call).
+fn declared(iterations: usize, npm: &Path, proxy: &Path) -> Result<(), String> {
+    let dir = std::env::temp_dir().join(format!("planarian-bench-declared-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    type Calls = Vec<(&'static str, &'static str, fn(usize, &Path) -> Value)>;
+    let servers: [(&str, &str, Calls); 2] = [
+        (
+            "memory",
+            "mcp-server-memory",
+            vec![
+                ("add_observations", "write (result undo, check)", |i, _| json!({"observations": [{"entityName": "e", "contents": [format!("o{i}")]}]})),
+                ("delete_observations", "write (graph captured)", |i, _| json!({"deletions": [{"entityName": "e", "observations": [format!("o{i}")]}]})),
+                ("open_nodes", "read", |_, _| json!({"names": ["e"]})),
+            ],
+        ),
+        (
+            "filesystem",
+            "mcp-server-filesystem",
+            vec![
+                ("write_file", "write (content captured)", |i, d| json!({"path": d.join("f.txt"), "content": format!("v{i}\n")})),
+                ("read_text_file", "read", |_, d| json!({"path": d.join("f.txt")})),
+            ],
+        ),
+    ];
+    println!();
+    println!("Declared tools (hooks/specs), direct vs through planarian-mcp-proxy: {iterations} rounds, interleaved (ms)");
+    println!("| server | tool | kind | direct median | proxied median | ratio | direct p95 | proxied p95 |");
+    println!("|---|---|---|---:|---:|---:|---:|---:|");
+    for (spec, bin, calls) in servers {
+        let mut clients = vec![];
+        for side in ["direct", "proxied"] {
+            let data = dir.join(format!("{spec}-{side}"));
+            std::fs::create_dir_all(&data).map_err(|e| e.to_string())?;
+            std::fs::write(data.join("f.txt"), "v\n").map_err(|e| e.to_string())?;
+            let mut server = Command::new(npm.join(bin));
+            server.env("MEMORY_FILE_PATH", data.join("memory.jsonl"));
+            if spec == "filesystem" {
+                server.arg(&data);
+            }
+            let cmd = if side == "direct" {
+                server
+            } else {
+                let mut c = Command::new(proxy);
+                c.args(["serve", "--spec", spec, "--state"]).arg(data.join("positions.json")).arg("--").arg(server.get_program()).args(server.get_args());
+                c.env("MEMORY_FILE_PATH", data.join("memory.jsonl"));
+                c
+            };
+            let mut c = Client::spawn(cmd)?;
+            if spec == "memory" {
+                c.call("create_entities", json!({"entities": [{"name": "e", "entityType": "t", "observations": []}]}))?;
+            }
+            clients.push((c, data));
+        }
+        let mut t: Vec<[Vec<Duration>; 2]> = calls.iter().map(|_| Default::default()).collect();
+        for i in 0..iterations + 10 {
+            for (k, (tool, _, args)) in calls.iter().enumerate() {
+                let order: [usize; 2] = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+                for side in order {
+                    let (c, data) = &mut clients[side];
+                    let d = c.call(tool, args(i, data))?;
+                    if i >= 10 {
+                        t[k][side].push(d);
+                    }
+                }
+            }
+        }
+        for (k, (tool, kind, _)) in calls.iter().enumerate() {
+            let (dm, dp) = median_p95(t[k][0].clone());
+            let (pm, pp) = median_p95(t[k][1].clone());
+            println!("| {spec} | {tool} | {kind} | {dm:.2} | {pm:.2} | {:.2}x | {dp:.2} | {pp:.2} |", pm / dm);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
