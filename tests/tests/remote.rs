@@ -558,24 +558,24 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
         assert_eq!(sandbox(), "later", "after the conflict the sandbox is as it was");
         assert_eq!(rows(), by_hand, "after the conflict the database is as it was");
         pg.psql("UPDATE reports SET body = 'later too' WHERE id = 2");
-        if in_place {
-            // Then it succeeds: both at the statepoint, and the agent goes on.
-            planarian(&["rollback", &n, &sp1]).ok();
-        } else {
-            // planarian killed between the restored sandbox and the compensation: the sandbox
-            // is at the statepoint, the database not yet; a call meanwhile is refused, and the
-            // next operation finishes the compensation.
-            std::fs::write(FAULT, "kill:rollback.restored").unwrap();
-            let r = planarian(&["rollback", &n, &sp1]);
-            assert!(r.code.is_none() || r.code == Some(137), "killed: {r:?}");
+        // planarian killed between the restored sandbox and the compensation (in place: the
+        // sandbox still frozen): the database is not compensated yet; the next operation thaws
+        // the sandbox and finishes the compensation, and then both are at the statepoint. On
+        // the stop-and-restore path the sandbox runs meanwhile, and a call from it is refused.
+        let point = if in_place { "rollback.in-place.written" } else { "rollback.restored" };
+        std::fs::write(FAULT, format!("kill:{point}")).unwrap();
+        let r = planarian(&["rollback", &n, &sp1]);
+        assert!(r.code.is_none() || r.code == Some(137), "killed at {point}: {r:?}");
+        assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
+        assert_eq!(rows(), later, "not compensated yet");
+        if !in_place {
             assert_eq!(sandbox(), "at-the-statepoint");
-            assert_eq!(rows(), later, "not compensated yet");
             let refused = agent.sql("INSERT INTO reports VALUES (9, 'in between')");
             assert!(refused["isError"] == json!(true) && refused["content"][0]["text"].as_str().unwrap().contains("interrupted"), "{refused}");
-            let r = planarian(&["snapshot", &n]);
-            r.ok();
-            assert!(r.stderr.contains("finished the compensation of an interrupted rollback"), "{r:?}");
         }
+        let r = planarian(&["snapshot", &n]);
+        r.ok();
+        assert!(r.stderr.contains("finished the compensation of an interrupted rollback"), "{r:?}");
         assert_eq!(sandbox(), "at-the-statepoint");
         assert_eq!(rows(), at_sp1);
         ok(agent.sql("INSERT INTO reports VALUES (3, 'after')"));

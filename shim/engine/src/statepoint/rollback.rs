@@ -474,11 +474,8 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         crate::log::mark("written");
         // The remote state last, the sandbox still frozen: compensation cannot be taken back,
         // so every local step that can fail comes before it.
-        crate::fault::point("rollback.in-place.written")?;
         if !target.remote_state.is_empty() {
             progress.phase("remote state compensated");
-        }
-        if !target.remote_state.is_empty() {
             // Killed during the compensation, the next dump must not build on the safety
             // statepoint's images (the pages just written were cleared as clean): full, until
             // the chain's base is the statepoint's below.
@@ -486,6 +483,7 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             crate::chain::write_base(store, &crate::chain::Base { images: None, depth: 0, init_start_time: init_start, full_reason: Some("a rollback in place was interrupted while it compensated the remote state".into()) })?;
         }
         let _intent = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)?;
+        crate::fault::point("rollback.in-place.written")?;
         crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
         Ok((a, n))
     })();
