@@ -722,21 +722,42 @@ fn a_background_process_started_by_exec_is_in_the_statepoint() {
 /// `in_flight_wait_seconds`, then captured running: it does not keep statepoints away for good.
 #[test]
 fn a_snapshot_waits_for_a_podman_exec_in_flight() {
+    use std::io::BufRead;
     require_stack!();
-    let _conf = DropIn::new("zz-inflight", "[checkpoint]\nin_flight_wait_seconds = 20\n");
+    let _conf = DropIn::new("zz-inflight", "[checkpoint]\nin_flight_wait_seconds = 300\n");
     let mut sb = Sandbox::start("inflight", 8, &[]);
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).ok().out();
+    let in_flight = Path::new("/var/lib/planarian/containers").join(&id).join("in-flight");
+    // A tool call that writes until it is told to stop.
     let name = sb.name.clone();
-    let writer = std::thread::spawn(move || podman("planarian", &["exec", &name, "sh", "-c", "for i in 1 2 3 4 5 6; do echo $i >> /w; sleep 1; done; echo done >> /w"]));
-    assert!(wait_for(std::time::Duration::from_secs(120), || sb.sh("cat /w 2>/dev/null").stdout.starts_with('1')), "the exec began");
-    let r = planarian(&["snapshot", &sb.name]);
-    r.ok();
-    assert!(r.stderr.contains("waiting for what is in flight") && r.stderr.contains("for i in 1 2 3"), "{r:?}");
+    let writer = std::thread::spawn(move || podman("planarian", &["exec", &name, "sh", "-c", "while [ ! -e /stop ]; do echo x >> /w; sleep 0.2; done; echo done >> /w"]));
+    assert!(
+        wait_for(Duration::from_secs(300), || std::fs::read_dir(&in_flight).is_ok_and(|mut d| d.next().is_some())),
+        "the exec's holder names it in {}",
+        in_flight.display()
+    );
+    let mut snap = std::process::Command::new(planarian_bin())
+        .args(["snapshot", &sb.name])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(snap.stderr.take().unwrap());
+    let mut first = String::new();
+    err.read_line(&mut first).unwrap();
+    assert!(first.contains("waiting for what is in flight") && first.contains("while [ ! -e /stop ]"), "{first}");
+    // The snapshot waits; the command ends (an exec meanwhile still runs: it only reads).
+    sb.sh("touch /stop").ok();
+    let out = snap.wait_with_output().unwrap();
+    assert!(out.status.success(), "{out:?}");
     writer.join().unwrap().ok();
-    let sp = r.out();
+    let sp = String::from_utf8(out.stdout).unwrap().trim().to_string();
     sb.sh("echo later >> /w").ok();
     sb.rollback(&sp);
-    assert_eq!(sb.sh("cat /w").stdout, "1\n2\n3\n4\n5\n6\ndone\n", "the statepoint holds all the exec wrote, and nothing after");
+    let w = sb.sh("cat /w").stdout;
+    assert!(w.ends_with("x\ndone\n"), "the statepoint holds all the exec wrote, and nothing after: {w}");
     // A server started with exec -d runs on: the next snapshot waits for it at most the bound.
+    let _short = DropIn::new("zz-inflight", "[checkpoint]\nin_flight_wait_seconds = 10\n");
     podman("planarian", &["exec", "-d", &sb.name, "sleep", "600"]).ok();
     let r = planarian(&["snapshot", &sb.name]);
     r.ok();
