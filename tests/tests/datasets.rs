@@ -490,7 +490,7 @@ fn faults_pool_full_dataset_busy_zfs_missing_change_nothing() {
     let r = planarian(&["rollback", &name, "b1"]);
     assert_ne!(r.code, Some(0));
     assert!(r.stderr.contains("busy"), "{}", r.stderr);
-    assert!(r.stderr.contains("as it was before"), "{}", r.stderr);
+    assert!(r.stderr.contains("as they were before"), "{}", r.stderr);
     assert_eq!(status(&name), "running");
     assert_eq!(sh("cat /f").out(), "2", "the files are as they were before the rollback");
     let _ = holder.kill();
