@@ -517,10 +517,9 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
     }
     let _disarm = Disarm;
     let rows = || pg.psql("SELECT coalesce(string_agg(id || ':' || body, ',' ORDER BY id), '') FROM reports");
-    for (in_place, points) in [
-        (true, &["rollback.in-place.files", "rollback.in-place.memory", "rollback.in-place.registers", "rollback.in-place.written"][..]),
-        (false, &["rollback.stopped", "rollback.files-restored", "rollback.restored"][..]),
-    ] {
+    // (each path's last local steps: the earlier ones are in the matrices of faults.rs and
+    // inplace.rs, which check the sandbox; none of them comes near the compensation)
+    for (in_place, points) in [(true, &["rollback.in-place.memory", "rollback.in-place.written"][..]), (false, &["rollback.files-restored", "rollback.restored"][..])] {
         pg.psql("DELETE FROM reports");
         let n = name(if in_place { "atomic-inplace" } else { "atomic-restore" });
         let _c = Cleanup(n.clone());
