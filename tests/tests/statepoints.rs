@@ -728,6 +728,8 @@ fn a_snapshot_waits_for_a_podman_exec_in_flight() {
     let mut sb = Sandbox::start("inflight", 8, &[]);
     let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).ok().out();
     let in_flight = Path::new("/var/lib/planarian/containers").join(&id).join("in-flight");
+    // (a sandbox with statepoints: its store holds the lock tool calls take)
+    sb.snapshot("first");
     // A tool call that writes until it is told to stop.
     let name = sb.name.clone();
     let writer = std::thread::spawn(move || podman("planarian", &["exec", &name, "sh", "-c", "while [ ! -e /stop ]; do echo x >> /w; sleep 0.2; done; echo done >> /w"]));
