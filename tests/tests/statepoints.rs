@@ -765,5 +765,5 @@ fn a_snapshot_waits_for_a_podman_exec_in_flight() {
     r.ok();
     let sp2 = r.out();
     assert!(sb.statepoints().iter().any(|s| s["statepoint-id"] == sp2.as_str()), "{sp2} committed");
-    assert!(sb.sh("ps").stdout.contains("sleep 600"), "the server runs on");
+    assert!(sb.sh("ps -eo args").stdout.contains("sleep 600"), "the server runs on");
 }
