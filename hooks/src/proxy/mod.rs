@@ -150,10 +150,6 @@ pub(super) enum Via {
     Hidden(String),
 }
 
-fn tool_error(text: String) -> Value {
-    json!({"content": [{"type": "text", "text": text}], "isError": true})
-}
-
 enum Pending {
     /// A client's request: its own id, its connection, and whether it is a `tools/list` (whose
     /// answer loses the hidden tools).
@@ -253,6 +249,11 @@ impl Proxy {
 
     fn reply(conn: &Conn, id: &Value, result: Value) {
         conn.send(&json!({"jsonrpc": "2.0", "id": id, "result": result}));
+    }
+
+    /// A call refused before it reached the server: a tool error of one line.
+    fn refuse(conn: &Conn, id: &Value, why: &str) {
+        Self::reply(conn, id, json!({"content": [{"type": "text", "text": format!("planarian: not executed: {why}")}], "isError": true}));
     }
 
     fn reply_error(conn: &Conn, id: &Value, code: i64, message: &str) {
@@ -426,7 +427,7 @@ impl Proxy {
             }
             Some("ping") => Self::reply(conn, id, json!({})),
             Some("tools/list") => Self::reply(conn, id, json!({"tools": []})),
-            Some("tools/call") => Self::reply(conn, id, tool_error(format!("planarian: not executed: {why}"))),
+            Some("tools/call") => Self::refuse(conn, id, &why),
             _ => Self::reply_error(conn, id, -32601, &format!("not available in this sandbox: {why}")),
         }
     }

@@ -1,7 +1,7 @@
 //! The SQL tool's calls: classified, refused before execution when they cannot be undone,
 //! numbered and rewritten to record their undo rows when they write.
 
-use super::{tool_error, Conn, Proxy, Server, Via};
+use super::{Conn, Proxy, Server, Via};
 use crate::sql::{classify, split, Class, Ddl, CATALOG_CHANGED};
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -69,7 +69,7 @@ impl Proxy {
     /// execute tool of its source.
     pub(super) fn sql_call(self: Arc<Self>, msg: Value, conn: &Arc<Conn>, sql: String, via: Via) {
         let id = msg["id"].clone();
-        let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
+        let refuse = |why: String| Self::refuse(conn, &id, &why);
         if let Some(why) = self.disabled.lock().unwrap().clone() {
             return refuse(why);
         }
@@ -180,7 +180,7 @@ impl Proxy {
     /// fails.
     fn ddl_call(self: &Arc<Self>, msg: Value, conn: &Arc<Conn>, d: Ddl) {
         let id = msg["id"].clone();
-        let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
+        let refuse = |why: String| Self::refuse(conn, &id, &why);
         let _sandbox = match self.sandbox_lock() {
             Ok(l) => l,
             Err(e) => return refuse(e),

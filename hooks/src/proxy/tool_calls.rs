@@ -7,7 +7,7 @@
 //! annotations for reads (`readOnlyHint`; the proxy trusts the upstream it was configured
 //! with). A tool nobody classified is refused, saying how to declare it.
 
-use super::{tool_error, Conn, Proxy, Via};
+use super::{Conn, Proxy, Via};
 use crate::journal::Entry;
 use crate::spec::{answer, failed, holds, render, same_answer, Call, Scope, ToolSpec};
 use crate::toolbox::{self, Tool};
@@ -186,7 +186,7 @@ impl Proxy {
 
     fn apply(self: &Arc<Self>, policy: Policy, msg: Value, conn: &Arc<Conn>, name: String) {
         let id = msg["id"].clone();
-        let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
+        let refuse = |why: String| Self::refuse(conn, &id, &why);
         match policy {
             Policy::Read => self.forward_request(msg, conn),
             Policy::Refuse(why) => {
@@ -226,7 +226,7 @@ impl Proxy {
 
     fn declared_call(self: &Arc<Self>, msg: Value, conn: &Arc<Conn>, name: String, spec: &ToolSpec) {
         let id = msg["id"].clone();
-        let refuse = |why: String| Self::reply(conn, &id, tool_error(format!("planarian: not executed: {why}")));
+        let refuse = |why: String| Self::refuse(conn, &id, &why);
         let args = match &msg["params"]["arguments"] {
             Value::Null => json!({}),
             a => a.clone(),
