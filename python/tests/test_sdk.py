@@ -132,5 +132,36 @@ class CommandLines(unittest.TestCase):
         self.assertEqual(e.context.how, {"path": "spare"})
 
 
+class Installed(unittest.TestCase):
+    """The SDK as a user installs it (`pip install ./python`), imported from elsewhere: every
+    module the source tree has is in the installed package (planarian.contrib once was not)."""
+
+    def test_pip_install_ships_every_module(self):
+        import shutil
+        import subprocess
+
+        src = os.path.join(os.path.dirname(__file__), "..")
+        with tempfile.TemporaryDirectory() as tmp:
+            # (as a user installs it, build isolation and all; from a copy: a build writes build/ and
+            # *.egg-info beside the sources)
+            copy = shutil.copytree(src, os.path.join(tmp, "src"), ignore=shutil.ignore_patterns("tests", "build", "*.egg-info", "__pycache__"))
+            site = os.path.join(tmp, "site")
+            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+                            "--target", site, copy], check=True)
+            ours = sorted(os.path.relpath(os.path.join(d, f), os.path.join(src))
+                          for d, _, fs in os.walk(os.path.join(src, "planarian")) if "__pycache__" not in d for f in fs if f.endswith(".py"))
+            installed = sorted(os.path.relpath(os.path.join(d, f), site)
+                               for d, _, fs in os.walk(os.path.join(site, "planarian")) if "__pycache__" not in d for f in fs if f.endswith(".py"))
+            self.assertEqual(installed, ours)
+            # Imported from another directory with only the installed package on the path (the
+            # contrib module itself needs mini-swe-agent's pydantic: found, not imported, here).
+            probe = ("import importlib.util, planarian, planarian.contrib; "
+                     "spec = importlib.util.find_spec('planarian.contrib.minisweagent'); "
+                     "print(planarian.__file__); print(spec.origin)")
+            out = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {site!r}); {probe}"],
+                                 cwd=tmp, check=True, capture_output=True, text=True).stdout.split()
+            self.assertEqual(out, [os.path.join(site, "planarian", "__init__.py"), os.path.join(site, "planarian", "contrib", "minisweagent.py")])
+
+
 if __name__ == "__main__":
     unittest.main()
