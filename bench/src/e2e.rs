@@ -24,6 +24,7 @@
 //! other two, against one PostgreSQL whose tables are made anew before each replay.
 
 use super::{flag, run_quiet, PLANARIAN};
+use planarian_contracts::jsonrpc;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -191,7 +192,16 @@ struct Run {
 
 fn replay(trace: &Trace, system: System, scale: f64, db: Option<&Db>) -> Result<Run, String> {
     let ctr = format!("plbench-e2e-{}-{}", trace.name, std::process::id());
-    let mut run = vec!["--runtime", if system == System::NoSnapshot { "crun" } else { "planarian" }, "run", "-d", "--name", &ctr, "--network", "none"];
+    let mut run = vec![
+        "--runtime",
+        if system == System::NoSnapshot { "crun" } else { "planarian" },
+        "run",
+        "-d",
+        "--name",
+        &ctr,
+        "--network",
+        "none",
+    ];
     if system == System::Full {
         run.extend(["--annotation", "io.planarian.checkpoint.full_dump_interval=1"]);
     }
@@ -213,7 +223,14 @@ fn replay(trace: &Trace, system: System, scale: f64, db: Option<&Db>) -> Result<
         // The agent's MCP session, opened before the clock starts (DBHub takes seconds to load
         // under emulation): DBHub itself without state management, else the sandbox's sidecar.
         let mut mcp = match db {
-            Some(db) if system == System::NoSnapshot => Some(Mcp::start(Command::new(&db.node).arg(&db.dbhub).args(["--transport", "stdio", "--dsn", &db.dsn()]))?),
+            Some(db) if system == System::NoSnapshot => {
+                Some(Mcp::start(Command::new(&db.node).arg(&db.dbhub).args([
+                    "--transport",
+                    "stdio",
+                    "--dsn",
+                    &db.dsn(),
+                ]))?)
+            }
             Some(_) => {
                 let id = run_quiet("podman", &["inspect", "--format", "{{.Id}}", &ctr])?;
                 Some(Mcp::start(Command::new(PROXY).args(["connect", &id]))?)
@@ -233,7 +250,8 @@ fn replay(trace: &Trace, system: System, scale: f64, db: Option<&Db>) -> Result<
             }
             .map_err(|e| format!("step {}: {e}", i + 1))?;
             if system != System::NoSnapshot {
-                let args: &[&str] = if system == System::Planarian { &["snapshot", &ctr, "--async"] } else { &["snapshot", &ctr] };
+                let args: &[&str] =
+                    if system == System::Planarian { &["snapshot", &ctr, "--async"] } else { &["snapshot", &ctr] };
                 statepoints.push(run_quiet(PLANARIAN, args)?);
             }
         }
@@ -274,7 +292,9 @@ struct Db {
 
 impl Db {
     fn start() -> Result<Db, String> {
-        let dbhub = std::env::current_dir().map_err(|e| e.to_string())?.join("target/npm/node_modules/@bytebase/dbhub/dist/index.js");
+        let dbhub = std::env::current_dir()
+            .map_err(|e| e.to_string())?
+            .join("target/npm/node_modules/@bytebase/dbhub/dist/index.js");
         let node = ["/usr/bin/node", "/usr/local/bin/node"].into_iter().map(PathBuf::from).find(|p| p.exists());
         let Some(node) = node.filter(|_| dbhub.exists()) else {
             return Err(format!("node or DBHub missing ({}): tests/run installs them (its npm step)", dbhub.display()));
@@ -283,11 +303,43 @@ impl Db {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         run_quiet("chown", &["postgres:postgres", dir.to_str().unwrap()])?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
+        let port =
+            std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
         let d = dir.display();
-        run_quiet("runuser", &["-u", "postgres", "--", &format!("{PG_BIN}/initdb"), "-D", &format!("{d}/data"), "-A", "trust", "-U", "postgres", "--no-sync"])?;
+        run_quiet(
+            "runuser",
+            &[
+                "-u",
+                "postgres",
+                "--",
+                &format!("{PG_BIN}/initdb"),
+                "-D",
+                &format!("{d}/data"),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+            ],
+        )?;
         let opts = format!("-k {d} -c listen_addresses=127.0.0.1 -p {port} -c fsync=off");
-        run_quiet("runuser", &["-u", "postgres", "--", &format!("{PG_BIN}/pg_ctl"), "-D", &format!("{d}/data"), "-w", "-l", &format!("{d}/log"), "-o", &opts, "start"])?;
+        run_quiet(
+            "runuser",
+            &[
+                "-u",
+                "postgres",
+                "--",
+                &format!("{PG_BIN}/pg_ctl"),
+                "-D",
+                &format!("{d}/data"),
+                "-w",
+                "-l",
+                &format!("{d}/log"),
+                "-o",
+                &opts,
+                "start",
+            ],
+        )?;
         let dropin = PathBuf::from("/etc/planarian/planarian.conf.d/zz-plbench-e2e.conf");
         let db = Db { dir, port, node, dbhub, dropin };
         let service = format!(
@@ -306,7 +358,25 @@ impl Db {
     }
 
     fn psql(&self, sql: &str) -> Result<String, String> {
-        run_quiet("psql", &["-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres", "-c", sql])
+        run_quiet(
+            "psql",
+            &[
+                "-X",
+                "-q",
+                "-A",
+                "-t",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+                "-c",
+                sql,
+            ],
+        )
     }
 }
 
@@ -314,7 +384,20 @@ impl Drop for Db {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.dropin);
         let d = self.dir.display();
-        let _ = run_quiet("runuser", &["-u", "postgres", "--", &format!("{PG_BIN}/pg_ctl"), "-D", &format!("{d}/data"), "-m", "immediate", "stop"]);
+        let _ = run_quiet(
+            "runuser",
+            &[
+                "-u",
+                "postgres",
+                "--",
+                &format!("{PG_BIN}/pg_ctl"),
+                "-D",
+                &format!("{d}/data"),
+                "-m",
+                "immediate",
+                "stop",
+            ],
+        );
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -329,7 +412,12 @@ struct Mcp {
 
 impl Mcp {
     fn start(command: &mut Command) -> Result<Mcp, String> {
-        let mut child = command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().map_err(|e| format!("{command:?}: {e}"))?;
+        let mut child = command
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("{command:?}: {e}"))?;
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
         let (tx, lines) = std::sync::mpsc::channel();
@@ -342,17 +430,21 @@ impl Mcp {
         });
         let mut m = Mcp { child, stdin, lines, next: 0 };
         m.request("initialize", json!({"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "planarian-bench", "version": "1"}}))?;
-        writeln!(m.stdin, "{}", json!({"jsonrpc": "2.0", "method": "notifications/initialized"})).map_err(|e| e.to_string())?;
+        writeln!(m.stdin, "{}", jsonrpc::notification("notifications/initialized", Value::Null))
+            .map_err(|e| e.to_string())?;
         Ok(m)
     }
 
     fn request(&mut self, method: &str, params: Value) -> Result<Value, String> {
         self.next += 1;
-        writeln!(self.stdin, "{}", json!({"jsonrpc": "2.0", "id": self.next, "method": method, "params": params})).map_err(|e| e.to_string())?;
+        writeln!(self.stdin, "{}", jsonrpc::request(self.next, method, params)).map_err(|e| e.to_string())?;
         self.stdin.flush().map_err(|e| e.to_string())?;
         loop {
             // Generous: the first request waits for the server to load under emulation.
-            let line = self.lines.recv_timeout(Duration::from_secs(600)).map_err(|e| format!("no answer to {method} within 600 s: {e}"))?;
+            let line = self
+                .lines
+                .recv_timeout(Duration::from_secs(600))
+                .map_err(|e| format!("no answer to {method} within 600 s: {e}"))?;
             let v: Value = serde_json::from_str(&line).map_err(|e| format!("{e}: {line}"))?;
             if v["id"] == json!(self.next) {
                 return match v.get("error") {
@@ -392,11 +484,15 @@ fn row(name: &str, calls: usize, runs: &[Run]) -> String {
 }
 
 pub fn main(args: &[String]) -> i32 {
-    let scales: Vec<f64> = flag(args, "--scales").unwrap_or("1,0.5,0.25").split(',').filter_map(|s| s.parse().ok()).collect();
+    let scales: Vec<f64> =
+        flag(args, "--scales").unwrap_or("1,0.5,0.25").split(',').filter_map(|s| s.parse().ok()).collect();
     let only: Option<Vec<&str>> = flag(args, "--traces").map(|t| t.split(',').collect());
     let traces: Vec<&Trace> = TRACES.iter().filter(|t| only.as_ref().is_none_or(|o| o.contains(&t.name))).collect();
     if scales.is_empty() || traces.is_empty() {
-        eprintln!("planarian-bench e2e: nothing to run (--scales 1,0.5 --traces {})", TRACES.iter().map(|t| t.name).collect::<Vec<_>>().join(","));
+        eprintln!(
+            "planarian-bench e2e: nothing to run (--scales 1,0.5 --traces {})",
+            TRACES.iter().map(|t| t.name).collect::<Vec<_>>().join(",")
+        );
         return 2;
     }
     let db = if traces.iter().any(|t| t.setup.is_some()) {
@@ -447,14 +543,23 @@ pub fn main(args: &[String]) -> i32 {
     }
     if overall.len() > 1 {
         println!("\nall traces, by think time (overhead against No-snapshot)");
-        println!("| think times | No-snapshot s | Planarian s | Full-snapshot s | Planarian overhead | Full overhead |");
+        println!(
+            "| think times | No-snapshot s | Planarian s | Full-snapshot s | Planarian overhead | Full overhead |"
+        );
         println!("|---|---:|---:|---:|---:|---:|");
         for (scale, sum) in &overall {
             let (n, p, f) = (s(sum[0].total), s(sum[1].total), s(sum[2].total));
-            println!("| x{scale} | {n:.1} | {p:.1} | {f:.1} | {:+.1} % | {:+.1} % |", (p / n - 1.0) * 100.0, (f / n - 1.0) * 100.0);
+            println!(
+                "| x{scale} | {n:.1} | {p:.1} | {f:.1} | {:+.1} % | {:+.1} % |",
+                (p / n - 1.0) * 100.0,
+                (f / n - 1.0) * 100.0
+            );
         }
     }
-    println!("\n(each trace's calls are checked: a failing step fails the benchmark; the traces: {})", traces.iter().map(|t| format!("{}: {}", t.name, t.what)).collect::<Vec<_>>().join("; "));
+    println!(
+        "\n(each trace's calls are checked: a failing step fails the benchmark; the traces: {})",
+        traces.iter().map(|t| format!("{}: {}", t.name, t.what)).collect::<Vec<_>>().join("; ")
+    );
     0
 }
 

@@ -77,11 +77,7 @@ fn run_quiet(program: &str, args: &[&str]) -> Result<String, String> {
 
 /// Runs a command, failing with its stderr when it fails.
 fn run_checked(program: &str, args: &[&str]) -> Result<std::process::Output, String> {
-    let out = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("{program}: {e}"))?;
+    let out = Command::new(program).args(args).stdin(Stdio::null()).output().map_err(|e| format!("{program}: {e}"))?;
     if !out.status.success() {
         return Err(format!("{program} {args:?}: {}", String::from_utf8_lossy(&out.stderr).trim()));
     }
@@ -137,7 +133,17 @@ fn passthrough(args: &[String]) -> i32 {
     let name = format!("plbench-{}", std::process::id());
     let id = match run_quiet(
         "podman",
-        &["--runtime", "planarian", "run", "-d", "--name", &name, "localhost/planarian-test/busybox", "sleep", "100000"],
+        &[
+            "--runtime",
+            "planarian",
+            "run",
+            "-d",
+            "--name",
+            &name,
+            "localhost/planarian-test/busybox",
+            "sleep",
+            "100000",
+        ],
     ) {
         Ok(id) => id,
         Err(e) => {
@@ -206,8 +212,22 @@ while True:
 "#;
 
 fn start_workload(runtime: &str, name: &str, mem: u32, files: u32) -> Result<(), String> {
-    run_quiet("podman", &["--runtime", runtime, "run", "-d", "--name", name, "localhost/planarian-test/debian",
-        "python3", "-c", WORKLOAD, &mem.to_string()])?;
+    run_quiet(
+        "podman",
+        &[
+            "--runtime",
+            runtime,
+            "run",
+            "-d",
+            "--name",
+            name,
+            "localhost/planarian-test/debian",
+            "python3",
+            "-c",
+            WORKLOAD,
+            &mem.to_string(),
+        ],
+    )?;
     run_quiet("podman", &["exec", name, "sh", "-c", &format!(
         "mkdir -p /data && i=0; while [ $i -lt {files} ]; do head -c 1048576 /dev/urandom > /data/f$i; i=$((i+1)); done")])?;
     wait_file(name, "/tmp/up")
@@ -292,7 +312,11 @@ fn statepoint_inner(mem: u32, files: u32, iterations: usize) -> Result<(), Strin
 
             dirty(&full)?;
             full_snap.push(timed(|| {
-                run_quiet("podman", &["container", "checkpoint", "--leave-running", "--compress", "none", "--export", &export_s, &full]).map(|_| ())
+                run_quiet(
+                    "podman",
+                    &["container", "checkpoint", "--leave-running", "--compress", "none", "--export", &export_s, &full],
+                )
+                .map(|_| ())
             })?);
             full_bytes = std::fs::metadata(&export).map(|m| m.len()).unwrap_or(0);
             dirty(&full)?;
@@ -319,7 +343,12 @@ fn statepoint_inner(mem: u32, files: u32, iterations: usize) -> Result<(), Strin
         println!("|---|---:|---:|---:|");
         println!("| snapshot | {ps:.0} | {fs:.0} | {:.2}x |", fs / ps);
         println!("| rollback | {pr:.0} | {fr:.0} | {:.2}x |", fr / pr);
-        println!("| bytes written per snapshot | {} | {} | {:.2}x |", pl_bytes, full_bytes, full_bytes as f64 / pl_bytes.max(1) as f64);
+        println!(
+            "| bytes written per snapshot | {} | {} | {:.2}x |",
+            pl_bytes,
+            full_bytes,
+            full_bytes as f64 / pl_bytes.max(1) as f64
+        );
         Ok(())
     })();
     cleanup();
@@ -357,8 +386,20 @@ fn snapshot_cost(ctr: &str) -> Result<(String, Cost), String> {
     let bytes = meas["criu-bytes"].as_u64().unwrap_or(0) + meas["rootfs-bytes"].as_u64().unwrap_or(0);
     let full_reason = m["chain"]["full-reason"].as_str().map(String::from);
     let rootfs_bytes = meas["rootfs-bytes"].as_u64().unwrap_or(0);
-    let (criu_ms, frozen_ms) = (meas["criu-dump-ms"].as_f64().unwrap_or(0.0), meas["frozen-ms"].as_f64().unwrap_or(0.0));
-    Ok((sp, Cost { ms, bytes, pages: meas["pages-written"].as_u64().unwrap_or(0), full_reason, rootfs_bytes, criu_ms, frozen_ms }))
+    let (criu_ms, frozen_ms) =
+        (meas["criu-dump-ms"].as_f64().unwrap_or(0.0), meas["frozen-ms"].as_f64().unwrap_or(0.0));
+    Ok((
+        sp,
+        Cost {
+            ms,
+            bytes,
+            pages: meas["pages-written"].as_u64().unwrap_or(0),
+            full_reason,
+            rootfs_bytes,
+            criu_ms,
+            frozen_ms,
+        },
+    ))
 }
 
 /// How long `f` takes.
@@ -380,7 +421,14 @@ struct Chains {
     repeated: Vec<(f64, f64)>,
 }
 
-fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare: bool, repeat: usize) -> Result<Chains, String> {
+fn chains_system(
+    tag: &str,
+    annotations: &[String],
+    mem: u32,
+    files: u32,
+    spare: bool,
+    repeat: usize,
+) -> Result<Chains, String> {
     let pid = std::process::id();
     let (ctr, fork) = (format!("plbench-{tag}-{pid}"), format!("plbench-{tag}-fork-{pid}"));
     let fork2 = format!("plbench-{tag}-fork2-{pid}");
@@ -403,7 +451,9 @@ fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare:
         let rollback_phases = run_phases(PLANARIAN, &["rollback", &ctr, &sp1])?;
         let mut rollback = Cost { ms: t.elapsed().as_secs_f64() * 1e3, ..Cost::default() };
         // Pages a rollback in place wrote, from the restore context it left.
-        let how = run_quiet(PLANARIAN, &["statepoint", "context", &ctr, "--json"]).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+        let how = run_quiet(PLANARIAN, &["statepoint", "context", &ctr, "--json"])
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
         if let Some(how) = how.as_ref().map(|c| &c["how"]) {
             rollback.pages = how["pages-written"].as_u64().unwrap_or(0);
             if how["path"] == "stop-and-restore" {
@@ -440,7 +490,9 @@ fn chains_system(tag: &str, annotations: &[String], mem: u32, files: u32, spare:
         Ok(Chains { costs, phases: format!("{rollback_phases}\n{fork_phases}"), repeated })
     })();
     // (a spare left when the fork that should have taken it failed)
-    let spares = run_quiet("podman", &["ps", "-a", "--filter", &format!("name={ctr}-spare-"), "--format", "{{.Names}}"]).unwrap_or_default();
+    let spares =
+        run_quiet("podman", &["ps", "-a", "--filter", &format!("name={ctr}-spare-"), "--format", "{{.Names}}"])
+            .unwrap_or_default();
     for n in spares.lines().map(str::to_string).chain([fork2, fork, ctr.clone()]) {
         let n = &n;
         if let Ok(id) = run_quiet("podman", &["inspect", "--format", "{{.Id}}", n]) {
@@ -478,7 +530,10 @@ fn chains(args: &[String]) -> i32 {
     let systems = [
         ("planarian", on_zfs.clone()),
         ("planarian-restore", with(restore)),
-        ("CRIU-inc", with("io.planarian.checkpoint.pre_resume_hook=false").into_iter().chain([restore.to_string()]).collect()),
+        (
+            "CRIU-inc",
+            with("io.planarian.checkpoint.pre_resume_hook=false").into_iter().chain([restore.to_string()]).collect(),
+        ),
         ("Full-snapshot", vec!["io.planarian.checkpoint.full_dump_interval=1".to_string(), restore.to_string()]),
     ];
     let mut results = Vec::new();
@@ -500,16 +555,36 @@ fn chains(args: &[String]) -> i32 {
         }
     }
     let mb = |b: u64| b as f64 / (1 << 20) as f64;
-    let where_files = if pool.is_some() { "files on ZFS for planarian and CRIU-inc, copied for Full-snapshot" } else { "files copied (no ZFS pool)" };
+    let where_files = if pool.is_some() {
+        "files on ZFS for planarian and CRIU-inc, copied for Full-snapshot"
+    } else {
+        "files copied (no ZFS pool)"
+    };
     println!("snapshot/rollback/fork cost: {mem} MiB memory ({} pages), {files} MiB files ({where_files}); 1 % of memory rewritten (one contiguous run) + 64 KiB of files between steps", (mem as u64) << 8);
     println!("| operation | planarian ms | planarian, stop+restore ms | CRIU-inc ms | Full-snapshot ms | CRIU-inc / planarian | Full / planarian | pages written (pl / pl-restore / inc / full) | MiB written (pl / inc / full) |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let names = ["second snapshot", "rollback", "first snapshot after rollback", "fork", "first snapshot in the fork"];
     for (i, n) in names.iter().enumerate() {
         let (p, r, c, f) = (&results[0][i], &results[1][i], &results[2][i], &results[3][i]);
-        let pages = if p.pages + r.pages + c.pages + f.pages > 0 { format!("{} / {} / {} / {}", p.pages, r.pages, c.pages, f.pages) } else { "-".into() };
-        let bytes = if p.bytes + c.bytes + f.bytes > 0 { format!("{:.1} / {:.1} / {:.1}", mb(p.bytes), mb(c.bytes), mb(f.bytes)) } else { "-".into() };
-        println!("| {n} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2}x | {:.2}x | {pages} | {bytes} |", p.ms, r.ms, c.ms, f.ms, c.ms / p.ms, f.ms / p.ms);
+        let pages = if p.pages + r.pages + c.pages + f.pages > 0 {
+            format!("{} / {} / {} / {}", p.pages, r.pages, c.pages, f.pages)
+        } else {
+            "-".into()
+        };
+        let bytes = if p.bytes + c.bytes + f.bytes > 0 {
+            format!("{:.1} / {:.1} / {:.1}", mb(p.bytes), mb(c.bytes), mb(f.bytes))
+        } else {
+            "-".into()
+        };
+        println!(
+            "| {n} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2}x | {:.2}x | {pages} | {bytes} |",
+            p.ms,
+            r.ms,
+            c.ms,
+            f.ms,
+            c.ms / p.ms,
+            f.ms / p.ms
+        );
     }
     // The issue's targets: a rollback within 2x of an incremental snapshot of the same sandbox,
     // 10x faster than Full-snapshot's.
@@ -529,7 +604,8 @@ fn chains(args: &[String]) -> i32 {
             v[v.len() / 2]
         };
         let ratios: Vec<String> = repeated.iter().map(|(s, r)| format!("{:.2}x", r / s)).collect();
-        let (snap, back) = (median(repeated.iter().map(|r| r.0).collect()), median(repeated.iter().map(|r| r.1).collect()));
+        let (snap, back) =
+            (median(repeated.iter().map(|r| r.0).collect()), median(repeated.iter().map(|r| r.1).collect()));
         println!(
             "repeated {} times (snapshot, then a rollback in place to the first statepoint): median snapshot {snap:.0} ms, median rollback {back:.0} ms = {:.2}x; each pair: {}",
             repeated.len(),
@@ -555,11 +631,23 @@ fn chains(args: &[String]) -> i32 {
         let (p, c, f) = (&results[0][i], &results[2][i], &results[3][i]);
         println!(
             "| {} | {:.0} / {:.0} / {:.0} | {:.2}x | {:.2}x | {:.0} / {:.0} / {:.0} |",
-            names[i], p.criu_ms, c.criu_ms, f.criu_ms, c.criu_ms / p.criu_ms, f.criu_ms / p.criu_ms, p.frozen_ms, c.frozen_ms, f.frozen_ms
+            names[i],
+            p.criu_ms,
+            c.criu_ms,
+            f.criu_ms,
+            c.criu_ms / p.criu_ms,
+            f.criu_ms / p.criu_ms,
+            p.frozen_ms,
+            c.frozen_ms,
+            f.frozen_ms
         );
     }
     let p = &results[0];
-    println!("planarian: first snapshot after rollback / second snapshot = {:.2}x; first in fork / second = {:.2}x", p[2].ms / p[0].ms, p[4].ms / p[0].ms);
+    println!(
+        "planarian: first snapshot after rollback / second snapshot = {:.2}x; first in fork / second = {:.2}x",
+        p[2].ms / p[0].ms,
+        p[4].ms / p[0].ms
+    );
     // Where a rollback's and a fork's time goes: their own phases (the restore's split from
     // `podman container restore --print-stats`).
     for (ph, (tag, _)) in phases.iter().zip(&systems) {

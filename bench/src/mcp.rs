@@ -6,6 +6,7 @@
 //! server by URL). Then the declared tools of the reference memory and filesystem servers
 //! (hooks/specs), directly and through the proxy.
 
+use planarian_contracts::jsonrpc;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -20,7 +21,11 @@ struct Pg {
 }
 
 fn as_postgres(program: &str, args: &[&str]) -> Result<(), String> {
-    let out = Command::new("runuser").args(["-u", "postgres", "--", program]).args(args).output().map_err(|e| format!("runuser: {e}"))?;
+    let out = Command::new("runuser")
+        .args(["-u", "postgres", "--", program])
+        .args(args)
+        .output()
+        .map_err(|e| format!("runuser: {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
@@ -34,11 +39,18 @@ impl Pg {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
         Command::new("chown").args(["postgres:postgres"]).arg(&dir).status().map_err(|e| e.to_string())?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
+        let port =
+            std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
         let d = dir.display().to_string();
-        as_postgres(&format!("{PG_BIN}/initdb"), &["-D", &format!("{d}/data"), "-A", "trust", "-U", "postgres", "--no-sync"])?;
+        as_postgres(
+            &format!("{PG_BIN}/initdb"),
+            &["-D", &format!("{d}/data"), "-A", "trust", "-U", "postgres", "--no-sync"],
+        )?;
         let opts = format!("-k {d} -c listen_addresses=127.0.0.1 -p {port}");
-        as_postgres(&format!("{PG_BIN}/pg_ctl"), &["-D", &format!("{d}/data"), "-w", "-l", &format!("{d}/log"), "-o", &opts, "start"])?;
+        as_postgres(
+            &format!("{PG_BIN}/pg_ctl"),
+            &["-D", &format!("{d}/data"), "-w", "-l", &format!("{d}/log"), "-o", &opts, "start"],
+        )?;
         Ok(Pg { dir, port })
     }
 }
@@ -65,7 +77,13 @@ enum Io {
 
 /// One POST on a fresh connection, as an MCP client library does it without keep-alive: the
 /// answer with this id, from a JSON body or an event stream.
-fn http_call(authority: &str, path: &str, session: &Option<String>, body: &str, id: &Value) -> Result<(Option<String>, Option<Value>), String> {
+fn http_call(
+    authority: &str,
+    path: &str,
+    session: &Option<String>,
+    body: &str,
+    id: &Value,
+) -> Result<(Option<String>, Option<Value>), String> {
     use std::io::Read;
     let mut s = std::net::TcpStream::connect(authority).map_err(|e| format!("{authority}: {e}"))?;
     s.set_nodelay(true).map_err(|e| e.to_string())?;
@@ -98,7 +116,11 @@ fn parse_answer(text: &str, id: &Value, end: bool) -> Result<Option<Answer>, Str
     if !head.starts_with("HTTP/1.1 20") {
         return Err(format!("HTTP: {}", head.lines().next().unwrap_or("")));
     }
-    let header = |name: &str| head.lines().find_map(|l| l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.trim().to_string()));
+    let header = |name: &str| {
+        head.lines().find_map(|l| {
+            l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.trim().to_string())
+        })
+    };
     let session = header("mcp-session-id");
     let mut body = String::new();
     let mut complete = end;
@@ -122,7 +144,11 @@ fn parse_answer(text: &str, id: &Value, end: bool) -> Result<Option<Answer>, Str
         complete |= len.is_some_and(|l| rest.len() >= l) || len == Some(0);
     }
     if header("content-type").is_some_and(|t| t.starts_with("text/event-stream")) {
-        let found = body.lines().filter_map(|l| l.strip_prefix("data:")).filter_map(|d| serde_json::from_str::<Value>(d.trim()).ok()).find(|m| m["id"] == *id);
+        let found = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .filter_map(|d| serde_json::from_str::<Value>(d.trim()).ok())
+            .find(|m| m["id"] == *id);
         return Ok((found.is_some() || complete).then_some((session, found)));
     }
     if !complete {
@@ -133,7 +159,12 @@ fn parse_answer(text: &str, id: &Value, end: bool) -> Result<Option<Answer>, Str
 
 impl Client {
     fn spawn(mut cmd: Command) -> Result<Client, String> {
-        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().map_err(|e| e.to_string())?;
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| e.to_string())?;
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
         Client { child, io: Io::Stdio(stdin, stdout), next: 0 }.initialized()
@@ -148,7 +179,7 @@ impl Client {
 
     fn initialized(mut self) -> Result<Client, String> {
         self.request("initialize", json!({"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "bench", "version": "1"}}))?;
-        let note = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+        let note = jsonrpc::notification("notifications/initialized", Value::Null);
         match &mut self.io {
             Io::Stdio(stdin, _) => writeln!(stdin, "{note}").map_err(|e| e.to_string())?,
             Io::Http(a, p, sid) => drop(http_call(a, p, sid, &note.to_string(), &Value::Null)?),
@@ -158,7 +189,7 @@ impl Client {
 
     fn request(&mut self, method: &str, params: Value) -> Result<Value, String> {
         self.next += 1;
-        let msg = json!({"jsonrpc": "2.0", "id": self.next, "method": method, "params": params});
+        let msg = jsonrpc::request(self.next, method, params);
         let (stdin, stdout) = match &mut self.io {
             Io::Stdio(stdin, stdout) => (stdin, stdout),
             Io::Http(a, p, sid) => {
@@ -232,7 +263,15 @@ fn server_cmd(kind: &str, bin: &Path, pg: &Pg, port: Option<u16>) -> Command {
 }
 
 /// Direct and proxied clients of one server over one transport.
-fn clients(kind: &str, transport: &str, bin: &Path, pg: &Pg, proxy: &Path, dsn: &str, state: &Path) -> Result<(Client, Client), String> {
+fn clients(
+    kind: &str,
+    transport: &str,
+    bin: &Path,
+    pg: &Pg,
+    proxy: &Path,
+    dsn: &str,
+    state: &Path,
+) -> Result<(Client, Client), String> {
     let mut pc = Command::new(proxy);
     pc.args(["serve", "--server", kind, "--database", dsn, "--state"]).arg(state);
     if transport == "stdio" {
@@ -245,8 +284,13 @@ fn clients(kind: &str, transport: &str, bin: &Path, pg: &Pg, proxy: &Path, dsn: 
         }
         return Ok((Client::spawn(server_cmd(kind, bin, pg, None))?, Client::spawn(pc)?));
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
-    let server = server_cmd(kind, bin, pg, Some(port)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().map_err(|e| e.to_string())?;
+    let port =
+        std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
+    let server = server_cmd(kind, bin, pg, Some(port))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| e.to_string())?;
     let end = Instant::now() + Duration::from_secs(60);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         if Instant::now() > end {
@@ -256,7 +300,11 @@ fn clients(kind: &str, transport: &str, bin: &Path, pg: &Pg, proxy: &Path, dsn: 
     }
     let url = format!("http://127.0.0.1:{port}/mcp");
     let direct = Client::http(server, &url)?;
-    let mut proxy = pc.args(["--http", "127.0.0.1:0", "--upstream-url", &url]).stderr(Stdio::piped()).spawn().map_err(|e| e.to_string())?;
+    let mut proxy = pc
+        .args(["--http", "127.0.0.1:0", "--upstream-url", &url])
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
     let mut err = BufReader::new(proxy.stderr.take().unwrap());
     let purl = loop {
         let mut l = String::new();
@@ -291,7 +339,9 @@ fn run(args: &[String]) -> Result<(), String> {
     let iterations: usize = crate::flag(args, "--iterations").and_then(|s| s.parse().ok()).unwrap_or(200);
     let root = std::env::current_dir().map_err(|e| e.to_string())?;
     let npm = root.join("target/npm/node_modules/.bin");
-    let proxy = crate::flag(args, "--proxy").map(PathBuf::from).unwrap_or_else(|| root.join("target/release/planarian-mcp-proxy"));
+    let proxy = crate::flag(args, "--proxy")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target/release/planarian-mcp-proxy"));
     let pg = Pg::start()?;
     let dsn = format!("host=127.0.0.1 port={} user=postgres dbname=postgres", pg.port);
     let psql = Command::new("psql")
@@ -307,15 +357,19 @@ fn run(args: &[String]) -> Result<(), String> {
     println!("|---|---|---|---:|---:|---:|---:|---:|");
     for (kind, transport) in [("toolbox", "stdio"), ("toolbox", "http"), ("dbhub", "stdio"), ("dbhub", "http")] {
         let bin = npm.join(kind);
-        let state = std::env::temp_dir().join(format!("planarian-bench-mcp-{kind}-{transport}-{}.json", std::process::id()));
+        let state =
+            std::env::temp_dir().join(format!("planarian-bench-mcp-{kind}-{transport}-{}.json", std::process::id()));
         let (mut direct, mut proxied) = clients(kind, transport, &bin, &pg, &proxy, &dsn, &state)?;
         let mut t: [[Vec<Duration>; 2]; 2] = Default::default();
         for i in 0..iterations + 10 {
             let id = i % 1000 + 1;
-            let calls = [format!("SELECT v FROM bench WHERE id = {id}"), format!("UPDATE bench SET v = v + 1 WHERE id = {id}")];
+            let calls =
+                [format!("SELECT v FROM bench WHERE id = {id}"), format!("UPDATE bench SET v = v + 1 WHERE id = {id}")];
             for (c, sql) in calls.iter().enumerate() {
                 // Alternate which goes first, so that neither always finds the other's warm cache.
-                let (a, b) = if i % 2 == 0 { (direct.sql(sql)?, proxied.sql(sql)?) } else {
+                let (a, b) = if i % 2 == 0 {
+                    (direct.sql(sql)?, proxied.sql(sql)?)
+                } else {
                     let b = proxied.sql(sql)?;
                     (direct.sql(sql)?, b)
                 };
@@ -347,8 +401,16 @@ fn declared(iterations: usize, npm: &Path, proxy: &Path) -> Result<(), String> {
             "memory",
             "mcp-server-memory",
             vec![
-                ("add_observations", "write (result undo, check)", |i, _| json!({"observations": [{"entityName": "e", "contents": [format!("o{i}")]}]})),
-                ("delete_observations", "write (graph captured)", |i, _| json!({"deletions": [{"entityName": "e", "observations": [format!("o{i}")]}]})),
+                (
+                    "add_observations",
+                    "write (result undo, check)",
+                    |i, _| json!({"observations": [{"entityName": "e", "contents": [format!("o{i}")]}]}),
+                ),
+                (
+                    "delete_observations",
+                    "write (graph captured)",
+                    |i, _| json!({"deletions": [{"entityName": "e", "observations": [format!("o{i}")]}]}),
+                ),
                 ("open_nodes", "read", |_, _| json!({"names": ["e"]})),
             ],
         ),
@@ -356,13 +418,19 @@ fn declared(iterations: usize, npm: &Path, proxy: &Path) -> Result<(), String> {
             "filesystem",
             "mcp-server-filesystem",
             vec![
-                ("write_file", "write (content captured)", |i, d| json!({"path": d.join("f.txt"), "content": format!("v{i}\n")})),
+                (
+                    "write_file",
+                    "write (content captured)",
+                    |i, d| json!({"path": d.join("f.txt"), "content": format!("v{i}\n")}),
+                ),
                 ("read_text_file", "read", |_, d| json!({"path": d.join("f.txt")})),
             ],
         ),
     ];
     println!();
-    println!("Declared tools (hooks/specs), direct vs through planarian-mcp-proxy: {iterations} rounds, interleaved (ms)");
+    println!(
+        "Declared tools (hooks/specs), direct vs through planarian-mcp-proxy: {iterations} rounds, interleaved (ms)"
+    );
     println!("| server | tool | kind | direct median | proxied median | ratio | direct p95 | proxied p95 |");
     println!("|---|---|---|---:|---:|---:|---:|---:|");
     for (spec, bin, calls) in servers {
@@ -380,7 +448,11 @@ fn declared(iterations: usize, npm: &Path, proxy: &Path) -> Result<(), String> {
                 server
             } else {
                 let mut c = Command::new(proxy);
-                c.args(["serve", "--spec", spec, "--state"]).arg(data.join("positions.json")).arg("--").arg(server.get_program()).args(server.get_args());
+                c.args(["serve", "--spec", spec, "--state"])
+                    .arg(data.join("positions.json"))
+                    .arg("--")
+                    .arg(server.get_program())
+                    .args(server.get_args());
                 c.env("MEMORY_FILE_PATH", data.join("memory.jsonl"));
                 c
             };

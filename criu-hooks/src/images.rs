@@ -82,7 +82,9 @@ impl<'a> Msg<'a> {
                 }
                 2 => {
                     let n = read_varint(b, &mut pos)? as usize;
-                    let w = b.get(pos..pos.checked_add(n).ok_or(ImageError::Protobuf("length overflows"))?).ok_or(ImageError::Protobuf("field runs past the end"))?;
+                    let w = b
+                        .get(pos..pos.checked_add(n).ok_or(ImageError::Protobuf("length overflows"))?)
+                        .ok_or(ImageError::Protobuf("field runs past the end"))?;
                     pos += n;
                     Value::Bytes(w)
                 }
@@ -166,13 +168,17 @@ fn entries(path: &Path, magic: u32) -> Result<Option<Vec<Vec<u8>>>> {
     let word = |at: usize| data.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()));
     let (w0, w1) = (word(0).ok_or(bad(ImageError::Short))?, word(4).ok_or(bad(ImageError::Short))?);
     if w0 != COMMON_MAGIC || w1 != magic {
-        return Err(ReadError::Content { path: path.to_path_buf(), what: format!("not the image expected (magic {w0:#x} {w1:#x}, expected {COMMON_MAGIC:#x} {magic:#x})") });
+        return Err(ReadError::Content {
+            path: path.to_path_buf(),
+            what: format!("not the image expected (magic {w0:#x} {w1:#x}, expected {COMMON_MAGIC:#x} {magic:#x})"),
+        });
     }
     let mut at = 8;
     let mut out = Vec::new();
     while at < data.len() {
         let n = word(at).ok_or(bad(ImageError::Short))? as usize;
-        let body = data.get(at + 4..at + 4 + n).ok_or(bad(ImageError::Length { declared: n, actual: data.len() - at - 4 }))?;
+        let body =
+            data.get(at + 4..at + 4 + n).ok_or(bad(ImageError::Length { declared: n, actual: data.len() - at - 4 }))?;
         out.push(body.to_vec());
         at += 4 + n;
         if magic == PIPES_DATA_MAGIC {
@@ -184,7 +190,8 @@ fn entries(path: &Path, magic: u32) -> Result<Option<Vec<Vec<u8>>>> {
 }
 
 fn required(path: &Path, magic: u32) -> Result<Vec<Vec<u8>>> {
-    entries(path, magic)?.ok_or_else(|| ReadError::Io { path: path.to_path_buf(), source: std::io::ErrorKind::NotFound.into() })
+    entries(path, magic)?
+        .ok_or_else(|| ReadError::Io { path: path.to_path_buf(), source: std::io::ErrorKind::NotFound.into() })
 }
 
 fn decode<'a>(path: &Path, b: &'a [u8]) -> Result<Msg<'a>> {
@@ -208,7 +215,13 @@ pub fn pstree(dir: &Path) -> Result<Vec<Process>> {
         .map(|e| {
             let m = decode(&path, e)?;
             let threads = m.ints(5).map_err(|source| ReadError::Image { path: path.clone(), source })?;
-            Ok(Process { pid: m.u(1) as u32, ppid: m.u(2) as u32, pgid: m.u(3) as u32, sid: m.u(4) as u32, threads: threads.into_iter().map(|t| t as u32).collect() })
+            Ok(Process {
+                pid: m.u(1) as u32,
+                ppid: m.u(2) as u32,
+                pgid: m.u(3) as u32,
+                sid: m.u(4) as u32,
+                threads: threads.into_iter().map(|t| t as u32).collect(),
+            })
         })
         .collect()
 }
@@ -375,7 +388,15 @@ pub fn mm(dir: &Path, pid: u32) -> Result<Mm> {
         .msgs(14)
         .map_err(|source| ReadError::Image { path: path.clone(), source })?
         .iter()
-        .map(|v| Vma { start: v.u(1), end: v.u(2), pgoff: v.u(3), shmid: v.u(4), prot: v.u(5) as u32, flags: v.u(6) as u32, status: v.u(7) as u32 })
+        .map(|v| Vma {
+            start: v.u(1),
+            end: v.u(2),
+            pgoff: v.u(3),
+            shmid: v.u(4),
+            prot: v.u(5) as u32,
+            flags: v.u(6) as u32,
+            status: v.u(7) as u32,
+        })
         .collect();
     Ok(Mm { brk: m.u(7), start_brk: m.u(6), vmas })
 }
@@ -393,7 +414,10 @@ pub fn pagemap(dir: &Path, pid: u32) -> Result<(u32, Vec<PagemapEntry>)> {
     let path = dir.join(format!("pagemap-{pid}.img"));
     let e = required(&path, PAGEMAP_MAGIC)?;
     let mut it = e.iter();
-    let head = decode(&path, it.next().ok_or_else(|| ReadError::Content { path: path.clone(), what: "no pagemap head".into() })?)?;
+    let head = decode(
+        &path,
+        it.next().ok_or_else(|| ReadError::Content { path: path.clone(), what: "no pagemap head".into() })?,
+    )?;
     let entries = it
         .map(|b| {
             let m = decode(&path, b)?;
@@ -500,7 +524,8 @@ pub fn memory(dir: &Path, pid: u32) -> Result<Vec<PageRun>> {
     for e in entries {
         if e.flags & PE_PARENT != 0 {
             if parent.is_none() {
-                let p = std::fs::canonicalize(dir.join("parent")).map_err(|source| ReadError::Io { path: dir.join("parent"), source })?;
+                let p = std::fs::canonicalize(dir.join("parent"))
+                    .map_err(|source| ReadError::Io { path: dir.join("parent"), source })?;
                 parent = Some(memory(&p, pid)?);
             }
             let from = parent.as_ref().unwrap();
@@ -516,15 +541,31 @@ pub fn memory(dir: &Path, pid: u32) -> Result<Vec<PageRun>> {
                 if s != covered {
                     break;
                 }
-                out.push(PageRun { vaddr: s, nr_pages: (t - s) / PAGE_SIZE, file: r.file.clone(), loc: Location { offset: r.loc.offset + (s - r.vaddr), ..r.loc } });
+                out.push(PageRun {
+                    vaddr: s,
+                    nr_pages: (t - s) / PAGE_SIZE,
+                    file: r.file.clone(),
+                    loc: Location { offset: r.loc.offset + (s - r.vaddr), ..r.loc },
+                });
                 covered = t;
             }
             if covered != hi {
-                return Err(ReadError::Content { path: dir.to_path_buf(), what: format!("pages {covered:#x}..{hi:#x} of process {pid} are in no parent image") });
+                return Err(ReadError::Content {
+                    path: dir.to_path_buf(),
+                    what: format!("pages {covered:#x}..{hi:#x} of process {pid} are in no parent image"),
+                });
             }
         } else if e.flags & PE_PRESENT != 0 {
-            let md = md.as_ref().map_err(|e| ReadError::Io { path: file.clone(), source: std::io::Error::new(e.kind(), e.to_string()) })?;
-            out.push(PageRun { vaddr: e.vaddr, nr_pages: e.nr_pages, file: file.clone(), loc: Location { dev: md.dev(), ino: md.ino(), offset } });
+            let md = md.as_ref().map_err(|e| ReadError::Io {
+                path: file.clone(),
+                source: std::io::Error::new(e.kind(), e.to_string()),
+            })?;
+            out.push(PageRun {
+                vaddr: e.vaddr,
+                nr_pages: e.nr_pages,
+                file: file.clone(),
+                loc: Location { dev: md.dev(), ino: md.ino(), offset },
+            });
             offset += e.nr_pages * PAGE_SIZE;
         }
     }
@@ -591,12 +632,22 @@ pub(crate) mod tests {
         image(
             &c.join("pagemap-1.img"),
             PAGEMAP_MAGIC,
-            &[Enc::default().int(1, 5).0, pm(0x10000, 1, PE_PARENT), pm(0x11000, 1, PE_PRESENT), pm(0x12000, 2, PE_PARENT), pm(0x40000, 1, PE_PRESENT)],
+            &[
+                Enc::default().int(1, 5).0,
+                pm(0x10000, 1, PE_PARENT),
+                pm(0x11000, 1, PE_PRESENT),
+                pm(0x12000, 2, PE_PARENT),
+                pm(0x40000, 1, PE_PRESENT),
+            ],
         );
         std::fs::write(c.join("pages-5.img"), vec![1u8; 2 * 4096]).unwrap();
         let m = memory(&c, 1).unwrap();
-        let got: Vec<(u64, u64, u64, bool)> = m.iter().map(|r| (r.vaddr, r.nr_pages, r.loc.offset, r.file.ends_with("p/pages-3.img"))).collect();
-        assert_eq!(got, vec![(0x10000, 1, 0, true), (0x11000, 1, 0, false), (0x12000, 2, 8192, true), (0x40000, 1, 4096, false)]);
+        let got: Vec<(u64, u64, u64, bool)> =
+            m.iter().map(|r| (r.vaddr, r.nr_pages, r.loc.offset, r.file.ends_with("p/pages-3.img"))).collect();
+        assert_eq!(
+            got,
+            vec![(0x10000, 1, 0, true), (0x11000, 1, 0, false), (0x12000, 2, 8192, true), (0x40000, 1, 4096, false)]
+        );
         // A parent page that is not there is an error, not a hole.
         image(&c.join("pagemap-1.img"), PAGEMAP_MAGIC, &[Enc::default().int(1, 5).0, pm(0x20000, 1, PE_PARENT)]);
         assert!(memory(&c, 1).unwrap_err().to_string().contains("in no parent image"));
@@ -615,28 +666,57 @@ pub(crate) mod tests {
         let ti = Enc::default().int(1, 0).bytes(2, &g.0).bytes(3, &f.0);
         let tc = Enc::default().int(1, 1).int(5, 0x4000).bytes(6, b"python3");
         let th = Enc::default().int(1, 0).int(2, 0).int(6, 0x2000).bytes(9, &Enc::default().bytes(1, b"x").0);
-        let core_e = Enc::default().int(1, 1).bytes(2, &ti.0).bytes(3, &tc.0).bytes(4, &Enc::default().int(1, 1).int(2, 9).0).bytes(5, &th.0);
+        let core_e = Enc::default()
+            .int(1, 1)
+            .bytes(2, &ti.0)
+            .bytes(3, &tc.0)
+            .bytes(4, &Enc::default().int(1, 1).int(2, 9).0)
+            .bytes(5, &th.0);
         image(&d.join("core-7.img"), CORE_MAGIC, &[core_e.0]);
         let c = core(&d, 7).unwrap();
         assert_eq!(c.gpregs, regs);
         assert!(c.native);
-        assert_eq!((c.blocked, c.files_id, c.comm.as_str(), c.task_state, c.pending_signals), (0x2000, Some(9), "python3", Some(TASK_ALIVE), true));
+        assert_eq!(
+            (c.blocked, c.files_id, c.comm.as_str(), c.task_state, c.pending_signals),
+            (0x2000, Some(9), "python3", Some(TASK_ALIVE), true)
+        );
         assert_eq!(c.fpregs.fxsave.len(), 512);
         assert_eq!(&c.fpregs.fxsave[0..2], &0x37fu16.to_le_bytes());
         assert_eq!(&c.fpregs.fxsave[24..28], &0x1f80u32.to_le_bytes());
         assert_eq!(&c.fpregs.fxsave[32..36], &5u32.to_le_bytes());
 
-        let vma = Enc::default().int(1, 0x1000).int(2, 0x3000).int(3, 0).int(4, 0).int(5, 3).int(6, 0x22).int(7, VMA_AREA_REGULAR as u64 | VMA_ANON_PRIVATE as u64);
+        let vma = Enc::default()
+            .int(1, 0x1000)
+            .int(2, 0x3000)
+            .int(3, 0)
+            .int(4, 0)
+            .int(5, 3)
+            .int(6, 0x22)
+            .int(7, VMA_AREA_REGULAR as u64 | VMA_ANON_PRIVATE as u64);
         image(&d.join("mm-7.img"), MM_MAGIC, &[Enc::default().int(6, 0x5000).int(7, 0x6000).bytes(14, &vma.0).0]);
         let m = mm(&d, 7).unwrap();
-        assert_eq!((m.brk, m.start_brk, m.vmas.len(), m.vmas[0].end, m.vmas[0].is(VMA_ANON_PRIVATE)), (0x6000, 0x5000, 1, 0x3000, true));
+        assert_eq!(
+            (m.brk, m.start_brk, m.vmas.len(), m.vmas[0].end, m.vmas[0].is(VMA_ANON_PRIVATE)),
+            (0x6000, 0x5000, 1, 0x3000, true)
+        );
 
-        image(&d.join("pstree.img"), PSTREE_MAGIC, &[Enc::default().int(1, 1).int(2, 0).int(3, 1).int(4, 1).int(5, 1).int(5, 2).0]);
+        image(
+            &d.join("pstree.img"),
+            PSTREE_MAGIC,
+            &[Enc::default().int(1, 1).int(2, 0).int(3, 1).int(4, 1).int(5, 1).int(5, 2).0],
+        );
         assert_eq!(pstree(&d).unwrap(), vec![Process { pid: 1, ppid: 0, pgid: 1, sid: 1, threads: vec![1, 2] }]);
 
         let reg = Enc::default().int(1, 4).int(2, 0o2).int(3, 77).bytes(6, b"/tmp/x");
         let pipe = Enc::default().int(1, 5).int(2, 4242);
-        image(&d.join("files.img"), FILES_MAGIC, &[Enc::default().int(1, 1).int(2, 4).bytes(3, &reg.0).0, Enc::default().int(1, 2).int(2, 5).bytes(18, &pipe.0).0]);
+        image(
+            &d.join("files.img"),
+            FILES_MAGIC,
+            &[
+                Enc::default().int(1, 1).int(2, 4).bytes(3, &reg.0).0,
+                Enc::default().int(1, 2).int(2, 5).bytes(18, &pipe.0).0,
+            ],
+        );
         let fs = files(&d).unwrap();
         assert_eq!(fs[&4], File::Regular { flags: 2, pos: 77, name: "/tmp/x".into() });
         assert_eq!(fs[&5], File::Pipe { inode: 4242 });

@@ -193,7 +193,8 @@ pub fn dump_stats(image: &[u8]) -> Result<DumpStats, ImageError> {
     let mut at = if word(0).ok_or(ImageError::Short)? == SERVICE_MAGIC { 8 } else { 4 };
     let n = word(at).ok_or(ImageError::Short)? as usize;
     at += 4;
-    let msg = image.get(at..at + n).ok_or(ImageError::Length { declared: n, actual: image.len().saturating_sub(at) })?;
+    let msg =
+        image.get(at..at + n).ok_or(ImageError::Length { declared: n, actual: image.len().saturating_sub(at) })?;
     let mut out = DumpStats::default();
     for (field, rec) in records(msg)? {
         if field != 1 {
@@ -275,16 +276,15 @@ pub fn uptime_ticks(proc: &Path, clk_tck: u64) -> Result<u64, HookError> {
 pub fn pre_resume(init: i32, out: &Path) -> Result<(), HookError> {
     use std::time::{Duration, Instant};
     let proc = Path::new("/proc");
-    let clk = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .ok_or(HookError::ClockTicks)? as u64;
+    let clk =
+        nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten().ok_or(HookError::ClockTicks)? as u64;
     let tree = restored_tree(proc, init);
     if tree.is_empty() {
         return Err(HookError::NoTree(init));
     }
     for pid in &tree {
-        clear_soft_dirty(proc, *pid).map_err(|e| sys::IoError::new("write", proc.join(pid.to_string()).join("clear_refs"), e))?;
+        clear_soft_dirty(proc, *pid)
+            .map_err(|e| sys::IoError::new("write", proc.join(pid.to_string()).join("clear_refs"), e))?;
     }
     let e = epoch(proc, &tree)?;
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -37,7 +37,8 @@ fn main() {
 
 fn pre_resume() -> Result<(), criu_hooks::HookError> {
     use criu_hooks::HookError::NotSet;
-    let init: i32 = std::env::var("CRTOOLS_INIT_PID").ok().and_then(|p| p.parse().ok()).ok_or(NotSet("CRTOOLS_INIT_PID"))?;
+    let init: i32 =
+        std::env::var("CRTOOLS_INIT_PID").ok().and_then(|p| p.parse().ok()).ok_or(NotSet("CRTOOLS_INIT_PID"))?;
     let out = std::env::var_os("PLANARIAN_EPOCH_FILE").ok_or(NotSet("PLANARIAN_EPOCH_FILE"))?;
     criu_hooks::pre_resume(init, Path::new(&out))
 }

@@ -75,8 +75,16 @@ mod tests {
             let p = (big.as_ptr() as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE + (1 << 22);
             // SAFETY: a byte inside `big`.
             let _ = unsafe { std::ptr::read_volatile(p as *const u8) };
-            assert_eq!(pages(std::process::id() as i32, p, p + PAGE_SIZE, None).unwrap(), vec![(p, p + PAGE_SIZE)], "read: mapped");
-            assert_eq!(pages(std::process::id() as i32, p, p + PAGE_SIZE, Some(z)).unwrap(), vec![], "the zero page is not a page of its own");
+            assert_eq!(
+                pages(std::process::id() as i32, p, p + PAGE_SIZE, None).unwrap(),
+                vec![(p, p + PAGE_SIZE)],
+                "read: mapped"
+            );
+            assert_eq!(
+                pages(std::process::id() as i32, p, p + PAGE_SIZE, Some(z)).unwrap(),
+                vec![],
+                "the zero page is not a page of its own"
+            );
             std::hint::black_box(&big);
         }
         std::hint::black_box(&v);

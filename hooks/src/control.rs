@@ -1,15 +1,8 @@
-//! The control interface for the shim: one JSON request per connection on a Unix socket.
-//!
-//! `{"op":"position"}` → `{"position":N}` (taken under the proxy lock), with `"since":P` also
-//! `"calls"` and `"tables"`: how many calls after P changed something, and what;
-//! `{"op":"compensate","to":P}` → `{"position":P,"rows":R}` or `{"error":"…"}`;
-//! `{"op":"branch","at":P,"container":ID}` → `{"database":NAME}`: a copy of the database at
-//! position P for the fork ID; `{"op":"unbranch","container":ID}` → `{"dropped":NAME}`: that
-//! copy dropped (a fork that failed);
-//! `{"op":"disable","reason":"…"}` → `{"disabled":true}`; `{"op":"status"}` → the proxy's state.
+//! The control socket's server side: one request per connection, answered by the proxy. The
+//! requests and answers are `planarian_contracts::control`'s.
 
 use crate::proxy::Proxy;
-use serde_json::{json, Value};
+use planarian_contracts::control::{self, Request};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
@@ -43,61 +36,45 @@ fn handle(conn: UnixStream, proxy: &Arc<Proxy>) {
     if BufReader::new(&conn).read_line(&mut line).is_err() {
         return;
     }
-    let req: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
-    let resp = match req["op"].as_str() {
-        Some("position") => match proxy.capture() {
-            Ok(p) => {
-                let uncovered = proxy.uncovered();
-                match req["since"].as_u64().map(|since| proxy.changes(since, p)) {
-                    None => json!({"position": p, "uncovered": uncovered}),
-                    Some(Ok((calls, tables))) => json!({"position": p, "calls": calls, "tables": tables, "uncovered": uncovered}),
-                    Some(Err(e)) => json!({"error": e}),
-                }
-            }
-            Err(e) => json!({"error": e}),
-        },
-        Some("compensate") => match req["to"].as_u64() {
-            Some(to) => match proxy.compensate(to) {
-                Ok(rows) => json!({"position": to, "rows": rows}),
-                Err(e) => json!({"error": e}),
-            },
-            None => json!({"error": "compensate needs \"to\": a position"}),
-        },
-        Some("disable") => {
-            let why = req["reason"].as_str().unwrap_or("database calls are disabled for this sandbox").to_string();
-            proxy.disable(why);
-            json!({"disabled": true})
-        }
-        Some("status") => proxy.status(),
-        Some("branch") => match (req["at"].as_u64(), req["container"].as_str()) {
-            (Some(at), Some(c)) => match proxy.branch(at, c) {
-                Ok(name) => json!({"database": name}),
-                Err(e) => json!({"error": e}),
-            },
-            _ => json!({"error": "branch needs \"at\": a position and \"container\": the fork's ID"}),
-        },
-        Some("unbranch") => match req["container"].as_str() {
-            Some(c) => match proxy.unbranch(c) {
-                Ok(name) => json!({"dropped": name}),
-                Err(e) => json!({"error": e}),
-            },
-            None => json!({"error": "unbranch needs \"container\": the fork's ID"}),
-        },
-        _ => json!({"error": "unknown request: expected op position, compensate, branch, unbranch, disable or status"}),
+    let answer = match serde_json::from_str::<Request>(&line) {
+        Ok(req) => answer(&req, proxy),
+        Err(e) => control::answer_line::<()>(Err(format!(
+            "unknown request ({e}): expected op position, compensate, branch, unbranch, disable or status"
+        ))),
     };
     let mut conn = conn;
-    let _ = conn.write_all(format!("{resp}\n").as_bytes());
+    let _ = conn.write_all(format!("{answer}\n").as_bytes());
 }
 
-/// One request to a proxy's control socket.
-pub fn request(path: &Path, req: &Value) -> Result<Value, String> {
-    let mut conn = UnixStream::connect(path).map_err(|e| format!("no MCP proxy at {}: {e}", path.display()))?;
-    conn.write_all(format!("{req}\n").as_bytes()).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut line = String::new();
-    BufReader::new(&conn).read_line(&mut line).map_err(|e| format!("{}: {e}", path.display()))?;
-    let v: Value = serde_json::from_str(&line).map_err(|e| format!("{}: bad answer: {e}", path.display()))?;
-    match v["error"].as_str() {
-        Some(e) => Err(e.to_string()),
-        None => Ok(v),
+/// The answer line to one request.
+fn answer(req: &Request, proxy: &Arc<Proxy>) -> String {
+    match req {
+        Request::Position { since } => control::answer_line(proxy.capture().and_then(|position| {
+            let uncovered = proxy.uncovered();
+            match since {
+                None => Ok(control::Position { position, uncovered, ..Default::default() }),
+                Some(since) => proxy.changes(*since, position).map(|(calls, tables)| control::Position {
+                    position,
+                    calls: Some(calls),
+                    tables: Some(tables),
+                    uncovered,
+                }),
+            }
+        })),
+        Request::Compensate { to } => {
+            control::answer_line(proxy.compensate(*to).map(|rows| control::Compensated { position: *to, rows }))
+        }
+        Request::Disable { reason } => {
+            let why = if reason.is_empty() { "database calls are disabled for this sandbox" } else { reason };
+            proxy.disable(why.to_string());
+            control::answer_line(Ok(control::Disabled { disabled: true }))
+        }
+        Request::Status => control::answer_line(Ok(proxy.status())),
+        Request::Branch { at, container } => {
+            control::answer_line(proxy.branch(*at, container).map(|database| control::Branched { database }))
+        }
+        Request::Unbranch { container } => {
+            control::answer_line(proxy.unbranch(container).map(|dropped| control::Unbranched { dropped }))
+        }
     }
 }

@@ -23,7 +23,8 @@ struct Cache {
 }
 
 /// Volatile functions whose only effect is their result: harmless in a recorded change.
-const HARMLESS_VOLATILE: &[&str] = &["random", "clock_timestamp", "timeofday", "gen_random_uuid", "txid_current", "pg_sleep"];
+const HARMLESS_VOLATILE: &[&str] =
+    &["random", "clock_timestamp", "timeofday", "gen_random_uuid", "txid_current", "pg_sleep"];
 
 #[derive(Debug)]
 pub enum CompensateError {
@@ -75,7 +76,10 @@ fn key_match(keys: &[String], rel: &str, img: &str) -> String {
 
 /// `id=3, region="eu"`: a row's key, as messages name it.
 fn key_text(keys: &[String], img: &serde_json::Value) -> String {
-    keys.iter().map(|k| format!("{k}={}", img.get(k).map(|v| v.to_string()).unwrap_or_default())).collect::<Vec<_>>().join(", ")
+    keys.iter()
+        .map(|k| format!("{k}={}", img.get(k).map(|v| v.to_string()).unwrap_or_default()))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// A libpq connection string for `config` (for pg_dump and pg_restore).
@@ -165,7 +169,12 @@ fn descendant(v: &serde_json::Value) -> Descendant {
     for fk in strings("fks") {
         problems.push(format!("{fk} cascades changes to {name}"));
     }
-    Descendant { oid: v["oid"].as_u64().unwrap_or_default() as u32, qualified: name, primary_key: strings("key"), problems }
+    Descendant {
+        oid: v["oid"].as_u64().unwrap_or_default() as u32,
+        qualified: name,
+        primary_key: strings("key"),
+        problems,
+    }
 }
 
 impl Db {
@@ -245,9 +254,11 @@ impl Db {
 
     /// Creates an empty database `name` (owned by this connection's role).
     pub fn create_database(&mut self, name: &str) -> Result<(), String> {
-        self.client.batch_execute(&format!("CREATE DATABASE {} TEMPLATE template0", quote_ident(name))).map_err(|e| match e.code() {
-            Some(c) if c.code() == "42P04" => format!("a database {name} exists already"),
-            _ => format!("cannot create the database {name}: {}", pe(e)),
+        self.client.batch_execute(&format!("CREATE DATABASE {} TEMPLATE template0", quote_ident(name))).map_err(|e| {
+            match e.code() {
+                Some(c) if c.code() == "42P04" => format!("a database {name} exists already"),
+                _ => format!("cannot create the database {name}: {}", pe(e)),
+            }
         })
     }
 
@@ -300,13 +311,20 @@ impl Db {
             Object::View { schema: s, name, replace } => {
                 let full = q(&schema(s, c)?, name);
                 match (rel_exists(c, &full)?, replace) {
-                    (true, true) => return Err(format!("CREATE OR REPLACE VIEW over the existing view {full} cannot be undone: create a new view")),
+                    (true, true) => {
+                        return Err(format!(
+                            "CREATE OR REPLACE VIEW over the existing view {full} cannot be undone: create a new view"
+                        ))
+                    }
                     (true, false) => None,
                     (false, _) => Some(format!("DROP VIEW IF EXISTS {full}")),
                 }
             }
             Object::Schema { name } => {
-                let exists: bool = c.query_one("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", &[name]).map_err(pe)?.get(0);
+                let exists: bool = c
+                    .query_one("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", &[name])
+                    .map_err(pe)?
+                    .get(0);
                 (!exists).then(|| format!("DROP SCHEMA IF EXISTS {}", quote_ident(name)))
             }
             Object::Column { schema: s, table, column } => {
@@ -342,7 +360,10 @@ impl Db {
         let Some(table) = inverse.strip_prefix("DROP TABLE IF EXISTS ") else { return Ok(()) };
         self.client
             .execute(
-                &format!("UPDATE {UNDO_SCHEMA}.undo SET content = ({}) WHERE position = $1 AND seq = 0", contents(table)),
+                &format!(
+                    "UPDATE {UNDO_SCHEMA}.undo SET content = ({}) WHERE position = $1 AND seq = 0",
+                    contents(table)
+                ),
                 &[&(position as i64)],
             )
             .map_err(pe)?;
@@ -351,7 +372,9 @@ impl Db {
 
     /// Forgets a DDL record whose statement failed.
     pub fn forget(&mut self, position: u64) -> Result<(), String> {
-        self.client.execute(&format!("DELETE FROM {UNDO_SCHEMA}.undo WHERE position = $1"), &[&(position as i64)]).map_err(pe)?;
+        self.client
+            .execute(&format!("DELETE FROM {UNDO_SCHEMA}.undo WHERE position = $1"), &[&(position as i64)])
+            .map_err(pe)?;
         Ok(())
     }
 
@@ -360,7 +383,12 @@ impl Db {
     pub fn changes_between(&mut self, from: u64, to: u64) -> Result<(u64, Vec<String>), String> {
         let calls = self
             .client
-            .query_one(&format!("SELECT count(DISTINCT position) FROM {UNDO_SCHEMA}.undo WHERE position > $1 AND position <= $2"), &[&(from as i64), &(to as i64)])
+            .query_one(
+                &format!(
+                    "SELECT count(DISTINCT position) FROM {UNDO_SCHEMA}.undo WHERE position > $1 AND position <= $2"
+                ),
+                &[&(from as i64), &(to as i64)],
+            )
             .map_err(pe)?
             .get::<_, i64>(0) as u64;
         let rows = self
@@ -476,7 +504,16 @@ impl Db {
             .map(|a| a.iter().map(descendant).collect())
             .unwrap_or_default();
         let catalog_generation = row.get::<_, Option<i64>>(9);
-        Ok(TableInfo { oid, qualified, columns, primary_key, problems, partitioned: relkind == "p", descendants, catalog_generation })
+        Ok(TableInfo {
+            oid,
+            qualified,
+            columns,
+            primary_key,
+            problems,
+            partitioned: relkind == "p",
+            descendants,
+            catalog_generation,
+        })
     }
 
     /// The functions among `names` that are volatile (may change the database) and not known to
@@ -492,7 +529,10 @@ impl Db {
         }
         let rows = self
             .client
-            .query("SELECT DISTINCT proname::text FROM pg_proc WHERE proname = ANY($1) AND provolatile = 'v' ORDER BY 1", &[&bare])
+            .query(
+                "SELECT DISTINCT proname::text FROM pg_proc WHERE proname = ANY($1) AND provolatile = 'v' ORDER BY 1",
+                &[&bare],
+            )
             .map_err(pe)?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
@@ -525,12 +565,19 @@ impl Db {
                 // own recorded calls did not put there (those were undone just before): no rows,
                 // or exactly those the creating statement filled it with.
                 if let Some(table) = inverse.strip_prefix("DROP TABLE IF EXISTS ") {
-                    let exists: bool =
-                        tx.query_one(&format!("SELECT to_regclass({}) IS NOT NULL", quote_literal(table)), &[]).map_err(other)?.get(0);
+                    let exists: bool = tx
+                        .query_one(&format!("SELECT to_regclass({}) IS NOT NULL", quote_literal(table)), &[])
+                        .map_err(other)?
+                        .get(0);
                     let foreign = exists
                         && match e.get::<_, Option<String>>(7) {
-                            Some(filled) => tx.query_one(&contents(table), &[]).map_err(other)?.get::<_, String>(0) != filled,
-                            None => tx.query_one(&format!("SELECT EXISTS (SELECT 1 FROM {table})"), &[]).map_err(other)?.get::<_, bool>(0),
+                            Some(filled) => {
+                                tx.query_one(&contents(table), &[]).map_err(other)?.get::<_, String>(0) != filled
+                            }
+                            None => tx
+                                .query_one(&format!("SELECT EXISTS (SELECT 1 FROM {table})"), &[])
+                                .map_err(other)?
+                                .get::<_, bool>(0),
                         };
                     if foreign {
                         return Err(CompensateError::Conflict(format!(
@@ -539,7 +586,10 @@ impl Db {
                     }
                 }
                 tx.batch_execute(&inverse).map_err(|e| {
-                    CompensateError::Conflict(format!("cannot undo {tbl} (position {pos}): {}; nothing was undone", pe(e)))
+                    CompensateError::Conflict(format!(
+                        "cannot undo {tbl} (position {pos}): {}; nothing was undone",
+                        pe(e)
+                    ))
                 })?;
                 continue;
             }
@@ -556,7 +606,10 @@ impl Db {
                 Some(p) => *p,
                 None => {
                     let p: bool = tx
-                        .query_one("SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)", &[&tbl])
+                        .query_one(
+                            "SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)",
+                            &[&tbl],
+                        )
                         .map_err(other)?
                         .get(0);
                     partitioned_tables.insert(tbl.clone(), p);
@@ -578,7 +631,9 @@ impl Db {
                     )
                     .map_err(other)?;
                 if cols.is_empty() {
-                    return Err(CompensateError::Other(format!("{target} no longer exists: cannot undo position {pos}")));
+                    return Err(CompensateError::Other(format!(
+                        "{target} no longer exists: cannot undo position {pos}"
+                    )));
                 }
                 let writable: Vec<String> =
                     cols.iter().filter(|r| r.get::<_, String>(1).is_empty()).map(|r| r.get::<_, String>(0)).collect();
@@ -598,7 +653,9 @@ impl Db {
             }
             let (cols, keys) = &infos[&target];
             if keys.is_empty() {
-                return Err(CompensateError::Other(format!("{target} has lost its primary key: cannot undo position {pos}")));
+                return Err(CompensateError::Other(format!(
+                    "{target} has lost its primary key: cannot undo position {pos}"
+                )));
             }
             let qcols: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
             let key_match = |img: &str| key_match(keys, &target, img);
@@ -611,7 +668,10 @@ impl Db {
             match (&before, &after) {
                 (None, Some(after)) => {
                     let n = tx
-                        .execute(&format!("DELETE FROM {only}{target} o WHERE {} AND to_jsonb(o.*) = $1", key_match("$1")), &[after])
+                        .execute(
+                            &format!("DELETE FROM {only}{target} o WHERE {} AND to_jsonb(o.*) = $1", key_match("$1")),
+                            &[after],
+                        )
                         .map_err(other)?;
                     if n != 1 {
                         return Err(conflict("was changed or removed", after));
@@ -645,7 +705,9 @@ impl Db {
                     );
                     match r {
                         Ok(_) => {}
-                        Err(e) if e.code().is_some_and(|c| c.code() == "23505") => return Err(conflict("was inserted again", before)),
+                        Err(e) if e.code().is_some_and(|c| c.code() == "23505") => {
+                            return Err(conflict("was inserted again", before))
+                        }
                         Err(e) => return Err(other(e)),
                     }
                 }
@@ -655,10 +717,16 @@ impl Db {
             // it away), and the before-image under its before-key; older entries, undone later,
             // have the last word on each key.
             if let Some(after) = &after {
-                promised.insert((target.clone(), key_text(keys, after)), Promise { pos, only, home: home.clone(), want: None, image: after.clone() });
+                promised.insert(
+                    (target.clone(), key_text(keys, after)),
+                    Promise { pos, only, home: home.clone(), want: None, image: after.clone() },
+                );
             }
             if let Some(before) = &before {
-                promised.insert((target.clone(), key_text(keys, before)), Promise { pos, only, home, want: Some(before.clone()), image: before.clone() });
+                promised.insert(
+                    (target.clone(), key_text(keys, before)),
+                    Promise { pos, only, home, want: Some(before.clone()), image: before.clone() },
+                );
             }
         }
         // Verify what was promised: every row back in the relation it lived in, exactly as it
@@ -696,7 +764,8 @@ impl Db {
                 )));
             }
         }
-        tx.execute(&format!("DELETE FROM {UNDO_SCHEMA}.undo WHERE position > $1"), &[&(position as i64)]).map_err(other)?;
+        tx.execute(&format!("DELETE FROM {UNDO_SCHEMA}.undo WHERE position > $1"), &[&(position as i64)])
+            .map_err(other)?;
         tx.commit().map_err(other)?;
         Ok(entries.len() as u64)
     }

@@ -59,15 +59,16 @@ pub struct Body<R> {
 
 impl<R: BufRead> Body<R> {
     fn new(inner: R, headers: &Headers, request: bool) -> io::Result<Body<R>> {
-        let framing = if header(headers, "transfer-encoding").is_some_and(|t| t.to_ascii_lowercase().contains("chunked")) {
-            Framing::Chunked { left: 0, done: false }
-        } else if let Some(n) = header(headers, "content-length") {
-            Framing::Length(n.parse().map_err(|_| bad(format!("bad Content-Length: {n}")))?)
-        } else if request {
-            Framing::Length(0)
-        } else {
-            Framing::UntilClose
-        };
+        let framing =
+            if header(headers, "transfer-encoding").is_some_and(|t| t.to_ascii_lowercase().contains("chunked")) {
+                Framing::Chunked { left: 0, done: false }
+            } else if let Some(n) = header(headers, "content-length") {
+                Framing::Length(n.parse().map_err(|_| bad(format!("bad Content-Length: {n}")))?)
+            } else if request {
+                Framing::Length(0)
+            } else {
+                Framing::UntilClose
+            };
         Ok(Body { inner, framing })
     }
 
@@ -237,7 +238,8 @@ impl<R: BufRead> Events<R> {
             if line.starts_with(':') {
                 continue;
             }
-            let (field, value) = line.split_once(':').map_or((line, ""), |(f, v)| (f, v.strip_prefix(' ').unwrap_or(v)));
+            let (field, value) =
+                line.split_once(':').map_or((line, ""), |(f, v)| (f, v.strip_prefix(' ').unwrap_or(v)));
             if field == "data" {
                 let d = data.get_or_insert_with(String::new);
                 if !d.is_empty() {
@@ -258,16 +260,19 @@ pub struct Url {
 
 impl Url {
     pub fn parse(s: &str) -> Result<Url, String> {
-        let rest = s.strip_prefix("http://").ok_or_else(|| format!("{s}: only http:// URLs are supported (the MCP server runs beside the proxy)"))?;
+        let rest = s
+            .strip_prefix("http://")
+            .ok_or_else(|| format!("{s}: only http:// URLs are supported (the MCP server runs beside the proxy)"))?;
         let (authority, path) = rest.find('/').map_or((rest, "/"), |i| (&rest[..i], &rest[i..]));
         if authority.is_empty() {
             return Err(format!("{s}: no host"));
         }
-        let authority = if authority.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) && !authority.ends_with(']') {
-            authority.to_string()
-        } else {
-            format!("{authority}:80")
-        };
+        let authority =
+            if authority.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) && !authority.ends_with(']') {
+                authority.to_string()
+            } else {
+                format!("{authority}:80")
+            };
         Ok(Url { authority, path: path.to_string() })
     }
 }

@@ -6,7 +6,8 @@
 
 use crate::http::{self, Request};
 use crate::proxy::{Conn, Proxy};
-use serde_json::{json, Value};
+use planarian_contracts::jsonrpc;
+use serde_json::Value;
 use std::collections::HashSet;
 use std::io::{BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -18,7 +19,9 @@ type Sessions = Arc<Mutex<HashSet<String>>>;
 
 /// Binds the listener; only loopback addresses (the proxy has no authentication).
 pub fn bind(addr: &str) -> Result<TcpListener, String> {
-    let a: SocketAddr = addr.parse().map_err(|_| format!("--http {addr}: not an address:port (e.g. 127.0.0.1:8808, or port 0 for any)"))?;
+    let a: SocketAddr = addr
+        .parse()
+        .map_err(|_| format!("--http {addr}: not an address:port (e.g. 127.0.0.1:8808, or port 0 for any)"))?;
     if !a.ip().is_loopback() {
         return Err(format!("--http {addr}: the proxy listens on loopback only (127.0.0.1 or [::1])"));
     }
@@ -56,7 +59,7 @@ fn connection(proxy: &Arc<Proxy>, sessions: &Sessions, stream: TcpStream) {
 
 /// A JSON-RPC error in an HTTP error response, as MCP servers send them.
 fn refuse(w: &mut impl Write, status: u16, message: &str) -> std::io::Result<()> {
-    let body = json!({"jsonrpc": "2.0", "id": null, "error": {"code": -32000, "message": message}}).to_string();
+    let body = jsonrpc::error(Value::Null, jsonrpc::SERVER_ERROR, message).to_string();
     http::respond(w, status, &[("Content-Type", "application/json")], body.as_bytes())
 }
 
@@ -131,7 +134,7 @@ fn post(proxy: &Arc<Proxy>, sessions: &Sessions, req: &Request, w: &mut TcpStrea
         Ok(m @ Value::Object(_)) => vec![m],
         Ok(_) => return refuse(w, 400, "Bad Request: not a JSON-RPC message"),
         Err(e) => {
-            let body = json!({"jsonrpc": "2.0", "id": null, "error": {"code": -32700, "message": format!("Parse error: {e}")}});
+            let body = jsonrpc::error(Value::Null, jsonrpc::PARSE_ERROR, format!("Parse error: {e}"));
             return http::respond(w, 400, &[("Content-Type", "application/json")], body.to_string().as_bytes());
         }
     };
@@ -148,8 +151,11 @@ fn post(proxy: &Arc<Proxy>, sessions: &Sessions, req: &Request, w: &mut TcpStrea
             Err((status, why)) => return refuse(w, status, why),
         }
     };
-    let mut waiting: Vec<Value> =
-        msgs.iter().filter(|m| m.get("method").is_some() && m.get("id").is_some_and(|i| !i.is_null())).map(|m| m["id"].clone()).collect();
+    let mut waiting: Vec<Value> = msgs
+        .iter()
+        .filter(|m| m.get("method").is_some() && m.get("id").is_some_and(|i| !i.is_null()))
+        .map(|m| m["id"].clone())
+        .collect();
     let (conn, rx) = Conn::channel(format!("http-{sid}"));
     for m in msgs {
         proxy.handle(m, &conn);
@@ -162,7 +168,12 @@ fn post(proxy: &Arc<Proxy>, sessions: &Sessions, req: &Request, w: &mut TcpStrea
     // The sender lives in `conn` (and in the proxy's pending calls): recv waits for the answers.
     let Ok(first) = rx.recv() else { return refuse(w, 500, "the proxy dropped the call") };
     if waiting.len() == 1 && is_answer(&first, &waiting) {
-        return http::respond(w, 200, &[("Content-Type", "application/json"), ("Mcp-Session-Id", &sid)], first.to_string().as_bytes());
+        return http::respond(
+            w,
+            200,
+            &[("Content-Type", "application/json"), ("Mcp-Session-Id", &sid)],
+            first.to_string().as_bytes(),
+        );
     }
     http::start_events(w, &[("Mcp-Session-Id", &sid)])?;
     let mut next = Some(first);

@@ -88,7 +88,9 @@ impl Journal {
             .append(true)
             .open(&self.path)
             .map_err(|e| format!("cannot open {}: {e}", self.path.display()))?;
-        f.write_all(&line).and_then(|_| f.sync_data()).map_err(|e| format!("cannot write {}: {e}", self.path.display()))?;
+        f.write_all(&line)
+            .and_then(|_| f.sync_data())
+            .map_err(|e| format!("cannot write {}: {e}", self.path.display()))?;
         self.apply(ev);
         Ok(())
     }

@@ -33,20 +33,25 @@ mod sql;
 mod state;
 mod toolbox;
 
-use serde_json::json;
+use planarian_contracts::control::{self as contract, Request};
+use planarian_contracts::{hook, paths};
 use std::path::PathBuf;
 
 fn socket_for(container: &str) -> PathBuf {
-    let dir = std::env::var_os("PLANARIAN_MCP_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/run/planarian/mcp"));
-    dir.join(format!("{container}.sock"))
+    paths::control_socket(container)
+}
+
+/// One JSON line on stdout: what planarian reads of a hook verb.
+fn print_line<T: serde::Serialize>(t: &T) {
+    println!("{}", serde_json::to_string(t).expect("a hook's answer encodes"));
 }
 
 fn clients_socket_for(container: &str) -> PathBuf {
-    socket_for(container).with_extension("mcp")
+    paths::clients_socket(container)
 }
 
 fn url_file_for(container: &str) -> PathBuf {
-    socket_for(container).with_extension("url")
+    paths::url_file(container)
 }
 
 /// Bridges stdio to a listening sidecar: what a harness runs as its "stdio MCP server".
@@ -70,7 +75,8 @@ fn connect(path: &std::path::Path) -> Result<(), String> {
             to.flush()?;
         }
     }
-    let stream = UnixStream::connect(path).map_err(|e| format!("no MCP proxy for this container at {}: {e}", path.display()))?;
+    let stream =
+        UnixStream::connect(path).map_err(|e| format!("no MCP proxy for this container at {}: {e}", path.display()))?;
     let to_proxy = stream.try_clone().map_err(|e| e.to_string())?;
     std::thread::spawn(move || {
         let _ = pump(std::io::stdin(), &to_proxy);
@@ -199,47 +205,47 @@ fn main() {
             .map_err(|_| format!("the MCP proxy of container {container} serves no HTTP endpoint (set http in its [mcp.services] entry)")),
         Cmd::Capture { container } => {
             // planarian passes the position of the statepoint's parent: what changed since.
-            let since = std::env::var("PLANARIAN_SINCE_POSITION").ok().and_then(|p| p.parse::<u64>().ok());
-            let mut req = json!({"op": "position"});
-            if let Some(p) = since {
-                req["since"] = json!(p);
-            }
-            control::request(&socket(&container), &req).map(|v| {
-                let mut out = json!({"external-endpoint": format!("mcp-proxy:{}", socket(&container).display()), "mcp-call-position": v["position"]});
-                if let (Some(c), Some(t)) = (v.get("calls"), v.get("tables")) {
-                    out["calls-since-parent"] = c.clone();
-                    out["tables-since-parent"] = t.clone();
-                }
-                if let Some(u) = v.get("uncovered").filter(|u| !u.is_null()) {
-                    out["uncovered"] = u.clone();
-                }
-                println!("{out}");
+            let since = std::env::var(hook::SINCE_POSITION_ENV).ok().and_then(|p| p.parse::<u64>().ok());
+            contract::ask::<contract::Position>(&socket(&container), &Request::Position { since }).map(|p| {
+                let out = hook::Capture {
+                    external_endpoint: Some(format!("mcp-proxy:{}", socket(&container).display())),
+                    mcp_call_position: p.position,
+                    calls_since_parent: p.calls,
+                    tables_since_parent: p.tables,
+                    uncovered: p.uncovered,
+                };
+                print_line(&out);
             })
         }
-        Cmd::Compensate { container, position } => control::request(&socket(&container), &json!({"op": "compensate", "to": position})).map(drop),
-        Cmd::Branch { container, position, new_container } => {
-            control::request(&socket(&container), &json!({"op": "branch", "at": position, "container": new_container})).map(|v| {
-                let out = json!({
-                    "external-endpoint": format!("mcp-proxy:{}", socket(&new_container).display()),
-                    "database": v["database"],
-                    "mcp-call-position": position,
-                });
-                println!("{out}");
-            })
+        Cmd::Compensate { container, position } => {
+            contract::ask::<contract::Compensated>(&socket(&container), &Request::Compensate { to: position }).map(drop)
         }
+        Cmd::Branch { container, position, new_container } => contract::ask::<contract::Branched>(
+            &socket(&container),
+            &Request::Branch { at: position, container: new_container.clone() },
+        )
+        .map(|b| {
+            print_line(&hook::Branch {
+                external_endpoint: Some(format!("mcp-proxy:{}", socket(&new_container).display())),
+                database: b.database,
+                mcp_call_position: Some(position),
+            })
+        }),
         Cmd::Unbranch { container, new_container } => {
-            control::request(&socket(&container), &json!({"op": "unbranch", "container": new_container})).map(drop)
+            contract::ask::<contract::Unbranched>(&socket(&container), &Request::Unbranch { container: new_container })
+                .map(drop)
         }
         Cmd::Control { socket, op } => {
             let req = match op {
-                ControlOp::Position => json!({"op": "position"}),
-                ControlOp::Status => json!({"op": "status"}),
-                ControlOp::Compensate { position } => json!({"op": "compensate", "to": position}),
-                ControlOp::Branch { at, container } => json!({"op": "branch", "at": at, "container": container}),
-                ControlOp::Unbranch { container } => json!({"op": "unbranch", "container": container}),
-                ControlOp::Disable { reason } => json!({"op": "disable", "reason": reason}),
+                ControlOp::Position => Request::Position { since: None },
+                ControlOp::Status => Request::Status,
+                ControlOp::Compensate { position } => Request::Compensate { to: position },
+                ControlOp::Branch { at, container } => Request::Branch { at, container },
+                ControlOp::Unbranch { container } => Request::Unbranch { container },
+                ControlOp::Disable { reason } => Request::Disable { reason: reason.unwrap_or_default() },
             };
-            control::request(&socket, &req).map(|v| println!("{v}"))
+            // (printed as the sidecar answered: for people and tests)
+            contract::ask::<serde_json::Value>(&socket, &req).map(|v| println!("{v}"))
         }
     };
     if let Err(e) = r {
@@ -264,7 +270,8 @@ fn serve(a: Serve) -> Result<(), String> {
     };
     let mut names = a.specs.clone();
     // Toolbox's prebuilt PostgreSQL set: the reads it does not annotate (hooks/specs).
-    let prebuilt = upstream.windows(2).any(|w| w[0] == "--prebuilt" && w[1].contains("postgres")) || upstream.iter().any(|a| a.starts_with("--prebuilt=") && a.contains("postgres"));
+    let prebuilt = upstream.windows(2).any(|w| w[0] == "--prebuilt" && w[1].contains("postgres"))
+        || upstream.iter().any(|a| a.starts_with("--prebuilt=") && a.contains("postgres"));
     if prebuilt && !names.iter().any(|n| n == "toolbox-postgres") {
         names.push("toolbox-postgres".into());
     }

@@ -193,7 +193,8 @@ pub fn render(t: &Value, scope: &Scope) -> Result<Value, String> {
         Value::Array(a) => a.iter().map(|x| render(x, scope)).collect::<Result<Vec<_>, _>>().map(Value::Array),
         Value::Object(o) => match o.get("$each") {
             Some(Value::String(e)) => {
-                let rest: serde_json::Map<String, Value> = o.iter().filter(|(k, _)| *k != "$each").map(|(k, v)| (k.clone(), v.clone())).collect();
+                let rest: serde_json::Map<String, Value> =
+                    o.iter().filter(|(k, _)| *k != "$each").map(|(k, v)| (k.clone(), v.clone())).collect();
                 let items = match Expr::parse(e)?.eval(scope)? {
                     Value::Array(a) => a,
                     Value::Null => vec![],
@@ -206,7 +207,11 @@ pub fn render(t: &Value, scope: &Scope) -> Result<Value, String> {
                     .map(Value::Array)
             }
             Some(other) => Err(format!("$each must be an expression, not {other}")),
-            None => o.iter().map(|(k, v)| Ok((k.clone(), render(v, scope)?))).collect::<Result<serde_json::Map<_, _>, String>>().map(Value::Object),
+            None => o
+                .iter()
+                .map(|(k, v)| Ok((k.clone(), render(v, scope)?)))
+                .collect::<Result<serde_json::Map<_, _>, String>>()
+                .map(Value::Object),
         },
         v => Ok(v.clone()),
     }
@@ -261,7 +266,11 @@ impl Expr {
             } else if let Some(r) = rest.strip_prefix('[') {
                 let end = r.find(']').ok_or_else(|| format!("{s}: unclosed ["))?;
                 let inner = &r[..end];
-                steps.push(if inner == "*" { Step::Each } else { Step::Index(inner.parse().map_err(|_| format!("{s}: [{inner}] is neither * nor an index"))?) });
+                steps.push(if inner == "*" {
+                    Step::Each
+                } else {
+                    Step::Index(inner.parse().map_err(|_| format!("{s}: [{inner}] is neither * nor an index"))?)
+                });
                 rest = &r[end + 1..];
             } else {
                 return Err(format!("{s}: unexpected {rest}"));
@@ -355,6 +364,8 @@ mod tests {
             let s = Spec::load(name).unwrap();
             assert!(!s.tools.is_empty() || !s.reads.is_empty(), "{name}");
         }
-        assert!(Spec::load("/nonexistent.toml").unwrap_err().contains("builtin specs: memory, filesystem, toolbox-postgres"));
+        assert!(Spec::load("/nonexistent.toml")
+            .unwrap_err()
+            .contains("builtin specs: memory, filesystem, toolbox-postgres"));
     }
 }

@@ -77,7 +77,10 @@ pub struct Dml {
 
 #[derive(Debug)]
 enum Ret {
-    Expr { sql: String, name: String },
+    Expr {
+        sql: String,
+        name: String,
+    },
     /// `*` or `target.*`: every column of the target table.
     Star,
 }
@@ -157,7 +160,9 @@ pub fn classify(sql: &str) -> Class {
         ));
     }
     if parsed.tables().iter().any(|t| t.starts_with(&format!("{UNDO_SCHEMA}."))) {
-        return Class::Reject(format!("the schema {UNDO_SCHEMA} holds the undo log of this sandbox and cannot be used"));
+        return Class::Reject(format!(
+            "the schema {UNDO_SCHEMA} holds the undo log of this sandbox and cannot be used"
+        ));
     }
     let functions = called_functions(&parsed.protobuf);
     let Some(node) = stmts[0].stmt.as_ref().and_then(|n| n.node.as_ref()) else {
@@ -169,7 +174,8 @@ pub fn classify(sql: &str) -> Class {
 /// The statements of a text that may hold several (DBHub runs them in one transaction), each
 /// with its own text.
 pub fn split(sql: &str) -> Result<Vec<String>, String> {
-    let parsed = pg_query::parse(sql, pg_query::ParserOptions::DEFAULT).map_err(|e| format!("the SQL does not parse: {e}"))?;
+    let parsed =
+        pg_query::parse(sql, pg_query::ParserOptions::DEFAULT).map_err(|e| format!("the SQL does not parse: {e}"))?;
     let mut out = Vec::new();
     for raw in &parsed.protobuf.stmts {
         let start = raw.stmt_location.max(0) as usize;
@@ -306,7 +312,10 @@ fn table_as(into: &protobuf::IntoClause, with: Option<&protobuf::WithClause>, fu
     }
     let Some(r) = &into.rel else { return Class::Reject("CREATE TABLE … AS names no table".into()) };
     if r.relpersistence == "t" {
-        return Class::Reject("a temporary table lives in one connection of the server's pool and cannot be undone: create a plain table".into());
+        return Class::Reject(
+            "a temporary table lives in one connection of the server's pool and cannot be undone: create a plain table"
+                .into(),
+        );
     }
     Class::Ddl(Ddl {
         object: Object::Table { schema: opt(&r.schemaname), name: r.relname.clone() },
@@ -348,8 +357,9 @@ fn modifying_ctes(with: Option<&protobuf::WithClause>) -> Option<String> {
     let with = with?;
     for cte in &with.ctes {
         if let Some(NodeEnum::CommonTableExpr(c)) = &cte.node {
-            if let Some(NodeEnum::InsertStmt(_) | NodeEnum::UpdateStmt(_) | NodeEnum::DeleteStmt(_) | NodeEnum::MergeStmt(_)) =
-                c.ctequery.as_ref().and_then(|q| q.node.as_ref())
+            if let Some(
+                NodeEnum::InsertStmt(_) | NodeEnum::UpdateStmt(_) | NodeEnum::DeleteStmt(_) | NodeEnum::MergeStmt(_),
+            ) = c.ctequery.as_ref().and_then(|q| q.node.as_ref())
             {
                 return Some(format!(
                     "the data-modifying WITH query {} is not accepted: send each change as its own statement",
@@ -411,7 +421,10 @@ fn statement(node: &NodeEnum, functions: Vec<String>) -> Result<Statement, Strin
             Some(q @ (NodeEnum::InsertStmt(_) | NodeEnum::UpdateStmt(_) | NodeEnum::DeleteStmt(_))) => {
                 let q = q.clone();
                 if with_of(&q).is_some() {
-                    return Err(format!("the data-modifying WITH query {} has a WITH of its own: not accepted", c.ctename));
+                    return Err(format!(
+                        "the data-modifying WITH query {} has a WITH of its own: not accepted",
+                        c.ctename
+                    ));
                 }
                 let mut name = quote_ident(&c.ctename);
                 let cols: Vec<String> = c
@@ -427,14 +440,21 @@ fn statement(node: &NodeEnum, functions: Vec<String>) -> Result<Statement, Strin
                 }
                 items.push(WithItem::Dml { name, dml: dml(q)? });
             }
-            Some(NodeEnum::MergeStmt(_)) => return Err(format!("the WITH query {} is a MERGE: not compensable yet", c.ctename)),
+            Some(NodeEnum::MergeStmt(_)) => {
+                return Err(format!("the WITH query {} is a MERGE: not compensable yet", c.ctename))
+            }
             _ => {
                 // Deparsed on its own: `WITH [RECURSIVE] name AS (…) SELECT 1`, cut.
-                let mut one = pg_query::parse("SELECT 1", pg_query::ParserOptions::DEFAULT).map_err(|e| e.to_string())?.protobuf;
+                let mut one =
+                    pg_query::parse("SELECT 1", pg_query::ParserOptions::DEFAULT).map_err(|e| e.to_string())?.protobuf;
                 let Some(NodeEnum::SelectStmt(sel)) = one.stmts[0].stmt.as_mut().and_then(|n| n.node.as_mut()) else {
                     return Err("internal: SELECT 1 did not parse as SELECT".into());
                 };
-                sel.with_clause = Some(protobuf::WithClause { ctes: vec![Node { node: Some(NodeEnum::CommonTableExpr(c.clone())) }], recursive, location: 0 });
+                sel.with_clause = Some(protobuf::WithClause {
+                    ctes: vec![Node { node: Some(NodeEnum::CommonTableExpr(c.clone())) }],
+                    recursive,
+                    location: 0,
+                });
                 let text = pg_query::deparse(&one, DeparseOptions::default())
                     .map_err(|e| format!("cannot rewrite the statement: {e}"))?;
                 let text = text.strip_prefix("WITH ").and_then(|t| t.strip_prefix("RECURSIVE ").or(Some(t)));
@@ -445,7 +465,8 @@ fn statement(node: &NodeEnum, functions: Vec<String>) -> Result<Statement, Strin
     }
     let main = match node {
         NodeEnum::SelectStmt(_) => Main::Select(
-            pg_query::deparse(&single(node), DeparseOptions::default()).map_err(|e| format!("cannot rewrite the statement: {e}"))?,
+            pg_query::deparse(&single(node), DeparseOptions::default())
+                .map_err(|e| format!("cannot rewrite the statement: {e}"))?,
         ),
         n => Main::Dml(dml(n)?),
     };
@@ -488,7 +509,13 @@ impl Statement {
 
     /// The single statement that makes every change and records their undo rows at `position`;
     /// `tables` holds the catalog's answer for each of `dmls()`, in order.
-    pub fn rewrite(&self, tables: &[TableInfo], position: u64, stmt: usize, count_rows: bool) -> Result<String, String> {
+    pub fn rewrite(
+        &self,
+        tables: &[TableInfo],
+        position: u64,
+        stmt: usize,
+        count_rows: bool,
+    ) -> Result<String, String> {
         let dmls = self.dmls();
         if dmls.len() != tables.len() {
             return Err("internal: one table for each change".into());
@@ -514,7 +541,9 @@ impl Statement {
         let mut ctes = Vec::new();
         // (answers of different generations: the oldest, so that the statement fails and is
         // sent again with answers of the newest)
-        if let Some(g) = tables.iter().map(|t| t.catalog_generation).collect::<Option<Vec<i64>>>().and_then(|g| g.into_iter().min()) {
+        if let Some(g) =
+            tables.iter().map(|t| t.catalog_generation).collect::<Option<Vec<i64>>>().and_then(|g| g.into_iter().min())
+        {
             ctes.push(guard(g));
         }
         let mut logs = Vec::new();
@@ -567,7 +596,9 @@ fn dml(node: NodeEnum) -> Result<Dml, String> {
     let (kind, relation, with, returning, upsert, set_columns, other_relations) = match stmt {
         NodeEnum::InsertStmt(s) => {
             let (upsert, set) = match s.on_conflict_clause.as_ref() {
-                Some(oc) if oc.action == protobuf::OnConflictAction::OnconflictUpdate as i32 => (true, res_names(&oc.target_list)),
+                Some(oc) if oc.action == protobuf::OnConflictAction::OnconflictUpdate as i32 => {
+                    (true, res_names(&oc.target_list))
+                }
                 Some(_) => (true, vec![]),
                 None => (false, vec![]),
             };
@@ -605,7 +636,8 @@ fn dml(node: NodeEnum) -> Result<Dml, String> {
         }
         Some(r) => Some(r.exprs.iter().map(|n| ret_item(n, &refname, other_relations)).collect::<Result<Vec<_>, _>>()?),
     };
-    let body = pg_query::deparse(&tree, DeparseOptions::default()).map_err(|e| format!("cannot rewrite the statement: {e}"))?;
+    let body = pg_query::deparse(&tree, DeparseOptions::default())
+        .map_err(|e| format!("cannot rewrite the statement: {e}"))?;
     let update = match tree.stmts[0].stmt.as_ref().and_then(|n| n.node.as_ref()) {
         Some(NodeEnum::UpdateStmt(u)) => Some(u.clone()),
         _ => None,
@@ -673,13 +705,17 @@ fn figure_name(n: &NodeEnum) -> Option<String> {
             .and_then(|a| a.node.as_ref())
             .and_then(figure_name)
             .or_else(|| t.type_name.as_ref().and_then(|tn| last_string(&tn.names))),
-        E::AIndirection(i) => last_string(&i.indirection).or_else(|| i.arg.as_ref().and_then(|a| a.node.as_ref()).and_then(figure_name)),
+        E::AIndirection(i) => {
+            last_string(&i.indirection).or_else(|| i.arg.as_ref().and_then(|a| a.node.as_ref()).and_then(figure_name))
+        }
         E::CaseExpr(_) => Some("case".into()),
         E::AArrayExpr(_) => Some("array".into()),
         E::CoalesceExpr(_) => Some("coalesce".into()),
         E::NullIfExpr(_) => Some("nullif".into()),
         E::RowExpr(_) => Some("row".into()),
-        E::MinMaxExpr(m) => Some(if m.op == protobuf::MinMaxOp::IsGreatest as i32 { "greatest" } else { "least" }.into()),
+        E::MinMaxExpr(m) => {
+            Some(if m.op == protobuf::MinMaxOp::IsGreatest as i32 { "greatest" } else { "least" }.into())
+        }
         E::SubLink(s) if s.sub_link_type == protobuf::SubLinkType::ExistsSublink as i32 => Some("exists".into()),
         E::SubLink(s) if s.sub_link_type == protobuf::SubLinkType::ArraySublink as i32 => Some("array".into()),
         _ => None,
@@ -693,7 +729,8 @@ fn deparse_expr(val: &NodeEnum) -> Result<String, String> {
     };
     let target = protobuf::ResTarget { val: Some(Box::new(Node { node: Some(val.clone()) })), ..Default::default() };
     s.target_list = vec![Node { node: Some(NodeEnum::ResTarget(Box::new(target))) }];
-    let text = pg_query::deparse(&sel, DeparseOptions::default()).map_err(|e| format!("cannot rewrite RETURNING: {e}"))?;
+    let text =
+        pg_query::deparse(&sel, DeparseOptions::default()).map_err(|e| format!("cannot rewrite RETURNING: {e}"))?;
     Ok(text.strip_prefix("SELECT ").unwrap_or(&text).to_string())
 }
 
@@ -723,8 +760,14 @@ impl Dml {
     /// RETURNING yields one empty row per changed row (for servers that report a row count).
     pub fn rewrite(&self, t: &TableInfo, position: u64, stmt: usize, count_rows: bool) -> Result<String, String> {
         let p = self.parts(t, position, stmt, 0, "__planarian_m")?;
-        let pre = t.catalog_generation.map(|g| guard(g) + ", ").unwrap_or_default() + &p.pre.map(|p| p + ", ").unwrap_or_default();
-        Ok(format!("WITH {pre}__planarian_m AS ({}), __planarian_log AS ({}) {}", p.change, p.log, self.select(&p.outer, count_rows)))
+        let pre = t.catalog_generation.map(|g| guard(g) + ", ").unwrap_or_default()
+            + &p.pre.map(|p| p + ", ").unwrap_or_default();
+        Ok(format!(
+            "WITH {pre}__planarian_m AS ({}), __planarian_log AS ({}) {}",
+            p.change,
+            p.log,
+            self.select(&p.outer, count_rows)
+        ))
     }
 
     /// What the rewritten statement returns, read from the change `__planarian_m`: what the
@@ -745,7 +788,11 @@ impl Dml {
         let reached = self.reached(t);
         let mut problems = t.problems.clone();
         for d in reached {
-            problems.extend(d.problems.iter().map(|p| format!("{p} (a {} of it)", if t.partitioned { "partition" } else { "child table" })));
+            problems.extend(
+                d.problems
+                    .iter()
+                    .map(|p| format!("{p} (a {} of it)", if t.partitioned { "partition" } else { "child table" })),
+            );
             // An inheritance child's rows are found by the parent's key only if it has that key too
             // (PostgreSQL does not inherit primary keys); partitions share the parent's.
             if !t.partitioned && d.primary_key != t.primary_key {
@@ -761,11 +808,17 @@ impl Dml {
             return Err(format!("changes to {} cannot be undone: {}", t.qualified, problems.join("; ")));
         }
         if t.primary_key.is_empty() {
-            return Err(format!("{} has no primary key, so its rows cannot be told apart to undo a change: add one", t.qualified));
+            return Err(format!(
+                "{} has no primary key, so its rows cannot be told apart to undo a change: add one",
+                t.qualified
+            ));
         }
         let key_change = self.set_columns.iter().find(|c| t.primary_key.contains(c));
         if let (Some(c), true) = (key_change, self.upsert) {
-            return Err(format!("ON CONFLICT DO UPDATE changes the primary key column {c} of {}: not accepted", t.qualified));
+            return Err(format!(
+                "ON CONFLICT DO UPDATE changes the primary key column {c} of {}: not accepted",
+                t.qualified
+            ));
         }
         // An UPDATE of key values: the rows as they were are read, locked, by a WITH query the
         // change joins (the new key cannot find them).
@@ -797,8 +850,12 @@ impl Dml {
         // The row as it was, read from one relation by key. ONLY: a child's row with the same key
         // is another row (a partitioned table itself holds none, so it is read whole).
         let lookup = |only: &str, rel: &str| {
-            let cond: Vec<String> =
-                t.primary_key.iter().enumerate().map(|(i, k)| format!("o.{} = m.__planarian_k{i}", quote_ident(k))).collect();
+            let cond: Vec<String> = t
+                .primary_key
+                .iter()
+                .enumerate()
+                .map(|(i, k)| format!("o.{} = m.__planarian_k{i}", quote_ident(k)))
+                .collect();
             format!("(SELECT to_jsonb(o.*) FROM {only}{rel} o WHERE {})", cond.join(" AND "))
         };
         let own = lookup(if t.partitioned { "" } else { "ONLY " }, &t.qualified);
@@ -814,7 +871,9 @@ impl Dml {
             }
             // A child or partition created since the look-up: the statement fails, changing
             // nothing (the message is an unknown relation's name).
-            case + &format!(" ELSE ('\"{CATALOG_CHANGED}: new relation ' || m.__planarian_rel || '\"')::regclass::text END")
+            case + &format!(
+                " ELSE ('\"{CATALOG_CHANGED}: new relation ' || m.__planarian_rel || '\"')::regclass::text END"
+            )
         };
         let (rel, before, after) = match &pre {
             Some((_, _, pre_name)) => {
@@ -822,8 +881,16 @@ impl Dml {
                 rets.push(format!("{pre_name}.__planarian_o AS __planarian_orel"));
                 // Where the row lived before (for a partitioned table, the partition it may have
                 // left: undo goes through the table, which routes it back).
-                let rel = if reached.is_empty() { rel } else { rel.replacen("CASE m.__planarian_rel", "CASE m.__planarian_orel", 1) };
-                let after = if !reached.is_empty() && !t.partitioned { "m.__planarian_before || m.__planarian_img" } else { "m.__planarian_img" };
+                let rel = if reached.is_empty() {
+                    rel
+                } else {
+                    rel.replacen("CASE m.__planarian_rel", "CASE m.__planarian_orel", 1)
+                };
+                let after = if !reached.is_empty() && !t.partitioned {
+                    "m.__planarian_before || m.__planarian_img"
+                } else {
+                    "m.__planarian_img"
+                };
                 (rel, "m.__planarian_before".to_string(), after.to_string())
             }
             None => {
@@ -835,7 +902,11 @@ impl Dml {
             Some((_, body, _)) => body.clone(),
             None => self.body.clone(),
         };
-        let seq = if seq_base == 0 { "row_number() OVER ()".to_string() } else { format!("{seq_base} + row_number() OVER ()") };
+        let seq = if seq_base == 0 {
+            "row_number() OVER ()".to_string()
+        } else {
+            format!("{seq_base} + row_number() OVER ()")
+        };
         Ok(Parts {
             pre: pre.map(|(p, _, n)| format!("{n} AS ({p})")),
             change: format!("{body} RETURNING {}", rets.join(", ")),
@@ -848,7 +919,13 @@ impl Dml {
     }
 
     /// The before- and after-image of each changed row, for a change that keeps its key.
-    fn images(&self, t: &TableInfo, reached: &[Descendant], own: String, lookup: &dyn Fn(&str, &str) -> String) -> (String, String) {
+    fn images(
+        &self,
+        t: &TableInfo,
+        reached: &[Descendant],
+        own: String,
+        lookup: &dyn Fn(&str, &str) -> String,
+    ) -> (String, String) {
         match (self.kind, self.upsert) {
             (Kind::Insert, false) => ("NULL::jsonb".to_string(), "m.__planarian_img".to_string()),
             // An inheritance child has columns of its own, which the statement on its parent
@@ -863,7 +940,11 @@ impl Dml {
                     case += &format!(" WHEN {} THEN {}", d.oid, lookup("ONLY ", &d.qualified));
                 }
                 let before = case + " END";
-                let after = if self.kind == Kind::Delete { "NULL::jsonb".to_string() } else { format!("({before}) || m.__planarian_img") };
+                let after = if self.kind == Kind::Delete {
+                    "NULL::jsonb".to_string()
+                } else {
+                    format!("({before}) || m.__planarian_img")
+                };
                 (before, after)
             }
             (Kind::Delete, _) => ("m.__planarian_img".to_string(), "NULL::jsonb".to_string()),
@@ -873,13 +954,21 @@ impl Dml {
 
     /// An UPDATE that changes key values, as a WITH query `pre_name` reading (and locking) the
     /// rows it will change — whole, with the relation each lives in — and the UPDATE joining it.
-    fn keyed_update(&self, t: &TableInfo, reached: &[Descendant], pre_name: &str) -> Result<(String, String, String), String> {
+    fn keyed_update(
+        &self,
+        t: &TableInfo,
+        reached: &[Descendant],
+        pre_name: &str,
+    ) -> Result<(String, String, String), String> {
         let mut u = self.update.clone().ok_or("internal: not an UPDATE")?;
         let r = quote_ident(&self.refname);
         let whole = if !reached.is_empty() && !t.partitioned {
             let mut case = format!("CASE {r}.tableoid WHEN {} THEN to_jsonb({r}.*)", t.oid);
             for d in reached {
-                case += &format!(" WHEN {} THEN (SELECT to_jsonb(o.*) FROM ONLY {} o WHERE o.ctid = {r}.ctid)", d.oid, d.qualified);
+                case += &format!(
+                    " WHEN {} THEN (SELECT to_jsonb(o.*) FROM ONLY {} o WHERE o.ctid = {r}.ctid)",
+                    d.oid, d.qualified
+                );
             }
             case + " END"
         } else {
@@ -891,7 +980,9 @@ impl Dml {
             return Err("internal: SELECT 1 did not parse as SELECT".into());
         };
         let relation = u.relation.clone().ok_or("the statement names no table")?;
-        sel.from_clause = std::iter::once(Node { node: Some(NodeEnum::RangeVar(relation)) }).chain(u.from_clause.iter().cloned()).collect();
+        sel.from_clause = std::iter::once(Node { node: Some(NodeEnum::RangeVar(relation)) })
+            .chain(u.from_clause.iter().cloned())
+            .collect();
         sel.where_clause = u.where_clause.clone();
         let text = pg_query::deparse(&one, DeparseOptions::default()).map_err(bad)?;
         let rest = text.strip_prefix("SELECT 1").ok_or("cannot rewrite the statement")?;
@@ -953,7 +1044,9 @@ mod tests {
 
     #[test]
     fn every_called_function_is_found() {
-        let Class::Write(d) = classify("INSERT INTO t VALUES (nextval('s'), lower(x)) RETURNING f(id)") else { panic!() };
+        let Class::Write(d) = classify("INSERT INTO t VALUES (nextval('s'), lower(x)) RETURNING f(id)") else {
+            panic!()
+        };
         assert_eq!(d.functions, ["f", "lower", "nextval"]);
         let Class::ReadOnly { functions } = classify("SELECT pg_catalog.sneaky() FROM t WHERE g(1)") else { panic!() };
         assert_eq!(functions, ["g", "pg_catalog.sneaky"]);
@@ -961,7 +1054,10 @@ mod tests {
 
     #[test]
     fn split_keeps_each_statement_text() {
-        assert_eq!(split("INSERT INTO t VALUES (1, ';'); SELECT 2 ;\n DELETE FROM t").unwrap(), ["INSERT INTO t VALUES (1, ';')", "SELECT 2", "DELETE FROM t"]);
+        assert_eq!(
+            split("INSERT INTO t VALUES (1, ';'); SELECT 2 ;\n DELETE FROM t").unwrap(),
+            ["INSERT INTO t VALUES (1, ';')", "SELECT 2", "DELETE FROM t"]
+        );
     }
 
     #[test]
@@ -970,11 +1066,23 @@ mod tests {
             Class::Ddl(d) => (d.object, d.if_not_exists),
             other => panic!("{q}: {other:?}"),
         };
-        assert_eq!(ddl("CREATE TABLE IF NOT EXISTS s.t (id int PRIMARY KEY)"), (Object::Table { schema: Some("s".into()), name: "t".into() }, true));
+        assert_eq!(
+            ddl("CREATE TABLE IF NOT EXISTS s.t (id int PRIMARY KEY)"),
+            (Object::Table { schema: Some("s".into()), name: "t".into() }, true)
+        );
         assert_eq!(ddl("CREATE INDEX i ON t (x)"), (Object::Index { schema: None, name: "i".into() }, false));
-        assert_eq!(ddl("CREATE OR REPLACE VIEW v AS SELECT 1"), (Object::View { schema: None, name: "v".into(), replace: true }, false));
-        assert_eq!(ddl("CREATE TABLE s.t2 AS SELECT * FROM t"), (Object::Table { schema: Some("s".into()), name: "t2".into() }, false));
-        assert_eq!(ddl("SELECT id, upper(x) INTO t3 FROM t"), (Object::Table { schema: None, name: "t3".into() }, false));
+        assert_eq!(
+            ddl("CREATE OR REPLACE VIEW v AS SELECT 1"),
+            (Object::View { schema: None, name: "v".into(), replace: true }, false)
+        );
+        assert_eq!(
+            ddl("CREATE TABLE s.t2 AS SELECT * FROM t"),
+            (Object::Table { schema: Some("s".into()), name: "t2".into() }, false)
+        );
+        assert_eq!(
+            ddl("SELECT id, upper(x) INTO t3 FROM t"),
+            (Object::Table { schema: None, name: "t3".into() }, false)
+        );
         let Class::Ddl(d) = classify("CREATE TABLE IF NOT EXISTS t4 AS SELECT f(x) FROM t") else { panic!() };
         assert_eq!((d.if_not_exists, d.fills), (true, Some(vec!["f".to_string()])));
         let Class::Ddl(d) = classify("CREATE TABLE t5 AS SELECT * FROM t WITH NO DATA") else { panic!() };
@@ -988,7 +1096,13 @@ mod tests {
 
     #[test]
     fn reads_pass() {
-        for q in ["SELECT * FROM t", "select count(*) from t where x = 'a'", "EXPLAIN SELECT 1", "SHOW search_path", "WITH a AS (SELECT 1) SELECT * FROM a"] {
+        for q in [
+            "SELECT * FROM t",
+            "select count(*) from t where x = 'a'",
+            "EXPLAIN SELECT 1",
+            "SHOW search_path",
+            "WITH a AS (SELECT 1) SELECT * FROM a",
+        ] {
             assert!(matches!(classify(q), Class::ReadOnly { .. }), "{q}");
         }
     }
@@ -1030,17 +1144,26 @@ mod tests {
         assert!(sql.starts_with("WITH __planarian_m AS (UPDATE ONLY t a SET x = 'b' WHERE a.id = 1 RETURNING a.x AS __planarian_r0, id * 2 AS __planarian_r1, \"a\".\"id\" AS __planarian_r2"), "{sql}");
         assert!(sql.contains("SELECT 7, 0, row_number() OVER (), 'public.t', 'public.t', (SELECT to_jsonb(o.*) FROM ONLY public.t o WHERE o.\"id\" = m.__planarian_k0)"), "{sql}");
         assert!(sql.ends_with("SELECT m.__planarian_r0 AS \"x\", m.__planarian_r1 AS \"?column?\", m.__planarian_r2 AS \"id\", m.__planarian_r3 AS \"x\" FROM __planarian_m m"), "{sql}");
-        assert!(matches!(pg_query::parse(&sql, pg_query::ParserOptions::DEFAULT), Ok(p) if p.protobuf.stmts.len() == 1));
+        assert!(
+            matches!(pg_query::parse(&sql, pg_query::ParserOptions::DEFAULT), Ok(p) if p.protobuf.stmts.len() == 1)
+        );
     }
 
     #[test]
     fn rewrite_without_returning_returns_no_rows() {
         let sql = write("DELETE FROM t WHERE id > 3").rewrite(std::slice::from_ref(&table()), 1, 0, false).unwrap();
         assert!(sql.ends_with("SELECT FROM __planarian_m m WHERE false"), "{sql}");
-        assert!(sql.contains("SELECT 1, 0, row_number() OVER (), 'public.t', 'public.t', m.__planarian_img, NULL::jsonb"), "{sql}");
-        let ins = write("INSERT INTO t (id, x) VALUES (5, 'e')").rewrite(std::slice::from_ref(&table()), 2, 0, false).unwrap();
+        assert!(
+            sql.contains("SELECT 1, 0, row_number() OVER (), 'public.t', 'public.t', m.__planarian_img, NULL::jsonb"),
+            "{sql}"
+        );
+        let ins = write("INSERT INTO t (id, x) VALUES (5, 'e')")
+            .rewrite(std::slice::from_ref(&table()), 2, 0, false)
+            .unwrap();
         assert!(ins.contains("'public.t', NULL::jsonb, m.__planarian_img"), "{ins}");
-        let up = write("INSERT INTO t VALUES (5, 'e') ON CONFLICT (id) DO UPDATE SET x = excluded.x").rewrite(std::slice::from_ref(&table()), 3, 0, false).unwrap();
+        let up = write("INSERT INTO t VALUES (5, 'e') ON CONFLICT (id) DO UPDATE SET x = excluded.x")
+            .rewrite(std::slice::from_ref(&table()), 3, 0, false)
+            .unwrap();
         assert!(up.contains("(SELECT to_jsonb(o.*) FROM ONLY public.t o"), "{up}");
     }
 
@@ -1054,12 +1177,22 @@ mod tests {
         assert!(sql.contains("__planarian_log0 AS (INSERT INTO planarian.undo (position, stmt, seq, tbl, rel, before, after) SELECT 4, 1, row_number() OVER (), 'public.t'"), "{sql}");
         assert!(sql.contains("__planarian_log AS (INSERT INTO planarian.undo (position, stmt, seq, tbl, rel, before, after) SELECT 4, 1, 4294967296 + row_number() OVER (), 'public.u'"), "{sql}");
         assert!(sql.ends_with("SELECT m.__planarian_r0 AS \"id\" FROM __planarian_m m"), "{sql}");
-        assert!(matches!(pg_query::parse(&sql, pg_query::ParserOptions::DEFAULT), Ok(p) if p.protobuf.stmts.len() == 1));
+        assert!(
+            matches!(pg_query::parse(&sql, pg_query::ParserOptions::DEFAULT), Ok(p) if p.protobuf.stmts.len() == 1)
+        );
         // Column names of the WITH query are kept; a SELECT can be the statement that reads it.
-        let sql = write("WITH gone (k) AS (DELETE FROM t RETURNING id) SELECT count(*) FROM gone").rewrite(&[table()], 5, 0, false).unwrap();
-        assert!(sql.contains("\"gone\" (\"k\") AS (SELECT m.__planarian_r0 AS \"id\" FROM __planarian_c0 m)") && sql.ends_with("SELECT count(*) FROM gone"), "{sql}");
+        let sql = write("WITH gone (k) AS (DELETE FROM t RETURNING id) SELECT count(*) FROM gone")
+            .rewrite(&[table()], 5, 0, false)
+            .unwrap();
+        assert!(
+            sql.contains("\"gone\" (\"k\") AS (SELECT m.__planarian_r0 AS \"id\" FROM __planarian_c0 m)")
+                && sql.ends_with("SELECT count(*) FROM gone"),
+            "{sql}"
+        );
         // Two parts changing one table: PostgreSQL would apply only one change to a row.
-        let why = write("WITH a AS (UPDATE t SET x = 'a' WHERE id = 1) DELETE FROM t WHERE id = 2").rewrite(&[table(), table()], 1, 0, false).unwrap_err();
+        let why = write("WITH a AS (UPDATE t SET x = 'a' WHERE id = 1) DELETE FROM t WHERE id = 2")
+            .rewrite(&[table(), table()], 1, 0, false)
+            .unwrap_err();
         assert!(why.contains("two parts of the statement change public.t"), "{why}");
     }
 
@@ -1069,7 +1202,12 @@ mod tests {
             .rewrite(&[table()], 3, 0, false)
             .unwrap();
         assert!(sql.starts_with("WITH __planarian_m_pre AS (SELECT \"a\".tableoid AS __planarian_o, \"a\".ctid AS __planarian_t, to_jsonb(\"a\".*) AS __planarian_b FROM t a, u WHERE a.x = u.x AND a.id < 5 FOR UPDATE OF \"a\"), __planarian_m AS (UPDATE t a SET id = a.id + 10, x = u.x FROM u, __planarian_m_pre WHERE a.x = u.x AND a.id < 5 AND a.tableoid = __planarian_m_pre.__planarian_o AND a.ctid = __planarian_m_pre.__planarian_t RETURNING"), "{sql}");
-        assert!(sql.contains("SELECT 3, 0, row_number() OVER (), 'public.t', 'public.t', m.__planarian_before, m.__planarian_img"), "{sql}");
+        assert!(
+            sql.contains(
+                "SELECT 3, 0, row_number() OVER (), 'public.t', 'public.t', m.__planarian_before, m.__planarian_img"
+            ),
+            "{sql}"
+        );
         // A child's own columns come from the child; the row's relation from before the change.
         let t = with_child(false, &["id"]);
         let sql = write("UPDATE t SET id = -id").rewrite(&[t], 3, 0, false).unwrap();
@@ -1079,14 +1217,24 @@ mod tests {
         let sql = write("WITH a AS (UPDATE t SET id = id + 1) UPDATE u SET id = id - 1")
             .rewrite(&[table(), TableInfo::plain("public.u", &["id"], &["id"])], 3, 0, false)
             .unwrap();
-        assert!(sql.starts_with("WITH __planarian_c0_pre AS (") && sql.contains("), __planarian_c0 AS (UPDATE t SET id = id + 1 FROM __planarian_c0_pre WHERE") && sql.contains("__planarian_m_pre AS ("), "{sql}");
+        assert!(
+            sql.starts_with("WITH __planarian_c0_pre AS (")
+                && sql.contains("), __planarian_c0 AS (UPDATE t SET id = id + 1 FROM __planarian_c0_pre WHERE")
+                && sql.contains("__planarian_m_pre AS ("),
+            "{sql}"
+        );
     }
 
     fn with_child(partitioned: bool, child_key: &[&str]) -> TableInfo {
         let mut t = table();
         t.oid = 100;
         t.partitioned = partitioned;
-        t.descendants.push(Descendant { oid: 101, qualified: "public.c".into(), primary_key: child_key.iter().map(|k| k.to_string()).collect(), problems: vec![] });
+        t.descendants.push(Descendant {
+            oid: 101,
+            qualified: "public.c".into(),
+            primary_key: child_key.iter().map(|k| k.to_string()).collect(),
+            problems: vec![],
+        });
         t
     }
 
@@ -1100,7 +1248,11 @@ mod tests {
         let up = write("UPDATE t SET x = 'y'").rewrite(std::slice::from_ref(&t), 1, 0, false).unwrap();
         assert!(up.contains("WHEN 101 THEN (SELECT to_jsonb(o.*) FROM ONLY public.c o WHERE o.\"id\" = m.__planarian_k0) END) || m.__planarian_img"), "{up}");
         // ONLY, and a plain INSERT (its rows stay in the parent): the children are not reached.
-        for q in ["DELETE FROM ONLY t WHERE id = 1", "INSERT INTO t VALUES (1, 'a')", "INSERT INTO t VALUES (1, 'a') ON CONFLICT (id) DO UPDATE SET x = 'b'"] {
+        for q in [
+            "DELETE FROM ONLY t WHERE id = 1",
+            "INSERT INTO t VALUES (1, 'a')",
+            "INSERT INTO t VALUES (1, 'a') ON CONFLICT (id) DO UPDATE SET x = 'b'",
+        ] {
             let sql = write(q).rewrite(std::slice::from_ref(&t), 1, 0, false).unwrap();
             assert!(!sql.contains("tableoid") && !sql.contains("public.c"), "{q}: {sql}");
         }
@@ -1136,10 +1288,16 @@ mod tests {
             .unwrap_err()
             .contains("changes the primary key column id"));
         t.primary_key.clear();
-        assert!(write("DELETE FROM t").rewrite(std::slice::from_ref(&t), 1, 0, false).unwrap_err().contains("no primary key"));
+        assert!(write("DELETE FROM t")
+            .rewrite(std::slice::from_ref(&t), 1, 0, false)
+            .unwrap_err()
+            .contains("no primary key"));
         let mut t = table();
         t.problems.push("trigger audit runs on it".into());
-        assert!(write("DELETE FROM t").rewrite(std::slice::from_ref(&t), 1, 0, false).unwrap_err().contains("trigger audit"));
+        assert!(write("DELETE FROM t")
+            .rewrite(std::slice::from_ref(&t), 1, 0, false)
+            .unwrap_err()
+            .contains("trigger audit"));
         assert!(rejected("UPDATE t SET x = u.x FROM u WHERE t.id = u.id RETURNING *").contains("several tables"));
     }
 

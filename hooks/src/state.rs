@@ -40,7 +40,13 @@ impl Positions {
                     .unwrap_or_default();
                 p.passed = v["passed"]
                     .as_array()
-                    .map(|a| a.iter().filter_map(|e| Some((e[0].as_u64()?, e[2].as_u64().or(e[0].as_u64())?, e[1].as_str()?.to_string()))).collect())
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|e| {
+                                Some((e[0].as_u64()?, e[2].as_u64().or(e[0].as_u64())?, e[1].as_str()?.to_string()))
+                            })
+                            .collect()
+                    })
                     .unwrap_or_default();
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

@@ -54,7 +54,15 @@ pub fn config_args(args: &[String]) -> Vec<(usize, usize, Vec<PathBuf>)> {
             Some((f, v)) => (f, Some(v.to_string())),
             None => (args[i].as_str(), None),
         };
-        let known = ["--config", "--configs", "--config-folder", "--tools-file", "--tools_file", "--tools-files", "--tools-folder"];
+        let known = [
+            "--config",
+            "--configs",
+            "--config-folder",
+            "--tools-file",
+            "--tools_file",
+            "--tools-files",
+            "--tools-folder",
+        ];
         if known.contains(&flag) {
             let (value, end) = match inline {
                 Some(v) => (Some(v), i + 1),
@@ -63,7 +71,12 @@ pub fn config_args(args: &[String]) -> Vec<(usize, usize, Vec<PathBuf>)> {
             if let Some(v) = value {
                 let files = if flag.ends_with("folder") {
                     let mut f: Vec<PathBuf> = std::fs::read_dir(&v)
-                        .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "yaml" || x == "yml")).collect())
+                        .map(|d| {
+                            d.flatten()
+                                .map(|e| e.path())
+                                .filter(|p| p.extension().is_some_and(|x| x == "yaml" || x == "yml"))
+                                .collect()
+                        })
                         .unwrap_or_default();
                     f.sort();
                     f
@@ -84,7 +97,8 @@ impl Config {
     pub fn load(files: &[PathBuf]) -> Result<Config, String> {
         let mut c = Config { files: files.to_vec(), ..Default::default() };
         for f in files {
-            let text = std::fs::read_to_string(f).map_err(|e| format!("cannot read Toolbox's configuration {}: {e}", f.display()))?;
+            let text = std::fs::read_to_string(f)
+                .map_err(|e| format!("cannot read Toolbox's configuration {}: {e}", f.display()))?;
             c.add(&text).map_err(|e| format!("Toolbox's configuration {}: {e}", f.display()))?;
         }
         Ok(c)
@@ -117,7 +131,10 @@ impl Config {
                 None => {
                     for (name, s) in v["sources"].as_object().into_iter().flatten() {
                         self.targets.insert(name.clone(), target_of(s));
-                        self.sources.insert(name.clone(), s["kind"].as_str().or(s["type"].as_str()).unwrap_or_default().to_string());
+                        self.sources.insert(
+                            name.clone(),
+                            s["kind"].as_str().or(s["type"].as_str()).unwrap_or_default().to_string(),
+                        );
                     }
                     for (name, t) in v["tools"].as_object().into_iter().flatten() {
                         let ty = t["kind"].as_str().or(t["type"].as_str()).unwrap_or_default();
@@ -137,10 +154,14 @@ impl Config {
         let (db, p) = self.targets.get(source)?;
         let resolve = |v: &str| expand(v).replace("{dbname}", dbname);
         if let Some(db) = db.as_deref().map(resolve).filter(|d| !d.is_empty() && d != dbname) {
-            return Some(format!("its source {source} names the database {db}, and this proxy records undo in {dbname} (--database)"));
+            return Some(format!(
+                "its source {source} names the database {db}, and this proxy records undo in {dbname} (--database)"
+            ));
         }
         match (p.as_deref().map(resolve).and_then(|p| p.parse::<u16>().ok()), port) {
-            (Some(a), Some(b)) if a != b => Some(format!("its source {source} is on port {a}, and this proxy's database on port {b} (--database)")),
+            (Some(a), Some(b)) if a != b => {
+                Some(format!("its source {source} is on port {a}, and this proxy's database on port {b} (--database)"))
+            }
             _ => None,
         }
     }
@@ -212,7 +233,10 @@ fn tool(ty: &str, v: &Value) -> Result<Tool, String> {
                 .as_array()
                 .into_iter()
                 .flatten()
-                .map(|p| Param { name: p["name"].as_str().unwrap_or_default().to_string(), default: p.get("default").cloned() })
+                .map(|p| Param {
+                    name: p["name"].as_str().unwrap_or_default().to_string(),
+                    default: p.get("default").cloned(),
+                })
                 .collect();
             let templated = v["templateParameters"].as_array().is_some_and(|a| !a.is_empty());
             Tool::Sql { source, statement, params, templated }
@@ -252,7 +276,9 @@ pub fn bind(statement: &str, params: &[Param], args: &Value) -> Result<String, S
     for t in tokens.iter().filter(|t| t.token == pg_query::protobuf::Token::Param as i32) {
         let (s, e) = (t.start as usize, t.end as usize);
         let n: usize = statement[s + 1..e].parse().map_err(|_| format!("{}: not a parameter", &statement[s..e]))?;
-        let p = params.get(n.wrapping_sub(1)).ok_or_else(|| format!("the statement's ${n} has no parameter (it declares {})", params.len()))?;
+        let p = params
+            .get(n.wrapping_sub(1))
+            .ok_or_else(|| format!("the statement's ${n} has no parameter (it declares {})", params.len()))?;
         let v = match args.get(&p.name) {
             Some(v) => v,
             None => p.default.as_ref().ok_or_else(|| format!("the argument {} is missing", p.name))?,
@@ -317,7 +343,15 @@ mod tests {
         let mut c = Config::default();
         c.add(map).unwrap();
         c.add(flat).unwrap();
-        assert_eq!(c.tools["add"], Tool::Sql { source: "pg".into(), statement: "INSERT INTO n (b) VALUES ($1)".into(), params: params(&["body"]), templated: false });
+        assert_eq!(
+            c.tools["add"],
+            Tool::Sql {
+                source: "pg".into(),
+                statement: "INSERT INTO n (b) VALUES ($1)".into(),
+                params: params(&["body"]),
+                templated: false
+            }
+        );
         assert_eq!(c.tools["run"], Tool::ExecuteSql { source: "pg".into() });
         assert_eq!(c.tools["other"], Tool::Other("postgres-list-tables".into()));
         assert!(c.is_postgres("pg2"));
@@ -330,7 +364,9 @@ mod tests {
         c.targets.insert("pg4".into(), (Some("{dbname}".into()), None));
         assert_eq!(c.elsewhere("pg4", "postgres_fork1", None), None, "a fork's branch");
         assert_eq!(c.sql_sources(), vec!["pg".to_string(), "pg2".to_string()]);
-        assert!(c.hidden_tools_yaml().contains("name: planarian-execute-sql-pg2\ntype: postgres-execute-sql\nsource: pg2"));
+        assert!(c
+            .hidden_tools_yaml()
+            .contains("name: planarian-execute-sql-pg2\ntype: postgres-execute-sql\nsource: pg2"));
     }
 
     #[test]
@@ -341,7 +377,10 @@ mod tests {
         assert_eq!(config_args(&args2), vec![(1, 2, vec![PathBuf::from("/a.yaml"), PathBuf::from("/b.yaml")])]);
         let mut c = Config { files: vec![PathBuf::from("/a.yaml")], ..Default::default() };
         c.sources.insert("pg".into(), "postgres".into());
-        c.tools.insert("t".into(), Tool::Sql { source: "pg".into(), statement: "SELECT 1".into(), params: vec![], templated: false });
+        c.tools.insert(
+            "t".into(),
+            Tool::Sql { source: "pg".into(), statement: "SELECT 1".into(), params: vec![], templated: false },
+        );
         let extra = std::env::temp_dir().join(format!("planarian-hidden-{}.yaml", std::process::id()));
         let out = with_hidden_tools(&args, &c, &extra).unwrap();
         assert_eq!(out, vec!["--configs".to_string(), format!("/a.yaml,{}", extra.display()), "--stdio".to_string()]);

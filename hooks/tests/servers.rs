@@ -60,8 +60,13 @@ fn server_cmd(srv: &Srv, pg: &Pg) -> Command {
         }
         Srv::Dbhub(dh) => {
             let mut c = Command::new(dh);
-            c.args(["--transport", "stdio", "--dsn", &format!("postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable", pg.port)])
-                .stderr(Stdio::null());
+            c.args([
+                "--transport",
+                "stdio",
+                "--dsn",
+                &format!("postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable", pg.port),
+            ])
+            .stderr(Stdio::null());
             c
         }
     }
@@ -85,7 +90,12 @@ fn proxy_cmd(srv: &Srv, pg: &Pg, tag: &str) -> (Command, PathBuf, PathBuf) {
     let (control, state) = (dir.join("control.sock"), dir.join("positions.json"));
     let tbc = server_cmd(srv, pg);
     let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
-    c.args(["serve", "--server", kind, "--database", &pg.dsn(), "--control"]).arg(&control).arg("--state").arg(&state).arg("--").arg(tbc.get_program());
+    c.args(["serve", "--server", kind, "--database", &pg.dsn(), "--control"])
+        .arg(&control)
+        .arg("--state")
+        .arg(&state)
+        .arg("--")
+        .arg(tbc.get_program());
     c.args(tbc.get_args());
     for (k, v) in tbc.get_envs() {
         c.env(k, v.unwrap());
@@ -106,7 +116,10 @@ fn dump_only(c: &mut Client) -> String {
 
 fn dump_tables(c: &mut Client, only: &str) -> String {
     let tables: Vec<String> = c
-        .query("SELECT format('%I.%I', schemaname, tablename) FROM pg_tables WHERE schemaname = 'public' ORDER BY 1", &[])
+        .query(
+            "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables WHERE schemaname = 'public' ORDER BY 1",
+            &[],
+        )
         .unwrap()
         .iter()
         .map(|r| r.get(0))
@@ -123,7 +136,13 @@ fn dump_tables(c: &mut Client, only: &str) -> String {
 
 /// Sends each call through the proxy (none may be refused) and notes, after each, the position
 /// and every table (`dump`).
-fn record(p: &mut Proxied, db: &mut Client, calls: &[&str], dump: fn(&mut Client) -> String, at: &mut Vec<(u64, String)>) {
+fn record(
+    p: &mut Proxied,
+    db: &mut Client,
+    calls: &[&str],
+    dump: fn(&mut Client) -> String,
+    at: &mut Vec<(u64, String)>,
+) {
     for q in calls {
         let r = p.mcp.sql(q);
         assert_ne!(r["isError"], json!(true), "{q}: {r}");
@@ -424,7 +443,8 @@ fn ddl_behind(bin: &Path, srv: &Srv, as_user: Option<&str>) {
             ))
             .unwrap();
             let (mut c, control, state) = proxy_cmd(srv, &pg, "behind-user");
-            let args: Vec<String> = c.get_args().map(|a| a.to_string_lossy().replace("user=postgres", &format!("user={user}"))).collect();
+            let args: Vec<String> =
+                c.get_args().map(|a| a.to_string_lossy().replace("user=postgres", &format!("user={user}"))).collect();
             let mut c2 = Command::new(c.get_program());
             c2.args(args);
             for (k, v) in c.get_envs() {
@@ -434,7 +454,10 @@ fn ddl_behind(bin: &Path, srv: &Srv, as_user: Option<&str>) {
             Proxied { mcp: Mcp::spawn(c), control, state }
         }
     };
-    let counted: bool = db.query_one("SELECT count(*) = 2 FROM pg_event_trigger WHERE evtname LIKE 'planarian_catalog%'", &[]).unwrap().get(0);
+    let counted: bool = db
+        .query_one("SELECT count(*) = 2 FROM pg_event_trigger WHERE evtname LIKE 'planarian_catalog%'", &[])
+        .unwrap()
+        .get(0);
     assert_eq!(counted, as_user.is_none(), "the event triggers exist only when the proxy could create them");
     let position = |p: &Proxied| control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
     // The proxy now keeps what the catalog says of items.
@@ -475,7 +498,10 @@ fn a_branch_is_a_copy_of_the_database_at_a_position_that_the_source_never_sees()
         std::fs::create_dir_all(&dir).unwrap();
         let (control, state) = (dir.join("control.sock"), dir.join("positions.json"));
         let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
-        c.args(["serve", "--server", "toolbox", "--database", &pg.dsn(), "--control"]).arg(&control).arg("--state").arg(&state);
+        c.args(["serve", "--server", "toolbox", "--database", &pg.dsn(), "--control"])
+            .arg(&control)
+            .arg("--state")
+            .arg(&state);
         if let Some(d) = dbname {
             c.args(["--dbname", d]);
         }
@@ -500,11 +526,16 @@ fn a_branch_is_a_copy_of_the_database_at_a_position_that_the_source_never_sees()
     let name = b["database"].as_str().unwrap().to_string();
     assert_eq!(name, "postgres_0123456789ab");
     assert_eq!(dump(&mut db), src_dump, "the source is untouched");
-    let mut bdb = Client::connect(&format!("{} dbname={name}", pg.dsn().replace("dbname=postgres", "")), NoTls).unwrap();
+    let mut bdb =
+        Client::connect(&format!("{} dbname={name}", pg.dsn().replace("dbname=postgres", "")), NoTls).unwrap();
     assert_eq!(dump(&mut bdb), at_dump, "the branch is the database at the position");
     // The fork's proxy on its branch: its calls reach the branch only, and are undone there.
     let mut fork = proxy_on("branch-fork", Some(&name));
-    assert_eq!(control(&fork.control, &["position"]).unwrap()["position"].as_u64(), Some(at), "positions go on from the branch point");
+    assert_eq!(
+        control(&fork.control, &["position"]).unwrap()["position"].as_u64(),
+        Some(at),
+        "positions go on from the branch point"
+    );
     let r = fork.mcp.sql("INSERT INTO accounts VALUES (50, 'fork', 5, NULL, NULL)");
     assert_ne!(r["isError"], json!(true), "{r}");
     let r = fork.mcp.sql("SELECT owner FROM accounts WHERE id = 50");
@@ -538,7 +569,11 @@ fn undo_rows_an_older_proxy_wrote_are_still_undone() {
     let mut p = proxy(&servers[0], &pg, "older");
     let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
     let before = dump_only(&mut db);
-    for q in ["UPDATE measures SET v = v * 2", "DELETE FROM measures WHERE id = 2", "INSERT INTO measures VALUES (9, 'eu', 90)"] {
+    for q in [
+        "UPDATE measures SET v = v * 2",
+        "DELETE FROM measures WHERE id = 2",
+        "INSERT INTO measures VALUES (9, 'eu', 90)",
+    ] {
         let r = p.mcp.sql(q);
         assert_ne!(r["isError"], json!(true), "{q}: {r}");
     }
@@ -568,7 +603,10 @@ fn a_compensation_whose_rows_land_elsewhere_fails_and_changes_nothing() {
     .unwrap();
     let after = dump_only(&mut db);
     let err = control(&p.control, &["compensate", &start.to_string()]).unwrap_err();
-    assert!(err.contains("did not restore what it promised") && err.contains("public.special_items with id=3"), "{err}");
+    assert!(
+        err.contains("did not restore what it promised") && err.contains("public.special_items with id=3"),
+        "{err}"
+    );
     assert_eq!(dump_only(&mut db), after, "a compensation that cannot keep its promise changes nothing");
     let undo: i64 = db.query_one("SELECT count(*) FROM planarian.undo", &[]).unwrap().get(0);
     assert_eq!(undo, 1, "the undo row stays for a later attempt");
@@ -636,7 +674,9 @@ fn the_undo_log_and_positions_survive_a_killed_proxy_and_a_restarted_upstream() 
     let before = dump(&mut db);
     let mut p = proxy(tb, &pg, "crash");
     let start = control(&p.control, &["position"]).unwrap()["position"].as_u64().unwrap();
-    let balance = |db: &mut Client| -> String { db.query_one("SELECT balance::text FROM accounts WHERE id = 2", &[]).unwrap().get(0) };
+    let balance = |db: &mut Client| -> String {
+        db.query_one("SELECT balance::text FROM accounts WHERE id = 2", &[]).unwrap().get(0)
+    };
     let was = balance(&mut db);
     // The call is sent, and the proxy killed once its change reached the database, before it can
     // answer or write anything more.
@@ -659,12 +699,21 @@ fn the_undo_log_and_positions_survive_a_killed_proxy_and_a_restarted_upstream() 
     let up = control(&p2.control, &["status"]).unwrap()["upstream-pid"].as_u64().unwrap();
     Command::new("kill").arg(up.to_string()).status().unwrap();
     // Until it is gone (a zombie until the proxy reaps it); the call below finds out.
-    let gone = || std::fs::read_to_string(format!("/proc/{up}/stat")).map_or(true, |s| s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'));
+    let gone = || {
+        std::fs::read_to_string(format!("/proc/{up}/stat"))
+            .map_or(true, |s| s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+    };
     wait_until(60, "the upstream did not exit within 60 s of SIGTERM", gone);
-    let mut r = p2.mcp.request("tools/call", json!({"name": "execute_sql", "arguments": {"sql": "INSERT INTO accounts VALUES (8, 'x', 1, NULL, NULL)"}}));
+    let mut r = p2.mcp.request(
+        "tools/call",
+        json!({"name": "execute_sql", "arguments": {"sql": "INSERT INTO accounts VALUES (8, 'x', 1, NULL, NULL)"}}),
+    );
     if r.get("error").is_some() {
         // The call raced the restart: the proxy said so; a retry goes through.
-        r = p2.mcp.request("tools/call", json!({"name": "execute_sql", "arguments": {"sql": "INSERT INTO accounts VALUES (8, 'x', 1, NULL, NULL)"}}));
+        r = p2.mcp.request(
+            "tools/call",
+            json!({"name": "execute_sql", "arguments": {"sql": "INSERT INTO accounts VALUES (8, 'x', 1, NULL, NULL)"}}),
+        );
     }
     assert!(r["result"].is_object() && r["result"]["isError"] != json!(true), "{r}");
     control(&p2.control, &["compensate", &start.to_string()]).unwrap();
@@ -708,7 +757,15 @@ fn http_server(srv: &Srv, pg: &Pg, port: u16) -> Child {
     let mut c = match srv {
         Srv::Toolbox(tb) => {
             let mut h = Command::new(tb);
-            h.args(["--prebuilt", "postgres", "--address", "127.0.0.1", "--port", &port.to_string(), "--disable-version-check"]);
+            h.args([
+                "--prebuilt",
+                "postgres",
+                "--address",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--disable-version-check",
+            ]);
             // The same connection settings as over stdio.
             for (k, v) in server_cmd(srv, pg).get_envs() {
                 h.env(k, v.unwrap());
@@ -723,7 +780,9 @@ fn http_server(srv: &Srv, pg: &Pg, port: u16) -> Child {
         }
     };
     let child = c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    wait_until(60, &format!("{srv:?} did not listen on {port} within 60 s"), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+    wait_until(60, &format!("{srv:?} did not listen on {port} within 60 s"), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
     child
 }
 
@@ -737,7 +796,10 @@ fn raw_http(url: &str, method: &str, headers: &[(&str, &str)], body: &str) -> (u
     let rest = url.strip_prefix("http://").unwrap();
     let (authority, path) = rest.split_at(rest.find('/').unwrap());
     let mut s = std::net::TcpStream::connect(authority).unwrap();
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
     for (k, v) in headers {
         req += &format!("{k}: {v}\r\n");
     }
@@ -790,7 +852,11 @@ fn streamable_http_on_both_sides_with_the_official_sdk_client() {
         let list = r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#;
         let json_hdr = [("Content-Type", "application/json"), ("Accept", "application/json, text/event-stream")];
         assert_eq!(raw_http(&url, "POST", &json_hdr, list).0, 400, "no session");
-        assert_eq!(raw_http(&url, "POST", &[json_hdr[0], json_hdr[1], ("Mcp-Session-Id", "nope")], list).0, 404, "unknown session");
+        assert_eq!(
+            raw_http(&url, "POST", &[json_hdr[0], json_hdr[1], ("Mcp-Session-Id", "nope")], list).0,
+            404,
+            "unknown session"
+        );
         let init = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-03-26","capabilities":{},"clientInfo":{"name":"raw","version":"1"}}}"#;
         assert_eq!(raw_http(&url, "POST", &[json_hdr[0], json_hdr[1], ("Origin", "http://evil.example")], init).0, 403);
         assert_eq!(raw_http(&url, "PUT", &json_hdr, init).0, 405);
@@ -821,7 +887,9 @@ fn streamable_http_on_both_sides_with_the_official_sdk_client() {
             assert!(r.get("error").is_none(), "{sql}: {r}");
             r["result"].clone()
         };
-        for sql in ["INSERT INTO accounts VALUES (4, 'dee', 10, NULL, NULL)", "UPDATE accounts SET balance = 1 WHERE id = 1"] {
+        for sql in
+            ["INSERT INTO accounts VALUES (4, 'dee', 10, NULL, NULL)", "UPDATE accounts SET balance = 1 WHERE id = 1"]
+        {
             let r = call(sql);
             assert_ne!(r["isError"], json!(true), "{sql}: {r}");
         }
@@ -925,7 +993,11 @@ fn every_protocol_version_gets_the_servers_own_answer() {
         let init = json!({"protocolVersion": version, "capabilities": {}, "clientInfo": {"name": "planarian-test", "version": "1"}});
         let mut answers = Vec::new();
         for proxied in [false, true] {
-            let mut m = Mcp::start(if proxied { proxy_cmd(&servers[0], &pg, &format!("v{version}")).0 } else { server_cmd(&servers[0], &pg) });
+            let mut m = Mcp::start(if proxied {
+                proxy_cmd(&servers[0], &pg, &format!("v{version}")).0
+            } else {
+                server_cmd(&servers[0], &pg)
+            });
             let r = m.request("initialize", init.clone());
             m.send(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
             let q = m.sql("SELECT owner FROM accounts WHERE id = 1");
@@ -1042,13 +1114,19 @@ impl OrderRecorder {
                         }
                         let msg: Value = serde_json::from_slice(&body).unwrap();
                         let overlapped = unanswered.fetch_add(1, Ordering::SeqCst) > 0;
-                        log.lock().unwrap().push((msg["method"].as_str().unwrap_or("response").to_string(), overlapped));
+                        log.lock()
+                            .unwrap()
+                            .push((msg["method"].as_str().unwrap_or("response").to_string(), overlapped));
                         std::thread::sleep(std::time::Duration::from_millis(150));
                         let answer = match (msg["method"].as_str(), msg.get("id")) {
                             (Some("initialize"), Some(id)) => Some(json!({"jsonrpc": "2.0", "id": id, "result": {
                                 "protocolVersion": "2025-06-18", "capabilities": {"tools": {}}, "serverInfo": {"name": "order-recorder", "version": "1"}}})),
-                            (Some("tools/list"), Some(id)) => Some(json!({"jsonrpc": "2.0", "id": id, "result": {"tools": []}})),
-                            (Some(_), Some(id)) => Some(json!({"jsonrpc": "2.0", "id": id, "result": {"content": [], "isError": false}})),
+                            (Some("tools/list"), Some(id)) => {
+                                Some(json!({"jsonrpc": "2.0", "id": id, "result": {"tools": []}}))
+                            }
+                            (Some(_), Some(id)) => {
+                                Some(json!({"jsonrpc": "2.0", "id": id, "result": {"content": [], "isError": false}}))
+                            }
                             _ => None,
                         };
                         unanswered.fetch_sub(1, Ordering::SeqCst);
@@ -1076,7 +1154,8 @@ fn messages_to_an_http_upstream_arrive_in_order_one_after_another() {
     std::fs::create_dir_all(&dir).unwrap();
     let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
     // (a tool the server does not list, let through: this test is about the order of messages)
-    c.args(["serve", "--database", &pg.dsn(), "--upstream-url", &up.url, "--pass", "anything", "--state"]).arg(dir.join("positions.json"));
+    c.args(["serve", "--database", &pg.dsn(), "--upstream-url", &up.url, "--pass", "anything", "--state"])
+        .arg(dir.join("positions.json"));
     c.arg("--control").arg(dir.join("control.sock"));
     let mut m = Mcp::spawn(c);
     assert_eq!(m.request("tools/list", json!({}))["result"]["tools"], json!([]));
@@ -1091,8 +1170,14 @@ fn messages_to_an_http_upstream_arrive_in_order_one_after_another() {
     wait_until(60, "the cancellation to reach the upstream", || up.log.lock().unwrap().len() >= 5);
     let log = up.log.lock().unwrap().clone();
     let order: Vec<&str> = log.iter().map(|(m, _)| m.as_str()).collect();
-    assert_eq!(order, ["initialize", "notifications/initialized", "tools/list", "tools/call", "notifications/cancelled"]);
-    assert!(log.iter().all(|(_, overlapped)| !overlapped), "a message was sent before the previous one was answered: {log:?}");
+    assert_eq!(
+        order,
+        ["initialize", "notifications/initialized", "tools/list", "tools/call", "notifications/cancelled"]
+    );
+    assert!(
+        log.iter().all(|(_, overlapped)| !overlapped),
+        "a message was sent before the previous one was answered: {log:?}"
+    );
     drop(m);
     let _ = std::fs::remove_dir_all(&dir);
 }

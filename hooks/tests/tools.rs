@@ -94,7 +94,8 @@ fn run(p: &mut Proxied, calls: &[(&str, Value)], state: &dyn Fn() -> String, at:
 /// exactly what it was when that position was current.
 fn back_through(p: &Proxied, at: &[(u64, String)], state: &dyn Fn() -> String) {
     for (pos, want) in at.iter().rev().skip(1) {
-        let r = control(&p.control, &["compensate", &pos.to_string()]).unwrap_or_else(|e| panic!("compensate to {pos}: {e}"));
+        let r = control(&p.control, &["compensate", &pos.to_string()])
+            .unwrap_or_else(|e| panic!("compensate to {pos}: {e}"));
         assert_eq!(r["position"].as_u64(), Some(*pos));
         assert_eq!(&state(), want, "after compensating to position {pos}");
     }
@@ -118,7 +119,15 @@ fn graph(file: &Path) -> String {
         let v: Value = serde_json::from_str(line).unwrap();
         match v["type"].as_str() {
             Some("entity") => {
-                assert!(entities.insert(v["name"].as_str().unwrap().to_string(), (v["entityType"].clone(), v["observations"].clone())).is_none(), "an entity twice: {v}");
+                assert!(
+                    entities
+                        .insert(
+                            v["name"].as_str().unwrap().to_string(),
+                            (v["entityType"].clone(), v["observations"].clone())
+                        )
+                        .is_none(),
+                    "an entity twice: {v}"
+                );
             }
             Some("relation") => relations.push(format!("{} -{}-> {}", v["from"], v["relationType"], v["to"])),
             _ => panic!("{line}"),
@@ -142,9 +151,18 @@ fn the_knowledge_graph_is_put_back_at_every_position() {
     let e = |n: &str, t: &str, o: &[&str]| json!({"name": n, "entityType": t, "observations": o});
     let r = |f: &str, t: &str, k: &str| json!({"from": f, "to": t, "relationType": k});
     let calls = vec![
-        ("create_entities", json!({"entities": [e("ann", "person", &["likes tea", "works at acme"]), e("acme", "company", &[]), e("bob", "person", &["new"])]})),
-        ("create_relations", json!({"relations": [r("ann", "acme", "works_at"), r("bob", "acme", "works_at"), r("ann", "bob", "knows")]})),
-        ("add_observations", json!({"observations": [{"entityName": "ann", "contents": ["likes tea", "plays chess"]}, {"entityName": "acme", "contents": ["founded 1990"]}]})),
+        (
+            "create_entities",
+            json!({"entities": [e("ann", "person", &["likes tea", "works at acme"]), e("acme", "company", &[]), e("bob", "person", &["new"])]}),
+        ),
+        (
+            "create_relations",
+            json!({"relations": [r("ann", "acme", "works_at"), r("bob", "acme", "works_at"), r("ann", "bob", "knows")]}),
+        ),
+        (
+            "add_observations",
+            json!({"observations": [{"entityName": "ann", "contents": ["likes tea", "plays chess"]}, {"entityName": "acme", "contents": ["founded 1990"]}]}),
+        ),
         // (ann exists: only cy is created)
         ("create_entities", json!({"entities": [e("ann", "robot", &["other"]), e("cy", "person", &[])]})),
         ("delete_observations", json!({"deletions": [{"entityName": "ann", "observations": ["likes tea"]}]})),
@@ -160,7 +178,11 @@ fn the_knowledge_graph_is_put_back_at_every_position() {
     assert!(!is_error(&g) && text(&g).contains("\"bob\""), "{g}");
     assert!(!is_error(&p.call("search_nodes", json!({"query": "acme"}))));
     assert_eq!(p.position(), before);
-    assert_eq!(at.iter().map(|(p, _)| *p).collect::<Vec<_>>(), (at[0].0..=at[0].0 + 9).collect::<Vec<_>>(), "each change takes a position");
+    assert_eq!(
+        at.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+        (at[0].0..=at[0].0 + 9).collect::<Vec<_>>(),
+        "each change takes a position"
+    );
     back_through(&p, &at, &state);
     assert_eq!(state(), at[0].1);
 
@@ -168,7 +190,12 @@ fn the_knowledge_graph_is_put_back_at_every_position() {
     // nothing is clobbered.
     let base = p.position();
     run(&mut p, &[("create_entities", json!({"entities": [e("dee", "person", &["x"])]}))], &state, &mut vec![]);
-    run(&mut p, &[("add_observations", json!({"observations": [{"entityName": "dee", "contents": ["y"]}]}))], &state, &mut vec![]);
+    run(
+        &mut p,
+        &[("add_observations", json!({"observations": [{"entityName": "dee", "contents": ["y"]}]}))],
+        &state,
+        &mut vec![],
+    );
     let edited = std::fs::read_to_string(&file).unwrap().replace("[\"x\",\"y\"]", "[\"x\",\"y\",\"by hand\"]");
     std::fs::write(&file, &edited).unwrap();
     let err = control(&p.control, &["compensate", &base.to_string()]).unwrap_err();
@@ -237,7 +264,10 @@ fn files_outside_the_sandbox_are_put_back_and_what_cannot_be_undone_is_refused()
     run(&mut p, &calls, &state, &mut at);
     let last = p.position();
     // Reads and a dry run pass, and take no position.
-    let dry = p.call("edit_file", json!({"path": f("sub/b.txt"), "edits": [{"oldText": "b2", "newText": "zz"}], "dryRun": true}));
+    let dry = p.call(
+        "edit_file",
+        json!({"path": f("sub/b.txt"), "edits": [{"oldText": "b2", "newText": "zz"}], "dryRun": true}),
+    );
     assert!(!is_error(&dry), "{dry}");
     assert!(!is_error(&p.call("read_text_file", json!({"path": f("sub/b.txt")}))));
     assert!(!is_error(&p.call("list_directory", json!({"path": f("sub")}))));
@@ -249,7 +279,10 @@ fn files_outside_the_sandbox_are_put_back_and_what_cannot_be_undone_is_refused()
         ("edit_file", json!({"path": f("missing.txt"), "edits": [{"oldText": "a", "newText": "b"}]}), "cannot be read"),
     ] {
         let r = p.call(tool, args.clone());
-        assert!(is_error(&r) && text(&r).starts_with("planarian: not executed:") && text(&r).contains(why), "{tool} {args}: {r}");
+        assert!(
+            is_error(&r) && text(&r).starts_with("planarian: not executed:") && text(&r).contains(why),
+            "{tool} {args}: {r}"
+        );
     }
     assert_eq!(state(), at.last().unwrap().1, "refused calls change nothing");
     assert_eq!(p.position(), last);
@@ -268,7 +301,12 @@ fn a_tool_nobody_classified_is_refused_and_a_pass_marks_the_service_uncovered() 
     let r = p.call("create_entities", json!({"entities": [{"name": "x", "entityType": "t", "observations": []}]}));
     assert!(is_error(&r), "{r}");
     let t = text(&r);
-    assert!(t.starts_with("planarian: not executed: the tool create_entities may change state that planarian cannot undo") && t.contains("--spec") && t.contains("pass = "), "{t}");
+    assert!(
+        t.starts_with("planarian: not executed: the tool create_entities may change state that planarian cannot undo")
+            && t.contains("--spec")
+            && t.contains("pass = "),
+        "{t}"
+    );
     assert!(!file.exists(), "the server never saw the call");
     // Its reads are annotated read-only: they pass.
     assert!(!is_error(&p.call("read_graph", json!({}))));
@@ -288,7 +326,9 @@ fn a_tool_nobody_classified_is_refused_and_a_pass_marks_the_service_uncovered() 
     p.mcp.send(&no_id);
     assert!(!is_error(&p.call("read_graph", json!({}))));
     assert!(!file.exists() || !graph(&file).contains("nested"), "neither reached the server");
-    assert!(!is_error(&p.call("create_entities", json!({"entities": [{"name": "x", "entityType": "t", "observations": []}]}))));
+    assert!(!is_error(
+        &p.call("create_entities", json!({"entities": [{"name": "x", "entityType": "t", "observations": []}]}))
+    ));
     assert!(graph(&file).contains("\"x\""));
     assert!(is_error(&p.call("delete_entities", json!({"entityNames": ["x"]}))), "only what was named passes");
     drop(p);
@@ -320,22 +360,37 @@ fn a_disabled_proxy_starts_no_upstream_and_refuses_every_call() {
 
 fn tables(c: &mut postgres::Client) -> String {
     let rows = c.query("SELECT coalesce(jsonb_agg(to_jsonb(n.*) ORDER BY id), '[]')::text FROM notes n", &[]).unwrap();
-    let tags = c.query("SELECT coalesce(jsonb_agg(to_jsonb(t.*) ORDER BY note, tag), '[]')::text FROM tags t", &[]).unwrap();
+    let tags =
+        c.query("SELECT coalesce(jsonb_agg(to_jsonb(t.*) ORDER BY note, tag), '[]')::text FROM tags t", &[]).unwrap();
     format!("{}\n{}", rows[0].get::<_, String>(0), tags[0].get::<_, String>(0))
 }
 
 fn toolbox_config(pg: &Pg, flat: bool) -> String {
     let tools = [
-        ("add-note", "INSERT INTO notes (body, owner, prio) VALUES ($1, $2, $3) RETURNING id", &["body", "owner", "prio"][..], &["string", "string", "integer"][..]),
+        (
+            "add-note",
+            "INSERT INTO notes (body, owner, prio) VALUES ($1, $2, $3) RETURNING id",
+            &["body", "owner", "prio"][..],
+            &["string", "string", "integer"][..],
+        ),
         ("rename-note", "UPDATE notes SET body = $2 WHERE id = $1", &["id", "body"], &["integer", "string"]),
-        ("tag-notes", "INSERT INTO tags (note, tag) SELECT id, $2 FROM notes WHERE owner = ANY($1) ON CONFLICT DO NOTHING", &["owners", "tag"], &["array", "string"]),
+        (
+            "tag-notes",
+            "INSERT INTO tags (note, tag) SELECT id, $2 FROM notes WHERE owner = ANY($1) ON CONFLICT DO NOTHING",
+            &["owners", "tag"],
+            &["array", "string"],
+        ),
         ("drop-note", "DELETE FROM notes WHERE id = $1 -- not $2", &["id"], &["integer"]),
         ("list-notes", "SELECT id, body, owner FROM notes WHERE owner = $1 ORDER BY id", &["owner"], &["string"]),
         ("bump-all", "UPDATE notes SET prio = prio + 1", &[], &[]),
         ("stamp", "SELECT pg_notify('c', $1)", &["text"], &["string"]),
     ];
     let param = |n: &str, t: &str, indent: &str| {
-        let items = if t == "array" { format!("\n{indent}  items:\n{indent}    name: x\n{indent}    type: string\n{indent}    description: x") } else { String::new() };
+        let items = if t == "array" {
+            format!("\n{indent}  items:\n{indent}    name: x\n{indent}    type: string\n{indent}    description: x")
+        } else {
+            String::new()
+        };
         format!("{indent}- name: {n}\n{indent}  type: {t}\n{indent}  description: the {n}{items}\n")
     };
     let templated = "SELECT * FROM {{.table}}";
@@ -355,7 +410,9 @@ fn toolbox_config(pg: &Pg, flat: bool) -> String {
     } else {
         let mut out = format!("sources:\n  pg:\n    kind: postgres\n    host: 127.0.0.1\n    port: {}\n    database: postgres\n    user: postgres\n    password: x\ntools:\n", pg.port);
         for (name, st, ps, ts) in tools {
-            out += &format!("  {name}:\n    kind: postgres-sql\n    source: pg\n    description: {name}\n    statement: \"{st}\"\n");
+            out += &format!(
+                "  {name}:\n    kind: postgres-sql\n    source: pg\n    description: {name}\n    statement: \"{st}\"\n"
+            );
             if !ps.is_empty() {
                 out += "    parameters:\n";
                 for (p, t) in ps.iter().zip(ts) {
@@ -371,7 +428,10 @@ fn toolbox_config(pg: &Pg, flat: bool) -> String {
 #[test]
 fn toolbox_custom_sql_tools_are_classified_and_undone_like_sql() {
     let (Some(pgb), Some(tb)) = (pg_bin(), bin("toolbox")) else {
-        eprintln!("SKIPPED {}: needs PostgreSQL's server binaries and MCP Toolbox (tests/run installs them)", module_path!());
+        eprintln!(
+            "SKIPPED {}: needs PostgreSQL's server binaries and MCP Toolbox (tests/run installs them)",
+            module_path!()
+        );
         return;
     };
     for flat in [false, true] {
@@ -392,7 +452,8 @@ fn toolbox_custom_sql_tools_are_classified_and_undone_like_sql() {
         let mut p = Proxied::start(&dir, &["--database", &pg.dsn()], server);
         // The harness sees the user's tools, not the proxy's hidden one.
         let list = p.mcp.request("tools/list", json!({}));
-        let names: Vec<&str> = list["result"]["tools"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
+        let names: Vec<&str> =
+            list["result"]["tools"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
         assert!(names.contains(&"add-note") && !names.iter().any(|n| n.contains("planarian")), "{names:?}");
         let hidden = p.call("planarian-execute-sql-pg", json!({"sql": "DELETE FROM notes"}));
         assert!(is_error(&hidden), "{hidden}");
@@ -438,7 +499,10 @@ fn toolbox_custom_sql_tools_are_classified_and_undone_like_sql() {
 #[test]
 fn toolbox_prebuilt_tools_are_reads_sql_or_refused() {
     let (Some(pgb), Some(tb)) = (pg_bin(), bin("toolbox")) else {
-        eprintln!("SKIPPED {}: needs PostgreSQL's server binaries and MCP Toolbox (tests/run installs them)", module_path!());
+        eprintln!(
+            "SKIPPED {}: needs PostgreSQL's server binaries and MCP Toolbox (tests/run installs them)",
+            module_path!()
+        );
         return;
     };
     let pg = Pg::start(&pgb, "prebuilt");
@@ -446,12 +510,22 @@ fn toolbox_prebuilt_tools_are_reads_sql_or_refused() {
     let dir = scratch("prebuilt");
     let mut server = Command::new(&tb);
     server.args(["--prebuilt", "postgres", "--stdio", "--disable-version-check"]);
-    for (k, v) in [("POSTGRES_HOST", "127.0.0.1".to_string()), ("POSTGRES_PORT", pg.port.to_string()), ("POSTGRES_DATABASE", "postgres".into()), ("POSTGRES_USER", "postgres".into()), ("POSTGRES_PASSWORD", "x".into())] {
+    for (k, v) in [
+        ("POSTGRES_HOST", "127.0.0.1".to_string()),
+        ("POSTGRES_PORT", pg.port.to_string()),
+        ("POSTGRES_DATABASE", "postgres".into()),
+        ("POSTGRES_USER", "postgres".into()),
+        ("POSTGRES_PASSWORD", "x".into()),
+    ] {
         server.env(k, v);
     }
     let mut p = Proxied::start(&dir, &["--database", &pg.dsn()], server);
     // Annotated read-only, read by the shipped spec, and SQL: they pass.
-    for (tool, args) in [("list_tables", json!({})), ("list_invalid_indexes", json!({})), ("execute_sql", json!({"sql": "INSERT INTO t VALUES (1)"}))] {
+    for (tool, args) in [
+        ("list_tables", json!({})),
+        ("list_invalid_indexes", json!({})),
+        ("execute_sql", json!({"sql": "INSERT INTO t VALUES (1)"})),
+    ] {
         let r = p.call(tool, args);
         assert!(!is_error(&r), "{tool}: {r}");
     }

@@ -19,8 +19,20 @@ const VALUE_FLAGS: &[(Option<&str>, &[&str])] = &[
     (
         Some("exec"),
         &[
-            "--apparmor", "--console-socket", "--cwd", "--cap", "--env", "-e", "--process", "-p", "--process-label", "--pid-file",
-            "--preserve-fds", "--user", "-u", "--cgroup",
+            "--apparmor",
+            "--console-socket",
+            "--cwd",
+            "--cap",
+            "--env",
+            "-e",
+            "--process",
+            "-p",
+            "--process-label",
+            "--pid-file",
+            "--preserve-fds",
+            "--user",
+            "-u",
+            "--cgroup",
         ],
     ),
     (Some("delete"), &[]),
@@ -113,14 +125,8 @@ pub struct Invocation {
 
 impl Invocation {
     pub fn parse(args: Vec<OsString>) -> Invocation {
-        let mut inv = Invocation {
-            args,
-            verb_index: None,
-            log: None,
-            log_format: LogFormat::Text,
-            root: None,
-            debug: false,
-        };
+        let mut inv =
+            Invocation { args, verb_index: None, log: None, log_format: LogFormat::Text, root: None, debug: false };
         let mut i = 0;
         while i < inv.args.len() {
             let arg = inv.args[i].as_bytes();
@@ -148,11 +154,8 @@ impl Invocation {
             match name {
                 b"--log" => inv.log = value.map(PathBuf::from),
                 b"--log-format" => {
-                    inv.log_format = if value.as_deref() == Some(OsStr::new("json")) {
-                        LogFormat::Json
-                    } else {
-                        LogFormat::Text
-                    }
+                    inv.log_format =
+                        if value.as_deref() == Some(OsStr::new("json")) { LogFormat::Json } else { LogFormat::Text }
                 }
                 b"--root" => inv.root = value.map(PathBuf::from),
                 b"--debug" => inv.debug = true,
@@ -226,7 +229,11 @@ pub struct CriuFlags {
 
 /// `checkpoint`, as Podman calls it.
 #[derive(clap::Parser, Debug)]
-#[command(name = "planarian checkpoint", about = "Create a statepoint of a running container", args_override_self = true)]
+#[command(
+    name = "planarian checkpoint",
+    about = "Create a statepoint of a running container",
+    args_override_self = true
+)]
 pub struct CheckpointArgs {
     /// Where Podman expects the checkpoint images.
     #[arg(long)]
@@ -286,7 +293,10 @@ pub struct RestoreArgs {
 
 /// `planarian snapshot`.
 #[derive(clap::Parser, Debug)]
-#[command(name = "planarian snapshot", about = "Take a statepoint of a running container (it keeps running); prints its id")]
+#[command(
+    name = "planarian snapshot",
+    about = "Take a statepoint of a running container (it keeps running); prints its id"
+)]
 pub struct SnapshotArgs {
     /// The container (name, ID or ID prefix).
     pub container: String,
@@ -353,7 +363,10 @@ impl From<OutcomeStatus> for engine::store::OutcomeStatus {
 
 /// `planarian rollback`.
 #[derive(clap::Parser, Debug)]
-#[command(name = "planarian rollback", about = "Return a container's processes, files and remote state to a statepoint")]
+#[command(
+    name = "planarian rollback",
+    about = "Return a container's processes, files and remote state to a statepoint"
+)]
 pub struct RollbackArgs {
     /// The container.
     pub container: String,
@@ -418,7 +431,10 @@ pub struct McpArgs {
 
 /// `planarian ledger`.
 #[derive(clap::Parser, Debug)]
-#[command(name = "planarian ledger", about = "A container's statepoints as a tree, with what is known of each (for people and for an LLM's context)")]
+#[command(
+    name = "planarian ledger",
+    about = "A container's statepoints as a tree, with what is known of each (for people and for an LLM's context)"
+)]
 pub struct LedgerArgs {
     pub container: String,
     /// As JSON, for harnesses.
@@ -431,7 +447,10 @@ pub struct LedgerArgs {
 
 /// `planarian statepoint`.
 #[derive(clap::Parser, Debug)]
-#[command(name = "planarian statepoint", about = "The statepoints of a container: list, show, annotate, remove, export, import")]
+#[command(
+    name = "planarian statepoint",
+    about = "The statepoints of a container: list, show, annotate, remove, export, import"
+)]
 pub struct StatepointArgs {
     #[command(subcommand)]
     pub command: StatepointCommand,
@@ -539,7 +558,10 @@ pub struct ZfsBaseArgs {
 
 /// `planarian config`.
 #[derive(clap::Parser, Debug)]
-#[command(name = "planarian config", about = "The effective configuration, optionally with a container's io.planarian.* annotations applied")]
+#[command(
+    name = "planarian config",
+    about = "The effective configuration, optionally with a container's io.planarian.* annotations applied"
+)]
 pub struct ConfigArgs {
     /// A container ID crun knows.
     pub container: Option<String>,
@@ -602,10 +624,21 @@ mod tests {
 
     #[test]
     fn exec_container_id_as_conmon_sends_it() {
-        let a: Vec<OsString> = ["--detach", "--process", "/tmp/p.json", "--pid-file", "/x/pid", "--console-socket=/s", "-e", "A=1", "abc123", "sh"]
-            .iter()
-            .map(OsString::from)
-            .collect();
+        let a: Vec<OsString> = [
+            "--detach",
+            "--process",
+            "/tmp/p.json",
+            "--pid-file",
+            "/x/pid",
+            "--console-socket=/s",
+            "-e",
+            "A=1",
+            "abc123",
+            "sh",
+        ]
+        .iter()
+        .map(OsString::from)
+        .collect();
         assert_eq!(exec_container_id(&a), Some("abc123"));
         assert_eq!(exec_container_id(&[OsString::from("-d")]), None);
         assert_eq!(exec_detached_pid_file(&a), Some(PathBuf::from("/x/pid")));
@@ -614,7 +647,11 @@ mod tests {
 
     #[test]
     fn create_and_delete_arguments_as_podman_sends_them() {
-        let a: Vec<OsString> = ["--bundle", "/b/userdata", "--pid-file", "/r/pidfile", "--console-socket", "/tmp/s", "abc123"].iter().map(OsString::from).collect();
+        let a: Vec<OsString> =
+            ["--bundle", "/b/userdata", "--pid-file", "/r/pidfile", "--console-socket", "/tmp/s", "abc123"]
+                .iter()
+                .map(OsString::from)
+                .collect();
         assert_eq!(create_args(&a), (PathBuf::from("/b/userdata"), Some("abc123".into())));
         let a: Vec<OsString> = ["--bundle=/x", "--no-pivot", "id2"].iter().map(OsString::from).collect();
         assert_eq!(create_args(&a), (PathBuf::from("/x"), Some("id2".into())));
@@ -630,17 +667,33 @@ mod tests {
     fn accepts_exactly_what_podman_sends_to_checkpoint() {
         let a: CheckpointArgs = parse_verb(
             "checkpoint",
-            &os(&["--image-path", "/u/checkpoint", "--work-path", "/u", "--leave-running", "--tcp-established",
-                "--file-locks", "--leave-running", "abc"]),
+            &os(&[
+                "--image-path",
+                "/u/checkpoint",
+                "--work-path",
+                "/u",
+                "--leave-running",
+                "--tcp-established",
+                "--file-locks",
+                "--leave-running",
+                "abc",
+            ]),
         )
         .unwrap();
         assert!(a.leave_running && a.criu.tcp_established && a.criu.file_locks);
         assert_eq!(a.image_path.as_deref(), Some(std::path::Path::new("/u/checkpoint")));
         assert_eq!(a.container_id, "abc");
-        let pre: CheckpointArgs = parse_verb("checkpoint", &os(&["--image-path", "/u/pre-checkpoint", "--work-path", "/u", "--pre-dump", "abc"])).unwrap();
+        let pre: CheckpointArgs = parse_verb(
+            "checkpoint",
+            &os(&["--image-path", "/u/pre-checkpoint", "--work-path", "/u", "--pre-dump", "abc"]),
+        )
+        .unwrap();
         assert!(pre.pre_dump);
-        let prev: CheckpointArgs =
-            parse_verb("checkpoint", &os(&["--image-path", "/u/checkpoint", "--work-path", "/u", "--parent-path", "../pre-checkpoint", "abc"])).unwrap();
+        let prev: CheckpointArgs = parse_verb(
+            "checkpoint",
+            &os(&["--image-path", "/u/checkpoint", "--work-path", "/u", "--parent-path", "../pre-checkpoint", "abc"]),
+        )
+        .unwrap();
         assert_eq!(prev.parent_path.as_deref(), Some(std::path::Path::new("../pre-checkpoint")));
     }
 
@@ -648,9 +701,23 @@ mod tests {
     fn accepts_exactly_what_conmon_sends_to_restore() {
         let a: RestoreArgs = parse_verb(
             "restore",
-            &os(&["--bundle", "/u", "--pid-file", "/r/pidfile", "--no-new-keyring", "--detach", "--image-path", "/u/checkpoint",
-                "--work-path", "/u", "--tcp-established", "--lsm-mount-context=system_u:object_r:x", "--console-socket",
-                "/tmp/conmon-term.X", "abc"]),
+            &os(&[
+                "--bundle",
+                "/u",
+                "--pid-file",
+                "/r/pidfile",
+                "--no-new-keyring",
+                "--detach",
+                "--image-path",
+                "/u/checkpoint",
+                "--work-path",
+                "/u",
+                "--tcp-established",
+                "--lsm-mount-context=system_u:object_r:x",
+                "--console-socket",
+                "/tmp/conmon-term.X",
+                "abc",
+            ]),
         )
         .unwrap();
         assert!(a.detach && a.criu.tcp_established);
@@ -666,7 +733,11 @@ mod tests {
 
     #[test]
     fn own_verbs_take_their_options_anywhere() {
-        let a: StatepointArgs = parse_verb("statepoint", &os(&["set", "c", "--name=x", "sp1", "--outcome", "failed: tests", "--outcome", "ok"])).unwrap();
+        let a: StatepointArgs = parse_verb(
+            "statepoint",
+            &os(&["set", "c", "--name=x", "sp1", "--outcome", "failed: tests", "--outcome", "ok"]),
+        )
+        .unwrap();
         match a.command {
             StatepointCommand::Set { container, statepoint, name, outcome, .. } => {
                 assert_eq!((container.as_str(), statepoint.as_str(), name.as_deref()), ("c", "sp1", Some("x")));
@@ -675,10 +746,14 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(parse_verb::<StatepointArgs>("statepoint", &os(&["rm", "c"])).is_err(), "rm needs a statepoint");
-        let a: StatepointArgs = parse_verb("statepoint", &os(&["set", "c", "sp1", "--outcome", "x", "--reward", "-1"])).unwrap();
+        let a: StatepointArgs =
+            parse_verb("statepoint", &os(&["set", "c", "sp1", "--outcome", "x", "--reward", "-1"])).unwrap();
         assert!(matches!(a.command, StatepointCommand::Set { reward: Some(r), .. } if r == -1.0));
         let s: SnapshotArgs = parse_verb("snapshot", &os(&["--description", "d", "agent", "--name", "n"])).unwrap();
-        assert_eq!((s.container.as_str(), s.name.as_deref(), s.description.as_deref()), ("agent", Some("n"), Some("d")));
+        assert_eq!(
+            (s.container.as_str(), s.name.as_deref(), s.description.as_deref()),
+            ("agent", Some("n"), Some("d"))
+        );
         let f: ForkArgs = parse_verb("fork", &os(&["agent", "sp1", "--name", "b"])).unwrap();
         assert_eq!(f.name.as_deref(), Some("b"));
     }

@@ -4,10 +4,13 @@
 use crate::cli::{self, Invocation};
 use crate::Failure;
 use engine::config::Config;
+use engine::context::{Ledger, RestoreContext};
 use engine::log::StderrProgress;
 use engine::runtime::podman;
-use engine::statepoint::{self, async_snapshot, fork::Fork, restore::RestoreRequest, rollback::Rollback, snapshot::SnapshotRequest, travel, Ctx};
-use engine::context::{Ledger, RestoreContext};
+use engine::statepoint::{
+    self, async_snapshot, fork::Fork, restore::RestoreRequest, rollback::Rollback, snapshot::SnapshotRequest, travel,
+    Ctx,
+};
 use engine::store::{Manifest, Outcome};
 use std::ffi::OsString;
 
@@ -41,11 +44,22 @@ pub fn checkpoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             id: None,
             files_taken: None,
         };
-        statepoint::snapshot::checkpoint(&globals, &a.container_id, &req, a.image_path.as_deref(), a.work_path.as_deref()).map(Some)
+        statepoint::snapshot::checkpoint(
+            &globals,
+            &a.container_id,
+            &req,
+            a.image_path.as_deref(),
+            a.work_path.as_deref(),
+        )
+        .map(Some)
     };
     match result {
         Ok(Some(m)) => {
-            inv.sink().info(&format!("statepoint {} of {} committed", m.statepoint_id, statepoint::short(&m.container_id)));
+            inv.sink().info(&format!(
+                "statepoint {} of {} committed",
+                m.statepoint_id,
+                statepoint::short(&m.container_id)
+            ));
             Ok(0)
         }
         Ok(None) => Ok(0),
@@ -101,7 +115,9 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
         return Ok(0);
     }
     let ctx = Ctx::running(&inv.globals(), &a.container)?;
-    let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| eprintln!("waiting for what is in flight in {} ({what})", a.container))?;
+    let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
+        eprintln!("waiting for what is in flight in {} ({what})", a.container)
+    })?;
     ctx.recover();
     let m = statepoint::snapshot::take(
         &ctx,
@@ -159,7 +175,8 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 pub fn spare(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::SpareArgs = parse!("spare", args);
     let pool = statepoint::spares::pool(&inv.globals(), &a.container, &a.statepoint)?;
-    let mut progress = StderrProgress::start(&format!("keeping {} spare(s) of {} at {}", a.count, a.container, pool.sp));
+    let mut progress =
+        StderrProgress::start(&format!("keeping {} spare(s) of {} at {}", a.count, a.container, pool.sp));
     let spares = statepoint::spares::fill(pool, a.count, &mut progress)?;
     progress.finish();
     for s in spares {
@@ -198,7 +215,8 @@ pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
         }
         cli::StatepointCommand::Context { container, json } => {
             let store = statepoint::store_of(&cfg, &container)?;
-            let ctx = RestoreContext::last(&store).ok_or_else(|| format!("container {container} was never rolled back or forked into"))?;
+            let ctx = RestoreContext::last(&store)
+                .ok_or_else(|| format!("container {container} was never rolled back or forked into"))?;
             if json {
                 println!("{}", context_json(&ctx)?);
             } else {
@@ -292,7 +310,9 @@ pub fn zfs_base(args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::ZfsBaseArgs = parse!("zfs-base", args);
     let cfg = Config::load()?;
     let Some(parent) = a.parent_dataset.or(cfg.zfs.parent_dataset.clone()) else {
-        return Err("no parent dataset: give --parent-dataset, or set zfs.parent_dataset in the configuration".to_string().into());
+        return Err("no parent dataset: give --parent-dataset, or set zfs.parent_dataset in the configuration"
+            .to_string()
+            .into());
     };
     let layers = podman::image_layers(&a.image)?;
     let started = std::time::Instant::now();
@@ -306,7 +326,10 @@ pub fn zfs_base(args: &[OsString]) -> Result<i32, Failure> {
 }
 
 fn table(list: &[Manifest], head: Option<&str>) -> String {
-    let mut out = format!("{:<6} {:<18} {:<7} {:<24} {:<6} {:>9} {:>9} {:>9}  {}\n", "ID", "NAME", "PARENT", "CREATED", "DUMP", "MEMORY", "FILES", "TOOK", "DESCRIPTION");
+    let mut out = format!(
+        "{:<6} {:<18} {:<7} {:<24} {:<6} {:>9} {:>9} {:>9}  {}\n",
+        "ID", "NAME", "PARENT", "CREATED", "DUMP", "MEMORY", "FILES", "TOOK", "DESCRIPTION"
+    );
     for m in list {
         let mark = if head == Some(m.statepoint_id.as_str()) { "*" } else { "" };
         out.push_str(&format!(

@@ -23,9 +23,14 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
         }
     };
     let files: Vec<PathBuf> = config::config_files().into_iter().filter(|p| p.exists()).collect();
-    println!("# read from: {}", if files.is_empty() { "(built-in defaults)".into() } else {
-        files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
-    });
+    println!(
+        "# read from: {}",
+        if files.is_empty() {
+            "(built-in defaults)".into()
+        } else {
+            files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+        }
+    );
     if let Some(id) = container {
         println!("# with the io.planarian.* annotations of container {id}");
     }
@@ -36,7 +41,11 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 /// A container's OCI config, read from the bundle crun recorded for it.
 fn container_spec(inv: &Invocation, cfg: &Config, id: &str) -> Result<engine::runtime::Spec, Failure> {
     let crun = engine::runtime::crun(cfg)?;
-    let out = Command::new(&crun).args(inv.globals().crun_args()).args(["state", id]).output().map_err(|e| format!("cannot run {}: {e}", crun.display()))?;
+    let out = Command::new(&crun)
+        .args(inv.globals().crun_args())
+        .args(["state", id])
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", crun.display()))?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         return Err(format!("unknown container {id}: {}", err.lines().last().unwrap_or("").trim()).into());

@@ -4,9 +4,9 @@
 //! an optional one (soft-dirty tracking, ZFS) only degrades what planarian can do, and says how.
 
 use crate::Failure;
+use clap::Parser;
 use engine::config::Config;
 use engine::tools;
-use clap::Parser;
 use serde::Serialize;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -103,8 +103,14 @@ pub fn run_checks() -> Vec<Check> {
     checks.push(check_crun(&cfg));
     checks.extend(check_criu(&cfg));
     checks.push(match engine::runtime::criu_hooks(&cfg) {
-        Ok(p) => Check::pass("pre-resume hook", format!("{}: dumps stay incremental after a restore", p.display())).optional(),
-        Err(e) => Check::fail("pre-resume hook", false, format!("{e}: the first dump after every restore is full"), "run `planarian install` from the build directory, or set [runtime] criu_hooks_path"),
+        Ok(p) => Check::pass("pre-resume hook", format!("{}: dumps stay incremental after a restore", p.display()))
+            .optional(),
+        Err(e) => Check::fail(
+            "pre-resume hook",
+            false,
+            format!("{e}: the first dump after every restore is full"),
+            "run `planarian install` from the build directory, or set [runtime] criu_hooks_path",
+        ),
     });
     checks.push(check_cgroup());
     checks.push(check_zfs(&cfg));
@@ -115,10 +121,7 @@ pub fn run_checks() -> Vec<Check> {
 
 /// Runs a tool and returns (success, stdout, stderr).
 fn run(path: &Path, args: &[&str]) -> Result<(bool, String, String), String> {
-    let out = Command::new(path)
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", path.display()))?;
+    let out = Command::new(path).args(args).output().map_err(|e| format!("cannot run {}: {e}", path.display()))?;
     Ok((
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -141,7 +144,12 @@ fn check_crun(cfg: &Config) -> Check {
     };
     match run(&crun, &["--version"]) {
         Ok((true, out, _)) => Check::pass("crun", format!("{} ({})", first_line(&out), crun.display())),
-        Ok((false, _, err)) => Check::fail("crun", true, format!("{} --version failed: {}", crun.display(), last_line(&err)), "reinstall crun"),
+        Ok((false, _, err)) => Check::fail(
+            "crun",
+            true,
+            format!("{} --version failed: {}", crun.display(), last_line(&err)),
+            "reinstall crun",
+        ),
         Err(e) => Check::fail("crun", true, e, "reinstall crun"),
     }
 }
@@ -169,7 +177,8 @@ fn check_criu(cfg: &Config) -> Vec<Check> {
             Check::pass("criu check", "Looks good.")
         }
         Ok((_, out, err)) => {
-            let why = [last_line(&err), last_line(&out)].into_iter().find(|l| !l.is_empty()).unwrap_or("failed").to_string();
+            let why =
+                [last_line(&err), last_line(&out)].into_iter().find(|l| !l.is_empty()).unwrap_or("failed").to_string();
             let fix = if why.contains("vDSO") {
                 "this CRIU is too old for this kernel: use CRIU 4.1 or newer, or a distribution kernel before 6.15"
             } else if !nix::unistd::geteuid().is_root() {
@@ -214,14 +223,22 @@ fn check_cgroup() -> Check {
         // The field's type differs between targets.
         #[allow(clippy::unnecessary_cast)]
         Ok(s) => s.filesystem_type().0 as i64,
-        Err(e) => return Check::fail(name, true, format!("cannot stat /sys/fs/cgroup: {e}"), "mount cgroup2 on /sys/fs/cgroup"),
+        Err(e) => {
+            return Check::fail(
+                name,
+                true,
+                format!("cannot stat /sys/fs/cgroup: {e}"),
+                "mount cgroup2 on /sys/fs/cgroup",
+            )
+        }
     };
     if magic == CGROUP2_SUPER_MAGIC {
         // The freezer of cgroup v2 is cgroup.freeze in every non-root cgroup (Linux 5.2+).
         let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
         let rel = own.lines().find_map(|l| l.strip_prefix("0::")).unwrap_or("/").trim_start_matches('/');
         let probe = if rel.is_empty() { None } else { Some(root.join(rel).join("cgroup.freeze")) };
-        let has_freeze = probe.as_deref().is_some_and(Path::exists) || any_child_has_freeze(root) || new_child_has_freeze(root);
+        let has_freeze =
+            probe.as_deref().is_some_and(Path::exists) || any_child_has_freeze(root) || new_child_has_freeze(root);
         return if has_freeze {
             Check::pass(name, "cgroup v2 (unified), freezer available")
         } else {
@@ -239,7 +256,12 @@ fn check_cgroup() -> Check {
     if root.join("freezer").exists() {
         Check::pass(name, "cgroup v1, freezer controller mounted")
     } else {
-        Check::fail(name, true, "cgroup v1 without the freezer controller", "mount the freezer controller or switch to cgroup v2")
+        Check::fail(
+            name,
+            true,
+            "cgroup v1 without the freezer controller",
+            "mount the freezer controller or switch to cgroup v2",
+        )
     }
 }
 
@@ -268,7 +290,12 @@ fn check_zfs(cfg: &Config) -> Check {
     let zfs = match tools::locate("zfs", cfg.runtime.zfs_path.as_deref(), "[runtime] zfs_path") {
         Ok(p) => p,
         Err(e) => {
-            return Check::fail(name, required, format!("{e}; {fallback}"), "apt-get install zfsutils-linux (or zfs-fuse)")
+            return Check::fail(
+                name,
+                required,
+                format!("{e}; {fallback}"),
+                "apt-get install zfsutils-linux (or zfs-fuse)",
+            )
         }
     };
     let engine = if Path::new("/sys/module/zfs").exists() {
@@ -299,9 +326,8 @@ fn check_zfs(cfg: &Config) -> Check {
 
 fn process_running(comm: &str) -> bool {
     std::fs::read_dir("/proc").is_ok_and(|rd| {
-        rd.filter_map(Result::ok).any(|e| {
-            std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim_end() == comm)
-        })
+        rd.filter_map(Result::ok)
+            .any(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim_end() == comm))
     })
 }
 
@@ -310,7 +336,12 @@ fn check_store(cfg: &Config) -> Check {
     let existing: PathBuf = path.ancestors().find(|p| p.exists()).unwrap_or(Path::new("/")).to_path_buf();
     match nix::unistd::access(&existing, nix::unistd::AccessFlags::W_OK) {
         Ok(()) => Check::pass("store", format!("{} (writable)", path.display())),
-        Err(e) => Check::fail("store", true, format!("{} is not writable ({e})", existing.display()), "run as root, or set [store] path"),
+        Err(e) => Check::fail(
+            "store",
+            true,
+            format!("{} is not writable ({e})", existing.display()),
+            "run as root, or set [store] path",
+        ),
     }
 }
 

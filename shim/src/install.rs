@@ -40,7 +40,10 @@ pub fn main(args: &[OsString]) -> Result<i32, crate::Failure> {
         install_file(&hooks_src, &hooks)?;
         println!("installed {}", hooks.display());
     } else {
-        println!("warning: {} not found: restores will work, but the dump after each one will be full", hooks_src.display());
+        println!(
+            "warning: {} not found: restores will work, but the dump after each one will be full",
+            hooks_src.display()
+        );
     }
     // The MCP state-proxy sidecar and its remote-state hook, beside it too.
     let proxy_src = exe.with_file_name("planarian-mcp-proxy");
@@ -66,9 +69,7 @@ pub fn main(args: &[OsString]) -> Result<i32, crate::Failure> {
 
 fn render_dropin(bin: &Path, default_runtime: bool) -> String {
     let default = if default_runtime { "runtime = \"planarian\"\n" } else { "" };
-    DROPIN_TEMPLATE
-        .replace("@PLANARIAN@", &bin.display().to_string())
-        .replace("@DEFAULT_RUNTIME@\n", default)
+    DROPIN_TEMPLATE.replace("@PLANARIAN@", &bin.display().to_string()).replace("@DEFAULT_RUNTIME@\n", default)
 }
 
 /// Copies the binary unless source and destination are the same file.

@@ -131,10 +131,18 @@ fn passthrough(inv: &Invocation) -> Failure {
         if status.success() {
             if let Some(pid) = std::fs::read_to_string(&pid_file).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
                 let store = engine::store::ContainerStore::new(&cfg.store.path, id);
-                let what = cli::exec_process_file(inv.verb_args()).map(|f| engine::runtime::exec::command_line(&f)).unwrap_or_default();
+                let what = cli::exec_process_file(inv.verb_args())
+                    .map(|f| engine::runtime::exec::command_line(&f))
+                    .unwrap_or_default();
                 // (what crun printed is all this prints: a holder that cannot start leaves the
                 // command unwaited for, as before)
-                let _ = engine::runtime::inflight::hold_until_exit(lock, pid, &store.dir, &what, cfg.checkpoint.in_flight_wait());
+                let _ = engine::runtime::inflight::hold_until_exit(
+                    lock,
+                    pid,
+                    &store.dir,
+                    &what,
+                    cfg.checkpoint.in_flight_wait(),
+                );
             }
         }
         use std::os::unix::process::ExitStatusExt;

@@ -14,6 +14,7 @@ use engine::log::Silent;
 use engine::runtime::{podman, Globals};
 use engine::statepoint::{self, async_snapshot, fork::Fork, rollback::Rollback, snapshot::SnapshotRequest};
 use engine::store::{Actor, ContainerStore, Outcome, OutcomeStatus};
+use planarian_contracts::jsonrpc;
 use serde_json::{json, Value};
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
@@ -56,7 +57,7 @@ impl Server {
             let answers: Vec<Value> = match serde_json::from_str::<Value>(&line) {
                 Ok(Value::Array(batch)) => batch.iter().filter_map(|m| self.handle(m)).collect(),
                 Ok(m) => self.handle(&m).into_iter().collect(),
-                Err(e) => vec![json!({"jsonrpc": "2.0", "id": null, "error": {"code": -32700, "message": format!("parse error: {e}")}})],
+                Err(e) => vec![jsonrpc::error(Value::Null, jsonrpc::PARSE_ERROR, format!("parse error: {e}"))],
             };
             for a in answers {
                 writeln!(out, "{a}")?;
@@ -86,12 +87,14 @@ impl Server {
             }
             "ping" => Ok(json!({})),
             "tools/list" => Ok(json!({"tools": self.tools()})),
-            "tools/call" => Ok(self.call(msg["params"]["name"].as_str().unwrap_or_default(), &msg["params"]["arguments"])),
-            _ => Err((-32601, format!("method not found: {method}"))),
+            "tools/call" => {
+                Ok(self.call(msg["params"]["name"].as_str().unwrap_or_default(), &msg["params"]["arguments"]))
+            }
+            _ => Err((jsonrpc::METHOD_NOT_FOUND, format!("method not found: {method}"))),
         };
         Some(match result {
-            Ok(r) => json!({"jsonrpc": "2.0", "id": id, "result": r}),
-            Err((code, message)) => json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}}),
+            Ok(r) => jsonrpc::result(id, r),
+            Err((code, message)) => jsonrpc::error(id, code, message),
         })
     }
 
@@ -225,7 +228,12 @@ impl Server {
         };
         let outcome = Outcome::now(text, status, Actor::Agent, args["reward"].as_f64());
         let m = statepoint::annotate(&self.store()?, &sp, None, None, vec![outcome])?;
-        Ok(format!("Noted on statepoint {}: {} ({} outcomes recorded there).", m.statepoint_id, args["status"].as_str().unwrap_or(""), m.state_evidence.prior_outcomes.len()))
+        Ok(format!(
+            "Noted on statepoint {}: {} ({} outcomes recorded there).",
+            m.statepoint_id,
+            args["status"].as_str().unwrap_or(""),
+            m.state_evidence.prior_outcomes.len()
+        ))
     }
 
     fn rollback(&self, args: &Value) -> Result<String, Failure> {
@@ -261,7 +269,11 @@ impl Server {
                 let out = child.wait_with_output()?;
                 let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
                 text += &String::from_utf8_lossy(&out.stderr);
-                return Ok(format!("{text}{}[exit code {}]", if text.is_empty() || text.ends_with('\n') { "" } else { "\n" }, status.code().unwrap_or(-1)));
+                return Ok(format!(
+                    "{text}{}[exit code {}]",
+                    if text.is_empty() || text.ends_with('\n') { "" } else { "\n" },
+                    status.code().unwrap_or(-1)
+                ));
             }
             if Instant::now() > end {
                 let _ = child.kill();
@@ -296,7 +308,13 @@ mod tests {
     use super::*;
 
     fn server(allow: (bool, bool)) -> Server {
-        Server { name: "agent".into(), id: "0".repeat(64), globals: Globals::default(), allow_fork: allow.0, allow_run: allow.1 }
+        Server {
+            name: "agent".into(),
+            id: "0".repeat(64),
+            globals: Globals::default(),
+            allow_fork: allow.0,
+            allow_run: allow.1,
+        }
     }
 
     #[test]
@@ -325,7 +343,10 @@ mod tests {
         assert_eq!(r["isError"], true);
         assert_eq!(r["content"][0]["text"], "planarian: reason is required");
         let r = s.call("run", &json!({"command": "rm -rf /"}));
-        assert_eq!((r["isError"].as_bool(), r["content"][0]["text"].as_str()), (Some(true), Some("planarian: unknown tool run")));
+        assert_eq!(
+            (r["isError"].as_bool(), r["content"][0]["text"].as_str()),
+            (Some(true), Some("planarian: unknown tool run"))
+        );
         let r = s.call("statepoint_note", &json!({"statepoint": "sp1", "outcome": "x", "status": "great"}));
         assert!(r["content"][0]["text"].as_str().unwrap().contains("status must be"), "{r}");
     }

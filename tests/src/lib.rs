@@ -27,6 +27,19 @@ pub fn planarian_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/planarian")
 }
 
+/// The Python SDK as a user installs it (`pip install ./python`; tests/run installs it into
+/// `target/sdk`): the guest tests import it from there, from another directory, never from the
+/// source tree, so a module the package does not ship fails them.
+pub fn installed_sdk() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/sdk");
+    assert!(
+        p.join("planarian/__init__.py").exists(),
+        "the installed Python SDK is missing ({}): tests/run installs it with pip",
+        p.display()
+    );
+    p
+}
+
 /// Runs the planarian command line (its own verbs: snapshot, rollback, ledger, …).
 pub fn planarian(args: &[&str]) -> Run {
     cmd(planarian_bin().to_str().unwrap(), args)
@@ -39,9 +52,7 @@ fn stack_problem() -> Option<String> {
             if !nix::unistd::geteuid().is_root() {
                 return Some("not root".into());
             }
-            let out = Command::new("podman")
-                .args(["--runtime", "planarian", "run", "--rm", BUSYBOX, "true"])
-                .output();
+            let out = Command::new("podman").args(["--runtime", "planarian", "run", "--rm", BUSYBOX, "true"]).output();
             match out {
                 Err(e) => Some(format!("podman: {e}")),
                 Ok(o) if !o.status.success() => Some(format!(
@@ -278,7 +289,10 @@ pub fn zfs_test_pool() -> Option<String> {
                 panic!("a ZFS test pool is required here (PLANARIAN_TEST_ZPOOL, made by the guest)");
             }
             use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "SKIPPED: no ZFS test pool (set PLANARIAN_TEST_ZPOOL; tests/run uses the guest)");
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED: no ZFS test pool (set PLANARIAN_TEST_ZPOOL; tests/run uses the guest)"
+            );
             None
         }
     }

@@ -92,7 +92,8 @@ impl Sandbox {
 
     /// A sandbox that already runs (e.g. a fork), removed at the end of the test.
     pub fn attach(name: &str) -> Sandbox {
-        let mut sb = Sandbox { name: name.to_string(), seq: 0, proc: Default::default(), _cleanup: Cleanup(name.to_string()) };
+        let mut sb =
+            Sandbox { name: name.to_string(), seq: 0, proc: Default::default(), _cleanup: Cleanup(name.to_string()) };
         sb.seq = sb.read().expect("the workload runs").0;
         sb
     }
@@ -218,7 +219,10 @@ impl Sandbox {
 
     /// The manifest of one statepoint.
     pub fn manifest(&self, sp: &str) -> serde_json::Value {
-        self.statepoints().into_iter().find(|m| m["statepoint-id"] == sp).unwrap_or_else(|| panic!("no statepoint {sp}"))
+        self.statepoints()
+            .into_iter()
+            .find(|m| m["statepoint-id"] == sp)
+            .unwrap_or_else(|| panic!("no statepoint {sp}"))
     }
 
     pub fn statepoints(&self) -> Vec<serde_json::Value> {
@@ -227,4 +231,3 @@ impl Sandbox {
         serde_json::from_str::<serde_json::Value>(&r.stdout).unwrap().as_array().unwrap().clone()
     }
 }
-

@@ -20,7 +20,11 @@ fn node_and_sdk() -> Option<(PathBuf, PathBuf)> {
     match (node, sdk.exists()) {
         (Some(node), true) => Some((node, sdk)),
         _ => {
-            assert!(std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_none(), "node or the MCP SDK missing ({}): tests/run installs them", sdk.display());
+            assert!(
+                std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_none(),
+                "node or the MCP SDK missing ({}): tests/run installs them",
+                sdk.display()
+            );
             eprintln!("SKIPPED: node or the MCP SDK missing ({})", sdk.display());
             None
         }
@@ -71,7 +75,8 @@ fn the_agent_saves_rolls_back_and_reads_its_ledger_through_the_official_sdk() {
     let listed = agent.line();
     assert_eq!(listed["server"]["name"], "planarian");
     let tools = listed["tools"].as_array().unwrap();
-    let tool = |n: &str| tools.iter().find(|t| t["name"] == n).cloned().unwrap_or_else(|| panic!("no tool {n}: {listed}"));
+    let tool =
+        |n: &str| tools.iter().find(|t| t["name"] == n).cloned().unwrap_or_else(|| panic!("no tool {n}: {listed}"));
     assert_eq!(tools.len(), 5, "four statepoint tools and run: {listed}");
     assert_eq!(tool("statepoint_ledger")["annotations"]["readOnlyHint"], true);
     assert_eq!(tool("statepoint_rollback")["annotations"]["destructiveHint"], true);
@@ -82,7 +87,8 @@ fn the_agent_saves_rolls_back_and_reads_its_ledger_through_the_official_sdk() {
 
     sb.sh("echo v1 > /tmp/app.conf").ok();
     let before = sb.send("tick");
-    let (text, err) = agent.call("statepoint_save", json!({"name": "before-change", "description": "app.conf is v1; tests pass"}));
+    let (text, err) =
+        agent.call("statepoint_save", json!({"name": "before-change", "description": "app.conf is v1; tests pass"}));
     assert!(!err && text.starts_with("Saving statepoint sp1 \"before-change\""), "{text}");
 
     // The agent's own shell tool changes the files (under the container's shared lock); the
@@ -91,13 +97,25 @@ fn the_agent_saves_rolls_back_and_reads_its_ledger_through_the_official_sdk() {
     assert!(!err && text.contains("broken") && text.ends_with("[exit code 0]"), "{text}");
     let dirtied = sb.send("dirty 0 65536");
     assert_ne!(dirtied.checksum, before.checksum);
-    let (text, err) = agent.call("statepoint_note", json!({"statepoint": "before-change", "outcome": "rewriting app.conf broke the tests", "status": "failure"}));
+    let (text, err) = agent.call(
+        "statepoint_note",
+        json!({"statepoint": "before-change", "outcome": "rewriting app.conf broke the tests", "status": "failure"}),
+    );
     assert!(!err && text.starts_with("Noted on statepoint sp1"), "{text}");
 
-    let (text, err) = agent.call("statepoint_rollback", json!({"statepoint": "before-change", "reason": "the new app.conf broke the tests"}));
+    let (text, err) = agent.call(
+        "statepoint_rollback",
+        json!({"statepoint": "before-change", "reason": "the new app.conf broke the tests"}),
+    );
     assert!(!err, "{text}");
     eprintln!("--- what the model reads after statepoint_rollback:\n{text}---");
-    assert!(text.starts_with(&format!("[planarian] The sandbox {} was rolled back to statepoint sp1 \"before-change\".", sb.name)), "{text}");
+    assert!(
+        text.starts_with(&format!(
+            "[planarian] The sandbox {} was rolled back to statepoint sp1 \"before-change\".",
+            sb.name
+        )),
+        "{text}"
+    );
     assert!(text.contains("State at sp1: app.conf is v1; tests pass"), "{text}");
     assert!(text.contains("→ failure (agent): rewriting app.conf broke the tests"), "{text}");
     // What it says is true.
@@ -109,7 +127,12 @@ fn the_agent_saves_rolls_back_and_reads_its_ledger_through_the_official_sdk() {
     let (text, _) = agent.call("statepoint_ledger", json!({}));
     eprintln!("--- what the model reads from statepoint_ledger:\n{text}---");
     assert!(text.contains("sp1* \"before-change\""), "{text}");
-    assert!(text.contains("→ abandoned (agent): rolled back here from the state after sp1; reason: the new app.conf broke the tests"), "{text}");
+    assert!(
+        text.contains(
+            "→ abandoned (agent): rolled back here from the state after sp1; reason: the new app.conf broke the tests"
+        ),
+        "{text}"
+    );
 
     // Mistakes are tool errors with one line, and change nothing.
     let (text, err) = agent.call("statepoint_rollback", json!({"statepoint": "sp99", "reason": "x"}));

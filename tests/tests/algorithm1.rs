@@ -90,12 +90,31 @@ fn second_dump_pages(work: &Path, with_hook: bool) -> Result<u64, String> {
         let text = std::fs::read_to_string(&epoch).expect("the pre-resume hook recorded E");
         let mut f = text.split_whitespace().map(|x| x.parse::<u64>().unwrap());
         let (e, clk) = (f.next().unwrap(), f.next().unwrap());
-        cmd(hooks_bin().to_str().unwrap(), ["set-dump-uptime", d1.join("inventory.img").to_str().unwrap(), &(e * 1_000_000 / clk).to_string()]).ok();
+        cmd(
+            hooks_bin().to_str().unwrap(),
+            ["set-dump-uptime", d1.join("inventory.img").to_str().unwrap(), &(e * 1_000_000 / clk).to_string()],
+        )
+        .ok();
     }
     // The restored process runs and changes a page before the second dump.
     let restored = mtime(&beat);
     assert!(wait_for(Duration::from_secs(60), || mtime(&beat) != restored), "the restored workload does not run");
-    let r = try_criu(&["dump", "-t", &pid, "-D", d2.to_str().unwrap(), "-o", "dump.log", "--track-mem", "--prev-images-dir", "../d1", "--leave-running"], &d2);
+    let r = try_criu(
+        &[
+            "dump",
+            "-t",
+            &pid,
+            "-D",
+            d2.to_str().unwrap(),
+            "-o",
+            "dump.log",
+            "--track-mem",
+            "--prev-images-dir",
+            "../d1",
+            "--leave-running",
+        ],
+        &d2,
+    );
     let _ = cmd("kill", ["-9", &pid]);
     r.map(|()| pages_written(&d2))
 }

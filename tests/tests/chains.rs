@@ -132,7 +132,8 @@ fn a_failed_pre_resume_hook_makes_the_next_dump_full_not_corrupt() {
     std::fs::write(&script, "#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = pre-resume ] && exit 1\nexit 0\n").unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let _dropin = DropIn::new("zz-test-failing-hook", &format!("[runtime]\ncriu_hooks_path = \"{}\"\n", script.display()));
+    let _dropin =
+        DropIn::new("zz-test-failing-hook", &format!("[runtime]\ncriu_hooks_path = \"{}\"\n", script.display()));
     sb.rollback(&sp1);
     let st = sb.send("dirty 1048576 65536");
     let sp2 = sb.snapshot("h2");
@@ -165,7 +166,10 @@ fn an_incremental_dump_criu_refuses_is_retried_in_full() {
     let st = sb.send("dirty 1048576 65536");
     let sp2 = sb.snapshot("r2");
     let c = sb.chain(&sp2);
-    assert!(c["prev-images-dir"].is_null() && c["full-reason"].as_str().unwrap().contains("incremental dump failed"), "{c}");
+    assert!(
+        c["prev-images-dir"].is_null() && c["full-reason"].as_str().unwrap().contains("incremental dump failed"),
+        "{c}"
+    );
     assert!(dir.join("statepoints").join(&sp2).join("dump-incremental-failed.log").exists());
     // The full dump is a good statepoint.
     sb.send("dirty 0 1000000");

@@ -24,7 +24,12 @@ fn exists(name: &str) -> bool {
 }
 
 fn snapshots_matching(pool: &str, needle: &str) -> Vec<String> {
-    zfs(&["list", "-H", "-o", "name", "-t", "snapshot", "-r", pool]).out().lines().filter(|l| l.contains(needle)).map(String::from).collect()
+    zfs(&["list", "-H", "-o", "name", "-t", "snapshot", "-r", pool])
+        .out()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(String::from)
+        .collect()
 }
 
 fn id_of(name: &str) -> String {
@@ -53,7 +58,10 @@ fn per_image_clone_rolls_back_exactly_in_any_order_and_shares_the_image() {
     let id = id_of(&sb.name);
     let ds = format!("{parent}/ctr-{id}");
     let origin = prop(&ds, "origin");
-    assert!(origin.starts_with(&format!("{parent}/image-")) && origin.ends_with("@base"), "the container's dataset is a clone of the image's base: {origin}");
+    assert!(
+        origin.starts_with(&format!("{parent}/image-")) && origin.ends_with("@base"),
+        "the container's dataset is a clone of the image's base: {origin}"
+    );
     let root = sb.sh("grep ' / ' /proc/mounts").ok().out();
     assert!(root.contains(&ds), "the container runs on its dataset: {root}");
 
@@ -84,7 +92,11 @@ fn per_image_clone_rolls_back_exactly_in_any_order_and_shares_the_image() {
         assert_eq!(&files(&sb), f, "files after rollback to {sp}");
         assert_eq!(&sb.state(), c, "memory after rollback to {sp}");
         for n in 1..=3 {
-            assert_eq!(snapshots_matching(&pool, &format!("@planarian-{}-sp{n}", &id[..12])).len(), 1, "statepoint sp{n} keeps its snapshot");
+            assert_eq!(
+                snapshots_matching(&pool, &format!("@planarian-{}-sp{n}", &id[..12])).len(),
+                1,
+                "statepoint sp{n} keeps its snapshot"
+            );
         }
     }
     assert!(sb.sh("test -e /etc/after").code != Some(0));
@@ -99,7 +111,10 @@ fn per_image_clone_rolls_back_exactly_in_any_order_and_shares_the_image() {
     let ds2 = format!("{parent}/ctr-{}", id_of(&sb2.name));
     assert_eq!(prop(&ds2, "origin"), origin);
     let used1: u64 = prop(&pool, "used").parse().unwrap();
-    eprintln!("image base {base_used} bytes; pool grew by {} bytes for the second container", used1.saturating_sub(used0));
+    eprintln!(
+        "image base {base_used} bytes; pool grew by {} bytes for the second container",
+        used1.saturating_sub(used0)
+    );
     assert!(base_used > 50 << 20, "the base holds the image: {base_used}");
     assert!(used1.saturating_sub(used0) < base_used / 20, "second container wrote {} bytes", used1 - used0);
 
@@ -126,7 +141,11 @@ fn the_image_base_is_made_by_the_first_create_or_ahead_by_zfs_base() {
     let _gone = Cleanup(name.clone());
 
     // Made by create: the first container of the image, with no base under this parent yet.
-    podman("planarian", &["run", "-d", "--name", &name, "--network", "none", "--annotation", &ann, BUSYBOX, "sleep", "600"]).ok();
+    podman(
+        "planarian",
+        &["run", "-d", "--name", &name, "--network", "none", "--annotation", &ann, BUSYBOX, "sleep", "600"],
+    )
+    .ok();
     let origin = prop(&format!("{parent}/ctr-{}", id_of(&name)), "origin");
     assert!(origin.starts_with(&format!("{parent}/image-")) && origin.ends_with("@base"), "{origin}");
     // zfs-base finds that very base: the key it computes from the image equals the one create
@@ -146,7 +165,11 @@ fn the_image_base_is_made_by_the_first_create_or_ahead_by_zfs_base() {
     let name2 = planarian_system_tests::name("zfsbase");
     let _gone2 = Cleanup(name2.clone());
     let ann2 = format!("io.planarian.zfs.parent_dataset={parent2}");
-    podman("planarian", &["run", "-d", "--name", &name2, "--network", "none", "--annotation", &ann2, BUSYBOX, "sleep", "600"]).ok();
+    podman(
+        "planarian",
+        &["run", "-d", "--name", &name2, "--network", "none", "--annotation", &ann2, BUSYBOX, "sleep", "600"],
+    )
+    .ok();
     assert_eq!(prop(&format!("{parent2}/ctr-{}", id_of(&name2)), "origin"), base2);
     assert_eq!(podman("planarian", &["exec", &name2, "cat", "/etc/hostname"]).code, Some(0));
 
@@ -178,12 +201,27 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
     zfs(&["create", &ds]).ok();
     let mp = prop(&ds, "mountpoint");
     // The image tests/vm/prepare built, wherever its cache is (PLANARIAN_VM_DIR, as tests/vm/run).
-    let vm_dir = std::env::var("PLANARIAN_VM_DIR").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/vm").to_string());
+    let vm_dir = std::env::var("PLANARIAN_VM_DIR")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/vm").to_string());
     let tar = format!("{vm_dir}/images/busybox.tar");
     cmd("tar", ["-C", &mp, "-xf", &tar]).ok();
     let name = name("zfsroot");
     let _c = Cleanup(name.clone());
-    podman("planarian", &["run", "-d", "--name", &name, "--rootfs", &mp, "sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.2; done"]).ok();
+    podman(
+        "planarian",
+        &[
+            "run",
+            "-d",
+            "--name",
+            &name,
+            "--rootfs",
+            &mp,
+            "sh",
+            "-c",
+            "i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.2; done",
+        ],
+    )
+    .ok();
     let id = id_of(&name);
     let sh = |s: &str| podman("planarian", &["exec", &name, "sh", "-c", s]);
     let sums = || sh(&format!("find /data /etc -type f {PODMAN_FILES} | sort | xargs md5sum")).ok().out();
@@ -198,13 +236,17 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
         planarian(&["rollback", &name, sp]).ok();
         assert_eq!(status(&name), "running");
         assert_eq!(&sums(), f, "files after rollback to {sp}");
-        assert!(wait_for(Duration::from_secs(120), || sh("cat /tmp/n").code == Some(0)), "the process runs after rollback to {sp}");
+        assert!(
+            wait_for(Duration::from_secs(120), || sh("cat /tmp/n").code == Some(0)),
+            "the process runs after rollback to {sp}"
+        );
     }
     assert_eq!(prop(&ds, "mountpoint"), mp, "same dataset name, same path");
     assert_eq!(cmd("cat", [format!("{mp}/data/f")]).out(), "1", "the host sees the rolled-back files at the same path");
     podman("planarian", &["rm", "-f", "-t", "0", &name]).ok();
     assert!(
-        wait_for(Duration::from_secs(120), || snapshots_matching(&pool, &format!("@planarian-{}-", &id[..12])).is_empty()),
+        wait_for(Duration::from_secs(120), || snapshots_matching(&pool, &format!("@planarian-{}-", &id[..12]))
+            .is_empty()),
         "planarian's snapshots go with the container"
     );
     assert!(exists(&ds), "the user's dataset stays");
@@ -232,7 +274,8 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
            && echo d > /deep/x1/x2/x3/x4/file && for i in $(seq 100 139); do mkdir /wide/e$i; done")
         .ok();
     let tree = |sb: &Sandbox| {
-        let (dirs, skip) = ("/work /proj /root /etc /deep", "! -path /etc/hosts ! -path /etc/hostname ! -path /etc/resolv.conf");
+        let (dirs, skip) =
+            ("/work /proj /root /etc /deep", "! -path /etc/hosts ! -path /etc/hostname ! -path /etc/resolv.conf");
         sb.sh(&format!("ls -a / && find {dirs} -xdev {skip} -printf '%p %y %m %U:%G %s %T@ %l\\n' | sort && find {dirs} -xdev -type f {skip} | sort | xargs md5sum")).ok().out()
     };
     let made = std::time::Instant::now();
@@ -267,7 +310,14 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     // file between those and 40 more: the stream carries each changed object's neighbours in
     // its block of znodes, and those are /wide's, not the file's directories.)
     let ds = format!("{parent}/ctr-{}", id_of(&sb.name));
-    let left = || zfs(&["list", "-H", "-o", "name", "-t", "all", "-r", &parent]).out().lines().filter(|l| l.starts_with(&ds)).map(String::from).collect::<Vec<_>>();
+    let left = || {
+        zfs(&["list", "-H", "-o", "name", "-t", "all", "-r", &parent])
+            .out()
+            .lines()
+            .filter(|l| l.starts_with(&ds))
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
     let kept = vec![ds.clone(), format!("{ds}@planarian-{}-{sp}", &id_of(&sb.name)[..12])];
     for from in ["zdb", "stream"] {
         sb.sh("echo more >> /deep/x1/x2/x3/x4/file").ok();
@@ -315,14 +365,28 @@ fn a_failing_rollback_in_place_on_zfs_leaves_the_sandbox_and_the_pool_as_they_we
     let ann = format!("io.planarian.zfs.parent_dataset={parent}");
     let mut sb = Sandbox::start("zfsinfault", 8, &["--annotation", &ann]);
     let ds = format!("{parent}/ctr-{}", id_of(&sb.name));
-    let left = || zfs(&["list", "-H", "-o", "name", "-t", "all", "-r", &parent]).out().lines().filter(|l| l.starts_with(&ds)).map(String::from).collect::<Vec<_>>();
+    let left = || {
+        zfs(&["list", "-H", "-o", "name", "-t", "all", "-r", &parent])
+            .out()
+            .lines()
+            .filter(|l| l.starts_with(&ds))
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
     sb.sh("echo then > /root/f").ok();
     let at = sb.send("tick");
     let sp = sb.snapshot("good");
     let kept = left();
     assert_eq!(kept.len(), 2, "the dataset and the statepoint's snapshot: {kept:?}");
     let mut before = sb.send("dirty 0 65536");
-    for point in ["snapshot.before-freeze", "snapshot.frozen", "snapshot.dumped", "snapshot.before-commit", "rollback.in-place.files", "rollback.in-place.memory"] {
+    for point in [
+        "snapshot.before-freeze",
+        "snapshot.frozen",
+        "snapshot.dumped",
+        "snapshot.before-commit",
+        "rollback.in-place.files",
+        "rollback.in-place.memory",
+    ] {
         sb.sh("echo now > /root/f").ok();
         std::fs::create_dir_all("/run/planarian").unwrap();
         std::fs::write(FAULT, point).unwrap();
@@ -333,7 +397,11 @@ fn a_failing_rollback_in_place_on_zfs_leaves_the_sandbox_and_the_pool_as_they_we
         assert_eq!(status(&sb.name), "running", "{point}");
         sb.seq = sb.read().expect("state").0;
         let now = sb.send("tick");
-        assert_eq!((now.counter, &now.checksum), (before.counter + 1, &before.checksum), "{point}: the memory is not as it was");
+        assert_eq!(
+            (now.counter, &now.checksum),
+            (before.counter + 1, &before.checksum),
+            "{point}: the memory is not as it was"
+        );
         before = now;
         assert_eq!(sb.sh("cat /root/f").out(), "now", "{point}: the files are not as they were");
         let list = sb.statepoints();
@@ -372,7 +440,11 @@ fn fork_is_a_clone_independent_of_its_source_in_both_directions() {
     let mut fk = Sandbox::attach(&fork);
     let fork_id = id_of(&fork);
     let fork_ds = format!("{parent}/ctr-{fork_id}");
-    assert_eq!(prop(&fork_ds, "origin"), format!("{parent}/ctr-{src_id}@planarian-{}-sp2", &src_id[..12]), "the fork's files are a clone");
+    assert_eq!(
+        prop(&fork_ds, "origin"),
+        format!("{parent}/ctr-{src_id}@planarian-{}-sp2", &src_id[..12]),
+        "the fork's files are a clone"
+    );
     assert_eq!(files(&fk), f2);
     assert_eq!(fk.state(), c2);
 
@@ -459,7 +531,22 @@ fn faults_pool_full_dataset_busy_zfs_missing_change_nothing() {
     let name = name("zfsfault");
     let c = Cleanup(name.clone());
     let ann = format!("io.planarian.zfs.parent_dataset={parent}");
-    podman("planarian", &["run", "-d", "--name", &name, "--annotation", &ann, BUSYBOX, "sh", "-c", "echo started; while :; do sleep 1; done"]).ok();
+    podman(
+        "planarian",
+        &[
+            "run",
+            "-d",
+            "--name",
+            &name,
+            "--annotation",
+            &ann,
+            BUSYBOX,
+            "sh",
+            "-c",
+            "echo started; while :; do sleep 1; done",
+        ],
+    )
+    .ok();
     let id = id_of(&name);
     let ds = format!("{parent}/ctr-{id}");
     let sh = |s: &str| podman("planarian", &["exec", &name, "sh", "-c", s]);

@@ -53,10 +53,18 @@ fn assert_unharmed(sb: &mut Sandbox, r: &Run, point: &str, before: &State, commi
     assert_ne!(r.code, Some(0), "{point}: {r:?}");
     assert!(r.stderr.contains(&format!("injected fault at {point}")), "{point}: {r:?}");
     assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
-    assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out(), "running", "{point}");
+    assert_eq!(
+        podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out(),
+        "running",
+        "{point}"
+    );
     sb.seq = sb.read().expect("state readable").0;
     let now = sb.send("tick");
-    assert_eq!((now.counter, &now.checksum), (before.counter + 1, &before.checksum), "{point}: the sandbox is not as it was");
+    assert_eq!(
+        (now.counter, &now.checksum),
+        (before.counter + 1, &before.checksum),
+        "{point}: the sandbox is not as it was"
+    );
     let mut want: Vec<(String, String)> = committed.iter().map(|s| (s.to_string(), "committed".to_string())).collect();
     want.sort();
     assert_eq!(statepoint_dirs(sb), want, "{point}: a pending or partial statepoint remains");
@@ -82,11 +90,16 @@ fn every_failing_step_of_snapshot_rollback_and_restore_leaves_the_sandbox_as_it_
     let sp2 = sb.snapshot("after-faults");
     assert!(sb.chain(&sp2)["full-reason"].as_str().unwrap_or("").contains("not committed"), "{}", sb.chain(&sp2));
     let at_sp2 = before.clone();
-    for point in ["rollback.stopped", "rollback.files-restored", "restore.before-criu", "restore.restored", "rollback.restored"] {
+    for point in
+        ["rollback.stopped", "rollback.files-restored", "restore.before-criu", "restore.restored", "rollback.restored"]
+    {
         sb.sh("echo now > /root/f").ok();
         inject(point);
         let r = planarian(&["rollback", &sb.name, &sp]);
-        assert!(r.stderr.contains("rollback failed, the container and its remote state are as they were before"), "{point}: {r:?}");
+        assert!(
+            r.stderr.contains("rollback failed, the container and its remote state are as they were before"),
+            "{point}: {r:?}"
+        );
         before = assert_unharmed(&mut sb, &r, point, &before, &[&sp, &sp2]);
         assert_eq!(sb.sh("cat /root/f").stdout, "now\n", "{point}: the files are not as they were");
     }
@@ -127,7 +140,11 @@ fn every_failing_step_of_a_fork_creates_nothing() {
         inject(point);
         let r = planarian(&["fork", &src.name, &sp, "--name", &new]);
         assert_ne!(r.code, Some(0), "{point}: {r:?}");
-        assert!(r.stderr.contains("fork failed, nothing was created") && r.stderr.contains(&format!("injected fault at {point}")), "{point}: {r:?}");
+        assert!(
+            r.stderr.contains("fork failed, nothing was created")
+                && r.stderr.contains(&format!("injected fault at {point}")),
+            "{point}: {r:?}"
+        );
         assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
         assert_ne!(podman("planarian", &["inspect", &new]).code, Some(0), "{point}: the fork's container remains");
         assert_eq!(podman("planarian", &["ps", "-a", "-q"]).out().lines().count(), n_containers, "{point}");

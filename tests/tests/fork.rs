@@ -32,13 +32,15 @@ fn held_frozen(name: &str) -> bool {
     let pid = podman("planarian", &["inspect", "--format", "{{.State.Pid}}", name]).ok().out();
     let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
     let rel = cgroup.lines().find_map(|l| l.strip_prefix("0::")).expect("cgroup v2").trim().trim_start_matches('/');
-    let events = std::fs::read_to_string(std::path::Path::new("/sys/fs/cgroup").join(rel).join("cgroup.events")).unwrap();
+    let events =
+        std::fs::read_to_string(std::path::Path::new("/sys/fs/cgroup").join(rel).join("cgroup.events")).unwrap();
     status(name).out() == "running" && events.lines().any(|l| l == "frozen 1")
 }
 
 /// `planarian spare CTR SP --count N`: the spares' names.
 fn spare(src: &Sandbox, sp: &str, count: u32) -> Vec<String> {
-    let out = cmd(planarian_bin().to_str().unwrap(), ["spare", &src.name, sp, "--count", &count.to_string()]).ok().out();
+    let out =
+        cmd(planarian_bin().to_str().unwrap(), ["spare", &src.name, sp, "--count", &count.to_string()]).ok().out();
     out.lines().map(|l| l.split(' ').next().unwrap().to_string()).collect()
 }
 
@@ -65,13 +67,20 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     let (mut a, how_a) = fork(&src, &sp, "fa");
     let (mut b, how_b) = fork(&src, &sp, "fb");
     assert_eq!((how_a.as_deref(), how_b.as_deref()), (Some("spare"), Some("spare")));
-    assert!(status(&spares[0]).code != Some(0) && status(&spares[1]).code != Some(0), "handed out under their new names");
+    assert!(
+        status(&spares[0]).code != Some(0) && status(&spares[1]).code != Some(0),
+        "handed out under their new names"
+    );
     assert!(held_frozen(&spares[2]));
     // Without a name, a fork takes the spare left under its own name (a thaw, no rename).
     let r = cmd(planarian_bin().to_str().unwrap(), ["fork", &src.name, &sp, "--json"]);
     r.ok();
     let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
-    assert_eq!((ctx["container"].as_str(), ctx["how"]["path"].as_str()), (Some(spares[2].as_str()), Some("spare")), "{ctx}");
+    assert_eq!(
+        (ctx["container"].as_str(), ctx["how"]["path"].as_str()),
+        (Some(spares[2].as_str()), Some("spare")),
+        "{ctx}"
+    );
     assert!(status(&spares[2]).out() == "running" && !held_frozen(&spares[2]));
     assert_eq!(Sandbox::attach(&spares[2]).state(), at_sp, "the spare kept under its name starts at the statepoint");
     assert!(registered_spares(&src, &sp).is_empty(), "no spare left registered");
@@ -117,7 +126,10 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     let _c1 = Cleanup(last[0].clone());
     assert!(held_frozen(&last[0]));
     let notes = cmd(planarian_bin().to_str().unwrap(), ["statepoint", "show", &src.name, &sp]).ok().out();
-    assert!(notes.contains(&format!("forked into {}", a.name)) && notes.contains(&format!("forked into {}", b.name)), "{notes}");
+    assert!(
+        notes.contains(&format!("forked into {}", a.name)) && notes.contains(&format!("forked into {}", b.name)),
+        "{notes}"
+    );
     planarian(&["statepoint", "rm", &src.name, &sp]).ok();
     assert_ne!(status(&last[0]).code, Some(0), "statepoint rm removed its spare");
 

@@ -52,7 +52,11 @@ fn mini_swe_agent_rolls_back_its_own_mistake_through_the_unmodified_loop() {
     require_stack!();
     let pylib = repo().join("target/pylib");
     if !pylib.join("minisweagent").exists() {
-        assert!(std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_none(), "mini-swe-agent missing ({}): tests/run installs it", pylib.display());
+        assert!(
+            std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_none(),
+            "mini-swe-agent missing ({}): tests/run installs it",
+            pylib.display()
+        );
         eprintln!("SKIPPED: mini-swe-agent missing ({})", pylib.display());
         return;
     }
@@ -60,7 +64,8 @@ fn mini_swe_agent_rolls_back_its_own_mistake_through_the_unmodified_loop() {
     std::fs::create_dir_all(&home).unwrap();
     let r = std::process::Command::new("/usr/bin/python3")
         .args(["-c", RUN, BUSYBOX])
-        .env("PYTHONPATH", format!("{}:{}", repo().join("python").display(), pylib.display()))
+        .env("PYTHONPATH", format!("{}:{}", installed_sdk().display(), pylib.display()))
+        .current_dir(&home)
         .env("PLANARIAN", planarian_bin())
         .env("MSWEA_SILENT_STARTUP", "1")
         .env("MSWEA_GLOBAL_CONFIG_DIR", &home)
@@ -76,10 +81,18 @@ fn mini_swe_agent_rolls_back_its_own_mistake_through_the_unmodified_loop() {
     assert!(submission.contains("debug=true") && submission.contains("bg-alive"), "{submission}");
     assert_eq!(v["main"].as_str().unwrap().trim(), "print(1)");
     let messages: Vec<&str> = v["messages"].as_array().unwrap().iter().filter_map(|m| m.as_str()).collect();
-    let context = messages.iter().find(|m| m.contains("was rolled back to statepoint sp1")).unwrap_or_else(|| panic!("no restore context in the conversation: {messages:#?}"));
+    let context = messages
+        .iter()
+        .find(|m| m.contains("was rolled back to statepoint sp1"))
+        .unwrap_or_else(|| panic!("no restore context in the conversation: {messages:#?}"));
     assert!(context.contains("Reason: I deleted the project by mistake"), "{context}");
-    let ledger = messages.iter().find(|m| m.contains("Statepoints of ")).unwrap_or_else(|| panic!("no ledger in the conversation: {messages:#?}"));
+    let ledger = messages
+        .iter()
+        .find(|m| m.contains("Statepoints of "))
+        .unwrap_or_else(|| panic!("no ledger in the conversation: {messages:#?}"));
     assert!(ledger.contains("sp2*"), "{ledger}");
-    eprintln!("--- in mini-swe-agent's conversation, the ledger:\n{ledger}\n--- and after the rollback:\n{context}\n---");
+    eprintln!(
+        "--- in mini-swe-agent's conversation, the ledger:\n{ledger}\n--- and after the rollback:\n{context}\n---"
+    );
     let _ = std::fs::remove_dir_all(&home);
 }

@@ -90,7 +90,11 @@ fn start(tag: &str, mib: u32, extra: &[&str]) -> Sandbox {
     podman("planarian", &args).ok();
     let _c = Cleanup(n.clone());
     assert!(
-        wait_for(Duration::from_secs(120), || podman("planarian", &["exec", &n, "cat", "/tmp/state"]).stdout.split_whitespace().count() >= 3),
+        wait_for(Duration::from_secs(120), || podman("planarian", &["exec", &n, "cat", "/tmp/state"])
+            .stdout
+            .split_whitespace()
+            .count()
+            >= 3),
         "workload did not start"
     );
     std::mem::forget(_c);
@@ -117,7 +121,8 @@ fn rolled_back(sb: &mut Sandbox, r: Run) -> serde_json::Value {
 }
 
 fn store_of(sb: &Sandbox) -> PathBuf {
-    Path::new("/var/lib/planarian/containers").join(podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).ok().out())
+    Path::new("/var/lib/planarian/containers")
+        .join(podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).ok().out())
 }
 
 fn images_of(sb: &Sandbox, sp: &str) -> PathBuf {
@@ -127,8 +132,12 @@ fn images_of(sb: &Sandbox, sp: &str) -> PathBuf {
 /// Every page a dump holds (through its chain), by address, outside the vDSO and vvar.
 fn pages(dir: &Path, pid: u32) -> BTreeMap<u64, (PathBuf, u64)> {
     let mm = images::mm(dir, pid).unwrap();
-    let special: Vec<(u64, u64)> =
-        mm.vmas.iter().filter(|v| v.is(images::VMA_AREA_VDSO | images::VMA_AREA_VVAR | images::VMA_AREA_VSYSCALL)).map(|v| (v.start, v.end)).collect();
+    let special: Vec<(u64, u64)> = mm
+        .vmas
+        .iter()
+        .filter(|v| v.is(images::VMA_AREA_VDSO | images::VMA_AREA_VVAR | images::VMA_AREA_VSYSCALL))
+        .map(|v| (v.start, v.end))
+        .collect();
     let mut out = BTreeMap::new();
     for r in images::memory(dir, pid).unwrap() {
         for i in 0..r.nr_pages {
@@ -156,11 +165,20 @@ fn assert_dump_equals(target: &Path, dump: &Path) {
         let (t, d) = (pages(target, p.pid), pages(dump, p.pid));
         let only_t: Vec<String> = t.keys().filter(|a| !d.contains_key(a)).take(5).map(|a| format!("{a:#x}")).collect();
         let only_d: Vec<String> = d.keys().filter(|a| !t.contains_key(a)).take(5).map(|a| format!("{a:#x}")).collect();
-        assert!(only_t.is_empty() && only_d.is_empty(), "process {}: pages only at the statepoint {only_t:?}, only now {only_d:?}", p.pid);
+        assert!(
+            only_t.is_empty() && only_d.is_empty(),
+            "process {}: pages only at the statepoint {only_t:?}, only now {only_d:?}",
+            p.pid
+        );
         // The kernel writes each thread's rseq CPU fields whenever it returns to user space (a
         // restore's first return does the same): those 32 bytes are the kernel's, not the
         // statepoint's.
-        let rseq: Vec<(u64, u64)> = p.threads.iter().filter_map(|t| images::core(target, *t).unwrap().rseq).map(|(a, n)| (a, a + u64::from(n.clamp(20, 32)))).collect();
+        let rseq: Vec<(u64, u64)> = p
+            .threads
+            .iter()
+            .filter_map(|t| images::core(target, *t).unwrap().rseq)
+            .map(|(a, n)| (a, a + u64::from(n.clamp(20, 32))))
+            .collect();
         let masked = |a: u64, mut b: Vec<u8>| {
             for &(s, e) in &rseq {
                 for x in s.max(a)..e.min(a + images::PAGE_SIZE) {
@@ -179,23 +197,46 @@ fn assert_dump_equals(target: &Path, dump: &Path) {
                 format!("{a:#x} (bytes {offs:?})")
             })
             .collect();
-        assert!(differ.is_empty(), "process {}: {} pages, these differ: {differ:?} (rseq areas {rseq:x?})", p.pid, t.len());
+        assert!(
+            differ.is_empty(),
+            "process {}: {} pages, these differ: {differ:?} (rseq areas {rseq:x?})",
+            p.pid,
+            t.len()
+        );
         eprintln!("process {}: {} pages equal", p.pid, t.len());
         for tid in &p.threads {
             let (ct, cd) = (images::core(target, *tid).unwrap(), images::core(dump, *tid).unwrap());
-            let regs = |c: &images::Core| c.gpregs.iter().enumerate().filter(|(i, _)| *i != 15).map(|(_, v)| *v).collect::<Vec<u64>>();
-            assert_eq!(regs(&cd), regs(&ct), "thread {tid}: registers (orig_ax aside: the rollback clears it, as a sigreturn does)");
+            let regs = |c: &images::Core| {
+                c.gpregs.iter().enumerate().filter(|(i, _)| *i != 15).map(|(_, v)| *v).collect::<Vec<u64>>()
+            };
+            assert_eq!(
+                regs(&cd),
+                regs(&ct),
+                "thread {tid}: registers (orig_ax aside: the rollback clears it, as a sigreturn does)"
+            );
             assert_eq!(cd.fpregs.fxsave[..416], ct.fpregs.fxsave[..416], "thread {tid}: x87/SSE state");
             assert_eq!(cd.fpregs.ymmh, ct.fpregs.ymmh, "thread {tid}: AVX upper halves");
             assert_eq!(cd.blocked, ct.blocked, "thread {tid}: signal mask");
         }
         let id = images::files_id(target, p.pid).unwrap();
         let did = images::files_id(dump, p.pid).unwrap();
-        let fds = |dir: &Path, id: u32, files: &std::collections::HashMap<u32, images::File>| -> Vec<(u32, u32, Option<u64>)> {
+        let fds = |dir: &Path,
+                   id: u32,
+                   files: &std::collections::HashMap<u32, images::File>|
+         -> Vec<(u32, u32, Option<u64>)> {
             let mut v: Vec<(u32, u32, Option<u64>)> = images::fdinfo(dir, id)
                 .unwrap()
                 .iter()
-                .map(|f| (f.fd, f.kind, match files.get(&f.id) { Some(images::File::Regular { pos, .. }) => Some(*pos), _ => None }))
+                .map(|f| {
+                    (
+                        f.fd,
+                        f.kind,
+                        match files.get(&f.id) {
+                            Some(images::File::Regular { pos, .. }) => Some(*pos),
+                            _ => None,
+                        },
+                    )
+                })
                 .collect();
             v.sort();
             v
@@ -217,7 +258,8 @@ fn present(pid: u32, lo: u64, hi: u64) -> u64 {
 /// MADV_COLLAPSE; the pages are written through `/proc/PID/mem`, as the collapse leaves them:
 /// present, zero, in neither dump.) The restore context.
 fn rollback_with_strays(sb: &mut Sandbox, sp: &str, holes: &[u64]) -> serde_json::Value {
-    let pid: u32 = podman("planarian", &["inspect", "--format", "{{.State.Pid}}", &sb.name]).ok().out().parse().unwrap();
+    let pid: u32 =
+        podman("planarian", &["inspect", "--format", "{{.State.Pid}}", &sb.name]).ok().out().parse().unwrap();
     let (lo, hi) = (holes.iter().min().unwrap() & !0x1f_ffff, (holes.iter().max().unwrap() | 0x1f_ffff) + 1);
     let paused = Path::new("/run/planarian/paused");
     let _ = std::fs::remove_file(paused);
@@ -276,13 +318,21 @@ fn a_rollback_in_place_equals_the_statepoint_and_a_restore_of_it() {
     arm_oracle(&oracle);
     // Pages that appear between the dump of the current state and the writes (khugepaged).
     let sparse = addr + (8 << 20);
-    let ctx = rollback_with_strays(&mut sb, &sp, &[sparse + 2 * 4096, sparse + (512 << 10) + 4096, sparse + (3 << 20) + 8 * 4096]);
+    let ctx = rollback_with_strays(
+        &mut sb,
+        &sp,
+        &[sparse + 2 * 4096, sparse + (512 << 10) + 4096, sparse + (3 << 20) + 8 * 4096],
+    );
     assert_eq!(ctx["how"]["path"], "in-place", "{ctx}");
     let written = ctx["how"]["pages-written"].as_u64().unwrap();
     assert!(written > 0 && written < 4096, "{ctx}");
     assert!(ctx["restored"][0].as_str().unwrap().contains("in place"), "{ctx}");
     let rb = &sb.manifest(&sp)["rollbacks"][0];
-    assert_eq!((&rb["path"], rb["pages-written"].as_u64()), (&serde_json::json!("in-place"), Some(written)), "the manifest says it too: {rb}");
+    assert_eq!(
+        (&rb["path"], rb["pages-written"].as_u64()),
+        (&serde_json::json!("in-place"), Some(written)),
+        "the manifest says it too: {rb}"
+    );
     assert!(!Path::new("/run/planarian/oracle").exists(), "the oracle dump was not taken");
     assert_dump_equals(&images_of(&sb, &sp), &oracle);
 
@@ -383,7 +433,12 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     }
     // Each step after the point of no return made to fail: the safety statepoint puts the
     // sandbox back exactly as it was (memory, mappings, files).
-    for point in ["rollback.in-place.files", "rollback.in-place.memory", "rollback.in-place.registers", "rollback.in-place.written"] {
+    for point in [
+        "rollback.in-place.files",
+        "rollback.in-place.memory",
+        "rollback.in-place.registers",
+        "rollback.in-place.written",
+    ] {
         sb.send("map 1");
         sb.sh("echo now > /root/now").ok();
         let before = line(&sb);
@@ -391,7 +446,11 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
         std::fs::write(FAULT, point).unwrap();
         let r = planarian(&["rollback", &sb.name, &sp2]);
         assert_ne!(r.code, Some(0), "{point}: {r:?}");
-        assert!(r.stderr.contains("rollback failed, the container and its remote state are as they were before") && r.stderr.contains(point), "{point}: {r:?}");
+        assert!(
+            r.stderr.contains("rollback failed, the container and its remote state are as they were before")
+                && r.stderr.contains(point),
+            "{point}: {r:?}"
+        );
         assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
         sb.seq = sb.read().expect("state").0;
         assert_eq!(line(&sb), before, "{point}");

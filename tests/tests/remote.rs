@@ -37,14 +37,36 @@ impl Pg {
         let d = dir.display();
         cmd(
             "runuser",
-            ["-u", "postgres", "--", &format!("{PG_BIN}/initdb"), "-D", &format!("{d}/data"), "-A", "trust", "-U", "postgres", "--no-sync"],
+            [
+                "-u",
+                "postgres",
+                "--",
+                &format!("{PG_BIN}/initdb"),
+                "-D",
+                &format!("{d}/data"),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+            ],
         )
         .ok();
         cmd(
             "runuser",
             [
-                "-u", "postgres", "--", &format!("{PG_BIN}/pg_ctl"), "-D", &format!("{d}/data"), "-w", "-l", &format!("{d}/log"),
-                "-o", &format!("-k {d} -c listen_addresses=127.0.0.1 -p {port} -c fsync=off"), "start",
+                "-u",
+                "postgres",
+                "--",
+                &format!("{PG_BIN}/pg_ctl"),
+                "-D",
+                &format!("{d}/data"),
+                "-w",
+                "-l",
+                &format!("{d}/log"),
+                "-o",
+                &format!("-k {d} -c listen_addresses=127.0.0.1 -p {port} -c fsync=off"),
+                "start",
             ],
         )
         .ok();
@@ -56,7 +78,11 @@ impl Pg {
     }
 
     fn psql_in(&self, db: &str, sql: &str) -> String {
-        cmd("psql", ["-X", "-A", "-t", "-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres", "-d", db, "-c", sql]).out()
+        cmd(
+            "psql",
+            ["-X", "-A", "-t", "-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres", "-d", db, "-c", sql],
+        )
+        .out()
     }
 }
 
@@ -64,7 +90,17 @@ impl Drop for Pg {
     fn drop(&mut self) {
         let d = self.dir.display();
         let _ = Command::new("runuser")
-            .args(["-u", "postgres", "--", &format!("{PG_BIN}/pg_ctl"), "-D", &format!("{d}/data"), "-m", "immediate", "stop"])
+            .args([
+                "-u",
+                "postgres",
+                "--",
+                &format!("{PG_BIN}/pg_ctl"),
+                "-D",
+                &format!("{d}/data"),
+                "-m",
+                "immediate",
+                "stop",
+            ])
             .output();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
@@ -101,14 +137,22 @@ impl Harness {
         let t = std::time::Instant::now();
         let init = h.request("initialize", json!({"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "pltest", "version": "1"}}));
         assert!(init["result"]["serverInfo"].is_object(), "{init}");
-        eprintln!("MCP session through the sidecar of {container_id} initialized in {:.1} s", t.elapsed().as_secs_f64());
+        eprintln!(
+            "MCP session through the sidecar of {container_id} initialized in {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
         writeln!(h.stdin, "{}", json!({"jsonrpc": "2.0", "method": "notifications/initialized"})).unwrap();
         h
     }
 
     fn request(&mut self, method: &str, params: Value) -> Value {
         self.next += 1;
-        writeln!(self.stdin, "{}", json!({"jsonrpc": "2.0", "id": self.next, "method": method, "params": params.clone()})).unwrap();
+        writeln!(
+            self.stdin,
+            "{}",
+            json!({"jsonrpc": "2.0", "id": self.next, "method": method, "params": params.clone()})
+        )
+        .unwrap();
         self.stdin.flush().unwrap();
         loop {
             // Generous: the first call waits for the server to start, and under emulation the
@@ -150,7 +194,11 @@ impl Drop for Harness {
 fn sidecar_logs() -> String {
     let mut out = String::new();
     for e in std::fs::read_dir("/var/lib/planarian/containers").into_iter().flatten().flatten() {
-        out += &format!("{}: {:?}\n", e.path().display(), std::fs::read_dir(e.path()).into_iter().flatten().flatten().map(|f| f.file_name()).collect::<Vec<_>>());
+        out += &format!(
+            "{}: {:?}\n",
+            e.path().display(),
+            std::fs::read_dir(e.path()).into_iter().flatten().flatten().map(|f| f.file_name()).collect::<Vec<_>>()
+        );
         let log = e.path().join("mcp-proxy.log");
         if let Ok(text) = std::fs::read_to_string(&log) {
             let tail: Vec<&str> = text.lines().rev().take(40).collect();
@@ -170,7 +218,11 @@ fn node_and_dbhub() -> Option<(PathBuf, PathBuf)> {
     match (node, dbhub.exists()) {
         (Some(node), true) => Some((node, dbhub)),
         _ => {
-            assert!(std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_none(), "node or DBHub missing ({}): tests/run installs them", dbhub.display());
+            assert!(
+                std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_none(),
+                "node or DBHub missing ({}): tests/run installs them",
+                dbhub.display()
+            );
             eprintln!("SKIPPED: node or DBHub missing ({})", dbhub.display());
             None
         }
@@ -248,7 +300,11 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
     );
     let n = name("mcp");
     let _c = Cleanup(n.clone());
-    podman("planarian", &["run", "-d", "--name", &n, "--annotation", "io.planarian.mcp.service=pltest", BUSYBOX, "sleep", "600"]).ok();
+    podman(
+        "planarian",
+        &["run", "-d", "--name", &n, "--annotation", "io.planarian.mcp.service=pltest", BUSYBOX, "sleep", "600"],
+    )
+    .ok();
     let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
     assert!(sidecar_running(&id), "the sidecar starts with the container");
 
@@ -304,7 +360,11 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
     assert_eq!(m2["remote-state"][0]["tables-since-parent"], json!(["reports"]), "{m2}");
     let ledger = planarian(&["ledger", &n]).out();
     assert!(ledger.contains("1 remote call since its parent: reports"), "{ledger}");
-    assert_eq!(pg.psql(&format!("SELECT count(DISTINCT position) FROM planarian.undo WHERE position > {p2}")), "1", "the write landed after {sp2}: {m2}");
+    assert_eq!(
+        pg.psql(&format!("SELECT count(DISTINCT position) FROM planarian.undo WHERE position > {p2}")),
+        "1",
+        "the write landed after {sp2}: {m2}"
+    );
     planarian(&["rollback", &n, &sp2]).ok();
     assert_eq!(pg.psql("SELECT string_agg(id::text, ',' ORDER BY id) FROM reports"), "1,3");
 
@@ -340,7 +400,8 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
             let r = forked.sql("DELETE FROM reports");
             assert_eq!(r["isError"], json!(true), "{r}");
             assert!(r["content"][0]["text"].as_str().unwrap().contains("fork"), "{r}");
-            let fm: Value = serde_json::from_str(&planarian(&["statepoint", "list", &f, "--json"]).out()).unwrap_or(Value::Null);
+            let fm: Value =
+                serde_json::from_str(&planarian(&["statepoint", "list", &f, "--json"]).out()).unwrap_or(Value::Null);
             if let Some(list) = fm.as_array() {
                 assert!(list.iter().all(|s| s["remote-state"].as_array().is_none_or(|a| a.is_empty())), "{fm}");
             }
@@ -354,7 +415,10 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
         // A fork's rollback to its first statepoint undoes its own calls, in its own database.
         let (f, _, db, h, _, _) = &mut forks[0];
         let list: Value = serde_json::from_str(&planarian(&["statepoint", "list", f, "--json"]).ok().out()).unwrap();
-        assert!(list[0]["remote-state"][0]["mcp-call-position"].is_u64(), "the fork's first statepoint holds its branch's position: {list}");
+        assert!(
+            list[0]["remote-state"][0]["mcp-call-position"].is_u64(),
+            "the fork's first statepoint holds its branch's position: {list}"
+        );
         let first = list[0]["statepoint-id"].as_str().unwrap().to_string();
         planarian(&["rollback", f, &first]).ok();
         assert_eq!(rows(db), "1:first draft");
@@ -380,12 +444,20 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
         }
         ids.push(fid);
     }
-    assert!(wait_for(Duration::from_secs(120), || ids.iter().all(|i| !sidecar_running(i))), "the sidecars stop with their containers");
+    assert!(
+        wait_for(Duration::from_secs(120), || ids.iter().all(|i| !sidecar_running(i))),
+        "the sidecars stop with their containers"
+    );
 }
 
 /// The knowledge graph in its file, taken as sets (the server's own model).
 fn graph(file: &Path) -> String {
-    let mut lines: Vec<String> = std::fs::read_to_string(file).unwrap_or_default().lines().filter(|l| !l.trim().is_empty()).map(String::from).collect();
+    let mut lines: Vec<String> = std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(String::from)
+        .collect();
     lines.sort();
     lines.join("\n")
 }
@@ -418,7 +490,11 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
     );
     let n = name("kg");
     let _c = Cleanup(n.clone());
-    podman("planarian", &["run", "-d", "--name", &n, "--annotation", "io.planarian.mcp.service=pltest-memory", BUSYBOX, "sleep", "600"]).ok();
+    podman(
+        "planarian",
+        &["run", "-d", "--name", &n, "--annotation", "io.planarian.mcp.service=pltest-memory", BUSYBOX, "sleep", "600"],
+    )
+    .ok();
     let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
     let mut agent = Harness::connect(&id);
     let ok = |r: &Value| assert_ne!(r["isError"], json!(true), "{r}");
@@ -445,7 +521,10 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
     let ledger = planarian(&["ledger", &n]).out();
     assert!(ledger.lines().any(|l| l.contains(&sp2) && l.contains("no longer restorable")), "{ledger}");
     let again = planarian(&["rollback", &n, &sp2]);
-    assert!(again.code != Some(0) && again.stderr.contains(&format!("statepoint {sp2} can no longer be restored")), "{again:?}");
+    assert!(
+        again.code != Some(0) && again.stderr.contains(&format!("statepoint {sp2} can no longer be restored")),
+        "{again:?}"
+    );
     assert_eq!(graph(&file), at_sp1, "a refused rollback changes nothing");
     assert_eq!(podman("planarian", &["exec", &n, "cat", "/notes"]).out(), "one");
 
@@ -466,16 +545,37 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
     // A tool let through unrecorded: the statepoints after it say they do not cover it.
     let raw_n = name("kg-raw");
     let _cr = Cleanup(raw_n.clone());
-    podman("planarian", &["run", "-d", "--name", &raw_n, "--annotation", "io.planarian.mcp.service=pltest-raw", BUSYBOX, "sleep", "600"]).ok();
+    podman(
+        "planarian",
+        &[
+            "run",
+            "-d",
+            "--name",
+            &raw_n,
+            "--annotation",
+            "io.planarian.mcp.service=pltest-raw",
+            BUSYBOX,
+            "sleep",
+            "600",
+        ],
+    )
+    .ok();
     let raw_id = podman("planarian", &["inspect", "--format", "{{.Id}}", &raw_n]).out();
     let mut raw_agent = Harness::connect(&raw_id);
     let before = planarian(&["snapshot", &raw_n]).ok().out();
     ok(&raw_agent.call("create_entities", json!({"entities": [e("zed", &[])]})));
     let refused = raw_agent.call("delete_entities", json!({"entityNames": ["zed"]}));
-    assert!(refused["isError"] == json!(true) && refused["content"][0]["text"].as_str().unwrap().contains("may change state that planarian cannot undo"), "{refused}");
+    assert!(
+        refused["isError"] == json!(true)
+            && refused["content"][0]["text"].as_str().unwrap().contains("may change state that planarian cannot undo"),
+        "{refused}"
+    );
     let after = planarian(&["snapshot", &raw_n]).ok().out();
     let ledger = planarian(&["ledger", &raw_n]).out();
-    assert!(ledger.lines().any(|l| l.contains(&after) && l.contains("remote state NOT covered: create_entities")), "{ledger}");
+    assert!(
+        ledger.lines().any(|l| l.contains(&after) && l.contains("remote state NOT covered: create_entities")),
+        "{ledger}"
+    );
     assert!(!ledger.lines().any(|l| l.contains(&before) && l.contains("NOT covered")), "{ledger}");
     // Back to before the pass: what the passed call did is not undone, and the context says so.
     planarian(&["rollback", &raw_n, &before]).ok();
@@ -519,13 +619,28 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
     let rows = || pg.psql("SELECT coalesce(string_agg(id || ':' || body, ',' ORDER BY id), '') FROM reports");
     // (each path's last local steps: the earlier ones are in the matrices of faults.rs and
     // inplace.rs, which check the sandbox; none of them comes near the compensation)
-    for (in_place, points) in [(true, &["rollback.in-place.memory", "rollback.in-place.written"][..]), (false, &["rollback.files-restored", "rollback.restored"][..])] {
+    for (in_place, points) in [
+        (true, &["rollback.in-place.memory", "rollback.in-place.written"][..]),
+        (false, &["rollback.files-restored", "rollback.restored"][..]),
+    ] {
         pg.psql("DELETE FROM reports");
         let n = name(if in_place { "atomic-inplace" } else { "atomic-restore" });
         let _c = Cleanup(n.clone());
         podman(
             "planarian",
-            &["run", "-d", "--name", &n, "--annotation", "io.planarian.mcp.service=pltest-atomic", "--annotation", &format!("io.planarian.checkpoint.rollback_in_place={in_place}"), BUSYBOX, "sleep", "600"],
+            &[
+                "run",
+                "-d",
+                "--name",
+                &n,
+                "--annotation",
+                "io.planarian.mcp.service=pltest-atomic",
+                "--annotation",
+                &format!("io.planarian.checkpoint.rollback_in_place={in_place}"),
+                BUSYBOX,
+                "sleep",
+                "600",
+            ],
         )
         .ok();
         let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
@@ -553,7 +668,10 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
         pg.psql("UPDATE reports SET body = 'by hand' WHERE id = 2");
         let by_hand = rows();
         let r = planarian(&["rollback", &n, &sp1]);
-        assert!(r.code != Some(0) && r.stderr.contains("conflict") && r.stderr.contains("as they were before"), "{r:?}");
+        assert!(
+            r.code != Some(0) && r.stderr.contains("conflict") && r.stderr.contains("as they were before"),
+            "{r:?}"
+        );
         assert_eq!(sandbox(), "later", "after the conflict the sandbox is as it was");
         assert_eq!(rows(), by_hand, "after the conflict the database is as it was");
         pg.psql("UPDATE reports SET body = 'later too' WHERE id = 2");
@@ -570,7 +688,11 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
         if !in_place {
             assert_eq!(sandbox(), "at-the-statepoint");
             let refused = agent.sql("INSERT INTO reports VALUES (9, 'in between')");
-            assert!(refused["isError"] == json!(true) && refused["content"][0]["text"].as_str().unwrap().contains("interrupted"), "{refused}");
+            assert!(
+                refused["isError"] == json!(true)
+                    && refused["content"][0]["text"].as_str().unwrap().contains("interrupted"),
+                "{refused}"
+            );
         }
         let r = planarian(&["snapshot", &n]);
         r.ok();

@@ -47,7 +47,20 @@ fn detached_container_lifecycle_exec_logs_top_stop_rm() {
     for rt in RUNTIMES {
         let n = name("life");
         let _c = Cleanup(n.clone());
-        podman(rt, &["run", "-d", "--name", &n, BUSYBOX, "sh", "-c", "echo started; trap 'echo bye; exit 0' TERM; while :; do sleep 0.2; done"]).ok();
+        podman(
+            rt,
+            &[
+                "run",
+                "-d",
+                "--name",
+                &n,
+                BUSYBOX,
+                "sh",
+                "-c",
+                "echo started; trap 'echo bye; exit 0' TERM; while :; do sleep 0.2; done",
+            ],
+        )
+        .ok();
         assert!(wait_for(Duration::from_secs(120), || podman(rt, &["logs", &n]).stdout.contains("started")));
         let exec = podman(rt, &["exec", &n, "sh", "-c", "echo in-$((40+2)); cat /proc/1/cmdline | tr '\\0' ' '"]);
         exec.ok();
@@ -66,7 +79,10 @@ fn detached_container_lifecycle_exec_logs_top_stop_rm() {
         podman(rt, &["rm", &n]).ok();
         assert_ne!(podman(rt, &["inspect", &n]).code, Some(0), "{rt}: container still there after rm");
         // The loop's short-lived `sleep 0.2` shows up in top now and then: count the rest.
-        seen.push((exec.stdout, top.stdout.lines().filter(|l| !l.contains("sleep 0.2") || l.contains("while :")).count()));
+        seen.push((
+            exec.stdout,
+            top.stdout.lines().filter(|l| !l.contains("sleep 0.2") || l.contains("while :")).count(),
+        ));
     }
     assert_eq!(seen[0], seen[1]);
 }
@@ -78,7 +94,9 @@ fn podman_free_lookup_agrees(n: &str, status: &str) {
     assert_eq!(podman.status, status);
     for key in [n.to_string(), podman.id[..12].to_string()] {
         let found = engine::statepoint::planarian_container(&engine::runtime::Globals::default(), &key).unwrap();
-        let fields = |c: &engine::runtime::podman::PodmanContainer| (c.id.clone(), c.name.clone(), c.status.clone(), c.runtime.clone(), c.bundle.clone(), c.upperdir.clone());
+        let fields = |c: &engine::runtime::podman::PodmanContainer| {
+            (c.id.clone(), c.name.clone(), c.status.clone(), c.runtime.clone(), c.bundle.clone(), c.upperdir.clone())
+        };
         assert_eq!(fields(&found), fields(&podman), "{key}");
         assert!(podman.upperdir.as_ref().is_some_and(|u| u.is_dir()), "{podman:?}");
     }
@@ -91,7 +109,20 @@ fn pause_and_unpause() {
         let n = name("pause");
         let _c = Cleanup(n.clone());
         // A counter the test can read from outside through the log.
-        podman(rt, &["run", "-d", "--name", &n, BUSYBOX, "sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done"]).ok();
+        podman(
+            rt,
+            &[
+                "run",
+                "-d",
+                "--name",
+                &n,
+                BUSYBOX,
+                "sh",
+                "-c",
+                "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done",
+            ],
+        )
+        .ok();
         if rt == "planarian" {
             podman_free_lookup_agrees(&n, "running");
         }
@@ -109,7 +140,10 @@ fn pause_and_unpause() {
         podman(rt, &["unpause", &n]).ok();
         assert_eq!(podman(rt, &["inspect", "--format", "{{.State.Status}}", &n]).out(), "running", "{rt}");
         let c1 = count().expect("counted before the pause");
-        assert!(wait_for(Duration::from_secs(120), || count().unwrap_or(0) > c1), "{rt}: the counter did not advance after unpause");
+        assert!(
+            wait_for(Duration::from_secs(120), || count().unwrap_or(0) > c1),
+            "{rt}: the counter did not advance after unpause"
+        );
     }
 }
 
@@ -119,14 +153,30 @@ fn kill_with_a_signal_reaches_the_container() {
     for rt in RUNTIMES {
         let n = name("kill");
         let _c = Cleanup(n.clone());
-        podman(rt, &["run", "-d", "--name", &n, BUSYBOX, "sh", "-c", "trap 'echo got-usr1' USR1; echo ready; while :; do sleep 0.1; done"]).ok();
+        podman(
+            rt,
+            &[
+                "run",
+                "-d",
+                "--name",
+                &n,
+                BUSYBOX,
+                "sh",
+                "-c",
+                "trap 'echo got-usr1' USR1; echo ready; while :; do sleep 0.1; done",
+            ],
+        )
+        .ok();
         assert!(wait_for(Duration::from_secs(120), || podman(rt, &["logs", &n]).stdout.contains("ready")));
         podman(rt, &["kill", "-s", "USR1", &n]).ok();
         assert!(wait_for(Duration::from_secs(120), || podman(rt, &["logs", &n]).stdout.contains("got-usr1")), "{rt}");
         podman(rt, &["kill", "-s", "KILL", &n]).ok();
-        assert!(wait_for(Duration::from_secs(120), || {
-            podman(rt, &["inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", &n]).out() == "exited 137"
-        }), "{rt}");
+        assert!(
+            wait_for(Duration::from_secs(120), || {
+                podman(rt, &["inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", &n]).out() == "exited 137"
+            }),
+            "{rt}"
+        );
     }
 }
 
@@ -156,7 +206,8 @@ fn interactive_tty_container() {
 fn network_none_and_default_bridge() {
     require_stack!();
     for rt in RUNTIMES {
-        let none = podman(rt, &["run", "--rm", "--network", "none", BUSYBOX, "sh", "-c", "echo $(ls /sys/class/net | sort)"]);
+        let none =
+            podman(rt, &["run", "--rm", "--network", "none", BUSYBOX, "sh", "-c", "echo $(ls /sys/class/net | sort)"]);
         none.ok();
         assert_eq!(none.out(), "lo", "{rt}");
         let bridge = podman(rt, &["run", "--rm", BUSYBOX, "sh", "-c", "echo $(ls /sys/class/net | sort); ip -4 addr show eth0 | grep -o 'inet [0-9.]*'; ip route | grep -c default"]);
@@ -173,7 +224,14 @@ fn debian_sandbox_with_bash_and_python() {
     require_stack!();
     let r = podman(
         "planarian",
-        &["run", "--rm", DEBIAN, "bash", "-c", "python3 -c 'import hashlib,sys; print(hashlib.sha256(b\"agent\").hexdigest()[:12], sys.version_info[0])'"],
+        &[
+            "run",
+            "--rm",
+            DEBIAN,
+            "bash",
+            "-c",
+            "python3 -c 'import hashlib,sys; print(hashlib.sha256(b\"agent\").hexdigest()[:12], sys.version_info[0])'",
+        ],
     );
     r.ok();
     assert_eq!(r.out(), "d4f0bc5a29de 3");
@@ -186,7 +244,10 @@ fn inspect_and_info_name_the_runtime() {
     let _c = Cleanup(n.clone());
     podman("planarian", &["create", "--name", &n, BUSYBOX, "true"]).ok();
     assert_eq!(podman("crun", &["inspect", "--format", "{{.OCIRuntime}}", &n]).out(), "planarian");
-    let info = podman("planarian", &["info", "--format", "{{.Host.OCIRuntime.Name}}|{{.Host.OCIRuntime.Path}}|{{.Host.OCIRuntime.Version}}"]);
+    let info = podman(
+        "planarian",
+        &["info", "--format", "{{.Host.OCIRuntime.Name}}|{{.Host.OCIRuntime.Path}}|{{.Host.OCIRuntime.Version}}"],
+    );
     info.ok();
     let out = info.out();
     let mut parts = out.splitn(3, '|');
@@ -215,7 +276,17 @@ fn annotations_override_settings_per_container() {
     let _c = Cleanup(n.clone());
     podman(
         "planarian",
-        &["run", "-d", "--name", &n, "--annotation", "io.planarian.checkpoint.full_dump_interval=3", BUSYBOX, "sleep", "600"],
+        &[
+            "run",
+            "-d",
+            "--name",
+            &n,
+            "--annotation",
+            "io.planarian.checkpoint.full_dump_interval=3",
+            BUSYBOX,
+            "sleep",
+            "600",
+        ],
     )
     .ok();
     let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
@@ -230,7 +301,17 @@ fn annotations_override_settings_per_container() {
     let _b = Cleanup(bad.clone());
     podman(
         "planarian",
-        &["run", "-d", "--name", &bad, "--annotation", "io.planarian.runtime.crun_path=/tmp/x", BUSYBOX, "sleep", "600"],
+        &[
+            "run",
+            "-d",
+            "--name",
+            &bad,
+            "--annotation",
+            "io.planarian.runtime.crun_path=/tmp/x",
+            BUSYBOX,
+            "sleep",
+            "600",
+        ],
     )
     .ok();
     let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &bad]).out();

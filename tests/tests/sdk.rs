@@ -54,7 +54,8 @@ fn a_harness_gets_statepoints_in_a_few_lines_of_python() {
     let (_c, _f) = (Cleanup(n.clone()), Cleanup(format!("{n}-f")));
     let r = std::process::Command::new("/usr/bin/python3")
         .args(["-c", HARNESS, &n, BUSYBOX])
-        .env("PYTHONPATH", repo().join("python"))
+        .env("PYTHONPATH", installed_sdk())
+        .current_dir(std::env::temp_dir())
         .env("PLANARIAN", planarian_bin())
         .output()
         .unwrap();
@@ -78,7 +79,16 @@ fn the_tree_search_example_finds_the_known_best_path() {
     let _c = Cleanup(n.clone());
     let _forks: Vec<Cleanup> = (1..=12).map(|i| Cleanup(format!("{n}-{i}"))).collect();
     let r = std::process::Command::new("/usr/bin/python3")
-        .args([repo().join("examples/mcts.py").to_str().unwrap(), BUSYBOX, "--name", &n, "--think", "1", "--json", "--keep"])
+        .args([
+            repo().join("examples/mcts.py").to_str().unwrap(),
+            BUSYBOX,
+            "--name",
+            &n,
+            "--think",
+            "1",
+            "--json",
+            "--keep",
+        ])
         .env("PLANARIAN", planarian_bin())
         .output()
         .unwrap();
@@ -90,7 +100,8 @@ fn the_tree_search_example_finds_the_known_best_path() {
     assert_eq!(podman("planarian", &["exec", best, "cat", "/work/value"]).ok().out(), "11");
     podman("planarian", &["exec", best, "sh", "-c", "kill -0 $(cat /tmp/worker.pid)"]).ok();
     // Pruned: only the root and the path's sandboxes are left.
-    let left = podman("planarian", &["ps", "-a", "--filter", &format!("name=^{n}"), "--format", "{{.Names}}"]).ok().out();
+    let left =
+        podman("planarian", &["ps", "-a", "--filter", &format!("name=^{n}"), "--format", "{{.Names}}"]).ok().out();
     let mut left: Vec<&str> = left.lines().collect();
     left.sort();
     let mut path: Vec<&str> = v["path-sandboxes"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
@@ -104,7 +115,13 @@ fn the_tree_search_example_finds_the_known_best_path() {
     let text = ledger.to_string();
     assert!(text.contains("+3 x2 +3 scored 1.00"), "{root}: {text}");
     // Six children were scored (two per expansion), each reward backed up to the root.
-    let root_outcomes = ledger["statepoints"].as_array().unwrap().iter().find(|s| s["id"] == root).map(|s| s["outcomes"].to_string()).unwrap_or_default();
+    let root_outcomes = ledger["statepoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == root)
+        .map(|s| s["outcomes"].to_string())
+        .unwrap_or_default();
     assert_eq!(root_outcomes.matches("\"reward\"").count(), 6, "{root}: {text}");
     eprintln!(
         "--- the search: {} forks, {} s thinking, {} s more waiting for the forks, {} s in all; the root's ledger:\n{}---",

@@ -65,12 +65,19 @@ fn rollback_restores_dev_and_masked_directories_exactly() {
     // size, mtime, device numbers, link target.
     let listing = "cd /dev && find . -xdev ! -path ./pts ! -path ./shm ! -path ./mqueue -exec stat -c '%n|%F|%a|%u:%g|%h|%s|%Y|%t:%T|%N' {} + | sort; cat /dev/sub/hl";
     let at_sp = sb.sh(listing).stdout;
-    assert!(at_sp.contains("./sub/hl|regular file|640|0:0|2|5|") && at_sp.contains("./null|character special file|666"), "{at_sp}");
+    assert!(
+        at_sp.contains("./sub/hl|regular file|640|0:0|2|5|") && at_sp.contains("./null|character special file|666"),
+        "{at_sp}"
+    );
     let sp = sb.snapshot("dev-v1");
     // CRIU archived no tmpfs: planarian keeps /dev, and the masked directories are external.
     let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).out();
     let spdir = Path::new("/var/lib/planarian/containers").join(&id).join("statepoints").join(&sp);
-    let tars: Vec<String> = std::fs::read_dir(spdir.join("criu")).unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with("tmpfs-")).collect();
+    let tars: Vec<String> = std::fs::read_dir(spdir.join("criu"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("tmpfs-"))
+        .collect();
     assert!(tars.is_empty(), "CRIU archived tmpfs mounts: {tars:?}");
     assert!(spdir.join("dev.json").is_file(), "no /dev archive in {}", spdir.display());
 
@@ -81,7 +88,8 @@ fn rollback_restores_dev_and_masked_directories_exactly() {
     assert_eq!(sb.sh("test -e /dev/later; echo $?").out(), "1");
     // The devices work, and the mounts on /dev are back.
     assert_eq!(sb.sh("head -c 4096 /dev/urandom | wc -c; echo x > /dev/null && echo null-ok").out(), "4096\nnull-ok");
-    let mounts = sb.sh("awk '{for (i = 7; i <= NF && $i != \"-\"; i++); print $5, $6, $(i + 1)}' /proc/self/mountinfo").stdout;
+    let mounts =
+        sb.sh("awk '{for (i = 7; i <= NF && $i != \"-\"; i++); print $5, $6, $(i + 1)}' /proc/self/mountinfo").stdout;
     for want in ["/dev rw,nosuid,noexec tmpfs", "/dev/pts ", "/dev/mqueue ", "/dev/shm "] {
         assert!(mounts.lines().any(|l| l.starts_with(want)), "{want:?} missing from\n{mounts}");
     }
@@ -92,7 +100,12 @@ fn rollback_restores_dev_and_masked_directories_exactly() {
     }
     // And the next snapshot of the restored sandbox keeps /dev the same way.
     let sp2 = sb.snapshot("dev-v2");
-    assert!(Path::new("/var/lib/planarian/containers").join(&id).join("statepoints").join(&sp2).join("dev.json").is_file());
+    assert!(Path::new("/var/lib/planarian/containers")
+        .join(&id)
+        .join("statepoints")
+        .join(&sp2)
+        .join("dev.json")
+        .is_file());
 }
 
 #[test]
@@ -168,7 +181,10 @@ fn podman_checkpoint_creates_new_statepoints_and_restore_brings_it_back() {
 fn podman_checkpoint_output(rt: &str) -> Vec<(String, String, String)> {
     let (a, b) = (name(&format!("{rt}-out-a")), name(&format!("{rt}-out-b")));
     let (_ca, _cb) = (Cleanup(a.clone()), Cleanup(b.clone()));
-    let ids: Vec<String> = [&a, &b].iter().map(|n| podman(rt, &["run", "-d", "--name", n, BUSYBOX, "sleep", "100000"]).ok().out()).collect();
+    let ids: Vec<String> = [&a, &b]
+        .iter()
+        .map(|n| podman(rt, &["run", "-d", "--name", n, BUSYBOX, "sleep", "100000"]).ok().out())
+        .collect();
     let anonymise = |s: &str| s.replace(&ids[0], "ID-A").replace(&ids[1], "ID-B").replace(&a, "A").replace(&b, "B");
     let mut seen = vec![];
     for args in [
@@ -186,7 +202,11 @@ fn podman_checkpoint_output(rt: &str) -> Vec<(String, String, String)> {
         seen.push((args.join(" ").replace(&a, "A"), lines.join("\n"), anonymise(&r.stderr)));
     }
     for n in [&a, &b] {
-        assert_eq!(podman(rt, &["inspect", "--format", "{{.State.Status}}", n]).out(), "running", "{rt}: {n} after restore -a");
+        assert_eq!(
+            podman(rt, &["inspect", "--format", "{{.State.Status}}", n]).out(),
+            "running",
+            "{rt}: {n} after restore -a"
+        );
     }
     seen
 }
@@ -218,8 +238,10 @@ fn listening_tcp_socket_survives_rollback() {
     let _c = Cleanup(n.clone());
     podman("planarian", &["run", "-d", "--name", &n, DEBIAN, "python3", "-c",
         "import socket,time; s=socket.socket(); s.bind(('0.0.0.0', 8080)); s.listen(); open('/tmp/up','w').close(); time.sleep(100000)"]).ok();
-    assert!(wait_for(Duration::from_secs(60), || podman("planarian", &["exec", &n, "test", "-e", "/tmp/up"]).code == Some(0)));
-    let listening = || podman("planarian", &["exec", &n, "sh", "-c", "grep -c ':1F90 00000000:0000 0A' /proc/net/tcp"]).out();
+    assert!(wait_for(Duration::from_secs(60), || podman("planarian", &["exec", &n, "test", "-e", "/tmp/up"]).code
+        == Some(0)));
+    let listening =
+        || podman("planarian", &["exec", &n, "sh", "-c", "grep -c ':1F90 00000000:0000 0A' /proc/net/tcp"]).out();
     assert_eq!(listening(), "1");
     podman("planarian", &["container", "checkpoint", "--leave-running", "--tcp-established", &n]).ok();
     let sp = cmd(planarian_bin().to_str().unwrap(), ["statepoint", "list", &n, "--json"]);
@@ -368,8 +390,22 @@ fn disk_full_while_copying_files_leaves_no_statepoint() {
     let _undo = Undo(dropin, store);
     let n = name("full");
     let _c = Cleanup(n.clone());
-    podman("planarian", &["run", "-d", "--name", &n, BUSYBOX, "sh", "-c", "dd if=/dev/urandom of=/big bs=1M count=4 2>/dev/null; touch /ready; sleep 100000"]).ok();
-    assert!(wait_for(Duration::from_secs(60), || podman("planarian", &["exec", &n, "test", "-e", "/ready"]).code == Some(0)));
+    podman(
+        "planarian",
+        &[
+            "run",
+            "-d",
+            "--name",
+            &n,
+            BUSYBOX,
+            "sh",
+            "-c",
+            "dd if=/dev/urandom of=/big bs=1M count=4 2>/dev/null; touch /ready; sleep 100000",
+        ],
+    )
+    .ok();
+    assert!(wait_for(Duration::from_secs(60), || podman("planarian", &["exec", &n, "test", "-e", "/ready"]).code
+        == Some(0)));
     let r = cmd(planarian_bin().to_str().unwrap(), ["snapshot", &n]);
     assert_eq!(r.code, Some(1), "{r:?}");
     // The files' copy and CRIU's images fill the store side by side: whichever finds it full
@@ -387,19 +423,17 @@ fn concurrent_checkpoints_serialise() {
     require_stack!();
     let sb = Sandbox::start("conc", 8, &[]);
     let pl = planarian_bin();
-    let spawn = || {
-        std::process::Command::new(&pl)
-            .args(["snapshot", &sb.name])
-            .output()
-            .unwrap()
-    };
+    let spawn = || std::process::Command::new(&pl).args(["snapshot", &sb.name]).output().unwrap();
     let (a, b) = std::thread::scope(|s| {
         let a = s.spawn(spawn);
         let b = s.spawn(spawn);
         (a.join().unwrap(), b.join().unwrap())
     });
     assert!(a.status.success() && b.status.success(), "{a:?} {b:?}");
-    let mut ids = vec![String::from_utf8_lossy(&a.stdout).trim().to_string(), String::from_utf8_lossy(&b.stdout).trim().to_string()];
+    let mut ids = vec![
+        String::from_utf8_lossy(&a.stdout).trim().to_string(),
+        String::from_utf8_lossy(&b.stdout).trim().to_string(),
+    ];
     ids.sort();
     assert_eq!(ids, vec!["sp1", "sp2"]);
     assert_eq!(sb.statepoints().len(), 2);
@@ -445,7 +479,11 @@ impl Hook {
     }
 
     fn calls(&self) -> Vec<String> {
-        std::fs::read_to_string(self.dir.join("calls")).unwrap_or_default().lines().map(|l| l.split(' ').next().unwrap().to_string()).collect()
+        std::fs::read_to_string(self.dir.join("calls"))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| l.split(' ').next().unwrap().to_string())
+            .collect()
     }
 }
 
@@ -499,11 +537,21 @@ fn exec_waits_for_a_snapshot_in_progress() {
     let start = std::time::Instant::now();
     let (snap_end, exec_end, exec_ok) = std::thread::scope(|s| {
         let snap = s.spawn(|| {
-            let ok = std::process::Command::new(&pl).args(["snapshot", &sb.name]).stdout(std::process::Stdio::null()).status().unwrap().success();
+            let ok = std::process::Command::new(&pl)
+                .args(["snapshot", &sb.name])
+                .stdout(std::process::Stdio::null())
+                .status()
+                .unwrap()
+                .success();
             (ok, start.elapsed())
         });
         // Once the container is frozen, a tool call must wait for the snapshot to finish.
-        assert!(wait_for(Duration::from_secs(120), || cmd("sh", ["-c", "ls /var/lib/planarian/containers/*/frozen-by-planarian"]).code == Some(0)));
+        assert!(wait_for(Duration::from_secs(120), || cmd(
+            "sh",
+            ["-c", "ls /var/lib/planarian/containers/*/frozen-by-planarian"]
+        )
+        .code
+            == Some(0)));
         let r = podman("planarian", &["exec", &sb.name, "echo", "tool-call"]);
         let exec_end = start.elapsed();
         let (ok, snap_end) = snap.join().unwrap();
@@ -511,7 +559,10 @@ fn exec_waits_for_a_snapshot_in_progress() {
         (snap_end, exec_end, r.stdout.contains("tool-call"))
     });
     assert!(exec_ok);
-    assert!(exec_end + Duration::from_millis(500) >= snap_end, "exec finished at {exec_end:?}, before the snapshot ended at {snap_end:?}");
+    assert!(
+        exec_end + Duration::from_millis(500) >= snap_end,
+        "exec finished at {exec_end:?}, before the snapshot ended at {snap_end:?}"
+    );
     assert_eq!(sb.statepoints().len(), 2);
 }
 
@@ -522,7 +573,22 @@ fn registry_cli_names_removes_and_retains() {
     let pl = planarian_bin();
     let pl = pl.to_str().unwrap();
     let sp1 = cmd(pl, ["snapshot", &sb.name]).out();
-    cmd(pl, ["statepoint", "set", &sb.name, &sp1, "--name", "base", "--description", "clean checkout", "--outcome", "tests failed"]).ok();
+    cmd(
+        pl,
+        [
+            "statepoint",
+            "set",
+            &sb.name,
+            &sp1,
+            "--name",
+            "base",
+            "--description",
+            "clean checkout",
+            "--outcome",
+            "tests failed",
+        ],
+    )
+    .ok();
     let m: serde_json::Value = serde_json::from_str(&cmd(pl, ["statepoint", "show", &sb.name, "base"]).stdout).unwrap();
     assert_eq!(m["statepoint-id"], sp1.as_str());
     assert_eq!(m["state-evidence"]["state-description"], "clean checkout");
@@ -569,7 +635,9 @@ fn terminal_container_snapshots_rolls_back_and_keeps_its_console() {
     assert!(sb.sh("readlink /proc/1/fd/1").stdout.starts_with("/dev/pts/"));
     sb.sh("echo console-after-rollback > /proc/1/fd/1").ok();
     assert!(
-        wait_for(std::time::Duration::from_secs(120), || podman("planarian", &["logs", &sb.name]).stdout.contains("console-after-rollback")),
+        wait_for(std::time::Duration::from_secs(120), || podman("planarian", &["logs", &sb.name])
+            .stdout
+            .contains("console-after-rollback")),
         "podman logs: {}",
         podman("planarian", &["logs", &sb.name]).stdout
     );
@@ -578,7 +646,9 @@ fn terminal_container_snapshots_rolls_back_and_keeps_its_console() {
     podman("planarian", &["container", "restore", &sb.name]).ok();
     assert_eq!(sb.send("tick").checksum, at_sp.checksum);
     sb.sh("echo console-after-restore > /proc/1/fd/1").ok();
-    assert!(wait_for(std::time::Duration::from_secs(120), || podman("planarian", &["logs", &sb.name]).stdout.contains("console-after-restore")));
+    assert!(wait_for(std::time::Duration::from_secs(120), || podman("planarian", &["logs", &sb.name])
+        .stdout
+        .contains("console-after-restore")));
     // The dump after the restore stayed incremental (the pre-resume step ran in-process): on
     // the checkpoint Podman took (depth 1, on the base the rollback left), so at depth 2.
     let sp2 = sb.snapshot("after-restore");
@@ -598,18 +668,52 @@ fn a_rollback_tells_the_agent_what_is_now_true_and_what_was_tried() {
     let at_sp1 = sb.send("tick");
     let state_file = std::env::temp_dir().join(format!("planarian-state-{}.json", std::process::id()));
     std::fs::write(&state_file, r#"{"task": "fix the build", "step": 3}"#).unwrap();
-    let sp1 = cmd(pl, ["snapshot", &sb.name, "--name", "configured", "--description", "app configured, tests not run yet", "--state", state_file.to_str().unwrap()]).out();
+    let sp1 = cmd(
+        pl,
+        [
+            "snapshot",
+            &sb.name,
+            "--name",
+            "configured",
+            "--description",
+            "app configured, tests not run yet",
+            "--state",
+            state_file.to_str().unwrap(),
+        ],
+    )
+    .out();
     let _ = std::fs::remove_file(&state_file);
 
     let dirtied = sb.send("dirty 0 65536");
     assert_ne!(dirtied.checksum, at_sp1.checksum);
     sb.sh("echo broken > /tmp/app.conf").ok();
     let sp2 = cmd(pl, ["snapshot", &sb.name, "--description", "config rewritten"]).out();
-    cmd(pl, ["statepoint", "set", &sb.name, &sp2, "--outcome", "tests fail: config broken", "--status", "failure", "--by", "agent", "--reward", "-1"]).ok();
+    cmd(
+        pl,
+        [
+            "statepoint",
+            "set",
+            &sb.name,
+            &sp2,
+            "--outcome",
+            "tests fail: config broken",
+            "--status",
+            "failure",
+            "--by",
+            "agent",
+            "--reward",
+            "-1",
+        ],
+    )
+    .ok();
 
-    let r = cmd(pl, ["rollback", &sb.name, "configured", "--reason", "the new config broke the tests", "--by", "agent", "--json"]);
+    let r = cmd(
+        pl,
+        ["rollback", &sb.name, "configured", "--reason", "the new config broke the tests", "--by", "agent", "--json"],
+    );
     r.ok();
-    let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", r.stdout));
+    let ctx: serde_json::Value =
+        serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", r.stdout));
     assert_eq!(ctx["operation"], "rollback");
     assert_eq!(ctx["statepoint"]["id"], sp1.as_str());
     assert_eq!(ctx["statepoint"]["name"], "configured");
@@ -636,9 +740,18 @@ fn a_rollback_tells_the_agent_what_is_now_true_and_what_was_tried() {
     assert_eq!(ledger["head"], sp3.as_str());
     // Kept: the restore context can be fetched again, as the text a model reads.
     let again = cmd(pl, ["statepoint", "context", &sb.name]).out();
-    assert!(again.starts_with(&format!("[planarian] The sandbox {} was rolled back to statepoint {sp1} \"configured\".", sb.name)), "{again}");
+    assert!(
+        again.starts_with(&format!(
+            "[planarian] The sandbox {} was rolled back to statepoint {sp1} \"configured\".",
+            sb.name
+        )),
+        "{again}"
+    );
     assert!(again.contains("Tried from this statepoint before:") || again.contains("Nothing was tried"), "{again}");
-    eprintln!("--- planarian ledger:\n{}\n--- planarian statepoint context:\n{again}\n---", cmd(pl, ["ledger", &sb.name]).out());
+    eprintln!(
+        "--- planarian ledger:\n{}\n--- planarian statepoint context:\n{again}\n---",
+        cmd(pl, ["ledger", &sb.name]).out()
+    );
     // A bounded ledger keeps the head and says what it left out.
     let short = cmd(pl, ["ledger", &sb.name, "--max-chars", "200"]).out();
     assert!(short.contains(&format!("{sp3}*")) && short.contains("left out"), "{short}");
@@ -697,10 +810,26 @@ fn a_background_process_started_by_exec_is_in_the_statepoint() {
     let n = name("bgexec");
     let _c = Cleanup(n.clone());
     podman("planarian", &["run", "-d", "--name", &n, "--network", "none", BUSYBOX, "sleep", "100000"]).ok();
-    podman("planarian", &["exec", &n, "sh", "-c", "(sh -c 'echo $$ > /tmp/bg.pid; exec sleep 100000' </dev/null >/dev/null 2>&1 &)"]).ok();
+    podman(
+        "planarian",
+        &["exec", &n, "sh", "-c", "(sh -c 'echo $$ > /tmp/bg.pid; exec sleep 100000' </dev/null >/dev/null 2>&1 &)"],
+    )
+    .ok();
     // "PID STATE" of the background process (S sleeping, Z a zombie); empty before it wrote its PID.
-    let state = || podman("planarian", &["exec", &n, "sh", "-c", "p=$(cat /tmp/bg.pid) && echo $p $(awk '/^State:/ {print $2}' /proc/$p/status)"]).stdout.trim().to_string();
-    assert!(wait_for(Duration::from_secs(120), || state().ends_with(" S")), "the background process did not start: {}", state());
+    let state = || {
+        podman(
+            "planarian",
+            &["exec", &n, "sh", "-c", "p=$(cat /tmp/bg.pid) && echo $p $(awk '/^State:/ {print $2}' /proc/$p/status)"],
+        )
+        .stdout
+        .trim()
+        .to_string()
+    };
+    assert!(
+        wait_for(Duration::from_secs(120), || state().ends_with(" S")),
+        "the background process did not start: {}",
+        state()
+    );
     let before = state();
     let pl = planarian_bin();
     let pl = pl.to_str().unwrap();
@@ -732,7 +861,12 @@ fn a_snapshot_waits_for_a_podman_exec_in_flight() {
     sb.snapshot("first");
     // A tool call that writes until it is told to stop.
     let name = sb.name.clone();
-    let writer = std::thread::spawn(move || podman("planarian", &["exec", &name, "sh", "-c", "while [ ! -e /stop ]; do echo x >> /w; sleep 0.2; done; echo done >> /w"]));
+    let writer = std::thread::spawn(move || {
+        podman(
+            "planarian",
+            &["exec", &name, "sh", "-c", "while [ ! -e /stop ]; do echo x >> /w; sleep 0.2; done; echo done >> /w"],
+        )
+    });
     assert!(
         wait_for(Duration::from_secs(300), || std::fs::read_dir(&in_flight).is_ok_and(|mut d| d.next().is_some())),
         "the exec's holder names it in {}",

@@ -38,7 +38,12 @@ fn export_and_lose(sb: &Sandbox, archive: &str) -> (String, f64) {
 /// The tick after a restore continues from `at`: same memory, counter one on.
 fn assert_continues(sb: &mut Sandbox, at: &State) {
     let now = sb.send("tick");
-    assert_eq!((now.counter, &now.checksum), (at.counter + 1, &at.checksum), "{}: memory and counter continue from the checkpoint", sb.name);
+    assert_eq!(
+        (now.counter, &now.checksum),
+        (at.counter + 1, &at.checksum),
+        "{}: memory and counter continue from the checkpoint",
+        sb.name
+    );
 }
 
 /// The one statepoint an import made, checked to say where it came from.
@@ -112,7 +117,11 @@ const CRIO_ROOT: &str = "/run/planarian-crio";
 impl Handler {
     fn new(dir: &Path) -> Handler {
         let (path, log) = (dir.join("planarian-handler"), dir.join("argv.log"));
-        let script = format!("#!/bin/sh\nprintf '%s\\n' \"$*\" >> {}\nexec {} \"$@\"\n", log.display(), planarian_bin().display());
+        let script = format!(
+            "#!/bin/sh\nprintf '%s\\n' \"$*\" >> {}\nexec {} \"$@\"\n",
+            log.display(),
+            planarian_bin().display()
+        );
         write_executable(&path, &script);
         Handler { path, log }
     }
@@ -140,7 +149,10 @@ impl Handler {
 
     fn state(&self, id: &str) -> String {
         let r = self.call(&["state", id]);
-        serde_json::from_str::<serde_json::Value>(&r.stdout).ok().and_then(|v| v["status"].as_str().map(String::from)).unwrap_or_default()
+        serde_json::from_str::<serde_json::Value>(&r.stdout)
+            .ok()
+            .and_then(|v| v["status"].as_str().map(String::from))
+            .unwrap_or_default()
     }
 }
 
@@ -177,10 +189,35 @@ impl CrioContainer {
         let sockets = self.dir.parent().unwrap().join("sockets").display().to_string();
         std::fs::create_dir_all(&sockets).unwrap();
         let mut args: Vec<String> = [
-            "-b", &d, "-c", &self.id, "--exit-dir", &format!("{d}/exits"), "-l", &format!("{d}/ctr.log"), "--log-level", "info",
-            "-n", &format!("k8s_{}", self.id), "-P", &format!("{d}/conmon-pidfile"), "-p", &format!("{d}/pidfile"),
-            "--persist-dir", &d, "-r", handler.path.to_str().unwrap(), "--runtime-arg", &format!("--root={CRIO_ROOT}"),
-            "--socket-dir-path", &sockets, "--syslog", "-u", &self.id, "--log-size-max", "-1",
+            "-b",
+            &d,
+            "-c",
+            &self.id,
+            "--exit-dir",
+            &format!("{d}/exits"),
+            "-l",
+            &format!("{d}/ctr.log"),
+            "--log-level",
+            "info",
+            "-n",
+            &format!("k8s_{}", self.id),
+            "-P",
+            &format!("{d}/conmon-pidfile"),
+            "-p",
+            &format!("{d}/pidfile"),
+            "--persist-dir",
+            &d,
+            "-r",
+            handler.path.to_str().unwrap(),
+            "--runtime-arg",
+            &format!("--root={CRIO_ROOT}"),
+            "--socket-dir-path",
+            &sockets,
+            "--syslog",
+            "-u",
+            &self.id,
+            "--log-size-max",
+            "-1",
         ]
         .iter()
         .map(|s| s.to_string())
@@ -189,7 +226,13 @@ impl CrioContainer {
         if let Some(r) = restore {
             args.extend(["--restore".to_string(), r.display().to_string()]);
         }
-        let out = std::process::Command::new("conmon").args(&args).current_dir(&self.dir).env_clear().env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin").output().unwrap();
+        let out = std::process::Command::new("conmon")
+            .args(&args)
+            .current_dir(&self.dir)
+            .env_clear()
+            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .output()
+            .unwrap();
         assert!(out.status.success(), "conmon {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
 
@@ -247,7 +290,8 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
     let base = std::env::temp_dir().join(format!("planarian-crio-{}", std::process::id()));
     std::fs::create_dir_all(&base).unwrap();
     let handler = Handler::new(&base);
-    let pods = Pods(vec![format!("planarian-poda-{}", std::process::id()), format!("planarian-podb-{}", std::process::id())]);
+    let pods =
+        Pods(vec![format!("planarian-poda-{}", std::process::id()), format!("planarian-podb-{}", std::process::id())]);
     for p in &pods.0 {
         cmd("ip", ["netns", "add", p]).ok();
         // As a pod's network namespace: its loopback up (CRIU's checks connect inside it).
@@ -270,7 +314,8 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
     // create through conmon, start directly.
     let a = CrioContainer::new(&base, &crio_id(0xa), &image);
     cmd("sh", ["-c", &format!("cd {} && rm -f config.json && crun spec", a.dir.display())]).ok();
-    let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(a.dir.join("config.json")).unwrap()).unwrap();
+    let mut spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(a.dir.join("config.json")).unwrap()).unwrap();
     spec["root"] = serde_json::json!({ "path": a.rootfs, "readonly": false });
     spec["process"]["terminal"] = false.into();
     spec["process"]["args"] = serde_json::json!(["python3", "-c", planarian_system_tests::sandbox::WORKLOAD, "8"]);
@@ -286,9 +331,17 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
     set_netns(&mut spec, &pods.0[0]);
     a.write_spec(&spec);
     a.conmon(&handler, None);
-    assert!(wait_for(std::time::Duration::from_secs(60), || handler.state(&a.id) == "created"), "{}", handler.diagnose(&a));
+    assert!(
+        wait_for(std::time::Duration::from_secs(60), || handler.state(&a.id) == "created"),
+        "{}",
+        handler.diagnose(&a)
+    );
     handler.call(&["start", &a.id]).ok();
-    assert!(wait_for(std::time::Duration::from_secs(60), || a.file("tmp/state").is_some()), "the workload did not start: {}", handler.diagnose(&a));
+    assert!(
+        wait_for(std::time::Duration::from_secs(60), || a.file("tmp/state").is_some()),
+        "the workload did not start: {}",
+        handler.diagnose(&a)
+    );
     a.send(1, "tick");
     let at = a.send(2, "dirty 65536 131072");
     std::fs::create_dir_all(a.rootfs.join("work")).unwrap();
@@ -298,7 +351,18 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
     let ckpt = a.dir.join("checkpoint");
     std::fs::write(a.dir.join("dump.log"), "").unwrap();
     handler.call(&["pause", &a.id]).ok();
-    handler.call(&["checkpoint", "--file-locks", "--image-path", ckpt.to_str().unwrap(), "--work-path", a.dir.to_str().unwrap(), "--leave-running", &a.id]).ok();
+    handler
+        .call(&[
+            "checkpoint",
+            "--file-locks",
+            "--image-path",
+            ckpt.to_str().unwrap(),
+            "--work-path",
+            a.dir.to_str().unwrap(),
+            "--leave-running",
+            &a.id,
+        ])
+        .ok();
     handler.call(&["resume", &a.id]).ok();
     assert_eq!(handler.state(&a.id), "running");
     // The source keeps running after the checkpoint.
@@ -306,12 +370,39 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
 
     // The archive with CRI-O's names; checkpoint/ deleted as CRI-O does.
     std::fs::write(a.dir.join("spec.dump"), serde_json::to_vec(&spec).unwrap()).unwrap();
-    std::fs::write(a.dir.join("config.dump"), serde_json::json!({ "id": a.id, "name": "agent", "rootfsImageName": DEBIAN }).to_string()).unwrap();
+    std::fs::write(
+        a.dir.join("config.dump"),
+        serde_json::json!({ "id": a.id, "name": "agent", "rootfsImageName": DEBIAN }).to_string(),
+    )
+    .unwrap();
     std::fs::write(a.dir.join("bind.mounts"), "[]").unwrap();
-    cmd("tar", ["-C", a.dir.join("upper").to_str().unwrap(), "-cf", a.dir.join("rootfs-diff.tar").to_str().unwrap(), "."]).ok();
+    cmd(
+        "tar",
+        ["-C", a.dir.join("upper").to_str().unwrap(), "-cf", a.dir.join("rootfs-diff.tar").to_str().unwrap(), "."],
+    )
+    .ok();
     let archive = base.join("checkpoint-pod-agent.tar");
-    cmd("tar", ["-C", a.dir.to_str().unwrap(), "-cf", archive.to_str().unwrap(), "checkpoint", "config.dump", "spec.dump", "stats-dump", "dump.log", "bind.mounts", "rootfs-diff.tar"]).ok();
-    let handed_manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(ckpt.join("planarian/manifest.json")).expect("the checkpoint carries planarian's manifest")).unwrap();
+    cmd(
+        "tar",
+        [
+            "-C",
+            a.dir.to_str().unwrap(),
+            "-cf",
+            archive.to_str().unwrap(),
+            "checkpoint",
+            "config.dump",
+            "spec.dump",
+            "stats-dump",
+            "dump.log",
+            "bind.mounts",
+            "rootfs-diff.tar",
+        ],
+    )
+    .ok();
+    let handed_manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(ckpt.join("planarian/manifest.json")).expect("the checkpoint carries planarian's manifest"),
+    )
+    .unwrap();
     std::fs::remove_dir_all(&ckpt).unwrap();
     println!("CRI-O archive: {} bytes", std::fs::metadata(&archive).unwrap().len());
     a.remove(&handler);
@@ -327,24 +418,34 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
     cmd("tar", ["-C", b.rootfs.to_str().unwrap(), "-xf", unpacked.join("rootfs-diff.tar").to_str().unwrap()]).ok();
     std::fs::rename(unpacked.join("checkpoint"), b.dir.join("checkpoint")).unwrap();
     assert!(b.dir.join("checkpoint/inventory.img").is_file());
-    let mut spec_b: serde_json::Value = serde_json::from_slice(&std::fs::read(unpacked.join("spec.dump")).unwrap()).unwrap();
+    let mut spec_b: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(unpacked.join("spec.dump")).unwrap()).unwrap();
     spec_b["root"]["path"] = b.rootfs.display().to_string().into();
     spec_b["linux"]["cgroupsPath"] = format!("/planarian-crio/{}", b.id).into();
     set_netns(&mut spec_b, &pods.0[1]);
     b.write_spec(&spec_b);
     b.conmon(&handler, Some(&b.dir.join("checkpoint")));
-    assert!(wait_for(std::time::Duration::from_secs(60), || handler.state(&b.id) == "running"), "{}", handler.diagnose(&b));
+    assert!(
+        wait_for(std::time::Duration::from_secs(60), || handler.state(&b.id) == "running"),
+        "{}",
+        handler.diagnose(&b)
+    );
 
     // Processes: memory and counter as at the checkpoint, in pod b's network namespace.
     let now = b.send(4, "tick");
     assert_eq!((now.counter, &now.checksum), (at.counter + 1, &at.checksum));
     let pid = std::fs::read_to_string(b.dir.join("pidfile")).unwrap().trim().to_string();
     let ns_of = |p: &str| std::fs::metadata(p).map(|m| std::os::unix::fs::MetadataExt::ino(&m)).unwrap();
-    assert_eq!(ns_of(&format!("/proc/{pid}/ns/net")), ns_of(&format!("/var/run/netns/{}", pods.0[1])), "restored into pod b's network");
+    assert_eq!(
+        ns_of(&format!("/proc/{pid}/ns/net")),
+        ns_of(&format!("/var/run/netns/{}", pods.0[1])),
+        "restored into pod b's network"
+    );
     // Files.
     assert_eq!(b.file("work/notes").as_deref(), Some("from pod a\n"));
     // The statepoint came with it, MCP position included, and starts b's chain.
-    let imported: serde_json::Value = serde_json::from_str(&planarian(&["statepoint", "list", &b.id, "--json"]).ok().stdout).unwrap();
+    let imported: serde_json::Value =
+        serde_json::from_str(&planarian(&["statepoint", "list", &b.id, "--json"]).ok().stdout).unwrap();
     let sp = &imported.as_array().unwrap()[0];
     assert_eq!(handed_manifest["remote-state"][0]["mcp-call-position"], 42, "{handed_manifest}");
     assert_eq!(sp["remote-state"], handed_manifest["remote-state"]);
@@ -357,7 +458,12 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
     let mut shown: Vec<&str> = argv.lines().collect();
     shown.dedup();
     println!("argv the runtime received (repeats folded):\n{}", shown.join("\n"));
-    assert!(argv.lines().any(|l| l.starts_with(&format!("--root={CRIO_ROOT} create ")) || l.starts_with(&format!("--root={CRIO_ROOT} --")) || l.contains(" create ")), "{argv}");
+    assert!(
+        argv.lines().any(|l| l.starts_with(&format!("--root={CRIO_ROOT} create "))
+            || l.starts_with(&format!("--root={CRIO_ROOT} --"))
+            || l.contains(" create ")),
+        "{argv}"
+    );
     assert!(argv.lines().any(|l| l.contains(" restore ") && l.contains("--image-path")), "{argv}");
     let _ = std::fs::remove_dir_all(&base);
 }
@@ -413,11 +519,21 @@ fn statepoints_move_between_pools_and_podman_export_carries_zfs_files() {
         println!("{}", r.out());
         t.elapsed().as_secs_f64()
     };
-    let (f1, f2, f2_inc, podman_file) = ("/tmp/planarian-sp1.tar", "/tmp/planarian-sp2.tar", "/tmp/planarian-sp2-inc.tar", "/tmp/planarian-podman.tar.gz");
+    let (f1, f2, f2_inc, podman_file) = (
+        "/tmp/planarian-sp1.tar",
+        "/tmp/planarian-sp2.tar",
+        "/tmp/planarian-sp2-inc.tar",
+        "/tmp/planarian-podman.tar.gz",
+    );
     let t1 = timed(&["statepoint", "export", &sb.name, &sp1, f1]);
     let t2 = timed(&["statepoint", "export", &sb.name, &sp2, f2]);
     let t2_inc = timed(&["statepoint", "export", &sb.name, &sp2, f2_inc, "--since", &sp1]);
-    assert!(size(f2_inc) < size(f2), "the incremental file ({}) should be smaller than the whole one ({})", size(f2_inc), size(f2));
+    assert!(
+        size(f2_inc) < size(f2),
+        "the incremental file ({}) should be smaller than the whole one ({})",
+        size(f2_inc),
+        size(f2)
+    );
 
     // On the other pool: sp1 as a new container, then sp2 as another, its files only the changes.
     let b1 = format!("{}-b1", sb.name);
@@ -426,7 +542,11 @@ fn statepoints_move_between_pools_and_podman_export_carries_zfs_files() {
     assert_continues(&mut s1, &at1);
     assert_eq!(s1.sh(LISTING).ok().out(), files1);
     let b1_id = id_of(&b1);
-    assert_eq!(cmd("zfs", ["get", "-H", "-o", "value", "mounted", &format!("{}/sb/ctr-{b1_id}", other.0)]).ok().out(), "yes", "b1 lives on the other pool");
+    assert_eq!(
+        cmd("zfs", ["get", "-H", "-o", "value", "mounted", &format!("{}/sb/ctr-{b1_id}", other.0)]).ok().out(),
+        "yes",
+        "b1 lives on the other pool"
+    );
     let b2 = format!("{}-b2", sb.name);
     planarian(&["statepoint", "import", f2_inc, "--name", &b2, "--parent-dataset", &format!("{}/sb", other.0)]).ok();
     let mut s2 = Sandbox::attach(&b2);
@@ -435,7 +555,10 @@ fn statepoints_move_between_pools_and_podman_export_carries_zfs_files() {
     // b2's files are b1's snapshot plus the changes: a clone of it, as a fork is.
     let b2_ds = format!("{}/sb/ctr-{}", other.0, id_of(&b2));
     let origin = cmd("zfs", ["get", "-H", "-o", "value", "origin", &b2_ds]).ok().out();
-    assert!(origin.starts_with(&format!("{}/sb/ctr-{b1_id}@", other.0)), "b2's files are b1's plus the changes: origin {origin}");
+    assert!(
+        origin.starts_with(&format!("{}/sb/ctr-{b1_id}@", other.0)),
+        "b2's files are b1's plus the changes: origin {origin}"
+    );
     // While b2 runs on that clone, b1's files cannot be swapped: its rollback is refused before
     // anything changes, and b1 runs on as it was.
     let b1_sp = imported_statepoint(&s1, &id_of(&sb.name));
@@ -446,7 +569,11 @@ fn statepoints_move_between_pools_and_podman_export_carries_zfs_files() {
         planarian(&["rollback", &b1, &b1_sp])
     };
     assert_ne!(refused.code, Some(0), "{refused:?}");
-    assert!(refused.stderr.contains("run on clones of its snapshots") && refused.stderr.contains(&b2_ds), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("run on clones of its snapshots") && refused.stderr.contains(&b2_ds),
+        "{}",
+        refused.stderr
+    );
     assert_eq!(s1.sh("cat /work/later").ok().out(), "later");
     assert_eq!(s1.send("tick").counter, at1.counter + 2);
     imported_statepoint(&s2, &id_of(&sb.name));

@@ -7,9 +7,9 @@
 
 pub mod stream;
 
-use sys::proc::Mount;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use sys::proc::Mount;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -81,7 +81,11 @@ impl Zfs {
     /// Runs `zfs ARGS`, returning stdout.
     pub fn run(&self, args: &[&str]) -> Result<String> {
         // Errors are classified by their text: in English whatever the caller's locale.
-        let out = Command::new(&self.bin).args(args).env("LC_ALL", "C").output().map_err(|err| Error::Spawn { bin: self.bin.clone(), err })?;
+        let out = Command::new(&self.bin)
+            .args(args)
+            .env("LC_ALL", "C")
+            .output()
+            .map_err(|err| Error::Spawn { bin: self.bin.clone(), err })?;
         if out.status.success() {
             return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
         }
@@ -188,7 +192,11 @@ impl Zfs {
     pub fn snapshot_by_guid(&self, root: &str, guid: &str) -> Result<Option<String>> {
         // (`get -p`: exact numbers; zfs-fuse's `list` prints guids rounded, e.g. 9.26E.)
         let out = self.run(&["get", "-H", "-p", "-r", "-o", "name,value", "guid", root])?;
-        Ok(out.lines().filter_map(|l| l.split_once('\t')).find(|(n, g)| n.contains('@') && g.trim() == guid).map(|(n, _)| n.to_string()))
+        Ok(out
+            .lines()
+            .filter_map(|l| l.split_once('\t'))
+            .find(|(n, g)| n.contains('@') && g.trim() == guid)
+            .map(|(n, _)| n.to_string()))
     }
 
     /// A dataset's or snapshot's `guid`, exactly.
@@ -277,7 +285,11 @@ impl Zfs {
             kind: Kind::Other,
         };
         let Some(stdbuf) = in_path("stdbuf") else {
-            let out = Command::new(&zdb).args(&args).env("LC_ALL", "C").output().map_err(|err| Error::Spawn { bin: zdb.clone(), err })?;
+            let out = Command::new(&zdb)
+                .args(&args)
+                .env("LC_ALL", "C")
+                .output()
+                .map_err(|err| Error::Spawn { bin: zdb.clone(), err })?;
             let found = parse_zdb_objects(&String::from_utf8_lossy(&out.stdout));
             if !out.status.success() || found.len() != objects.len() {
                 return Err(failed(found.len(), &String::from_utf8_lossy(&out.stderr)));
@@ -421,7 +433,9 @@ fn is_object_header(line: &str) -> bool {
 
 /// `tool` in PATH, if it is there.
 fn in_path(tool: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into())).map(|d| d.join(tool)).find(|p| p.is_file())
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()))
+        .map(|d| d.join(tool))
+        .find(|p| p.is_file())
 }
 
 /// The pool a dataset or snapshot belongs to.
@@ -501,7 +515,10 @@ Dataset tp/ds@s3 [ZPL], ID 37, cr_txg 23, 1000K, 210 objects, rootbp DVA[0]=<0:1
     #[test]
     fn zdb_objects_give_their_paths() {
         let o = parse_zdb_objects(ZDB);
-        let view: Vec<_> = o.iter().map(|o| (o.object, o.kind.as_str(), o.path.as_deref(), o.links, o.is_dir(), o.unlinked())).collect();
+        let view: Vec<_> = o
+            .iter()
+            .map(|o| (o.object, o.kind.as_str(), o.path.as_deref(), o.links, o.is_dir(), o.unlinked()))
+            .collect();
         assert_eq!(o[0].root, Some(3));
         assert_eq!(
             view,
@@ -516,14 +533,35 @@ Dataset tp/ds@s3 [ZPL], ID 37, cr_txg 23, 1000K, 210 objects, rootbp DVA[0]=<0:1
 
     #[test]
     fn finds_the_dataset_mounted_exactly_at_a_path() {
-        assert_eq!(dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/tank/sb")).as_deref(), Some("tank/sb"));
-        assert_eq!(dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/tank/sb/")).as_deref(), Some("tank/sb"));
-        assert_eq!(dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/srv/my box")).as_deref(), Some("pool/my box"));
+        assert_eq!(
+            dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/tank/sb")).as_deref(),
+            Some("tank/sb")
+        );
+        assert_eq!(
+            dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/tank/sb/")).as_deref(),
+            Some("tank/sb")
+        );
+        assert_eq!(
+            dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/srv/my box")).as_deref(),
+            Some("pool/my box")
+        );
         assert_eq!(dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/tank/sb/sub")), None);
         assert_eq!(mounts_of(&sys::proc::parse_mountinfo(MOUNTINFO), "tank/sb"), vec![PathBuf::from("/tank/sb")]);
-        assert_eq!(mounts_of(&sys::proc::parse_mountinfo(MOUNTINFO), "pool/my box"), vec![PathBuf::from("/srv/my box")]);
-        assert!(mounts_of(&sys::proc::parse_mountinfo(MOUNTINFO), "tank/none").is_empty() && mounts_of(&sys::proc::parse_mountinfo(MOUNTINFO), "overlay").is_empty());
-        assert_eq!(dataset_mounted_at(&sys::proc::parse_mountinfo(MOUNTINFO), Path::new("/var/lib/containers/storage/overlay/abc/merged")), None);
+        assert_eq!(
+            mounts_of(&sys::proc::parse_mountinfo(MOUNTINFO), "pool/my box"),
+            vec![PathBuf::from("/srv/my box")]
+        );
+        assert!(
+            mounts_of(&sys::proc::parse_mountinfo(MOUNTINFO), "tank/none").is_empty()
+                && mounts_of(&sys::proc::parse_mountinfo(MOUNTINFO), "overlay").is_empty()
+        );
+        assert_eq!(
+            dataset_mounted_at(
+                &sys::proc::parse_mountinfo(MOUNTINFO),
+                Path::new("/var/lib/containers/storage/overlay/abc/merged")
+            ),
+            None
+        );
     }
 
     #[test]

@@ -107,7 +107,13 @@ fn znode(bonustype: u32, bonus: &[u8]) -> Option<Znode> {
     let z = match bonustype {
         // znode_phys_t: atime, mtime, ctime (at 32), crtime (16 bytes each), gen at 64, mode 72,
         // size 80, parent 88, links 96, xattr 104, rdev 112, flags 120 (ZFS_XATTR is bit 0).
-        DMU_OT_ZNODE if bonus.len() >= 128 => Znode { mode: u64_at(bonus, 72), parent: u64_at(bonus, 88), links: u64_at(bonus, 96), xattr: u64_at(bonus, 120) & 1 != 0, ctime: u64_at(bonus, 32) },
+        DMU_OT_ZNODE if bonus.len() >= 128 => Znode {
+            mode: u64_at(bonus, 72),
+            parent: u64_at(bonus, 88),
+            links: u64_at(bonus, 96),
+            xattr: u64_at(bonus, 120) & 1 != 0,
+            ctime: u64_at(bonus, 32),
+        },
         DMU_OT_SA if bonus.len() >= 8 && u32_at(bonus, 0) == SA_MAGIC => {
             // sa_hdr_phys_t: magic, then layout (bits 0-9) and header size in 8-byte units
             // (bits 10-15), then the variable-size attributes' lengths.
@@ -150,7 +156,9 @@ pub fn read(mut r: impl Read) -> Result<Changes, StreamError> {
                 let mut bonus = vec![0u8; bonuslen.div_ceil(8) * 8];
                 r.read_exact(&mut bonus)?;
                 let seen = match ot {
-                    DMU_OT_PLAIN_FILE_CONTENTS | DMU_OT_DIRECTORY_CONTENTS => znode(bonustype, &bonus[..bonuslen]).map_or(Object::Unknown, Object::File),
+                    DMU_OT_PLAIN_FILE_CONTENTS | DMU_OT_DIRECTORY_CONTENTS => {
+                        znode(bonustype, &bonus[..bonuslen]).map_or(Object::Unknown, Object::File)
+                    }
                     _ => Object::System,
                 };
                 out.objects.insert(object, seen);
@@ -258,14 +266,19 @@ mod tests {
                 (37, Object::Unknown),
             ]
         );
-        assert!(matches!(got[2].1, Object::File(z) if !z.is_dir()) && matches!(got[3].1, Object::File(z) if z.is_dir()));
+        assert!(
+            matches!(got[2].1, Object::File(z) if !z.is_dir()) && matches!(got[3].1, Object::File(z) if z.is_dir())
+        );
         // An extended attributes' directory: ZFS_XATTR in its flags.
         let mut b = legacy(34, 2, 0o040755);
         b[120..128].copy_from_slice(&1u64.to_le_bytes());
         let mut s = record(DRR_BEGIN, 0, &[(8, MAGIC)]);
         s.extend(object(50, 20, DMU_OT_ZNODE, &b));
         s.extend(record(DRR_END, 0, &[]));
-        assert_eq!(read(&s[..]).unwrap().objects[&50], Object::File(Znode { parent: 34, links: 2, mode: 0o040755, xattr: true, ctime: 1_700_000_000 }));
+        assert_eq!(
+            read(&s[..]).unwrap().objects[&50],
+            Object::File(Znode { parent: 34, links: 2, mode: 0o040755, xattr: true, ctime: 1_700_000_000 })
+        );
     }
 
     #[test]

@@ -22,16 +22,17 @@ mod tool_calls;
 mod upstream;
 
 use crate::db::{CompensateError, Db};
-use crate::journal::Journal;
 use crate::http;
+use crate::journal::Journal;
 use crate::state::Positions;
+use planarian_contracts::{control, jsonrpc, Uncovered};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::io::{BufRead, Write};
-use upstream::Upstream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
+use upstream::Upstream;
 
 /// How the server's SQL tool takes statements and reports results.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,7 +120,10 @@ enum Out {
 impl Conn {
     pub fn new(out: Box<dyn Write + Send>) -> Arc<Conn> {
         static NEXT: AtomicU64 = AtomicU64::new(1);
-        Arc::new(Conn { out: Out::Stream(Mutex::new(out)), client: format!("stream-{}", NEXT.fetch_add(1, Ordering::Relaxed)) })
+        Arc::new(Conn {
+            out: Out::Stream(Mutex::new(out)),
+            client: format!("stream-{}", NEXT.fetch_add(1, Ordering::Relaxed)),
+        })
     }
 
     /// A connection whose messages are received from the channel (by an HTTP exchange).
@@ -187,7 +191,12 @@ impl Proxy {
     /// lock). `Err` with one line when the lock file cannot be used.
     fn sandbox_lock(&self) -> Result<Option<std::fs::File>, String> {
         let Some(path) = &self.opts.sandbox_lock else { return Ok(None) };
-        let f = std::fs::File::options().read(true).write(true).create(true).truncate(false).open(path)
+        let f = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
             .map_err(|e| format!("cannot open the sandbox's lock {}: {e}", path.display()))?;
         f.lock_shared().map_err(|e| format!("cannot lock {}: {e}", path.display()))?;
         // A rollback whose planarian was killed after it restored the sandbox and before its
@@ -248,16 +257,20 @@ impl Proxy {
     }
 
     fn reply(conn: &Conn, id: &Value, result: Value) {
-        conn.send(&json!({"jsonrpc": "2.0", "id": id, "result": result}));
+        conn.send(&jsonrpc::result(id.clone(), result));
     }
 
     /// A call refused before it reached the server: a tool error of one line.
     fn refuse(conn: &Conn, id: &Value, why: &str) {
-        Self::reply(conn, id, json!({"content": [{"type": "text", "text": format!("planarian: not executed: {why}")}], "isError": true}));
+        Self::reply(
+            conn,
+            id,
+            json!({"content": [{"type": "text", "text": format!("planarian: not executed: {why}")}], "isError": true}),
+        );
     }
 
     fn reply_error(conn: &Conn, id: &Value, code: i64, message: &str) {
-        conn.send(&json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}}));
+        conn.send(&jsonrpc::error(id.clone(), code, message));
     }
 
     /// The proxy's own database connection: only SQL paths use it, and the policy sends calls
@@ -274,7 +287,7 @@ impl Proxy {
         self.pending.lock().unwrap().insert(id, Pending::Client(orig.clone(), conn.clone(), list));
         if let Err(e) = self.send_upstream(&msg) {
             self.pending.lock().unwrap().remove(&id);
-            Self::reply_error(conn, &orig, -32603, &e);
+            Self::reply_error(conn, &orig, jsonrpc::INTERNAL_ERROR, &e);
         }
     }
 
@@ -283,7 +296,7 @@ impl Proxy {
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
         let (tx, rx) = channel();
         self.pending.lock().unwrap().insert(id, Pending::Own(tx));
-        if let Err(e) = self.send_upstream(&json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params})) {
+        if let Err(e) = self.send_upstream(&jsonrpc::request(id, method, params)) {
             self.pending.lock().unwrap().remove(&id);
             return Err(e);
         }
@@ -304,7 +317,12 @@ impl Proxy {
             Some(Pending::Client(orig, conn, list)) => {
                 msg["id"] = orig;
                 // (`get_mut`: indexing a Value mutably would add the keys it looks for)
-                if let Some(tools) = msg.get_mut("result").and_then(|r| r.get_mut("tools")).and_then(Value::as_array_mut).filter(|_| list) {
+                if let Some(tools) = msg
+                    .get_mut("result")
+                    .and_then(|r| r.get_mut("tools"))
+                    .and_then(Value::as_array_mut)
+                    .filter(|_| list)
+                {
                     tools.retain(|t| !t["name"].as_str().is_some_and(crate::toolbox::is_hidden));
                 }
                 conn.send(&msg);
@@ -326,7 +344,7 @@ impl Proxy {
             match serde_json::from_str::<Value>(&line) {
                 Ok(Value::Array(batch)) => batch.into_iter().for_each(|m| self.handle(m, &conn)),
                 Ok(m) => self.handle(m, &conn),
-                Err(e) => Self::reply_error(&conn, &Value::Null, -32700, &format!("parse error: {e}")),
+                Err(e) => Self::reply_error(&conn, &Value::Null, jsonrpc::PARSE_ERROR, &format!("parse error: {e}")),
             }
         }
     }
@@ -362,7 +380,12 @@ impl Proxy {
     fn from_client(self: &Arc<Self>, mut msg: Value, conn: &Arc<Conn>) {
         // Only objects are messages (a batch is split once): anything else would pass unseen.
         if !msg.is_object() {
-            return Self::reply_error(conn, &Value::Null, -32600, "invalid request: not a JSON-RPC message (a batch inside a batch?)");
+            return Self::reply_error(
+                conn,
+                &Value::Null,
+                -32600,
+                "invalid request: not a JSON-RPC message (a batch inside a batch?)",
+            );
         }
         let method = msg.get("method").and_then(Value::as_str).map(String::from);
         let has_id = msg.get("id").is_some_and(|v| !v.is_null());
@@ -382,7 +405,10 @@ impl Proxy {
             (Some("tools/call"), true) => {
                 // A read of the SQL tool that calls no function needs nothing of the database:
                 // straight on.
-                if msg["params"]["name"].as_str() == Some(&self.opts.sql_tool) && self.db.is_some() && self.plain_read(&msg) {
+                if msg["params"]["name"].as_str() == Some(&self.opts.sql_tool)
+                    && self.db.is_some()
+                    && self.plain_read(&msg)
+                {
                     return self.forward_request(msg, conn);
                 }
                 self.tool_call(msg, conn);
@@ -390,12 +416,9 @@ impl Proxy {
             (Some(_), true) => self.forward_request(msg, conn),
             (Some("notifications/cancelled"), false) => {
                 let orig = msg["params"]["requestId"].clone();
-                let up = self
-                    .pending
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .find_map(|(k, p)| matches!(p, Pending::Client(o, c, _) if *o == orig && c.client == conn.client).then_some(*k));
+                let up = self.pending.lock().unwrap().iter().find_map(|(k, p)| {
+                    matches!(p, Pending::Client(o, c, _) if *o == orig && c.client == conn.client).then_some(*k)
+                });
                 if let Some(up) = up {
                     msg["params"]["requestId"] = json!(up);
                     let _ = self.send_upstream(&msg);
@@ -428,7 +451,9 @@ impl Proxy {
             Some("ping") => Self::reply(conn, id, json!({})),
             Some("tools/list") => Self::reply(conn, id, json!({"tools": []})),
             Some("tools/call") => Self::refuse(conn, id, &why),
-            _ => Self::reply_error(conn, id, -32601, &format!("not available in this sandbox: {why}")),
+            _ => {
+                Self::reply_error(conn, id, jsonrpc::METHOD_NOT_FOUND, &format!("not available in this sandbox: {why}"))
+            }
         }
     }
 
@@ -454,13 +479,13 @@ impl Proxy {
 
     /// The tools passed unrecorded, and the first position after which one was: no statepoint
     /// captured since covers this service.
-    pub fn uncovered(&self) -> Option<Value> {
+    pub fn uncovered(&self) -> Option<Uncovered> {
         let pos = self.positions.lock().unwrap();
         let since = pos.passed.iter().map(|(f, _, _)| *f).min()?;
         let last = pos.passed.iter().map(|(_, l, _)| *l).max()?;
         let mut tools: Vec<String> = pos.passed.iter().map(|(_, _, t)| t.clone()).collect();
         tools.sort();
-        Some(json!({"since": since, "last": last, "tools": tools}))
+        Some(Uncovered { since, last, tools })
     }
 
     /// Undoes every call after `to`, newest first: declared tools through their undo calls,
@@ -511,9 +536,10 @@ impl Proxy {
                 }
                 Ok(undone)
             }
-            (Err(err), _) | (Ok(()), Err(err)) if reached < current => {
-                Err(format!("partly undone: the calls after position {reached} were undone, then: {}", err.replace('\n', " ")))
-            }
+            (Err(err), _) | (Ok(()), Err(err)) if reached < current => Err(format!(
+                "partly undone: the calls after position {reached} were undone, then: {}",
+                err.replace('\n', " ")
+            )),
             (Err(err), _) | (Ok(()), Err(err)) => Err(err),
         }
     }
@@ -529,7 +555,10 @@ impl Proxy {
             return Err("this service has no database to copy for a fork".into());
         }
         if self.journal.lock().unwrap().max_position() > 0 || self.opts.specs.iter().any(|s| !s.tools.is_empty()) {
-            return Err("this service's tools change state that cannot be copied for a fork: the fork's calls are refused".into());
+            return Err(
+                "this service's tools change state that cannot be copied for a fork: the fork's calls are refused"
+                    .into(),
+            );
         }
         let (current, size, major) = self.db().describe()?;
         if size > BRANCH_MAX_BYTES {
@@ -577,23 +606,23 @@ impl Proxy {
         *self.disabled.lock().unwrap() = Some(why);
     }
 
-    pub fn status(&self) -> Value {
+    pub fn status(&self) -> control::Status {
         let uncovered = self.uncovered();
         let pos = self.positions.lock().unwrap();
-        let (pid, url) = match self.upstream.lock().unwrap().as_ref() {
+        let (upstream_pid, upstream_url) = match self.upstream.lock().unwrap().as_ref() {
             Some(Upstream::Stdio(c, _)) => (Some(c.id()), None),
             Some(Upstream::Http(h)) => (None, Some(h.url.clone())),
             None => (None, None),
         };
-        json!({
-            "upstream-url": url,
-            "position": pos.current,
-            "last": pos.last,
-            "compensations": pos.events.len(),
-            "disabled": *self.disabled.lock().unwrap(),
-            "uncovered": uncovered,
-            "specs": self.opts.specs.iter().map(|s| s.server.clone()).collect::<Vec<_>>(),
-            "upstream-pid": pid,
-        })
+        control::Status {
+            position: pos.current,
+            last: pos.last,
+            compensations: pos.events.len(),
+            disabled: self.disabled.lock().unwrap().clone(),
+            uncovered,
+            specs: self.opts.specs.iter().map(|s| s.server.clone()).collect(),
+            upstream_pid,
+            upstream_url,
+        }
     }
 }

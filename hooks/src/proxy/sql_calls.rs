@@ -3,6 +3,7 @@
 
 use super::{Conn, Proxy, Server, Via};
 use crate::sql::{classify, split, Class, Ddl, CATALOG_CHANGED};
+use planarian_contracts::jsonrpc;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -33,7 +34,8 @@ fn dbhub_as_original(result: &mut Value, texts: &[String], no_returning: &[usize
 
 /// The statement failed at the guard of its catalog generation (`sql::guard`).
 fn failed_on_changed_catalog(resp: &Value) -> bool {
-    (resp.get("error").is_some() || resp["result"]["isError"] == json!(true)) && resp.to_string().contains(CATALOG_CHANGED)
+    (resp.get("error").is_some() || resp["result"]["isError"] == json!(true))
+        && resp.to_string().contains(CATALOG_CHANGED)
 }
 
 impl Proxy {
@@ -99,7 +101,10 @@ impl Proxy {
         if writes.is_empty() {
             return match self.db().unsafe_functions(&functions) {
                 Ok(bad) if bad.is_empty() => self.forward_request(msg, conn),
-                Ok(bad) => refuse(format!("the statement calls {}, which may change the database in ways that cannot be undone", bad.join(", "))),
+                Ok(bad) => refuse(format!(
+                    "the statement calls {}, which may change the database in ways that cannot be undone",
+                    bad.join(", ")
+                )),
                 Err(e) => refuse(format!("cannot check the statement: {e}")),
             };
         }
@@ -162,7 +167,8 @@ impl Proxy {
                 Ok(resp) if attempt == 0 && failed_on_changed_catalog(&resp) => continue,
                 Ok(mut resp) => {
                     if dbhub {
-                        let no_returning: Vec<usize> = writes.iter().filter(|(_, d)| !d.has_returning()).map(|(i, _)| *i).collect();
+                        let no_returning: Vec<usize> =
+                            writes.iter().filter(|(_, d)| !d.has_returning()).map(|(i, _)| *i).collect();
                         if let Some(result) = resp.get_mut("result") {
                             dbhub_as_original(result, &texts, &no_returning);
                         }
@@ -170,7 +176,7 @@ impl Proxy {
                     resp["id"] = id;
                     conn.send(&resp);
                 }
-                Err(e) => Self::reply_error(conn, &id, -32603, &e),
+                Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e),
             }
             return;
         }
@@ -215,8 +221,7 @@ impl Proxy {
                 resp["id"] = id;
                 conn.send(&resp);
             }
-            Err(e) => Self::reply_error(conn, &id, -32603, &e),
+            Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e),
         }
     }
-
 }

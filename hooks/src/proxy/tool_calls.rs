@@ -11,6 +11,7 @@ use super::{Conn, Proxy, Via};
 use crate::journal::Entry;
 use crate::spec::{answer, failed, holds, render, same_answer, Call, Scope, ToolSpec};
 use crate::toolbox::{self, Tool};
+use planarian_contracts::jsonrpc;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,7 +21,11 @@ pub(super) enum Policy {
     /// SQL in the call's argument, through the server's own SQL tool.
     Sql,
     /// A Toolbox `postgres-sql` tool: its statement with the call's arguments bound.
-    ToolboxSql { statement: String, params: Vec<toolbox::Param>, source: String },
+    ToolboxSql {
+        statement: String,
+        params: Vec<toolbox::Param>,
+        source: String,
+    },
     Declared(Box<ToolSpec>),
     Pass,
     Refuse(String),
@@ -88,15 +93,25 @@ impl Proxy {
         if toolbox::is_hidden(name) {
             return Some(Policy::Refuse(format!("unknown tool {name}")));
         }
-        let no_db = || Policy::Refuse(format!("the tool {name} runs SQL, and this proxy was started without --database (where its undo is recorded)"));
+        let no_db = || {
+            Policy::Refuse(format!(
+                "the tool {name} runs SQL, and this proxy was started without --database (where its undo is recorded)"
+            ))
+        };
         if name == self.opts.sql_tool {
             return Some(if self.db.is_some() { Policy::Sql } else { no_db() });
         }
         if let Some(tb) = &self.opts.toolbox {
             let elsewhere = |source: &str| {
-                let (dbname, port) = self.opts.pg_config().map(|c| (c.get_dbname().map(String::from), c.get_ports().first().copied())).unwrap_or((None, None));
+                let (dbname, port) = self
+                    .opts
+                    .pg_config()
+                    .map(|c| (c.get_dbname().map(String::from), c.get_ports().first().copied()))
+                    .unwrap_or((None, None));
                 let dbname = dbname.or_else(|| self.opts.effective_dbname().ok()).unwrap_or_default();
-                tb.elsewhere(source, &dbname, port).map(|why| Policy::Refuse(format!("the Toolbox tool {name}: {why}: its changes could not be undone")))
+                tb.elsewhere(source, &dbname, port).map(|why| {
+                    Policy::Refuse(format!("the Toolbox tool {name}: {why}: its changes could not be undone"))
+                })
             };
             match tb.tools.get(name) {
                 Some(Tool::ExecuteSql { source }) => {
@@ -120,7 +135,11 @@ impl Proxy {
                     if self.db.is_none() {
                         return Some(no_db());
                     }
-                    return Some(Policy::ToolboxSql { statement: statement.clone(), params: params.clone(), source: source.clone() });
+                    return Some(Policy::ToolboxSql {
+                        statement: statement.clone(),
+                        params: params.clone(),
+                        source: source.clone(),
+                    });
                 }
                 _ => {}
             }
@@ -261,7 +280,14 @@ impl Proxy {
             }
         }
         let position = self.positions.lock().unwrap().next();
-        let entry = Entry { position, tool: name.clone(), scope: scope.clone(), undo: spec.undo.clone(), check: spec.check.clone(), post: None };
+        let entry = Entry {
+            position,
+            tool: name.clone(),
+            scope: scope.clone(),
+            undo: spec.undo.clone(),
+            check: spec.check.clone(),
+            post: None,
+        };
         if let Err(e) = self.journal.lock().unwrap().sent(entry) {
             return refuse(format!("cannot record how to undo it: {e}"));
         }
@@ -272,7 +298,10 @@ impl Proxy {
                 } else {
                     scope.result = answer(&resp["result"]);
                     // (a check that cannot be read now is compared as its failure later)
-                    let post = spec.check.as_ref().map(|c| self.own_call(c, &scope).unwrap_or_else(|e| json!({"check-failed": e})));
+                    let post = spec
+                        .check
+                        .as_ref()
+                        .map(|c| self.own_call(c, &scope).unwrap_or_else(|e| json!({"check-failed": e})));
                     self.journal.lock().unwrap().answered(position, scope.result.clone(), post)
                 };
                 if let Err(e) = noted {
@@ -282,7 +311,7 @@ impl Proxy {
                 conn.send(&resp);
             }
             // (the entry stays: whether the call took effect is not known)
-            Err(e) => Self::reply_error(conn, &id, -32603, &e),
+            Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e),
         }
     }
 
@@ -291,7 +320,9 @@ impl Proxy {
     pub(super) fn undo_entry(self: &Arc<Self>, e: &Entry) -> Result<(), String> {
         let at = format!("position {} ({})", e.position, e.tool);
         if e.scope.result.is_null() && mentions_result(&e.undo) {
-            return Err(format!("{at}: the proxy stopped before the call's answer came, and its undo needs that answer"));
+            return Err(format!(
+                "{at}: the proxy stopped before the call's answer came, and its undo needs that answer"
+            ));
         }
         if let (Some(c), Some(post)) = (&e.check, &e.post) {
             let now = self.own_call(c, &e.scope).unwrap_or_else(|err| json!({"check-failed": err}));

@@ -12,6 +12,7 @@
 
 use super::{Pending, Proxy};
 use crate::http;
+use planarian_contracts::jsonrpc;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -159,9 +160,17 @@ impl Proxy {
             Some(Upstream::Stdio(_, stdin)) => {
                 let mut line = serde_json::to_vec(msg).map_err(|e| e.to_string())?;
                 line.push(b'\n');
-                stdin.write_all(&line).and_then(|_| stdin.flush()).map_err(|e| format!("the upstream MCP server is gone: {e}"))
+                stdin
+                    .write_all(&line)
+                    .and_then(|_| stdin.flush())
+                    .map_err(|e| format!("the upstream MCP server is gone: {e}"))
             }
-            Some(Upstream::Http(h)) => h.outbox.lock().unwrap().send(msg.clone()).map_err(|_| "the upstream MCP connection is closed".to_string()),
+            Some(Upstream::Http(h)) => h
+                .outbox
+                .lock()
+                .unwrap()
+                .send(msg.clone())
+                .map_err(|_| "the upstream MCP connection is closed".to_string()),
         }
     }
 
@@ -180,7 +189,7 @@ impl Proxy {
     /// A message that could not be delivered: a request gets the error as its response.
     fn http_failed(&self, msg: &Value, e: String) {
         match (msg.get("method").is_some(), msg.get("id").filter(|i| !i.is_null())) {
-            (true, Some(id)) => self.on_upstream_message(json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32603, "message": e}})),
+            (true, Some(id)) => self.on_upstream_message(jsonrpc::error(id.clone(), jsonrpc::INTERNAL_ERROR, e)),
             _ => eprintln!("planarian-mcp-proxy: {e}"),
         }
     }
@@ -191,7 +200,9 @@ impl Proxy {
         let done = |m: &Value| until.is_some_and(|id| m.get("method").is_none() && m.get("id") == Some(id));
         if resp.events {
             let mut events = http::Events::new(resp.body);
-            while let Some(data) = events.next_data().map_err(|e| format!("the upstream MCP server's event stream broke: {e}"))? {
+            while let Some(data) =
+                events.next_data().map_err(|e| format!("the upstream MCP server's event stream broke: {e}"))?
+            {
                 let msgs = match serde_json::from_str::<Value>(&data) {
                     Ok(Value::Array(a)) => a,
                     Ok(m) => vec![m],
@@ -251,7 +262,11 @@ impl Proxy {
         let is_init = msg["method"] == "initialize";
         let request_id = msg.get("method").and(msg.get("id")).filter(|i| !i.is_null()).cloned();
         for attempt in 0..2 {
-            let (session, version) = if is_init { (None, None) } else { (h.session.lock().unwrap().clone(), h.version.lock().unwrap().clone()) };
+            let (session, version) = if is_init {
+                (None, None)
+            } else {
+                (h.session.lock().unwrap().clone(), h.version.lock().unwrap().clone())
+            };
             let resp = h.request("POST", &HttpUpstream::headers(&session, &version), &body)?;
             match resp.status {
                 200 if is_init => {
@@ -303,9 +318,10 @@ impl Proxy {
         let Some(params) = self.initialize.lock().unwrap().clone() else { return Ok(()) };
         eprintln!("planarian-mcp-proxy: the upstream MCP server lost the session; starting a new one");
         let id = json!(self.next_id.fetch_add(1, Ordering::SeqCst));
-        let init = json!({"jsonrpc": "2.0", "id": id, "method": "initialize", "params": params});
+        let init = jsonrpc::request(id.clone(), "initialize", params);
         let fail = |e: String| format!("cannot re-establish the upstream MCP session: {e}");
-        let resp = h.request("POST", &HttpUpstream::headers(&None, &None), init.to_string().as_bytes()).map_err(fail)?;
+        let resp =
+            h.request("POST", &HttpUpstream::headers(&None, &None), init.to_string().as_bytes()).map_err(fail)?;
         if resp.status != 200 {
             return Err(fail(format!("HTTP {}", resp.status)));
         }
@@ -317,7 +333,7 @@ impl Proxy {
             }
         })
         .map_err(fail)?;
-        let note = json!({"jsonrpc": "2.0", "method": "notifications/initialized"}).to_string();
+        let note = jsonrpc::notification("notifications/initialized", Value::Null).to_string();
         h.request("POST", &HttpUpstream::headers(&session, &version), note.as_bytes()).map_err(fail)?;
         *h.session.lock().unwrap() = session;
         *h.version.lock().unwrap() = version;
@@ -358,9 +374,12 @@ impl Proxy {
         let lost: Vec<Pending> = self.pending.lock().unwrap().drain().map(|(_, p)| p).collect();
         for p in lost {
             match p {
-                Pending::Client(orig, conn, _) => {
-                    Self::reply_error(&conn, &orig, -32603, "the upstream MCP server exited during the call; it has been restarted: retry")
-                }
+                Pending::Client(orig, conn, _) => Self::reply_error(
+                    &conn,
+                    &orig,
+                    -32603,
+                    "the upstream MCP server exited during the call; it has been restarted: retry",
+                ),
                 Pending::Own(tx) => drop(tx),
             }
         }
@@ -373,11 +392,10 @@ impl Proxy {
         if let Some(params) = init {
             match self.call_upstream("initialize", params) {
                 Ok(_) => {
-                    let _ = self.send_upstream(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+                    let _ = self.send_upstream(&jsonrpc::notification("notifications/initialized", Value::Null));
                 }
                 Err(e) => eprintln!("planarian-mcp-proxy: cannot re-initialize the upstream: {e}"),
             }
         }
     }
-
 }

@@ -22,7 +22,9 @@ pub fn root() -> PathBuf {
 }
 
 pub fn pg_bin() -> Option<PathBuf> {
-    let p = std::env::var_os("PLANARIAN_PG_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/usr/lib/postgresql/15/bin"));
+    let p = std::env::var_os("PLANARIAN_PG_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/lib/postgresql/15/bin"));
     p.join("initdb").exists().then_some(p)
 }
 
@@ -66,10 +68,16 @@ impl Pg {
             std::os::unix::fs::chown(&dir, Some(u), Some(g)).unwrap();
         }
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let ok = as_postgres(Command::new(bin.join("initdb")).args(["-D"]).arg(dir.join("data")).args(["-A", "trust", "-U", "postgres", "--no-sync"]))
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
+        let ok = as_postgres(Command::new(bin.join("initdb")).args(["-D"]).arg(dir.join("data")).args([
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "--no-sync",
+        ]))
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
         assert!(ok.success(), "initdb failed");
         let ok = as_postgres(
             Command::new(bin.join("pg_ctl"))
@@ -77,7 +85,11 @@ impl Pg {
                 .arg(dir.join("data"))
                 .args(["-w", "-l"])
                 .arg(dir.join("log"))
-                .args(["-o", &format!("-k {} -c listen_addresses=127.0.0.1 -p {port} -c fsync=off", dir.display()), "start"]),
+                .args([
+                    "-o",
+                    &format!("-k {} -c listen_addresses=127.0.0.1 -p {port} -c fsync=off", dir.display()),
+                    "start",
+                ]),
         )
         .stdout(Stdio::null())
         .status()
@@ -97,9 +109,13 @@ impl Pg {
 
 impl Drop for Pg {
     fn drop(&mut self) {
-        let _ = as_postgres(Command::new(self.bin.join("pg_ctl")).arg("-D").arg(self.dir.join("data")).args(["-m", "immediate", "stop"]))
-            .stdout(Stdio::null())
-            .status();
+        let _ = as_postgres(Command::new(self.bin.join("pg_ctl")).arg("-D").arg(self.dir.join("data")).args([
+            "-m",
+            "immediate",
+            "stop",
+        ]))
+        .stdout(Stdio::null())
+        .status();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -170,11 +186,11 @@ impl Drop for Mcp {
 }
 
 pub fn control(p: &Path, args: &[&str]) -> Result<Value, String> {
-    let out = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy")).arg("control").arg(p).args(args).output().unwrap();
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy")).arg("control").arg(p).args(args).output().unwrap();
     if out.status.success() {
         Ok(serde_json::from_slice(&out.stdout).unwrap())
     } else {
         Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
     }
 }
-

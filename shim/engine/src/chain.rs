@@ -98,7 +98,11 @@ pub fn plan(store: &ContainerStore, sp_id: &str, init_start: u64, k: u32) -> Dum
         return full(&format!("the base images {images} are gone"));
     }
     let new_images = Path::new("statepoints").join(sp_id).join("criu");
-    DumpChain { prev_images_dir: Some(relative(&new_images, Path::new(&images))), depth: base.depth + 1, full_reason: None }
+    DumpChain {
+        prev_images_dir: Some(relative(&new_images, Path::new(&images))),
+        depth: base.depth + 1,
+        full_reason: None,
+    }
 }
 
 /// After a committed dump of a running tree: the next dump builds on these images.
@@ -144,7 +148,9 @@ impl Drop for DumpInProgress<'_> {
                     images: None,
                     depth: 0,
                     init_start_time: self.init_start,
-                    full_reason: Some("the last dump was not committed (CRIU may have cleared the soft-dirty bits)".into()),
+                    full_reason: Some(
+                        "the last dump was not committed (CRIU may have cleared the soft-dirty bits)".into(),
+                    ),
                 },
             );
         }
@@ -174,7 +180,15 @@ fn next_base(store: &ContainerStore) -> Result<u64> {
     let max = std::fs::read_dir(&bases)
         .map(|rd| {
             rd.filter_map(Result::ok)
-                .filter_map(|e| e.file_name().to_str()?.trim_start_matches('.').strip_prefix('b')?.trim_end_matches(".tmp").parse::<u64>().ok())
+                .filter_map(|e| {
+                    e.file_name()
+                        .to_str()?
+                        .trim_start_matches('.')
+                        .strip_prefix('b')?
+                        .trim_end_matches(".tmp")
+                        .parse::<u64>()
+                        .ok()
+                })
                 .max()
                 .unwrap_or(0)
         })
@@ -191,7 +205,8 @@ fn new_base_dir(store: &ContainerStore, images: &Path, dump_uptime_usec: u64) ->
     let _ = std::fs::remove_dir_all(&tmp);
     let r = link_images(images, &tmp, &store.dir, &dir).and_then(|()| {
         let inv = std::fs::read(images.join("inventory.img")).at("read", images.join("inventory.img"))?;
-        let new = criu_hooks::set_dump_uptime(&inv, dump_uptime_usec).map_err(|source| Error::Inventory { images: images.to_path_buf(), source })?;
+        let new = criu_hooks::set_dump_uptime(&inv, dump_uptime_usec)
+            .map_err(|source| Error::Inventory { images: images.to_path_buf(), source })?;
         sys::write_atomic(&tmp.join("inventory.img"), &new, 0o644)?;
         Ok(std::fs::rename(&tmp, &dir).at("create", &dir)?)
     });
@@ -214,7 +229,10 @@ pub fn link_images(images: &Path, into: &Path, ctr_dir: &Path, final_dir: &Path)
         }
     }
     if let Some(parent) = parent_of(images) {
-        let target = relative(final_dir.strip_prefix(ctr_dir).unwrap_or(final_dir), parent.strip_prefix(ctr_dir).unwrap_or(&parent));
+        let target = relative(
+            final_dir.strip_prefix(ctr_dir).unwrap_or(final_dir),
+            parent.strip_prefix(ctr_dir).unwrap_or(&parent),
+        );
         std::os::unix::fs::symlink(&target, into.join("parent")).at("link parent in", into)?;
     }
     Ok(())
@@ -303,15 +321,10 @@ pub fn link_chain(images: &Path, store: &ContainerStore, into: &Path) -> Result<
     let chain = chain_of(images);
     let mut parent: Option<PathBuf> = None;
     for (i, src) in chain.iter().enumerate().rev() {
-        let dest = if i == 0 {
-            into.to_path_buf()
-        } else {
-            store.dir.join(format!("bases/b{}", next_base(store)?))
-        };
+        let dest = if i == 0 { into.to_path_buf() } else { store.dir.join(format!("bases/b{}", next_base(store)?)) };
         link_files(src, &dest)?;
         if let Some(p) = &parent {
-            std::os::unix::fs::symlink(relative(&dest, p), dest.join("parent"))
-                .at("link parent in", &dest)?;
+            std::os::unix::fs::symlink(relative(&dest, p), dest.join("parent")).at("link parent in", &dest)?;
         }
         parent = Some(dest);
     }
@@ -335,7 +348,8 @@ pub fn hand_out(images: &Path, out: &Path) -> Result<usize> {
         let dest = level(i);
         link_files(src, &dest)?;
         if i + 1 < chain.len() {
-            std::os::unix::fs::symlink(relative(&dest, &level(i + 1)), dest.join("parent")).at("link parent in", &dest)?;
+            std::os::unix::fs::symlink(relative(&dest, &level(i + 1)), dest.join("parent"))
+                .at("link parent in", &dest)?;
         }
     }
     Ok(chain.len())
@@ -421,7 +435,11 @@ mod tests {
         m.chain.prev_images_dir = prev.map(String::from);
         let images = s.statepoint_dir(id).join("criu");
         std::fs::create_dir_all(&images).unwrap();
-        std::fs::write(images.join("inventory.img"), include_bytes!("../../../criu-hooks/tests/fixtures/inventory-3.17.img")).unwrap();
+        std::fs::write(
+            images.join("inventory.img"),
+            include_bytes!("../../../criu-hooks/tests/fixtures/inventory-3.17.img"),
+        )
+        .unwrap();
         std::fs::write(images.join("pages-1.img"), id).unwrap();
         std::fs::write(images.join("pagemap-1.img"), id).unwrap();
         if let Some(p) = prev {
@@ -466,7 +484,10 @@ mod tests {
         let b = read_base(&s).unwrap();
         assert_eq!((b.images.as_deref(), b.depth, b.init_start_time), (Some("bases/b1"), 1, 42));
         let base = s.dir.join("bases/b1");
-        assert_eq!(criu_hooks::dump_uptime(&std::fs::read(base.join("inventory.img")).unwrap()).unwrap(), Some(99_000_000));
+        assert_eq!(
+            criu_hooks::dump_uptime(&std::fs::read(base.join("inventory.img")).unwrap()).unwrap(),
+            Some(99_000_000)
+        );
         let orig = s.statepoint_dir("sp2").join("criu/inventory.img");
         assert_eq!(criu_hooks::dump_uptime(&std::fs::read(orig).unwrap()).unwrap(), Some(23_270_000));
         // The base reaches sp1 through its own parent link, and the next dump goes through it.
@@ -514,7 +535,8 @@ mod tests {
         let chain = chain_of(&out);
         assert_eq!(chain.len(), 3);
         assert!(chain.iter().all(|d| d.starts_with(&out)), "{chain:?}");
-        let pages: Vec<String> = chain.iter().map(|d| std::fs::read_to_string(d.join("pages-1.img")).unwrap()).collect();
+        let pages: Vec<String> =
+            chain.iter().map(|d| std::fs::read_to_string(d.join("pages-1.img")).unwrap()).collect();
         assert_eq!(pages, ["sp3", "sp2", "sp1"]);
         complete(&out).unwrap();
         // Imported: the newest level a statepoint of the new store, the older ones its bases.
@@ -522,7 +544,8 @@ mod tests {
         let into = f.statepoint_dir("sp1").join("criu");
         link_chain(&out, &f, &into).unwrap();
         std::fs::remove_dir_all(&out).unwrap();
-        let pages: Vec<String> = chain_of(&into).iter().map(|d| std::fs::read_to_string(d.join("pages-1.img")).unwrap()).collect();
+        let pages: Vec<String> =
+            chain_of(&into).iter().map(|d| std::fs::read_to_string(d.join("pages-1.img")).unwrap()).collect();
         assert_eq!(pages, ["sp3", "sp2", "sp1"]);
         complete(&into).unwrap();
         std::fs::remove_dir_all(f.dir.parent().unwrap().parent().unwrap()).unwrap();

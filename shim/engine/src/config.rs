@@ -177,7 +177,6 @@ pub struct ZfsConfig {
     pub parent_dataset: Option<String>,
 }
 
-
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig { path: PathBuf::from("/var/lib/planarian"), retention: 64 }
@@ -186,7 +185,13 @@ impl Default for StoreConfig {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { full_dump_interval: 8, pre_resume_hook: true, network_lock: NetworkLock::Auto, rollback_in_place: true, in_flight_wait_seconds: 120 }
+        CheckpointConfig {
+            full_dump_interval: 8,
+            pre_resume_hook: true,
+            network_lock: NetworkLock::Auto,
+            rollback_in_place: true,
+            in_flight_wait_seconds: 120,
+        }
     }
 }
 
@@ -275,10 +280,8 @@ impl Config {
         &self,
         annotations: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> Result<Config, ConfigError> {
-        let mut table: toml::Table = toml::Value::try_from(self)
-            .ok()
-            .and_then(|v| v.as_table().cloned())
-            .unwrap_or_default();
+        let mut table: toml::Table =
+            toml::Value::try_from(self).ok().and_then(|v| v.as_table().cloned()).unwrap_or_default();
         for (key, value) in annotations {
             let Some(setting) = key.strip_prefix(ANNOTATION_PREFIX) else { continue };
             if !ANNOTATION_KEYS.contains(&setting) {
@@ -286,7 +289,11 @@ impl Config {
                     key: key.to_string(),
                     message: format!(
                         "not a per-container setting (allowed: {})",
-                        ANNOTATION_KEYS.iter().map(|k| format!("{ANNOTATION_PREFIX}{k}")).collect::<Vec<_>>().join(", ")
+                        ANNOTATION_KEYS
+                            .iter()
+                            .map(|k| format!("{ANNOTATION_PREFIX}{k}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     ),
                 });
             }
@@ -303,10 +310,8 @@ impl Config {
                 .expect("config tables are tables")
                 .insert(k.to_string(), v);
         }
-        Self::from_table(table).map_err(|e| ConfigError::Annotation {
-            key: "io.planarian.*".into(),
-            message: e.message().to_string(),
-        })
+        Self::from_table(table)
+            .map_err(|e| ConfigError::Annotation { key: "io.planarian.*".into(), message: e.message().to_string() })
     }
 }
 
@@ -415,9 +420,7 @@ mod tests {
 
     #[test]
     fn annotation_of_wrong_type_is_an_error() {
-        assert!(Config::default()
-            .with_annotations([("io.planarian.checkpoint.full_dump_interval", "often")])
-            .is_err());
+        assert!(Config::default().with_annotations([("io.planarian.checkpoint.full_dump_interval", "often")]).is_err());
     }
 
     #[test]

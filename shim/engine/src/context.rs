@@ -94,8 +94,16 @@ impl Ledger {
                     age_seconds: parse_rfc3339(&m.timestamp).map(|t| now.saturating_sub(t)),
                     bytes: m.measurements.criu_bytes + m.measurements.rootfs_bytes,
                     remote_calls_since_parent: remote,
-                    remote_tables_since_parent: m.remote_state.iter().flat_map(|r| r.tables_since_parent.iter().flatten().cloned()).collect(),
-                    remote_uncovered: m.remote_state.iter().flat_map(|r| r.uncovered.iter().flat_map(|u| u.tools.iter().cloned())).collect(),
+                    remote_tables_since_parent: m
+                        .remote_state
+                        .iter()
+                        .flat_map(|r| r.tables_since_parent.iter().flatten().cloned())
+                        .collect(),
+                    remote_uncovered: m
+                        .remote_state
+                        .iter()
+                        .flat_map(|r| r.uncovered.iter().flat_map(|u| u.tools.iter().cloned()))
+                        .collect(),
                     unreachable: m.unreachable.clone(),
                     outcomes: m.state_evidence.prior_outcomes.clone(),
                 }
@@ -142,7 +150,10 @@ impl Ledger {
         let left = self.statepoints.len() - keep.len();
         let mut out = title + &text;
         if left > 0 {
-            out += &format!("  ({left} older or less informative statepoint{} left out: planarian ledger --json shows all)\n", if left == 1 { "" } else { "s" });
+            out += &format!(
+                "  ({left} older or less informative statepoint{} left out: planarian ledger --json shows all)\n",
+                if left == 1 { "" } else { "s" }
+            );
         }
         out
     }
@@ -173,7 +184,13 @@ impl Ledger {
             let Some(list) = children.get(&at) else { return };
             for (i, n) in list.iter().enumerate() {
                 let last = i + 1 == list.len();
-                let (branch, cont) = if at.is_none() { ("", "") } else if last { ("└─ ", "   ") } else { ("├─ ", "│  ") };
+                let (branch, cont) = if at.is_none() {
+                    ("", "")
+                } else if last {
+                    ("└─ ", "   ")
+                } else {
+                    ("├─ ", "│  ")
+                };
                 out.push_str(&format!("{prefix}{branch}{}\n", headline(n)));
                 let inner = format!("{prefix}{cont}");
                 let bar = if children.contains_key(&Some(n.id.clone())) { "│ " } else { "  " };
@@ -202,7 +219,11 @@ fn headline(n: &Node) -> String {
     }
     facts.push(human_bytes(n.bytes));
     if let Some(c) = n.remote_calls_since_parent.filter(|c| *c > 0) {
-        let tables = if n.remote_tables_since_parent.is_empty() { String::new() } else { format!(": {}", n.remote_tables_since_parent.join(", ")) };
+        let tables = if n.remote_tables_since_parent.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", n.remote_tables_since_parent.join(", "))
+        };
         facts.push(format!("{c} remote call{} since its parent{tables}", if c == 1 { "" } else { "s" }));
     }
     if !n.remote_uncovered.is_empty() {
@@ -280,7 +301,6 @@ pub struct RestoreContext {
     pub how: Option<How>,
 }
 
-
 /// The statepoint a sandbox was returned to.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "kebab-case")]
@@ -336,7 +356,13 @@ impl RestoreContext {
             let n = c.from_position.map(|f| f.saturating_sub(c.to_position));
             match n {
                 Some(0) => t += "Remote state: no calls to undo.\n",
-                Some(n) => t += &format!("Remote state: {n} MCP call{} undone (back to position {}).\n", if n == 1 { "" } else { "s" }, c.to_position),
+                Some(n) => {
+                    t += &format!(
+                        "Remote state: {n} MCP call{} undone (back to position {}).\n",
+                        if n == 1 { "" } else { "s" },
+                        c.to_position
+                    )
+                }
                 None => t += &format!("Remote state: back to position {}.\n", c.to_position),
             }
         }
@@ -347,7 +373,10 @@ impl RestoreContext {
             t += &format!("Left behind (still restorable): {}.\n", self.discarded_statepoints.join(", "));
         }
         if !self.unreachable_statepoints.is_empty() {
-            t += &format!("Left behind, no longer restorable (the MCP calls they hold were undone): {}.\n", self.unreachable_statepoints.join(", "));
+            t += &format!(
+                "Left behind, no longer restorable (the MCP calls they hold were undone): {}.\n",
+                self.unreachable_statepoints.join(", ")
+            );
         }
         if let Some(r) = &self.reason {
             t += &format!("Reason: {r}\n");
@@ -414,7 +443,12 @@ pub fn mark_unreachable(store: &ContainerStore, target: &Manifest) -> Vec<String
         let later = target.remote_state.iter().find_map(|t| {
             let (Some(hook), Some(to)) = (&t.hook_path, t.mcp_call_position) else { return None };
             let at = m.remote_state.iter().find(|r| r.hook_path.as_ref() == Some(hook))?.mcp_call_position?;
-            (at > to).then(|| format!("the remote calls after position {to} it holds were undone by the rollback to {}", target.statepoint_id))
+            (at > to).then(|| {
+                format!(
+                    "the remote calls after position {to} it holds were undone by the rollback to {}",
+                    target.statepoint_id
+                )
+            })
         });
         if m.unreachable.is_some() {
             out.push(m.statepoint_id.clone());
@@ -514,7 +548,12 @@ mod tests {
         m.name = name.map(String::from);
         m.state_evidence.state_description = desc.into();
         m.timestamp = t.into();
-        m.remote_state = vec![RemoteState { external_endpoint: None, mcp_call_position: Some(pos), hook_path: Some("/h".into()), ..Default::default() }];
+        m.remote_state = vec![RemoteState {
+            external_endpoint: None,
+            mcp_call_position: Some(pos),
+            hook_path: Some("/h".into()),
+            ..Default::default()
+        }];
         m.measurements.criu_bytes = 3 << 20;
         m
     }
@@ -523,8 +562,14 @@ mod tests {
     fn tree() -> Vec<Manifest> {
         let mut sp3 = m("sp3", Some("sp2"), None, "config rewritten", 5, "2026-11-24T10:30:00.000000000Z");
         sp3.remote_state[0].tables_since_parent = Some(vec!["reports".into()]);
-        let mut sp2 = m("sp2", Some("sp1"), Some("deps"), "dependencies installed", 3, "2026-11-24T10:00:00.000000000Z");
-        sp2.state_evidence.prior_outcomes.push(Outcome::now("rolled back here from sp3: tests failed", OutcomeStatus::Abandoned, Actor::Harness, None));
+        let mut sp2 =
+            m("sp2", Some("sp1"), Some("deps"), "dependencies installed", 3, "2026-11-24T10:00:00.000000000Z");
+        sp2.state_evidence.prior_outcomes.push(Outcome::now(
+            "rolled back here from sp3: tests failed",
+            OutcomeStatus::Abandoned,
+            Actor::Harness,
+            None,
+        ));
         vec![
             m("sp1", None, None, "clean checkout", 0, "2026-11-24T09:00:00.000000000Z"),
             sp2,
@@ -538,7 +583,10 @@ mod tests {
         let now = parse_rfc3339("2026-11-24T11:00:00Z").unwrap();
         let l = Ledger::from_manifests("agent", tree(), Some("sp4".into()), now);
         let sp2 = &l.statepoints[1];
-        assert_eq!((sp2.children.clone(), sp2.remote_calls_since_parent, sp2.age_seconds), (vec!["sp3".into(), "sp4".into()], Some(3), Some(3600)));
+        assert_eq!(
+            (sp2.children.clone(), sp2.remote_calls_since_parent, sp2.age_seconds),
+            (vec!["sp3".into(), "sp4".into()], Some(3), Some(3600))
+        );
         assert!(l.statepoints[3].head);
         let text = l.text(None);
         assert_eq!(
@@ -560,7 +608,8 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let store = ContainerStore::new(&dir, "c");
         let mut list = tree();
-        list[3].remote_state[0].uncovered = Some(crate::store::Uncovered { since: 4, last: 4, tools: vec!["raw_write".into()] });
+        list[3].remote_state[0].uncovered =
+            Some(crate::store::Uncovered { since: 4, last: 4, tools: vec!["raw_write".into()] });
         for m in &list {
             std::fs::create_dir_all(store.statepoint_dir(&m.statepoint_id)).unwrap();
             store.write_manifest(m).unwrap();
@@ -568,21 +617,36 @@ mod tests {
         let mut gone = mark_unreachable(&store, &list[1]);
         gone.sort();
         assert_eq!(gone, vec!["sp3".to_string(), "sp4".to_string()]);
-        assert!(store.find("sp3").unwrap().unreachable.unwrap().contains("after position 3 it holds were undone by the rollback to sp2"));
+        assert!(store
+            .find("sp3")
+            .unwrap()
+            .unreachable
+            .unwrap()
+            .contains("after position 3 it holds were undone by the rollback to sp2"));
         assert!(store.find("sp1").unwrap().unreachable.is_none());
         let mut again = mark_unreachable(&store, &list[0]);
         again.sort();
         assert_eq!(again, vec!["sp2".to_string(), "sp3".to_string(), "sp4".to_string()], "marks stay, more are added");
-        let l = Ledger::from_manifests("agent", store.committed(), Some("sp4".into()), parse_rfc3339("2026-11-24T11:00:00Z").unwrap());
+        let l = Ledger::from_manifests(
+            "agent",
+            store.committed(),
+            Some("sp4".into()),
+            parse_rfc3339("2026-11-24T11:00:00Z").unwrap(),
+        );
         let t = l.text(None);
         assert!(t.lines().any(|x| x.contains("sp3") && x.contains("no longer restorable")), "{t}");
-        assert!(t.lines().any(|x| x.contains("sp4") && x.contains("remote state NOT covered: raw_write let through unrecorded")), "{t}");
+        assert!(
+            t.lines()
+                .any(|x| x.contains("sp4") && x.contains("remote state NOT covered: raw_write let through unrecorded")),
+            "{t}"
+        );
         assert!(!t.lines().any(|x| x.contains("sp1 ") && x.contains("no longer")), "{t}");
         assert_eq!(uncovered(&list[3]).len(), 1);
         assert!(uncovered(&list[2]).is_empty());
         // A rollback to sp2 (position 3) from a state whose last pass was at 4: not undone.
         let before = list[3].remote_state.clone();
-        assert!(not_undone(&list[1], &before)[0].contains("raw_write let through unrecorded (by the service's configuration) after position 3"));
+        assert!(not_undone(&list[1], &before)[0]
+            .contains("raw_write let through unrecorded (by the service's configuration) after position 3"));
         assert!(not_undone(&list[3], &list[0].remote_state).is_empty(), "no pass before the rollback");
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -610,7 +674,13 @@ mod tests {
         let c = RestoreContext {
             operation: "rollback".into(),
             container: "agent".into(),
-            statepoint: Restored { id: "sp2".into(), name: Some("deps".into()), description: "dependencies installed".into(), state: None, source: None },
+            statepoint: Restored {
+                id: "sp2".into(),
+                name: Some("deps".into()),
+                description: "dependencies installed".into(),
+                state: None,
+                source: None,
+            },
             restored: vec!["processes and memory".into(), "files (zfs)".into()],
             compensated: vec![Compensated { endpoint: None, from_position: Some(5), to_position: 3 }],
             discarded_statepoints: vec!["sp3".into()],
@@ -633,6 +703,9 @@ mod tests {
         ] {
             assert!(t.contains(want), "{want}: {t}");
         }
-        assert_eq!(parse_rfc3339(&crate::log::rfc3339(UNIX_EPOCH + std::time::Duration::from_secs(1_795_000_000))), Some(1_795_000_000));
+        assert_eq!(
+            parse_rfc3339(&crate::log::rfc3339(UNIX_EPOCH + std::time::Duration::from_secs(1_795_000_000))),
+            Some(1_795_000_000)
+        );
     }
 }

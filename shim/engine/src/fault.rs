@@ -29,7 +29,9 @@ const PAUSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(600);
 
 fn at(file: &Path, paused: &Path, name: &str) -> Result<(), Injected> {
     match std::fs::read_to_string(file) {
-        Ok(text) if text.trim() == name && std::fs::remove_file(file).is_ok() => Err(Injected { point: name.to_string() }),
+        Ok(text) if text.trim() == name && std::fs::remove_file(file).is_ok() => {
+            Err(Injected { point: name.to_string() })
+        }
         // planarian killed at this point (SIGKILL: nothing of its own runs after it).
         Ok(text) if text.trim().strip_prefix("kill:") == Some(name) && std::fs::remove_file(file).is_ok() => {
             let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);

@@ -23,13 +23,13 @@ pub mod fault;
 pub mod log;
 pub mod tools;
 
-pub mod runtime;
-pub mod store;
 pub mod chain;
 pub mod context;
 pub mod local;
 pub mod remote;
+pub mod runtime;
 pub mod statepoint;
+pub mod store;
 
 pub use sys::{Context, IoError};
 

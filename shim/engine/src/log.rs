@@ -165,13 +165,7 @@ pub fn rfc3339(t: SystemTime) -> String {
     let secs = d.as_secs() as i64;
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     let (y, m, dd) = civil_from_days(days);
-    format!(
-        "{y:04}-{m:02}-{dd:02}T{:02}:{:02}:{:02}.{:09}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        d.subsec_nanos()
-    )
+    format!("{y:04}-{m:02}-{dd:02}T{:02}:{:02}:{:02}.{:09}Z", rem / 3600, rem % 3600 / 60, rem % 60, d.subsec_nanos())
 }
 
 /// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian calendar
@@ -217,10 +211,7 @@ mod tests {
     #[test]
     fn text_line_quotes_the_message() {
         let line = format_line(LogFormat::Text, "error", "a b", UNIX_EPOCH);
-        assert_eq!(
-            line,
-            "time=\"1970-01-01T00:00:00.000000000Z\" level=error msg=\"a b\"\n"
-        );
+        assert_eq!(line, "time=\"1970-01-01T00:00:00.000000000Z\" level=error msg=\"a b\"\n");
     }
 }
 
@@ -257,7 +248,8 @@ pub fn log_marks(title: &str) {
 
 fn marks_line(marks: &[(&str, std::time::Instant)]) -> Option<String> {
     let (first, last) = (marks.first()?.1, marks.last()?.1);
-    let parts: Vec<String> = marks.windows(2).map(|w| format!("{} {}", w[1].0, w[1].1.duration_since(w[0].1).as_millis())).collect();
+    let parts: Vec<String> =
+        marks.windows(2).map(|w| format!("{} {}", w[1].0, w[1].1.duration_since(w[0].1).as_millis())).collect();
     Some(format!("{}, total {} ms", parts.join(", "), last.duration_since(first).as_millis()))
 }
 

@@ -110,7 +110,9 @@ impl From<OutcomeRecord> for Outcome {
     fn from(r: OutcomeRecord) -> Outcome {
         match r {
             OutcomeRecord::Full { text, status, by, reward, time } => Outcome { text, status, by, reward, time },
-            OutcomeRecord::Text(text) => Outcome { text, status: OutcomeStatus::Info, by: Actor::User, reward: None, time: String::new() },
+            OutcomeRecord::Text(text) => {
+                Outcome { text, status: OutcomeStatus::Info, by: Actor::User, reward: None, time: String::new() }
+            }
         }
     }
 }
@@ -186,15 +188,7 @@ pub struct RemoteState {
 }
 
 /// What a remote state does not cover: the tools let through unrecorded, since which position.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "kebab-case")]
-pub struct Uncovered {
-    /// The position current at the first pass, and at the last.
-    pub since: u64,
-    #[serde(default)]
-    pub last: u64,
-    pub tools: Vec<String>,
-}
+pub use planarian_contracts::Uncovered;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "kebab-case")]
@@ -339,7 +333,8 @@ impl ContainerStore {
         let f = File::options().create(true).truncate(false).write(true).open(&path).at("open", &path)?;
         // (the holders of `exec`s let go at the latest `wait` after the command started)
         let wait = wait + std::time::Duration::from_secs(5);
-        crate::runtime::inflight::lock_within(f, &self.dir, wait, waiting).map_err(|what| Error::InFlight { waited: wait.as_secs(), what })
+        crate::runtime::inflight::lock_within(f, &self.dir, wait, waiting)
+            .map_err(|what| Error::InFlight { waited: wait.as_secs(), what })
     }
 
     /// The container's lock if it can be had now; `None` while another operation holds it.
@@ -379,9 +374,7 @@ impl ContainerStore {
     pub fn manifests(&self) -> Vec<Manifest> {
         let mut v: Vec<Manifest> = std::fs::read_dir(self.dir.join("statepoints"))
             .map(|rd| {
-                rd.filter_map(Result::ok)
-                    .filter_map(|e| read_manifest(&e.path().join("manifest.json")).ok())
-                    .collect()
+                rd.filter_map(Result::ok).filter_map(|e| read_manifest(&e.path().join("manifest.json")).ok()).collect()
             })
             .unwrap_or_default();
         v.sort_by_key(|m| seq_of(&m.statepoint_id));
@@ -422,7 +415,9 @@ impl ContainerStore {
     pub fn stale(&self) -> (Vec<Manifest>, Vec<PathBuf>) {
         let pending = self.manifests().into_iter().filter(|m| m.status == Status::Pending).collect();
         let orphans = std::fs::read_dir(self.dir.join("statepoints"))
-            .map(|rd| rd.filter_map(Result::ok).map(|e| e.path()).filter(|p| !p.join("manifest.json").exists()).collect())
+            .map(|rd| {
+                rd.filter_map(Result::ok).map(|e| e.path()).filter(|p| !p.join("manifest.json").exists()).collect()
+            })
             .unwrap_or_default();
         (pending, orphans)
     }
@@ -551,19 +546,34 @@ pub(crate) mod tests {
 
     #[test]
     fn outcomes_of_older_manifests_read_as_info_by_the_user() {
-        let e: Evidence = serde_json::from_value(serde_json::json!({"state-description": "d", "prior-outcomes": ["tests failed"]})).unwrap();
+        let e: Evidence =
+            serde_json::from_value(serde_json::json!({"state-description": "d", "prior-outcomes": ["tests failed"]}))
+                .unwrap();
         assert_eq!(e.prior_outcomes[0].text, "tests failed");
         assert_eq!((e.prior_outcomes[0].status, e.prior_outcomes[0].by), (OutcomeStatus::Info, Actor::User));
         let o = Outcome::now("all green", OutcomeStatus::Success, Actor::Agent, Some(1.0));
         let v = serde_json::to_value(&o).unwrap();
-        assert_eq!((v["status"].as_str(), v["by"].as_str(), v["reward"].as_f64()), (Some("success"), Some("agent"), Some(1.0)));
+        assert_eq!(
+            (v["status"].as_str(), v["by"].as_str(), v["reward"].as_f64()),
+            (Some("success"), Some("agent"), Some(1.0))
+        );
         assert_eq!(serde_json::from_value::<Outcome>(v).unwrap(), o);
     }
 
     #[test]
     fn manifest_has_the_papers_field_names() {
         let v = serde_json::to_value(manifest("sp1", Status::Committed)).unwrap();
-        for k in ["statepoint-id", "parent-statepoint-id", "branch-id", "timestamp", "name", "state-evidence", "local-state", "remote-state", "status"] {
+        for k in [
+            "statepoint-id",
+            "parent-statepoint-id",
+            "branch-id",
+            "timestamp",
+            "name",
+            "state-evidence",
+            "local-state",
+            "remote-state",
+            "status",
+        ] {
             assert!(v.get(k).is_some(), "missing {k}");
         }
         assert!(v["local-state"].get("criu-checkpoint-path").is_some());

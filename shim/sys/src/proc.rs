@@ -52,7 +52,12 @@ pub fn own_mounts() -> std::io::Result<Vec<Mount>> {
 
 /// The upper (writable) directory of the overlay mounted as `/` in `mounts`, if it is one.
 pub fn overlay_root_upperdir(mounts: &[Mount]) -> Option<PathBuf> {
-    mounts.iter().rev().find(|m| m.point == "/" && m.fstype == "overlay").and_then(|m| m.super_option("upperdir")).map(PathBuf::from)
+    mounts
+        .iter()
+        .rev()
+        .find(|m| m.point == "/" && m.fstype == "overlay")
+        .and_then(|m| m.super_option("upperdir"))
+        .map(PathBuf::from)
 }
 
 /// Whether any overlay in `mounts` uses `upper` as its upper directory.

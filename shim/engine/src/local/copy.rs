@@ -27,7 +27,10 @@ pub fn cp(extra: &[&str], from: &Path, to: &Path) -> Result<()> {
     if out.status.success() {
         return Ok(());
     }
-    Err(Error::Copy { from: from.to_path_buf(), why: String::from_utf8_lossy(&out.stderr).lines().next().unwrap_or("").trim().to_string() })
+    Err(Error::Copy {
+        from: from.to_path_buf(),
+        why: String::from_utf8_lossy(&out.stderr).lines().next().unwrap_or("").trim().to_string(),
+    })
 }
 
 fn copy_tree(from: &Path, to: &Path) -> Result<()> {
@@ -100,7 +103,13 @@ impl Rootfs for CopyRootfs {
         Some(super::files::InPlaceStart::new(thread))
     }
 
-    fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt, start: Option<super::files::InPlaceStart>) -> Result<InPlaceFiles> {
+    fn in_place(
+        &self,
+        sp_dir: &Path,
+        local: &LocalState,
+        at: &InPlaceAt,
+        start: Option<super::files::InPlaceStart>,
+    ) -> Result<InPlaceFiles> {
         let sync = match start.and_then(|s| s.work.downcast::<Planning>().ok()) {
             Some(thread) => thread.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?,
             None => compare(&saved_of(sp_dir, local), &self.upperdir, at)?,

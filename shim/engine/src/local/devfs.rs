@@ -15,12 +15,12 @@
 //! recorded as an empty placeholder (the child mount is CRIU's). A `/dev` that is not one tmpfs
 //! is left to CRIU.
 
+use super::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use super::{Error, Result};
 use sys::proc::Mount;
 use sys::Context;
 
@@ -147,7 +147,9 @@ fn save_from(root: &Path, dev: &DevMount, dir: &Path) -> Result<()> {
             seen.insert((md.dev(), md.ino()), rel.clone());
         }
         match kind {
-            Kind::Symlink => e.target = Some(std::fs::read_link(&path).at("read", &path)?.to_string_lossy().into_owned()),
+            Kind::Symlink => {
+                e.target = Some(std::fs::read_link(&path).at("read", &path)?.to_string_lossy().into_owned())
+            }
             Kind::File if !covered => {
                 let mut f = std::fs::File::open(&path).at("read", &path)?;
                 let n = std::io::copy(&mut f, &mut data).at("copy", &path)?;
@@ -243,7 +245,9 @@ fn fill(index: &Index, data: &mut (impl Read + std::io::Seek), root: &Path) -> R
                 }
                 f.flush().map_err(|x| err(&p, &x))
             }
-            Kind::Symlink => std::os::unix::fs::symlink(e.target.as_deref().unwrap_or_default(), &p).map_err(|x| err(&p, &x)),
+            Kind::Symlink => {
+                std::os::unix::fs::symlink(e.target.as_deref().unwrap_or_default(), &p).map_err(|x| err(&p, &x))
+            }
             Kind::Char | Kind::Block | Kind::Fifo => {
                 let kind = match e.kind {
                     Kind::Char => SFlag::S_IFCHR,
@@ -265,7 +269,8 @@ fn fill(index: &Index, data: &mut (impl Read + std::io::Seek), root: &Path) -> R
     for e in index.entries.iter().rev().filter(|e| e.link.is_none()) {
         let p = at(&e.path);
         let t = nix::sys::time::TimeSpec::new(e.mtime.0, e.mtime.1);
-        nix::sys::stat::utimensat(nix::fcntl::AT_FDCWD, &p, &t, &t, nix::sys::stat::UtimensatFlags::NoFollowSymlink).map_err(|x| err(&p, &x))?;
+        nix::sys::stat::utimensat(nix::fcntl::AT_FDCWD, &p, &t, &t, nix::sys::stat::UtimensatFlags::NoFollowSymlink)
+            .map_err(|x| err(&p, &x))?;
     }
     Ok(())
 }
@@ -291,7 +296,14 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(src.join("shm"), std::fs::Permissions::from_mode(0o1777)).unwrap();
         let t = nix::sys::time::TimeSpec::new(1_700_000_000, 5);
-        nix::sys::stat::utimensat(nix::fcntl::AT_FDCWD, &src.join("agent-note"), &t, &t, nix::sys::stat::UtimensatFlags::NoFollowSymlink).unwrap();
+        nix::sys::stat::utimensat(
+            nix::fcntl::AT_FDCWD,
+            &src.join("agent-note"),
+            &t,
+            &t,
+            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+        )
+        .unwrap();
 
         // Recorded through a path shaped like /proc/PID/root/dev.
         let dev = DevMount { options: "size=65536k,mode=755".into(), children: vec!["pts".into()] };
@@ -306,7 +318,8 @@ mod tests {
         };
         assert_eq!(index.options, "size=65536k,mode=755");
         assert_eq!(std::fs::read_to_string(out.join("agent-note")).unwrap(), "written by the agent\n");
-        let (a, b) = (std::fs::metadata(out.join("agent-note")).unwrap(), std::fs::metadata(out.join("again")).unwrap());
+        let (a, b) =
+            (std::fs::metadata(out.join("agent-note")).unwrap(), std::fs::metadata(out.join("again")).unwrap());
         assert_eq!((a.ino(), a.nlink()), (b.ino(), 2), "hard link kept");
         assert_eq!(a.mtime(), 1_700_000_000);
         assert_eq!(std::fs::read_link(out.join("fd")).unwrap(), Path::new("/proc/self/fd"));

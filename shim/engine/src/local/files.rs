@@ -22,7 +22,13 @@ pub trait Rootfs: Send + Sync {
     /// (a rollback in place). Nothing changes
     /// until [`InPlaceFiles::apply`]; an error means this backend cannot do it now.
     /// `start`: what [`Rootfs::in_place_start`] began.
-    fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt, start: Option<InPlaceStart>) -> Result<InPlaceFiles>;
+    fn in_place(
+        &self,
+        sp_dir: &Path,
+        local: &LocalState,
+        at: &InPlaceAt,
+        start: Option<InPlaceStart>,
+    ) -> Result<InPlaceFiles>;
     /// Begins, the container frozen and nothing else yet decided, what [`Rootfs::in_place`]
     /// will need, while the caller does other work. Dropped unused, it undoes what it made.
     /// `None`: nothing to begin.
@@ -74,7 +80,11 @@ enum Capture {
 
 impl TakenFiles {
     pub fn new(name: String) -> TakenFiles {
-        TakenFiles(std::sync::Arc::new(Taken { name, state: std::sync::Mutex::new(Capture::Underway), said: std::sync::Condvar::new() }))
+        TakenFiles(std::sync::Arc::new(Taken {
+            name,
+            state: std::sync::Mutex::new(Capture::Underway),
+            said: std::sync::Condvar::new(),
+        }))
     }
 
     pub fn name(&self) -> &str {
@@ -100,7 +110,11 @@ impl TakenFiles {
     /// Waits until they were captured and takes them over, or says why they were not.
     pub fn adopt(&self) -> std::result::Result<(), String> {
         let s = self.state();
-        let mut s = self.0.said.wait_while(s, |s| matches!(s, Capture::Underway)).unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut s = self
+            .0
+            .said
+            .wait_while(s, |s| matches!(s, Capture::Underway))
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         match s.clone() {
             Capture::Failed(why) => Err(why),
             _ => {

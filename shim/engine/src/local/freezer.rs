@@ -6,8 +6,8 @@ use super::{Error, Result};
 /// Present in a container's store while planarian holds its cgroup frozen; names the cgroup.
 pub const MARKER: &str = "frozen-by-planarian";
 use std::path::{Path, PathBuf};
-use sys::Context;
 use std::time::{Duration, Instant};
+use sys::Context;
 
 #[derive(Debug, Clone)]
 pub struct Freezer {

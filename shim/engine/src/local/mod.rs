@@ -85,7 +85,12 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// The files backend of a container: its ZFS dataset when it has one, else a copy of its
 /// overlay writable layer.
-pub fn rootfs_for(cfg: &Config, store: &ContainerStore, id: &str, upperdir: Option<PathBuf>) -> Result<Box<dyn Rootfs>> {
+pub fn rootfs_for(
+    cfg: &Config,
+    store: &ContainerStore,
+    id: &str,
+    upperdir: Option<PathBuf>,
+) -> Result<Box<dyn Rootfs>> {
     if let Some(z) = zfs::ZfsRootfs::for_container(cfg, store, id)? {
         return Ok(Box::new(z));
     }

@@ -21,10 +21,16 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Op {
     /// Make the entry what the statepoint's tree (or, `from` set, a lower layer) has.
-    Put { rel: PathBuf, from: PathBuf },
+    Put {
+        rel: PathBuf,
+        from: PathBuf,
+    },
     Remove(PathBuf),
     /// A directory's owner, mode and times.
-    DirMeta { rel: PathBuf, from: PathBuf },
+    DirMeta {
+        rel: PathBuf,
+        from: PathBuf,
+    },
 }
 
 /// What to change, and where.
@@ -46,7 +52,9 @@ fn is_opaque(dir: &Path) -> bool {
     let Ok(c) = CString::new(dir.as_os_str().as_bytes()) else { return false };
     let mut buf = [0u8; 4];
     // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-    let n = unsafe { nix::libc::lgetxattr(c.as_ptr(), c"trusted.overlay.opaque".as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let n = unsafe {
+        nix::libc::lgetxattr(c.as_ptr(), c"trusted.overlay.opaque".as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+    };
     n == 1 && buf[0] == b'y'
 }
 
@@ -92,7 +100,14 @@ fn lower_of(lowers: &[PathBuf], rel: &Path) -> Option<PathBuf> {
 /// Compares `target` (the statepoint's tree) with `current` (the live one); changes go to
 /// `apply_root`. `lowers`: the overlay's lower layers (copy path), none on ZFS (`strict`).
 /// Paths in `mounted` (relative: the container's mount points) are not the tree's and are left.
-pub fn plan(target: &Path, current: &Path, apply_root: &Path, lowers: &[PathBuf], strict: bool, mounted: &[PathBuf]) -> Result<Sync, String> {
+pub fn plan(
+    target: &Path,
+    current: &Path,
+    apply_root: &Path,
+    lowers: &[PathBuf],
+    strict: bool,
+    mounted: &[PathBuf],
+) -> Result<Sync, String> {
     plan_changed(target, current, apply_root, lowers, strict, mounted, None)
 }
 
@@ -100,12 +115,21 @@ pub fn plan(target: &Path, current: &Path, apply_root: &Path, lowers: &[PathBuf]
 /// snapshots): an entry with the same inode on both sides and not in `changed` is the same
 /// object unchanged, and is not even looked at (directories are still read, from their
 /// listings' inode numbers, without a `stat` per entry).
-pub fn plan_changed(target: &Path, current: &Path, apply_root: &Path, lowers: &[PathBuf], strict: bool, mounted: &[PathBuf], changed: Option<&HashSet<u64>>) -> Result<Sync, String> {
+pub fn plan_changed(
+    target: &Path,
+    current: &Path,
+    apply_root: &Path,
+    lowers: &[PathBuf],
+    strict: bool,
+    mounted: &[PathBuf],
+    changed: Option<&HashSet<u64>>,
+) -> Result<Sync, String> {
     let mut ops = Vec::new();
     let mut metas = Vec::new();
     let w = Walk { target, current, lowers, strict, mounted, changed, focused: false, dirs: Default::default() };
     let ino = |p: &Path| std::fs::symlink_metadata(p).map(|m| m.ino()).ok();
-    let root_unchanged = changed.is_some_and(|c| ino(target).is_some_and(|i| Some(i) == ino(current) && !c.contains(&i)));
+    let root_unchanged =
+        changed.is_some_and(|c| ino(target).is_some_and(|i| Some(i) == ino(current) && !c.contains(&i)));
     w.walk(Path::new(""), root_unchanged, &mut ops, &mut metas)?;
     Ok(finish(ops, metas, target, apply_root))
 }
@@ -125,7 +149,9 @@ fn finish(mut ops: Vec<Op>, mut metas: Vec<Op>, target: &Path, apply_root: &Path
     ops.sort_by(|a, b| a.rel().cmp(b.rel()));
     ops.dedup();
     ops.retain(|o| !inside(o.rel()));
-    metas.sort_by(|a, b| b.rel().components().count().cmp(&a.rel().components().count()).then_with(|| a.rel().cmp(b.rel())));
+    metas.sort_by(|a, b| {
+        b.rel().components().count().cmp(&a.rel().components().count()).then_with(|| a.rel().cmp(b.rel()))
+    });
     metas.dedup();
     metas.retain(|o| !inside(o.rel()) && !whole.contains(o.rel()));
     ops.extend(metas);
@@ -138,10 +164,26 @@ fn finish(mut ops: Vec<Op>, mut metas: Vec<Op>, target: &Path, apply_root: &Path
 /// directory among them only one level down: every difference is either one of those objects,
 /// or a name that came, went or changed object in a directory, which then is one of them too (a
 /// directory whose listing changed changed). No other directory is read.
-pub fn plan_places(target: &Path, current: &Path, apply_root: &Path, mounted: &[PathBuf], changed: &HashSet<u64>, places: &[PathBuf]) -> Result<Sync, String> {
+pub fn plan_places(
+    target: &Path,
+    current: &Path,
+    apply_root: &Path,
+    mounted: &[PathBuf],
+    changed: &HashSet<u64>,
+    places: &[PathBuf],
+) -> Result<Sync, String> {
     let mut ops = Vec::new();
     let mut metas = Vec::new();
-    let w = Walk { target, current, lowers: &[], strict: true, mounted, changed: Some(changed), focused: true, dirs: Default::default() };
+    let w = Walk {
+        target,
+        current,
+        lowers: &[],
+        strict: true,
+        mounted,
+        changed: Some(changed),
+        focused: true,
+        dirs: Default::default(),
+    };
     let mut places: Vec<&PathBuf> = places.iter().collect();
     places.sort();
     places.dedup();
@@ -176,7 +218,9 @@ impl Op {
 /// A directory's entries: name → (inode, is a directory), from the listing alone.
 pub(crate) fn listing(dir: &Path) -> std::collections::BTreeMap<std::ffi::OsString, (u64, bool)> {
     use std::os::unix::fs::DirEntryExt;
-    std::fs::read_dir(dir).map(|rd| rd.flatten().map(|e| (e.file_name(), (e.ino(), e.file_type().is_ok_and(|t| t.is_dir())))).collect()).unwrap_or_default()
+    std::fs::read_dir(dir)
+        .map(|rd| rd.flatten().map(|e| (e.file_name(), (e.ino(), e.file_type().is_ok_and(|t| t.is_dir())))).collect())
+        .unwrap_or_default()
 }
 
 fn names(dir: &Path) -> std::collections::BTreeSet<std::ffi::OsString> {
@@ -212,95 +256,103 @@ struct Walk<'a> {
 }
 
 impl Walk<'_> {
-/// [`within`], each directory on the way looked at once per plan.
-fn within(&self, base: &Path, rel: &Path) -> Option<std::fs::Metadata> {
-    let mut at = base.to_path_buf();
-    let comps: Vec<_> = rel.components().collect();
-    for c in &comps[..comps.len().saturating_sub(1)] {
-        at.push(c);
-        if self.dirs.borrow().contains(&at) {
-            continue;
-        }
-        if !std::fs::symlink_metadata(&at).is_ok_and(|m| m.is_dir()) {
-            return None;
-        }
-        self.dirs.borrow_mut().insert(at.clone());
-    }
-    std::fs::symlink_metadata(base.join(rel)).ok()
-}
-
-/// `unchanged`: the directory is the same object on both sides and did not change, so its
-/// listing is the same: read once, from the live side (the statepoint's side is a fresh mount,
-/// every read of it cold).
-fn walk(&self, rel: &Path, unchanged: bool, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), String> {
-    let (td, cd) = (self.target.join(rel), self.current.join(rel));
-    let cl = listing(&cd);
-    let tl = if unchanged { cl.clone() } else { listing(&td) };
-    let mut all: std::collections::BTreeSet<&std::ffi::OsString> = tl.keys().collect();
-    all.extend(cl.keys());
-    for n in all {
-        let r = rel.join(n);
-        if self.mounted.contains(&r) {
-            continue;
-        }
-        if let (Some(changed), Some(t), Some(c)) = (self.changed, tl.get(n), cl.get(n)) {
-            if t == c && (self.focused || !changed.contains(&t.0)) {
-                if t.1 && !self.focused {
-                    self.walk(&r, true, ops, metas)?;
-                }
+    /// [`within`], each directory on the way looked at once per plan.
+    fn within(&self, base: &Path, rel: &Path) -> Option<std::fs::Metadata> {
+        let mut at = base.to_path_buf();
+        let comps: Vec<_> = rel.components().collect();
+        for c in &comps[..comps.len().saturating_sub(1)] {
+            at.push(c);
+            if self.dirs.borrow().contains(&at) {
                 continue;
             }
+            if !std::fs::symlink_metadata(&at).is_ok_and(|m| m.is_dir()) {
+                return None;
+            }
+            self.dirs.borrow_mut().insert(at.clone());
         }
-        self.entry(&r, false, ops, metas)?;
+        std::fs::symlink_metadata(base.join(rel)).ok()
     }
-    Ok(())
-}
 
-/// Compares the entry at `r` on both sides. `checked`: its directories are checked on the way
-/// (it was not reached through them).
-fn entry(&self, r: &Path, checked: bool, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), String> {
-    let (target, current, lowers, strict) = (self.target, self.current, self.lowers, self.strict);
-    let (tp, cp) = (target.join(r), current.join(r));
-    let (t, c) = if checked {
-        (self.within(target, r), self.within(current, r))
-    } else {
-        (std::fs::symlink_metadata(&tp).ok(), std::fs::symlink_metadata(&cp).ok())
-    };
-    match (t, c) {
-        (Some(t), Some(c)) if t.is_dir() && c.is_dir() => {
-            // The same directory, unchanged (ZFS: inode and ctime): the same listing, and each
-            // entry that changed is a place of its own.
-            if self.focused && same(&t, &c, &tp, &cp, true) && t.mtime() == c.mtime() && t.mtime_nsec() == c.mtime_nsec() {
-                return Ok(());
+    /// `unchanged`: the directory is the same object on both sides and did not change, so its
+    /// listing is the same: read once, from the live side (the statepoint's side is a fresh mount,
+    /// every read of it cold).
+    fn walk(&self, rel: &Path, unchanged: bool, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), String> {
+        let (td, cd) = (self.target.join(rel), self.current.join(rel));
+        let cl = listing(&cd);
+        let tl = if unchanged { cl.clone() } else { listing(&td) };
+        let mut all: std::collections::BTreeSet<&std::ffi::OsString> = tl.keys().collect();
+        all.extend(cl.keys());
+        for n in all {
+            let r = rel.join(n);
+            if self.mounted.contains(&r) {
+                continue;
             }
-            if !lowers.is_empty() && is_opaque(&tp) != is_opaque(&cp) {
-                return Err(format!("/{} became or stopped being an opaque overlay directory", r.display()));
+            if let (Some(changed), Some(t), Some(c)) = (self.changed, tl.get(n), cl.get(n)) {
+                if t == c && (self.focused || !changed.contains(&t.0)) {
+                    if t.1 && !self.focused {
+                        self.walk(&r, true, ops, metas)?;
+                    }
+                    continue;
+                }
             }
-            self.walk(r, false, ops, metas)?;
-            if !same(&t, &c, &tp, &cp, strict) || t.mtime() != c.mtime() || t.mtime_nsec() != c.mtime_nsec() {
-                metas.push(Op::DirMeta { rel: r.to_path_buf(), from: tp });
-            }
+            self.entry(&r, false, ops, metas)?;
         }
-        (Some(t), c) => {
-            if c.as_ref().is_some_and(|c| same(&t, c, &tp, &cp, strict)) {
-                return Ok(());
-            }
-            if !lowers.is_empty() && t.is_dir() && is_opaque(&tp) {
-                return Err(format!("/{} is an opaque overlay directory in the statepoint", r.display()));
-            }
-            ops.push(if is_whiteout(&t) && !lowers.is_empty() { Op::Remove(r.to_path_buf()) } else { Op::Put { rel: r.to_path_buf(), from: tp } });
-        }
-        (None, Some(_)) => {
-            // Not in the statepoint's layer: the image's version, or nothing.
-            match lower_of(lowers, r) {
-                Some(from) => ops.push(Op::Put { rel: r.to_path_buf(), from }),
-                None => ops.push(Op::Remove(r.to_path_buf())),
-            }
-        }
-        (None, None) => {}
+        Ok(())
     }
-    Ok(())
-}
+
+    /// Compares the entry at `r` on both sides. `checked`: its directories are checked on the way
+    /// (it was not reached through them).
+    fn entry(&self, r: &Path, checked: bool, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), String> {
+        let (target, current, lowers, strict) = (self.target, self.current, self.lowers, self.strict);
+        let (tp, cp) = (target.join(r), current.join(r));
+        let (t, c) = if checked {
+            (self.within(target, r), self.within(current, r))
+        } else {
+            (std::fs::symlink_metadata(&tp).ok(), std::fs::symlink_metadata(&cp).ok())
+        };
+        match (t, c) {
+            (Some(t), Some(c)) if t.is_dir() && c.is_dir() => {
+                // The same directory, unchanged (ZFS: inode and ctime): the same listing, and each
+                // entry that changed is a place of its own.
+                if self.focused
+                    && same(&t, &c, &tp, &cp, true)
+                    && t.mtime() == c.mtime()
+                    && t.mtime_nsec() == c.mtime_nsec()
+                {
+                    return Ok(());
+                }
+                if !lowers.is_empty() && is_opaque(&tp) != is_opaque(&cp) {
+                    return Err(format!("/{} became or stopped being an opaque overlay directory", r.display()));
+                }
+                self.walk(r, false, ops, metas)?;
+                if !same(&t, &c, &tp, &cp, strict) || t.mtime() != c.mtime() || t.mtime_nsec() != c.mtime_nsec() {
+                    metas.push(Op::DirMeta { rel: r.to_path_buf(), from: tp });
+                }
+            }
+            (Some(t), c) => {
+                if c.as_ref().is_some_and(|c| same(&t, c, &tp, &cp, strict)) {
+                    return Ok(());
+                }
+                if !lowers.is_empty() && t.is_dir() && is_opaque(&tp) {
+                    return Err(format!("/{} is an opaque overlay directory in the statepoint", r.display()));
+                }
+                ops.push(if is_whiteout(&t) && !lowers.is_empty() {
+                    Op::Remove(r.to_path_buf())
+                } else {
+                    Op::Put { rel: r.to_path_buf(), from: tp }
+                });
+            }
+            (None, Some(_)) => {
+                // Not in the statepoint's layer: the image's version, or nothing.
+                match lower_of(lowers, r) {
+                    Some(from) => ops.push(Op::Put { rel: r.to_path_buf(), from }),
+                    None => ops.push(Op::Remove(r.to_path_buf())),
+                }
+            }
+            (None, None) => {}
+        }
+        Ok(())
+    }
 }
 
 fn remove_any(p: &Path) -> std::io::Result<()> {
@@ -328,7 +380,9 @@ fn set_meta(from: &std::fs::Metadata, to: &Path) -> std::io::Result<()> {
         nix::libc::timespec { tv_sec: from.mtime(), tv_nsec: from.mtime_nsec() },
     ];
     // SAFETY: a valid path and two timespecs.
-    if unsafe { nix::libc::utimensat(nix::libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), nix::libc::AT_SYMLINK_NOFOLLOW) } != 0 {
+    if unsafe { nix::libc::utimensat(nix::libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), nix::libc::AT_SYMLINK_NOFOLLOW) }
+        != 0
+    {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
@@ -393,7 +447,9 @@ impl Sync {
             let r = match op {
                 Op::Put { rel, from } => put(from, &self.apply_root.join(rel)),
                 Op::Remove(rel) => remove_any(&self.apply_root.join(rel)),
-                Op::DirMeta { rel, from } => std::fs::symlink_metadata(from).and_then(|md| set_meta(&md, &self.apply_root.join(rel))),
+                Op::DirMeta { rel, from } => {
+                    std::fs::symlink_metadata(from).and_then(|md| set_meta(&md, &self.apply_root.join(rel)))
+                }
             };
             r.map_err(|e| format!("{op:?}: {e}"))?;
         }
@@ -480,7 +536,10 @@ mod tests {
         let none: HashSet<u64> = HashSet::new();
         let one: HashSet<u64> = [ino].into_iter().collect();
         assert!(plan_changed(&c, &c, &c, &[], true, &[], Some(&none)).unwrap().is_empty());
-        assert!(plan_changed(&c, &c, &c, &[], true, &[], Some(&one)).unwrap().is_empty(), "changed but equal on both sides");
+        assert!(
+            plan_changed(&c, &c, &c, &[], true, &[], Some(&one)).unwrap().is_empty(),
+            "changed but equal on both sides"
+        );
         let _ = std::fs::remove_dir_all(&d);
     }
 
@@ -498,7 +557,13 @@ mod tests {
         std::fs::write(c.join("image-file"), "changed by the agent").unwrap();
         std::fs::write(merged.join("image-file"), "changed by the agent").unwrap();
         // At the statepoint, a whiteout deleted /gone.
-        nix::sys::stat::mknod(&t.join("gone"), nix::sys::stat::SFlag::S_IFCHR, nix::sys::stat::Mode::from_bits_truncate(0o600), 0).ok();
+        nix::sys::stat::mknod(
+            &t.join("gone"),
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+            0,
+        )
+        .ok();
         if !t.join("gone").exists() && std::fs::symlink_metadata(t.join("gone")).is_err() {
             // No CAP_MKNOD here: the whiteout part is left to the guest tests.
             let _ = std::fs::remove_dir_all(&d);

@@ -29,11 +29,12 @@
 
 use super::{Error, Result};
 use crate::store::RemoteState;
+use planarian_contracts::hook;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 /// How a compensate hook's error starts when it undid part of the calls before it failed.
-pub const PARTLY_UNDONE: &str = "partly undone:";
+pub use planarian_contracts::hook::PARTLY_UNDONE;
 
 /// Asks each hook for its position; `parent` is the parent statepoint's remote state (what
 /// each hook recorded then).
@@ -41,20 +42,23 @@ pub fn capture(hooks: &[PathBuf], container_id: &str, parent: &[RemoteState]) ->
     hooks
         .iter()
         .map(|hook| {
-            let since = parent.iter().find(|r| r.hook_path.as_deref() == Some(&*hook.to_string_lossy())).and_then(|r| r.mcp_call_position);
+            let since = parent
+                .iter()
+                .find(|r| r.hook_path.as_deref() == Some(&*hook.to_string_lossy()))
+                .and_then(|r| r.mcp_call_position);
             let out = run(hook, &["capture", container_id], since)?;
-            let v: serde_json::Value = serde_json::from_str(out.trim())
-                .map_err(|source| Error::NotJson { hook: hook.clone(), source })?;
-            let position = v["mcp-call-position"]
-                .as_u64()
-                .ok_or_else(|| Error::NoPosition(hook.clone()))?;
+            let v: serde_json::Value = answer(hook, "capture", &out)?;
+            if v.get("mcp-call-position").is_none() {
+                return Err(Error::NoPosition(hook.clone()));
+            }
+            let c: hook::Capture = read(hook, "capture", v)?;
             Ok(RemoteState {
-                external_endpoint: v["external-endpoint"].as_str().map(String::from),
-                mcp_call_position: Some(position),
+                external_endpoint: c.external_endpoint,
+                mcp_call_position: Some(c.mcp_call_position),
                 hook_path: Some(hook.display().to_string()),
-                calls_since_parent: v["calls-since-parent"].as_u64(),
-                tables_since_parent: v["tables-since-parent"].as_array().map(|a| a.iter().filter_map(|t| t.as_str().map(String::from)).collect()),
-                uncovered: serde_json::from_value(v["uncovered"].clone()).ok(),
+                calls_since_parent: c.calls_since_parent,
+                tables_since_parent: c.tables_since_parent,
+                uncovered: c.uncovered,
             })
         })
         .collect()
@@ -107,7 +111,11 @@ pub fn compensate(states: &[RemoteState], container_id: &str) -> Result<()> {
             Ok(_) => done.push(hook),
             // The hooks before it compensated: the remote state is partly undone.
             Err(Error::Failed { hook: h, verb, message }) if !done.is_empty() && !message.contains(PARTLY_UNDONE) => {
-                return Err(Error::Failed { hook: h, verb, message: format!("{PARTLY_UNDONE} {} compensated, then: {message}", done.join(", ")) })
+                return Err(Error::Failed {
+                    hook: h,
+                    verb,
+                    message: format!("{PARTLY_UNDONE} {} compensated, then: {message}", done.join(", ")),
+                })
             }
             Err(e) => return Err(e),
         }
@@ -119,15 +127,19 @@ pub fn compensate(states: &[RemoteState], container_id: &str) -> Result<()> {
 /// the new remote state, and the database it names.
 pub fn branch(state: &RemoteState, container_id: &str, new_id: &str) -> Result<(RemoteState, String)> {
     let (Some(hook), Some(pos)) = (&state.hook_path, state.mcp_call_position) else {
-        return Err(Error::Failed { hook: PathBuf::new(), verb: "branch".into(), message: "the statepoint holds no remote position".into() });
+        return Err(Error::Failed {
+            hook: PathBuf::new(),
+            verb: "branch".into(),
+            message: "the statepoint holds no remote position".into(),
+        });
     };
     let hook = PathBuf::from(hook);
     let out = run(&hook, &["branch", container_id, &pos.to_string(), new_id], None)?;
-    let v: serde_json::Value = serde_json::from_str(out.trim()).map_err(|source| Error::NotJson { hook: hook.clone(), source })?;
-    let database = v["database"].as_str().unwrap_or_default().to_string();
+    let b: hook::Branch = read(&hook, "branch", answer(&hook, "branch", &out)?)?;
+    let database = b.database;
     Ok((
         RemoteState {
-            external_endpoint: v["external-endpoint"].as_str().map(String::from),
+            external_endpoint: b.external_endpoint,
             mcp_call_position: Some(pos),
             hook_path: Some(hook.display().to_string()),
             calls_since_parent: None,
@@ -138,6 +150,16 @@ pub fn branch(state: &RemoteState, container_id: &str, new_id: &str) -> Result<(
     ))
 }
 
+/// A hook's answer line, as JSON.
+fn answer(hook: &Path, verb: &'static str, out: &str) -> Result<serde_json::Value> {
+    serde_json::from_str(out.trim()).map_err(|source| Error::NotJson { hook: hook.to_path_buf(), verb, source })
+}
+
+/// The answer as the contract's type.
+fn read<T: serde::de::DeserializeOwned>(hook: &Path, verb: &'static str, v: serde_json::Value) -> Result<T> {
+    serde_json::from_value(v).map_err(|source| Error::BadAnswer { hook: hook.to_path_buf(), verb, source })
+}
+
 /// Removes what `branch` made for the fork `new_id`, which failed.
 pub fn unbranch(hook: &Path, container_id: &str, new_id: &str) -> Result<()> {
     run(hook, &["unbranch", container_id, new_id], None).map(drop)
@@ -146,7 +168,7 @@ pub fn unbranch(hook: &Path, container_id: &str, new_id: &str) -> Result<()> {
 fn run(hook: &Path, args: &[&str], since: Option<u64>) -> Result<String> {
     let mut cmd = Command::new(hook);
     if let Some(p) = since {
-        cmd.env("PLANARIAN_SINCE_POSITION", p.to_string());
+        cmd.env(hook::SINCE_POSITION_ENV, p.to_string());
     }
     let out = cmd
         .args(args)
@@ -210,11 +232,19 @@ mod tests {
     #[test]
     fn branch_gives_the_fork_its_own_endpoint_at_the_same_position() {
         let h = script("branch", "[ \"$1 $2 $3 $4\" = 'branch src 7 new' ] && echo '{\"external-endpoint\": \"db-new\", \"database\": \"app_new\"}'");
-        let st = RemoteState { hook_path: Some(h.display().to_string()), mcp_call_position: Some(7), ..Default::default() };
+        let st =
+            RemoteState { hook_path: Some(h.display().to_string()), mcp_call_position: Some(7), ..Default::default() };
         let (b, db) = branch(&st, "src", "new").unwrap();
-        assert_eq!((b.external_endpoint.as_deref(), b.mcp_call_position, db.as_str()), (Some("db-new"), Some(7), "app_new"));
+        assert_eq!(
+            (b.external_endpoint.as_deref(), b.mcp_call_position, db.as_str()),
+            (Some("db-new"), Some(7), "app_new")
+        );
         let bad = script("nobranch", "echo 'the database holds 2048 MiB' >&2; exit 1");
-        let st = RemoteState { hook_path: Some(bad.display().to_string()), mcp_call_position: Some(7), ..Default::default() };
+        let st = RemoteState {
+            hook_path: Some(bad.display().to_string()),
+            mcp_call_position: Some(7),
+            ..Default::default()
+        };
         let e = branch(&st, "src", "new").unwrap_err().to_string();
         assert!(e.ends_with("branch failed: the database holds 2048 MiB"), "{e}");
         std::fs::remove_file(h).unwrap();

@@ -20,8 +20,10 @@ pub enum Error {
     /// A hook failed: its last line on stderr.
     #[error("remote hook {} {verb} failed: {message}", hook.display())]
     Failed { hook: PathBuf, verb: String, message: String },
-    #[error("remote hook {} capture printed no JSON object: {source}", hook.display())]
-    NotJson { hook: PathBuf, source: serde_json::Error },
+    #[error("remote hook {} {verb} printed no JSON object: {source}", hook.display())]
+    NotJson { hook: PathBuf, verb: &'static str, source: serde_json::Error },
+    #[error("remote hook {} {verb} printed an answer planarian cannot read: {source}", hook.display())]
+    BadAnswer { hook: PathBuf, verb: &'static str, source: serde_json::Error },
     #[error("cannot write down the compensation under way: {0}")]
     Intent(String),
     #[error("remote hook {} capture gave no mcp-call-position", .0.display())]

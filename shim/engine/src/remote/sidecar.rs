@@ -5,9 +5,9 @@
 use super::{Error, Result};
 use crate::config::{Config, McpService};
 use crate::store::ContainerStore;
-use sys::Context;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+use sys::Context;
 
 const PID_FILE: &str = "mcp-proxy.pid";
 const LOG_FILE: &str = "mcp-proxy.log";
@@ -19,7 +19,11 @@ pub fn service(cfg: &Config) -> Result<Option<(&str, &McpService)>> {
         Some(s) => Ok(Some((name, s))),
         None => Err(Error::UnknownService {
             name: name.to_string(),
-            known: if cfg.mcp.services.is_empty() { "none".to_string() } else { cfg.mcp.services.keys().cloned().collect::<Vec<_>>().join(", ") },
+            known: if cfg.mcp.services.is_empty() {
+                "none".to_string()
+            } else {
+                cfg.mcp.services.keys().cloned().collect::<Vec<_>>().join(", ")
+            },
         }),
     }
 }
@@ -46,7 +50,8 @@ pub fn remote_hooks(cfg: &Config) -> Result<Vec<PathBuf>> {
 /// a copy of the database would not carry.)
 pub fn can_branch(svc: &McpService) -> bool {
     let named = |s: &str| s.contains("{dbname}");
-    !svc.database.is_empty() && (svc.upstream.iter().any(|a| named(a)) || named(&svc.url) || svc.env.values().any(|v| named(v)))
+    !svc.database.is_empty()
+        && (svc.upstream.iter().any(|a| named(a)) || named(&svc.url) || svc.env.values().any(|v| named(v)))
 }
 
 fn running(store: &ContainerStore) -> Option<i32> {
@@ -68,11 +73,7 @@ pub fn start(cfg: &Config, id: &str) -> Result<()> {
     let proxy = proxy_path(cfg)?;
     std::fs::create_dir_all(&store.dir).at("create", &store.dir)?;
     let log_path = store.dir.join(LOG_FILE);
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log_path)
-        .at("open", &log_path)?;
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path).at("open", &log_path)?;
     let mut cmd = std::process::Command::new(&proxy);
     cmd.args(["serve", "--container", id]);
     if !svc.database.is_empty() {
@@ -110,13 +111,11 @@ pub fn start(cfg: &Config, id: &str) -> Result<()> {
     } else {
         cmd.args(["--upstream-url", &svc.url]);
     }
-    cmd.stdin(std::process::Stdio::null())
-        .stdout(log.try_clone().at("open", &log_path)?)
-        .stderr(log);
+    cmd.stdin(std::process::Stdio::null()).stdout(log.try_clone().at("open", &log_path)?).stderr(log);
     crate::tools::detach(&mut cmd);
     let mut child = cmd.spawn().map_err(|source| Error::Start { proxy: proxy.clone(), source })?;
     sys::write_atomic(&store.dir.join(PID_FILE), child.id().to_string().as_bytes(), 0o644)?;
-    let socket = mcp_dir().join(format!("{id}.sock"));
+    let socket = planarian_contracts::paths::control_socket(id);
     let end = Instant::now() + Duration::from_secs(30);
     loop {
         if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
@@ -136,10 +135,6 @@ pub fn start(cfg: &Config, id: &str) -> Result<()> {
     }
 }
 
-fn mcp_dir() -> PathBuf {
-    std::env::var_os("PLANARIAN_MCP_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/run/planarian/mcp"))
-}
-
 /// Stops the container's sidecar, if it runs.
 pub fn stop(cfg: &Config, id: &str) {
     let store = ContainerStore::new(&cfg.store.path, id);
@@ -154,8 +149,9 @@ pub fn stop(cfg: &Config, id: &str) {
         let _ = kill(pid, Signal::SIGKILL);
     }
     let _ = std::fs::remove_file(store.dir.join(PID_FILE));
-    for ext in ["sock", "mcp", "url"] {
-        let _ = std::fs::remove_file(mcp_dir().join(format!("{id}.{ext}")));
+    use planarian_contracts::paths;
+    for f in [paths::control_socket(id), paths::clients_socket(id), paths::url_file(id)] {
+        let _ = std::fs::remove_file(f);
     }
 }
 

@@ -36,8 +36,11 @@ impl Container {
         if !out.status.success() {
             return Err(Error::NotKnownToCrun(id.to_string()));
         }
-        let st: Value = serde_json::from_slice(&out.stdout).map_err(|e| Error::CrunState { id: id.into(), why: e.to_string() })?;
-        let bundle = PathBuf::from(st["bundle"].as_str().ok_or_else(|| Error::CrunState { id: id.into(), why: "no bundle".into() })?);
+        let st: Value =
+            serde_json::from_slice(&out.stdout).map_err(|e| Error::CrunState { id: id.into(), why: e.to_string() })?;
+        let bundle = PathBuf::from(
+            st["bundle"].as_str().ok_or_else(|| Error::CrunState { id: id.into(), why: "no bundle".into() })?,
+        );
         Ok(Container {
             id: id.to_string(),
             status: st["status"].as_str().unwrap_or("unknown").to_string(),
@@ -52,7 +55,8 @@ impl Container {
     /// only a created container has) without running crun. `None` for anything else: the caller
     /// asks crun.
     fn load_running(root: &Path, id: &str) -> Option<Container> {
-        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b)) || id.starts_with('.') {
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b)) || id.starts_with('.')
+        {
             return None;
         }
         let dir = root.join(id);
@@ -112,7 +116,8 @@ pub fn register_with_crun(globals: &Globals, id: &str, pid: i32, bundle: &Path, 
         "external_descriptors": serde_json::to_string(&descriptors).unwrap_or_default(),
     });
     std::fs::copy(bundle.join("config.json"), dir.join("config.json")).at("copy config.json to", &dir)?;
-    let text = serde_json::to_string_pretty(&status).map_err(|source| Error::Json { what: "crun status".into(), source })?;
+    let text =
+        serde_json::to_string_pretty(&status).map_err(|source| Error::Json { what: "crun status".into(), source })?;
     Ok(sys::write_atomic(&dir.join("status"), text.as_bytes(), 0o700)?)
 }
 
@@ -126,7 +131,8 @@ mod tests {
         let (id, bundle) = ("c0ffee", root.join("bundle"));
         std::fs::create_dir_all(root.join(id)).unwrap();
         std::fs::create_dir_all(&bundle).unwrap();
-        std::fs::write(bundle.join("config.json"), r#"{"root":{"path":"rootfs"},"process":{"terminal":true}}"#).unwrap();
+        std::fs::write(bundle.join("config.json"), r#"{"root":{"path":"rootfs"},"process":{"terminal":true}}"#)
+            .unwrap();
         let me = std::process::id() as i32;
         let status = |start: u64| {
             let v = serde_json::json!({"pid": me, "process-start-time": start, "bundle": bundle});
@@ -150,7 +156,13 @@ mod tests {
 
     #[test]
     fn not_running_is_one_clear_line() {
-        let c = Container { id: "abc".into(), status: "stopped".into(), pid: None, bundle: PathBuf::new(), spec: Spec::default() };
+        let c = Container {
+            id: "abc".into(),
+            status: "stopped".into(),
+            pid: None,
+            bundle: PathBuf::new(),
+            spec: Spec::default(),
+        };
         assert_eq!(c.running_pid().unwrap_err().to_string(), "container abc is not running (it is stopped)");
     }
 }

@@ -67,7 +67,10 @@ fn resolve_in(root: &Path, cwd: &str, candidates: &[PathBuf]) -> Option<&'static
     match unsafe { fork() }.ok()? {
         ForkResult::Child => {
             let runnable = |p: &CString| access(p.as_c_str(), AccessFlags::X_OK).is_ok() && is_file(p);
-            let code = if chroot(root_c.as_c_str()).is_err() || chdir(cwd_c.as_c_str()).is_err() || !cands.iter().any(runnable) {
+            let code = if chroot(root_c.as_c_str()).is_err()
+                || chdir(cwd_c.as_c_str()).is_err()
+                || !cands.iter().any(runnable)
+            {
                 0
             } else {
                 setsids.iter().position(runnable).map_or(0, |i| i as i32 + 1)

@@ -88,7 +88,9 @@ pub fn list(store_dir: &Path) -> Vec<String> {
         .filter_map(|e| {
             let pid: i32 = e.file_name().to_str()?.parse().ok()?;
             // (a note left by a holder that was killed names no live process)
-            Path::new(&format!("/proc/{pid}")).exists().then(|| format!("pid {pid}: {}", std::fs::read_to_string(e.path()).unwrap_or_default().trim()))
+            Path::new(&format!("/proc/{pid}"))
+                .exists()
+                .then(|| format!("pid {pid}: {}", std::fs::read_to_string(e.path()).unwrap_or_default().trim()))
         })
         .collect();
     out.sort();
@@ -97,7 +99,12 @@ pub fn list(store_dir: &Path) -> Vec<String> {
 
 /// Takes `file`'s lock exclusive, waiting at most `wait`; `waiting` is told what it waits for
 /// first. `Err` with what was still in flight when the wait ran out.
-pub fn lock_within(file: File, store_dir: &Path, wait: Duration, waiting: &mut dyn FnMut(&str)) -> Result<File, String> {
+pub fn lock_within(
+    file: File,
+    store_dir: &Path,
+    wait: Duration,
+    waiting: &mut dyn FnMut(&str),
+) -> Result<File, String> {
     if file.try_lock().is_ok() {
         return Ok(file);
     }

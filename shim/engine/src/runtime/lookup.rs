@@ -20,7 +20,9 @@ fn graphroot() -> PathBuf {
     for f in files {
         let Ok(text) = std::fs::read_to_string(&f) else { continue };
         let Ok(t) = text.parse::<toml::Table>() else { break };
-        if let Some(g) = t.get("storage").and_then(|s| s.get("graphroot")).and_then(|g| g.as_str()).filter(|g| !g.is_empty()) {
+        if let Some(g) =
+            t.get("storage").and_then(|s| s.get("graphroot")).and_then(|g| g.as_str()).filter(|g| !g.is_empty())
+        {
             return PathBuf::from(g);
         }
         break;
@@ -51,7 +53,10 @@ fn scan(graphroot: &Path, name: &str) -> (bool, Option<Entry>) {
     let entry = |driver: &str, c: &serde_json::Value, id: &str| Entry {
         id: id.to_string(),
         name: c["names"].as_array().and_then(|ns| ns.first()?.as_str()).unwrap_or(id).to_string(),
-        upperdir: c["layer"].as_str().filter(|_| driver == "overlay").map(|l| graphroot.join(driver).join(l).join("diff")),
+        upperdir: c["layer"]
+            .as_str()
+            .filter(|_| driver == "overlay")
+            .map(|l| graphroot.join(driver).join(l).join("diff")),
     };
     let (mut found, mut readable): (Vec<Entry>, bool) = (Vec::new(), false);
     let Ok(dirs) = std::fs::read_dir(graphroot) else { return (false, None) };

@@ -33,8 +33,8 @@ pub fn inspect(name: &str) -> Result<PodmanContainer> {
     if !out.status.success() {
         return Err(Error::NoSuchContainer(name.to_string()));
     }
-    let v: serde_json::Value =
-        serde_json::from_slice(&out.stdout).map_err(|source| Error::Json { what: format!("podman inspect {name}"), source })?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|source| Error::Json { what: format!("podman inspect {name}"), source })?;
     let c = &v[0];
     let s = |x: &serde_json::Value| x.as_str().unwrap_or_default().to_string();
     Ok(PodmanContainer {
@@ -52,8 +52,8 @@ pub fn inspect(name: &str) -> Result<PodmanContainer> {
 /// lists them in). Podman's own error when it does not know the image.
 pub fn image_layers(image: &str) -> Result<Vec<PathBuf>> {
     let out = output(&["image", "inspect", "--format", "json", image])?;
-    let v: serde_json::Value =
-        serde_json::from_str(&out).map_err(|source| Error::Json { what: format!("podman image inspect {image}"), source })?;
+    let v: serde_json::Value = serde_json::from_str(&out)
+        .map_err(|source| Error::Json { what: format!("podman image inspect {image}"), source })?;
     layers_in(&v, image)
 }
 
@@ -69,7 +69,9 @@ fn layers_in(v: &serde_json::Value, image: &str) -> Result<Vec<PathBuf>> {
         });
     };
     let mut layers = vec![PathBuf::from(upper)];
-    layers.extend(gd["Data"]["LowerDir"].as_str().unwrap_or_default().split(':').filter(|p| !p.is_empty()).map(PathBuf::from));
+    layers.extend(
+        gd["Data"]["LowerDir"].as_str().unwrap_or_default().split(':').filter(|p| !p.is_empty()).map(PathBuf::from),
+    );
     Ok(layers)
 }
 
@@ -95,7 +97,10 @@ pub fn output(args: &[&str]) -> Result<String> {
                 what.push(*a);
             }
         }
-        Err(Error::Podman { command: what.join(" "), message: err.lines().last().unwrap_or("failed").trim().to_string() })
+        Err(Error::Podman {
+            command: what.join(" "),
+            message: err.lines().last().unwrap_or("failed").trim().to_string(),
+        })
     }
 }
 
@@ -168,10 +173,12 @@ mod tests {
     fn image_layers_top_first_on_overlay_only() {
         let v = serde_json::json!([{"GraphDriver": {"Name": "overlay", "Data": {
             "UpperDir": "/s/overlay/top/diff", "LowerDir": "/s/overlay/mid/diff:/s/overlay/base/diff"}}}]);
-        let want: Vec<PathBuf> = ["/s/overlay/top/diff", "/s/overlay/mid/diff", "/s/overlay/base/diff"].iter().map(PathBuf::from).collect();
+        let want: Vec<PathBuf> =
+            ["/s/overlay/top/diff", "/s/overlay/mid/diff", "/s/overlay/base/diff"].iter().map(PathBuf::from).collect();
         assert_eq!(layers_in(&v, "img").unwrap(), want);
         // A one-layer image has no LowerDir.
-        let one = serde_json::json!([{"GraphDriver": {"Name": "overlay", "Data": {"UpperDir": "/s/overlay/only/diff"}}}]);
+        let one =
+            serde_json::json!([{"GraphDriver": {"Name": "overlay", "Data": {"UpperDir": "/s/overlay/only/diff"}}}]);
         assert_eq!(layers_in(&one, "img").unwrap(), vec![PathBuf::from("/s/overlay/only/diff")]);
         let vfs = serde_json::json!([{"GraphDriver": {"Name": "vfs", "Data": {}}}]);
         let e = layers_in(&vfs, "img").unwrap_err().to_string();

@@ -78,8 +78,10 @@ impl Spec {
         let d = Doc::deserialize(v)?;
         let root = d.root.and_then(|r| r.path).unwrap_or_else(|| "rootfs".into());
         let root = if Path::new(&root).is_absolute() { PathBuf::from(root) } else { bundle.join(root) };
-        let (binds, mounts): (Vec<MountEntry>, Vec<MountEntry>) =
-            d.mounts.into_iter().partition(|m| m.kind.as_deref() == Some("bind") || m.options.iter().any(|o| o == "bind" || o == "rbind"));
+        let (binds, mounts): (Vec<MountEntry>, Vec<MountEntry>) = d
+            .mounts
+            .into_iter()
+            .partition(|m| m.kind.as_deref() == Some("bind") || m.options.iter().any(|o| o == "bind" || o == "rbind"));
         let binds = binds.into_iter().filter_map(|m| Some((m.destination?, m.source?))).collect();
         let mounts = mounts.into_iter().filter_map(|m| Some((m.destination?, m.kind.unwrap_or_default()))).collect();
         let linux = d.linux.unwrap_or_default();
@@ -147,8 +149,10 @@ impl Bundle {
     pub fn load(dir: &Path) -> Result<Bundle> {
         let path = dir.join("config.json");
         let data = std::fs::read(&path).at("read", &path)?;
-        let doc: Value = serde_json::from_slice(&data).map_err(|source| Error::Json { what: path.display().to_string(), source })?;
-        let spec = Spec::from_value(&doc, dir).map_err(|source| Error::Json { what: path.display().to_string(), source })?;
+        let doc: Value =
+            serde_json::from_slice(&data).map_err(|source| Error::Json { what: path.display().to_string(), source })?;
+        let spec =
+            Spec::from_value(&doc, dir).map_err(|source| Error::Json { what: path.display().to_string(), source })?;
         Ok(Bundle { dir: dir.to_path_buf(), spec, doc })
     }
 
@@ -175,12 +179,14 @@ impl Bundle {
         for (k, v) in settings {
             annotations[k] = v;
         }
-        self.spec = Spec::from_value(&self.doc, &self.dir).map_err(|source| Error::Json { what: path.display().to_string(), source })?;
+        self.spec = Spec::from_value(&self.doc, &self.dir)
+            .map_err(|source| Error::Json { what: path.display().to_string(), source })?;
         self.save()
     }
 
     fn save(&self) -> Result<()> {
-        let data = serde_json::to_vec(&self.doc).map_err(|source| Error::Json { what: "config.json".into(), source })?;
+        let data =
+            serde_json::to_vec(&self.doc).map_err(|source| Error::Json { what: "config.json".into(), source })?;
         Ok(sys::write_atomic(&self.dir.join("config.json"), &data, 0o644)?)
     }
 }

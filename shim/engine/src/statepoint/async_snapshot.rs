@@ -45,7 +45,8 @@ fn find_record(store: &ContainerStore, key: &str) -> Option<PathBuf> {
         .flatten()
         .filter_map(|e| {
             let o: AsyncOutcome = serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok()?;
-            (o.name.as_deref() == Some(key)).then(|| (o.statepoint.trim_start_matches("sp").parse().unwrap_or(0), e.path()))
+            (o.name.as_deref() == Some(key))
+                .then(|| (o.statepoint.trim_start_matches("sp").parse().unwrap_or(0), e.path()))
         })
         .collect();
     named.sort();
@@ -66,10 +67,21 @@ fn record(store: &ContainerStore, o: &AsyncOutcome) -> Result<()> {
 /// must call [`work`] when started with the arguments given.
 pub fn start(globals: &Globals, name: &str, req: &SnapshotRequest, worker: &std::path::Path) -> Result<String> {
     let ctx = Ctx::running(globals, name)?;
-    let lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| eprintln!("waiting for what is in flight in {name} ({what})"))?;
+    let lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
+        eprintln!("waiting for what is in flight in {name} ({what})")
+    })?;
     ctx.recover();
     let id = ctx.store.next_id();
-    record(&ctx.store, &AsyncOutcome { statepoint: id.clone(), status: "pending".into(), error: None, total_ms: None, name: req.name.clone() })?;
+    record(
+        &ctx.store,
+        &AsyncOutcome {
+            statepoint: id.clone(),
+            status: "pending".into(),
+            error: None,
+            total_ms: None,
+            name: req.name.clone(),
+        },
+    )?;
     let spec = serde_json::json!({
         "container": ctx.ctr.id, "statepoint": id, "root": globals.root, "systemd-cgroup": globals.systemd_cgroup,
         "name": req.name, "description": req.description, "state": req.state,
@@ -88,7 +100,8 @@ pub fn start(globals: &Globals, name: &str, req: &SnapshotRequest, worker: &std:
 pub fn work(lock_fd: i32, spec: &str) -> Result<()> {
     // SAFETY: the fd was inherited locked from `start`; owning it keeps the lock until we exit.
     let _lock: File = unsafe { std::os::fd::FromRawFd::from_raw_fd(lock_fd) };
-    let v: serde_json::Value = serde_json::from_str(spec).map_err(|e| Error::Worker(format!("bad worker spec: {e}")))?;
+    let v: serde_json::Value =
+        serde_json::from_str(spec).map_err(|e| Error::Worker(format!("bad worker spec: {e}")))?;
     let s = |k: &str| v[k].as_str().map(String::from);
     let globals = Globals { root: s("root").map(PathBuf::from), systemd_cgroup: v["systemd-cgroup"] == true };
     let (container, sp) = (s("container").unwrap_or_default(), s("statepoint").unwrap_or_default());
@@ -107,9 +120,27 @@ pub fn work(lock_fd: i32, spec: &str) -> Result<()> {
     let cfg = crate::config::Config::load()?;
     let store = ContainerStore::new(&cfg.store.path, &container);
     match taken {
-        Ok((_, m)) => record(&store, &AsyncOutcome { statepoint: sp, status: "committed".into(), error: None, total_ms: Some(m.measurements.total_ms), name: s("name") }),
+        Ok((_, m)) => record(
+            &store,
+            &AsyncOutcome {
+                statepoint: sp,
+                status: "committed".into(),
+                error: None,
+                total_ms: Some(m.measurements.total_ms),
+                name: s("name"),
+            },
+        ),
         Err(e) => {
-            record(&store, &AsyncOutcome { statepoint: sp, status: "failed".into(), error: Some(e.to_string()), total_ms: None, name: s("name") })?;
+            record(
+                &store,
+                &AsyncOutcome {
+                    statepoint: sp,
+                    status: "failed".into(),
+                    error: Some(e.to_string()),
+                    total_ms: None,
+                    name: s("name"),
+                },
+            )?;
             Err(e)
         }
     }
@@ -123,7 +154,13 @@ pub fn wait(store: &ContainerStore, sp: &str) -> Result<AsyncOutcome> {
     let Some(first) = read() else {
         // Not asynchronous (or long forgotten): what the registry says.
         return match store.find(sp) {
-            Ok(m) => Ok(AsyncOutcome { statepoint: m.statepoint_id, status: "committed".into(), error: None, total_ms: None, name: m.name }),
+            Ok(m) => Ok(AsyncOutcome {
+                statepoint: m.statepoint_id,
+                status: "committed".into(),
+                error: None,
+                total_ms: None,
+                name: m.name,
+            }),
             Err(e) => Err(e.into()),
         };
     };
@@ -133,7 +170,9 @@ pub fn wait(store: &ContainerStore, sp: &str) -> Result<AsyncOutcome> {
     match read() {
         Some(o) if o.status == "committed" => Ok(o),
         Some(AsyncOutcome { error: Some(e), .. }) => Err(Error::Worker(e)),
-        _ => Err(Error::Worker(format!("the snapshot worker of {sp} ended without a word (killed?): nothing was committed"))),
+        _ => Err(Error::Worker(format!(
+            "the snapshot worker of {sp} ended without a word (killed?): nothing was committed"
+        ))),
     }
 }
 
@@ -156,7 +195,8 @@ pub(super) fn spawn_worker(worker: &std::path::Path, verb: &str, lock: &File, sp
                 }
             }
             let f = std::os::fd::BorrowedFd::borrow_raw(fd);
-            nix::fcntl::fcntl(f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty())).map_err(std::io::Error::from)?;
+            nix::fcntl::fcntl(f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()))
+                .map_err(std::io::Error::from)?;
             Ok(())
         });
     }
@@ -177,7 +217,17 @@ mod tests {
         let store = ContainerStore::new(&dir, "c");
         std::fs::create_dir_all(store.dir.join("async")).unwrap();
         for (id, status) in [("sp3", "failed"), ("sp7", "committed")] {
-            record(&store, &AsyncOutcome { statepoint: id.into(), status: status.into(), error: (status == "failed").then(|| "x".into()), total_ms: None, name: Some("tests-pass".into()) }).unwrap();
+            record(
+                &store,
+                &AsyncOutcome {
+                    statepoint: id.into(),
+                    status: status.into(),
+                    error: (status == "failed").then(|| "x".into()),
+                    total_ms: None,
+                    name: Some("tests-pass".into()),
+                },
+            )
+            .unwrap();
         }
         assert_eq!(wait(&store, "tests-pass").unwrap().statepoint, "sp7", "the newest of that name");
         assert!(wait(&store, "sp3").is_err());

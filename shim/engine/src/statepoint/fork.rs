@@ -61,7 +61,12 @@ impl Fork {
 
     /// `forking agent at sp3 (deps-installed) into agent-b`.
     pub fn title(&self) -> String {
-        format!("forking {} at {} into {}", self.source.name, describe(&self.target), self.name.as_deref().unwrap_or("a spare or a new container"))
+        format!(
+            "forking {} at {} into {}",
+            self.source.name,
+            describe(&self.target),
+            self.name.as_deref().unwrap_or("a spare or a new container")
+        )
     }
 
     /// Runs it: the new container, running, and its restore context (kept in its store); the
@@ -73,7 +78,11 @@ impl Fork {
         let handed = match super::spares::claim(&self.src_store, &self.target.statepoint_id) {
             Some(spare) => {
                 let name = self.name.as_deref().unwrap_or(&spare.name);
-                progress.phase(if name == spare.name { "a spare of the statepoint, under its own name (thawed)" } else { "a spare of the statepoint (podman rename, thawed)" });
+                progress.phase(if name == spare.name {
+                    "a spare of the statepoint, under its own name (thawed)"
+                } else {
+                    "a spare of the statepoint (podman rename, thawed)"
+                });
                 match super::spares::hand_out(&self.globals, &self.cfg, &self.source, &spare, name) {
                     Ok(x) => Some(x),
                     Err(e) => {
@@ -87,7 +96,10 @@ impl Fork {
         let (new, ctx) = match handed {
             Some(x) => x,
             None => {
-                let name = self.name.clone().unwrap_or_else(|| free_name(&format!("{}-fork-{}", self.source.name, self.target.statepoint_id)));
+                let name = self
+                    .name
+                    .clone()
+                    .unwrap_or_else(|| free_name(&format!("{}-fork-{}", self.source.name, self.target.statepoint_id)));
                 self.make(&name, progress)?
             }
         };
@@ -95,7 +107,8 @@ impl Fork {
         {
             // Beside the source's tool calls: its lock shared, and the notes lock.
             let _lock = (self.src_store.lock(false), self.src_store.notes_lock());
-            let note = Outcome::now(format!("forked into {name} ({})", super::short(&new.id)), OutcomeStatus::Info, by, None);
+            let note =
+                Outcome::now(format!("forked into {name} ({})", super::short(&new.id)), OutcomeStatus::Info, by, None);
             let _ = context::append_outcome(&self.src_store, &self.target.statepoint_id, note);
         }
         Ok((new, ctx))
@@ -124,7 +137,14 @@ impl Fork {
                 state: target.state_evidence.state.clone(),
                 source: Some(src.name.clone()),
             },
-            restored: vec!["processes and memory (CRIU restore)".into(), if target.local_state.zfs_snapshot.is_some() { "files (a ZFS clone)".into() } else { "files (a copy)".into() }],
+            restored: vec![
+                "processes and memory (CRIU restore)".into(),
+                if target.local_state.zfs_snapshot.is_some() {
+                    "files (a ZFS clone)".into()
+                } else {
+                    "files (a copy)".into()
+                },
+            ],
             compensated: vec![],
             discarded_statepoints: vec![],
             unreachable_statepoints: vec![],
@@ -166,7 +186,9 @@ pub(super) fn discard(cfg: &Config, src: &PodmanContainer, name: &str) {
 /// Drops the database a failed fork `new_id` may have been given (nothing when it has none).
 fn unbranch(cfg: &Config, src: &PodmanContainer, new_id: &str) {
     let Ok(src_cfg) = src_config(cfg, src) else { return };
-    if let (Ok(Some((_, svc))), Ok(proxy)) = (crate::remote::sidecar::service(&src_cfg), crate::remote::sidecar::proxy_path(&src_cfg)) {
+    if let (Ok(Some((_, svc))), Ok(proxy)) =
+        (crate::remote::sidecar::service(&src_cfg), crate::remote::sidecar::proxy_path(&src_cfg))
+    {
         if src_cfg.mcp.disabled.is_none() && crate::remote::sidecar::can_branch(svc) {
             let _ = crate::remote::hooks::unbranch(&proxy, &src.id, new_id);
         }
@@ -219,7 +241,13 @@ fn fork_into(
         }
         m
     };
-    leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None, Destination::Stays)?;
+    leave_for_podman(
+        &m,
+        &store.statepoint_dir(&m.statepoint_id),
+        &new.bundle.join("checkpoint"),
+        None,
+        Destination::Stays,
+    )?;
     crate::fault::point("fork.linked")?;
     progress.phase("processes (podman container restore)");
     let mut args = vec!["container", "restore", "--print-stats"];
@@ -246,7 +274,12 @@ fn src_config(cfg: &Config, src: &PodmanContainer) -> Result<Config> {
 /// returned, the fork's remote state); otherwise, or when the branch is refused, the fork's
 /// sidecar starts no upstream and refuses every call, saying why: the source's service is the
 /// source's alone.
-fn carry_settings(src: &PodmanContainer, src_cfg: &Config, target: &Manifest, new: &PodmanContainer) -> Result<Option<crate::store::RemoteState>> {
+fn carry_settings(
+    src: &PodmanContainer,
+    src_cfg: &Config,
+    target: &Manifest,
+    new: &PodmanContainer,
+) -> Result<Option<crate::store::RemoteState>> {
     let mut settings: Vec<(String, serde_json::Value)> = src
         .annotations
         .iter()
@@ -265,13 +298,11 @@ fn carry_settings(src: &PodmanContainer, src_cfg: &Config, target: &Manifest, ne
         };
         let disabled = match (src_cfg.mcp.disabled.as_deref(), state) {
             (Some(_), _) => Some(refused(format!("{} has none either", src.name))),
-            (None, _) if !crate::remote::sidecar::can_branch(svc) => {
-                Some(refused(if svc.database.is_empty() {
-                    "its state is not a database planarian can copy".into()
-                } else {
-                    "the service does not name its database as {dbname}, so it cannot branch".into()
-                }))
-            }
+            (None, _) if !crate::remote::sidecar::can_branch(svc) => Some(refused(if svc.database.is_empty() {
+                "its state is not a database planarian can copy".into()
+            } else {
+                "the service does not name its database as {dbname}, so it cannot branch".into()
+            })),
             (None, None) => Some(refused(format!("statepoint {} holds no database position", target.statepoint_id))),
             (None, Some(state)) => match crate::remote::hooks::branch(state, &src.id, &new.id) {
                 Ok((r, database)) => {
@@ -307,7 +338,8 @@ fn link_statepoint(
     let dir = store.statepoint_dir(&id);
     let images = dir.join(&target.local_state.criu_checkpoint_path);
     let prev = crate::chain::link_chain(&from.join(&target.local_state.criu_checkpoint_path), store, &images)?;
-    std::fs::copy(from.join("descriptors.json"), dir.join("descriptors.json")).at("copy", from.join("descriptors.json"))?;
+    std::fs::copy(from.join("descriptors.json"), dir.join("descriptors.json"))
+        .at("copy", from.join("descriptors.json"))?;
     crate::local::devfs::link(&from, &dir)?;
     if let Some(copy) = &target.local_state.rootfs_copy_path {
         crate::local::copy::cp(&["--link"], &from.join(copy), &dir.join(copy))?;
@@ -318,7 +350,12 @@ fn link_statepoint(
     m.container_id = store.container_id();
     m.branch_id = m.container_id.clone();
     m.timestamp = crate::log::rfc3339(std::time::SystemTime::now());
-    m.state_evidence.prior_outcomes.push(Outcome::now(format!("forked from {} at {}", src.name, target.statepoint_id), OutcomeStatus::Info, Actor::Harness, None));
+    m.state_evidence.prior_outcomes.push(Outcome::now(
+        format!("forked from {} at {}", src.name, target.statepoint_id),
+        OutcomeStatus::Info,
+        Actor::Harness,
+        None,
+    ));
     m.chain.prev_images_dir = prev;
     // The remote state belongs to the source: a rollback of the fork never compensates it, but
     // compensates the fork's own branch of it, when it has one.

@@ -171,7 +171,9 @@ pub fn finish_compensation(store: &ContainerStore, id: &str) {
             }
         }
         Ok(None) => {}
-        Err(e) => eprintln!("planarian: an interrupted rollback's compensation still fails (tried again by the next operation): {e}"),
+        Err(e) => eprintln!(
+            "planarian: an interrupted rollback's compensation still fails (tried again by the next operation): {e}"
+        ),
     }
 }
 
@@ -282,7 +284,13 @@ pub fn enforce_retention(cfg: &Config, store: &ContainerStore) {
 
 /// Names, descriptions and outcomes of a committed statepoint, changed under the exclusive lock;
 /// the captured state is never touched.
-pub fn annotate(store: &ContainerStore, key: &str, name: Option<&str>, description: Option<&str>, outcomes: Vec<store::Outcome>) -> Result<Manifest> {
+pub fn annotate(
+    store: &ContainerStore,
+    key: &str,
+    name: Option<&str>,
+    description: Option<&str>,
+    outcomes: Vec<store::Outcome>,
+) -> Result<Manifest> {
     let _lock = store.lock(true)?;
     let mut m = store.find(key)?;
     if let Some(n) = name {

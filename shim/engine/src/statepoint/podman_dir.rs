@@ -24,7 +24,13 @@ pub enum Destination<'a> {
 /// Leaves what Podman and CRI-O expect after a checkpoint: `inventory.img` at the image path
 /// (both check it before a restore), our marker, the CRIU log and stats in the work path; and,
 /// for a directory that leaves, the statepoint itself ([`super::travel::hand_out`]).
-pub fn leave_for_podman(m: &Manifest, sp_dir: &Path, image_path: &Path, work_path: Option<&Path>, to: Destination) -> Result<()> {
+pub fn leave_for_podman(
+    m: &Manifest,
+    sp_dir: &Path,
+    image_path: &Path,
+    work_path: Option<&Path>,
+    to: Destination,
+) -> Result<()> {
     std::fs::create_dir_all(image_path).at("create", image_path)?;
     let images = sp_dir.join(&m.local_state.criu_checkpoint_path);
     match to {
@@ -32,7 +38,8 @@ pub fn leave_for_podman(m: &Manifest, sp_dir: &Path, image_path: &Path, work_pat
             super::travel::hand_out(cfg, store, m, image_path, None)?;
         }
         Destination::Stays => {
-            std::fs::copy(images.join("inventory.img"), image_path.join("inventory.img")).at("copy inventory.img to", image_path)?;
+            std::fs::copy(images.join("inventory.img"), image_path.join("inventory.img"))
+                .at("copy inventory.img to", image_path)?;
         }
     }
     let marker = serde_json::json!({ "container-id": m.container_id, "statepoint-id": m.statepoint_id });

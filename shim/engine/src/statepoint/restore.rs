@@ -64,8 +64,9 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
             (m, Some(guard))
         }
         None => {
-            let m = read_manifest(&store.statepoint_dir(&marker_sp).join("manifest.json"))
-                .map_err(|_| Error::UnknownStatepoint { statepoint: marker_sp.clone(), container: marker_ctr.clone() })?;
+            let m = read_manifest(&store.statepoint_dir(&marker_sp).join("manifest.json")).map_err(|_| {
+                Error::UnknownStatepoint { statepoint: marker_sp.clone(), container: marker_ctr.clone() }
+            })?;
             (super::committed(m)?, None)
         }
     };
@@ -125,7 +126,11 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     let empty_dir = criu::empty_dir()?;
     let join_netns = !criu::has_netns_image(&images);
     // A /dev planarian kept: a fresh tmpfs for CRIU to bind, detached once the restore is done.
-    let dev = if crate::local::devfs::saved(&sp_dir) { Some(crate::local::devfs::Restored::mount(&sp_dir, &restore_work.join("dev"))?) } else { None };
+    let dev = if crate::local::devfs::saved(&sp_dir) {
+        Some(crate::local::devfs::Restored::mount(&sp_dir, &restore_work.join("dev"))?)
+    } else {
+        None
+    };
     let plan = criu::RestorePlan {
         images_dir: &images,
         work_dir: &restore_work,
@@ -145,7 +150,12 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
         tcp_established: a.tcp_established || m.options.tcp_established,
         file_locks: a.file_locks || m.options.file_locks,
         empty_dir: Some(&empty_dir),
-        network_lock: criu::network_lock(&criu_bin, cfg.checkpoint.network_lock, join_netns, a.tcp_established || m.options.tcp_established),
+        network_lock: criu::network_lock(
+            &criu_bin,
+            cfg.checkpoint.network_lock,
+            join_netns,
+            a.tcp_established || m.options.tcp_established,
+        ),
         dev_tmpfs: dev.as_ref().map(|d| d.path.as_path()),
     };
     if !matches!(hooks, PreResume::Off(_)) {
@@ -157,9 +167,22 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     }
     crate::fault::point("restore.before-criu")?;
     let pid: i32 = if spec.terminal {
-        restore_terminal(&criu_bin, &plan, a.console_socket.as_deref().ok_or(Error::TerminalNeedsConsole)?, !matches!(hooks, PreResume::Off(_)), &epoch_file)?
+        restore_terminal(
+            &criu_bin,
+            &plan,
+            a.console_socket.as_deref().ok_or(Error::TerminalNeedsConsole)?,
+            !matches!(hooks, PreResume::Off(_)),
+            &epoch_file,
+        )?
     } else {
-        criu::run(&criu_bin, &criu::restore_args(&plan), &restore_work.join("restore.log"), true, &[("PLANARIAN_EPOCH_FILE", &epoch_file)], plan.join_netns)?;
+        criu::run(
+            &criu_bin,
+            &criu::restore_args(&plan),
+            &restore_work.join("restore.log"),
+            true,
+            &[("PLANARIAN_EPOCH_FILE", &epoch_file)],
+            plan.join_netns,
+        )?;
         std::fs::read_to_string(&criu_pid_file)
             .ok()
             .and_then(|s| s.trim().parse().ok())
@@ -225,7 +248,13 @@ impl Drop for RestoredTree {
 
 /// A terminal container, through CRIU's RPC: the new terminal's master goes to conmon's console
 /// socket, and the pre-resume step of Algorithm 1 runs here. Returns the restored init's pid.
-fn restore_terminal(criu_bin: &Path, plan: &criu::RestorePlan, console: &Path, hook: bool, epoch_file: &Path) -> Result<i32> {
+fn restore_terminal(
+    criu_bin: &Path,
+    plan: &criu::RestorePlan,
+    console: &Path,
+    hook: bool,
+    epoch_file: &Path,
+) -> Result<i32> {
     let mut root: Option<i32> = None;
     let mut console_sent = false;
     let pid = criu::rpc::restore(criu_bin, plan, |n| {
@@ -255,7 +284,8 @@ fn restore_terminal(criu_bin: &Path, plan: &criu::RestorePlan, console: &Path, h
 
 /// E in microseconds, as the pre-resume hook recorded it ("E CLK_TCK", in clock ticks).
 fn read_epoch(file: &Path, work: &Path) -> Epoch {
-    let missing = || Epoch::Missing(format!("the pre-resume hook recorded no epoch (see {}/restore.log)", work.display()));
+    let missing =
+        || Epoch::Missing(format!("the pre-resume hook recorded no epoch (see {}/restore.log)", work.display()));
     let Ok(text) = std::fs::read_to_string(file) else { return missing() };
     let mut f = text.split_whitespace().map(|x| x.parse::<u64>());
     match (f.next(), f.next()) {
@@ -270,8 +300,10 @@ fn read_epoch(file: &Path, work: &Path) -> Epoch {
 /// a symbolic link is left alone: what it points at is not ours to create (CRIU says what is
 /// missing).
 fn ensure_mount_points(spec: &crate::runtime::Spec) -> Result<()> {
-    let tmpfs: Vec<&str> = spec.mounts.iter().filter(|(_, t)| t == "tmpfs").map(|(d, _)| d.trim_end_matches('/')).collect();
-    let on_tmpfs = |d: &str| tmpfs.iter().any(|t| d.len() > t.len() && d.starts_with(t) && d.as_bytes()[t.len()] == b'/');
+    let tmpfs: Vec<&str> =
+        spec.mounts.iter().filter(|(_, t)| t == "tmpfs").map(|(d, _)| d.trim_end_matches('/')).collect();
+    let on_tmpfs =
+        |d: &str| tmpfs.iter().any(|t| d.len() > t.len() && d.starts_with(t) && d.as_bytes()[t.len()] == b'/');
     let binds = spec.binds.iter().map(|(d, src)| (d, !Path::new(src).is_dir() && Path::new(src).exists()));
     let others = spec.mounts.iter().filter(|(_, t)| t != "cgroup" && t != "cgroup2").map(|(d, _)| (d, false));
     for (dest, file) in binds.chain(others) {
@@ -327,4 +359,3 @@ impl Drop for BindMount {
         let _ = std::fs::remove_dir(&self.target);
     }
 }
-

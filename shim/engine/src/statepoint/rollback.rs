@@ -46,7 +46,9 @@ impl Rollback {
         let cfg = Config::load()?;
         let store = ContainerStore::new(&cfg.store.path, &container.id);
         let lock = match wait {
-            true => store.lock_for_statepoint(cfg.checkpoint.in_flight_wait(), &mut |what| eprintln!("waiting for what is in flight in {} ({what})", container.name))?,
+            true => store.lock_for_statepoint(cfg.checkpoint.in_flight_wait(), &mut |what| {
+                eprintln!("waiting for what is in flight in {} ({what})", container.name)
+            })?,
             false => store.try_lock(true)?.ok_or_else(|| Error::Busy(container.name.clone()))?,
         };
         crate::log::mark("locked");
@@ -68,7 +70,13 @@ impl Rollback {
     /// Runs it, reporting each phase to `progress`. The target gets an `abandoned` outcome
     /// naming what was left (by `by`, for `reason`), and the restore context is kept in the
     /// store and returned.
-    pub fn run(self, globals: &Globals, progress: &mut dyn Progress, reason: Option<&str>, by: Actor) -> Result<RestoreContext> {
+    pub fn run(
+        self,
+        globals: &Globals,
+        progress: &mut dyn Progress,
+        reason: Option<&str>,
+        by: Actor,
+    ) -> Result<RestoreContext> {
         let (store, target) = (&self.store, &self.target);
         let left = context::left_behind(&store.manifests(), store.head().as_deref(), &target.statepoint_id);
         let done = rollback(globals, &self.cfg, &self.container, store, target, progress)?;
@@ -77,8 +85,13 @@ impl Rollback {
             .remote_state
             .iter()
             .filter_map(|r| {
-                let from = done.safety_positions.iter().find(|s| s.hook_path == r.hook_path).and_then(|s| s.mcp_call_position);
-                Some(Compensated { endpoint: r.external_endpoint.clone(), from_position: from, to_position: r.mcp_call_position? })
+                let from =
+                    done.safety_positions.iter().find(|s| s.hook_path == r.hook_path).and_then(|s| s.mcp_call_position);
+                Some(Compensated {
+                    endpoint: r.external_endpoint.clone(),
+                    from_position: from,
+                    to_position: r.mcp_call_position?,
+                })
             })
             .collect();
         let calls: u64 = compensated.iter().filter_map(|c| Some(c.from_position?.saturating_sub(c.to_position))).sum();
@@ -109,7 +122,10 @@ impl Rollback {
                 source: None,
             },
             restored: match done.how.pages_written {
-                Some(p) => vec![format!("processes and memory (in place: {p} pages written)"), format!("files ({}, in place)", done.files_backend)],
+                Some(p) => vec![
+                    format!("processes and memory (in place: {p} pages written)"),
+                    format!("files ({}, in place)", done.files_backend),
+                ],
                 None => vec!["processes and memory (CRIU restore)".into(), format!("files ({})", done.files_backend)],
             },
             compensated,
@@ -122,7 +138,11 @@ impl Rollback {
             how: Some(done.how.clone()),
         };
         // Evidence after the fact: the rollback itself succeeded whatever these do.
-        let _ = context::append_outcome(store, &target.statepoint_id, Outcome::now(what.join("; "), OutcomeStatus::Abandoned, by, None));
+        let _ = context::append_outcome(
+            store,
+            &target.statepoint_id,
+            Outcome::now(what.join("; "), OutcomeStatus::Abandoned, by, None),
+        );
         crate::log::mark("outcome");
         // Which path it took, in the manifest (the outcome is what a model reads: kept to what
         // happened to the sandbox).
@@ -133,7 +153,9 @@ impl Rollback {
         let _ = ctx.save(store);
         crate::log::mark("recorded");
         if let Some(l) = done.leftover {
-            progress.phase("in place: the safety statepoint and the comparison removed in the background (the sandbox runs)");
+            progress.phase(
+                "in place: the safety statepoint and the comparison removed in the background (the sandbox runs)",
+            );
             l.remove_after(&self.cfg, store, &self._lock);
             crate::log::mark("worker");
         }
@@ -197,16 +219,27 @@ pub fn cleanup_worker(lock_fd: i32, spec: &str) -> Result<()> {
     // SAFETY: the fd was inherited locked from `remove_after`; owning it keeps the lock until we exit.
     let lock: File = unsafe { std::os::fd::FromRawFd::from_raw_fd(lock_fd) };
     let _ = lock.lock_shared();
-    let v: serde_json::Value = serde_json::from_str(spec).map_err(|e| Error::Worker(format!("bad worker spec: {e}")))?;
+    let v: serde_json::Value =
+        serde_json::from_str(spec).map_err(|e| Error::Worker(format!("bad worker spec: {e}")))?;
     let s = |k: &str| v[k].as_str().map(String::from);
     let cfg = Config::load()?;
     let store = ContainerStore::new(&cfg.store.path, &s("container").unwrap_or_default());
-    let zfs = v["zfs"].as_array().map(|a| a.iter().filter_map(|m| m.as_str().map(String::from)).collect()).unwrap_or_default();
+    let zfs = v["zfs"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|m| m.as_str().map(String::from)).collect())
+        .unwrap_or_default();
     Leftover { safety: s("safety").unwrap_or_default(), zfs }.remove_now(&cfg, &store);
     Ok(())
 }
 
-fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest, progress: &mut dyn Progress) -> Result<Done> {
+fn rollback(
+    globals: &Globals,
+    cfg: &Config,
+    pc: &PodmanContainer,
+    store: &ContainerStore,
+    target: &Manifest,
+    progress: &mut dyn Progress,
+) -> Result<Done> {
     let from = store.head();
     let rootfs = crate::local::rootfs_for(cfg, store, &pc.id, pc.upperdir.clone())?;
     crate::log::mark("rootfs");
@@ -247,7 +280,9 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         } else {
             let mut blocked = || full_path.get().as_ref().err().map(|e| e.to_string());
             match in_place(&ctx, pc, store, target, rootfs.as_ref(), &mut blocked, progress)? {
-                InPlace::Done { how, safety_positions, leftover } => return Ok(Done { from, safety_positions, files_backend: rootfs.backend(), how, leftover }),
+                InPlace::Done { how, safety_positions, leftover } => {
+                    return Ok(Done { from, safety_positions, files_backend: rootfs.backend(), how, leftover })
+                }
                 InPlace::Refused { why, safety } => {
                     progress.phase(&format!("not in place: {why}"));
                     not_in_place = Some(why);
@@ -298,14 +333,20 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
         progress.phase(&format!("files ({})", rootfs.backend()));
         let files = rootfs.restore(&saved, &target.local_state)?;
         progress.phase("processes (podman container restore)");
-        let restored = crate::fault::point("rollback.files-restored").map_err(Error::from).and_then(|()| podman_restore(store, pc, target));
+        let restored = crate::fault::point("rollback.files-restored")
+            .map_err(Error::from)
+            .and_then(|()| podman_restore(store, pc, target));
         match restored {
             Ok(Some(s)) => progress.done(&s.breakdown()),
             Ok(None) => {}
             Err(e) => {
                 return match files.undo() {
                     Ok(()) => Err(e),
-                    Err(u) => Err(Error::UndoFailed { first: Box::new(e), undoing: "putting the previous files back", then: Box::new(u.into()) }),
+                    Err(u) => Err(Error::UndoFailed {
+                        first: Box::new(e),
+                        undoing: "putting the previous files back",
+                        then: Box::new(u.into()),
+                    }),
                 }
             }
         }
@@ -334,7 +375,11 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
                     .and_then(|()| files.undo().map_err(Error::from));
                 match back {
                     Ok(()) => Err(e),
-                    Err(u) => Err(Error::UndoFailed { first: Box::new(e), undoing: "stopping the restored container and putting the previous files back", then: Box::new(u) }),
+                    Err(u) => Err(Error::UndoFailed {
+                        first: Box::new(e),
+                        undoing: "stopping the restored container and putting the previous files back",
+                        then: Box::new(u),
+                    }),
                 }
             }
         }
@@ -365,15 +410,25 @@ fn rollback(globals: &Globals, cfg: &Config, pc: &PodmanContainer, store: &Conta
 }
 
 enum InPlace {
-    Done { how: How, safety_positions: Vec<crate::store::RemoteState>, leftover: Option<Leftover> },
+    Done {
+        how: How,
+        safety_positions: Vec<crate::store::RemoteState>,
+        leftover: Option<Leftover>,
+    },
     /// Not in place, for this reason. With the safety statepoint when it was taken: the
     /// container was then stopped (frozen, killed) and the rollback goes on with it.
-    Refused { why: String, safety: Option<Box<Manifest>> },
+    Refused {
+        why: String,
+        safety: Option<Box<Manifest>>,
+    },
 }
 
 /// Kills the (frozen) container and waits until Podman sees it stopped, thawing it between.
 fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<()> {
-    let _ = std::process::Command::new(&ctx.crun).args(ctx.globals.crun_args()).args(["kill", &ctx.ctr.id, "KILL"]).status();
+    let _ = std::process::Command::new(&ctx.crun)
+        .args(ctx.globals.crun_args())
+        .args(["kill", &ctx.ctr.id, "KILL"])
+        .status();
     drop(frozen);
     Ok(podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?)
 }
@@ -384,7 +439,15 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 /// any doubt refuses (and the stop-and-restore path runs, with the safety statepoint when there
 /// is one); after it, a failure restores the safety statepoint. `blocked`: why the
 /// stop-and-restore path cannot run, if it cannot.
-fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Manifest, rootfs: &dyn Rootfs, blocked: &mut dyn FnMut() -> Option<String>, progress: &mut dyn Progress) -> Result<InPlace> {
+fn in_place(
+    ctx: &Ctx,
+    pc: &PodmanContainer,
+    store: &ContainerStore,
+    target: &Manifest,
+    rootfs: &dyn Rootfs,
+    blocked: &mut dyn FnMut() -> Option<String>,
+    progress: &mut dyn Progress,
+) -> Result<InPlace> {
     let pid = ctx.ctr.running_pid()?;
     let freezer = Freezer::of_pid(pid)?;
     let frozen = FreezeGuard::freeze(&freezer, store.dir.join(crate::local::freezer::MARKER))?;
@@ -403,7 +466,12 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
     let at = InPlaceAt {
         root: PathBuf::from(format!("/proc/{pid}/root")),
         lowers: crate::local::zfs::layers::overlay_layers(&mounts, Path::new("/")).map(|l| l.lower).unwrap_or_default(),
-        mounted: mounts.iter().filter_map(|m| Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)).collect(),
+        mounted: mounts
+            .iter()
+            .filter_map(|m| {
+                Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)
+            })
+            .collect(),
         scratch: store.dir.join("in-place-files"),
         // (reserved: the lock is held; what the files' start captures of this freeze is its)
         safety: Some(store.next_id()),
@@ -435,12 +503,15 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
     progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
     let prepared = std::thread::scope(|scope| -> std::result::Result<_, String> {
         // The page plan (the images read) beside the files' comparison.
-        let planning = scope.spawn(|| shape.plan(&safety_dir.join(&safety.local_state.criu_checkpoint_path)).map_err(|e| e.to_string()));
+        let planning = scope.spawn(|| {
+            shape.plan(&safety_dir.join(&safety.local_state.criu_checkpoint_path)).map_err(|e| e.to_string())
+        });
         let plan = || planning.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         // /dev, a tmpfs planarian keeps itself: put back only by a restore; in place, it must
         // be as it was.
         if let (true, Some(dev)) = (crate::local::devfs::saved(&sp_dir), crate::local::devfs::dev_mount(&mounts)) {
-            let then = crate::local::devfs::Restored::mount(&sp_dir, &store.dir.join("in-place-dev")).map_err(|e| e.to_string())?;
+            let then = crate::local::devfs::Restored::mount(&sp_dir, &store.dir.join("in-place-dev"))
+                .map_err(|e| e.to_string())?;
             let live = PathBuf::from(format!("/proc/{pid}/root/dev"));
             let children: Vec<PathBuf> = dev.children.iter().map(PathBuf::from).collect();
             let differs = crate::local::treesync::plan(&then.path, &live, &live, &[], false, &children)?;
@@ -457,14 +528,17 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
         Err(why) => {
             if let Some(b) = blocked() {
                 forget_safety();
-                return Err(Error::Worker(format!("cannot roll back in place ({why}), nor by stopping and restoring ({b}); nothing was changed")));
+                return Err(Error::Worker(format!(
+                    "cannot roll back in place ({why}), nor by stopping and restoring ({b}); nothing was changed"
+                )));
             }
             stop_frozen(ctx, pc, frozen)?;
             return Ok(InPlace::Refused { why, safety: Some(Box::new(safety)) });
         }
     };
     // The point of no return: from the first write on, failing means the safety statepoint.
-    let examined = files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
+    let examined =
+        files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
     progress.done(&format!("{} pages, {} files{examined}", plan.pages_written, files.sync.len()));
     progress.phase("in place: files and memory written");
     let applied = (|| -> Result<(inplace::Applied, usize)> {
@@ -480,7 +554,17 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             // statepoint's images (the pages just written were cleared as clean): full, until
             // the chain's base is the statepoint's below.
             let init_start = sys::proc::start_time(pid).unwrap_or(0);
-            crate::chain::write_base(store, &crate::chain::Base { images: None, depth: 0, init_start_time: init_start, full_reason: Some("a rollback in place was interrupted while it compensated the remote state".into()) })?;
+            crate::chain::write_base(
+                store,
+                &crate::chain::Base {
+                    images: None,
+                    depth: 0,
+                    init_start_time: init_start,
+                    full_reason: Some(
+                        "a rollback in place was interrupted while it compensated the remote state".into(),
+                    ),
+                },
+            )?;
         }
         let _intent = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)?;
         crate::fault::point("rollback.in-place.written")?;
@@ -505,7 +589,15 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
                 .unwrap_or_else(|| crate::chain::Epoch::Missing("no start time of the rolled-back threads".into()));
             if crate::chain::after_restore(store, target, epoch, init_start).is_err() {
                 // Never an incremental dump against the safety statepoint's images.
-                let _ = crate::chain::write_base(store, &crate::chain::Base { images: None, depth: 0, init_start_time: init_start, full_reason: Some("the rollback in place could not record its base".into()) });
+                let _ = crate::chain::write_base(
+                    store,
+                    &crate::chain::Base {
+                        images: None,
+                        depth: 0,
+                        init_start_time: init_start,
+                        full_reason: Some("the rollback in place could not record its base".into()),
+                    },
+                );
             }
             store.set_head(Some(&target.statepoint_id))?;
             crate::log::mark("chain");
@@ -515,7 +607,10 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
             // once the caller has its answer ([`Leftover`]).
             drop(frozen);
             crate::log::mark("thawed");
-            progress.done(&format!("{} pages written, {} dropped, {} system calls, {n} files", a.pages_written, a.pages_dropped, a.system_calls));
+            progress.done(&format!(
+                "{} pages written, {} dropped, {} system calls, {n} files",
+                a.pages_written, a.pages_dropped, a.system_calls
+            ));
             let (places_examined, places_from) = (files.sync.places, files.sync.located_by);
             let leftover = match store.mark_discarded(&safety.statepoint_id) {
                 Ok(_) => Some(Leftover { safety: safety.statepoint_id.clone(), zfs: files.hand_off() }),
@@ -526,7 +621,15 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
                 }
             };
             crate::log::mark("discarded");
-            let how = How { path: "in-place".into(), pages_written: Some(a.pages_written), pages_dropped: Some(a.pages_dropped), files_changed: Some(n as u64), places_examined: places_examined.map(|p| p as u64), places_from: places_from.map(String::from), not_in_place: None };
+            let how = How {
+                path: "in-place".into(),
+                pages_written: Some(a.pages_written),
+                pages_dropped: Some(a.pages_dropped),
+                files_changed: Some(n as u64),
+                places_examined: places_examined.map(|p| p as u64),
+                places_from: places_from.map(String::from),
+                not_in_place: None,
+            };
             Ok(InPlace::Done { how, safety_positions: positions, leftover })
         }
         Err(e) => {
@@ -551,7 +654,11 @@ fn in_place(ctx: &Ctx, pc: &PodmanContainer, store: &ContainerStore, target: &Ma
 /// unless a remote-state hook undid part of it before it failed (it says so: `partly undone:`).
 fn rolled_back(e: Error) -> Error {
     match &e {
-        Error::Remote(crate::remote::Error::Failed { message, .. }) if message.contains(crate::remote::hooks::PARTLY_UNDONE) => Error::RemotePartly(Box::new(e)),
+        Error::Remote(crate::remote::Error::Failed { message, .. })
+            if message.contains(crate::remote::hooks::PARTLY_UNDONE) =>
+        {
+            Error::RemotePartly(Box::new(e))
+        }
         _ => Error::RolledBack(Box::new(e)),
     }
 }
@@ -559,10 +666,15 @@ fn rolled_back(e: Error) -> Error {
 /// Where fds 0–2 of the statepoint's init pointed and where they point now: Podman's pipes to
 /// conmon are new after every restore, and stay the container's own.
 fn stdio_pairs(sp_dir: &Path, pid: i32) -> Vec<(String, String)> {
-    let then: Vec<String> = std::fs::read(sp_dir.join("descriptors.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+    let then: Vec<String> = std::fs::read(sp_dir.join("descriptors.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
     then.into_iter()
         .enumerate()
-        .map(|(i, t)| (t, std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default()))
+        .map(|(i, t)| {
+            (t, std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default())
+        })
         .collect()
 }
 

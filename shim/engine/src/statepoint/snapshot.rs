@@ -42,7 +42,11 @@ pub fn take(ctx: &Ctx, req: &SnapshotRequest) -> Result<Manifest> {
 /// when the request does not leave it running (after the thaw otherwise). When `before_release`
 /// fails the sandbox is not killed: it runs on from the statepoint, which stays committed, and
 /// the error is returned.
-pub fn take_then(ctx: &Ctx, req: &SnapshotRequest, before_release: impl FnOnce(&Manifest) -> Result<()>) -> Result<Manifest> {
+pub fn take_then(
+    ctx: &Ctx,
+    req: &SnapshotRequest,
+    before_release: impl FnOnce(&Manifest) -> Result<()>,
+) -> Result<Manifest> {
     let t0 = Instant::now();
     let pid = ctx.ctr.running_pid()?;
     if let Some(n) = &req.name {
@@ -50,7 +54,12 @@ pub fn take_then(ctx: &Ctx, req: &SnapshotRequest, before_release: impl FnOnce(&
             return Err(Error::NameTaken(n.to_string()));
         }
     }
-    let rootfs = crate::local::rootfs_for(&ctx.cfg, &ctx.store, &ctx.ctr.id, crate::runtime::container::overlay_upperdir_of(pid)?)?;
+    let rootfs = crate::local::rootfs_for(
+        &ctx.cfg,
+        &ctx.store,
+        &ctx.ctr.id,
+        crate::runtime::container::overlay_upperdir_of(pid)?,
+    )?;
     let freezer = Freezer::of_pid(pid)?;
 
     let id = req.id.clone().unwrap_or_else(|| ctx.store.next_id());
@@ -81,14 +90,23 @@ pub fn take_then(ctx: &Ctx, req: &SnapshotRequest, before_release: impl FnOnce(&
             leave_running: req.leave_running,
         },
         measurements: store::Measurements::default(),
-        chain: store::Chain { prev_images_dir: plan.prev_images_dir.clone(), depth: plan.depth, full_reason: plan.full_reason.clone() },
+        chain: store::Chain {
+            prev_images_dir: plan.prev_images_dir.clone(),
+            depth: plan.depth,
+            full_reason: plan.full_reason.clone(),
+        },
         imported_from: None,
         rollbacks: vec![],
         unreachable: None,
     };
     rootfs.plan(&id, &mut m.local_state);
     // Until the manifest is committed, the statepoint's directory is removed on any way out.
-    let pending = PendingStatepoint { dir: &dir, dump_log: images.join("dump.log"), failed_log: ctx.store.dir.join("failed-dump.log"), committed: false };
+    let pending = PendingStatepoint {
+        dir: &dir,
+        dump_log: images.join("dump.log"),
+        failed_log: ctx.store.dir.join("failed-dump.log"),
+        committed: false,
+    };
     ctx.store.write_manifest(&m)?;
     record_descriptors(pid, &dir)?;
     crate::fault::point("snapshot.before-freeze")?;
@@ -100,14 +118,16 @@ pub fn take_then(ctx: &Ctx, req: &SnapshotRequest, before_release: impl FnOnce(&
     crate::fault::point("snapshot.frozen")?;
 
     let DumpSetting { masked_dirs, netns, dev } = DumpSetting::of(ctx, pid)?;
-    let network_lock = criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, netns.is_some(), req.tcp_established);
+    let network_lock =
+        criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, netns.is_some(), req.tcp_established);
     // A CRIU that dies while the namespace is locked leaves its lock behind: removed on failure.
     let lock_guard = StaleNetworkLock { pid, armed: network_lock == Some("nftables") && netns.is_none() };
     // From CRIU's first dump on, a failure must make the next dump full.
     let dumping = crate::chain::DumpInProgress::start(&ctx.store, init_start);
     let result = std::thread::scope(|scope| -> Result<()> {
         // The files beside the memory: the container is frozen, and CRIU only reads its files.
-        let (local, rootfs, dir, dev, files_taken, id) = (m.local_state.clone(), &rootfs, &dir, &dev, req.files_taken.as_ref(), &id);
+        let (local, rootfs, dir, dev, files_taken, id) =
+            (m.local_state.clone(), &rootfs, &dir, &dev, req.files_taken.as_ref(), &id);
         let files = scope.spawn(move || {
             let t = Instant::now();
             if let Some(dev) = dev {
@@ -118,7 +138,12 @@ pub fn take_then(ctx: &Ctx, req: &SnapshotRequest, before_release: impl FnOnce(&
                 Some(Ok(())) => Ok(ms(t)),
                 adopted => {
                     if let Some(Err(why)) = adopted {
-                        crate::log::own_log("info", &format!("statepoint {id}: the files captured beside it were not made ({why}): captured now"));
+                        crate::log::own_log(
+                            "info",
+                            &format!(
+                                "statepoint {id}: the files captured beside it were not made ({why}): captured now"
+                            ),
+                        );
                     }
                     rootfs.snapshot(dir, &local).map(|()| ms(t))
                 }
@@ -159,7 +184,11 @@ pub fn take_then(ctx: &Ctx, req: &SnapshotRequest, before_release: impl FnOnce(&
                 let _ = std::fs::remove_dir_all(&images);
                 std::fs::create_dir_all(&images).at("create", &images)?;
                 dump(&criu::DumpPlan { prev_images_dir: None, ..incremental })?;
-                m.chain = store::Chain { prev_images_dir: None, depth: 0, full_reason: Some(format!("the incremental dump failed ({e}); dumped in full")) };
+                m.chain = store::Chain {
+                    prev_images_dir: None,
+                    depth: 0,
+                    full_reason: Some(format!("the incremental dump failed ({e}); dumped in full")),
+                };
             }
             if !images.join("inventory.img").exists() {
                 return Err(Error::NoImages(images.clone()));
@@ -188,11 +217,18 @@ pub fn take_then(ctx: &Ctx, req: &SnapshotRequest, before_release: impl FnOnce(&
         }
         let rest = (|| {
             // Remote positions, with the sandbox still frozen: consistent with files and processes.
-            let parent = m.parent_statepoint_id.as_deref().and_then(|p| ctx.store.find(p).ok()).map(|p| p.remote_state).unwrap_or_default();
-            m.remote_state = crate::remote::hooks::capture(&crate::remote::sidecar::remote_hooks(&ctx.cfg)?, &ctx.ctr.id, &parent)?;
+            let parent = m
+                .parent_statepoint_id
+                .as_deref()
+                .and_then(|p| ctx.store.find(p).ok())
+                .map(|p| p.remote_state)
+                .unwrap_or_default();
+            m.remote_state =
+                crate::remote::hooks::capture(&crate::remote::sidecar::remote_hooks(&ctx.cfg)?, &ctx.ctr.id, &parent)?;
             crate::fault::point("snapshot.before-commit")?;
             m.measurements.criu_bytes = store::du(&images);
-            m.measurements.rootfs_bytes = m.local_state.rootfs_copy_path.as_ref().map_or(0, |c| store::du(&dir.join(c)));
+            m.measurements.rootfs_bytes =
+                m.local_state.rootfs_copy_path.as_ref().map_or(0, |c| store::du(&dir.join(c)));
             m.measurements.frozen_ms = ms(tf);
             m.measurements.total_ms = ms(t0);
             m.status = Status::Committed;
@@ -216,7 +252,10 @@ pub fn take_then(ctx: &Ctx, req: &SnapshotRequest, before_release: impl FnOnce(&
         let killed = released.is_ok();
         if killed {
             // Kill while still frozen, so nothing runs past the statepoint.
-            let _ = std::process::Command::new(&ctx.crun).args(ctx.globals.crun_args()).args(["kill", &ctx.ctr.id, "KILL"]).status();
+            let _ = std::process::Command::new(&ctx.crun)
+                .args(ctx.globals.crun_args())
+                .args(["kill", &ctx.ctr.id, "KILL"])
+                .status();
         }
         drop(frozen);
         (released, killed)
@@ -314,7 +353,11 @@ impl DumpSetting {
             Some(_) => Some(open_netns(pid)?),
             None => None,
         };
-        Ok(DumpSetting { masked_dirs: criu::masked_dirs(pid, &ctx.ctr.spec, &mounts), netns, dev: crate::local::devfs::dev_mount(&mounts) })
+        Ok(DumpSetting {
+            masked_dirs: criu::masked_dirs(pid, &ctx.ctr.spec, &mounts),
+            netns,
+            dev: crate::local::devfs::dev_mount(&mounts),
+        })
     }
 }
 
@@ -331,9 +374,7 @@ fn ms(t: Instant) -> f64 {
 /// Where the container's fds 0–2 pointed (pipes to conmon, /dev/null, a tty), for restore.
 fn record_descriptors(pid: i32, dir: &Path) -> Result<()> {
     let fds: Vec<String> = (0..3)
-        .map(|i| {
-            std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default()
-        })
+        .map(|i| std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default())
         .collect();
     let text = serde_json::to_string(&fds).expect("strings serialise");
     Ok(sys::write_atomic(&dir.join("descriptors.json"), text.as_bytes(), 0o644)?)
@@ -341,7 +382,13 @@ fn record_descriptors(pid: i32, dir: &Path) -> Result<()> {
 
 /// The `checkpoint` verb (Podman's `podman container checkpoint`): a statepoint of running
 /// container `id`, and what Podman expects in `image_path`/`work_path`.
-pub fn checkpoint(globals: &crate::runtime::Globals, id: &str, req: &SnapshotRequest, image_path: Option<&Path>, work_path: Option<&Path>) -> Result<Manifest> {
+pub fn checkpoint(
+    globals: &crate::runtime::Globals,
+    id: &str,
+    req: &SnapshotRequest,
+    image_path: Option<&Path>,
+    work_path: Option<&Path>,
+) -> Result<Manifest> {
     let ctx = Ctx::load(globals, id)?;
     ctx.ctr.running_pid()?;
     let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |_| {})?;

@@ -111,7 +111,6 @@ fn remove(cfg: &Config, src: &PodmanContainer, s: &Spare) {
     discard(cfg, src, &s.id);
 }
 
-
 /// The spares of one committed statepoint of a planarian container.
 pub struct Pool {
     source: PodmanContainer,
@@ -193,7 +192,13 @@ pub fn claim(store: &ContainerStore, sp: &str) -> Option<Spare> {
 
 /// Hands claimed spare `s` out as `name`: renamed (unless that is its name) and thawed, its
 /// restore context saying so. On failure the spare is removed (the caller forks anew).
-pub fn hand_out(globals: &Globals, cfg: &Config, src: &PodmanContainer, s: &Spare, name: &str) -> Result<(PodmanContainer, RestoreContext)> {
+pub fn hand_out(
+    globals: &Globals,
+    cfg: &Config,
+    src: &PodmanContainer,
+    s: &Spare,
+    name: &str,
+) -> Result<(PodmanContainer, RestoreContext)> {
     let out = (|| {
         if name != s.name {
             podman::run(&["rename", &s.id, name])?;
@@ -201,7 +206,8 @@ pub fn hand_out(globals: &Globals, cfg: &Config, src: &PodmanContainer, s: &Spar
         thaw(cfg, &s.id)?;
         let new = super::planarian_container(globals, &s.id)?;
         let store = ContainerStore::new(&cfg.store.path, &new.id);
-        let mut ctx = RestoreContext::last(&store).ok_or_else(|| Error::Worker(format!("spare {} has no restore context", s.name)))?;
+        let mut ctx = RestoreContext::last(&store)
+            .ok_or_else(|| Error::Worker(format!("spare {} has no restore context", s.name)))?;
         ctx.container = name.to_string();
         ctx.time = crate::log::rfc3339(std::time::SystemTime::now());
         ctx.how = Some(How { path: "spare".into(), ..How::default() });

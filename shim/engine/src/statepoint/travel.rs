@@ -43,7 +43,11 @@ pub fn leaves() -> bool {
     let ppid = nix::unistd::getppid();
     match std::fs::read(format!("/proc/{ppid}/cmdline")) {
         Ok(cmdline) => {
-            let args: Vec<String> = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+            let args: Vec<String> = cmdline
+                .split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
             !plain_podman_checkpoint(&args)
         }
         Err(_) => true,
@@ -73,7 +77,13 @@ const FILES_META: &str = "files.json";
 /// Lays statepoint `m` of `store` out in `image_path` so that it restores anywhere (see the
 /// module text); files on ZFS as a whole stream, or one incremental from statepoint `since`'s
 /// snapshot. Returns the number of chain levels handed out.
-pub fn hand_out(cfg: &Config, store: &ContainerStore, m: &Manifest, image_path: &Path, since: Option<&Manifest>) -> Result<usize> {
+pub fn hand_out(
+    cfg: &Config,
+    store: &ContainerStore,
+    m: &Manifest,
+    image_path: &Path,
+    since: Option<&Manifest>,
+) -> Result<usize> {
     let sp_dir = store.statepoint_dir(&m.statepoint_id);
     for stale in ["parent", crate::chain::HANDED_OUT_CHAIN, PART] {
         let p = image_path.join(stale);
@@ -161,7 +171,14 @@ impl Drop for Imported<'_> {
 /// overlay mounted at its rootfs), or, from `planarian statepoint export`, carried in the
 /// directory and put in place. The files are taken before the images, so that a refusal (ZFS
 /// needed here) copies nothing.
-pub fn import<'a>(cfg: &'a Config, store: &'a ContainerStore, from: &HandedOut, id: &str, bundle: &Bundle, upper: Option<&Path>) -> Result<(Manifest, Imported<'a>)> {
+pub fn import<'a>(
+    cfg: &'a Config,
+    store: &'a ContainerStore,
+    from: &HandedOut,
+    id: &str,
+    bundle: &Bundle,
+    upper: Option<&Path>,
+) -> Result<(Manifest, Imported<'a>)> {
     let sp = store.next_id();
     let sp_dir = store.statepoint_dir(&sp);
     std::fs::create_dir_all(&sp_dir).at("create", &sp_dir)?;
@@ -171,9 +188,18 @@ pub fn import<'a>(cfg: &'a Config, store: &'a ContainerStore, from: &HandedOut, 
     let stream = part.join(FILES_STREAM);
     if stream.exists() {
         let parent = cfg.zfs.parent_dataset.clone().ok_or(local::Error::NeedsZfs)?;
-        let meta: serde_json::Value = std::fs::read(part.join(FILES_META)).ok().and_then(|d| serde_json::from_slice(&d).ok()).unwrap_or_default();
+        let meta: serde_json::Value =
+            std::fs::read(part.join(FILES_META)).ok().and_then(|d| serde_json::from_slice(&d).ok()).unwrap_or_default();
         guard.dataset = true;
-        let snap = zfs::receive_statepoint(cfg, store, id, &parent, zfs::Incoming { stream: &stream, from_guid: meta["from-guid"].as_str() }, &zfs::snapshot_name(id, &sp), &bundle.dir)?;
+        let snap = zfs::receive_statepoint(
+            cfg,
+            store,
+            id,
+            &parent,
+            zfs::Incoming { stream: &stream, from_guid: meta["from-guid"].as_str() },
+            &zfs::snapshot_name(id, &sp),
+            &bundle.dir,
+        )?;
         local.rootfs_backend = "zfs".into();
         local.zfs_snapshot = Some(snap);
     } else {
@@ -181,14 +207,20 @@ pub fn import<'a>(cfg: &'a Config, store: &'a ContainerStore, from: &HandedOut, 
             Some(u) => u.to_path_buf(),
             None => {
                 let mounts = sys::proc::own_mounts().at("read", "/proc/self/mountinfo")?;
-                zfs::layers::overlay_layers(&mounts, &bundle.spec.root).ok_or_else(|| local::Error::NoFilesBackend(id.to_string()))?.upper
+                zfs::layers::overlay_layers(&mounts, &bundle.spec.root)
+                    .ok_or_else(|| local::Error::NoFilesBackend(id.to_string()))?
+                    .upper
             }
         };
         let copy = CopyRootfs { upperdir: upper };
         copy.plan(&sp, &mut local);
         let carried = part.join(CARRIED_ROOTFS);
         if carried.is_dir() {
-            crate::local::copy::cp(&["--reflink=auto"], &carried, &sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs")))?;
+            crate::local::copy::cp(
+                &["--reflink=auto"],
+                &carried,
+                &sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs")),
+            )?;
             copy.restore(&sp_dir, &local)?.commit();
         } else {
             // The caller applied the statepoint's rootfs-diff.tar to the layer it prepared.
@@ -198,7 +230,11 @@ pub fn import<'a>(cfg: &'a Config, store: &'a ContainerStore, from: &HandedOut, 
     let prev = crate::chain::link_chain(&from.dir, store, &sp_dir.join("criu"))?;
     for e in std::fs::read_dir(&part).at("read", &part)?.filter_map(|e| e.ok()) {
         let name = e.file_name();
-        if e.file_type().is_ok_and(|t| t.is_file()) && name != "manifest.json" && name != FILES_STREAM && name != FILES_META {
+        if e.file_type().is_ok_and(|t| t.is_file())
+            && name != "manifest.json"
+            && name != FILES_STREAM
+            && name != FILES_META
+        {
             std::fs::copy(e.path(), sp_dir.join(&name)).at("copy", e.path())?;
         }
     }
@@ -276,7 +312,8 @@ impl Recipe {
     /// `podman create` arguments for container `name` on planarian. The ZFS parent the source
     /// used (a dataset of its machine) is left out: an import gives the container its dataset.
     pub fn create_args(&self, name: &str) -> Vec<String> {
-        let mut a: Vec<String> = ["--runtime", "planarian", "create", "--name", name].iter().map(|s| s.to_string()).collect();
+        let mut a: Vec<String> =
+            ["--runtime", "planarian", "create", "--name", name].iter().map(|s| s.to_string()).collect();
         if !self.network.is_empty() && self.network != "default" {
             a.extend(["--network".into(), self.network.clone()]);
         }
@@ -337,7 +374,14 @@ pub struct Exported {
 /// Writes statepoint `m` of `store` into `file` (a tar): its chain of memory images, planarian's
 /// part, its files (a ZFS stream, incremental since statepoint `since` when given, or its copy)
 /// and how to create the container again.
-pub fn export(cfg: &Config, store: &ContainerStore, m: &Manifest, since: Option<&Manifest>, recipe: &Recipe, file: &Path) -> Result<Exported> {
+pub fn export(
+    cfg: &Config,
+    store: &ContainerStore,
+    m: &Manifest,
+    since: Option<&Manifest>,
+    recipe: &Recipe,
+    file: &Path,
+) -> Result<Exported> {
     let staging = Staging::new(store.dir.join(format!("export-{}", std::process::id())))?;
     let dir = staging.0.join("checkpoint");
     let levels = hand_out(cfg, store, m, &dir, since)?;
@@ -385,13 +429,22 @@ pub struct ImportedContainer {
 /// again through Podman (its recipe; a new ID), makes the file's statepoint its first (the start
 /// of its chain; files received or copied), and restores it through `podman container restore`,
 /// so that Podman runs it as any other. On failure nothing is left.
-pub fn import_file(cfg: &Config, file: &Path, name: Option<&str>, parent_dataset: Option<&str>) -> Result<ImportedContainer> {
+pub fn import_file(
+    cfg: &Config,
+    file: &Path,
+    name: Option<&str>,
+    parent_dataset: Option<&str>,
+) -> Result<ImportedContainer> {
     use crate::runtime::podman;
     let staging = Staging::new(cfg.store.path.join(format!("import-{}", std::process::id())))?;
     let bad = |why: &str| super::Error::NotAStatepointFile { file: file.to_path_buf(), why: why.to_string() };
     tar(&["-xf", &file.display().to_string(), "-C", &staging.0.display().to_string()])?.map_err(|why| bad(&why))?;
-    let recipe: Recipe = std::fs::read(staging.0.join(RECIPE)).ok().and_then(|d| serde_json::from_slice(&d).ok()).ok_or_else(|| bad("no container.json"))?;
-    let from = HandedOut::read(&staging.0.join("checkpoint"))?.ok_or_else(|| bad("no planarian manifest in checkpoint/"))?;
+    let recipe: Recipe = std::fs::read(staging.0.join(RECIPE))
+        .ok()
+        .and_then(|d| serde_json::from_slice(&d).ok())
+        .ok_or_else(|| bad("no container.json"))?;
+    let from =
+        HandedOut::read(&staging.0.join("checkpoint"))?.ok_or_else(|| bad("no planarian manifest in checkpoint/"))?;
     let name = name.unwrap_or(&recipe.name).to_string();
     if podman::inspect(&name).is_ok() {
         return Err(super::Error::ContainerExists(name));
@@ -416,7 +469,13 @@ pub fn import_file(cfg: &Config, file: &Path, name: Option<&str>, parent_dataset
             let _lock = store.lock(true)?;
             let (m, imported) = import(&cfg, &store, &from, &new.id, &bundle, new.upperdir.as_deref())?;
             store.set_head(Some(&m.statepoint_id))?;
-            super::podman_dir::leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None, super::podman_dir::Destination::Stays)?;
+            super::podman_dir::leave_for_podman(
+                &m,
+                &store.statepoint_dir(&m.statepoint_id),
+                &new.bundle.join("checkpoint"),
+                None,
+                super::podman_dir::Destination::Stays,
+            )?;
             imported.keep();
             m
         };
@@ -467,7 +526,9 @@ mod tests {
     #[test]
     fn only_a_plain_podman_checkpoint_keeps_its_directory() {
         assert!(plain_podman_checkpoint(&args("podman container checkpoint -l")));
-        assert!(plain_podman_checkpoint(&args("/usr/bin/podman --runtime planarian container checkpoint --keep --leave-running c1")));
+        assert!(plain_podman_checkpoint(&args(
+            "/usr/bin/podman --runtime planarian container checkpoint --keep --leave-running c1"
+        )));
         assert!(plain_podman_checkpoint(&args("podman container checkpoint -R -k c1")));
         for leaving in [
             "podman container checkpoint --export=/tmp/a.tar.gz c1",

@@ -115,7 +115,6 @@ pub struct RestorePlan<'a> {
     pub join_netns: Option<RawFd>,
 }
 
-
 fn ext(a: impl Into<String>, b: impl Into<String>) -> Opt {
     Opt::ExtMount(a.into(), b.into())
 }
@@ -291,7 +290,12 @@ pub fn empty_dir() -> Result<PathBuf> {
 /// Run inside the container's network namespace ([`in_netns`]) CRIU locks only established TCP
 /// connections, one by one: without `--tcp-established` there are none, iptables runs nothing,
 /// and nftables would still build its table, so no method is passed.
-pub fn network_lock(criu: &Path, setting: crate::config::NetworkLock, inside_netns: bool, tcp_established: bool) -> Option<&'static str> {
+pub fn network_lock(
+    criu: &Path,
+    setting: crate::config::NetworkLock,
+    inside_netns: bool,
+    tcp_established: bool,
+) -> Option<&'static str> {
     use crate::config::NetworkLock;
     if inside_netns && !tcp_established {
         return None;
@@ -354,7 +358,10 @@ pub fn remove_stale_network_lock(pid: i32) {
     let Ok(nft) = crate::tools::locate("nft", None, "PATH") else { return };
     let Ok(ns) = std::fs::File::open(format!("/proc/{pid}/ns/net")) else { return };
     let mut cmd = Command::new(nft);
-    cmd.args(["delete", "table", "inet", &format!("CRIU-{pid}")]).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+    cmd.args(["delete", "table", "inet", &format!("CRIU-{pid}")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
     in_netns(&mut cmd, Some(std::os::fd::AsRawFd::as_raw_fd(&ns)));
     let _ = cmd.status();
 }
@@ -362,12 +369,20 @@ pub fn remove_stale_network_lock(pid: i32) {
 /// Whether a dump recorded a network namespace of its own (one taken outside the container's).
 pub fn has_netns_image(images: &Path) -> bool {
     std::fs::read_dir(images).is_ok_and(|rd| {
-        rd.filter_map(Result::ok).any(|e| e.file_name().to_str().is_some_and(|n| n.starts_with("netns-") && n.ends_with(".img")))
+        rd.filter_map(Result::ok)
+            .any(|e| e.file_name().to_str().is_some_and(|n| n.starts_with("netns-") && n.ends_with(".img")))
     })
 }
 
 /// Runs criu; on failure, the error names the log and quotes its first error line.
-pub fn run(criu: &Path, args: &[OsString], log: &Path, keep_stdio: bool, envs: &[(&str, &Path)], netns: Option<RawFd>) -> Result<()> {
+pub fn run(
+    criu: &Path,
+    args: &[OsString],
+    log: &Path,
+    keep_stdio: bool,
+    envs: &[(&str, &Path)],
+    netns: Option<RawFd>,
+) -> Result<()> {
     let mut cmd = Command::new(criu);
     cmd.args(args).stdin(Stdio::null());
     in_netns(&mut cmd, netns);
@@ -475,9 +490,14 @@ mod tests {
         std::fs::write(&log, "(00.1) Error (criu/page-xfer.c:284): page-xfer: Missing 7f00 in parent pagemap\n(00.2) Error (criu/cr-dump.c:2053): Dumping FAILED.\n").unwrap();
         assert!(refused_parent(&log));
         // CRIU killed mid-dump: no "Dumping FAILED".
-        std::fs::write(&log, "(00.1) Error (criu/page-xfer.c:284): page-xfer: Missing 7f00 in parent pagemap\n").unwrap();
+        std::fs::write(&log, "(00.1) Error (criu/page-xfer.c:284): page-xfer: Missing 7f00 in parent pagemap\n")
+            .unwrap();
         assert!(!refused_parent(&log));
-        std::fs::write(&log, "(00.1) Error (criu/mount.c:1): no mount\n(00.2) Error (criu/cr-dump.c:2053): Dumping FAILED.\n").unwrap();
+        std::fs::write(
+            &log,
+            "(00.1) Error (criu/mount.c:1): no mount\n(00.2) Error (criu/cr-dump.c:2053): Dumping FAILED.\n",
+        )
+        .unwrap();
         assert!(!refused_parent(&log));
         std::fs::remove_file(&log).unwrap();
     }
@@ -525,7 +545,8 @@ mod tests {
     fn only_empty_read_only_tmpfs_masks_are_external() {
         // This process's own mounts: none of its directories is a masked tmpfs, so nothing is
         // taken from CRIU; a masked path that is not a mount point is not either.
-        let spec = Spec { masked_paths: vec!["/proc/acpi".into(), "/nonexistent".into(), "/".into()], ..Default::default() };
+        let spec =
+            Spec { masked_paths: vec!["/proc/acpi".into(), "/nonexistent".into(), "/".into()], ..Default::default() };
         let me = std::process::id() as i32;
         let got = masked_dirs(me, &spec, &sys::proc::mounts(me).unwrap());
         assert!(!got.contains(&"/".to_string()) && !got.contains(&"/nonexistent".to_string()), "{got:?}");

@@ -13,12 +13,14 @@
 //! varints, strings and nested messages.
 
 use super::{DumpPlan, Error, Opt, RestorePlan, Result};
-use nix::sys::socket::{recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType};
+use nix::sys::socket::{
+    recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
+};
 use std::io::IoSliceMut;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
-use sys::Context;
 use std::process::{Command, Stdio};
+use sys::Context;
 
 const REQ_DUMP: u64 = 1;
 const REQ_RESTORE: u64 = 2;
@@ -224,12 +226,21 @@ pub struct Notify {
 fn open_dir(p: &Path) -> Result<OwnedFd> {
     use nix::fcntl::{open, OFlag};
     // Without O_CLOEXEC: criu swrk is our child and opens it through /proc/<us>/fd.
-    Ok(open(p, OFlag::O_RDONLY | OFlag::O_DIRECTORY, nix::sys::stat::Mode::empty()).map_err(std::io::Error::from).at("open", p)?)
+    Ok(open(p, OFlag::O_RDONLY | OFlag::O_DIRECTORY, nix::sys::stat::Mode::empty())
+        .map_err(std::io::Error::from)
+        .at("open", p)?)
 }
 
 /// Runs one request through `criu swrk`, answering its notifications with `on_notify`.
 /// Returns the restored root task's pid for a restore.
-fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, netns: Option<RawFd>, mut on_notify: impl FnMut(Notify) -> Result<()>) -> Result<Option<i32>> {
+fn call(
+    criu: &Path,
+    kind: u64,
+    opts: &Msg,
+    log: &Path,
+    netns: Option<RawFd>,
+    mut on_notify: impl FnMut(Notify) -> Result<()>,
+) -> Result<Option<i32>> {
     let (ours, theirs) = socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
         .map_err(|e| Error::Rpc(format!("cannot create a socket for criu: {e}")))?;
     // The child's end must survive exec: a dup without CLOEXEC, closed here once criu runs.
@@ -243,7 +254,8 @@ fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, netns: Option<RawFd>, mu
     let mut req = Msg::default();
     req.varint(1, kind).msg(2, opts);
     let result = (|| -> Result<Option<i32>> {
-        nix::sys::socket::send(ours.as_raw_fd(), &req.0, MsgFlags::empty()).map_err(|e| Error::Rpc(format!("cannot talk to criu: {e}")))?;
+        nix::sys::socket::send(ours.as_raw_fd(), &req.0, MsgFlags::empty())
+            .map_err(|e| Error::Rpc(format!("cannot talk to criu: {e}")))?;
         let mut buf = vec![0u8; 64 << 10];
         loop {
             let mut cmsg = nix::cmsg_space!([RawFd; 4]);
@@ -265,10 +277,12 @@ fn call(criu: &Path, kind: u64, opts: &Msg, log: &Path, netns: Option<RawFd>, mu
             let r = decode(&buf[..n])?;
             if r.kind == REQ_NOTIFY {
                 let script = r.script.clone().unwrap_or_default();
-                let outcome = on_notify(Notify { script: script.clone(), pid: r.notify_pid, fd: fds.into_iter().next() });
+                let outcome =
+                    on_notify(Notify { script: script.clone(), pid: r.notify_pid, fd: fds.into_iter().next() });
                 let mut ack = Msg::default();
                 ack.varint(1, REQ_NOTIFY).flag(3, outcome.is_ok());
-                nix::sys::socket::send(ours.as_raw_fd(), &ack.0, MsgFlags::empty()).map_err(|e| Error::Rpc(format!("cannot talk to criu: {e}")))?;
+                nix::sys::socket::send(ours.as_raw_fd(), &ack.0, MsgFlags::empty())
+                    .map_err(|e| Error::Rpc(format!("cannot talk to criu: {e}")))?;
                 outcome.map_err(|e| Error::Notify { script, why: e.to_string() })?;
                 continue;
             }
@@ -332,7 +346,11 @@ mod tests {
 
     #[test]
     fn the_rpc_carries_what_the_command_line_carries() {
-        let spec = crate::runtime::Spec { root: "/merged".into(), binds: vec![("/etc/hosts".into(), "/run/h".into())], ..Default::default() };
+        let spec = crate::runtime::Spec {
+            root: "/merged".into(),
+            binds: vec![("/etc/hosts".into(), "/run/h".into())],
+            ..Default::default()
+        };
         let images = Path::new("/st/sp1/criu");
         let plan = DumpPlan {
             pid: 42,
@@ -350,11 +368,19 @@ mod tests {
         let opts = plan.options();
         let m = encode(&opts, 5, 5);
         let fields: Vec<u64> = criu_hooks::records(&m.0).unwrap().into_iter().map(|(f, _)| f).collect();
-        for (opt, field) in [(Opt::TrackMem, TRACK_MEM), (Opt::LeaveRunning, LEAVE_RUNNING), (Opt::PrevImagesDir("../../sp0/criu".into()), PARENT_IMG)] {
+        for (opt, field) in [
+            (Opt::TrackMem, TRACK_MEM),
+            (Opt::LeaveRunning, LEAVE_RUNNING),
+            (Opt::PrevImagesDir("../../sp0/criu".into()), PARENT_IMG),
+        ] {
             assert!(opts.contains(&opt) && fields.contains(&field), "{opt:?}");
         }
         assert_eq!(fields.iter().filter(|f| **f == EXT_MNT).count(), 2, "the bind and /dev, as on the command line");
-        let line = super::super::cli_args("dump", &opts).iter().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ");
+        let line = super::super::cli_args("dump", &opts)
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ");
         assert_eq!(line.matches("--ext-mount-map").count(), 2, "{line}");
         assert!(line.contains("--prev-images-dir ../../sp0/criu") && line.contains("--tcp-established"), "{line}");
     }

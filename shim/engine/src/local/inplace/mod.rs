@@ -87,7 +87,9 @@ fn parse_maps(text: &str) -> Vec<MapLine> {
             let path = f.next().unwrap_or("").trim_start().to_string();
             let (s, e) = range.split_once('-')?;
             let p = perms.as_bytes();
-            let prot = (if p.first() == Some(&b'r') { PROT_READ } else { 0 }) | (if p.get(1) == Some(&b'w') { PROT_WRITE } else { 0 }) | (if p.get(2) == Some(&b'x') { PROT_EXEC } else { 0 });
+            let prot = (if p.first() == Some(&b'r') { PROT_READ } else { 0 })
+                | (if p.get(1) == Some(&b'w') { PROT_WRITE } else { 0 })
+                | (if p.get(2) == Some(&b'x') { PROT_EXEC } else { 0 });
             Some(MapLine {
                 start: u64::from_str_radix(s, 16).ok()?,
                 end: u64::from_str_radix(e, 16).ok()?,
@@ -106,7 +108,10 @@ fn is_special(path: &str) -> bool {
 }
 
 fn is_anon_private(m: &MapLine) -> bool {
-    m.inode == 0 && !m.shared && !is_special(&m.path) && (m.path.is_empty() || m.path == "[heap]" || m.path == "[stack]" || m.path.starts_with("[anon:"))
+    m.inode == 0
+        && !m.shared
+        && !is_special(&m.path)
+        && (m.path.is_empty() || m.path == "[heap]" || m.path == "[stack]" || m.path.starts_with("[anon:"))
 }
 
 fn maps_of(pid: i32) -> Result<Vec<MapLine>> {
@@ -115,7 +120,10 @@ fn maps_of(pid: i32) -> Result<Vec<MapLine>> {
 
 /// `Key:\tvalue` of a status file; for the `NS*` keys, the innermost namespace's value.
 fn status_field(status: &str, key: &str) -> Option<String> {
-    status.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(':')).map(|v| v.split_whitespace().last().unwrap_or("").to_string())
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .map(|v| v.split_whitespace().last().unwrap_or("").to_string())
 }
 
 /// A live thread: its PID on the host and in the container.
@@ -161,9 +169,19 @@ fn read_status(path: &str) -> Result<String> {
 
 /// Refuses a thread that is a zombie, stopped, traced or has a signal pending.
 fn check_live_thread(status: &str, what: &str) -> Result<()> {
-    let state = status.lines().find_map(|l| l.strip_prefix("State:")).map(|s| s.trim().chars().next().unwrap_or('?')).unwrap_or('?');
+    let state = status
+        .lines()
+        .find_map(|l| l.strip_prefix("State:"))
+        .map(|s| s.trim().chars().next().unwrap_or('?'))
+        .unwrap_or('?');
     if matches!(state, 'Z' | 'X' | 'T' | 't') {
-        return refuse(format!("{what} is {}", match state { 'Z' | 'X' => "a zombie", _ => "stopped or traced" }));
+        return refuse(format!(
+            "{what} is {}",
+            match state {
+                'Z' | 'X' => "a zombie",
+                _ => "stopped or traced",
+            }
+        ));
     }
     if status_field(status, "TracerPid").is_some_and(|t| t != "0") {
         return refuse(format!("{what} is traced by another process"));
@@ -188,7 +206,9 @@ fn live_tree(pids: &[i32]) -> Result<Vec<LiveProcess>> {
         for e in std::fs::read_dir(&task_dir).map_err(io(format!("read {task_dir}")))?.flatten() {
             let Some(tid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
             let ts = read_status(&format!("{task_dir}/{tid}/status"))?;
-            let vtid = status_field(&ts, "NSpid").and_then(|v| v.parse().ok()).ok_or_else(|| Error::Failed(format!("thread {tid}: no NSpid")))?;
+            let vtid = status_field(&ts, "NSpid")
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| Error::Failed(format!("thread {tid}: no NSpid")))?;
             check_live_thread(&ts, &format!("thread {vtid} of process {vpid}"))?;
             threads.push(Thread { host: tid, vtid });
         }
@@ -339,7 +359,9 @@ pub fn check(images: &Path, cgroup: &Path, stdio: &[(String, String)]) -> Result
     let files = images::files(images)?;
     let mut procs = Vec::new();
     for t in &tree {
-        let Some(l) = by_vpid.get(&t.pid) else { return refuse(format!("process {} of the statepoint has ended", t.pid)) };
+        let Some(l) = by_vpid.get(&t.pid) else {
+            return refuse(format!("process {} of the statepoint has ended", t.pid));
+        };
         let vppid = host_to_v.get(&l.host_ppid).copied().unwrap_or(0);
         if (vppid, l.pgid, l.sid) != (t.ppid, t.pgid, t.sid) {
             return refuse(format!("process {}: parent, process group or session changed", t.pid));
@@ -357,7 +379,10 @@ pub fn check(images: &Path, cgroup: &Path, stdio: &[(String, String)]) -> Result
                 return refuse(format!("thread {} is not a 64-bit task", th.vtid));
             }
             if c.task_state.is_some_and(|s| s != images::TASK_ALIVE) {
-                return refuse(format!("process {} was not running at the statepoint (state {:?})", t.pid, c.task_state));
+                return refuse(format!(
+                    "process {} was not running at the statepoint (state {:?})",
+                    t.pid, c.task_state
+                ));
             }
             if c.pending_signals {
                 return refuse(format!("thread {} had signals pending at the statepoint", th.vtid));
@@ -395,14 +420,21 @@ fn merge_file_maps(v: Vec<FileMap>) -> Vec<FileMap> {
 
 /// Whether live path `live` (as the host sees it) names the container's `name`.
 fn same_file(live: &str, name: &str) -> bool {
-    !live.ends_with(" (deleted)") && !name.is_empty() && (live == name || (live.ends_with(name) && name.starts_with('/')))
+    !live.ends_with(" (deleted)")
+        && !name.is_empty()
+        && (live == name || (live.ends_with(name) && name.starts_with('/')))
 }
 
 /// A process's memory against the statepoint's: how to put its layout back, the statepoint's
 /// private anonymous memory, and its vDSO and vvar ranges.
 type MemoryShape = (Layout, Segments, Vec<(u64, u64)>);
 
-fn compare_memory(images: &Path, vpid: u32, host: i32, files: &std::collections::HashMap<u32, images::File>) -> Result<MemoryShape> {
+fn compare_memory(
+    images: &Path,
+    vpid: u32,
+    host: i32,
+    files: &std::collections::HashMap<u32, images::File>,
+) -> Result<MemoryShape> {
     let mut mm = images::mm(images, vpid)?;
     let maps = maps_of(host)?;
     // CRIU records a grows-down mapping (the stack) with the guard page the kernel hides from
@@ -428,7 +460,10 @@ fn compare_memory(images: &Path, vpid: u32, host: i32, files: &std::collections:
     let mut t_stack = None;
     for v in &mm.vmas {
         if v.status & !known != 0 || v.is(images::VMA_ANON_SHARED) {
-            return refuse(format!("process {vpid} had shared memory or a special mapping at {:#x} (status {:#x})", v.start, v.status));
+            return refuse(format!(
+                "process {vpid} had shared memory or a special mapping at {:#x} (status {:#x})",
+                v.start, v.status
+            ));
         }
         if v.is(images::VMA_AREA_VDSO | images::VMA_AREA_VVAR | images::VMA_AREA_VSYSCALL) {
             t_special.push((v.start, v.end));
@@ -447,7 +482,10 @@ fn compare_memory(images: &Path, vpid: u32, host: i32, files: &std::collections:
             }
             t_anon.push((v.start, v.end, v.prot, v.flags));
         } else {
-            return refuse(format!("process {vpid}: mapping at {:#x} of an unknown kind (status {:#x})", v.start, v.status));
+            return refuse(format!(
+                "process {vpid}: mapping at {:#x} of an unknown kind (status {:#x})",
+                v.start, v.status
+            ));
         }
     }
     let mut l_special = Vec::new();
@@ -467,21 +505,27 @@ fn compare_memory(images: &Path, vpid: u32, host: i32, files: &std::collections:
                 _ => {}
             }
             l_anon.push((m.start, m.end, m.prot, 0));
-        } else if m.inode != 0 && !(m.shared && (m.path.starts_with("/SYSV") || m.path.starts_with("/dev/zero") || m.path.starts_with("/memfd:"))) {
+        } else if m.inode != 0
+            && !(m.shared
+                && (m.path.starts_with("/SYSV") || m.path.starts_with("/dev/zero") || m.path.starts_with("/memfd:")))
+        {
             l_files.push(m.clone());
         } else {
             return refuse(format!("process {vpid} has shared memory at {:#x} ({})", m.start, m.path));
         }
     }
-    let t_special_cmp: Vec<(u64, u64)> = t_special.iter().copied().filter(|&(s, _)| s < 0xffff_ffff_ff00_0000).collect();
+    let t_special_cmp: Vec<(u64, u64)> =
+        t_special.iter().copied().filter(|&(s, _)| s < 0xffff_ffff_ff00_0000).collect();
     if t_special_cmp != l_special {
         return refuse(format!("process {vpid}: the vDSO moved"));
     }
     // The same memory may be one mapping or several (a restore maps each of CRIU's VMAs,
     // the kernel merges what it can): compared merged.
-    let l_files: Vec<FileMap> = l_files.iter().map(|l| (l.start, l.end, l.prot, l.shared, l.offset, l.path.clone())).collect();
+    let l_files: Vec<FileMap> =
+        l_files.iter().map(|l| (l.start, l.end, l.prot, l.shared, l.offset, l.path.clone())).collect();
     let (t_files, l_files) = (merge_file_maps(t_files), merge_file_maps(l_files));
-    let differs = |t: &FileMap, l: &FileMap| (t.0, t.1, t.2, t.3, t.4) != (l.0, l.1, l.2, l.3, l.4) || !same_file(&l.5, &t.5);
+    let differs =
+        |t: &FileMap, l: &FileMap| (t.0, t.1, t.2, t.3, t.4) != (l.0, l.1, l.2, l.3, l.4) || !same_file(&l.5, &t.5);
     if t_files.len() != l_files.len() || t_files.iter().zip(&l_files).any(|(t, l)| differs(t, l)) {
         let first = t_files.iter().zip(&l_files).find(|(t, l)| differs(t, l));
         let at = first
@@ -513,7 +557,9 @@ fn compare_memory(images: &Path, vpid: u32, host: i32, files: &std::collections:
         match (then, now) {
             (None, Some(_)) => layout.unmap.push((s, e)),
             // A range that is heap now and not then: brk shrinks it first.
-            (Some((prot, flags)), None) if !heap_range(l_heap).iter().any(|h| s >= h.0 && e <= h.1) => layout.map.push((s, e, prot, flags)),
+            (Some((prot, flags)), None) if !heap_range(l_heap).iter().any(|h| s >= h.0 && e <= h.1) => {
+                layout.map.push((s, e, prot, flags))
+            }
             (Some((tp, _)), Some((lp, _))) if tp != lp => layout.protect.push((s, e, tp)),
             _ => {}
         }
@@ -527,10 +573,22 @@ fn fdinfo_field(text: &str, key: &str) -> Option<String> {
     text.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(':')).map(|v| v.trim().to_string())
 }
 
-fn compare_fds(images: &Path, files_id: u32, host: i32, vpid: u32, files: &std::collections::HashMap<u32, images::File>, pipe_data: bool, stdio: &[(String, String)]) -> Result<Vec<(u32, u64)>> {
+fn compare_fds(
+    images: &Path,
+    files_id: u32,
+    host: i32,
+    vpid: u32,
+    files: &std::collections::HashMap<u32, images::File>,
+    pipe_data: bool,
+    stdio: &[(String, String)],
+) -> Result<Vec<(u32, u64)>> {
     let then = images::fdinfo(images, files_id)?;
     let dir = format!("/proc/{host}/fd");
-    let mut now: Vec<u32> = std::fs::read_dir(&dir).map_err(io(format!("read {dir}")))?.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect();
+    let mut now: Vec<u32> = std::fs::read_dir(&dir)
+        .map_err(io(format!("read {dir}")))?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
     now.sort_unstable();
     let mut was: Vec<u32> = then.iter().map(|f| f.fd).collect();
     was.sort_unstable();
@@ -609,7 +667,12 @@ fn pages_of(runs: &[PageRun]) -> u64 {
 }
 
 fn cut(r: &PageRun, s: u64, e: u64) -> PageRun {
-    PageRun { vaddr: s, nr_pages: (e - s) / PAGE_SIZE, file: r.file.clone(), loc: images::Location { offset: r.loc.offset + (s - r.vaddr), ..r.loc } }
+    PageRun {
+        vaddr: s,
+        nr_pages: (e - s) / PAGE_SIZE,
+        file: r.file.clone(),
+        loc: images::Location { offset: r.loc.offset + (s - r.vaddr), ..r.loc },
+    }
 }
 
 /// The parts of `target`'s runs whose content differs from `now`'s (another image location,
@@ -631,7 +694,9 @@ fn differ(target: &[PageRun], now: &[PageRun]) -> (Vec<PageRun>, Vec<(u64, u64)>
                         at = n.vaddr;
                     }
                     let e = n.end().min(t.end());
-                    let same = n.loc.dev == t.loc.dev && n.loc.ino == t.loc.ino && n.loc.offset as i128 - n.vaddr as i128 == t.loc.offset as i128 - t.vaddr as i128;
+                    let same = n.loc.dev == t.loc.dev
+                        && n.loc.ino == t.loc.ino
+                        && n.loc.offset as i128 - n.vaddr as i128 == t.loc.offset as i128 - t.vaddr as i128;
                     if !same {
                         write.push(cut(t, at, e));
                     }
@@ -658,7 +723,9 @@ impl Shape {
         let (mut written, mut dropped) = (0, 0);
         for p in &self.procs {
             let special = merge(p.special.clone());
-            let outside = |runs: Vec<PageRun>| -> Vec<PageRun> { runs.into_iter().filter(|r| !special.iter().any(|s| r.vaddr < s.1 && r.end() > s.0)).collect() };
+            let outside = |runs: Vec<PageRun>| -> Vec<PageRun> {
+                runs.into_iter().filter(|r| !special.iter().any(|s| r.vaddr < s.1 && r.end() > s.0)).collect()
+            };
             let target = outside(images::memory(&self.images, p.vpid)?);
             let now = outside(images::memory(now_images, p.vpid)?);
             let (write, drop) = differ(&target, &now);
@@ -693,7 +760,10 @@ impl Plan {
         let mut tracees = Vec::new();
         for p in &self.shape.procs {
             for (t, _) in &p.threads {
-                tracees.push(ptrace::Tracee::seize(t.host).map_err(io(format!("hold thread {} of process {}", t.vtid, p.vpid)))?);
+                tracees.push(
+                    ptrace::Tracee::seize(t.host)
+                        .map_err(io(format!("hold thread {} of process {}", t.vtid, p.vpid)))?,
+                );
             }
         }
         // Held by ptrace, the threads do not run when the cgroup thaws; they must be thawed to
@@ -706,7 +776,10 @@ impl Plan {
         let applied = r?;
         refrozen.map_err(|e| Error::Failed(format!("freeze again: {e}")))?;
         if now != self.shape.pids {
-            return Err(Error::Failed(format!("the container's processes changed during the rollback ({:?} → {now:?})", self.shape.pids)));
+            return Err(Error::Failed(format!(
+                "the container's processes changed during the rollback ({:?} → {now:?})",
+                self.shape.pids
+            )));
         }
         Ok(applied)
     }
@@ -776,8 +849,11 @@ impl Plan {
             for &(fd, pos) in &p.seeks {
                 let dup = ptrace::dup_fd(p.host, fd).map_err(io(format!("descriptor {fd} of process {}", p.vpid)))?;
                 // SAFETY: lseek on a descriptor we own.
-                if unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&dup), pos as libc::off_t, libc::SEEK_SET) } < 0 {
-                    return Err(io(format!("seek descriptor {fd} of process {}", p.vpid))(std::io::Error::last_os_error()));
+                if unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&dup), pos as libc::off_t, libc::SEEK_SET) } < 0
+                {
+                    return Err(io(format!("seek descriptor {fd} of process {}", p.vpid))(
+                        std::io::Error::last_os_error(),
+                    ));
                 }
             }
         }
@@ -791,7 +867,14 @@ impl Plan {
         for (p, &(t, insn, thp_off)) in self.shape.procs.iter().zip(&held) {
             if !thp_off {
                 applied.system_calls += 1;
-                ptrace::call(&tracees[t], insn, "prctl", libc::SYS_prctl, &[libc::PR_SET_THP_DISABLE as u64, 0, 0, 0, 0]).map_err(io(format!("process {}", p.vpid)))?;
+                ptrace::call(
+                    &tracees[t],
+                    insn,
+                    "prctl",
+                    libc::SYS_prctl,
+                    &[libc::PR_SET_THP_DISABLE as u64, 0, 0, 0, 0],
+                )
+                .map_err(io(format!("process {}", p.vpid)))?;
             }
         }
         Ok(applied)
@@ -815,8 +898,10 @@ fn write_pages(pid: i32, runs: &[PageRun]) -> Result<u64> {
         let mut done = 0;
         while done < total {
             let len = (total - done).min(buf.len() as u64) as usize;
-            src.read_exact_at(&mut buf[..len], r.loc.offset + done).map_err(io(format!("read {}", r.file.display())))?;
-            mem.write_all_at(&buf[..len], r.vaddr + done).map_err(io(format!("write process {pid}'s memory at {:#x}", r.vaddr + done)))?;
+            src.read_exact_at(&mut buf[..len], r.loc.offset + done)
+                .map_err(io(format!("read {}", r.file.display())))?;
+            mem.write_all_at(&buf[..len], r.vaddr + done)
+                .map_err(io(format!("write process {pid}'s memory at {:#x}", r.vaddr + done)))?;
             done += len as u64;
         }
         n += r.nr_pages;
@@ -830,18 +915,31 @@ fn strays(pid: i32, had: &[(u64, u64)]) -> Result<Vec<(u64, u64)>> {
     let zero = criu_hooks::pagemap::zero_pfn();
     let mut has = Vec::new();
     for m in maps_of(pid)?.iter().filter(|m| is_anon_private(m)) {
-        has.extend(criu_hooks::pagemap::pages(pid, m.start, m.end, zero).map_err(io(format!("read /proc/{pid}/pagemap")))?);
+        has.extend(
+            criu_hooks::pagemap::pages(pid, m.start, m.end, zero).map_err(io(format!("read /proc/{pid}/pagemap")))?,
+        );
     }
     Ok(subtract(&merge(has), had))
 }
 
 /// After the layout was changed: the process's private anonymous memory is the statepoint's.
 fn check_layout(p: &Process) -> Result<()> {
-    let now: Segments = maps_of(p.host)?.iter().filter(|m| is_anon_private(m)).map(|m| (m.start, m.end, m.prot, 0)).collect();
+    let now: Segments =
+        maps_of(p.host)?.iter().filter(|m| is_anon_private(m)).map(|m| (m.start, m.end, m.prot, 0)).collect();
     let (a, b) = (coverage(&now), coverage(&p.target_anon));
     if a != b {
-        let diff: Vec<_> = a.iter().filter(|x| !b.contains(x)).chain(b.iter().filter(|x| !a.contains(x))).take(4).map(|x| format!("{:#x}-{:#x}", x.0, x.1)).collect();
-        return Err(Error::Failed(format!("process {}: private memory differs from the statepoint's after the rollback at {}", p.vpid, diff.join(", "))));
+        let diff: Vec<_> = a
+            .iter()
+            .filter(|x| !b.contains(x))
+            .chain(b.iter().filter(|x| !a.contains(x)))
+            .take(4)
+            .map(|x| format!("{:#x}-{:#x}", x.0, x.1))
+            .collect();
+        return Err(Error::Failed(format!(
+            "process {}: private memory differs from the statepoint's after the rollback at {}",
+            p.vpid,
+            diff.join(", ")
+        )));
     }
     Ok(())
 }
@@ -853,9 +951,33 @@ fn set_thread(t: &ptrace::Tracee, th: &Thread, core: &images::Core) -> std::io::
     // SAFETY: all-zero is a valid user_regs_struct; every field is set below.
     let mut r: libc::user_regs_struct = unsafe { std::mem::zeroed() };
     let fields: [&mut u64; 27] = [
-        &mut r.r15, &mut r.r14, &mut r.r13, &mut r.r12, &mut r.rbp, &mut r.rbx, &mut r.r11, &mut r.r10, &mut r.r9, &mut r.r8, &mut r.rax, &mut r.rcx, &mut r.rdx,
-        &mut r.rsi, &mut r.rdi, &mut r.orig_rax, &mut r.rip, &mut r.cs, &mut r.eflags, &mut r.rsp, &mut r.ss, &mut r.fs_base, &mut r.gs_base, &mut r.ds, &mut r.es,
-        &mut r.fs, &mut r.gs,
+        &mut r.r15,
+        &mut r.r14,
+        &mut r.r13,
+        &mut r.r12,
+        &mut r.rbp,
+        &mut r.rbx,
+        &mut r.r11,
+        &mut r.r10,
+        &mut r.r9,
+        &mut r.r8,
+        &mut r.rax,
+        &mut r.rcx,
+        &mut r.rdx,
+        &mut r.rsi,
+        &mut r.rdi,
+        &mut r.orig_rax,
+        &mut r.rip,
+        &mut r.cs,
+        &mut r.eflags,
+        &mut r.rsp,
+        &mut r.ss,
+        &mut r.fs_base,
+        &mut r.gs_base,
+        &mut r.ds,
+        &mut r.es,
+        &mut r.fs,
+        &mut r.gs,
     ];
     for (slot, v) in fields.into_iter().zip(g) {
         *slot = *v;
@@ -880,7 +1002,9 @@ fn set_thread(t: &ptrace::Tracee, th: &Thread, core: &images::Core) -> std::io::
     }
     t.set_sigmask(core.blocked)?;
     let comm_path = format!("/proc/{}/comm", th.host);
-    if !core.comm.is_empty() && std::fs::read_to_string(&comm_path).map(|c| c.trim_end().to_string()).unwrap_or_default() != core.comm {
+    if !core.comm.is_empty()
+        && std::fs::read_to_string(&comm_path).map(|c| c.trim_end().to_string()).unwrap_or_default() != core.comm
+    {
         std::fs::write(&comm_path, &core.comm)?;
     }
     Ok(())
@@ -891,7 +1015,12 @@ mod tests {
     use super::*;
 
     fn run(v: u64, n: u64, ino: u64, off: u64) -> PageRun {
-        PageRun { vaddr: v, nr_pages: n, file: PathBuf::from(format!("p{ino}")), loc: images::Location { dev: 1, ino, offset: off } }
+        PageRun {
+            vaddr: v,
+            nr_pages: n,
+            file: PathBuf::from(format!("p{ino}")),
+            loc: images::Location { dev: 1, ino, offset: off },
+        }
     }
 
     #[test]
@@ -900,7 +1029,13 @@ mod tests {
         // Target: 4 pages from image 1; a page from image 2.
         let target = vec![run(0x10000, 4, 1, 0), run(0x20000, 1, 2, 0)];
         // Now: page 2 rewritten (image 3), page 4 gone, an extra page at 0x30000.
-        let now = vec![run(0x10000, 1, 1, 0), run(0x11000, 1, 3, 0), run(0x12000, 1, 1, 2 * p), run(0x20000, 1, 2, 0), run(0x30000, 2, 3, p)];
+        let now = vec![
+            run(0x10000, 1, 1, 0),
+            run(0x11000, 1, 3, 0),
+            run(0x12000, 1, 1, 2 * p),
+            run(0x20000, 1, 2, 0),
+            run(0x30000, 2, 3, p),
+        ];
         let (write, drop) = differ(&target, &now);
         let w: Vec<(u64, u64, u64)> = write.iter().map(|r| (r.vaddr, r.nr_pages, r.loc.offset)).collect();
         assert_eq!(w, vec![(0x11000, 1, p), (0x13000, 1, 3 * p)]);
@@ -921,7 +1056,16 @@ mod tests {
             (seed >> 33) % n
         };
         for _ in 0..500 {
-            let mut ranges = |k: u64| merge((0..rnd(k)).map(|_| { let s = rnd(60); (s, s + 1 + rnd(8)) }).collect());
+            let mut ranges = |k: u64| {
+                merge(
+                    (0..rnd(k))
+                        .map(|_| {
+                            let s = rnd(60);
+                            (s, s + 1 + rnd(8))
+                        })
+                        .collect(),
+                )
+            };
             let (a, b) = (ranges(8), ranges(8));
             let pages = |v: &[(u64, u64)]| v.iter().flat_map(|r| r.0..r.1).collect::<BTreeSet<u64>>();
             let want: BTreeSet<u64> = pages(&a).difference(&pages(&b)).copied().collect();

@@ -59,7 +59,10 @@ impl Tracee {
                 return Err(io::Error::new(e.kind(), format!("waiting for thread {}: {e}", self.tid)));
             }
             if Instant::now() > end {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, format!("thread {} did not stop within 10 s", self.tid)));
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("thread {} did not stop within 10 s", self.tid),
+                ));
             }
             // A stop is reported through waitpid only (no descriptor to block on for a tracee
             // that is not our child): poll it.
@@ -70,36 +73,59 @@ impl Tracee {
     pub fn regs(&self) -> io::Result<libc::user_regs_struct> {
         // SAFETY: all-zero is a valid user_regs_struct; the kernel fills it.
         let mut r: libc::user_regs_struct = unsafe { std::mem::zeroed() };
-        check(unsafe { libc::ptrace(libc::PTRACE_GETREGS, self.tid, 0, &mut r as *mut _) }, "PTRACE_GETREGS", self.tid)?;
+        check(
+            unsafe { libc::ptrace(libc::PTRACE_GETREGS, self.tid, 0, &mut r as *mut _) },
+            "PTRACE_GETREGS",
+            self.tid,
+        )?;
         Ok(r)
     }
 
     pub fn set_regs(&self, r: &libc::user_regs_struct) -> io::Result<()> {
-        check(unsafe { libc::ptrace(libc::PTRACE_SETREGS, self.tid, 0, r as *const _) }, "PTRACE_SETREGS", self.tid).map(drop)
+        check(unsafe { libc::ptrace(libc::PTRACE_SETREGS, self.tid, 0, r as *const _) }, "PTRACE_SETREGS", self.tid)
+            .map(drop)
     }
 
     /// The thread's XSAVE area (its first 512 bytes are FXSAVE's layout).
     pub fn xstate(&self) -> io::Result<Vec<u8>> {
         let mut buf = vec![0u8; 64 << 10];
         let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-        check(unsafe { libc::ptrace(libc::PTRACE_GETREGSET, self.tid, NT_X86_XSTATE, &mut iov as *mut _) }, "PTRACE_GETREGSET", self.tid)?;
+        check(
+            unsafe { libc::ptrace(libc::PTRACE_GETREGSET, self.tid, NT_X86_XSTATE, &mut iov as *mut _) },
+            "PTRACE_GETREGSET",
+            self.tid,
+        )?;
         buf.truncate(iov.iov_len);
         Ok(buf)
     }
 
     pub fn set_xstate(&self, buf: &[u8]) -> io::Result<()> {
         let mut iov = libc::iovec { iov_base: buf.as_ptr() as *mut libc::c_void, iov_len: buf.len() };
-        check(unsafe { libc::ptrace(libc::PTRACE_SETREGSET, self.tid, NT_X86_XSTATE, &mut iov as *mut _) }, "PTRACE_SETREGSET", self.tid).map(drop)
+        check(
+            unsafe { libc::ptrace(libc::PTRACE_SETREGSET, self.tid, NT_X86_XSTATE, &mut iov as *mut _) },
+            "PTRACE_SETREGSET",
+            self.tid,
+        )
+        .map(drop)
     }
 
     pub fn sigmask(&self) -> io::Result<u64> {
         let mut m = 0u64;
-        check(unsafe { libc::ptrace(PTRACE_GETSIGMASK, self.tid, 8usize, &mut m as *mut u64) }, "PTRACE_GETSIGMASK", self.tid)?;
+        check(
+            unsafe { libc::ptrace(PTRACE_GETSIGMASK, self.tid, 8usize, &mut m as *mut u64) },
+            "PTRACE_GETSIGMASK",
+            self.tid,
+        )?;
         Ok(m)
     }
 
     pub fn set_sigmask(&self, m: u64) -> io::Result<()> {
-        check(unsafe { libc::ptrace(PTRACE_SETSIGMASK, self.tid, 8usize, &m as *const u64) }, "PTRACE_SETSIGMASK", self.tid).map(drop)
+        check(
+            unsafe { libc::ptrace(PTRACE_SETSIGMASK, self.tid, 8usize, &m as *const u64) },
+            "PTRACE_SETSIGMASK",
+            self.tid,
+        )
+        .map(drop)
     }
 
     /// Runs system call `nr` with `args` in the thread, stepping it over the `syscall`
@@ -121,11 +147,18 @@ impl Tracee {
             check(unsafe { libc::ptrace(libc::PTRACE_SINGLESTEP, self.tid, 0, 0) }, "PTRACE_SINGLESTEP", self.tid)?;
             let status = self.wait_stop()?;
             if libc::WSTOPSIG(status) != libc::SIGTRAP {
-                return Err(io::Error::other(format!("thread {} stopped with signal {} instead of after the system call", self.tid, libc::WSTOPSIG(status))));
+                return Err(io::Error::other(format!(
+                    "thread {} stopped with signal {} instead of after the system call",
+                    self.tid,
+                    libc::WSTOPSIG(status)
+                )));
             }
             let after = self.regs()?;
             if after.rip != insn + 2 {
-                return Err(io::Error::other(format!("thread {} did not step over the system call (at {:#x})", self.tid, after.rip)));
+                return Err(io::Error::other(format!(
+                    "thread {} did not step over the system call (at {:#x})",
+                    self.tid, after.rip
+                )));
             }
             Ok(after.rax as i64)
         })();
@@ -154,13 +187,24 @@ pub fn call(t: &Tracee, insn: u64, name: &str, nr: libc::c_long, args: &[u64]) -
 /// The address of a `syscall` instruction (0f 05) in process `pid`'s vDSO.
 pub fn syscall_instruction(pid: i32) -> io::Result<u64> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
-    let line = maps.lines().find(|l| l.ends_with("[vdso]")).ok_or_else(|| io::Error::other(format!("process {pid} has no vDSO")))?;
-    let (s, e) = line.split_whitespace().next().and_then(|r| r.split_once('-')).ok_or_else(|| io::Error::other("unreadable maps line"))?;
-    let (s, e) = (u64::from_str_radix(s, 16).map_err(io::Error::other)?, u64::from_str_radix(e, 16).map_err(io::Error::other)?);
+    let line = maps
+        .lines()
+        .find(|l| l.ends_with("[vdso]"))
+        .ok_or_else(|| io::Error::other(format!("process {pid} has no vDSO")))?;
+    let (s, e) = line
+        .split_whitespace()
+        .next()
+        .and_then(|r| r.split_once('-'))
+        .ok_or_else(|| io::Error::other("unreadable maps line"))?;
+    let (s, e) =
+        (u64::from_str_radix(s, 16).map_err(io::Error::other)?, u64::from_str_radix(e, 16).map_err(io::Error::other)?);
     let mut buf = vec![0u8; (e - s) as usize];
     let mem = std::fs::File::open(format!("/proc/{pid}/mem"))?;
     std::os::unix::fs::FileExt::read_exact_at(&mem, &mut buf, s)?;
-    buf.windows(2).position(|w| w == [0x0f, 0x05]).map(|i| s + i as u64).ok_or_else(|| io::Error::other(format!("no syscall instruction in process {pid}'s vDSO")))
+    buf.windows(2)
+        .position(|w| w == [0x0f, 0x05])
+        .map(|i| s + i as u64)
+        .ok_or_else(|| io::Error::other(format!("no syscall instruction in process {pid}'s vDSO")))
 }
 
 /// A duplicate of descriptor `fd` of process `pid` (the same open file description: seeking it
@@ -205,7 +249,14 @@ mod tests {
         let pid = call(&t, insn, "getpid", libc::SYS_getpid, &[]).unwrap();
         assert_eq!(pid, i64::from(child));
         let len = 3 * 4096u64;
-        let addr = call(&t, insn, "mmap", libc::SYS_mmap, &[0, len, 3, (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64, u64::MAX, 0]).unwrap() as u64;
+        let addr = call(
+            &t,
+            insn,
+            "mmap",
+            libc::SYS_mmap,
+            &[0, len, 3, (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64, u64::MAX, 0],
+        )
+        .unwrap() as u64;
         let maps = std::fs::read_to_string(format!("/proc/{child}/maps")).unwrap();
         assert!(maps.contains(&format!("{addr:x}-{:x} rw-p", addr + len)), "{maps}");
         // Memory written through /proc/PID/mem, read back.
@@ -215,7 +266,10 @@ mod tests {
         std::os::unix::fs::FileExt::read_exact_at(&mem, &mut back, addr + 4096).unwrap();
         assert_eq!(&back, b"planarian");
         call(&t, insn, "munmap", libc::SYS_munmap, &[addr, len]).unwrap();
-        assert!(call(&t, insn, "madvise", libc::SYS_madvise, &[addr, len, 999]).unwrap_err().to_string().contains("madvise"));
+        assert!(call(&t, insn, "madvise", libc::SYS_madvise, &[addr, len, 999])
+            .unwrap_err()
+            .to_string()
+            .contains("madvise"));
         // Registers and mask come back as set.
         let before = t.regs().unwrap();
         t.set_sigmask(1 << 9).unwrap();

@@ -47,12 +47,17 @@ pub fn on_create(cfg: &Config, id: &str, bundle: &mut Bundle) -> Result<()> {
         // A leftover of a container with this ID whose mapping is gone: not ours to guess about.
         return Err(Error::DatasetExists(ds));
     }
-    zfs.clone_snapshot(&base, &ds, &[])
-        .map_err(|source| Error::ZfsStep { what: format!("cannot give container {} its dataset", short(id)), source })?;
+    zfs.clone_snapshot(&base, &ds, &[]).map_err(|source| Error::ZfsStep {
+        what: format!("cannot give container {} its dataset", short(id)),
+        source,
+    })?;
     let r = (|| {
         let mp = mountpoint(&zfs, &ds)?;
         apply_layer(&layers.upper, &mp)?;
-        save_mapping(&store, &Mapping { dataset: ds.clone(), owned: true, bundle: dir.clone(), image_base: Some(base.clone()) })?;
+        save_mapping(
+            &store,
+            &Mapping { dataset: ds.clone(), owned: true, bundle: dir.clone(), image_base: Some(base.clone()) },
+        )?;
         Ok(bundle.point_root_at(&mp)?)
     })();
     if r.is_err() {
@@ -91,7 +96,8 @@ fn ensure_image_base(zfs: &Zfs, cfg: &Config, parent: &str, lower: &[PathBuf]) -
     let snap = format!("{ds}@base");
     std::fs::create_dir_all(&cfg.store.path).at("create", &cfg.store.path)?;
     let lock_path = cfg.store.path.join(format!("zfs-image-{}.lock", image_key(lower)));
-    let lock = std::fs::File::options().create(true).truncate(false).write(true).open(&lock_path).at("open", &lock_path)?;
+    let lock =
+        std::fs::File::options().create(true).truncate(false).write(true).open(&lock_path).at("open", &lock_path)?;
     lock.lock().at("lock", &lock_path)?;
     if zfs.exists(&snap)? {
         return Ok((snap, false));
@@ -103,7 +109,8 @@ fn ensure_image_base(zfs: &Zfs, cfg: &Config, parent: &str, lower: &[PathBuf]) -
     if !zfs.exists(parent)? {
         return Err(Error::NoParentDataset(parent.to_string()));
     }
-    zfs.create(&ds, &[]).map_err(|source| Error::ZfsStep { what: "cannot create the image's dataset".into(), source })?;
+    zfs.create(&ds, &[])
+        .map_err(|source| Error::ZfsStep { what: "cannot create the image's dataset".into(), source })?;
     let r = (|| {
         let mp = mountpoint(zfs, &ds)?;
         for layer in lower.iter().rev() {
@@ -118,7 +125,6 @@ fn ensure_image_base(zfs: &Zfs, cfg: &Config, parent: &str, lower: &[PathBuf]) -
     }
     Ok((snap, true))
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -40,7 +40,9 @@ fn is_opaque(dir: &Path) -> bool {
     let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else { return false };
     let mut buf = [0u8; 4];
     // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-    let n = unsafe { nix::libc::lgetxattr(c.as_ptr(), c"trusted.overlay.opaque".as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let n = unsafe {
+        nix::libc::lgetxattr(c.as_ptr(), c"trusted.overlay.opaque".as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+    };
     n == 1 && buf[0] == b'y'
 }
 
@@ -96,7 +98,6 @@ pub fn apply_layer(layer: &Path, dest: &Path) -> Result<()> {
     Ok(after(layer, dest).at("apply", layer)?)
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,13 +131,22 @@ mod tests {
         std::fs::create_dir_all(upper.join("etc")).unwrap();
         std::fs::write(upper.join("etc/passwd"), "root\nagent").unwrap();
         std::fs::write(upper.join("new"), "n").unwrap();
-        let whiteout = nix::sys::stat::mknod(&upper.join("gone"), nix::sys::stat::SFlag::S_IFCHR, nix::sys::stat::Mode::from_bits_truncate(0o600), 0).is_ok();
+        let whiteout = nix::sys::stat::mknod(
+            &upper.join("gone"),
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+            0,
+        )
+        .is_ok();
         apply_layer(&upper, &dest).unwrap();
         assert_eq!(std::fs::read_to_string(dest.join("etc/passwd")).unwrap(), "root\nagent");
         assert_eq!(std::fs::read_to_string(dest.join("new")).unwrap(), "n");
         assert!(dest.join("etc/old/x").exists());
         if whiteout {
-            assert!(std::fs::symlink_metadata(dest.join("gone")).is_err(), "the whiteout deleted the file and left no device");
+            assert!(
+                std::fs::symlink_metadata(dest.join("gone")).is_err(),
+                "the whiteout deleted the file and left no device"
+            );
         }
         std::fs::remove_dir_all(&base).unwrap();
     }

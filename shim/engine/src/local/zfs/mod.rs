@@ -217,7 +217,8 @@ impl ZfsRootfs {
         };
         // Puts the previous dataset back under its name and mount point (any step may be done).
         let undo = {
-            let (zfs, d, old, new, mp, origin_ds) = (zfs.clone(), d.clone(), old.clone(), new.clone(), mp.clone(), origin_ds.clone());
+            let (zfs, d, old, new, mp, origin_ds) =
+                (zfs.clone(), d.clone(), old.clone(), new.clone(), mp.clone(), origin_ds.clone());
             move || -> Result<()> {
                 if zfs.exists(&old)? {
                     if zfs.exists(&d)? {
@@ -238,7 +239,11 @@ impl ZfsRootfs {
         if let Err(e) = swap() {
             return Err(match undo() {
                 Ok(()) => e.into(),
-                Err(u) => Error::UndoFailed { first: Box::new(e.into()), undoing: "putting the previous dataset back", then: Box::new(u) },
+                Err(u) => Error::UndoFailed {
+                    first: Box::new(e.into()),
+                    undoing: "putting the previous dataset back",
+                    then: Box::new(u),
+                },
             });
         }
         let commit = {
@@ -301,7 +306,12 @@ impl Rootfs for ZfsRootfs {
         // before it was decided on) did not change since: the stream carries them only as
         // neighbours of ones that did (it sends whole blocks of znodes). Trusted only while the
         // wall clock kept time since (same boot, moved as the time since boot did).
-        let unchanged_before = local.zfs_clock.as_ref().zip(crate::store::Clock::now()).filter(|(then, now)| then.kept_time_to(now, 2.0)).map(|(then, _)| then.wall.saturating_sub(2));
+        let unchanged_before = local
+            .zfs_clock
+            .as_ref()
+            .zip(crate::store::Clock::now())
+            .filter(|(then, now)| then.kept_time_to(now, 2.0))
+            .map(|(then, _)| then.wall.saturating_sub(2));
         let (zfs, d, at) = (self.zfs.clone(), self.map.dataset.clone(), at.clone());
         let taken = TakenFiles::new(match &at.safety {
             Some(sp) => self.snapshot_of(sp),
@@ -324,13 +334,22 @@ impl Rootfs for ZfsRootfs {
     /// read, compared with the live dataset entry by entry (inode and ctime included) and the
     /// differences written into the dataset. The clone (and the snapshot an early start took)
     /// goes when this is dropped, or later ([`InPlaceFiles::hand_off`]).
-    fn in_place(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt, start: Option<InPlaceStart>) -> Result<InPlaceFiles> {
+    fn in_place(
+        &self,
+        sp_dir: &Path,
+        local: &LocalState,
+        at: &InPlaceAt,
+        start: Option<InPlaceStart>,
+    ) -> Result<InPlaceFiles> {
         let zfs = &self.zfs;
         let t = std::time::Instant::now();
         // (not begun early: begun now, with a snapshot of its own)
-        let start = start.or_else(|| self.in_place_start(sp_dir, local, &InPlaceAt { safety: None, ..at.clone() })).ok_or(Error::NoZfsSnapshot)?;
+        let start = start
+            .or_else(|| self.in_place_start(sp_dir, local, &InPlaceAt { safety: None, ..at.clone() }))
+            .ok_or(Error::NoZfsSnapshot)?;
         let mut early = start.work.downcast::<Early>().map_err(|_| Error::InPlaceFiles("not a ZFS start".into()))?;
-        let compared = early.thread.take().expect("joined once").join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        let compared =
+            early.thread.take().expect("joined once").join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         let mut made = std::mem::take(&mut early.made);
         // (the snapshot of the frozen state: the safety statepoint's when it adopted it)
         if let Some(now) = early.now.take().filter(TakenFiles::capturers) {
@@ -342,7 +361,10 @@ impl Rootfs for ZfsRootfs {
         };
         match compared {
             Ok((sync, times)) => {
-                crate::log::own_log("info", &format!("in place on ZFS: {times}; waited for it {} ms", t.elapsed().as_millis()));
+                crate::log::own_log(
+                    "info",
+                    &format!("in place on ZFS: {times}; waited for it {} ms", t.elapsed().as_millis()),
+                );
                 Ok(InPlaceFiles { sync, cleanup: Some(Box::new(cleanup)), leftovers: made })
             }
             Err(e) => {
@@ -363,13 +385,18 @@ fn compare(zfs: &Zfs, found: &Found, at: &InPlaceAt) -> Result<(super::treesync:
     }
     let t = std::time::Instant::now();
     // A file with other names is trusted only unchanged (then all its names are).
-    let places = found.places.as_ref().filter(|(_, named, _)| named.iter().all(|rel| super::treesync::unchanged(&at.scratch, live, rel)));
+    let places = found
+        .places
+        .as_ref()
+        .filter(|(_, named, _)| named.iter().all(|rel| super::treesync::unchanged(&at.scratch, live, rel)));
     let planned = if let (Some(changed), Some((places, _, by))) = (&found.changed, places) {
-        let mut s = super::treesync::plan_places(&at.scratch, live, live, &at.mounted, changed, places).map_err(Error::InPlaceFiles)?;
+        let mut s = super::treesync::plan_places(&at.scratch, live, live, &at.mounted, changed, places)
+            .map_err(Error::InPlaceFiles)?;
         s.located_by = Some(by);
         s
     } else {
-        super::treesync::plan_changed(&at.scratch, live, live, &[], true, &at.mounted, found.changed.as_ref()).map_err(Error::InPlaceFiles)?
+        super::treesync::plan_changed(&at.scratch, live, live, &[], true, &at.mounted, found.changed.as_ref())
+            .map_err(Error::InPlaceFiles)?
     };
     Ok((planned, format!("{}; plan {} ms", found.times, t.elapsed().as_millis())))
 }
@@ -390,7 +417,14 @@ struct Found {
     times: String,
 }
 
-fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, taken: &TakenFiles, unchanged_before: Option<u64>) -> Result<Found> {
+fn find_in_place(
+    zfs: &Zfs,
+    d: &str,
+    recorded: &str,
+    scratch: &Path,
+    taken: &TakenFiles,
+    unchanged_before: Option<u64>,
+) -> Result<Found> {
     let now = taken.name();
     let started = std::time::Instant::now();
     let ms = |t: std::time::Duration| t.as_millis();
@@ -470,10 +504,22 @@ fn find_in_place(zfs: &Zfs, d: &str, recorded: &str, scratch: &Path, taken: &Tak
             Ok(())
         })()
         .map(|()| started.elapsed());
-        (made, finding.join().unwrap_or_else(|p| std::panic::resume_unwind(p)).unwrap_or_else(|e| ((None, None), format!("not found: {e}"))))
+        (
+            made,
+            finding
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p))
+                .unwrap_or_else(|e| ((None, None), format!("not found: {e}"))),
+        )
     });
     let cloned = made?;
-    Ok(Found { live, view, changed: changes.0, places: changes.1, times: format!("clone {} ms; {times}; {} ms in all", ms(cloned), ms(started.elapsed())) })
+    Ok(Found {
+        live,
+        view,
+        changed: changes.0,
+        places: changes.1,
+        times: format!("clone {} ms; {times}; {} ms in all", ms(cloned), ms(started.elapsed())),
+    })
 }
 
 /// An early start's thread, and what it makes: destroyed, unless taken by [`ZfsRootfs::in_place`],
@@ -506,13 +552,21 @@ impl Drop for Early {
 /// knows one); `None` when one cannot be trusted: zdb failed, or a path does not lead to its
 /// object. Objects that are no file, and files no directory holds any more (unlinked, still
 /// open), have no place; system directories (zdb shows them at `/`) neither.
-fn places(zfs: &Zfs, now: &str, changed: &std::collections::HashSet<u64>, live: &Path) -> Option<(Vec<PathBuf>, Vec<PathBuf>)> {
+fn places(
+    zfs: &Zfs,
+    now: &str,
+    changed: &std::collections::HashSet<u64>,
+    live: &Path,
+) -> Option<(Vec<PathBuf>, Vec<PathBuf>)> {
     use std::os::unix::fs::MetadataExt;
     // (object 1, the master node, names the root: FUSE shows every mount's root as inode 1)
     let mut objects: Vec<u64> = changed.iter().copied().chain([1]).collect();
     objects.sort_unstable();
     objects.dedup();
-    let infos = zfs.object_paths(now, &objects).map_err(|e| crate::log::own_log("warning", &format!("in place: where the changed objects are: {e}"))).ok()?;
+    let infos = zfs
+        .object_paths(now, &objects)
+        .map_err(|e| crate::log::own_log("warning", &format!("in place: where the changed objects are: {e}")))
+        .ok()?;
     let root = infos.iter().find_map(|o| o.root)?;
     let (mut out, mut named) = (Vec::new(), Vec::new());
     for o in infos.into_iter().filter(|o| changed.contains(&o.object)) {
@@ -530,7 +584,10 @@ fn places(zfs: &Zfs, now: &str, changed: &std::collections::HashSet<u64>, live: 
         let rel = PathBuf::from(path.trim_start_matches('/'));
         let ino = std::fs::symlink_metadata(live.join(&rel)).ok().map(|m| m.ino());
         if ino != Some(o.object) {
-            crate::log::own_log("warning", &format!("in place: object {} is not at {path}: every directory is compared", o.object));
+            crate::log::own_log(
+                "warning",
+                &format!("in place: object {} is not at {path}: every directory is compared", o.object),
+            );
             return None;
         }
         if !o.is_dir() && o.links.unwrap_or(1) > 1 {
@@ -594,7 +651,14 @@ pub fn fork_dataset(cfg: &Config, src: &Mapping, new_id: &str) -> String {
 }
 
 /// Gives a new container (no statepoints yet) a clone of `recorded` as its dataset.
-pub fn fork_into(cfg: &Config, src: &Mapping, recorded: &str, new_store: &ContainerStore, new_id: &str, new_bundle: &Path) -> Result<()> {
+pub fn fork_into(
+    cfg: &Config,
+    src: &Mapping,
+    recorded: &str,
+    new_store: &ContainerStore,
+    new_id: &str,
+    new_bundle: &Path,
+) -> Result<()> {
     let zfs = zfs_from(cfg)?;
     let name = recorded.rsplit('@').next().unwrap_or(recorded);
     let snap = find_snapshot(&zfs, &src.dataset, name)?.ok_or_else(|| missing(name, &src.dataset))?;
@@ -613,7 +677,13 @@ pub fn fork_into(cfg: &Config, src: &Mapping, recorded: &str, new_store: &Contai
 /// `zfs send` stream: whole, or incremental from snapshot `since` (an older statepoint of the
 /// same dataset's history, which the receiver holds). Returns the `guid` of the snapshot the
 /// stream starts from, for an incremental one.
-pub fn send_statepoint(cfg: &Config, store: &ContainerStore, recorded: &str, since: Option<&str>, out: &Path) -> Result<Option<String>> {
+pub fn send_statepoint(
+    cfg: &Config,
+    store: &ContainerStore,
+    recorded: &str,
+    since: Option<&str>,
+    out: &Path,
+) -> Result<Option<String>> {
     let map = mapping(store).ok_or(Error::NoZfsSnapshot)?;
     let zfs = zfs_from(cfg)?;
     let find = |recorded: &str| -> Result<String> {
@@ -645,7 +715,15 @@ pub struct Incoming<'a> {
 /// (from the snapshot whose guid it names, found anywhere in `parent`'s pool) is received
 /// into a clone of that snapshot: only the changes travel. Returns the snapshot. On failure
 /// nothing is left.
-pub fn receive_statepoint(cfg: &Config, store: &ContainerStore, id: &str, parent: &str, incoming: Incoming, snap_name: &str, bundle: &Path) -> Result<String> {
+pub fn receive_statepoint(
+    cfg: &Config,
+    store: &ContainerStore,
+    id: &str,
+    parent: &str,
+    incoming: Incoming,
+    snap_name: &str,
+    bundle: &Path,
+) -> Result<String> {
     let Incoming { stream, from_guid } = incoming;
     let zfs = zfs_from(cfg)?;
     if !zfs.exists(parent)? {
@@ -665,7 +743,9 @@ pub fn receive_statepoint(cfg: &Config, store: &ContainerStore, id: &str, parent
         // own newest (the only ground zfs-fuse receives an incremental stream on; OpenZFS's
         // `receive -o origin` is the same idea), then the snapshots go back to where they were:
         // the new dataset is a clone of the common snapshot, as a fork is.
-        let base = zfs.snapshot_by_guid(zfs::pool_of(parent), guid)?.ok_or_else(|| Error::NoCommonSnapshot(zfs::pool_of(parent).to_string()))?;
+        let base = zfs
+            .snapshot_by_guid(zfs::pool_of(parent), guid)?
+            .ok_or_else(|| Error::NoCommonSnapshot(zfs::pool_of(parent).to_string()))?;
         let origin_ds = zfs::dataset_of(&base).to_string();
         zfs.clone_snapshot(&base, &ds, &[]).map_err(step("clone the common snapshot for"))?;
         let received = zfs.promote(&ds).and_then(|()| zfs.receive_force(&ds, input));
@@ -713,7 +793,12 @@ pub fn remove_container(cfg: &Config, store: &ContainerStore) -> Result<()> {
     let id = store.dir.file_name().unwrap_or_default().to_string_lossy().into_owned();
     let ours = format!("@planarian-{}-", short(&id));
     let old_prefix = format!("{d}.planarian-old-");
-    let in_family = |fs: &str| fs == d || fs.starts_with(&old_prefix) || fs == format!("{d}.planarian-new") || fs == format!("{d}.planarian-inplace");
+    let in_family = |fs: &str| {
+        fs == d
+            || fs.starts_with(&old_prefix)
+            || fs == format!("{d}.planarian-new")
+            || fs == format!("{d}.planarian-inplace")
+    };
     if map.owned {
         // Forks (or anything) cloned from the family's snapshots take them over first.
         for _ in 0..64 {
@@ -726,7 +811,8 @@ pub fn remove_container(cfg: &Config, store: &ContainerStore) -> Result<()> {
                 None => break,
             }
         }
-        let mut family: Vec<String> = zfs.filesystems(pool)?.into_iter().map(|(n, _)| n).filter(|n| in_family(n)).collect();
+        let mut family: Vec<String> =
+            zfs.filesystems(pool)?.into_iter().map(|(n, _)| n).filter(|n| in_family(n)).collect();
         // Retired datasets are clones of the live one's snapshots: they go first.
         family.sort_by_key(|n| n == d);
         for fs in family {
@@ -766,7 +852,11 @@ pub fn gc(cfg: &Config, wait: Option<&str>) -> Result<(), GcError> {
             vec![store]
         }
         None => std::fs::read_dir(cfg.store.path.join("containers"))
-            .map(|rd| rd.filter_map(Result::ok).map(|e| ContainerStore::new(&cfg.store.path, &e.file_name().to_string_lossy())).collect())
+            .map(|rd| {
+                rd.filter_map(Result::ok)
+                    .map(|e| ContainerStore::new(&cfg.store.path, &e.file_name().to_string_lossy()))
+                    .collect()
+            })
             .unwrap_or_default(),
     };
     let mut failed = None;
@@ -809,7 +899,12 @@ pub fn on_delete(cfg: &Config, id: &str) {
     }
     let Ok(exe) = std::env::current_exe() else { return };
     let mut cmd = std::process::Command::new(exe);
-    cmd.arg("gc").arg("--wait").arg(id).stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    cmd.arg("gc")
+        .arg("--wait")
+        .arg(id)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
     crate::tools::detach(&mut cmd);
     let _ = cmd.spawn();
 }

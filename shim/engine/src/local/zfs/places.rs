@@ -114,7 +114,11 @@ impl Finder<'_> {
                     if wanted.remove(&ino) {
                         self.found.insert(ino, rel.clone());
                     }
-                    if is_near { near.push_back(rel) } else { far.push_back(rel) }
+                    if is_near {
+                        near.push_back(rel)
+                    } else {
+                        far.push_back(rel)
+                    }
                 }
             }
         }
@@ -130,11 +134,18 @@ fn is_dir_at(live: &Path, rel: &Path, obj: u64) -> bool {
 /// The places in `live` (the frozen tree the stream ends at) of the objects `changes` carries;
 /// why not, when they cannot all be trusted. `mounted`: the container's mount points (relative),
 /// not searched; `known`: directories' places earlier rollbacks learned ([`Places::dirs`]).
-pub fn places(changes: &Changes, live: &Path, mounted: &[PathBuf], known: &HashMap<u64, PathBuf>) -> Result<Places, String> {
+pub fn places(
+    changes: &Changes,
+    live: &Path,
+    mounted: &[PathBuf],
+    known: &HashMap<u64, PathBuf>,
+) -> Result<Places, String> {
     let mut f = Finder { live, mounted, changes, found: HashMap::new(), known, listings: HashMap::new() };
     // (an extended attribute's directory, or a file in one: not in the tree, and whatever
     // changed there changed the file they belong to too)
-    let attribute = |z: &zfs::stream::Znode| z.xattr || matches!(changes.objects.get(&z.parent), Some(Object::File(p)) if !p.is_dir() || p.xattr);
+    let attribute = |z: &zfs::stream::Znode| {
+        z.xattr || matches!(changes.objects.get(&z.parent), Some(Object::File(p)) if !p.is_dir() || p.xattr)
+    };
     let mut files = Vec::new();
     for (&obj, seen) in &changes.objects {
         match seen {
@@ -157,7 +168,8 @@ pub fn places(changes: &Changes, live: &Path, mounted: &[PathBuf], known: &HashM
         if !wanted.is_empty() {
             let mut w: Vec<_> = wanted.into_iter().collect();
             w.sort_unstable();
-            let holds: Vec<u64> = files.iter().filter(|(_, z)| w.contains(&z.parent)).map(|(o, _)| *o).take(5).collect();
+            let holds: Vec<u64> =
+                files.iter().filter(|(_, z)| w.contains(&z.parent)).map(|(o, _)| *o).take(5).collect();
             return Err(format!("directories {w:?} (holding {holds:?}) not found within {SEARCH_BOUND} directories"));
         }
     }
@@ -166,8 +178,10 @@ pub fn places(changes: &Changes, live: &Path, mounted: &[PathBuf], known: &HashM
         let place = if z.is_dir() {
             f.dir(obj, 0).ok_or_else(|| format!("directory {obj} has no place"))?
         } else {
-            let parent = f.dir(z.parent, 0).ok_or_else(|| format!("object {obj}: its directory {} has no place", z.parent))?;
-            f.name_in(&parent, obj).ok_or_else(|| format!("object {obj}: not in /{} (its directory {})", parent.display(), z.parent))?
+            let parent =
+                f.dir(z.parent, 0).ok_or_else(|| format!("object {obj}: its directory {} has no place", z.parent))?;
+            f.name_in(&parent, obj)
+                .ok_or_else(|| format!("object {obj}: not in /{} (its directory {})", parent.display(), z.parent))?
         };
         if !z.is_dir() && z.links > 1 {
             out.named.push(place);
@@ -220,7 +234,9 @@ pub fn dirs_of(live: &Path, places: &[PathBuf]) -> HashMap<u64, PathBuf> {
     dirs.extend(places.iter().map(PathBuf::as_path));
     dirs.into_iter()
         .filter(|d| !d.as_os_str().is_empty())
-        .filter_map(|d| std::fs::symlink_metadata(live.join(d)).ok().filter(|m| m.is_dir()).map(|m| (m.ino(), d.to_path_buf())))
+        .filter_map(|d| {
+            std::fs::symlink_metadata(live.join(d)).ok().filter(|m| m.is_dir()).map(|m| (m.ino(), d.to_path_buf()))
+        })
         .collect()
 }
 
@@ -246,7 +262,10 @@ mod tests {
         let p = root.join(rel);
         let md = std::fs::symlink_metadata(&p).unwrap();
         let parent = if rel.is_empty() { md.ino() } else { ino(p.parent().unwrap()) };
-        c.objects.insert(md.ino(), Object::File(Znode { parent, links: md.nlink(), mode: u64::from(md.mode()), xattr: false, ctime: 0 }));
+        c.objects.insert(
+            md.ino(),
+            Object::File(Znode { parent, links: md.nlink(), mode: u64::from(md.mode()), xattr: false, ctime: 0 }),
+        );
     }
 
     #[test]
@@ -262,14 +281,22 @@ mod tests {
         let mut c = Changes::default();
         // A file rewritten in an unchanged directory deep down; a new tree (its directories in
         // the stream); a file with two names; the root; a system object.
-        for rel in ["data/f1", "usr/lib/deep/er/mod.py", "tmp", "tmp/new", "tmp/new/sub", "tmp/new/sub/x", "etc/passwd", ""] {
+        for rel in
+            ["data/f1", "usr/lib/deep/er/mod.py", "tmp", "tmp/new", "tmp/new/sub", "tmp/new/sub/x", "etc/passwd", ""]
+        {
             changed(&mut c, &d, rel);
         }
         c.objects.insert(1, Object::System);
         // A file's extended attributes (a hidden directory, a file in it): not in the tree.
         let passwd = ino(&d.join("etc/passwd"));
-        c.objects.insert(900_000_001, Object::File(Znode { parent: passwd, links: 2, mode: 0o040755, xattr: true, ctime: 0 }));
-        c.objects.insert(900_000_002, Object::File(Znode { parent: 900_000_001, links: 1, mode: 0o100644, xattr: false, ctime: 0 }));
+        c.objects.insert(
+            900_000_001,
+            Object::File(Znode { parent: passwd, links: 2, mode: 0o040755, xattr: true, ctime: 0 }),
+        );
+        c.objects.insert(
+            900_000_002,
+            Object::File(Znode { parent: 900_000_001, links: 1, mode: 0o100644, xattr: false, ctime: 0 }),
+        );
         let p = places(&c, &d, &[], &HashMap::new()).unwrap();
         let mut single: Vec<_> = p.single.iter().map(|p| p.display().to_string()).collect();
         single.sort();
@@ -341,7 +368,10 @@ mod tests {
         assert!(places(&c, &d, &[], &HashMap::new()).is_ok());
         // A znode that names a directory that does not hold the file.
         let f = ino(&d.join("a/b/f"));
-        c.objects.insert(f, Object::File(Znode { parent: ino(&d.join("a")), links: 1, mode: 0o100644, xattr: false, ctime: 0 }));
+        c.objects.insert(
+            f,
+            Object::File(Znode { parent: ino(&d.join("a")), links: 1, mode: 0o100644, xattr: false, ctime: 0 }),
+        );
         assert!(places(&c, &d, &[], &HashMap::new()).is_err());
         // An object the stream wrote without its znode.
         let mut c = Changes::default();
