@@ -1,9 +1,11 @@
 //! The proxy's own connection to the database: the undo log's schema, catalog look-ups for the
 //! rewrite, and compensation — each compensation in one real transaction.
 
-use crate::sql::{quote_ident, quote_literal, Ddl, Descendant, Object, TableInfo, UNDO_SCHEMA};
+use crate::sql::{quote_ident, Ddl, Descendant, Object, TableInfo, UNDO_SCHEMA};
 use postgres::{Client, NoTls};
 use std::process::{Command, Stdio};
+
+mod compensation;
 
 pub struct Db {
     client: Client,
@@ -42,26 +44,16 @@ impl std::fmt::Display for CompensateError {
     }
 }
 
+/// A PostgreSQL error of the proxy's own connection, as a compensation reports it.
+fn other(e: postgres::Error) -> CompensateError {
+    CompensateError::Other(pe(e))
+}
+
 fn pe(e: postgres::Error) -> String {
     match e.as_db_error() {
         Some(d) => d.message().to_string(),
         None => e.to_string(),
     }
-}
-
-/// What a compensation promises of one row, found by key in the relation it was changed
-/// through.
-struct Promise<'a> {
-    /// The position whose undo has the last word on it.
-    pos: i64,
-    /// `ONLY ` when the relation is the row's own (not a partitioned table routing to it).
-    only: &'a str,
-    /// The relation the row must live in (None: not recorded, by a proxy before they were).
-    home: Option<String>,
-    /// The row as it must be; None: no row with that key.
-    want: Option<serde_json::Value>,
-    /// An image carrying its key.
-    image: serde_json::Value,
 }
 
 /// `(o.k1, o.k2) = (the key of the jsonb image $n)`, for a row `o` of `rel`.
@@ -540,233 +532,14 @@ impl Db {
     /// Undoes every recorded change after `position`, newest first, in one transaction: all of
     /// it, or — on a conflict or error — none of it. Returns how many rows were restored.
     pub fn compensate_to(&mut self, position: u64) -> Result<u64, CompensateError> {
-        let other = |e: postgres::Error| CompensateError::Other(pe(e));
-        let mut tx = self.client.transaction().map_err(other)?;
-        let entries = tx
-            .query(
-                &format!(
-                    "SELECT position, seq, tbl, before, after, ddl, rel, content FROM {UNDO_SCHEMA}.undo WHERE position > $1
-                     ORDER BY position DESC, stmt DESC, seq DESC FOR UPDATE"
-                ),
-                &[&(position as i64)],
-            )
-            .map_err(other)?;
-        let mut infos: std::collections::HashMap<String, (Vec<String>, Vec<String>)> = Default::default();
-        let mut partitioned_tables: std::collections::HashMap<String, bool> = Default::default();
-        // What each undone row must be once every entry is applied: the before-image of its oldest
-        // entry (None: absent), by the relation it lived in and its key — checked at the end.
-        let mut promised: std::collections::HashMap<(String, String), Promise> = Default::default();
+        let tx = self.client.transaction().map_err(other)?;
+        let mut c = compensation::Compensation::new(tx, position);
+        let entries = c.entries()?;
         for e in &entries {
-            let (pos, tbl): (i64, String) = (e.get(0), e.get(2));
-            let before: Option<serde_json::Value> = e.get(3);
-            let after: Option<serde_json::Value> = e.get(4);
-            if let Some(inverse) = e.get::<_, Option<String>>(5) {
-                // A table the agent created is dropped only when it holds nothing the agent's
-                // own recorded calls did not put there (those were undone just before): no rows,
-                // or exactly those the creating statement filled it with.
-                if let Some(table) = inverse.strip_prefix("DROP TABLE IF EXISTS ") {
-                    let exists: bool = tx
-                        .query_one(&format!("SELECT to_regclass({}) IS NOT NULL", quote_literal(table)), &[])
-                        .map_err(other)?
-                        .get(0);
-                    let foreign = exists
-                        && match e.get::<_, Option<String>>(7) {
-                            Some(filled) => {
-                                tx.query_one(&contents(table), &[]).map_err(other)?.get::<_, String>(0) != filled
-                            }
-                            None => tx
-                                .query_one(&format!("SELECT EXISTS (SELECT 1 FROM {table})"), &[])
-                                .map_err(other)?
-                                .get::<_, bool>(0),
-                        };
-                    if foreign {
-                        return Err(CompensateError::Conflict(format!(
-                            "{table}, created by the call at position {pos}, holds rows no recorded call put there; nothing was undone"
-                        )));
-                    }
-                }
-                tx.batch_execute(&inverse).map_err(|e| {
-                    CompensateError::Conflict(format!(
-                        "cannot undo {tbl} (position {pos}): {}; nothing was undone",
-                        pe(e)
-                    ))
-                })?;
-                continue;
-            }
-            if before.is_none() && after.is_none() {
-                // (a mark: where a copied database branched off)
-                continue;
-            }
-            // The relation the row really lived in (an inheritance child, a partition), and only
-            // it: a descendant's row with the same key is another row. A partitioned table's row
-            // is changed through the table, which routes it back to the partition it lived in
-            // (an UPDATE of its key may have moved it). (Records written before the proxy knew
-            // where rows live name only the table the statement named.)
-            let partitioned = match partitioned_tables.get(&tbl) {
-                Some(p) => *p,
-                None => {
-                    let p: bool = tx
-                        .query_one(
-                            "SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)",
-                            &[&tbl],
-                        )
-                        .map_err(other)?
-                        .get(0);
-                    partitioned_tables.insert(tbl.clone(), p);
-                    p
-                }
-            };
-            let (target, only, home) = match e.get::<_, Option<String>>(6) {
-                Some(rel) if partitioned => (tbl.clone(), "", Some(rel)),
-                Some(rel) => (rel.clone(), "ONLY ", Some(rel)),
-                // (where it lived is not known: anywhere the named table reaches)
-                None => (tbl.clone(), "", None),
-            };
-            if !infos.contains_key(&target) {
-                let cols = tx
-                    .query(
-                        "SELECT attname::text, attgenerated::text, attidentity::text FROM pg_attribute
-                         WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
-                        &[&target],
-                    )
-                    .map_err(other)?;
-                if cols.is_empty() {
-                    return Err(CompensateError::Other(format!(
-                        "{target} no longer exists: cannot undo position {pos}"
-                    )));
-                }
-                let writable: Vec<String> =
-                    cols.iter().filter(|r| r.get::<_, String>(1).is_empty()).map(|r| r.get::<_, String>(0)).collect();
-                let keys = tx
-                    .query(
-                        "SELECT a.attname::text FROM pg_index i
-                         CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
-                         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-                         WHERE i.indrelid = to_regclass($1) AND i.indisprimary ORDER BY k.ord",
-                        &[&target],
-                    )
-                    .map_err(other)?
-                    .iter()
-                    .map(|r| r.get::<_, String>(0))
-                    .collect();
-                infos.insert(target.clone(), (writable, keys));
-            }
-            let (cols, keys) = &infos[&target];
-            if keys.is_empty() {
-                return Err(CompensateError::Other(format!(
-                    "{target} has lost its primary key: cannot undo position {pos}"
-                )));
-            }
-            let qcols: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
-            let key_match = |img: &str| key_match(keys, &target, img);
-            let conflict = |what: &str, img: &serde_json::Value| {
-                CompensateError::Conflict(format!(
-                    "the row of {target} with {} {what} since the call at position {pos}; nothing was undone",
-                    key_text(keys, img)
-                ))
-            };
-            match (&before, &after) {
-                (None, Some(after)) => {
-                    let n = tx
-                        .execute(
-                            &format!("DELETE FROM {only}{target} o WHERE {} AND to_jsonb(o.*) = $1", key_match("$1")),
-                            &[after],
-                        )
-                        .map_err(other)?;
-                    if n != 1 {
-                        return Err(conflict("was changed or removed", after));
-                    }
-                }
-                (Some(before), Some(after)) => {
-                    let n = tx
-                        .execute(
-                            &format!(
-                                "UPDATE {only}{target} o SET ({}) = (SELECT {} FROM jsonb_populate_record(NULL::{target}, $2) AS r)
-                                 WHERE {} AND to_jsonb(o.*) = $1",
-                                qcols.join(", "),
-                                qcols.iter().map(|c| format!("r.{c}")).collect::<Vec<_>>().join(", "),
-                                key_match("$1")
-                            ),
-                            &[after, before],
-                        )
-                        .map_err(other)?;
-                    if n != 1 {
-                        return Err(conflict("was changed or removed", after));
-                    }
-                }
-                (Some(before), None) => {
-                    let r = tx.execute(
-                        &format!(
-                            "INSERT INTO {target} ({}) OVERRIDING SYSTEM VALUE SELECT {} FROM jsonb_populate_record(NULL::{target}, $1) AS r",
-                            qcols.join(", "),
-                            qcols.iter().map(|c| format!("r.{c}")).collect::<Vec<_>>().join(", ")
-                        ),
-                        &[before],
-                    );
-                    match r {
-                        Ok(_) => {}
-                        Err(e) if e.code().is_some_and(|c| c.code() == "23505") => {
-                            return Err(conflict("was inserted again", before))
-                        }
-                        Err(e) => return Err(other(e)),
-                    }
-                }
-                (None, None) => unreachable!("marks are skipped above"),
-            }
-            // Undoing this entry leaves no row under its after-key (an UPDATE of key values moved
-            // it away), and the before-image under its before-key; older entries, undone later,
-            // have the last word on each key.
-            if let Some(after) = &after {
-                promised.insert(
-                    (target.clone(), key_text(keys, after)),
-                    Promise { pos, only, home: home.clone(), want: None, image: after.clone() },
-                );
-            }
-            if let Some(before) = &before {
-                promised.insert(
-                    (target.clone(), key_text(keys, before)),
-                    Promise { pos, only, home, want: Some(before.clone()), image: before.clone() },
-                );
-            }
+            c.undo(e)?;
         }
-        // Verify what was promised: every row back in the relation it lived in, exactly as it
-        // was, and every row the agent added gone. A trigger, rule or anything else that sent a
-        // row elsewhere makes the whole compensation fail, never report success.
-        for ((target, key), p) in &promised {
-            let (_, keys) = &infos[target];
-            let row = tx
-                .query_one(
-                    &format!(
-                        "SELECT count(*), count(*) FILTER (WHERE to_jsonb(o.*) = $2 AND ($3::text IS NULL OR o.tableoid = to_regclass($3))) FROM {}{target} o WHERE {}",
-                        p.only,
-                        key_match(keys, target, "$1")
-                    ),
-                    &[&p.image, &p.want, &p.home],
-                )
-                .map_err(other)?;
-            let (found, same): (i64, i64) = (row.get(0), row.get(1));
-            let ok = match p.want {
-                Some(_) => found == 1 && same == 1,
-                None => found == 0,
-            };
-            if !ok {
-                let what = match (&p.want, found) {
-                    (Some(_), 0) => format!("is not back in {}", p.home.as_deref().unwrap_or(target)),
-                    (Some(_), _) => format!(
-                        "is not back in {} as it was ({found} rows with its key, {same} as they were)",
-                        p.home.as_deref().unwrap_or(target)
-                    ),
-                    (None, _) => "is still there".to_string(),
-                };
-                return Err(CompensateError::Other(format!(
-                    "undoing the calls after position {position} did not restore what it promised: the row of {target} with {key} {what} (undoing position {}); nothing was undone",
-                    p.pos
-                )));
-            }
-        }
-        tx.execute(&format!("DELETE FROM {UNDO_SCHEMA}.undo WHERE position > $1"), &[&(position as i64)])
-            .map_err(other)?;
-        tx.commit().map_err(other)?;
+        c.verify()?;
+        c.commit()?;
         Ok(entries.len() as u64)
     }
 }

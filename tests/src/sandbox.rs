@@ -24,7 +24,7 @@ while True:
     try:
         cmd = open("/tmp/cmd").read().split()
     except FileNotFoundError:
-        time.sleep(0.05)
+        time.sleep(0.2)
         continue
     os.remove("/tmp/cmd")
     seq = int(cmd[0])
@@ -44,7 +44,7 @@ while True:
                 try:
                     c = open("/tmp/childcmd").read().split()
                 except FileNotFoundError:
-                    time.sleep(0.05)
+                    time.sleep(0.2)
                     continue
                 os.remove("/tmp/childcmd")
                 with open("/tmp/.childstate", "w") as f:

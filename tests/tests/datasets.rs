@@ -218,7 +218,7 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
             &mp,
             "sh",
             "-c",
-            "i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.2; done",
+            "i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 1; done",
         ],
     )
     .ok();

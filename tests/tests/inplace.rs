@@ -36,7 +36,7 @@ beats = [0]
 def ticker():
     while True:
         beats[0] += 1
-        time.sleep(0.05)
+        time.sleep(0.2)
 threading.Thread(target=ticker, daemon=True).start()
 def publish():
     h = hashlib.sha256(buf)
@@ -50,7 +50,7 @@ while True:
     try:
         cmd = open("/tmp/cmd").read().split()
     except FileNotFoundError:
-        time.sleep(0.05)
+        time.sleep(0.2)
         continue
     os.remove("/tmp/cmd")
     seq = int(cmd[0])

@@ -119,7 +119,7 @@ fn pause_and_unpause() {
                 BUSYBOX,
                 "sh",
                 "-c",
-                "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done",
+                "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 1; done",
             ],
         )
         .ok();
@@ -163,7 +163,7 @@ fn kill_with_a_signal_reaches_the_container() {
                 BUSYBOX,
                 "sh",
                 "-c",
-                "trap 'echo got-usr1' USR1; echo ready; while :; do sleep 0.1; done",
+                "trap 'echo got-usr1' USR1; echo ready; while :; do sleep 1; done",
             ],
         )
         .ok();

@@ -1,0 +1,126 @@
+//! A rollback is atomic across the sandbox and its services: every step made to fail in turn,
+//! on both paths, and planarian killed between the restored sandbox and the compensation.
+//! (Apart from remote.rs, so that the two run side by side in the guests.)
+
+use planarian_system_tests::*;
+use serde_json::{json, Value};
+use std::path::Path;
+
+mod mcp;
+use mcp::*;
+
+/// Every step of a rollback made to fail in turn (the fault points, and a real conflict in the
+/// compensation: a row changed behind the proxy), on both paths (in place, and stop and
+/// restore): afterwards the sandbox *and* the database are both as they were before; then the
+/// rollback succeeds and both are at the statepoint — or, planarian killed between the restored
+/// sandbox and the compensation, the next operation finishes it. Compensation is the last step.
+#[test]
+fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
+    require_stack!();
+    let Some((node, dbhub)) = node_and_dbhub() else { return };
+    let pg = Pg::start();
+    pg.psql("CREATE TABLE reports (id int PRIMARY KEY, body text NOT NULL)");
+    let _conf = DropIn::new(
+        "zz-mcp-atomic",
+        &format!(
+            "[mcp.services.pltest-atomic]\nupstream = [\"{node}\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable\"]\nserver = \"dbhub\"\ndatabase = \"host=127.0.0.1 port={port} user=postgres dbname=postgres\"\n",
+            node = node.display(),
+            dbhub = dbhub.display(),
+            port = pg.port
+        ),
+    );
+    const FAULT: &str = "/run/planarian/fault";
+    struct Disarm;
+    impl Drop for Disarm {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(FAULT);
+        }
+    }
+    let _disarm = Disarm;
+    let rows = || pg.psql("SELECT coalesce(string_agg(id || ':' || body, ',' ORDER BY id), '') FROM reports");
+    // (each path's last local steps: the earlier ones are in the matrices of faults.rs and
+    // inplace.rs, which check the sandbox; none of them comes near the compensation)
+    for (in_place, points) in [
+        (true, &["rollback.in-place.memory", "rollback.in-place.written"][..]),
+        (false, &["rollback.files-restored", "rollback.restored"][..]),
+    ] {
+        pg.psql("DELETE FROM reports");
+        let n = name(if in_place { "atomic-inplace" } else { "atomic-restore" });
+        let _c = Cleanup(n.clone());
+        podman(
+            "planarian",
+            &[
+                "run",
+                "-d",
+                "--name",
+                &n,
+                "--annotation",
+                "io.planarian.mcp.service=pltest-atomic",
+                "--annotation",
+                &format!("io.planarian.checkpoint.rollback_in_place={in_place}"),
+                BUSYBOX,
+                "sleep",
+                "600",
+            ],
+        )
+        .ok();
+        let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
+        let mut agent = Harness::connect(&id);
+        let ok = |r: Value| assert_ne!(r["isError"], json!(true), "{r}");
+        ok(agent.sql("INSERT INTO reports VALUES (1, 'at the statepoint')"));
+        podman("planarian", &["exec", &n, "sh", "-c", "echo at-the-statepoint > /f"]).ok();
+        let sp1 = planarian(&["snapshot", &n]).ok().out();
+        let at_sp1 = rows();
+        ok(agent.sql("UPDATE reports SET body = 'later' WHERE id = 1"));
+        ok(agent.sql("INSERT INTO reports VALUES (2, 'later too')"));
+        podman("planarian", &["exec", &n, "sh", "-c", "echo later > /f"]).ok();
+        let later = rows();
+        let sandbox = || podman("planarian", &["exec", &n, "cat", "/f"]).out();
+        for point in points {
+            std::fs::write(FAULT, point).unwrap();
+            let r = planarian(&["rollback", &n, &sp1]);
+            assert!(r.code != Some(0) && r.stderr.contains(&format!("injected fault at {point}")), "{point}: {r:?}");
+            assert!(r.stderr.contains("the container and its remote state are as they were before"), "{point}: {r:?}");
+            assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
+            assert_eq!(sandbox(), "later", "{point}: the sandbox is as it was");
+            assert_eq!(rows(), later, "{point}: the database is as it was");
+        }
+        // A real failure of the compensation: a row changed behind the proxy is a conflict.
+        pg.psql("UPDATE reports SET body = 'by hand' WHERE id = 2");
+        let by_hand = rows();
+        let r = planarian(&["rollback", &n, &sp1]);
+        assert!(
+            r.code != Some(0) && r.stderr.contains("conflict") && r.stderr.contains("as they were before"),
+            "{r:?}"
+        );
+        assert_eq!(sandbox(), "later", "after the conflict the sandbox is as it was");
+        assert_eq!(rows(), by_hand, "after the conflict the database is as it was");
+        pg.psql("UPDATE reports SET body = 'later too' WHERE id = 2");
+        // planarian killed between the restored sandbox and the compensation (in place: the
+        // sandbox still frozen): the database is not compensated yet; the next operation thaws
+        // the sandbox and finishes the compensation, and then both are at the statepoint. On
+        // the stop-and-restore path the sandbox runs meanwhile, and a call from it is refused.
+        let point = if in_place { "rollback.in-place.written" } else { "rollback.restored" };
+        std::fs::write(FAULT, format!("kill:{point}")).unwrap();
+        let r = planarian(&["rollback", &n, &sp1]);
+        assert!(r.code.is_none() || r.code == Some(137), "killed at {point}: {r:?}");
+        assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
+        assert_eq!(rows(), later, "not compensated yet");
+        if !in_place {
+            assert_eq!(sandbox(), "at-the-statepoint");
+            let refused = agent.sql("INSERT INTO reports VALUES (9, 'in between')");
+            assert!(
+                refused["isError"] == json!(true)
+                    && refused["content"][0]["text"].as_str().unwrap().contains("interrupted"),
+                "{refused}"
+            );
+        }
+        let r = planarian(&["snapshot", &n]);
+        r.ok();
+        assert!(r.stderr.contains("finished the compensation of an interrupted rollback"), "{r:?}");
+        assert_eq!(sandbox(), "at-the-statepoint");
+        assert_eq!(rows(), at_sp1);
+        ok(agent.sql("INSERT INTO reports VALUES (3, 'after')"));
+        drop(agent);
+    }
+}
