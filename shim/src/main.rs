@@ -115,7 +115,11 @@ fn passthrough(inv: &Invocation) -> Failure {
     };
     // What the tool call leaves running must be in a session CRIU can dump (runtime/exec.rs).
     if let (Some(id), Some(file)) = (exec_id, cli::exec_process_file(inv.verb_args())) {
-        if let Ok(pid) = engine::runtime::Container::load(&crun, &inv.globals(), id).and_then(|c| c.running_pid()) {
+        if engine::runtime::exec::runtime_gives_exec_a_session(&crun) {
+            // (crun 1.20 and later: already its own session)
+        } else if let Ok(pid) =
+            engine::runtime::Container::load(&crun, &inv.globals(), id).and_then(|c| c.running_pid())
+        {
             engine::runtime::exec::rewrite_process_file(&file, pid);
         }
     }

@@ -7,7 +7,9 @@
 //! process ("A session leader of N(M) is outside of its pid namespace"): one background process
 //! started through `podman exec` would make every later statepoint fail.
 //!
-//! So for a non-terminal `exec` whose command the container can run, planarian starts it
+//! crun 1.20 and later call setsid(2) for every exec themselves ([`runtime_gives_exec_a_session`]):
+//! nothing is wrapped then. With an older crun, for a non-terminal `exec` whose command the
+//! container can run, planarian starts it
 //! through the container's own `setsid` (busybox's or util-linux's; as the process is no
 //! process-group leader, `setsid` calls setsid(2) and execs the command: same PID, same exit
 //! code, same output). Nothing changes when any of that is in doubt — no `setsid` in the
@@ -89,6 +91,36 @@ fn is_file(p: &CString) -> bool {
     nix::sys::stat::stat(p.as_c_str()).is_ok_and(|st| st.st_mode & nix::libc::S_IFMT == nix::libc::S_IFREG)
 }
 
+/// Whether `crun` itself gives every exec'd process a session of its own: crun 1.20 and later
+/// call setsid(2) for every `crun exec` (before, only with a terminal). Then the wrapper is not
+/// needed — and must not be used: `setsid` of a process that already leads its session forks,
+/// and its parent's exit status (0) would become the exec's. The answer is kept per boot under
+/// /run/planarian, by the binary's identity, so the pass-through asks crun once.
+pub fn runtime_gives_exec_a_session(crun: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = std::fs::metadata(crun) else { return false };
+    let key = format!("{}-{}-{}", meta.ino(), meta.size(), meta.mtime());
+    let cache = Path::new(CACHE_DIR).join(format!("crun-exec-setsid-{key}"));
+    if let Ok(v) = std::fs::read_to_string(&cache) {
+        return v.trim() == "1";
+    }
+    let Ok(out) = std::process::Command::new(crun).arg("--version").output() else { return false };
+    let gives = crun_version(&String::from_utf8_lossy(&out.stdout)).is_some_and(|v| v >= (1, 20));
+    if std::fs::create_dir_all(CACHE_DIR).is_ok() {
+        let _ = sys::write_atomic(&cache, if gives { b"1" } else { b"0" }, 0o644);
+    }
+    gives
+}
+
+const CACHE_DIR: &str = "/run/planarian";
+
+/// `crun version 1.21` (the first line of `crun --version`) → (1, 21).
+fn crun_version(text: &str) -> Option<(u32, u32)> {
+    let v = text.lines().next()?.strip_prefix("crun version ")?;
+    let mut parts = v.trim().split(|c: char| !c.is_ascii_digit());
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
 /// Rewrites the process file of an `exec` (Podman's `--process FILE`) so that its command runs
 /// in a session of its own; leaves it untouched when it cannot. Says whether it did.
 pub fn rewrite_process_file(file: &Path, init_pid: i32) -> bool {
@@ -118,6 +150,15 @@ pub fn command_line(file: &Path) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn crun_versions_read() {
+        assert_eq!(crun_version("crun version 1.21\ncommit: x\n"), Some((1, 21)));
+        assert_eq!(crun_version("crun version 1.8.1\n"), Some((1, 8)));
+        assert_eq!(crun_version("runc version 1.1.0\n"), None);
+        assert!(crun_version("crun version 1.20\n").unwrap() >= (1, 20));
+        assert!(crun_version("crun version 1.8.1\n").unwrap() < (1, 20));
+    }
 
     #[test]
     fn only_a_root_process_without_a_terminal_is_wrapped() {
