@@ -37,21 +37,9 @@ use planarian_contracts::control::{self as contract, Request};
 use planarian_contracts::{hook, paths};
 use std::path::PathBuf;
 
-fn socket_for(container: &str) -> PathBuf {
-    paths::control_socket(container)
-}
-
 /// One JSON line on stdout: what planarian reads of a hook verb.
 fn print_line<T: serde::Serialize>(t: &T) {
     println!("{}", serde_json::to_string(t).expect("a hook's answer encodes"));
-}
-
-fn clients_socket_for(container: &str) -> PathBuf {
-    paths::clients_socket(container)
-}
-
-fn url_file_for(container: &str) -> PathBuf {
-    paths::url_file(container)
 }
 
 /// Bridges stdio to a listening sidecar: what a harness runs as its "stdio MCP server".
@@ -196,11 +184,11 @@ enum ServerKind {
 fn main() {
     use clap::Parser;
     let cli = Cli::parse();
-    let socket = |c: &str| socket_for(c);
+    let socket = paths::control_socket;
     let r = match cli.command {
         Cmd::Serve(a) => serve(*a),
-        Cmd::Connect { container } => connect(&clients_socket_for(&container)),
-        Cmd::Url { container } => std::fs::read_to_string(url_file_for(&container))
+        Cmd::Connect { container } => connect(&paths::clients_socket(&container)),
+        Cmd::Url { container } => std::fs::read_to_string(paths::url_file(&container))
             .map(|u| println!("{}", u.trim()))
             .map_err(|_| format!("the MCP proxy of container {container} serves no HTTP endpoint (set http in its [mcp.services] entry)")),
         Cmd::Capture { container } => {
@@ -259,7 +247,7 @@ fn serve(a: Serve) -> Result<(), String> {
     let container = a.container;
     let dsn = a.dsn;
     let mut upstream = a.upstream;
-    let control = a.control.or_else(|| container.as_deref().map(socket_for));
+    let control = a.control.or_else(|| container.as_deref().map(paths::control_socket));
     let state_file = a
         .state
         .or_else(|| container.as_deref().map(|c| PathBuf::from("/var/lib/planarian/mcp").join(format!("{c}.json"))))
@@ -313,12 +301,12 @@ fn serve(a: Serve) -> Result<(), String> {
         return Err("serve needs -- UPSTREAM-COMMAND or --upstream-url URL".into());
     }
     let http_listener = a.http.map(|addr| httpd::bind(&addr)).transpose()?;
-    let listen = a.listen.or_else(|| container.as_deref().map(clients_socket_for));
+    let listen = a.listen.or_else(|| container.as_deref().map(paths::clients_socket));
     let proxy = proxy::Proxy::new(opts)?;
     if let Some(path) = &control {
         control::listen(path, proxy.clone())?;
     }
-    let url_file = container.as_deref().map(url_file_for);
+    let url_file = container.as_deref().map(paths::url_file);
     if let Some(listener) = http_listener {
         let url = format!("http://{}/mcp", listener.local_addr().map_err(|e| e.to_string())?);
         eprintln!("planarian-mcp-proxy: serving MCP (Streamable HTTP) at {url}");
