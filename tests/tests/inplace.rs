@@ -252,7 +252,7 @@ fn present(pid: u32, lo: u64, hi: u64) -> u64 {
 }
 
 /// Rolls back with `--json`, paused after the safety statepoint (the sandbox frozen and dumped)
-/// while zeroed pages appear in the holes of `[lo, hi)`: what khugepaged, which ignores the
+/// while zeroed pages appear in holes of its memory: what khugepaged, which ignores the
 /// freezer, does when it collapses a 2 MiB range a process has a few pages in. (It cannot be
 /// made to collapse one on demand here: the guest kernel, 6.1, has no `process_madvise`
 /// MADV_COLLAPSE; the pages are written through `/proc/PID/mem`, as the collapse leaves them:
@@ -260,7 +260,6 @@ fn present(pid: u32, lo: u64, hi: u64) -> u64 {
 fn rollback_with_strays(sb: &mut Sandbox, sp: &str, holes: &[u64]) -> serde_json::Value {
     let pid: u32 =
         podman("planarian", &["inspect", "--format", "{{.State.Pid}}", &sb.name]).ok().out().parse().unwrap();
-    let (lo, hi) = (holes.iter().min().unwrap() & !0x1f_ffff, (holes.iter().max().unwrap() | 0x1f_ffff) + 1);
     let paused = Path::new("/run/planarian/paused");
     let _ = std::fs::remove_file(paused);
     std::fs::write(FAULT, "pause:rollback.in-place.files").unwrap();
@@ -269,14 +268,15 @@ fn rollback_with_strays(sb: &mut Sandbox, sp: &str, holes: &[u64]) -> serde_json
         let rb = s.spawn(move || planarian(&["rollback", &name, sp, "--json"]));
         let reached = wait_for(Duration::from_secs(300), || paused.exists() || rb.is_finished());
         assert!(reached && paused.exists(), "the rollback did not pause after its safety statepoint");
-        let before = present(pid, lo, hi);
         let mem = std::fs::OpenOptions::new().write(true).open(format!("/proc/{pid}/mem")).unwrap();
         for &a in holes {
             mem.write_all_at(&[0u8; images::PAGE_SIZE as usize], a).unwrap();
         }
-        let now = present(pid, lo, hi);
+        // Each hole now has a page: the one written, or the real khugepaged's, which may have
+        // collapsed the range already (it ignores the freezer), so pages are not counted.
+        let empty: Vec<&u64> = holes.iter().filter(|&&a| present(pid, a, a + images::PAGE_SIZE) == 0).collect();
         std::fs::remove_file(paused).unwrap();
-        assert_eq!(now, before + holes.len() as u64, "zeroed pages in the holes of the frozen sandbox's memory");
+        assert!(empty.is_empty(), "no page at {empty:x?} in the frozen sandbox's memory after the writes");
         rb.join().unwrap()
     });
     rolled_back(sb, r)
