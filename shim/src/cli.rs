@@ -528,6 +528,24 @@ pub enum StatepointCommand {
     },
 }
 
+/// `planarian fsck`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "planarian fsck",
+    about = "Check the statepoint store: manifests, chains of images, files, ZFS snapshots, what a stopped planarian left"
+)]
+pub struct FsckArgs {
+    /// The containers to check (names or IDs); all the store holds when none is given.
+    pub containers: Vec<String>,
+    /// Also put right what loses nothing committed: half-made statepoints, a sandbox left
+    /// frozen, an interrupted compensation, a head naming no statepoint, unreachable images.
+    #[arg(long)]
+    pub repair: bool,
+    /// Print the reports as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// `planarian gc`.
 #[derive(clap::Parser, Debug)]
 #[command(name = "planarian gc", about = "Remove the ZFS datasets of containers Podman has removed")]

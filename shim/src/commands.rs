@@ -305,6 +305,74 @@ pub fn gc(args: &[OsString]) -> Result<i32, Failure> {
     Ok(0)
 }
 
+/// `planarian fsck [CONTAINER...] [--repair] [--json]`: exit code 1 while something is wrong.
+pub fn fsck(args: &[OsString]) -> Result<i32, Failure> {
+    let a: cli::FsckArgs = parse!("fsck", args);
+    let cfg = Config::load()?;
+    let ids: Vec<String> = if a.containers.is_empty() {
+        engine::fsck::containers(&cfg)
+    } else {
+        let mut ids = Vec::new();
+        for c in &a.containers {
+            let store = statepoint::store_of(&cfg, c)?;
+            if !store.dir.is_dir() {
+                return Err(format!("{c}: planarian keeps no statepoints of it").into());
+            }
+            ids.push(store.container_id());
+        }
+        ids
+    };
+    let reports: Vec<engine::fsck::Report> = ids
+        .iter()
+        .map(|id| engine::fsck::check_container(&cfg, id, a.repair, cfg.checkpoint.in_flight_wait()))
+        .collect();
+    let bad = reports.iter().filter(|r| r.busy || !r.findings.is_empty()).count();
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "ok": bad == 0, "containers": reports }))?);
+    } else {
+        print!("{}", fsck_table(&reports));
+    }
+    Ok(if bad == 0 { 0 } else { 1 })
+}
+
+fn fsck_table(reports: &[engine::fsck::Report]) -> String {
+    let mut out = format!("{:<14} {:>11}  {}\n", "CONTAINER", "STATEPOINTS", "RESULT");
+    let line = |f: &engine::fsck::Finding, how: &str| {
+        let sp = f.statepoint.as_deref().map(|s| format!("{s}: ")).unwrap_or_default();
+        format!("  {how:<10} {sp}{}: {}\n", f.check, f.detail)
+    };
+    for r in reports {
+        let id: String = r.container.chars().take(12).collect();
+        let result = if r.busy {
+            "busy (an operation holds its lock): not checked".to_string()
+        } else if r.findings.is_empty() {
+            if r.repaired.is_empty() {
+                "ok".to_string()
+            } else {
+                format!("ok ({} repaired)", r.repaired.len())
+            }
+        } else {
+            let can = r.findings.iter().filter(|f| f.repairable).count();
+            let mut s = format!("{} problem(s)", r.findings.len());
+            if can > 0 {
+                s += &format!(", {can} that --repair puts right");
+            }
+            s
+        };
+        out += &format!("{id:<14} {:>11}  {result}\n", r.statepoints);
+        for f in &r.repaired {
+            out += &line(f, "repaired");
+        }
+        for f in &r.findings {
+            out += &line(f, if f.repairable { "repairable" } else { "problem" });
+        }
+    }
+    if reports.is_empty() {
+        out += "(the store holds no containers)\n";
+    }
+    out
+}
+
 /// `planarian zfs-base IMAGE [--parent-dataset DS]`.
 pub fn zfs_base(args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::ZfsBaseArgs = parse!("zfs-base", args);

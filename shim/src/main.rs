@@ -60,6 +60,7 @@ fn run(inv: &Invocation) -> Result<i32, Failure> {
         Some("__snapshot-worker") => commands::snapshot_worker(args),
         Some("__rollback-cleanup") => commands::cleanup_worker(args),
         Some("gc") => commands::gc(args),
+        Some("fsck") => commands::fsck(args),
         Some("zfs-base") => commands::zfs_base(args),
         Some("doctor") => doctor::main(args),
         Some("install") => install::main(args),
@@ -212,6 +213,7 @@ Planarian's own verbs:
   install [--prefix DIR]    install the binary and register it with Podman (containers.conf.d)
   config [CONTAINER]        the effective configuration, with a container's io.planarian.* annotations
   gc [--wait ID]            remove the ZFS datasets of containers Podman has removed
+  fsck [CTR...] [--repair] [--json]   check the statepoint store; repair what loses nothing committed
   zfs-base IMAGE [--parent-dataset DS]   copy an image into ZFS once, before its first container
 
 Global flags (as runc/crun): --root DIR --log FILE --log-format text|json --log-level L --debug

@@ -343,6 +343,58 @@ fn planarian_killed_mid_checkpoint_is_recovered_by_the_next_one() {
     require_stack!();
     let mut sb = Sandbox::start("crash", 8, &[]);
     let before = sb.send("tick");
+    // Killed once: `planarian fsck` sees what it left, and `--repair` puts it right.
+    kill_planarian_mid_snapshot(&sb);
+    let found = fsck(&sb.name, false);
+    assert_eq!(found.0, Some(1), "{found:?}");
+    assert_eq!(found.1, vec!["pending", "frozen"], "{found:?}");
+    let repaired = fsck(&sb.name, true);
+    assert_eq!((repaired.0, repaired.1.len()), (Some(0), 0), "{repaired:?}");
+    assert_eq!(status(&sb.name), "running");
+    assert!(sb.statepoints().is_empty(), "nothing was committed");
+    let mid = sb.send("tick");
+    assert_eq!((mid.counter, &mid.checksum), (before.counter + 1, &before.checksum));
+    let before = mid;
+    // Killed again: the next statepoint operation recovers by itself.
+    kill_planarian_mid_snapshot(&sb);
+    assert_eq!(fsck(&sb.name, false).1, vec!["pending", "frozen"]);
+    // The next statepoint operation thaws the sandbox and drops the half-made statepoint.
+    let sp = sb.snapshot("after-crash");
+    assert_eq!(sb.statepoints().len(), 1, "only the new statepoint is committed");
+    let after = sb.send("tick");
+    assert_eq!((after.counter, &after.checksum), (before.counter + 1, &before.checksum));
+    sb.rollback(&sp);
+    assert_eq!(fsck(&sb.name, false), (Some(0), vec![]));
+
+    // A committed statepoint that lost a part is reported, by the statepoint built on it too,
+    // and never repaired away.
+    let sp2 = sb.snapshot("on-it");
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).out();
+    let images =
+        |sp: &str| Path::new("/var/lib/planarian/containers").join(&id).join("statepoints").join(sp).join("criu");
+    // sp's own images, and those sp2 builds on (sp's, or the base its rollback made of them).
+    let mut lose = vec![images(&sp).join("inventory.img")];
+    let under = std::fs::canonicalize(images(&sp2).join("parent")).unwrap().join("inventory.img");
+    if std::fs::canonicalize(&under).unwrap() != std::fs::canonicalize(&lose[0]).unwrap() {
+        lose.push(under);
+    }
+    for f in &lose {
+        std::fs::rename(f, f.with_extension("aside")).unwrap();
+    }
+    let lost = planarian(&["fsck", &sb.name, "--repair"]);
+    assert_eq!(lost.code, Some(1), "{lost:?}");
+    assert!(lost.stdout.contains(&format!("problem    {sp}: images:")), "{lost:?}");
+    assert!(lost.stdout.contains(&format!("problem    {sp2}: chain:")), "{lost:?}");
+    for f in &lose {
+        std::fs::rename(f.with_extension("aside"), f).unwrap();
+    }
+    assert_eq!(fsck(&sb.name, false), (Some(0), vec![]));
+    assert_eq!(sb.statepoints().len(), 2);
+}
+
+/// Starts a snapshot whose CRIU hangs, and kills planarian (and everything it started) once the
+/// sandbox is frozen and CRIU started.
+fn kill_planarian_mid_snapshot(sb: &Sandbox) {
     let child = {
         let _w = CriuWrapper::new("sleep 600");
         let child = std::process::Command::new(planarian_bin())
@@ -361,12 +413,27 @@ fn planarian_killed_mid_checkpoint_is_recovered_by_the_next_one() {
     };
     let mut child = child;
     let _ = child.wait();
-    // The next statepoint operation thaws the sandbox and drops the half-made statepoint.
-    let sp = sb.snapshot("after-crash");
-    assert_eq!(sb.statepoints().len(), 1, "only the new statepoint is committed");
-    let after = sb.send("tick");
-    assert_eq!((after.counter, &after.checksum), (before.counter + 1, &before.checksum));
-    sb.rollback(&sp);
+}
+
+/// `planarian fsck CTR [--repair] --json`: its exit code and the checks of what is wrong now.
+fn fsck(name: &str, repair: bool) -> (Option<i32>, Vec<String>) {
+    let mut args = vec!["fsck", name, "--json"];
+    if repair {
+        args.push("--repair");
+    }
+    let r = planarian(&args);
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}: {r:?}"));
+    let checks = v["containers"][0]["findings"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"))
+        .iter()
+        .map(|f| f["check"].as_str().unwrap().to_string())
+        .collect();
+    (r.code, checks)
+}
+
+fn status(name: &str) -> String {
+    podman("planarian", &["inspect", "--format", "{{.State.Status}}", name]).out()
 }
 
 #[test]

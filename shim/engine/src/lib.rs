@@ -20,6 +20,7 @@
 
 pub mod config;
 pub mod fault;
+pub mod fsck;
 pub mod log;
 pub mod tools;
 
