@@ -616,3 +616,135 @@ fn statepoints_move_between_pools_and_podman_export_carries_zfs_files() {
         let _ = std::fs::remove_file(f);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Hostile archives
+
+/// Unpacks `archive` (gzip or not) into a fresh directory.
+fn unpack(archive: &str, dir: &Path) {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+    cmd("tar", ["-xf", archive, "-C", dir.to_str().unwrap()]).ok();
+}
+
+/// Packs `dir` into `archive` as Podman and planarian lay their archives out.
+fn pack(dir: &Path, archive: &str) {
+    let _ = std::fs::remove_file(archive);
+    let z = if archive.ends_with(".gz") { "-czf" } else { "-cf" };
+    cmd("tar", [z, archive, "-C", dir.to_str().unwrap(), "."]).ok();
+}
+
+/// Whether Podman knows a container of that name.
+fn exists(name: &str) -> bool {
+    podman("planarian", &["container", "exists", name]).code == Some(0)
+}
+
+/// Every file of a directory with its inode and link count: what a hard link from elsewhere,
+/// or a change, would show.
+fn files_of(dir: &Path) -> Vec<(String, u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut v: Vec<(String, u64, u64)> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            let m = e.metadata().unwrap();
+            (e.file_name().to_string_lossy().into_owned(), m.ino(), m.nlink())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn crafted_archives_are_refused_with_one_line_and_change_nothing() {
+    require_stack!();
+    // A victim whose statepoint a crafted archive tries to reach, and an archive of our own.
+    let victim = Sandbox::start("victim", 8, &[]);
+    let vsp = victim.snapshot("secret");
+    let vimages = store_of(&id_of(&victim.name)).join("statepoints").join(&vsp).join("criu");
+    let vfiles = files_of(&vimages);
+    let sb = Sandbox::start("crafter", 8, &[]);
+    let sp = sb.snapshot("mine");
+    let podman_archive = "/tmp/planarian-crafted-src.tar.gz";
+    let _ = std::fs::remove_file(podman_archive);
+    podman(
+        "planarian",
+        &["container", "checkpoint", "--leave-running", &format!("--export={podman_archive}"), &sb.name],
+    )
+    .ok();
+    let own_archive = "/tmp/planarian-crafted-src.tar";
+    planarian(&["statepoint", "export", &sb.name, &sp, own_archive]).ok();
+    let work = Path::new("/tmp/planarian-crafted");
+    // The stores that hold statepoints.
+    let stores = || -> std::collections::BTreeSet<PathBuf> {
+        std::fs::read_dir("/var/lib/planarian/containers")
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| std::fs::read_dir(p.join("statepoints")).is_ok_and(|mut r| r.next().is_some()))
+            .collect()
+    };
+    let before = stores();
+
+    // 1. Podman's import of an archive whose chain leads into the victim's statepoint.
+    unpack(podman_archive, work);
+    let parent = work.join("checkpoint/parent");
+    let _ = std::fs::remove_file(&parent);
+    std::os::unix::fs::symlink(&vimages, &parent).unwrap();
+    pack(work, "/tmp/planarian-crafted-1.tar.gz");
+    let r =
+        podman("planarian", &["container", "restore", "--import=/tmp/planarian-crafted-1.tar.gz", "--name", "evil1"]);
+    assert_ne!(r.code, Some(0), "{r:?}");
+    assert!(r.stderr.contains("refused, nothing was read from it") && r.stderr.contains("is a link to"), "{r:?}");
+    assert!(!podman("planarian", &["ps", "--format", "{{.Names}}"]).out().contains("evil1"), "nothing runs");
+    let _ = podman("planarian", &["rm", "-f", "evil1"]);
+
+    // 2. The same without planarian's part, its marker naming the victim's statepoint.
+    unpack(podman_archive, work);
+    std::fs::remove_dir_all(work.join("checkpoint/planarian")).unwrap();
+    let marker = serde_json::json!({ "container-id": id_of(&victim.name), "statepoint-id": vsp });
+    std::fs::write(work.join("checkpoint/planarian-statepoint.json"), marker.to_string()).unwrap();
+    pack(work, "/tmp/planarian-crafted-2.tar.gz");
+    let r =
+        podman("planarian", &["container", "restore", "--import=/tmp/planarian-crafted-2.tar.gz", "--name", "evil2"]);
+    assert_ne!(r.code, Some(0), "{r:?}");
+    assert!(r.stderr.contains("not this container's"), "{r:?}");
+    assert!(!podman("planarian", &["ps", "--format", "{{.Names}}"]).out().contains("evil2"), "nothing runs");
+    let _ = podman("planarian", &["rm", "-f", "evil2"]);
+
+    // 3. planarian's own import: an image that is a link to the host's files, then a device.
+    unpack(own_archive, work);
+    let pages = std::fs::read_dir(work.join("checkpoint"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("pages-"))
+        .expect("a pages image");
+    std::fs::remove_file(&pages).unwrap();
+    std::os::unix::fs::symlink("/etc/shadow", &pages).unwrap();
+    pack(work, "/tmp/planarian-crafted-3.tar");
+    let r = planarian(&["statepoint", "import", "/tmp/planarian-crafted-3.tar", "--name", "evil3"]);
+    assert_ne!(r.code, Some(0), "{r:?}");
+    assert_eq!(r.stderr.trim().lines().count(), 1, "one line: {r:?}");
+    assert!(r.stderr.contains("is a link to /etc/shadow"), "{r:?}");
+    assert!(!exists("evil3"));
+    std::fs::remove_file(&pages).unwrap();
+    cmd("mknod", [pages.to_str().unwrap(), "c", "1", "1"]).ok();
+    pack(work, "/tmp/planarian-crafted-4.tar");
+    let r = planarian(&["statepoint", "import", "/tmp/planarian-crafted-4.tar", "--name", "evil4"]);
+    assert_ne!(r.code, Some(0), "{r:?}");
+    assert!(r.stderr.contains("is a device node"), "{r:?}");
+    assert!(!exists("evil4"));
+
+    // Nothing changed: no store made, the victim's images as they were, both sandboxes running.
+    assert_eq!(stores(), before, "no statepoint was made anywhere");
+    assert_eq!(files_of(&vimages), vfiles, "the victim's images: not linked from anywhere, not changed");
+    let _ = std::fs::remove_dir_all(work);
+    for f in [podman_archive, own_archive] {
+        let _ = std::fs::remove_file(f);
+    }
+    for n in 1..=4 {
+        let _ = std::fs::remove_file(format!("/tmp/planarian-crafted-{n}.tar{}", if n < 3 { ".gz" } else { "" }));
+    }
+    let _ = sb;
+}

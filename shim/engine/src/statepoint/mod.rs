@@ -91,6 +91,10 @@ pub enum Error {
     ForkFailed(Box<Error>),
     #[error("{} is not a statepoint file: {why}", file.display())]
     NotAStatepointFile { file: PathBuf, why: String },
+    #[error("{}: refused, nothing was read from it: {why}", dir.display())]
+    Hostile { dir: PathBuf, why: String },
+    #[error("the checkpoint names statepoint {statepoint} of container {container}, not this container's: it restores only into that container (export it to move it)")]
+    ForeignMarker { statepoint: String, container: String },
     #[error("cannot write {}: {why}", file.display())]
     ExportWrite { file: PathBuf, why: String },
     #[error("import failed, nothing was created: {0}")]

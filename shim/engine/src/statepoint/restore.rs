@@ -55,6 +55,11 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     let handed = travel::HandedOut::read(&image_path)?;
     let marker_store = ContainerStore::new(&cfg.store.path, &marker_ctr);
     let import = handed.filter(|h| marker_ctr != a.container_id || !h.held_by(&cfg, &marker_store, &marker_sp));
+    if import.is_none() && marker_ctr != a.container_id {
+        // Only a directory this container's own checkpoint left is read from the store without
+        // an import: a marker alone must not reach another container's statepoints.
+        return Err(Error::ForeignMarker { statepoint: marker_sp, container: marker_ctr });
+    }
     let store = if import.is_some() { ContainerStore::new(&cfg.store.path, &a.container_id) } else { marker_store };
     // A rollback that started this restore holds the lock and has handed it over.
     let _lock = if Handoff::taken(&store, &a.container_id) { None } else { Some(store.lock(true)?) };

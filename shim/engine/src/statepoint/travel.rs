@@ -113,6 +113,12 @@ impl HandedOut {
     /// The handed-out statepoint in `image_path`, if the directory is one.
     pub fn read(image_path: &Path) -> Result<Option<HandedOut>> {
         let p = image_path.join(PART).join("manifest.json");
+        if std::fs::symlink_metadata(image_path.join(PART)).is_err() {
+            return Ok(None);
+        }
+        // It came from elsewhere: nothing in it may lead out of it before anything is read.
+        confined(image_path, &Path::new(PART).join(CARRIED_ROOTFS))
+            .map_err(|why| super::Error::Hostile { dir: image_path.to_path_buf(), why })?;
         if !p.exists() {
             return Ok(None);
         }
@@ -133,6 +139,59 @@ impl HandedOut {
             (None, None) => false,
         }
     }
+}
+
+/// Whether a directory handed in (an archive unpacked by tar or Podman) holds only what a
+/// statepoint planarian hands out does: directories and regular files, and `parent` links that
+/// stay inside it; in `carried` (relative: the copy of the container's writable layer), anything
+/// a container's files have except device nodes other than overlay whiteouts (0:0).
+/// Anything else — a link out of it (to another container's images, to the host's files), a
+/// device, a FIFO — is refused before anything is read through it.
+pub fn confined(dir: &Path, carried: &Path) -> std::result::Result<(), String> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let mut todo = vec![PathBuf::new()];
+    while let Some(rel) = todo.pop() {
+        let path = dir.join(&rel);
+        let md = std::fs::symlink_metadata(&path).map_err(|e| format!("{}: {e}", rel.display()))?;
+        let t = md.file_type();
+        let shown = if rel.as_os_str().is_empty() { ".".into() } else { rel.display().to_string() };
+        if !carried.as_os_str().is_empty() && rel.starts_with(carried) {
+            if (t.is_char_device() && md.rdev() != 0) || t.is_block_device() {
+                return Err(format!("{shown} is a device node"));
+            }
+        } else if t.is_symlink() {
+            let target = std::fs::read_link(&path).map_err(|e| format!("{shown}: {e}"))?;
+            let inside = target.is_relative() && {
+                let mut depth = rel.components().count() as i64 - 1;
+                target.components().all(|c| {
+                    depth += match c {
+                        std::path::Component::ParentDir => -1,
+                        std::path::Component::CurDir => 0,
+                        _ => 1,
+                    };
+                    depth >= 0
+                })
+            };
+            if rel.file_name() != Some(std::ffi::OsStr::new("parent")) || !inside {
+                return Err(format!(
+                    "{shown} is a link to {} (only `parent` links inside it are a statepoint's)",
+                    target.display()
+                ));
+            }
+            continue;
+        } else if t.is_char_device() || t.is_block_device() {
+            return Err(format!("{shown} is a device node"));
+        } else if !t.is_dir() && !t.is_file() {
+            return Err(format!("{shown} is neither a file nor a directory"));
+        }
+        if t.is_dir() {
+            for e in std::fs::read_dir(&path).map_err(|e| format!("{shown}: {e}"))? {
+                let e = e.map_err(|e| format!("{shown}: {e}"))?;
+                todo.push(rel.join(e.file_name()));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// An imported statepoint: removed with what it brought (its dataset, its chain's bases) unless
@@ -439,6 +498,7 @@ pub fn import_file(
     let staging = Staging::new(cfg.store.path.join(format!("import-{}", std::process::id())))?;
     let bad = |why: &str| super::Error::NotAStatepointFile { file: file.to_path_buf(), why: why.to_string() };
     tar(&["-xf", &file.display().to_string(), "-C", &staging.0.display().to_string()])?.map_err(|why| bad(&why))?;
+    confined(&staging.0, &Path::new("checkpoint").join(PART).join(CARRIED_ROOTFS)).map_err(|why| bad(&why))?;
     let recipe: Recipe = std::fs::read(staging.0.join(RECIPE))
         .ok()
         .and_then(|d| serde_json::from_slice(&d).ok())
@@ -542,5 +602,57 @@ mod tests {
         ] {
             assert!(!plain_podman_checkpoint(&args(leaving)), "{leaving}");
         }
+    }
+
+    /// A handed-out directory as planarian lays it out passes; each way out of it is refused,
+    /// and a whiteout in the carried files is the container's own.
+    #[test]
+    fn only_what_planarian_hands_out_is_read() {
+        use std::os::unix::fs::symlink;
+        let d = std::env::temp_dir().join(format!("planarian-confined-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let chain = d.join(crate::chain::HANDED_OUT_CHAIN);
+        std::fs::create_dir_all(chain.join("1")).unwrap();
+        std::fs::create_dir_all(d.join(PART).join(CARRIED_ROOTFS).join("etc")).unwrap();
+        for f in ["inventory.img", "pages-1.img", "planarian-chain/1/inventory.img", "planarian/manifest.json"] {
+            std::fs::write(d.join(f), b"x").unwrap();
+        }
+        symlink("planarian-chain/1", d.join("parent")).unwrap();
+        symlink("/etc/passwd", d.join(PART).join(CARRIED_ROOTFS).join("etc/link")).unwrap();
+        let carried = Path::new(PART).join(CARRIED_ROOTFS);
+        let whiteout = d.join(PART).join(CARRIED_ROOTFS).join("gone");
+        let made = nix::sys::stat::mknod(&whiteout, nix::sys::stat::SFlag::S_IFCHR, nix::sys::stat::Mode::empty(), 0);
+        assert_eq!(confined(&d, &carried), Ok(()));
+
+        let refused = |what: &Path, why: &str| {
+            let got = confined(&d, &carried).unwrap_err();
+            assert!(got.contains(why), "{}: {got}", what.display());
+            let _ = std::fs::remove_file(what);
+            assert_eq!(confined(&d, &carried), Ok(()), "{}", what.display());
+        };
+        // A chain leading into another container's statepoints, or to the host's files.
+        let p = chain.join("1/parent");
+        symlink("../../../../other/statepoints/sp1/criu", &p).unwrap();
+        refused(&p, "is a link to ../../../../other");
+        symlink("/var/lib/planarian/containers/x/statepoints/sp1/criu", &p).unwrap();
+        refused(&p, "is a link to /var/lib");
+        let p = d.join("pages-2.img");
+        symlink("/etc/shadow", &p).unwrap();
+        refused(&p, "pages-2.img is a link");
+        let p = d.join(PART).join("manifest2.json");
+        symlink("../inventory.img", &p).unwrap();
+        refused(&p, "only `parent` links");
+        if made.is_ok() {
+            // (root only) A device, in the images or among the container's files.
+            let dev = nix::sys::stat::makedev(1, 1);
+            for p in [d.join("mem.img"), d.join(PART).join(CARRIED_ROOTFS).join("etc/mem")] {
+                nix::sys::stat::mknod(&p, nix::sys::stat::SFlag::S_IFCHR, nix::sys::stat::Mode::empty(), dev).unwrap();
+                refused(&p, "device");
+            }
+            let p = d.join("fifo.img");
+            nix::unistd::mkfifo(&p, nix::sys::stat::Mode::S_IRWXU).unwrap();
+            refused(&p, "neither a file nor a directory");
+        }
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }
