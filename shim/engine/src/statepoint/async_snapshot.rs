@@ -54,6 +54,8 @@ fn find_record(store: &ContainerStore, key: &str) -> Option<PathBuf> {
 }
 
 fn record_path(store: &ContainerStore, sp: &str) -> PathBuf {
+    // (a key that is a path names no record: never a file elsewhere)
+    let sp = if sp.contains('/') || sp.starts_with('.') { "-" } else { sp };
     store.dir.join("async").join(format!("{sp}.json"))
 }
 
@@ -66,6 +68,9 @@ fn record(store: &ContainerStore, o: &AsyncOutcome) -> Result<()> {
 /// the worker holds the lock. `worker` is the program to run as the worker (this binary), which
 /// must call [`work`] when started with the arguments given.
 pub fn start(globals: &Globals, name: &str, req: &SnapshotRequest, worker: &std::path::Path) -> Result<String> {
+    if let Some(n) = &req.name {
+        super::check_name(n)?;
+    }
     let ctx = Ctx::running(globals, name)?;
     let lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
         eprintln!("waiting for what is in flight in {name} ({what})")

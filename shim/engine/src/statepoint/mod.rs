@@ -42,6 +42,8 @@ pub enum Error {
     Fault(#[from] crate::fault::Injected),
     #[error("a statepoint named {0} already exists")]
     NameTaken(String),
+    #[error("{0:?} cannot name a statepoint: {1}")]
+    BadName(String, &'static str),
     #[error("criu reported success but wrote no images into {}", .0.display())]
     NoImages(PathBuf),
     #[error("the container thawed during the dump: the statepoint would not be consistent")]
@@ -288,6 +290,25 @@ pub fn enforce_retention(cfg: &Config, store: &ContainerStore) {
 
 /// Names, descriptions and outcomes of a committed statepoint, changed under the exclusive lock;
 /// the captured state is never touched.
+/// Whether `name` can name a statepoint: printable, without `/`, not `.` or `..`, at most 128
+/// bytes, and not of an id's shape (`sp` and digits), which it would hide.
+pub fn check_name(name: &str) -> Result<()> {
+    let bad = |why| Err(Error::BadName(name.to_string(), why));
+    if name.len() > 128 {
+        return bad("longer than 128 bytes");
+    }
+    if name.contains('/') || name == "." || name == ".." {
+        return bad("a name is not a path");
+    }
+    if name.chars().any(char::is_control) {
+        return bad("it holds a control character");
+    }
+    if name.strip_prefix("sp").is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit())) {
+        return bad("that is the shape of a statepoint id");
+    }
+    Ok(())
+}
+
 pub fn annotate(
     store: &ContainerStore,
     key: &str,
@@ -298,6 +319,9 @@ pub fn annotate(
     let _lock = store.lock(true)?;
     let mut m = store.find(key)?;
     if let Some(n) = name {
+        if !n.is_empty() {
+            check_name(n)?;
+        }
         if store.find(n).is_ok_and(|o| o.statepoint_id != m.statepoint_id) {
             return Err(Error::NameTaken(n.to_string()));
         }
@@ -329,5 +353,43 @@ fn committed(m: Manifest) -> Result<Manifest> {
     match m.status {
         Status::Committed => Ok(m),
         _ => Err(Error::NotCommitted(m.statepoint_id)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_name_is_a_label_never_a_path_nor_an_id() {
+        for ok in ["tests-pass", "before refactor", "v1.2", "ünïcode", "sp", "spare", "sp1a", &"x".repeat(128)] {
+            assert!(check_name(ok).is_ok(), "{ok}");
+        }
+        for (bad, why) in [
+            ("../other", "path"),
+            ("a/b", "path"),
+            ("..", "path"),
+            (".", "path"),
+            ("sp12", "id"),
+            ("line\nbreak", "control"),
+            (&"x".repeat(129) as &str, "128"),
+        ] {
+            let e = check_name(bad).unwrap_err().to_string();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn waiting_for_a_key_that_is_a_path_reads_nothing_outside_the_store() {
+        let dir = std::env::temp_dir().join(format!("planarian-key-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let store = ContainerStore::new(&dir, "c");
+        std::fs::create_dir_all(store.dir.join("async")).unwrap();
+        // A committed-looking record outside the container's records.
+        let outside = dir.join("containers/evil.json");
+        std::fs::write(&outside, r#"{"statepoint":"sp1","status":"committed"}"#).unwrap();
+        assert!(async_snapshot::wait(&store, "../../evil").is_err());
+        assert!(store.find("../../evil").is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -50,6 +50,7 @@ pub fn take_then(
     let t0 = Instant::now();
     let pid = ctx.ctr.running_pid()?;
     if let Some(n) = &req.name {
+        super::check_name(n)?;
         if ctx.store.find(n).is_ok() {
             return Err(Error::NameTaken(n.to_string()));
         }
