@@ -36,7 +36,7 @@ pub enum Error {
     Start { proxy: PathBuf, source: std::io::Error },
     #[error("the MCP proxy for service {service} exited ({status}): {last}")]
     Exited { service: String, status: std::process::ExitStatus, last: String },
-    #[error("the MCP proxy for service {service} did not come up within 30 s; see {}", log.display())]
+    #[error("the MCP proxy for service {service} did not answer on its control socket within 120 s (it runs on: stopped); see {}", log.display())]
     NotUp { service: String, log: PathBuf },
 }
 

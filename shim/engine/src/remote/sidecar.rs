@@ -116,7 +116,9 @@ pub fn start(cfg: &Config, id: &str) -> Result<()> {
     let mut child = cmd.spawn().map_err(|source| Error::Start { proxy: proxy.clone(), source })?;
     sys::write_atomic(&store.dir.join(PID_FILE), child.id().to_string().as_bytes(), 0o644)?;
     let socket = planarian_contracts::paths::control_socket(id);
-    let end = Instant::now() + Duration::from_secs(30);
+    // A sidecar that ends says why at once; one that runs may start its upstream server first
+    // (a Node.js server takes tens of seconds on a loaded machine): it is given two minutes.
+    let end = Instant::now() + Duration::from_secs(120);
     loop {
         if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
             return Ok(());
