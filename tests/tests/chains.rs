@@ -176,3 +176,88 @@ fn an_incremental_dump_criu_refuses_is_retried_in_full() {
     sb.rollback(&sp2);
     assert_eq!(sb.send("tick").checksum, st.checksum);
 }
+
+/// `planarian snapshot CTR --name NAME`: the statepoint's id.
+fn snap(ctr: &str, name: &str) -> String {
+    planarian(&["snapshot", ctr, "--name", name]).ok().out()
+}
+
+fn manifest_of(ctr: &str, sp: &str) -> serde_json::Value {
+    let r = planarian(&["statepoint", "list", ctr, "--json"]);
+    let list: Vec<serde_json::Value> = serde_json::from_str(&r.ok().stdout).unwrap();
+    list.into_iter().find(|m| m["statepoint-id"] == sp).unwrap_or_else(|| panic!("no {sp}"))
+}
+
+/// The inodes of a statepoint's memory images (pages and page maps).
+fn image_inodes(ctr: &str, sp: &str) -> Vec<(String, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", ctr]).ok().out();
+    let dir = std::path::Path::new("/var/lib/planarian/containers").join(id).join("statepoints").join(sp).join("criu");
+    let mut v: Vec<(String, u64)> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), e.metadata().unwrap().ino()))
+        .filter(|(n, _)| n.starts_with("pages-") || n.starts_with("pagemap-"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_statepoint_of_a_sandbox_that_did_nothing_takes_no_dump() {
+    require_stack!();
+    // A sandbox whose one process waits and does nothing, as an agent's between tool calls: it
+    // waits for a writer to open a FIFO. (A `sleep` would not do: each freeze makes the kernel
+    // write the time left into its memory.)
+    let n = name("idle");
+    let _c = Cleanup(n.clone());
+    podman(
+        "planarian",
+        &["run", "-d", "--name", &n, "--network", "none", BUSYBOX, "sh", "-c", "mkfifo /tmp/p && exec cat /tmp/p"],
+    )
+    .ok();
+    // Until it waits in openat (syscall 257) for a writer.
+    let pid = podman("planarian", &["inspect", "--format", "{{.State.Pid}}", &n]).ok().out();
+    let syscall = format!("/proc/{pid}/syscall");
+    assert!(
+        wait_for(std::time::Duration::from_secs(60), || std::fs::read_to_string(&syscall)
+            .is_ok_and(|s| s.starts_with("257 "))),
+        "the sandbox's process does not wait: {:?}",
+        std::fs::read_to_string(&syscall)
+    );
+    let a = snap(&n, "a");
+    assert_eq!(manifest_of(&n, &a)["chain"]["same-as"], serde_json::Value::Null);
+    let b = snap(&n, "b");
+    let mb = manifest_of(&n, &b);
+    assert_eq!(mb["chain"]["same-as"], a.as_str(), "nothing ran: no dump ({mb})");
+    assert_eq!(image_inodes(&n, &b), image_inodes(&n, &a), "b's memory images are a's (hard links)");
+    assert!(!image_inodes(&n, &a).is_empty());
+
+    // A command that came and went and wrote a file: the processes still did nothing, and the
+    // file is in the statepoint.
+    podman("planarian", &["exec", &n, "sh", "-c", "echo one > /f"]).ok();
+    let c = snap(&n, "c");
+    let mc = manifest_of(&n, &c);
+    assert!([a.as_str(), b.as_str()].contains(&mc["chain"]["same-as"].as_str().unwrap_or("-")), "{mc}");
+
+    // One that writes to the process's own output (a pipe it holds): that is a change, dumped.
+    podman("planarian", &["exec", &n, "sh", "-c", "echo to-the-log > /proc/1/fd/1"]).ok();
+    let d = snap(&n, "d");
+    let md = manifest_of(&n, &d);
+    assert_eq!(md["chain"]["same-as"], serde_json::Value::Null, "a real dump: {md}");
+    assert_ne!(image_inodes(&n, &d), image_inodes(&n, &a));
+
+    // The statepoints taken without a dump restore as any other, also once the one whose
+    // images they share is gone.
+    let status = || podman("planarian", &["inspect", "--format", "{{.State.Status}}", &n]).out();
+    let file = || podman("planarian", &["exec", &n, "cat", "/f"]);
+    planarian(&["rollback", &n, &b]).ok();
+    assert_eq!(status(), "running");
+    assert_ne!(file().code, Some(0), "b has no /f");
+    planarian(&["statepoint", "rm", &n, &a, &b]).ok();
+    planarian(&["rollback", &n, &c]).ok();
+    assert_eq!(status(), "running");
+    assert_eq!(file().ok().out(), "one");
+    let pid1 = podman("planarian", &["exec", &n, "cat", "/proc/1/cmdline"]).ok().stdout.clone();
+    assert_eq!(pid1, "cat\u{0}/tmp/p\u{0}", "the sandbox's process is back");
+}

@@ -24,6 +24,7 @@ pub const ANNOTATION_KEYS: &[&str] = &[
     "checkpoint.pre_resume_hook",
     "checkpoint.network_lock",
     "checkpoint.rollback_in_place",
+    "checkpoint.skip_unchanged",
     "zfs.parent_dataset",
     "store.retention",
     "mcp.service",
@@ -145,6 +146,10 @@ pub struct CheckpointConfig {
     /// Roll a running container back in place when its process tree has the statepoint's
     /// shape (no stop, no restore); off, every rollback stops and restores.
     pub rollback_in_place: bool,
+    /// A statepoint of a sandbox whose processes did nothing since the last dump (the same
+    /// processes, memory, descriptors, signals; no page written) takes the last dump's memory
+    /// images instead of a new CRIU dump (see local::unchanged); its files are captured as always.
+    pub skip_unchanged: bool,
     /// How long a snapshot or rollback waits for tool calls in flight (a `podman exec` still
     /// running, an MCP call that changes something) before it fails, changing nothing.
     pub in_flight_wait_seconds: u64,
@@ -190,6 +195,7 @@ impl Default for CheckpointConfig {
             pre_resume_hook: true,
             network_lock: NetworkLock::Auto,
             rollback_in_place: true,
+            skip_unchanged: true,
             in_flight_wait_seconds: 120,
         }
     }

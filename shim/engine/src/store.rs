@@ -226,6 +226,9 @@ pub struct Chain {
     pub depth: u32,
     /// Why this dump is full, when it is.
     pub full_reason: Option<String>,
+    /// The statepoint whose memory images these are: its processes did nothing since (no dump).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub same_as: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -9,6 +9,7 @@ pub mod files;
 pub mod freezer;
 pub mod inplace;
 pub mod treesync;
+pub mod unchanged;
 pub mod zfs;
 
 use crate::config::Config;

@@ -95,6 +95,7 @@ pub fn take_then(
             prev_images_dir: plan.prev_images_dir.clone(),
             depth: plan.depth,
             full_reason: plan.full_reason.clone(),
+            same_as: None,
         },
         imported_from: None,
         rollbacks: vec![],
@@ -119,6 +120,20 @@ pub fn take_then(
     crate::fault::point("snapshot.frozen")?;
 
     let DumpSetting { masked_dirs, netns, dev } = DumpSetting::of(ctx, pid)?;
+    // The frozen tree's fingerprint: kept beside a dump's images, compared with the last dump's.
+    let print = match ctx.cfg.checkpoint.skip_unchanged {
+        true => crate::local::unchanged::fingerprint(freezer.dir(), pid),
+        false => Err(crate::local::unchanged::Unfit("checkpoint.skip_unchanged is off".into())),
+    };
+    let same_as = match unchanged_since_base(ctx, req, init_start, &print, freezer.dir()) {
+        Ok(base) => Some(base),
+        Err(why) => {
+            if ctx.cfg.checkpoint.skip_unchanged && !req.internal {
+                crate::log::own_log("info", &format!("statepoint {id}: a memory dump ({why})"));
+            }
+            None
+        }
+    };
     let network_lock =
         criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, netns.is_some(), req.tcp_established);
     // A CRIU that dies while the namespace is locked leaves its lock behind: removed on failure.
@@ -152,6 +167,15 @@ pub fn take_then(
         });
         let memory = (|| -> Result<()> {
             let td = Instant::now();
+            if let Some(base) = &same_as {
+                // Nothing ran: the last dump's images are this statepoint's (hard links).
+                let from = ctx.store.statepoint_dir(&base.statepoint_id).join(&base.local_state.criu_checkpoint_path);
+                link_dump(&from, &images)?;
+                m.chain = store::Chain { same_as: Some(base.statepoint_id.clone()), ..base.chain.clone() };
+                m.measurements.criu_dump_ms = ms(td);
+                crate::fault::point("snapshot.dumped")?;
+                return Ok(());
+            }
             let incremental = criu::DumpPlan {
                 pid,
                 images_dir: &images,
@@ -189,6 +213,7 @@ pub fn take_then(
                     prev_images_dir: None,
                     depth: 0,
                     full_reason: Some(format!("the incremental dump failed ({e}); dumped in full")),
+                    same_as: None,
                 };
             }
             if !images.join("inventory.img").exists() {
@@ -198,6 +223,10 @@ pub fn take_then(
             if let Some(st) = crate::chain::dump_stats(&images) {
                 m.measurements.pages_written = st.pages_written;
                 m.measurements.pages_skipped_parent = st.pages_skipped_parent;
+            }
+            if let Ok(fp) = &print {
+                let text = serde_json::json!({ "fingerprint": fp.to_string() }).to_string();
+                sys::write_atomic(&images.join(crate::local::unchanged::FILE), text.as_bytes(), 0o644)?;
             }
             if !frozen.holds() {
                 return Err(Error::Thawed);
@@ -269,6 +298,66 @@ pub fn take_then(
         super::enforce_retention(&ctx.cfg, &ctx.store);
     }
     released.map(|()| m)
+}
+
+/// The statepoint whose dump is the base of the next one, when the frozen tree did nothing since
+/// it (its fingerprint `print` is the one recorded at that dump, and no page is soft-dirty); and
+/// when this statepoint may take its images: a plain snapshot left running, the option on.
+/// Otherwise why not, for the log.
+fn unchanged_since_base(
+    ctx: &Ctx,
+    req: &SnapshotRequest,
+    init_start: u64,
+    print: &std::result::Result<u64, crate::local::unchanged::Unfit>,
+    cgroup: &Path,
+) -> std::result::Result<Manifest, String> {
+    use crate::local::unchanged;
+    if !ctx.cfg.checkpoint.skip_unchanged || !req.leave_running || req.internal || req.files_taken.is_some() {
+        return Err("not a plain snapshot left running".into());
+    }
+    let print = print.as_ref().map_err(|u| u.0.clone())?;
+    let base = crate::chain::read_base(&ctx.store).ok_or("no base")?;
+    let images = base.images.ok_or("no base images")?;
+    let sp =
+        images.strip_prefix("statepoints/").and_then(|s| s.strip_suffix("/criu")).ok_or("the base is a restore's")?;
+    if base.init_start_time != init_start || sp.contains('/') {
+        return Err("another process tree".into());
+    }
+    let m = ctx.store.find(sp).map_err(|e| e.to_string())?;
+    if m.options.tcp_established != req.tcp_established || m.options.file_locks != req.file_locks {
+        return Err("other dump options".into());
+    }
+    let dir = ctx.store.statepoint_dir(sp).join(&m.local_state.criu_checkpoint_path);
+    let recorded: serde_json::Value = std::fs::read(dir.join(unchanged::FILE))
+        .ok()
+        .and_then(|d| serde_json::from_slice(&d).ok())
+        .ok_or_else(|| format!("{sp} recorded no fingerprint"))?;
+    if recorded["fingerprint"].as_str() != Some(print.to_string().as_str()) {
+        return Err(format!("the processes changed since {sp}"));
+    }
+    if unchanged::timers_armed(&dir).map_err(|u| u.0)? {
+        return Err(format!("a timer was armed at {sp}"));
+    }
+    if !unchanged::soft_dirty_kept() {
+        return Err("this kernel keeps no soft-dirty bits".into());
+    }
+    match unchanged::memory_differs(&crate::local::inplace::cgroup_pids(cgroup), &dir) {
+        Ok(false) => Ok(m),
+        Ok(true) => Err(format!("memory was written since {sp}")),
+        Err(u) => Err(u.0),
+    }
+}
+
+/// A dump's images (and its `parent` link, the same relative path from a sibling directory),
+/// as hard links in `into`.
+fn link_dump(from: &Path, into: &Path) -> Result<()> {
+    crate::chain::link_files(from, into)?;
+    if let Ok(target) = std::fs::read_link(from.join("parent")) {
+        std::os::unix::fs::symlink(&target, into.join("parent")).at("link parent in", into)?;
+    }
+    // (a log of this statepoint's own: the base's dump log is not this one's)
+    let _ = std::fs::remove_file(into.join("dump.log"));
+    Ok(())
 }
 
 /// The network lock of a dump that failed: CRIU unlocks the namespace when it ends, but not when

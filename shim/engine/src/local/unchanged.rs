@@ -1,0 +1,353 @@
+//! Statepoints of a sandbox whose processes did nothing: no CRIU dump.
+//!
+//! A dump records, beside its images, a fingerprint of the frozen process tree (`fingerprint`):
+//! every process and thread with its start time, state, pending and blocked signals, limits,
+//! working and root directories, memory map, and descriptors (each one's target, offset and
+//! flags, and the times of the file or pipe behind it); the container's mounts, its SysV IPC
+//! objects and its host name; and the metadata of every tmpfs CRIU archives. CRIU clears the
+//! soft-dirty bits at the dump, so a page written since is soft-dirty.
+//!
+//! At the next statepoint, frozen, the tree is fingerprinted again: when the fingerprint is the
+//! same and no page of any process is soft-dirty, the processes are exactly as the base dump
+//! saw them, and the new statepoint's memory images are the base's (hard links), taken in no
+//! time. Its files are captured as always. A process that ran at all writes its stack; a page
+//! written and put back as it was (CRIU's own parasite does that at every dump) is compared with
+//! the dump byte for byte. Any doubt — a socket, an inotify, a POSIX timer, a page map too large
+//! to scan, a kernel without soft-dirty bits — makes a real dump. So does a process sleeping in
+//! `nanosleep` with a remaining-time pointer (busybox `sleep`): each freeze writes the time left
+//! into its memory, a real change.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::io::Read;
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
+use std::path::Path;
+
+/// The file beside a dump's images that holds its fingerprint.
+pub const FILE: &str = "unchanged.json";
+
+/// The most pages scanned for soft-dirty bits (64 GiB of address space); a larger tree dumps.
+const MAX_PAGES: u64 = 1 << 24;
+const SOFT_DIRTY: u64 = 1 << 55;
+
+/// Why the tree cannot be taken as unchanged, whatever it did.
+#[derive(Debug, PartialEq)]
+pub struct Unfit(pub String);
+
+/// The fingerprint of the frozen tree of the container whose cgroup is `cgroup` and whose
+/// first process is `init`.
+pub fn fingerprint(cgroup: &Path, init: i32) -> Result<u64, Unfit> {
+    let mut h = DefaultHasher::new();
+    let pids = crate::local::inplace::cgroup_pids(cgroup);
+    if pids.is_empty() {
+        return Err(Unfit("no process".into()));
+    }
+    pids.hash(&mut h);
+    for &pid in &pids {
+        process(pid, &mut h)?;
+    }
+    let mounts = read(&format!("/proc/{init}/mountinfo"))?;
+    mounts.hash(&mut h);
+    namespaces(init, &mut h)?;
+    for m in sys::proc::parse_mountinfo(&mounts) {
+        // What CRIU archives of the container's own file systems (planarian keeps /dev).
+        if matches!(m.fstype.as_str(), "tmpfs" | "mqueue") && m.point != "/dev" {
+            tree(&Path::new(&format!("/proc/{init}/root")).join(m.point.trim_start_matches('/')), &mut h)?;
+        }
+    }
+    Ok(h.finish())
+}
+
+fn read(path: &str) -> Result<String, Unfit> {
+    std::fs::read_to_string(path).map_err(|e| Unfit(format!("{path}: {e}")))
+}
+
+/// One process and its threads.
+fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
+    let proc = format!("/proc/{pid}");
+    let stat = |p: &str| sys::proc::state_and_start(Path::new(p)).ok_or_else(|| Unfit(format!("{p}: unreadable")));
+    stat(&format!("{proc}/stat"))?.hash(h);
+    let mut tids: Vec<i32> = std::fs::read_dir(format!("{proc}/task"))
+        .map_err(|e| Unfit(format!("{proc}/task: {e}")))?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    tids.sort_unstable();
+    for tid in tids {
+        let task = format!("{proc}/task/{tid}");
+        (tid, stat(&format!("{task}/stat"))?).hash(h);
+        let status = read(&format!("{task}/status"))?;
+        for l in status.lines().filter(|l| l.starts_with("Sig") || l.starts_with("ShdPnd") || l.starts_with("Cap")) {
+            l.hash(h);
+        }
+    }
+    if !read(&format!("{proc}/timers")).unwrap_or_default().trim().is_empty() {
+        return Err(Unfit(format!("process {pid} has POSIX timers")));
+    }
+    read(&format!("{proc}/maps"))?.hash(h);
+    read(&format!("{proc}/limits"))?.hash(h);
+    for link in ["cwd", "root", "exe"] {
+        std::fs::read_link(format!("{proc}/{link}")).ok().hash(h);
+    }
+    let mut fds: Vec<u32> = std::fs::read_dir(format!("{proc}/fd"))
+        .map_err(|e| Unfit(format!("{proc}/fd: {e}")))?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    fds.sort_unstable();
+    for fd in fds {
+        let target =
+            std::fs::read_link(format!("{proc}/fd/{fd}")).map_err(|e| Unfit(format!("{proc}/fd/{fd}: {e}")))?;
+        let t = target.to_string_lossy();
+        // What the kernel holds for these is in fdinfo (an eventfd's count, a timerfd's ticks and
+        // time left, a signalfd's mask, an epoll's watches); a socket's queues or an inotify's
+        // events are not.
+        let known = ["anon_inode:[eventpoll]", "anon_inode:[eventfd]", "anon_inode:[signalfd]", "anon_inode:[timerfd]"];
+        if t.starts_with("socket:") || (t.starts_with("anon_inode:") && !known.contains(&t.as_ref())) {
+            return Err(Unfit(format!("process {pid} holds {t}")));
+        }
+        (fd, &t).hash(h);
+        // Offset, flags, and for an epoll the descriptors it watches.
+        read(&format!("{proc}/fdinfo/{fd}"))?.hash(h);
+        if let Ok(md) = std::fs::metadata(format!("{proc}/fd/{fd}")) {
+            (md.dev(), md.ino(), md.size(), md.mtime(), md.mtime_nsec(), md.ctime(), md.ctime_nsec()).hash(h);
+            if md.file_type().is_fifo() || t.starts_with("pipe:") {
+                // (a read drains a pipe: only its access time says so)
+                (md.atime(), md.atime_nsec()).hash(h);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The container's SysV IPC objects and host name, read from inside its namespaces.
+fn namespaces(init: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
+    let got = std::thread::scope(|s| {
+        s.spawn(|| -> Result<(String, String), String> {
+            use nix::sched::{setns, CloneFlags};
+            for (ns, flag) in [("ipc", CloneFlags::CLONE_NEWIPC), ("uts", CloneFlags::CLONE_NEWUTS)] {
+                let f = std::fs::File::open(format!("/proc/{init}/ns/{ns}")).map_err(|e| e.to_string())?;
+                setns(f, flag).map_err(|e| format!("setns {ns}: {e}"))?;
+            }
+            let mut ipc = String::new();
+            for f in ["shm", "msg", "sem"] {
+                std::fs::File::open(format!("/proc/sysvipc/{f}"))
+                    .and_then(|mut r| r.read_to_string(&mut ipc))
+                    .map_err(|e| e.to_string())?;
+            }
+            let u = nix::sys::utsname::uname().map_err(|e| e.to_string())?;
+            Ok((ipc, format!("{:?} {:?}", u.nodename(), u.domainname())))
+        })
+        .join()
+    });
+    match got {
+        Ok(Ok(v)) => {
+            v.hash(h);
+            Ok(())
+        }
+        Ok(Err(e)) => Err(Unfit(e)),
+        Err(_) => Err(Unfit("the namespaces' reader panicked".into())),
+    }
+}
+
+/// The metadata of every entry of a tree (a write changes a file's ctime; a new or removed
+/// entry its directory's).
+fn tree(root: &Path, h: &mut DefaultHasher) -> Result<(), Unfit> {
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(p) = todo.pop() {
+        let md = std::fs::symlink_metadata(&p).map_err(|e| Unfit(format!("{}: {e}", p.display())))?;
+        (p.strip_prefix(root).unwrap_or(&p), md.ino(), md.mode(), md.uid(), md.gid(), md.size(), md.rdev()).hash(h);
+        (md.mtime(), md.mtime_nsec(), md.ctime(), md.ctime_nsec()).hash(h);
+        if md.is_dir() {
+            let mut names: Vec<_> = std::fs::read_dir(&p)
+                .map_err(|e| Unfit(format!("{}: {e}", p.display())))?
+                .flatten()
+                .map(|e| e.path())
+                .collect();
+            names.sort();
+            todo.extend(names);
+        }
+    }
+    Ok(())
+}
+
+/// The most soft-dirty pages of one process compared with the base's images; more is a change.
+const MAX_COMPARED: usize = 512;
+
+/// Whether the memory of the processes `pids` differs from the dump in `base` (the images the
+/// soft-dirty bits were last cleared for). A page not soft-dirty is the dump's; the few a dump
+/// itself leaves soft-dirty (CRIU puts back the bytes and the signal frame it used to run its
+/// parasite) are compared with the dump's content, byte for byte.
+pub fn memory_differs(pids: &[i32], base: &Path) -> Result<bool, Unfit> {
+    for &pid in pids {
+        let Some(dirty) = soft_dirty_pages(pid)? else { return Ok(true) };
+        if dirty.is_empty() {
+            continue;
+        }
+        let vpid = virtual_pid(pid)?;
+        let runs = criu_hooks::images::memory(base, vpid).map_err(|e| Unfit(e.to_string()))?;
+        let mem =
+            std::fs::File::open(format!("/proc/{pid}/mem")).map_err(|e| Unfit(format!("/proc/{pid}/mem: {e}")))?;
+        let (mut now, mut then) = (vec![0u8; PAGE as usize], vec![0u8; PAGE as usize]);
+        for (addr, present) in dirty {
+            let i = runs.partition_point(|r| r.end() <= addr);
+            let run = runs.get(i).filter(|r| r.vaddr <= addr);
+            match (present, run) {
+                (false, None) => continue,
+                (false, Some(_)) => return Ok(true),
+                (true, run) => {
+                    mem.read_exact_at(&mut now, addr).map_err(|e| Unfit(format!("/proc/{pid}/mem: {e}")))?;
+                    match run {
+                        Some(r) => std::fs::File::open(&r.file)
+                            .and_then(|f| f.read_exact_at(&mut then, r.loc.offset + (addr - r.vaddr)))
+                            .map_err(|e| Unfit(format!("{}: {e}", r.file.display())))?,
+                        // (no page in the dump: a zero page)
+                        None => then.fill(0),
+                    }
+                    if now != then {
+                        return Ok(true);
+                    }
+                }
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// Whether a process of the dump in `base` had an interval or POSIX timer armed: its time left
+/// has run down since, which no fingerprint shows.
+pub fn timers_armed(base: &Path) -> Result<bool, Unfit> {
+    use criu_hooks::images;
+    for p in images::pstree(base).map_err(|e| Unfit(e.to_string()))? {
+        if images::core(base, p.pid).map_err(|e| Unfit(e.to_string()))?.timers {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+const PAGE: u64 = 4096;
+const PRESENT: u64 = 1 << 63;
+const SWAPPED: u64 = 1 << 62;
+
+/// The soft-dirty pages of process `pid` (address, present or swapped), or `None` when there
+/// are more than are compared or its map is larger than is scanned.
+fn soft_dirty_pages(pid: i32) -> Result<Option<Vec<(u64, bool)>>, Unfit> {
+    let mut budget = MAX_PAGES;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 8 * 4096];
+    let maps = read(&format!("/proc/{pid}/maps"))?;
+    let pagemap =
+        std::fs::File::open(format!("/proc/{pid}/pagemap")).map_err(|e| Unfit(format!("/proc/{pid}/pagemap: {e}")))?;
+    for l in maps.lines() {
+        if l.ends_with("[vsyscall]") {
+            continue;
+        }
+        let Some((lo, hi)) = l.split_whitespace().next().and_then(|r| r.split_once('-')) else { continue };
+        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else { continue };
+        let (mut at, end) = (lo / PAGE, hi / PAGE);
+        let Some(left) = budget.checked_sub(end - at) else { return Ok(None) };
+        budget = left;
+        while at < end {
+            let n = (end - at).min(4096) as usize;
+            pagemap.read_exact_at(&mut buf[..n * 8], at * 8).map_err(|e| Unfit(format!("/proc/{pid}/pagemap: {e}")))?;
+            for (i, e) in buf[..n * 8].chunks_exact(8).enumerate() {
+                let e = u64::from_le_bytes(e.try_into().expect("8 bytes"));
+                if e & SOFT_DIRTY != 0 {
+                    if out.len() == MAX_COMPARED {
+                        return Ok(None);
+                    }
+                    out.push(((at + i as u64) * PAGE, e & (PRESENT | SWAPPED) != 0));
+                }
+            }
+            at += n as u64;
+        }
+    }
+    Ok(Some(out))
+}
+
+/// Process `pid` as its own PID namespace numbers it (CRIU's images do).
+fn virtual_pid(pid: i32) -> Result<u32, Unfit> {
+    let status = read(&format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .and_then(|v| v.split_whitespace().last()?.parse().ok())
+        .ok_or_else(|| Unfit(format!("process {pid}: no NSpid")))
+}
+
+/// Whether this kernel keeps soft-dirty bits (a page this process just wrote shows one).
+pub fn soft_dirty_kept() -> bool {
+    let mut v = vec![0u8; 3 * 4096];
+    let at = (v.as_ptr() as u64).div_ceil(4096) * 4096;
+    let i = (at - v.as_ptr() as u64) as usize;
+    // SAFETY: a byte inside `v`, written through a volatile store so that it is not elided.
+    unsafe { std::ptr::write_volatile(v.as_mut_ptr().add(i), 1) };
+    let mut e = [0u8; 8];
+    let ok = std::fs::File::open("/proc/self/pagemap").and_then(|f| f.read_exact_at(&mut e, at / 4096 * 8)).is_ok();
+    std::hint::black_box(&v);
+    ok && u64::from_le_bytes(e) & SOFT_DIRTY != 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A process that reads lines and does nothing else: no soft-dirty page while it waits,
+    /// some once it has read one.
+    #[test]
+    fn a_waiting_process_is_untouched_and_one_that_ran_is_written() {
+        if !soft_dirty_kept() {
+            eprintln!("SKIPPED: this kernel keeps no soft-dirty bits");
+            return;
+        }
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "while read x; do echo \"$x\" > /dev/null; done"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        // Until it waits in read(0, …) (syscall 0, first argument 0).
+        let waiting = || {
+            std::fs::read_to_string(format!("/proc/{pid}/syscall"))
+                .is_ok_and(|s| s.split_whitespace().take(2).collect::<Vec<_>>() == ["0", "0x0"])
+        };
+        let t = std::time::Instant::now();
+        while !waiting() && t.elapsed() < std::time::Duration::from_secs(30) {
+            std::thread::yield_now();
+        }
+        std::fs::write(format!("/proc/{pid}/clear_refs"), "4").unwrap();
+        assert_eq!(soft_dirty_pages(pid), Ok(Some(vec![])), "nothing ran since the bits were cleared");
+        child.stdin.as_mut().unwrap().write_all(b"line\n").unwrap();
+        let t = std::time::Instant::now();
+        let mut written = false;
+        while !written && t.elapsed() < std::time::Duration::from_secs(30) {
+            written = soft_dirty_pages(pid).is_ok_and(|d| d.is_none_or(|d| !d.is_empty()));
+        }
+        assert!(written, "the process ran: its pages are written");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    #[test]
+    fn a_tree_fingerprint_moves_with_any_entry() {
+        let d = std::env::temp_dir().join(format!("planarian-unchanged-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(d.join("a")).unwrap();
+        std::fs::write(d.join("a/f"), "x").unwrap();
+        let fp = |d: &Path| {
+            let mut h = DefaultHasher::new();
+            tree(d, &mut h).unwrap();
+            h.finish()
+        };
+        let first = fp(&d);
+        assert_eq!(fp(&d), first);
+        std::fs::write(d.join("a/f"), "y").unwrap();
+        let second = fp(&d);
+        assert_ne!(second, first, "a write of the same size");
+        std::fs::write(d.join("a/g"), "").unwrap();
+        assert_ne!(fp(&d), second, "a new entry");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
