@@ -1,10 +1,11 @@
 //! Statepoints of a sandbox whose processes did nothing: no CRIU dump.
 //!
 //! A dump records, beside its images, a fingerprint of the frozen process tree (`fingerprint`):
-//! every process and thread with its start time, state, pending and blocked signals, limits,
-//! working and root directories, memory map, and descriptors (each one's target, offset and
-//! flags, and the times of the file or pipe behind it); the container's mounts, its SysV IPC
-//! objects and its host name; and the metadata of every tmpfs CRIU archives. CRIU clears the
+//! every process and thread with its start time, state, scheduling, credentials, pending and
+//! blocked signals, limits, working and root directories, memory map, and descriptors (each
+//! one's target, offset and flags, the times of the file behind it, the bytes a pipe holds); the
+//! container's mounts, its SysV IPC objects and its host name; and the metadata of every tmpfs
+//! CRIU archives. CRIU clears the
 //! soft-dirty bits at the dump, so a page written since is soft-dirty.
 //!
 //! At the next statepoint, frozen, the tree is fingerprinted again: when the fingerprint is the
@@ -65,8 +66,6 @@ fn read(path: &str) -> Result<String, Unfit> {
 /// One process and its threads.
 fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
     let proc = format!("/proc/{pid}");
-    let stat = |p: &str| sys::proc::state_and_start(Path::new(p)).ok_or_else(|| Unfit(format!("{p}: unreadable")));
-    stat(&format!("{proc}/stat"))?.hash(h);
     let mut tids: Vec<i32> = std::fs::read_dir(format!("{proc}/task"))
         .map_err(|e| Unfit(format!("{proc}/task: {e}")))?
         .flatten()
@@ -75,17 +74,33 @@ fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
     tids.sort_unstable();
     for tid in tids {
         let task = format!("{proc}/task/{tid}");
-        (tid, stat(&format!("{task}/stat"))?).hash(h);
+        // State, priority and nice, start time, real-time priority and policy (not the counters).
+        let stat = read(&format!("{task}/stat"))?;
+        let fields: Vec<Option<&str>> =
+            [3, 18, 19, 22, 40, 41].into_iter().map(|n| sys::proc::stat_text_field(&stat, n)).collect();
+        (tid, fields).hash(h);
         let status = read(&format!("{task}/status"))?;
-        for l in status.lines().filter(|l| l.starts_with("Sig") || l.starts_with("ShdPnd") || l.starts_with("Cap")) {
+        let kept = ["Name:", "Sig", "ShdPnd", "Cap", "NoNewPrivs", "Seccomp:", "Uid", "Gid", "Groups"];
+        for l in status.lines().filter(|l| kept.iter().any(|k| l.starts_with(k))) {
             l.hash(h);
         }
     }
     if !read(&format!("{proc}/timers")).unwrap_or_default().trim().is_empty() {
         return Err(Unfit(format!("process {pid} has POSIX timers")));
     }
-    read(&format!("{proc}/maps"))?.hash(h);
-    read(&format!("{proc}/limits"))?.hash(h);
+    let maps = read(&format!("{proc}/maps"))?;
+    for l in maps.lines() {
+        let perms = l.split_whitespace().nth(1).unwrap_or("");
+        // Shared writable memory another process may write (its page tables, not these, would
+        // say so), and the kernel's AIO rings.
+        if (perms.contains('w') && perms.ends_with('s')) || l.contains("[aio]") {
+            return Err(Unfit(format!("process {pid} maps shared memory ({l})")));
+        }
+    }
+    maps.hash(h);
+    for f in ["limits", "oom_score_adj", "timerslack_ns"] {
+        read(&format!("{proc}/{f}")).ok().hash(h);
+    }
     for link in ["cwd", "root", "exe"] {
         std::fs::read_link(format!("{proc}/{link}")).ok().hash(h);
     }
@@ -96,28 +111,47 @@ fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
         .collect();
     fds.sort_unstable();
     for fd in fds {
-        let target =
-            std::fs::read_link(format!("{proc}/fd/{fd}")).map_err(|e| Unfit(format!("{proc}/fd/{fd}: {e}")))?;
+        let path = format!("{proc}/fd/{fd}");
+        let target = std::fs::read_link(&path).map_err(|e| Unfit(format!("{path}: {e}")))?;
         let t = target.to_string_lossy();
         // What the kernel holds for these is in fdinfo (an eventfd's count, a timerfd's ticks and
-        // time left, a signalfd's mask, an epoll's watches); a socket's queues or an inotify's
-        // events are not.
+        // time left, a signalfd's mask, an epoll's watches); a socket's queues, an inotify's
+        // events or a terminal's input are not.
         let known = ["anon_inode:[eventpoll]", "anon_inode:[eventfd]", "anon_inode:[signalfd]", "anon_inode:[timerfd]"];
-        if t.starts_with("socket:") || (t.starts_with("anon_inode:") && !known.contains(&t.as_ref())) {
+        let terminal = t.starts_with("/dev/pts/") || t.starts_with("/dev/tty") || t == "/dev/console";
+        if t.starts_with("socket:") || terminal || (t.starts_with("anon_inode:") && !known.contains(&t.as_ref())) {
             return Err(Unfit(format!("process {pid} holds {t}")));
         }
         (fd, &t).hash(h);
         // Offset, flags, and for an epoll the descriptors it watches.
         read(&format!("{proc}/fdinfo/{fd}"))?.hash(h);
-        if let Ok(md) = std::fs::metadata(format!("{proc}/fd/{fd}")) {
+        if let Ok(md) = std::fs::metadata(&path) {
             (md.dev(), md.ino(), md.size(), md.mtime(), md.mtime_nsec(), md.ctime(), md.ctime_nsec()).hash(h);
-            if md.file_type().is_fifo() || t.starts_with("pipe:") {
-                // (a read drains a pipe: only its access time says so)
-                (md.atime(), md.atime_nsec()).hash(h);
+            if md.file_type().is_fifo() {
+                // What a pipe holds: a write moves its times, a read only the bytes queued.
+                queued(&path)?.hash(h);
             }
         }
     }
     Ok(())
+}
+
+/// The bytes queued in the pipe or FIFO at `path` (a `/proc/PID/fd/N`), opened without waiting.
+fn queued(path: &str) -> Result<i32, Unfit> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| Unfit(format!("{path}: {e}")))?;
+    let mut n: nix::libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int through the pointer, which points at `n`.
+    let r = unsafe { nix::libc::ioctl(f.as_raw_fd(), nix::libc::FIONREAD, &mut n) };
+    if r < 0 {
+        return Err(Unfit(format!("{path}: {}", std::io::Error::last_os_error())));
+    }
+    Ok(n)
 }
 
 /// The container's SysV IPC objects and host name, read from inside its namespaces.
