@@ -205,8 +205,10 @@ fn tree(root: &Path, h: &mut DefaultHasher) -> Result<(), Unfit> {
     Ok(())
 }
 
-/// The most soft-dirty pages of one process compared with the base's images; more is a change.
-const MAX_COMPARED: usize = 512;
+/// The most soft-dirty pages of one process compared with the base's images (64 MiB); more is a
+/// change. (khugepaged marks a whole 2 MiB huge page soft-dirty when it collapses one, with the
+/// same content.)
+const MAX_COMPARED: usize = 16384;
 
 /// Whether the memory of the processes `pids` differs from the dump in `base` (the images the
 /// soft-dirty bits were last cleared for). A page not soft-dirty is the dump's; the few a dump
