@@ -129,11 +129,20 @@ pub struct DumpInProgress<'a> {
 }
 
 impl<'a> DumpInProgress<'a> {
+    /// Written at once, not only when dropped: a planarian killed during the dump runs no
+    /// destructor, and its successor must not dump incrementally (nor take the tree as unchanged)
+    /// against a base whose soft-dirty bits CRIU may have cleared.
     pub fn start(store: &'a ContainerStore, init_start: u64) -> DumpInProgress<'a> {
-        DumpInProgress { store, init_start, armed: true }
+        let g = DumpInProgress { store, init_start, armed: true };
+        g.invalidate("the last dump was not committed (CRIU may have cleared the soft-dirty bits)");
+        g
     }
 
-    /// The dump was committed: its own base follows (or the tree is gone).
+    fn invalidate(&self, why: &str) {
+        invalidate_base(self.store, self.init_start, why);
+    }
+
+    /// The dump was committed and its own base written ([`after_dump`]).
     pub fn committed(mut self) {
         self.armed = false;
     }
@@ -142,19 +151,18 @@ impl<'a> DumpInProgress<'a> {
 impl Drop for DumpInProgress<'_> {
     fn drop(&mut self) {
         if self.armed {
-            let _ = write_base(
-                self.store,
-                &Base {
-                    images: None,
-                    depth: 0,
-                    init_start_time: self.init_start,
-                    full_reason: Some(
-                        "the last dump was not committed (CRIU may have cleared the soft-dirty bits)".into(),
-                    ),
-                },
-            );
+            self.invalidate("the last dump was not committed (CRIU may have cleared the soft-dirty bits)");
         }
     }
+}
+
+/// The next dump of the tree is full, for the reason given: something cleared the soft-dirty
+/// bits (a dump that did not commit, a pre-dump), so no base says what changed.
+pub fn invalidate_base(store: &ContainerStore, init_start: u64, why: &str) {
+    let _ = write_base(
+        store,
+        &Base { images: None, depth: 0, init_start_time: init_start, full_reason: Some(why.to_string()) },
+    );
 }
 
 /// After a restore of statepoint `m`: a base of the container's own, with `dump_uptime` = E (µs),
@@ -418,10 +426,19 @@ mod tests {
         let m = dump(&s, "sp1", None, 0);
         after_dump(&s, &m, 42).unwrap();
         assert!(plan(&s, "sp2", 42, 8).prev_images_dir.is_some());
-        DumpInProgress::start(&s, 42).committed();
-        assert!(plan(&s, "sp2", 42, 8).prev_images_dir.is_some(), "a committed dump keeps the base");
+        let g = DumpInProgress::start(&s, 42);
+        // (while it runs, a planarian killed now leaves no base: the next dump is full)
+        assert_eq!(plan(&s, "sp2", 42, 8).prev_images_dir, None, "no base during a dump");
+        let m2 = dump(&s, "sp2", Some("../../sp1/criu"), 1);
+        after_dump(&s, &m2, 42).unwrap();
+        g.committed();
+        assert_eq!(
+            plan(&s, "sp3", 42, 8).prev_images_dir.as_deref(),
+            Some("../../sp2/criu"),
+            "a committed dump is the base"
+        );
         drop(DumpInProgress::start(&s, 42));
-        let p = plan(&s, "sp2", 42, 8);
+        let p = plan(&s, "sp3", 42, 8);
         assert_eq!(p.prev_images_dir, None);
         assert!(p.full_reason.unwrap().contains("not committed"));
         let _ = std::fs::remove_dir_all(&s.dir);

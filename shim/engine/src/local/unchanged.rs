@@ -44,7 +44,12 @@ pub fn fingerprint(cgroup: &Path, init: i32) -> Result<u64, Unfit> {
         return Err(Unfit("no process".into()));
     }
     pids.hash(&mut h);
+    let mnt = |pid: i32| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
     for &pid in &pids {
+        // (the mounts compared are init's: a process in a mount namespace of its own is a doubt)
+        if mnt(pid) != mnt(init) {
+            return Err(Unfit(format!("process {pid} has a mount namespace of its own")));
+        }
         process(pid, &mut h)?;
     }
     let mounts = read(&format!("/proc/{init}/mountinfo"))?;
@@ -80,10 +85,28 @@ fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
             [3, 18, 19, 22, 40, 41].into_iter().map(|n| sys::proc::stat_text_field(&stat, n)).collect();
         (tid, fields).hash(h);
         let status = read(&format!("{task}/status"))?;
-        let kept = ["Name:", "Sig", "ShdPnd", "Cap", "NoNewPrivs", "Seccomp:", "Uid", "Gid", "Groups"];
+        let kept = [
+            "Name:",
+            "Umask:",
+            "SigPnd",
+            "ShdPnd",
+            "SigBlk",
+            "SigIgn",
+            "SigCgt",
+            "Cap",
+            "NoNewPrivs",
+            "Seccomp",
+            "Uid",
+            "Gid",
+            "Groups",
+            "Cpus_allowed:",
+            "THP_enabled",
+        ];
         for l in status.lines().filter(|l| kept.iter().any(|k| l.starts_with(k))) {
             l.hash(h);
         }
+        // The system call it waits in, with its arguments, stack and instruction pointers.
+        read(&format!("{task}/syscall"))?.hash(h);
     }
     if !read(&format!("{proc}/timers")).unwrap_or_default().trim().is_empty() {
         return Err(Unfit(format!("process {pid} has POSIX timers")));
@@ -93,7 +116,9 @@ fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
         let perms = l.split_whitespace().nth(1).unwrap_or("");
         // Shared writable memory another process may write (its page tables, not these, would
         // say so), and the kernel's AIO rings.
-        if (perms.contains('w') && perms.ends_with('s')) || l.contains("[aio]") {
+        // Huge TLB pages, whose soft-dirty bits clear_refs does not reset.
+        let hugetlb = l.contains("anon_hugepage") || l.contains("/dev/hugepages");
+        if (perms.contains('w') && perms.ends_with('s')) || l.contains("[aio]") || hugetlb {
             return Err(Unfit(format!("process {pid} maps shared memory ({l})")));
         }
     }
@@ -101,7 +126,7 @@ fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
     for f in ["limits", "oom_score_adj", "timerslack_ns"] {
         read(&format!("{proc}/{f}")).ok().hash(h);
     }
-    for link in ["cwd", "root", "exe"] {
+    for link in ["cwd", "root", "exe", "ns/ipc", "ns/uts", "ns/pid", "ns/net", "ns/cgroup", "ns/user"] {
         std::fs::read_link(format!("{proc}/{link}")).ok().hash(h);
     }
     let mut fds: Vec<u32> = std::fs::read_dir(format!("{proc}/fd"))
@@ -129,45 +154,68 @@ fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
             (md.dev(), md.ino(), md.size(), md.mtime(), md.mtime_nsec(), md.ctime(), md.ctime_nsec()).hash(h);
             if md.file_type().is_fifo() {
                 // What a pipe holds: a write moves its times, a read only the bytes queued.
-                queued(&path)?.hash(h);
+                queued(pid, fd)?.hash(h);
             }
         }
     }
     Ok(())
 }
 
-/// The bytes queued in the pipe or FIFO at `path` (a `/proc/PID/fd/N`), opened without waiting.
-fn queued(path: &str) -> Result<i32, Unfit> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| Unfit(format!("{path}: {e}")))?;
-    let mut n: nix::libc::c_int = 0;
+/// The bytes queued in the pipe or FIFO that process `pid` holds as `fd`, asked of that very open
+/// file (a copy of the descriptor, pidfd_getfd): opening the pipe anew would count as a reader.
+fn queued(pid: i32, fd: u32) -> Result<i32, Unfit> {
+    use nix::libc;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let fail = |what: &str| Unfit(format!("process {pid} fd {fd}: {what}: {}", std::io::Error::last_os_error()));
+    // SAFETY: plain system calls; each descriptor returned is owned once, and closed on drop.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if pidfd < 0 {
+        return Err(fail("pidfd_open"));
+    }
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    let copy = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if copy < 0 {
+        return Err(fail("pidfd_getfd"));
+    }
+    let copy = unsafe { OwnedFd::from_raw_fd(copy as i32) };
+    let mut n: libc::c_int = 0;
     // SAFETY: FIONREAD writes one int through the pointer, which points at `n`.
-    let r = unsafe { nix::libc::ioctl(f.as_raw_fd(), nix::libc::FIONREAD, &mut n) };
-    if r < 0 {
-        return Err(Unfit(format!("{path}: {}", std::io::Error::last_os_error())));
+    if unsafe { libc::ioctl(copy.as_raw_fd(), libc::FIONREAD, &mut n) } < 0 {
+        return Err(fail("FIONREAD"));
     }
     Ok(n)
+}
+
+/// The user time (clock ticks) of every thread of `pids`: a thread that ran since, even without
+/// writing memory (a loop in registers), has more.
+pub fn user_times(pids: &[i32]) -> std::collections::BTreeMap<String, u64> {
+    let mut out = std::collections::BTreeMap::new();
+    for &pid in pids {
+        for e in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+            let tid = e.file_name().to_string_lossy().into_owned();
+            let t = sys::proc::stat_file_field(&e.path().join("stat"), 14).and_then(|v| v.parse().ok());
+            out.insert(tid, t.unwrap_or(u64::MAX));
+        }
+    }
+    out
 }
 
 /// The container's SysV IPC objects and host name, read from inside its namespaces.
 fn namespaces(init: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
     let got = std::thread::scope(|s| {
-        s.spawn(|| -> Result<(String, String), String> {
+        s.spawn(|| -> Result<(Vec<String>, String), String> {
             use nix::sched::{setns, CloneFlags};
             for (ns, flag) in [("ipc", CloneFlags::CLONE_NEWIPC), ("uts", CloneFlags::CLONE_NEWUTS)] {
                 let f = std::fs::File::open(format!("/proc/{init}/ns/{ns}")).map_err(|e| e.to_string())?;
                 setns(f, flag).map_err(|e| format!("setns {ns}: {e}"))?;
             }
-            let mut ipc = String::new();
+            let mut ipc = Vec::new();
             for f in ["shm", "msg", "sem"] {
+                let mut text = String::new();
                 std::fs::File::open(format!("/proc/sysvipc/{f}"))
-                    .and_then(|mut r| r.read_to_string(&mut ipc))
+                    .and_then(|mut r| r.read_to_string(&mut text))
                     .map_err(|e| e.to_string())?;
+                ipc.push(text);
             }
             let u = nix::sys::utsname::uname().map_err(|e| e.to_string())?;
             Ok((ipc, format!("{:?} {:?}", u.nodename(), u.domainname())))
@@ -175,8 +223,13 @@ fn namespaces(init: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
         .join()
     });
     match got {
-        Ok(Ok(v)) => {
-            v.hash(h);
+        Ok(Ok((ipc, uts))) => {
+            // A semaphore's values and a queue's messages are not in /proc: any such object is a
+            // doubt. (Shared memory another process attaches moves its times.)
+            if ipc[1..].iter().any(|t| t.lines().count() > 1) {
+                return Err(Unfit("the container has System V semaphores or message queues".into()));
+            }
+            (ipc, uts).hash(h);
             Ok(())
         }
         Ok(Err(e)) => Err(Unfit(e)),
@@ -184,15 +237,25 @@ fn namespaces(init: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
     }
 }
 
+/// The most entries of the tmpfs trees compared; more is a doubt (the sandbox is frozen).
+const MAX_ENTRIES: usize = 100_000;
+
 /// The metadata of every entry of a tree (a write changes a file's ctime; a new or removed
-/// entry its directory's).
+/// entry its directory's), not crossing into the file systems mounted inside it (compared on
+/// their own when CRIU archives them; volumes are not the statepoint's).
 fn tree(root: &Path, h: &mut DefaultHasher) -> Result<(), Unfit> {
+    let dev = std::fs::symlink_metadata(root).map_err(|e| Unfit(format!("{}: {e}", root.display())))?.dev();
     let mut todo = vec![root.to_path_buf()];
+    let mut seen = 0usize;
     while let Some(p) = todo.pop() {
+        seen += 1;
+        if seen > MAX_ENTRIES {
+            return Err(Unfit(format!("{} holds more than {MAX_ENTRIES} entries", root.display())));
+        }
         let md = std::fs::symlink_metadata(&p).map_err(|e| Unfit(format!("{}: {e}", p.display())))?;
         (p.strip_prefix(root).unwrap_or(&p), md.ino(), md.mode(), md.uid(), md.gid(), md.size(), md.rdev()).hash(h);
         (md.mtime(), md.mtime_nsec(), md.ctime(), md.ctime_nsec()).hash(h);
-        if md.is_dir() {
+        if md.is_dir() && md.dev() == dev {
             let mut names: Vec<_> = std::fs::read_dir(&p)
                 .map_err(|e| Unfit(format!("{}: {e}", p.display())))?
                 .flatten()

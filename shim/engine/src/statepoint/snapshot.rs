@@ -121,9 +121,10 @@ pub fn take_then(
 
     let DumpSetting { masked_dirs, netns, dev } = DumpSetting::of(ctx, pid)?;
     // The frozen tree's fingerprint: kept beside a dump's images, compared with the last dump's.
-    let print = match ctx.cfg.checkpoint.skip_unchanged {
+    // (only where it can serve: a plain snapshot left running, whose dump becomes the base)
+    let print = match ctx.cfg.checkpoint.skip_unchanged && req.leave_running && !req.internal {
         true => crate::local::unchanged::fingerprint(freezer.dir(), pid),
-        false => Err(crate::local::unchanged::Unfit("checkpoint.skip_unchanged is off".into())),
+        false => Err(crate::local::unchanged::Unfit("not a plain snapshot left running".into())),
     };
     let same_as = match unchanged_since_base(ctx, req, init_start, &print, freezer.dir()) {
         Ok(base) => Some(base),
@@ -173,6 +174,9 @@ pub fn take_then(
                 link_dump(&from, &images)?;
                 m.chain = store::Chain { same_as: Some(base.statepoint_id.clone()), ..base.chain.clone() };
                 m.measurements.criu_dump_ms = ms(td);
+                if !frozen.holds() {
+                    return Err(Error::Thawed);
+                }
                 crate::fault::point("snapshot.dumped")?;
                 return Ok(());
             }
@@ -225,7 +229,9 @@ pub fn take_then(
                 m.measurements.pages_skipped_parent = st.pages_skipped_parent;
             }
             if let Ok(fp) = &print {
-                let text = serde_json::json!({ "fingerprint": fp.to_string() }).to_string();
+                // (the threads' user time once CRIU's parasite has run in them: any later is theirs)
+                let cpu = crate::local::unchanged::user_times(&crate::local::inplace::cgroup_pids(freezer.dir()));
+                let text = serde_json::json!({ "fingerprint": fp.to_string(), "user-time": cpu }).to_string();
                 sys::write_atomic(&images.join(crate::local::unchanged::FILE), text.as_bytes(), 0o644)?;
             }
             if !frozen.holds() {
@@ -271,16 +277,17 @@ pub fn take_then(
     });
     result?;
     pending.committed();
+    // The next dump builds on this one (a tree killed below is restored with a base of its own).
+    crate::chain::after_dump(&ctx.store, &m, init_start)?;
     dumping.committed();
     lock_guard.disarm();
     // A sandbox left running thaws first; one to be killed waits, frozen, for `before_release`.
-    let (released, killed) = if req.leave_running {
+    let released = if req.leave_running {
         drop(frozen);
-        (before_release(&m), false)
+        before_release(&m)
     } else {
         let released = before_release(&m);
-        let killed = released.is_ok();
-        if killed {
+        if released.is_ok() {
             // Kill while still frozen, so nothing runs past the statepoint.
             let _ = std::process::Command::new(&ctx.crun)
                 .args(ctx.globals.crun_args())
@@ -288,11 +295,8 @@ pub fn take_then(
                 .status();
         }
         drop(frozen);
-        (released, killed)
+        released
     };
-    if !killed {
-        crate::chain::after_dump(&ctx.store, &m, init_start)?;
-    }
     if !req.internal {
         ctx.store.set_head(Some(&id))?;
         super::enforce_retention(&ctx.cfg, &ctx.store);
@@ -335,13 +339,17 @@ fn unchanged_since_base(
     if recorded["fingerprint"].as_str() != Some(print.to_string().as_str()) {
         return Err(format!("the processes changed since {sp}"));
     }
+    let pids = crate::local::inplace::cgroup_pids(cgroup);
+    if recorded["user-time"] != serde_json::json!(unchanged::user_times(&pids)) {
+        return Err(format!("a thread ran since {sp}"));
+    }
     if unchanged::timers_armed(&dir).map_err(|u| u.0)? {
         return Err(format!("a timer was armed at {sp}"));
     }
     if !unchanged::soft_dirty_kept() {
         return Err("this kernel keeps no soft-dirty bits".into());
     }
-    match unchanged::memory_differs(&crate::local::inplace::cgroup_pids(cgroup), &dir) {
+    match unchanged::memory_differs(&pids, &dir) {
         Ok(false) => Ok(m),
         Ok(true) => Err(format!("memory was written since {sp}")),
         Err(u) => Err(u.0),
@@ -500,6 +508,15 @@ pub fn pre_dump(globals: &crate::runtime::Globals, id: &str, image_path: &Path) 
     let ctx = Ctx::load(globals, id)?;
     let pid = ctx.ctr.running_pid()?;
     std::fs::create_dir_all(image_path).map_err(|e| sys::IoError::new("create", image_path, e))?;
+    // CRIU's --track-mem clears the soft-dirty bits: the pages written since the base are then
+    // in the pre-dump only, which no statepoint keeps.
+    let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |_| {})?;
+    let init_start = sys::proc::start_time(pid).unwrap_or(0);
+    crate::chain::invalidate_base(
+        &ctx.store,
+        init_start,
+        "a pre-dump (podman --pre-checkpoint) cleared the soft-dirty bits",
+    );
     let out = std::process::Command::new(&ctx.criu)
         .args(["pre-dump", "--tree", &pid.to_string(), "--track-mem", "--log-file", "dump.log", "--images-dir"])
         .arg(image_path)
