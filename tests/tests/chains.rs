@@ -150,6 +150,24 @@ fn a_failed_pre_resume_hook_makes_the_next_dump_full_not_corrupt() {
 }
 
 #[test]
+fn a_podman_pre_checkpoint_makes_the_next_dump_full_not_corrupt() {
+    require_stack!();
+    // CRIU's pre-dump clears the soft-dirty bits: what was written before it is in the pre-dump
+    // only. A dump incremental on the statepoint before would miss it.
+    let mut sb = Sandbox::start("predump", MIB, &[]);
+    sb.snapshot("p1");
+    sb.send("dirty 1048576 65536");
+    podman("planarian", &["container", "checkpoint", "--pre-checkpoint", &sb.name]).ok();
+    sb.send("dirty 4194304 65536");
+    let st = sb.send("tick");
+    let sp2 = sb.snapshot("p2");
+    assert_full(&sb, &sp2, "pre-dump");
+    sb.send("dirty 0 1000000");
+    sb.rollback(&sp2);
+    assert_eq!(sb.send("tick").checksum, st.checksum, "the memory of both writes is back");
+}
+
+#[test]
 fn an_incremental_dump_criu_refuses_is_retried_in_full() {
     require_stack!();
     let mut sb = Sandbox::start("retry", 16, &[]);
