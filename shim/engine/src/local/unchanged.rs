@@ -277,23 +277,38 @@ const MAX_COMPARED: usize = 16384;
 /// soft-dirty bits were last cleared for). A page not soft-dirty is the dump's; the few a dump
 /// itself leaves soft-dirty (CRIU puts back the bytes and the signal frame it used to run its
 /// parasite) are compared with the dump's content, byte for byte.
-pub fn memory_differs(pids: &[i32], base: &Path) -> Result<bool, Unfit> {
+pub fn memory_differs(pids: &[i32], base: &Path) -> Result<Option<String>, Unfit> {
     for &pid in pids {
-        let Some(dirty) = soft_dirty_pages(pid)? else { return Ok(true) };
+        let Some(dirty) = soft_dirty_pages(pid)? else {
+            return Ok(Some(format!("process {pid}: more soft-dirty pages than are compared")));
+        };
         if dirty.is_empty() {
             continue;
         }
         let vpid = virtual_pid(pid)?;
         let runs = criu_hooks::images::memory(base, vpid).map_err(|e| Unfit(e.to_string()))?;
+        let cpu_fields = rseq_cpu_fields(base, vpid)?;
         let mem =
             std::fs::File::open(format!("/proc/{pid}/mem")).map_err(|e| Unfit(format!("/proc/{pid}/mem: {e}")))?;
         let (mut now, mut then) = (vec![0u8; PAGE as usize], vec![0u8; PAGE as usize]);
         for (addr, present) in dirty {
             let i = runs.partition_point(|r| r.end() <= addr);
             let run = runs.get(i).filter(|r| r.vaddr <= addr);
+            let mapping = || {
+                let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+                maps.lines()
+                    .find(|l| {
+                        l.split_whitespace().next().and_then(|r| r.split_once('-')).is_some_and(|(a, b)| {
+                            u64::from_str_radix(a, 16).is_ok_and(|a| a <= addr)
+                                && u64::from_str_radix(b, 16).is_ok_and(|b| addr < b)
+                        })
+                    })
+                    .unwrap_or("")
+                    .to_string()
+            };
             match (present, run) {
                 (false, None) => continue,
-                (false, Some(_)) => return Ok(true),
+                (false, Some(_)) => return Ok(Some(format!("process {pid}: page {addr:#x} is gone ({})", mapping()))),
                 (true, run) => {
                     mem.read_exact_at(&mut now, addr).map_err(|e| Unfit(format!("/proc/{pid}/mem: {e}")))?;
                     match run {
@@ -303,14 +318,49 @@ pub fn memory_differs(pids: &[i32], base: &Path) -> Result<bool, Unfit> {
                         // (no page in the dump: a zero page)
                         None => then.fill(0),
                     }
+                    // (what the kernel writes at every return to user space: the CPU it runs on)
+                    for &(lo, hi) in cpu_fields.iter().filter(|(lo, hi)| *lo < addr + PAGE && *hi > addr) {
+                        let (a, b) = ((lo.max(addr) - addr) as usize, ((hi.min(addr + PAGE)) - addr) as usize);
+                        now[a..b].fill(0);
+                        then[a..b].fill(0);
+                    }
                     if now != then {
-                        return Ok(true);
+                        let was = if run.is_some() { "the dump's" } else { "zeros (not in the dump)" };
+                        let at = now.iter().zip(&then).position(|(a, b)| a != b).unwrap_or(0);
+                        let hex = |v: &[u8]| {
+                            v[at..(at + 16).min(v.len())].iter().map(|b| format!("{b:02x}")).collect::<String>()
+                        };
+                        return Ok(Some(format!(
+                            "process {pid}: page {addr:#x} differs from {was} at +{at:#x}: {} now, {} then ({})",
+                            hex(&now),
+                            hex(&then),
+                            mapping()
+                        )));
                     }
                 }
             }
         }
     }
-    Ok(false)
+    Ok(None)
+}
+
+/// The fields of each thread's `struct rseq` (process `vpid` of the dump in `base`) that the
+/// kernel rewrites each time the thread returns to user space, on whatever CPU: `cpu_id_start`
+/// and `cpu_id` (bytes 0–8), `node_id` and `mm_cid` (24–32). A thread woken on another CPU
+/// changed nothing of its own.
+fn rseq_cpu_fields(base: &Path, vpid: u32) -> Result<Vec<(u64, u64)>, Unfit> {
+    use criu_hooks::images;
+    let tree = images::pstree(base).map_err(|e| Unfit(e.to_string()))?;
+    let mut out = Vec::new();
+    for tid in tree.iter().filter(|p| p.pid == vpid).flat_map(|p| p.threads.iter()) {
+        if let Some((at, size)) = images::core(base, *tid).map_err(|e| Unfit(e.to_string()))?.rseq {
+            out.push((at, at + 8));
+            if size >= 32 {
+                out.push((at + 24, at + 32));
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Whether a process of the dump in `base` had an interval or POSIX timer armed: its time left

@@ -350,8 +350,8 @@ fn unchanged_since_base(
         return Err("this kernel keeps no soft-dirty bits".into());
     }
     match unchanged::memory_differs(&pids, &dir) {
-        Ok(false) => Ok(m),
-        Ok(true) => Err(format!("memory was written since {sp}")),
+        Ok(None) => Ok(m),
+        Ok(Some(what)) => Err(format!("memory was written since {sp}: {what}")),
         Err(u) => Err(u.0),
     }
 }
