@@ -214,6 +214,12 @@ while True:
 "#;
 
 fn start_workload(runtime: &str, name: &str, mem: u32, files: u32) -> Result<(), String> {
+    start_script(runtime, name, WORKLOAD, mem, files)
+}
+
+/// A sandbox running the Python `script` with `mem` MiB, and `files` MiB of files, once its
+/// script is up (`/tmp/up`).
+fn start_script(runtime: &str, name: &str, script: &str, mem: u32, files: u32) -> Result<(), String> {
     run_quiet(
         "podman",
         &[
@@ -226,7 +232,7 @@ fn start_workload(runtime: &str, name: &str, mem: u32, files: u32) -> Result<(),
             "localhost/planarian-test/debian",
             "python3",
             "-c",
-            WORKLOAD,
+            script,
             &mem.to_string(),
         ],
     )?;
@@ -756,25 +762,7 @@ fn unchanged(args: &[String]) -> i32 {
     let (idle, busy) = (format!("plbench-idle-{pid}"), format!("plbench-busy-{pid}"));
     let result = (|| -> Result<(), String> {
         start_workload("planarian", &busy, mem, files)?;
-        run_quiet(
-            "podman",
-            &[
-                "--runtime",
-                "planarian",
-                "run",
-                "-d",
-                "--name",
-                &idle,
-                "localhost/planarian-test/debian",
-                "python3",
-                "-c",
-                IDLE,
-                &mem.to_string(),
-            ],
-        )?;
-        wait_file(&idle, "/tmp/up")?;
-        run_quiet("podman", &["exec", &idle, "sh", "-c", &format!(
-            "mkdir -p /data && i=0; while [ $i -lt {files} ]; do head -c 1048576 /dev/urandom > /data/f$i; i=$((i+1)); done")])?;
+        start_script("planarian", &idle, IDLE, mem, files)?;
         let (mut free, mut inc) = (Vec::new(), Vec::new());
         snapshot_cost(&idle)?;
         snapshot_cost(&busy)?;

@@ -7,8 +7,10 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::images::PAGE_SIZE;
-const PRESENT: u64 = 1 << 63;
-const SWAPPED: u64 = 1 << 62;
+pub const PRESENT: u64 = 1 << 63;
+pub const SWAPPED: u64 = 1 << 62;
+/// Written since the bits were last cleared (`clear_refs` 4, as CRIU's `--track-mem` does).
+pub const SOFT_DIRTY: u64 = 1 << 55;
 const PFN: u64 = (1 << 55) - 1;
 
 /// A page of this binary's zeroed writable data (.bss, atomics: never read-only data), never
@@ -32,26 +34,55 @@ pub fn zero_pfn() -> Option<u64> {
 pub fn pages(pid: i32, lo: u64, hi: u64, zero: Option<u64>) -> io::Result<Vec<(u64, u64)>> {
     let f = std::fs::File::open(format!("/proc/{pid}/pagemap"))?;
     let mut out: Vec<(u64, u64)> = Vec::new();
+    let _ = scan(&f, lo, hi, |a, e| {
+        if e & SWAPPED != 0 || (e & PRESENT != 0 && zero != Some(e & PFN)) {
+            match out.last_mut() {
+                Some(l) if l.1 == a => l.1 += PAGE_SIZE,
+                _ => out.push((a, a + PAGE_SIZE)),
+            }
+        }
+        std::ops::ControlFlow::Continue(())
+    })?;
+    Ok(out)
+}
+
+/// Calls `visit` with the address and the pagemap entry of each page of `[lo, hi)`
+/// (page-aligned) in `pagemap` (a `/proc/PID/pagemap`), in order, until it breaks.
+pub fn scan(
+    pagemap: &std::fs::File,
+    lo: u64,
+    hi: u64,
+    mut visit: impl FnMut(u64, u64) -> std::ops::ControlFlow<()>,
+) -> io::Result<std::ops::ControlFlow<()>> {
     // (in pieces of 256 MiB of address space: a reservation may be huge)
-    let mut buf = vec![0u8; 65536 * 8];
+    let mut buf = vec![0u8; ((hi.saturating_sub(lo) / PAGE_SIZE).min(65536) as usize) * 8];
     let mut at = lo;
     while at < hi {
         let n = ((hi - at) / PAGE_SIZE).min(65536) as usize;
-        f.read_exact_at(&mut buf[..n * 8], at / PAGE_SIZE * 8)?;
+        pagemap.read_exact_at(&mut buf[..n * 8], at / PAGE_SIZE * 8)?;
         for (i, e) in buf[..n * 8].chunks_exact(8).enumerate() {
             let e = u64::from_le_bytes(e.try_into().expect("8 bytes"));
-            let has = e & SWAPPED != 0 || (e & PRESENT != 0 && zero != Some(e & PFN));
-            if has {
-                let a = at + i as u64 * PAGE_SIZE;
-                match out.last_mut() {
-                    Some(l) if l.1 == a => l.1 += PAGE_SIZE,
-                    _ => out.push((a, a + PAGE_SIZE)),
-                }
+            if visit(at + i as u64 * PAGE_SIZE, e).is_break() {
+                return Ok(std::ops::ControlFlow::Break(()));
             }
         }
         at += n as u64 * PAGE_SIZE;
     }
-    Ok(out)
+    Ok(std::ops::ControlFlow::Continue(()))
+}
+
+/// Whether this kernel keeps soft-dirty bits (a page this process just wrote shows one).
+pub fn soft_dirty_kept() -> bool {
+    let mut v = vec![0u8; 3 * PAGE_SIZE as usize];
+    let at = (v.as_ptr() as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+    let i = (at - v.as_ptr() as u64) as usize;
+    // SAFETY: a byte inside `v`, written through a volatile store so that it is not elided.
+    unsafe { std::ptr::write_volatile(v.as_mut_ptr().add(i), 1) };
+    let mut e = [0u8; 8];
+    let ok =
+        std::fs::File::open("/proc/self/pagemap").and_then(|f| f.read_exact_at(&mut e, at / PAGE_SIZE * 8)).is_ok();
+    std::hint::black_box(&v);
+    ok && u64::from_le_bytes(e) & SOFT_DIRTY != 0
 }
 
 #[cfg(test)]

@@ -213,16 +213,15 @@ fn images_complete(images: &Path) -> Result<(), String> {
 
 /// Every directory an incremental dump's `parent` links lead to is there, with its images.
 fn chain_complete(images: &Path) -> Result<(), String> {
-    let mut seen = std::collections::HashSet::new();
-    let mut dir = images.to_path_buf();
-    while let Some(parent) = crate::chain::parent_of(&dir) {
-        if !seen.insert(parent.clone()) {
-            return Err(format!("the chain of {} loops at {}", images.display(), parent.display()));
-        }
-        images_complete(&parent).map_err(|why| format!("an earlier dump it builds on: {why}"))?;
-        dir = parent;
+    let chain = crate::chain::chain_of(images);
+    for dir in &chain[1..] {
+        images_complete(dir).map_err(|why| format!("an earlier dump it builds on: {why}"))?;
     }
-    Ok(())
+    // (the chain stops where a directory comes again: then the last still has a parent)
+    match chain.last().and_then(|d| crate::chain::parent_of(d)) {
+        Some(again) => Err(format!("the chain of {} loops at {}", images.display(), again.display())),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

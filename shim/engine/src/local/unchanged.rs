@@ -29,23 +29,21 @@ pub const FILE: &str = "unchanged.json";
 
 /// The most pages scanned for soft-dirty bits (64 GiB of address space); a larger tree dumps.
 const MAX_PAGES: u64 = 1 << 24;
-const SOFT_DIRTY: u64 = 1 << 55;
 
 /// Why the tree cannot be taken as unchanged, whatever it did.
 #[derive(Debug, PartialEq)]
 pub struct Unfit(pub String);
 
-/// The fingerprint of the frozen tree of the container whose cgroup is `cgroup` and whose
+/// The fingerprint of the frozen tree of the container whose processes are `pids` and whose
 /// first process is `init`.
-pub fn fingerprint(cgroup: &Path, init: i32) -> Result<u64, Unfit> {
+pub fn fingerprint(pids: &[i32], init: i32) -> Result<u64, Unfit> {
     let mut h = DefaultHasher::new();
-    let pids = crate::local::inplace::cgroup_pids(cgroup);
     if pids.is_empty() {
         return Err(Unfit("no process".into()));
     }
     pids.hash(&mut h);
     let mnt = |pid: i32| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
-    for &pid in &pids {
+    for &pid in pids {
         // (the mounts compared are init's: a process in a mount namespace of its own is a doubt)
         if mnt(pid) != mnt(init) {
             return Err(Unfit(format!("process {pid} has a mount namespace of its own")));
@@ -64,6 +62,17 @@ pub fn fingerprint(cgroup: &Path, init: i32) -> Result<u64, Unfit> {
     Ok(h.finish())
 }
 
+/// The numbered entries of a `/proc` directory (threads, descriptors), in order.
+fn numbered(dir: &str) -> Result<Vec<u32>, Unfit> {
+    let mut v: Vec<u32> = std::fs::read_dir(dir)
+        .map_err(|e| Unfit(format!("{dir}: {e}")))?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    v.sort_unstable();
+    Ok(v)
+}
+
 fn read(path: &str) -> Result<String, Unfit> {
     std::fs::read_to_string(path).map_err(|e| Unfit(format!("{path}: {e}")))
 }
@@ -71,13 +80,7 @@ fn read(path: &str) -> Result<String, Unfit> {
 /// One process and its threads.
 fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
     let proc = format!("/proc/{pid}");
-    let mut tids: Vec<i32> = std::fs::read_dir(format!("{proc}/task"))
-        .map_err(|e| Unfit(format!("{proc}/task: {e}")))?
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse().ok())
-        .collect();
-    tids.sort_unstable();
-    for tid in tids {
+    for tid in numbered(&format!("{proc}/task"))? {
         let task = format!("{proc}/task/{tid}");
         // State, priority and nice, start time, real-time priority and policy (not the counters).
         let stat = read(&format!("{task}/stat"))?;
@@ -129,13 +132,7 @@ fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
     for link in ["cwd", "root", "exe", "ns/ipc", "ns/uts", "ns/pid", "ns/net", "ns/cgroup", "ns/user"] {
         std::fs::read_link(format!("{proc}/{link}")).ok().hash(h);
     }
-    let mut fds: Vec<u32> = std::fs::read_dir(format!("{proc}/fd"))
-        .map_err(|e| Unfit(format!("{proc}/fd: {e}")))?
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse().ok())
-        .collect();
-    fds.sort_unstable();
-    for fd in fds {
+    for fd in numbered(&format!("{proc}/fd"))? {
         let path = format!("{proc}/fd/{fd}");
         let target = std::fs::read_link(&path).map_err(|e| Unfit(format!("{path}: {e}")))?;
         let t = target.to_string_lossy();
@@ -296,15 +293,7 @@ pub fn memory_differs(pids: &[i32], base: &Path) -> Result<Option<String>, Unfit
             let run = runs.get(i).filter(|r| r.vaddr <= addr);
             let mapping = || {
                 let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
-                maps.lines()
-                    .find(|l| {
-                        l.split_whitespace().next().and_then(|r| r.split_once('-')).is_some_and(|(a, b)| {
-                            u64::from_str_radix(a, 16).is_ok_and(|a| a <= addr)
-                                && u64::from_str_radix(b, 16).is_ok_and(|b| addr < b)
-                        })
-                    })
-                    .unwrap_or("")
-                    .to_string()
+                maps.lines().find(|l| range(l).is_some_and(|(a, b)| a <= addr && addr < b)).unwrap_or("").to_string()
             };
             match (present, run) {
                 (false, None) => continue,
@@ -376,43 +365,41 @@ pub fn timers_armed(base: &Path) -> Result<bool, Unfit> {
 }
 
 const PAGE: u64 = 4096;
-const PRESENT: u64 = 1 << 63;
-const SWAPPED: u64 = 1 << 62;
 
 /// The soft-dirty pages of process `pid` (address, present or swapped), or `None` when there
 /// are more than are compared or its map is larger than is scanned.
 fn soft_dirty_pages(pid: i32) -> Result<Option<Vec<(u64, bool)>>, Unfit> {
+    use criu_hooks::pagemap::{scan, PRESENT, SOFT_DIRTY, SWAPPED};
     let mut budget = MAX_PAGES;
     let mut out = Vec::new();
-    let mut buf = vec![0u8; 8 * 4096];
     let maps = read(&format!("/proc/{pid}/maps"))?;
     let pagemap =
         std::fs::File::open(format!("/proc/{pid}/pagemap")).map_err(|e| Unfit(format!("/proc/{pid}/pagemap: {e}")))?;
-    for l in maps.lines() {
-        if l.ends_with("[vsyscall]") {
-            continue;
-        }
-        let Some((lo, hi)) = l.split_whitespace().next().and_then(|r| r.split_once('-')) else { continue };
-        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else { continue };
-        let (mut at, end) = (lo / PAGE, hi / PAGE);
-        let Some(left) = budget.checked_sub(end - at) else { return Ok(None) };
+    for (lo, hi) in maps.lines().filter(|l| !l.ends_with("[vsyscall]")).filter_map(range) {
+        let Some(left) = budget.checked_sub((hi - lo) / PAGE) else { return Ok(None) };
         budget = left;
-        while at < end {
-            let n = (end - at).min(4096) as usize;
-            pagemap.read_exact_at(&mut buf[..n * 8], at * 8).map_err(|e| Unfit(format!("/proc/{pid}/pagemap: {e}")))?;
-            for (i, e) in buf[..n * 8].chunks_exact(8).enumerate() {
-                let e = u64::from_le_bytes(e.try_into().expect("8 bytes"));
-                if e & SOFT_DIRTY != 0 {
-                    if out.len() == MAX_COMPARED {
-                        return Ok(None);
-                    }
-                    out.push(((at + i as u64) * PAGE, e & (PRESENT | SWAPPED) != 0));
-                }
+        let scanned = scan(&pagemap, lo, hi, |a, e| {
+            if e & SOFT_DIRTY == 0 {
+                return std::ops::ControlFlow::Continue(());
             }
-            at += n as u64;
+            if out.len() == MAX_COMPARED {
+                return std::ops::ControlFlow::Break(());
+            }
+            out.push((a, e & (PRESENT | SWAPPED) != 0));
+            std::ops::ControlFlow::Continue(())
+        })
+        .map_err(|e| Unfit(format!("/proc/{pid}/pagemap: {e}")))?;
+        if scanned.is_break() {
+            return Ok(None);
         }
     }
     Ok(Some(out))
+}
+
+/// The address range of a line of `/proc/PID/maps`.
+fn range(line: &str) -> Option<(u64, u64)> {
+    let (lo, hi) = line.split_whitespace().next()?.split_once('-')?;
+    Some((u64::from_str_radix(lo, 16).ok()?, u64::from_str_radix(hi, 16).ok()?))
 }
 
 /// Process `pid` as its own PID namespace numbers it (CRIU's images do).
@@ -425,19 +412,6 @@ fn virtual_pid(pid: i32) -> Result<u32, Unfit> {
         .ok_or_else(|| Unfit(format!("process {pid}: no NSpid")))
 }
 
-/// Whether this kernel keeps soft-dirty bits (a page this process just wrote shows one).
-pub fn soft_dirty_kept() -> bool {
-    let mut v = vec![0u8; 3 * 4096];
-    let at = (v.as_ptr() as u64).div_ceil(4096) * 4096;
-    let i = (at - v.as_ptr() as u64) as usize;
-    // SAFETY: a byte inside `v`, written through a volatile store so that it is not elided.
-    unsafe { std::ptr::write_volatile(v.as_mut_ptr().add(i), 1) };
-    let mut e = [0u8; 8];
-    let ok = std::fs::File::open("/proc/self/pagemap").and_then(|f| f.read_exact_at(&mut e, at / 4096 * 8)).is_ok();
-    std::hint::black_box(&v);
-    ok && u64::from_le_bytes(e) & SOFT_DIRTY != 0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -447,7 +421,7 @@ mod tests {
     /// some once it has read one.
     #[test]
     fn a_waiting_process_is_untouched_and_one_that_ran_is_written() {
-        if !soft_dirty_kept() {
+        if !criu_hooks::pagemap::soft_dirty_kept() {
             eprintln!("SKIPPED: this kernel keeps no soft-dirty bits");
             return;
         }

@@ -122,11 +122,13 @@ pub fn take_then(
     let DumpSetting { masked_dirs, netns, dev } = DumpSetting::of(ctx, pid)?;
     // The frozen tree's fingerprint: kept beside a dump's images, compared with the last dump's.
     // (only where it can serve: a plain snapshot left running, whose dump becomes the base)
+    // (its processes, frozen: the same through the dump)
+    let pids = crate::local::inplace::cgroup_pids(freezer.dir());
     let print = match ctx.cfg.checkpoint.skip_unchanged && req.leave_running && !req.internal {
-        true => crate::local::unchanged::fingerprint(freezer.dir(), pid),
+        true => crate::local::unchanged::fingerprint(&pids, pid),
         false => Err(crate::local::unchanged::Unfit("not a plain snapshot left running".into())),
     };
-    let same_as = match unchanged_since_base(ctx, req, init_start, &print, freezer.dir()) {
+    let same_as = match unchanged_since_base(ctx, req, init_start, &print, &pids) {
         Ok(base) => Some(base),
         Err(why) => {
             if ctx.cfg.checkpoint.skip_unchanged && !req.internal {
@@ -230,7 +232,7 @@ pub fn take_then(
             }
             if let Ok(fp) = &print {
                 // (the threads' user time once CRIU's parasite has run in them: any later is theirs)
-                let cpu = crate::local::unchanged::user_times(&crate::local::inplace::cgroup_pids(freezer.dir()));
+                let cpu = crate::local::unchanged::user_times(&pids);
                 let text = serde_json::json!({ "fingerprint": fp.to_string(), "user-time": cpu }).to_string();
                 sys::write_atomic(&images.join(crate::local::unchanged::FILE), text.as_bytes(), 0o644)?;
             }
@@ -313,7 +315,7 @@ fn unchanged_since_base(
     req: &SnapshotRequest,
     init_start: u64,
     print: &std::result::Result<u64, crate::local::unchanged::Unfit>,
-    cgroup: &Path,
+    pids: &[i32],
 ) -> std::result::Result<Manifest, String> {
     use crate::local::unchanged;
     if !ctx.cfg.checkpoint.skip_unchanged || !req.leave_running || req.internal || req.files_taken.is_some() {
@@ -339,17 +341,16 @@ fn unchanged_since_base(
     if recorded["fingerprint"].as_str() != Some(print.to_string().as_str()) {
         return Err(format!("the processes changed since {sp}"));
     }
-    let pids = crate::local::inplace::cgroup_pids(cgroup);
-    if recorded["user-time"] != serde_json::json!(unchanged::user_times(&pids)) {
+    if recorded["user-time"] != serde_json::json!(unchanged::user_times(pids)) {
         return Err(format!("a thread ran since {sp}"));
     }
     if unchanged::timers_armed(&dir).map_err(|u| u.0)? {
         return Err(format!("a timer was armed at {sp}"));
     }
-    if !unchanged::soft_dirty_kept() {
+    if !criu_hooks::pagemap::soft_dirty_kept() {
         return Err("this kernel keeps no soft-dirty bits".into());
     }
-    match unchanged::memory_differs(&pids, &dir) {
+    match unchanged::memory_differs(pids, &dir) {
         Ok(None) => Ok(m),
         Ok(Some(what)) => Err(format!("memory was written since {sp}: {what}")),
         Err(u) => Err(u.0),
