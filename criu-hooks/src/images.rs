@@ -43,6 +43,13 @@ pub const VMA_AREA_VVAR: u32 = 1 << 12;
 /// `fd_types` of `fdinfo.proto`.
 pub const FD_REG: u32 = 1;
 pub const FD_PIPE: u32 = 2;
+pub const FD_INETSK: u32 = 4;
+pub const FD_UNIXSK: u32 = 5;
+pub const FD_EVENTFD: u32 = 6;
+pub const FD_EVENTPOLL: u32 = 7;
+pub const FD_SIGNALFD: u32 = 9;
+pub const FD_TIMERFD: u32 = 17;
+pub const SK_QUEUES_MAGIC: u32 = 0x5626_4026;
 
 /// Why an image could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -179,12 +186,12 @@ fn entries(path: &Path, magic: u32) -> Result<Option<Vec<Vec<u8>>>> {
         let n = word(at).ok_or(bad(ImageError::Short))? as usize;
         let body =
             data.get(at + 4..at + 4 + n).ok_or(bad(ImageError::Length { declared: n, actual: data.len() - at - 4 }))?;
-        out.push(body.to_vec());
         at += 4 + n;
-        if magic == PIPES_DATA_MAGIC {
-            // Each pipe_data_entry is followed by its bytes: one entry says enough.
-            break;
+        // A pipe's or a socket's queued bytes follow its entry (their count in field 2).
+        if magic == PIPES_DATA_MAGIC || magic == SK_QUEUES_MAGIC {
+            at += Msg::parse(body).map_err(bad)?.u(2) as usize;
         }
+        out.push(body.to_vec());
     }
     Ok(Some(out))
 }
@@ -251,6 +258,19 @@ pub struct Core {
     pub pending_signals: bool,
     /// Interval timers or POSIX timers armed.
     pub timers: bool,
+    /// The thread's queued signals, each a raw `siginfo_t` (128 bytes), in queue order.
+    pub signals: Vec<Vec<u8>>,
+    /// The process's queued signals (in the thread group leader's image only).
+    pub shared_signals: Vec<Vec<u8>>,
+    /// The process's real, virtual and profiling interval timers (leader's image only).
+    pub itimers: Option<[ITimer; 3]>,
+    /// The process's POSIX timers (leader's image only).
+    pub posix_timers: Vec<PosixTimer>,
+    /// The process's signal dispositions, signals 1 to 64 without SIGKILL and SIGSTOP (leader's
+    /// image only; empty in an image of before CRIU 3.0).
+    pub sigactions: Vec<SigAction>,
+    /// The thread's alternate signal stack: `ss_sp`, `ss_size`, `ss_flags`.
+    pub altstack: Option<(u64, u64, u32)>,
     pub files_id: Option<u32>,
     pub comm: String,
     /// The thread's registered `struct rseq` (address, size): fields the kernel rewrites each
@@ -259,6 +279,48 @@ pub struct Core {
 }
 
 pub const TASK_ALIVE: u32 = 1;
+pub const TASK_DEAD: u32 = 2;
+
+/// An interval timer (`itimer_entry`): its interval and the time left, in seconds and
+/// microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ITimer {
+    pub interval: (u64, u64),
+    pub value: (u64, u64),
+}
+
+impl ITimer {
+    pub fn armed(&self) -> bool {
+        self.value != (0, 0) || self.interval != (0, 0)
+    }
+}
+
+/// A POSIX timer (`posix_timer_entry`); times in seconds and nanoseconds.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PosixTimer {
+    pub id: u32,
+    pub clock: u32,
+    pub signo: u32,
+    /// `sigev_notify` (`SIGEV_SIGNAL`, `SIGEV_NONE`, `SIGEV_THREAD_ID`).
+    pub notify: u32,
+    pub sival: u64,
+    pub overrun: u32,
+    pub interval: (u64, u64),
+    pub value: (u64, u64),
+    /// For `SIGEV_THREAD_ID`, the thread (in the container's namespace).
+    pub thread: Option<i32>,
+}
+
+/// A signal's disposition (`sa_entry`): the kernel's `struct sigaction` of `rt_sigaction`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SigAction {
+    pub handler: u64,
+    pub flags: u64,
+    pub restorer: u64,
+    pub mask: u64,
+    /// A 32-bit (compat) disposition.
+    pub compat: bool,
+}
 
 pub fn core(dir: &Path, tid: u32) -> Result<Core> {
     let path = dir.join(format!("core-{tid}.img"));
@@ -307,8 +369,19 @@ pub fn core(dir: &Path, tid: u32) -> Result<Core> {
         c.task_state = Some(tc.u(1) as u32);
         c.blocked = tc.u(5);
         c.comm = tc.string(6);
-        c.timers = tc.bytes(7).is_some_and(|t| timers_armed(t).unwrap_or(true));
-        c.pending_signals |= tc.msg(10).map_err(bad)?.is_some_and(|s| !s.0.is_empty());
+        if let Some(t) = tc.msg(7).map_err(bad)? {
+            let (it, posix) = timers(&t).map_err(bad)?;
+            c.timers = it.iter().any(ITimer::armed) || posix.iter().any(|p| p.value != (0, 0));
+            c.itimers = Some(it);
+            c.posix_timers = posix;
+        }
+        c.shared_signals = signal_queue(tc.msg(10).map_err(bad)?);
+        c.sigactions = tc
+            .msgs(15)
+            .map_err(bad)?
+            .iter()
+            .map(|a| SigAction { handler: a.u(1), flags: a.u(2), restorer: a.u(3), mask: a.u(4), compat: a.u(5) != 0 })
+            .collect();
     }
     if let Some(ids) = m.msg(4).map_err(bad)? {
         c.files_id = ids.int(2).map(|i| i as u32);
@@ -317,7 +390,10 @@ pub fn core(dir: &Path, tid: u32) -> Result<Core> {
         if let Some(b) = th.int(6) {
             c.blocked = b;
         }
-        c.pending_signals |= th.msg(9).map_err(bad)?.is_some_and(|s| !s.0.is_empty());
+        c.signals = signal_queue(th.msg(9).map_err(bad)?);
+        if let Some(a) = th.msg(7).map_err(bad)? {
+            c.altstack = Some((a.u(1), a.u(2), a.u(3) as u32));
+        }
         if let Some(r) = th.msg(15).map_err(bad)? {
             if r.u(1) != 0 {
                 c.rseq = Some((r.u(1), r.u(2) as u32));
@@ -328,21 +404,47 @@ pub fn core(dir: &Path, tid: u32) -> Result<Core> {
             c.comm = comm;
         }
     }
+    c.pending_signals = !c.signals.is_empty() || !c.shared_signals.is_empty();
     Ok(c)
 }
 
-/// Whether a `task_timers_entry` (real, virt, prof `itimer_entry`s: isec, iusec, vsec, vusec) has
-/// an interval timer armed.
-fn timers_armed(b: &[u8]) -> std::result::Result<bool, ImageError> {
-    let t = Msg::parse(b)?;
-    for f in 1..=3 {
-        if let Some(it) = t.msg(f)? {
-            if (1..=4).any(|k| it.u(k) != 0) {
-                return Ok(true);
-            }
+/// The siginfos of a `signal_queue_entry`.
+fn signal_queue(q: Option<Msg>) -> Vec<Vec<u8>> {
+    let Some(q) = q else { return Vec::new() };
+    q.0.iter()
+        .filter(|(f, _)| *f == 1)
+        .filter_map(|(_, v)| match v {
+            Value::Bytes(e) => Msg::parse(e).ok()?.bytes(1).map(<[u8]>::to_vec),
+            Value::Int(_) => None,
+        })
+        .collect()
+}
+
+/// A `task_timers_entry`: the real, virtual and profiling `itimer_entry`s (isec, iusec, vsec,
+/// vusec) and the `posix_timer_entry`s.
+fn timers(t: &Msg) -> std::result::Result<([ITimer; 3], Vec<PosixTimer>), ImageError> {
+    let mut it = [ITimer::default(); 3];
+    for (f, slot) in (1..=3).zip(it.iter_mut()) {
+        if let Some(e) = t.msg(f)? {
+            *slot = ITimer { interval: (e.u(1), e.u(2)), value: (e.u(3), e.u(4)) };
         }
     }
-    Ok(false)
+    let posix = t
+        .msgs(4)?
+        .iter()
+        .map(|p| PosixTimer {
+            id: p.u(1) as u32,
+            clock: p.u(2) as u32,
+            signo: p.u(3) as u32,
+            notify: p.u(4) as u32,
+            sival: p.u(5),
+            overrun: p.u(6) as u32,
+            interval: (p.u(7), p.u(8)),
+            value: (p.u(9), p.u(10)),
+            thread: p.int(11).map(|t| t as u32 as i32),
+        })
+        .collect();
+    Ok((it, posix))
 }
 
 /// One memory mapping of `mm-PID.img`.
@@ -455,8 +557,45 @@ pub fn fdinfo(dir: &Path, files_id: u32) -> Result<Vec<Fd>> {
 /// What `files.img` says of one open file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum File {
-    Regular { flags: u32, pos: u64, name: String },
-    Pipe { inode: u32 },
+    Regular {
+        flags: u32,
+        pos: u64,
+        name: String,
+    },
+    Pipe {
+        inode: u32,
+    },
+    EventFd {
+        flags: u32,
+        counter: u64,
+    },
+    /// Times in seconds and nanoseconds; `ticks`: expirations not read yet.
+    TimerFd {
+        flags: u32,
+        clock: u32,
+        ticks: u64,
+        settime_flags: u32,
+        value: (u64, u64),
+        interval: (u64, u64),
+    },
+    SignalFd {
+        flags: u32,
+        mask: u64,
+    },
+    /// The interest list: (descriptor, events, data).
+    EventPoll {
+        flags: u32,
+        targets: Vec<(u32, u32, u64)>,
+    },
+    /// A socket of the container: its inode, family (`AF_UNIX`, `AF_INET`, `AF_INET6`), type,
+    /// and state (the kernel's `sk_state`: `TCP_ESTABLISHED`, `TCP_LISTEN`, `TCP_CLOSE`…).
+    Socket {
+        id: u32,
+        ino: u32,
+        family: u32,
+        kind: u32,
+        state: u32,
+    },
     Other(u32),
 }
 
@@ -476,6 +615,52 @@ pub fn files(dir: &Path) -> Result<HashMap<u32, File>> {
                 Some(p) => File::Pipe { inode: p.u(2) as u32 },
                 None => File::Other(kind),
             },
+            FD_EVENTFD => match m.msg(8).map_err(bad)? {
+                Some(e) => File::EventFd { flags: e.u(2) as u32, counter: e.u(4) },
+                None => File::Other(kind),
+            },
+            FD_TIMERFD => match m.msg(12).map_err(bad)? {
+                Some(t) => File::TimerFd {
+                    flags: t.u(2) as u32,
+                    clock: t.u(4) as u32,
+                    ticks: t.u(5),
+                    settime_flags: t.u(6) as u32,
+                    value: (t.u(7), t.u(8)),
+                    interval: (t.u(9), t.u(10)),
+                },
+                None => File::Other(kind),
+            },
+            FD_SIGNALFD => match m.msg(10).map_err(bad)? {
+                Some(g) => File::SignalFd { flags: g.u(2) as u32, mask: g.u(4) },
+                None => File::Other(kind),
+            },
+            FD_EVENTPOLL => match m.msg(9).map_err(bad)? {
+                Some(e) => File::EventPoll {
+                    flags: e.u(2) as u32,
+                    targets: e.msgs(4).map_err(bad)?.iter().map(|t| (t.u(2) as u32, t.u(3) as u32, t.u(4))).collect(),
+                },
+                None => File::Other(kind),
+            },
+            FD_UNIXSK => match m.msg(16).map_err(bad)? {
+                Some(u) => File::Socket {
+                    id: u.u(1) as u32,
+                    ino: u.u(2) as u32,
+                    family: 1,
+                    kind: u.u(3) as u32,
+                    state: u.u(4) as u32,
+                },
+                None => File::Other(kind),
+            },
+            FD_INETSK => match m.msg(4).map_err(bad)? {
+                Some(i) => File::Socket {
+                    id: i.u(1) as u32,
+                    ino: i.u(2) as u32,
+                    family: i.u(3) as u32,
+                    kind: i.u(4) as u32,
+                    state: i.u(6) as u32,
+                },
+                None => File::Other(kind),
+            },
             k => File::Other(k),
         };
         out.insert(m.u(2) as u32, f);
@@ -483,9 +668,28 @@ pub fn files(dir: &Path) -> Result<HashMap<u32, File>> {
     Ok(out)
 }
 
-/// Whether the dump kept data that was buffered in a pipe.
-pub fn pipe_data(dir: &Path) -> Result<bool> {
-    Ok(entries(&dir.join("pipes-data.img"), PIPES_DATA_MAGIC)?.is_some_and(|e| !e.is_empty()))
+/// The pipes (by inode) whose buffered data the dump kept. CRIU records every pipe of the tree
+/// there, most with no bytes.
+pub fn pipes_with_data(dir: &Path) -> Result<std::collections::BTreeSet<u64>> {
+    let path = dir.join("pipes-data.img");
+    let mut out = std::collections::BTreeSet::new();
+    for e in entries(&path, PIPES_DATA_MAGIC)?.unwrap_or_default() {
+        let m = decode(&path, &e)?;
+        if m.u(2) > 0 {
+            out.insert(m.u(1));
+        }
+    }
+    Ok(out)
+}
+
+/// The sockets (by the id of their file) whose queued data the dump kept (`sk-queues.img`).
+pub fn sockets_with_data(dir: &Path) -> Result<std::collections::BTreeSet<u32>> {
+    let path = dir.join("sk-queues.img");
+    let mut out = std::collections::BTreeSet::new();
+    for e in entries(&path, SK_QUEUES_MAGIC)?.unwrap_or_default() {
+        out.insert(decode(&path, &e)?.u(1) as u32);
+    }
+    Ok(out)
 }
 
 /// Where one page's content lies: a pages image (by device and inode, so hard links of one file
@@ -664,8 +868,19 @@ pub(crate) mod tests {
         }
         let f = Enc::default().int(1, 0x37f).int(7, 0x1f80).int(9, 5);
         let ti = Enc::default().int(1, 0).bytes(2, &g.0).bytes(3, &f.0);
-        let tc = Enc::default().int(1, 1).int(5, 0x4000).bytes(6, b"python3");
-        let th = Enc::default().int(1, 0).int(2, 0).int(6, 0x2000).bytes(9, &Enc::default().bytes(1, b"x").0);
+        let siginfo = [0x11u8; 128];
+        let queue = Enc::default().bytes(1, &Enc::default().bytes(1, &siginfo).0);
+        let itimer = |v: u64| Enc::default().int(1, 0).int(2, 0).int(3, v).int(4, 0);
+        let posix = Enc::default().int(1, 3).int(2, 1).int(3, 34).int(4, 4).int(5, 9).int(6, 0).int(7, 2).int(8, 0);
+        let timers = Enc::default()
+            .bytes(1, &itimer(100).0)
+            .bytes(2, &itimer(0).0)
+            .bytes(3, &itimer(0).0)
+            .bytes(4, &posix.int(9, 5).int(10, 7).int(11, 12).0);
+        let sa = Enc::default().int(1, 0x401000).int(2, 0x4000000).int(3, 0x402000).int(4, 1);
+        let tc = Enc::default().int(1, 1).int(5, 0x4000).bytes(6, b"python3").bytes(7, &timers.0).bytes(15, &sa.0);
+        let sas = Enc::default().int(1, 0x7000).int(2, 8192).int(3, 0);
+        let th = Enc::default().int(1, 0).int(2, 0).int(6, 0x2000).bytes(7, &sas.0).bytes(9, &queue.0);
         let core_e = Enc::default()
             .int(1, 1)
             .bytes(2, &ti.0)
@@ -680,6 +895,29 @@ pub(crate) mod tests {
             (c.blocked, c.files_id, c.comm.as_str(), c.task_state, c.pending_signals),
             (0x2000, Some(9), "python3", Some(TASK_ALIVE), true)
         );
+        assert_eq!((c.signals.len(), c.signals[0].as_slice(), c.shared_signals.len()), (1, &siginfo[..], 0));
+        let it = c.itimers.unwrap();
+        assert_eq!((it[0].value, it[0].armed(), it[1].armed()), ((100, 0), true, false));
+        assert!(c.timers);
+        assert_eq!(
+            c.posix_timers,
+            vec![PosixTimer {
+                id: 3,
+                clock: 1,
+                signo: 34,
+                notify: 4,
+                sival: 9,
+                overrun: 0,
+                interval: (2, 0),
+                value: (5, 7),
+                thread: Some(12)
+            }]
+        );
+        assert_eq!(
+            c.sigactions,
+            vec![SigAction { handler: 0x401000, flags: 0x4000000, restorer: 0x402000, mask: 1, compat: false }]
+        );
+        assert_eq!(c.altstack, Some((0x7000, 8192, 0)));
         assert_eq!(c.fpregs.fxsave.len(), 512);
         assert_eq!(&c.fpregs.fxsave[0..2], &0x37fu16.to_le_bytes());
         assert_eq!(&c.fpregs.fxsave[24..28], &0x1f80u32.to_le_bytes());
@@ -720,9 +958,19 @@ pub(crate) mod tests {
         let fs = files(&d).unwrap();
         assert_eq!(fs[&4], File::Regular { flags: 2, pos: 77, name: "/tmp/x".into() });
         assert_eq!(fs[&5], File::Pipe { inode: 4242 });
-        assert!(!pipe_data(&d).unwrap());
-        image(&d.join("pipes-data.img"), PIPES_DATA_MAGIC, &[Enc::default().int(1, 4242).int(2, 3).0]);
-        assert!(pipe_data(&d).unwrap());
+        assert!(pipes_with_data(&d).unwrap().is_empty());
+        // An entry for every pipe, with or without bytes.
+        image(
+            &d.join("pipes-data.img"),
+            PIPES_DATA_MAGIC,
+            &[Enc::default().int(1, 4242).int(2, 3).0, Enc::default().int(1, 4243).int(2, 0).int(3, 65536).0],
+        );
+        // (the first entry's three bytes)
+        let mut raw = std::fs::read(d.join("pipes-data.img")).unwrap();
+        let first = 8 + 4 + u32::from_le_bytes(raw[8..12].try_into().unwrap()) as usize;
+        raw.splice(first..first, *b"abc");
+        std::fs::write(d.join("pipes-data.img"), raw).unwrap();
+        assert_eq!(pipes_with_data(&d).unwrap().into_iter().collect::<Vec<_>>(), vec![4242]);
         // Another image's magic is refused.
         image(&d.join("pstree.img"), MM_MAGIC, &[]);
         assert!(pstree(&d).unwrap_err().to_string().contains("magic"));

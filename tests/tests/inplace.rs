@@ -16,12 +16,15 @@ use std::time::Duration;
 /// Private anonymous memory (`mmap`), a second thread, a log file held open, and commands:
 /// `dirty OFF LEN`, `free OFF LEN` (MADV_DONTNEED), `sparse OFF LEN` (only the first page of each
 /// 512 KiB kept: memory a transparent huge page no longer backs), `map MIB` (a new mapping, filled), `unmap`,
-/// `log TEXT` (appended, the offset moves), `pipefill` / `piperead` (a pipe holding data).
+/// `log TEXT` (appended, the offset moves), `pipefill` / `piperead` (a pipe holding data),
+/// `sigqueue` (SIGUSR1 and a real-time signal with a value queued, both blocked; a real timer and
+/// a SIGTERM handler) / `sigtake` (the signals taken, the timer and the handler changed).
 /// Publishes `SEQ COUNTER SHA256(memory, every mapping) MAPPINGS PIPE-DATA`, and the memory's
 /// address in `/tmp/addr`.
 const WORKLOAD: &str = r#"
-import ctypes, hashlib, mmap, os, random, sys, threading, time
+import ctypes, hashlib, mmap, os, random, signal, sys, threading, time
 random.seed(7)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGRTMIN + 1})
 buf = mmap.mmap(-1, int(sys.argv[1]) << 20, flags=mmap.MAP_PRIVATE)
 buf.write(random.randbytes(len(buf)))
 with open("/tmp/addr", "w") as f:
@@ -78,6 +81,16 @@ while True:
         os.write(pipe[1], b"buffered")
     elif cmd[1] == "piperead":
         got = os.read(pipe[0], 100).decode()
+    elif cmd[1] == "sigqueue":
+        os.kill(os.getpid(), signal.SIGUSR1)
+        ctypes.CDLL(None).sigqueue(os.getpid(), signal.SIGRTMIN + 1, ctypes.c_void_p(77))
+        signal.setitimer(signal.ITIMER_REAL, 3000, 1000)
+        signal.signal(signal.SIGTERM, lambda *a: None)
+    elif cmd[1] == "sigtake":
+        signal.sigtimedwait({signal.SIGUSR1}, 0)
+        signal.sigtimedwait({signal.SIGRTMIN + 1}, 0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     publish()
 "#;
 
@@ -217,6 +230,18 @@ fn assert_dump_equals(target: &Path, dump: &Path) {
             assert_eq!(cd.fpregs.fxsave[..416], ct.fpregs.fxsave[..416], "thread {tid}: x87/SSE state");
             assert_eq!(cd.fpregs.ymmh, ct.fpregs.ymmh, "thread {tid}: AVX upper halves");
             assert_eq!(cd.blocked, ct.blocked, "thread {tid}: signal mask");
+            assert_eq!(cd.signals, ct.signals, "thread {tid}: its queued signals");
+            assert_eq!(cd.altstack, ct.altstack, "thread {tid}: its alternate signal stack");
+        }
+        // The process's queued signals (each siginfo byte for byte), dispositions and timers
+        // (the same intervals; the time left, less by what passed since).
+        let (lt, ld) = (images::core(target, p.pid).unwrap(), images::core(dump, p.pid).unwrap());
+        assert_eq!(ld.shared_signals, lt.shared_signals, "process {}: queued signals", p.pid);
+        assert_eq!(ld.sigactions, lt.sigactions, "process {}: signal dispositions", p.pid);
+        assert_eq!(ld.posix_timers.len(), lt.posix_timers.len(), "process {}: POSIX timers", p.pid);
+        for (d, t) in ld.itimers.unwrap().iter().zip(lt.itimers.unwrap().iter()) {
+            assert_eq!((d.interval, d.armed()), (t.interval, t.armed()), "process {}: interval timers", p.pid);
+            assert!(d.value <= t.value && d.value.0 + 600 > t.value.0, "process {}: {d:?} now, {t:?} then", p.pid);
         }
         let id = images::files_id(target, p.pid).unwrap();
         let did = images::files_id(dump, p.pid).unwrap();
@@ -298,6 +323,7 @@ fn a_rollback_in_place_equals_the_statepoint_and_a_restore_of_it() {
     sb.send("log before");
     // A few pages in each 2 MiB of 4 MiB: what a transparent huge page backed no longer does.
     sb.send("sparse 8388608 4194304");
+    sb.send("sigqueue");
     let addr: u64 = sb.sh("cat /tmp/addr").ok().out().parse().unwrap();
     let at_sp = line(&sb);
     let sp = sb.snapshot("target");
@@ -310,6 +336,7 @@ fn a_rollback_in_place_equals_the_statepoint_and_a_restore_of_it() {
     sb.send("free 4194304 2097152");
     sb.send("map 2");
     sb.send("log after");
+    sb.send("sigtake");
     sb.sh("rm /root/f; echo changed > /etc/motd.planarian; echo new > /tmp/new; echo overwritten > /etc/hostname.planarian").ok();
     sb.sh("ls / > /dev/null").ok();
     assert_ne!(line(&sb), at_sp);
@@ -335,6 +362,8 @@ fn a_rollback_in_place_equals_the_statepoint_and_a_restore_of_it() {
     );
     assert!(!Path::new("/run/planarian/oracle").exists(), "the oracle dump was not taken");
     assert_dump_equals(&images_of(&sb, &sp), &oracle);
+    let queued = images::core(&images_of(&sb, &sp), 1).unwrap().shared_signals;
+    assert_eq!(queued.len(), 2, "the statepoint has the two queued signals");
 
     // What the sandbox itself sees: the statepoint's memory, mappings, files and log offset.
     assert_eq!(line(&sb), at_sp);

@@ -6,8 +6,8 @@
 //! path):
 //! * the same processes and threads (PIDs and TIDs in the container's PID namespace), with the
 //!   same parents, process groups and sessions, none a zombie, stopped or traced;
-//! * no signal pending, now or at the statepoint; no interval timer armed at the statepoint;
-//!   64-bit tasks;
+//! * 64-bit tasks, none being killed; signals and timers as [`signals`] allows (queued signals,
+//!   dispositions, interval and POSIX timers, alternate stacks are put back);
 //! * the same file-backed mappings (addresses, protection, offset, file name), the same stack
 //!   and vDSO; no shared anonymous memory or System V shm, now or then. Private anonymous
 //!   memory may differ: the heap is put back with `brk`, other mappings with `munmap`, `mmap`
@@ -16,9 +16,9 @@
 //!   close-on-exec; the offset is set back) and pipes (the same pipe, nothing buffered now or at
 //!   the statepoint); any other kind (sockets, eventfd, epoll, timerfd, terminals…) refuses.
 //!
-//! Not compared (not in CRIU's images, or not visible from outside): the alternate signal stack,
-//! `set_tid_address`, robust futex lists, rseq, resource limits, scheduling policy, credentials
-//! and the `prctl` memory-layout fields; they belong to the same threads and rarely change.
+//! Not compared (not in CRIU's images, or not visible from outside): `set_tid_address`, robust
+//! futex lists, rseq, resource limits, scheduling policy, credentials and the `prctl`
+//! memory-layout fields; they belong to the same threads and rarely change.
 //!
 //! [`Shape::plan`] then compares the statepoint's pages with a dump of the current state (the
 //! safety statepoint, taken frozen just before): a page is written when its content comes from
@@ -26,12 +26,15 @@
 //! there at the statepoint. [`Plan::apply`] holds every thread with ptrace, writes the pages
 //! through `/proc/PID/mem` (transparent huge pages off meanwhile), drops any page the process
 //! has that the statepoint has not (`/proc/PID/pagemap`: khugepaged may have filled holes since
-//! the dump), sets registers (`orig_ax = -1`: no system-call restart on top of CRIU's own
-//! fix-ups), FPU state, signal masks, names and file offsets, clears the soft-dirty bits (the
+//! the dump), puts signals and timers back ([`signals`]), sets registers (`orig_ax = -1`: no
+//! system-call restart on top of CRIU's own fix-ups), FPU state, signal masks, names and file
+//! offsets, clears the soft-dirty bits (the
 //! next dump is incremental on the statepoint's images), and checks that the mappings now are
 //! the statepoint's.
 
+mod descriptors;
 pub mod ptrace;
+mod signals;
 
 use criu_hooks::images::{self, PageRun, PAGE_SIZE};
 use nix::libc;
@@ -167,7 +170,7 @@ fn read_status(path: &str) -> Result<String> {
     std::fs::read_to_string(path).map_err(io(format!("read {path}")))
 }
 
-/// Refuses a thread that is a zombie, stopped, traced or has a signal pending.
+/// Refuses a thread that is a zombie, stopped, traced or being killed.
 fn check_live_thread(status: &str, what: &str) -> Result<()> {
     let state = status
         .lines()
@@ -186,9 +189,10 @@ fn check_live_thread(status: &str, what: &str) -> Result<()> {
     if status_field(status, "TracerPid").is_some_and(|t| t != "0") {
         return refuse(format!("{what} is traced by another process"));
     }
+    let sigkill = 1u64 << (libc::SIGKILL - 1);
     for key in ["SigPnd", "ShdPnd"] {
-        if status_field(status, key).is_some_and(|v| !v.trim_start_matches('0').is_empty()) {
-            return refuse(format!("{what} has a signal pending"));
+        if status_field(status, key).is_some_and(|v| u64::from_str_radix(&v, 16).map_or(true, |m| m & sigkill != 0)) {
+            return refuse(format!("{what} is being killed"));
         }
     }
     Ok(())
@@ -322,13 +326,14 @@ struct Process {
     host: i32,
     vpid: u32,
     threads: Vec<(Thread, images::Core)>,
+    signals: signals::Signals,
     layout: Layout,
     /// The statepoint's private anonymous memory, for the check after.
     target_anon: Segments,
     /// vDSO, vvar, vsyscall: never written.
     special: Vec<(u64, u64)>,
-    /// Descriptors whose offset goes back: (fd, offset).
-    seeks: Vec<(u32, u64)>,
+    /// What goes back on its descriptors (offsets, counts, timers, masks).
+    fixes: Vec<descriptors::Fix>,
 }
 
 /// A tree whose shape matches the statepoint's.
@@ -355,11 +360,15 @@ pub fn check(images: &Path, cgroup: &Path, stdio: &[(String, String)]) -> Result
         let comm = std::fs::read_to_string(format!("/proc/{}/comm", p.host)).unwrap_or_default();
         return refuse(format!("process {} ({}) started after the statepoint", p.vpid, comm.trim()));
     }
-    let pipe_data = images::pipe_data(images)?;
+    let mut objects = descriptors::Objects::new(images, stdio)?;
     let files = images::files(images)?;
     let mut procs = Vec::new();
     for t in &tree {
         let Some(l) = by_vpid.get(&t.pid) else {
+            // (a zombie is in no cgroup)
+            if images::core(images, t.pid).is_ok_and(|c| c.task_state == Some(images::TASK_DEAD)) {
+                return refuse(format!("process {} was a zombie at the statepoint", t.pid));
+            }
             return refuse(format!("process {} of the statepoint has ended", t.pid));
         };
         let vppid = host_to_v.get(&l.host_ppid).copied().unwrap_or(0);
@@ -384,21 +393,16 @@ pub fn check(images: &Path, cgroup: &Path, stdio: &[(String, String)]) -> Result
                     t.pid, c.task_state
                 ));
             }
-            if c.pending_signals {
-                return refuse(format!("thread {} had signals pending at the statepoint", th.vtid));
-            }
-            if c.timers {
-                return refuse(format!("process {} had an interval timer armed at the statepoint", t.pid));
-            }
             threads.push((*th, c));
         }
+        let signals = signals::check(t.pid, l.host, &threads)?;
         let files_id = Some(images::files_id(images, t.pid)?);
         let (layout, target_anon, special) = compare_memory(images, t.pid, l.host, &files)?;
-        let seeks = match files_id {
-            Some(id) => compare_fds(images, id, l.host, t.pid, &files, pipe_data, stdio)?,
+        let fixes = match files_id {
+            Some(id) => descriptors::compare(images, id, l.host, t.pid, &files, &mut objects)?,
             None => return refuse(format!("process {}: no descriptor table in the statepoint", t.pid)),
         };
-        procs.push(Process { host: l.host, vpid: t.pid, threads, layout, target_anon, special, seeks });
+        procs.push(Process { host: l.host, vpid: t.pid, threads, signals, layout, target_anon, special, fixes });
     }
     Ok(Shape { images: images.to_path_buf(), procs, pids })
 }
@@ -569,81 +573,6 @@ fn compare_memory(
     Ok((layout, t_anon, t_special))
 }
 
-fn fdinfo_field(text: &str, key: &str) -> Option<String> {
-    text.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(':')).map(|v| v.trim().to_string())
-}
-
-fn compare_fds(
-    images: &Path,
-    files_id: u32,
-    host: i32,
-    vpid: u32,
-    files: &std::collections::HashMap<u32, images::File>,
-    pipe_data: bool,
-    stdio: &[(String, String)],
-) -> Result<Vec<(u32, u64)>> {
-    let then = images::fdinfo(images, files_id)?;
-    let dir = format!("/proc/{host}/fd");
-    let mut now: Vec<u32> = std::fs::read_dir(&dir)
-        .map_err(io(format!("read {dir}")))?
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse().ok())
-        .collect();
-    now.sort_unstable();
-    let mut was: Vec<u32> = then.iter().map(|f| f.fd).collect();
-    was.sort_unstable();
-    if now != was {
-        return refuse(format!("process {vpid}: descriptors {now:?} now, {was:?} at the statepoint"));
-    }
-    let mut seeks = Vec::new();
-    for f in &then {
-        let link = std::fs::read_link(format!("{dir}/{}", f.fd)).map(|p| p.display().to_string()).unwrap_or_default();
-        let info = std::fs::read_to_string(format!("/proc/{host}/fdinfo/{}", f.fd)).unwrap_or_default();
-        let flags = fdinfo_field(&info, "flags").and_then(|v| u32::from_str_radix(&v, 8).ok()).unwrap_or(0);
-        let cloexec_now = flags & libc::O_CLOEXEC as u32 != 0;
-        if cloexec_now != (f.flags & libc::FD_CLOEXEC as u32 != 0) {
-            return refuse(format!("process {vpid}: close-on-exec of descriptor {} changed", f.fd));
-        }
-        match files.get(&f.id) {
-            Some(images::File::Regular { flags: then_flags, pos, name }) => {
-                if !same_file(&link, name) {
-                    return refuse(format!("process {vpid}: descriptor {} is {link} now, {name} at the statepoint", f.fd));
-                }
-                let mask = (libc::O_ACCMODE | libc::O_APPEND | libc::O_NONBLOCK) as u32;
-                if flags & mask != then_flags & mask {
-                    return refuse(format!("process {vpid}: descriptor {} ({name}) changed its open flags", f.fd));
-                }
-                let now_pos = fdinfo_field(&info, "pos").and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-                if now_pos != *pos {
-                    seeks.push((f.fd, *pos));
-                }
-            }
-            Some(images::File::Pipe { inode }) => {
-                let then = format!("pipe:[{inode}]");
-                // The container's stdio pipes to conmon are new after every restore.
-                if link != then && !stdio.iter().any(|(t, n)| *t == then && *n == link) {
-                    return refuse(format!("process {vpid}: descriptor {} is {link} now, pipe:[{inode}] at the statepoint", f.fd));
-                }
-                if pipe_data {
-                    return refuse("a pipe held data at the statepoint");
-                }
-                let dup = ptrace::dup_fd(host, f.fd).map_err(io(format!("duplicate descriptor {} of process {vpid}", f.fd)))?;
-                let mut n: libc::c_int = 0;
-                // SAFETY: FIONREAD writes one int.
-                let r = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&dup), libc::FIONREAD, &mut n) };
-                if r != 0 || n != 0 {
-                    return refuse(format!("process {vpid}: pipe descriptor {} holds data now", f.fd));
-                }
-            }
-            Some(images::File::Other(kind)) => {
-                return refuse(format!("process {vpid}: descriptor {} ({link}) is of a kind a rollback in place does not restore (CRIU file type {kind})", f.fd))
-            }
-            None => return refuse(format!("process {vpid}: descriptor {} is not in the statepoint's files", f.fd)),
-        }
-    }
-    Ok(seeks)
-}
-
 /// What one process gets: pages written from the statepoint's images, pages dropped.
 #[derive(Debug)]
 struct Pages {
@@ -787,6 +716,7 @@ impl Plan {
     fn apply_held(&self, tracees: &[ptrace::Tracee]) -> Result<Applied> {
         let mut applied = Applied::default();
         let mut ti = 0;
+        signals::block_all(tracees)?;
         // Each process's main thread and vDSO `syscall`, and whether it had THP turned off.
         let mut held = Vec::new();
         for (p, pages) in self.shape.procs.iter().zip(&self.pages) {
@@ -841,21 +771,15 @@ impl Plan {
                 applied.pages_dropped += (e - s) / PAGE_SIZE;
             }
             check_layout(p)?;
+            let threads = p.threads.iter().enumerate().map(|(i, (th, _))| (&tracees[ti + i], th.vtid)).collect();
+            let mut h = signals::Held { vpid: p.vpid, host: p.host, insn, threads, calls: &mut applied.system_calls };
+            p.signals.apply(&mut h)?;
             for (th, core) in &p.threads {
                 let t = &tracees[ti];
                 ti += 1;
                 set_thread(t, th, core).map_err(io(format!("thread {} of process {}", th.vtid, p.vpid)))?;
             }
-            for &(fd, pos) in &p.seeks {
-                let dup = ptrace::dup_fd(p.host, fd).map_err(io(format!("descriptor {fd} of process {}", p.vpid)))?;
-                // SAFETY: lseek on a descriptor we own.
-                if unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&dup), pos as libc::off_t, libc::SEEK_SET) } < 0
-                {
-                    return Err(io(format!("seek descriptor {fd} of process {}", p.vpid))(
-                        std::io::Error::last_os_error(),
-                    ));
-                }
-            }
+            descriptors::apply(p.host, p.vpid, &p.fixes)?;
         }
         crate::fault::point("rollback.in-place.registers").map_err(|e| Error::Failed(e.to_string()))?;
         for p in &self.shape.procs {

@@ -132,9 +132,22 @@ impl Tracee {
     /// instruction at `insn`; its registers are put back after. The call's return value.
     /// The cgroup must not be frozen (a frozen thread would not step).
     pub fn syscall(&self, insn: u64, nr: libc::c_long, args: &[u64]) -> io::Result<i64> {
+        self.step_syscall(insn, None, nr, args)
+    }
+
+    /// [`syscall`](Self::syscall) with the stack pointer at `sp` meanwhile (`sigaltstack`
+    /// refuses to change the stack a thread stands on).
+    pub fn syscall_on(&self, insn: u64, sp: u64, nr: libc::c_long, args: &[u64]) -> io::Result<i64> {
+        self.step_syscall(insn, Some(sp), nr, args)
+    }
+
+    fn step_syscall(&self, insn: u64, sp: Option<u64>, nr: libc::c_long, args: &[u64]) -> io::Result<i64> {
         let saved = self.regs()?;
         let mut r = saved;
         r.rip = insn;
+        if let Some(sp) = sp {
+            r.rsp = sp;
+        }
         r.rax = nr as u64;
         // No restart of a system call the thread was in when it stopped.
         r.orig_rax = u64::MAX;
