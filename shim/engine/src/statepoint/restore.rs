@@ -200,6 +200,9 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     // The tasks run: until every record of them is written, a failure kills them again, so that a
     // failed restore leaves no container running that neither conmon nor crun knows.
     let mut restored = RestoredTree { pid, keep: false };
+    if !join_netns {
+        criu::remove_restored_network_locks(pid);
+    }
     drop(netns);
     drop(dev);
     crate::fault::point("restore.restored")?;

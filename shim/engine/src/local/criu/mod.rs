@@ -366,6 +366,34 @@ pub fn remove_stale_network_lock(pid: i32) {
     let _ = cmd.status();
 }
 
+/// Deletes the network lock tables CRIU left in the network namespace of `pid`, which a restore
+/// made from the dump's images. The dump's lock table is in the images (its ruleset was saved
+/// while locked), and CRIU before 4.1 unlocks after a restore the table named after the restored
+/// root's host PID (`inet CRIU-PID`), not the dump's: every packet of the container, loopback
+/// too, was dropped after a restore. (CRIU 4.1 records the dump's table name; nothing is left
+/// then.) Run once the restore is done: any such table is stale.
+pub fn remove_restored_network_locks(pid: i32) {
+    let Ok(nft) = crate::tools::locate("nft", None, "PATH") else { return };
+    let Ok(ns) = std::fs::File::open(format!("/proc/{pid}/ns/net")) else { return };
+    let netns = Some(std::os::fd::AsRawFd::as_raw_fd(&ns));
+    let mut list = Command::new(&nft);
+    list.args(["list", "tables"]).stdin(Stdio::null()).stderr(Stdio::null());
+    in_netns(&mut list, netns);
+    let Ok(out) = list.output() else { return };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some(name) = line.trim().strip_prefix("table inet ") else { continue };
+        if name.strip_prefix("CRIU-").is_some_and(|rest| !rest.is_empty()) {
+            let mut cmd = Command::new(&nft);
+            cmd.args(["delete", "table", "inet", name])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            in_netns(&mut cmd, netns);
+            let _ = cmd.status();
+        }
+    }
+}
+
 /// Whether a dump recorded a network namespace of its own (one taken outside the container's).
 pub fn has_netns_image(images: &Path) -> bool {
     std::fs::read_dir(images).is_ok_and(|rd| {
