@@ -47,24 +47,61 @@ impl Server {
 
     /// Serves one client on stdin/stdout until it closes its end.
     pub fn serve(&self) -> Result<(), Failure> {
-        let stdin = std::io::stdin();
-        let mut out = std::io::stdout().lock();
-        for line in stdin.lock().lines() {
-            let line = line?;
-            if line.trim().is_empty() {
-                continue;
+        self.serve_on(std::io::stdin().lock(), std::io::stdout().lock())
+    }
+
+    /// Serves one client: a message per line. Whatever a line holds (not UTF-8, not JSON, not a
+    /// message, larger than [`MAX_LINE`]) gets one error answer, changes nothing, and the next
+    /// line is read.
+    fn serve_on(&self, mut input: impl BufRead, mut out: impl Write) -> Result<(), Failure> {
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            let (n, whole) = read_line(&mut input, &mut line, MAX_LINE)?;
+            if n == 0 {
+                return Ok(());
             }
-            let answers: Vec<Value> = match serde_json::from_str::<Value>(&line) {
-                Ok(Value::Array(batch)) => batch.iter().filter_map(|m| self.handle(m)).collect(),
-                Ok(m) => self.handle(&m).into_iter().collect(),
-                Err(e) => vec![jsonrpc::error(Value::Null, jsonrpc::PARSE_ERROR, format!("parse error: {e}"))],
+            let answers: Vec<Value> = if !whole {
+                vec![jsonrpc::error(
+                    Value::Null,
+                    jsonrpc::INVALID_REQUEST,
+                    format!("a message of more than {MAX_LINE} bytes is not read"),
+                )]
+            } else if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            } else {
+                match serde_json::from_slice::<Value>(&line) {
+                    Ok(Value::Array(batch)) if batch.is_empty() => {
+                        vec![jsonrpc::error(Value::Null, jsonrpc::INVALID_REQUEST, "an empty batch")]
+                    }
+                    Ok(Value::Array(batch)) => batch.iter().filter_map(|m| self.answer(m)).collect(),
+                    Ok(m) => self.answer(&m).into_iter().collect(),
+                    Err(e) => vec![jsonrpc::error(Value::Null, jsonrpc::PARSE_ERROR, format!("parse error: {e}"))],
+                }
             };
             for a in answers {
                 writeln!(out, "{a}")?;
                 out.flush()?;
             }
         }
-        Ok(())
+    }
+
+    /// One message of any shape: a request's answer, nothing for a notification, an error for
+    /// what is no message.
+    fn answer(&self, msg: &Value) -> Option<Value> {
+        let Some(obj) = msg.as_object() else {
+            return Some(jsonrpc::error(Value::Null, jsonrpc::INVALID_REQUEST, "a message is a JSON object"));
+        };
+        if !obj.get("method").is_some_and(Value::is_string) {
+            // An answer to nothing we asked (no method, an id): ignored, as a client's stray
+            // response is; a request without a method is an error.
+            let id = obj.get("id").filter(|i| !i.is_null())?;
+            if obj.contains_key("result") || obj.contains_key("error") {
+                return None;
+            }
+            return Some(jsonrpc::error(id.clone(), jsonrpc::INVALID_REQUEST, "a request names its method"));
+        }
+        self.handle(msg)
     }
 
     /// One message; the answer, for a request.
@@ -299,6 +336,40 @@ fn str_arg(args: &Value, key: &str) -> Option<String> {
     args[key].as_str().filter(|s| !s.is_empty()).map(String::from)
 }
 
+/// The longest message read (a tool call's arguments are small; a client that sends more is
+/// answered with an error, and its line skipped, not held in memory).
+const MAX_LINE: usize = 4 << 20;
+
+/// Reads one line (without its newline) into `buf`, at most `max` bytes of it; the bytes read
+/// (0 at the end of the input) and whether the line was whole (a longer one is read to its end
+/// and dropped).
+fn read_line(input: &mut impl BufRead, buf: &mut Vec<u8>, max: usize) -> std::io::Result<(usize, bool)> {
+    let mut total = 0;
+    let mut whole = true;
+    loop {
+        let chunk = input.fill_buf()?;
+        if chunk.is_empty() {
+            return Ok((total, whole));
+        }
+        let (take, done) = match chunk.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (chunk.len(), false),
+        };
+        let body = &chunk[..if done { take - 1 } else { take }];
+        if whole && buf.len() + body.len() <= max {
+            buf.extend_from_slice(body);
+        } else {
+            whole = false;
+            buf.clear();
+        }
+        total += take;
+        input.consume(take);
+        if done {
+            return Ok((total, whole));
+        }
+    }
+}
+
 fn required(args: &Value, key: &str) -> Result<String, Failure> {
     str_arg(args, key).ok_or_else(|| format!("{key} is required").into())
 }
@@ -334,6 +405,48 @@ mod tests {
         let all = server((true, true)).tools();
         assert_eq!(all.len(), 6);
         assert_eq!(s.handle(&json!({"jsonrpc": "2.0", "id": 4, "method": "nope"})).unwrap()["error"]["code"], -32601);
+    }
+
+    /// Hostile traffic: each line gets one error (or nothing, for a stray response) and the
+    /// server reads on.
+    #[test]
+    fn malformed_traffic_gets_one_error_a_line_and_the_server_reads_on() {
+        let s = server((false, false));
+        let mut input = Vec::new();
+        input.extend_from_slice(b"\xff\xfe not utf-8\n");
+        input.extend_from_slice(b"{\"jsonrpc\": \"2.0\", \"id\": 1, \"method\": \n");
+        input.extend_from_slice(&vec![b'x'; MAX_LINE + 10]);
+        input.extend_from_slice(b"\n[]\n5\n\"text\"\n");
+        input.extend_from_slice(b"{\"jsonrpc\": \"2.0\", \"id\": 7}\n");
+        input.extend_from_slice(b"{\"jsonrpc\": \"2.0\", \"id\": 8, \"result\": {}}\n");
+        input.extend_from_slice(b"[1, {\"jsonrpc\": \"2.0\", \"id\": 9, \"method\": \"ping\"}]\n");
+        input.extend_from_slice(b"{\"jsonrpc\": \"2.0\", \"id\": 10, \"method\": \"tools/call\", \"params\": 3}\n");
+        input.extend_from_slice(b"\n  \n{\"jsonrpc\": \"2.0\", \"id\": 11, \"method\": \"ping\"}");
+        let mut out = Vec::new();
+        s.serve_on(&input[..], &mut out).unwrap();
+        let answers: Vec<Value> =
+            String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let codes: Vec<(Value, i64)> =
+            answers.iter().map(|a| (a["id"].clone(), a["error"]["code"].as_i64().unwrap_or(0))).collect();
+        assert_eq!(
+            codes,
+            vec![
+                (Value::Null, -32700),
+                (Value::Null, -32700),
+                (Value::Null, -32600),
+                (Value::Null, -32600),
+                (Value::Null, -32600),
+                (Value::Null, -32600),
+                (json!(7), -32600),
+                (Value::Null, -32600),
+                (json!(9), 0),
+                (json!(10), 0),
+                (json!(11), 0),
+            ],
+            "{answers:#?}"
+        );
+        assert_eq!(answers[9]["result"]["isError"], true, "a call without arguments is a tool error");
+        assert!(answers[2]["error"]["message"].as_str().unwrap().contains("more than"));
     }
 
     #[test]
