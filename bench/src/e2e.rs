@@ -188,6 +188,9 @@ struct Run {
     /// The snapshots' own work, from their manifests (for Planarian: mostly hidden in think time).
     snapshot_work: Duration,
     rollback: Duration,
+    /// Rollbacks, and those that took the in-place path.
+    rollbacks: u32,
+    in_place: u32,
 }
 
 fn replay(trace: &Trace, system: System, scale: f64, db: Option<&Db>) -> Result<Run, String> {
@@ -260,8 +263,18 @@ fn replay(trace: &Trace, system: System, scale: f64, db: Option<&Db>) -> Result<
             run_quiet(PLANARIAN, &["statepoint", "wait", &ctr, last])?;
             let target = &statepoints[(statepoints.len() - 1) / 2];
             let t = Instant::now();
-            run_quiet(PLANARIAN, &["rollback", &ctr, target])?;
+            let ctx = run_quiet(PLANARIAN, &["rollback", &ctr, target, "--json"])?;
             r.rollback = t.elapsed();
+            let ctx: serde_json::Value = serde_json::from_str(&ctx).map_err(|e| format!("rollback --json: {e}"))?;
+            r.rollbacks = 1;
+            if ctx["how"]["path"] == "in-place" {
+                r.in_place = 1;
+            } else {
+                eprintln!(
+                    "planarian-bench e2e: {}: the rollback was not in place: {}",
+                    trace.name, ctx["how"]["not-in-place"]
+                );
+            }
         }
         r.total = start.elapsed();
         for sp in &statepoints {
@@ -536,8 +549,14 @@ pub fn main(args: &[String]) -> i32 {
                 total.think += r.think;
                 total.snapshot_work += r.snapshot_work;
                 total.rollback += r.rollback;
+                total.rollbacks += r.rollbacks;
+                total.in_place += r.in_place;
             }
         }
+        println!(
+            "rollbacks in place: Planarian {} of {}, Full-snapshot {} of {} (the reasons of the others above)",
+            sum[1].in_place, sum[1].rollbacks, sum[2].in_place, sum[2].rollbacks
+        );
         println!("{}", row("**all**", rows.iter().map(|(t, _)| t.steps.len()).sum(), &sum));
         overall.push((scale, sum));
     }
@@ -574,6 +593,7 @@ mod tests {
             think: Duration::from_secs(10),
             snapshot_work: Duration::from_secs_f64(work),
             rollback: Duration::from_secs_f64(rollback),
+            ..Run::default()
         };
         assert_eq!(
             row("configs", 4, &[r(20.0, 0.0, 0.0), r(25.0, 4.0, 5.0), r(30.0, 6.0, 5.5)]),
