@@ -429,6 +429,12 @@ fn same_file(live: &str, name: &str) -> bool {
         && (live == name || (live.ends_with(name) && name.starts_with('/')))
 }
 
+/// The heap as one range: after a restore it may be several mappings (the kernel does not merge
+/// what the heap grew by with CRIU's mapping), each named `[heap]`.
+fn widen(heap: Option<(u64, u64)>, part: (u64, u64)) -> (u64, u64) {
+    heap.map_or(part, |h| (h.0.min(part.0), h.1.max(part.1)))
+}
+
 /// A process's memory against the statepoint's: how to put its layout back, the statepoint's
 /// private anonymous memory, and its vDSO and vvar ranges.
 type MemoryShape = (Layout, Segments, Vec<(u64, u64)>);
@@ -479,7 +485,7 @@ fn compare_memory(
             t_files.push((v.start, v.end, v.prot, v.is(images::VMA_FILE_SHARED), v.pgoff, name));
         } else if v.is(images::VMA_ANON_PRIVATE) {
             if v.is(images::VMA_AREA_HEAP) {
-                t_heap = Some((v.start, v.end));
+                t_heap = Some(widen(t_heap, (v.start, v.end)));
             } else if v.flags & libc::MAP_GROWSDOWN as u32 != 0 {
                 // CRIU marks no stack: the grows-down mapping is "[stack]".
                 t_stack = Some((v.start, v.end, v.prot));
@@ -504,7 +510,7 @@ fn compare_memory(
             }
         } else if is_anon_private(m) {
             match m.path.as_str() {
-                "[heap]" => l_heap = Some((m.start, m.end)),
+                "[heap]" => l_heap = Some(widen(l_heap, (m.start, m.end))),
                 "[stack]" => l_stack = Some((m.start, m.end, m.prot)),
                 _ => {}
             }
@@ -553,7 +559,8 @@ fn compare_memory(
         }
     }
     let not_heap_stack = |s: &Segments, heap: Option<(u64, u64)>, stack: Option<(u64, u64, u32)>| -> Segments {
-        s.iter().copied().filter(|x| Some((x.0, x.1)) != heap && Some((x.0, x.1, x.2)) != stack).collect()
+        let in_heap = |x: &(u64, u64, u32, u32)| heap.is_some_and(|h| x.0 >= h.0 && x.1 <= h.1);
+        s.iter().copied().filter(|x| !in_heap(x) && Some((x.0, x.1, x.2)) != stack).collect()
     };
     let (ta, la) = (not_heap_stack(&t_anon, t_heap, t_stack), not_heap_stack(&l_anon, l_heap, l_stack));
     let heap_range = |h: Option<(u64, u64)>| h.map(|h| vec![h]).unwrap_or_default();
