@@ -50,6 +50,7 @@ pub const FD_EVENTPOLL: u32 = 7;
 pub const FD_SIGNALFD: u32 = 9;
 pub const FD_TIMERFD: u32 = 17;
 pub const SK_QUEUES_MAGIC: u32 = 0x5626_4026;
+pub const TCP_STREAM_MAGIC: u32 = 0x5146_5506;
 
 /// Why an image could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -187,11 +188,15 @@ fn entries(path: &Path, magic: u32) -> Result<Option<Vec<Vec<u8>>>> {
         let body =
             data.get(at + 4..at + 4 + n).ok_or(bad(ImageError::Length { declared: n, actual: data.len() - at - 4 }))?;
         at += 4 + n;
-        // A pipe's or a socket's queued bytes follow its entry (their count in field 2).
+        // A pipe's or a socket's queued bytes follow its entry (their count in field 2); a TCP
+        // stream's entry is followed by its queues' bytes and is the only one.
         if magic == PIPES_DATA_MAGIC || magic == SK_QUEUES_MAGIC {
             at += Msg::parse(body).map_err(bad)?.u(2) as usize;
         }
         out.push(body.to_vec());
+        if magic == TCP_STREAM_MAGIC {
+            break;
+        }
     }
     Ok(Some(out))
 }
@@ -564,6 +569,7 @@ pub enum File {
     },
     Pipe {
         inode: u32,
+        flags: u32,
     },
     EventFd {
         flags: u32,
@@ -595,6 +601,10 @@ pub enum File {
         family: u32,
         kind: u32,
         state: u32,
+        /// The open file's flags.
+        flags: u32,
+        /// An Internet socket's local port.
+        port: Option<u32>,
     },
     Other(u32),
 }
@@ -612,7 +622,7 @@ pub fn files(dir: &Path) -> Result<HashMap<u32, File>> {
                 None => File::Other(kind),
             },
             FD_PIPE => match m.msg(18).map_err(bad)? {
-                Some(p) => File::Pipe { inode: p.u(2) as u32 },
+                Some(p) => File::Pipe { inode: p.u(2) as u32, flags: p.u(3) as u32 },
                 None => File::Other(kind),
             },
             FD_EVENTFD => match m.msg(8).map_err(bad)? {
@@ -648,6 +658,8 @@ pub fn files(dir: &Path) -> Result<HashMap<u32, File>> {
                     family: 1,
                     kind: u.u(3) as u32,
                     state: u.u(4) as u32,
+                    flags: u.u(5) as u32,
+                    port: None,
                 },
                 None => File::Other(kind),
             },
@@ -658,6 +670,8 @@ pub fn files(dir: &Path) -> Result<HashMap<u32, File>> {
                     family: i.u(3) as u32,
                     kind: i.u(4) as u32,
                     state: i.u(6) as u32,
+                    flags: i.u(9) as u32,
+                    port: Some(i.u(7) as u32),
                 },
                 None => File::Other(kind),
             },
@@ -690,6 +704,16 @@ pub fn sockets_with_data(dir: &Path) -> Result<std::collections::BTreeSet<u32>> 
         out.insert(decode(&path, &e)?.u(1) as u32);
     }
     Ok(out)
+}
+
+/// Whether the TCP connection of socket inode `ino` had bytes queued (to read, or to send) in the
+/// dump (`tcp-stream-INO.img`, written only for established connections).
+pub fn tcp_queued(dir: &Path, ino: u32) -> Result<bool> {
+    let path = dir.join(format!("tcp-stream-{ino:x}.img"));
+    let Some(e) = entries(&path, TCP_STREAM_MAGIC)? else { return Ok(false) };
+    let Some(first) = e.first() else { return Ok(false) };
+    let m = decode(&path, first)?;
+    Ok(m.u(1) > 0 || m.u(3) > 0)
 }
 
 /// Where one page's content lies: a pages image (by device and inode, so hard links of one file
@@ -957,7 +981,7 @@ pub(crate) mod tests {
         );
         let fs = files(&d).unwrap();
         assert_eq!(fs[&4], File::Regular { flags: 2, pos: 77, name: "/tmp/x".into() });
-        assert_eq!(fs[&5], File::Pipe { inode: 4242 });
+        assert_eq!(fs[&5], File::Pipe { inode: 4242, flags: 0 });
         assert!(pipes_with_data(&d).unwrap().is_empty());
         // An entry for every pipe, with or without bytes.
         image(

@@ -490,3 +490,38 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     assert_eq!(ctx["how"]["path"], "in-place", "{ctx}");
     assert_eq!(line(&sb), at2);
 }
+
+/// planarian killed while it holds the sandbox's threads, halfway through a rollback in place
+/// (the cgroup thawed under ptrace, every signal blocked, the memory about to be written): the
+/// kernel kills the held processes with it, so that no process runs on halfway put back; the
+/// statepoints are intact, and after `podman start` the rollback reaches the statepoint.
+#[test]
+fn planarian_killed_mid_rollback_in_place_leaves_no_process_halfway() {
+    require_stack!();
+    let _d = Disarm;
+    let mut sb = start("inplace-kill", 8, &[]);
+    sb.send("tick");
+    let at_sp = line(&sb);
+    let sp = sb.snapshot("target");
+    sb.send("dirty 0 1048576");
+    sb.send("map 1");
+    std::fs::create_dir_all("/run/planarian").unwrap();
+    std::fs::write(FAULT, "kill:rollback.in-place.memory").unwrap();
+    let r = planarian(&["rollback", &sb.name, &sp]);
+    assert!(r.code.is_none() || r.code == Some(137), "killed: {r:?}");
+    assert!(!Path::new(FAULT).exists(), "the fault never fired");
+    let status = || podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out();
+    assert!(
+        wait_for(Duration::from_secs(120), || status() == "exited"),
+        "the held processes should have died with planarian: {}",
+        status()
+    );
+    assert!(sb.statepoints().iter().any(|m| m["statepoint-id"] == sp.as_str()), "the statepoint is intact");
+    podman("planarian", &["start", &sb.name]).ok();
+    assert!(wait_for(Duration::from_secs(120), || sb.read().is_some()), "the sandbox did not start again");
+    let ctx = rollback(&mut sb, &sp);
+    assert_eq!(ctx["how"]["path"], "stop-and-restore", "{ctx}");
+    assert_eq!(line(&sb), at_sp, "at the statepoint");
+    let r = planarian(&["fsck", &sb.name]);
+    assert_eq!(r.code, Some(0), "fsck: {}{}", r.stdout, r.stderr);
+}

@@ -4,7 +4,7 @@
 #   verify  checks that the state is the one it set up (consuming queued signals and data)
 # The first process starts the cases named on its command line, then reads "SEQ VERB" from
 # /tmp/cmd, hands VERB to every case and publishes "SEQ" and one line per case in /tmp/state.
-import ctypes, fcntl, mmap, os, select, signal, socket, sys, threading, time
+import ctypes, fcntl, mmap, os, select, signal, socket, struct, sys, threading, time
 
 libc = ctypes.CDLL(None, use_errno=True)
 RT = signal.SIGRTMIN
@@ -432,6 +432,50 @@ class SharedMemory:
         expect("the shared page", self.m[:6], b"shared")
 
 
+class Inotify:
+    """An inotify watch on a directory."""
+    def setup(self):
+        self.fd = libc.inotify_init1(os.O_NONBLOCK)
+        os.mkdir("/tmp/watched")
+        self.wd = libc.inotify_add_watch(self.fd, b"/tmp/watched", 0x100)  # IN_CREATE
+
+    def mutate(self):
+        libc.inotify_rm_watch(self.fd, self.wd)
+
+    def verify(self):
+        open("/tmp/watched/%d" % time.time_ns(), "w").close()
+        wd, mask = struct.unpack_from("iI", os.read(self.fd, 4096))
+        expect("the first event: the file created, through the watch", (wd, mask & 0xffff), (self.wd, 0x100))
+
+
+class MemFd:
+    """A memfd's content."""
+    def setup(self):
+        self.fd = os.memfd_create("planarian-test")
+        os.write(self.fd, b"memfd")
+
+    def mutate(self):
+        os.pwrite(self.fd, b"wrong", 0)
+
+    def verify(self):
+        expect("the memfd", os.pread(self.fd, 5, 0), b"memfd")
+
+
+class SysvShm:
+    """A System V shared memory segment, attached."""
+    def setup(self):
+        libc.shmat.restype = ctypes.c_void_p
+        self.id = libc.shmget(0, 4096, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+        self.at = libc.shmat(self.id, None, 0)
+        ctypes.memmove(self.at, b"sysv", 4)
+
+    def mutate(self):
+        ctypes.memmove(self.at, b"gone", 4)
+
+    def verify(self):
+        expect("the segment", ctypes.string_at(self.at, 4), b"sysv")
+
+
 class Zombie:
     """A child that ended and was not waited for."""
     def setup(self):
@@ -452,7 +496,8 @@ class Zombie:
 CASES = {"signals": Signals, "dispositions": Dispositions, "altstack": AltStack, "itimers": ITimers,
          "posix-timer": PosixTimer, "files": Files, "threads": Threads, "session": Session,
          "eventfd": EventFd, "timerfd": TimerFd, "signalfd": SignalFd, "epoll": Epoll, "sockets": Sockets,
-         "socket-data": SocketData, "shared-memory": SharedMemory, "unlinked": Unlinked, "zombie": Zombie}
+         "socket-data": SocketData, "shared-memory": SharedMemory, "unlinked": Unlinked, "zombie": Zombie,
+         "inotify": Inotify, "memfd": MemFd, "sysv-shm": SysvShm}
 
 
 def case(name, cmd, res):

@@ -34,6 +34,9 @@ const FALLBACK: &[(&str, &str)] = &[
     ("shared-memory", "shared memory"),
     ("unlinked", "(deleted)"),
     ("zombie", "zombie"),
+    ("inotify", "inotify"),
+    ("memfd", "memfd"),
+    ("sysv-shm", "shared memory"),
 ];
 
 struct Cases {

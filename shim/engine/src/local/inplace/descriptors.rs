@@ -17,7 +17,7 @@
 //! one, descriptor for descriptor, across the whole tree; without one they must be the same
 //! objects. Any other kind refuses.
 
-use super::{io, ptrace, refuse, Result};
+use super::{io, ptrace, refuse, Error, Result};
 use criu_hooks::images;
 use nix::libc;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -32,7 +32,7 @@ fn fdinfo_field(text: &str, key: &str) -> Option<String> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Fix {
     Seek { fd: u32, pos: u64 },
-    EventCount { fd: u32, semaphore: bool, count: u64 },
+    EventCount { fd: u32, count: u64 },
     Timer { fd: u32, value: (u64, u64), interval: (u64, u64) },
     SignalMask { fd: u32, mask: u64 },
 }
@@ -90,6 +90,8 @@ struct LiveSocket {
     kind: u32,
     /// `sk_state`, as CRIU records it.
     state: u32,
+    /// An Internet socket's local port.
+    port: Option<u32>,
 }
 
 const TCP_ESTABLISHED: u32 = 1;
@@ -114,7 +116,7 @@ fn live_sockets(host: i32) -> HashMap<u64, LiveSocket> {
             TCP_CLOSE
         };
         if let Ok(ino) = ino.parse() {
-            out.insert(ino, LiveSocket { family: libc::AF_UNIX as u32, kind: hex(kind), state });
+            out.insert(ino, LiveSocket { family: libc::AF_UNIX as u32, kind: hex(kind), state, port: None });
         }
     }
     // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode
@@ -126,9 +128,10 @@ fn live_sockets(host: i32) -> HashMap<u64, LiveSocket> {
     ] {
         for l in read(file).lines().skip(1) {
             let f: Vec<&str> = l.split_whitespace().collect();
-            let (Some(st), Some(ino)) = (f.get(3), f.get(9)) else { continue };
+            let (Some(local), Some(st), Some(ino)) = (f.get(1), f.get(3), f.get(9)) else { continue };
+            let port = local.rsplit_once(':').and_then(|(_, p)| u32::from_str_radix(p, 16).ok());
             if let (Ok(state), Ok(ino)) = (u32::from_str_radix(st, 16), ino.parse()) {
-                out.insert(ino, LiveSocket { family: family as u32, kind: kind as u32, state });
+                out.insert(ino, LiveSocket { family: family as u32, kind: kind as u32, state, port });
             }
         }
     }
@@ -198,8 +201,10 @@ pub(super) fn compare(
                     fixes.push(Fix::Seek { fd: f.fd, pos: *pos });
                 }
             }
-            Some(images::File::Pipe { inode }) => {
+            Some(images::File::Pipe { inode, flags: then_flags }) => {
                 let then = format!("pipe:[{inode}]");
+                // (a pipe's two ends have one name: the access mode tells them apart)
+                d.same_flags(*then_flags, "pipe")?;
                 if !objects.matches(&then, &link) {
                     return refuse(format!("process {vpid}: descriptor {} is {link} now, {then} at the statepoint", f.fd));
                 }
@@ -210,17 +215,18 @@ pub(super) fn compare(
                     return refuse(format!("process {vpid}: pipe descriptor {} holds data now", f.fd));
                 }
             }
-            Some(images::File::Socket { id, ino, family, kind, state }) => {
+            Some(images::File::Socket { id, ino, family, kind, state, flags: then_flags, port }) => {
                 let then = format!("socket:[{ino}]");
                 if !objects.matches(&then, &link) {
                     return refuse(format!("process {vpid}: descriptor {} is {link} now, {then} at the statepoint", f.fd));
                 }
-                if objects.socket_data.contains(id) {
+                d.same_flags(*then_flags, "socket")?;
+                if objects.socket_data.contains(id) || images::tcp_queued(images, *ino)? {
                     return refuse(format!("process {vpid}: socket descriptor {} held data at the statepoint", f.fd));
                 }
                 let live_ino: u64 = link.trim_start_matches("socket:[").trim_end_matches(']').parse().unwrap_or(0);
                 let sockets = objects.sockets.get_or_insert_with(|| live_sockets(host));
-                let then_sk = LiveSocket { family: *family, kind: *kind, state: *state };
+                let then_sk = LiveSocket { family: *family, kind: *kind, state: *state, port: *port };
                 match sockets.get(&live_ino) {
                     Some(s) if *s == then_sk => {}
                     other => {
@@ -237,15 +243,16 @@ pub(super) fn compare(
             Some(images::File::EventFd { flags: then_flags, counter }) => {
                 d.anon("[eventfd]")?;
                 d.same_flags(*then_flags, "eventfd")?;
-                let semaphore = fdinfo_field(&info, "eventfd-semaphore").is_some_and(|v| v == "1")
-                    || then_flags & libc::EFD_SEMAPHORE as u32 != 0;
+                // (a semaphore's count is read one by one: a large one is refused; kernels
+                // before 6.5 do not show the mode, see `apply`)
+                let semaphore = fdinfo_field(&info, "eventfd-semaphore").is_some_and(|v| v == "1");
                 let now_count = fdinfo_field(&info, "eventfd-count").and_then(|v| u64::from_str_radix(&v, 16).ok());
                 match now_count {
                     Some(n) if n == *counter => {}
                     Some(n) if semaphore && n > 1 << 16 => {
                         return refuse(format!("process {vpid}: semaphore eventfd {} counts {n} now", f.fd));
                     }
-                    Some(_) => fixes.push(Fix::EventCount { fd: f.fd, semaphore, count: *counter }),
+                    Some(_) => fixes.push(Fix::EventCount { fd: f.fd, count: *counter }),
                     None => return refuse(format!("process {vpid}: eventfd {}: no count in its fdinfo", f.fd)),
                 }
             }
@@ -349,24 +356,21 @@ pub(super) fn apply(host: i32, vpid: u32, fixes: &[Fix]) -> Result<()> {
                     return Err(fail("seek", fd)(last()));
                 }
             }
-            Fix::EventCount { fd, semaphore, count } => {
+            Fix::EventCount { fd, count } => {
                 let d = dup(host, vpid, fd)?;
-                let info = std::fs::read_to_string(format!("/proc/{host}/fdinfo/{fd}")).unwrap_or_default();
-                let now =
-                    fdinfo_field(&info, "eventfd-count").and_then(|v| u64::from_str_radix(&v, 16).ok()).unwrap_or(0);
-                // A read takes the whole count (a semaphore's: one); it does not block while
-                // there is one.
-                let reads = if now == 0 {
-                    0
-                } else if semaphore {
-                    now
-                } else {
-                    1
+                let count_now = || {
+                    let info = std::fs::read_to_string(format!("/proc/{host}/fdinfo/{fd}")).unwrap_or_default();
+                    fdinfo_field(&info, "eventfd-count").and_then(|v| u64::from_str_radix(&v, 16).ok())
                 };
-                for _ in 0..reads {
+                // A read takes the whole count (a semaphore's: one; CRIU does not record the
+                // mode, and kernels before 6.5 do not show it) and does not block while there
+                // is one: read until there is none.
+                let mut reads = 0;
+                while count_now().unwrap_or(0) > 0 {
+                    reads += 1;
                     let mut v = 0u64;
                     // SAFETY: an eventfd read writes 8 bytes.
-                    if unsafe { libc::read(d.as_raw_fd(), (&mut v as *mut u64).cast(), 8) } != 8 {
+                    if reads > 1 << 16 || unsafe { libc::read(d.as_raw_fd(), (&mut v as *mut u64).cast(), 8) } != 8 {
                         return Err(fail("read the count", fd)(last()));
                     }
                 }
@@ -375,6 +379,9 @@ pub(super) fn apply(host: i32, vpid: u32, fixes: &[Fix]) -> Result<()> {
                     if unsafe { libc::write(d.as_raw_fd(), (&count as *const u64).cast(), 8) } != 8 {
                         return Err(fail("write the count", fd)(last()));
                     }
+                }
+                if count_now() != Some(count) {
+                    return Err(Error::Failed(format!("eventfd {fd} of process {vpid}: its count is not {count}")));
                 }
             }
             Fix::Timer { fd, value, interval } => {
@@ -429,7 +436,7 @@ mod tests {
         };
         assert!(ev >= 0 && tfd >= 0 && sfd >= 0);
         let fixes = [
-            Fix::EventCount { fd: ev as u32, semaphore: false, count: 3 },
+            Fix::EventCount { fd: ev as u32, count: 3 },
             Fix::Timer { fd: tfd as u32, value: (500, 0), interval: (0, 0) },
             Fix::SignalMask { fd: sfd as u32, mask: 1 << (libc::SIGUSR1 - 1) },
         ];

@@ -189,10 +189,18 @@ fn check_live_thread(status: &str, what: &str) -> Result<()> {
     if status_field(status, "TracerPid").is_some_and(|t| t != "0") {
         return refuse(format!("{what} is traced by another process"));
     }
-    let sigkill = 1u64 << (libc::SIGKILL - 1);
+    // A stop, continue, kill or trap signal pending now: rt_sigtimedwait cannot take a stop or
+    // a kill, and a step over a system call would be taken for the trap.
+    let state_signals = signals::STATE_SIGNALS.iter().fold(0u64, |m, s| m | 1 << (s - 1));
     for key in ["SigPnd", "ShdPnd"] {
-        if status_field(status, key).is_some_and(|v| u64::from_str_radix(&v, 16).map_or(true, |m| m & sigkill != 0)) {
-            return refuse(format!("{what} is being killed"));
+        let pending = status_field(status, key).map(|v| u64::from_str_radix(&v, 16).unwrap_or(u64::MAX));
+        if let Some(m) = pending.filter(|m| m & state_signals != 0) {
+            let why = if m & 1 << (libc::SIGKILL - 1) != 0 {
+                "is being killed"
+            } else {
+                "has a stop, continue or trap signal pending"
+            };
+            return refuse(format!("{what} {why}"));
         }
     }
     Ok(())
@@ -781,11 +789,7 @@ impl Plan {
             let threads = p.threads.iter().enumerate().map(|(i, (th, _))| (&tracees[ti + i], th.vtid)).collect();
             let mut h = signals::Held { vpid: p.vpid, host: p.host, insn, threads, calls: &mut applied.system_calls };
             p.signals.apply(&mut h)?;
-            for (th, core) in &p.threads {
-                let t = &tracees[ti];
-                ti += 1;
-                set_thread(t, th, core).map_err(io(format!("thread {} of process {}", th.vtid, p.vpid)))?;
-            }
+            ti += p.threads.len();
             descriptors::apply(p.host, p.vpid, &p.fixes)?;
         }
         crate::fault::point("rollback.in-place.registers").map_err(|e| Error::Failed(e.to_string()))?;
@@ -807,6 +811,12 @@ impl Plan {
                 )
                 .map_err(io(format!("process {}", p.vpid)))?;
             }
+        }
+        // Registers and masks last: no system call runs in a thread after them (each step
+        // raises a SIGTRAP, which a statepoint's mask may block).
+        let threads = self.shape.procs.iter().flat_map(|p| p.threads.iter().map(move |(th, core)| (p.vpid, th, core)));
+        for (t, (vpid, th, core)) in tracees.iter().zip(threads) {
+            set_thread(t, th, core).map_err(io(format!("thread {} of process {vpid}", th.vtid)))?;
         }
         Ok(applied)
     }

@@ -29,9 +29,18 @@ pub struct Tracee {
 
 impl Tracee {
     /// Seizes thread `tid` and waits (10 s at most) until it stops.
+    ///
+    /// Should planarian die while it holds the thread (SIGKILL, a panic), the kernel kills the
+    /// thread (`PTRACE_O_EXITKILL`): a process halfway put back — some of its pages written, its
+    /// signals blocked — must not run on as if nothing happened. The statepoints, the safety
+    /// statepoint among them, are intact.
     pub fn seize(tid: i32) -> io::Result<Tracee> {
         // SAFETY: ptrace requests on a thread id, no memory of ours is handed over.
-        check(unsafe { libc::ptrace(libc::PTRACE_SEIZE, tid, 0, 0) }, "PTRACE_SEIZE", tid)?;
+        check(
+            unsafe { libc::ptrace(libc::PTRACE_SEIZE, tid, 0, libc::PTRACE_O_EXITKILL as libc::c_long) },
+            "PTRACE_SEIZE",
+            tid,
+        )?;
         let t = Tracee { tid };
         check(unsafe { libc::ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0) }, "PTRACE_INTERRUPT", tid)?;
         t.wait_stop()?;
@@ -296,6 +305,35 @@ mod tests {
         t.set_xstate(&x).unwrap();
         drop(t);
         drop(done);
+    }
+
+    /// A tracer that ends while it holds a thread takes the thread with it.
+    #[test]
+    fn a_thread_held_by_a_tracer_that_ends_is_killed() {
+        // SAFETY: the child only waits; it is reaped below.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            loop {
+                unsafe { libc::pause() };
+            }
+        }
+        let _k = Kill(child);
+        let held = std::thread::spawn(move || match Tracee::seize(child) {
+            // The tracer is this thread: it ends holding the child.
+            Ok(t) => {
+                std::mem::forget(t);
+                true
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => false,
+            Err(e) => panic!("{e}"),
+        });
+        if !held.join().unwrap() {
+            return;
+        }
+        let mut status = 0;
+        // SAFETY: our child; waitpid writes the status.
+        assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+        assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL, "status {status:#x}");
     }
 
     struct Kill(i32);

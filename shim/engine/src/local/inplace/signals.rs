@@ -18,9 +18,10 @@
 //!    but an interval fires after one interval).
 //!
 //! Refused, before anything changed: a stop, continue or kill signal queued at the statepoint
-//! (it changes the process's state, not only its queue), a process whose POSIX timers are not
-//! the statepoint's (created or deleted since: a timer's ID cannot be chosen), a timer that had
-//! overruns (its count cannot be set), 32-bit dispositions.
+//! (it changes the process's state, not only its queue) or a SIGTRAP (each step raises one), an
+//! ignored SIGTRAP, a process whose POSIX timers are not the statepoint's (created or deleted
+//! since: a timer's ID cannot be chosen), 32-bit dispositions. Not put back: a POSIX timer's
+//! overrun count (of its last delivered expiration; CRIU does not either).
 
 use super::{io, ptrace, refuse, Error, Result, Thread};
 use criu_hooks::images::{Core, ITimer, PosixTimer, SigAction};
@@ -42,9 +43,10 @@ pub(super) struct Signals {
 type AltStack = (u64, u64, u32);
 
 const SIGINFO_SIZE: usize = 128;
-/// Signals whose arrival changes a process's state (stop, continue, death), not only its queue.
-const STATE_SIGNALS: [i32; 6] =
-    [libc::SIGKILL, libc::SIGSTOP, libc::SIGCONT, libc::SIGTSTP, libc::SIGTTIN, libc::SIGTTOU];
+/// Signals whose arrival changes a process's state (stop, continue, death), not only its queue;
+/// and SIGTRAP, which each step over a system call raises (a queued one would be taken for it).
+pub(super) const STATE_SIGNALS: [i32; 7] =
+    [libc::SIGKILL, libc::SIGSTOP, libc::SIGCONT, libc::SIGTSTP, libc::SIGTTIN, libc::SIGTTOU, libc::SIGTRAP];
 const SS_ONSTACK: u32 = 1;
 const SS_DISABLE: u32 = 2;
 const SIGEV_THREAD_ID: u32 = 4;
@@ -90,7 +92,8 @@ fn parse_timers(text: &str) -> Vec<LiveTimer> {
                     t.notify = kind | if target.starts_with("tid.") { SIGEV_THREAD_ID } else { 0 };
                     t.target = target.split_once('.').and_then(|(_, n)| n.parse().ok()).unwrap_or(0);
                 }
-                "ClockID" => t.clock = v.parse().unwrap_or(u32::MAX),
+                // (a CPU clock's ID is negative; CRIU records it as unsigned)
+                "ClockID" => t.clock = v.parse::<i32>().map_or(u32::MAX, |c| c as u32),
                 _ => {}
             }
         }
@@ -114,7 +117,7 @@ pub(super) fn check(vpid: u32, host: i32, threads: &[(Thread, Core)]) -> Result<
             }
             if STATE_SIGNALS.contains(&signo(info)) {
                 return refuse(format!(
-                    "thread {tid}: signal {} (a stop, continue or kill) was queued at the statepoint",
+                    "thread {tid}: signal {} (a stop, continue, kill or trap) was queued at the statepoint",
                     signo(info)
                 ));
             }
@@ -128,6 +131,11 @@ pub(super) fn check(vpid: u32, host: i32, threads: &[(Thread, Core)]) -> Result<
     }
     if leader.sigactions.iter().any(|a| a.compat) {
         return refuse(format!("process {vpid}: a 32-bit signal disposition"));
+    }
+    // (each step over a system call raises SIGTRAP, and the kernel resets an ignored one to its
+    // default: SIGTRAP is the fifth of CRIU's list)
+    if leader.sigactions[libc::SIGTRAP as usize - 1].handler == libc::SIG_IGN as u64 {
+        return refuse(format!("process {vpid}: SIGTRAP was ignored at the statepoint"));
     }
     let Some(itimers) = leader.itimers else {
         return refuse(format!("process {vpid}: no timers in the statepoint"));
@@ -149,9 +157,6 @@ pub(super) fn check(vpid: u32, host: i32, threads: &[(Thread, Core)]) -> Result<
             ids(live.iter().map(|t| t.id).collect())
         ));
     }
-    if let Some(t) = then.iter().find(|t| t.overrun != 0) {
-        return refuse(format!("process {vpid}: POSIX timer {} had {} overruns at the statepoint", t.id, t.overrun));
-    }
     Ok(Signals {
         sigactions: leader.sigactions.clone(),
         shared: leader.shared_signals.clone(),
@@ -161,11 +166,15 @@ pub(super) fn check(vpid: u32, host: i32, threads: &[(Thread, Core)]) -> Result<
     })
 }
 
-/// Every held thread blocks every signal (SIGKILL and SIGSTOP aside), so that none is delivered
-/// while system calls run in it; each thread's mask is set to the statepoint's afterwards.
+/// Every held thread blocks every signal (SIGKILL and SIGSTOP aside) but SIGTRAP, so that none
+/// is delivered while system calls run in it; each thread's mask is set to the statepoint's
+/// afterwards. SIGTRAP stays unblocked: each step over a system call raises one, and the kernel
+/// resets a blocked SIGTRAP's disposition to its default for the whole process (CRIU's compel
+/// leaves it unblocked too).
 pub(super) fn block_all(tracees: &[ptrace::Tracee]) -> Result<()> {
+    let mask = !(1u64 << (libc::SIGTRAP - 1));
     for t in tracees {
-        t.set_sigmask(u64::MAX).map_err(io(format!("block the signals of thread {}", t.tid)))?;
+        t.set_sigmask(mask).map_err(io(format!("block the signals of thread {}", t.tid)))?;
     }
     Ok(())
 }
