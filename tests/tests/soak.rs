@@ -5,7 +5,7 @@
 //! committed statepoint — those the schedule saw committed and those a killed operation
 //! committed before it died — restores exactly (memory checksum, counter, files).
 //!
-//! Bounded for CI (`PLANARIAN_SOAK_STEPS`, default 16, and `PLANARIAN_SOAK_SEED`); the longer
+//! Bounded for CI (`PLANARIAN_SOAK_STEPS`, default 8, and `PLANARIAN_SOAK_SEED`); the longer
 //! run quoted in docs/testbed.md is the same test with more steps.
 
 use planarian_system_tests::sandbox::*;
@@ -120,7 +120,7 @@ fn frozen(name: &str) -> bool {
 #[test]
 fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
     require_stack!();
-    let steps: usize = std::env::var("PLANARIAN_SOAK_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(16);
+    let steps: usize = std::env::var("PLANARIAN_SOAK_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
     let seed: u64 = std::env::var("PLANARIAN_SOAK_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let mut agents: Vec<Agent> = (0..4)
