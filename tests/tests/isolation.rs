@@ -33,7 +33,7 @@ fn a_sandbox_reaches_no_statepoint_no_sidecar_socket_and_no_endpoint() {
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(), "the host reaches its own endpoint");
     let gateway = b.sh("ip route 2>/dev/null | awk '/default/ {print $3}'; true").out();
     let gateway =
-        if gateway.is_empty() { b.sh("awk '$1 == \"00000000\" {print $3}' /proc/net/route").out() } else { gateway };
+        if gateway.is_empty() { b.sh("awk '$2 == \"00000000\" {print $3}' /proc/net/route").out() } else { gateway };
     let gateway = if gateway.len() == 8 && !gateway.contains('.') {
         // /proc/net/route: little-endian hex.
         let v = u32::from_str_radix(&gateway, 16).unwrap();
