@@ -247,7 +247,7 @@ pub fn dup_fd(pid: i32, fd: u32) -> io::Result<std::os::fd::OwnedFd> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// Runs system calls in a child of the test: the real ptrace path, on this machine's kernel.
@@ -336,7 +336,8 @@ mod tests {
         assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL, "status {status:#x}");
     }
 
-    struct Kill(i32);
+    /// A child of a test, killed and reaped at the end.
+    pub(in crate::local::inplace) struct Kill(pub i32);
     impl Drop for Kill {
         fn drop(&mut self) {
             unsafe {

@@ -386,17 +386,7 @@ mod tests {
                 }
             }
         }
-        struct Kill(i32);
-        impl Drop for Kill {
-            fn drop(&mut self) {
-                // SAFETY: our own child.
-                unsafe {
-                    libc::kill(self.0, libc::SIGKILL);
-                    libc::waitpid(self.0, std::ptr::null_mut(), 0);
-                }
-            }
-        }
-        let _k = Kill(child);
+        let _k = ptrace::tests::Kill(child);
         let usr1 = 1u64 << (libc::SIGUSR1 - 1);
         let start = std::time::Instant::now();
         while status_mask(child, "SigBlk") & usr1 == 0 {
