@@ -114,7 +114,7 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
         println!("{id}");
         return Ok(0);
     }
-    let ctx = Ctx::running(&inv.globals(), &a.container)?;
+    let mut ctx = Ctx::running(&inv.globals(), &a.container)?;
     let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
         eprintln!("waiting for what is in flight in {} ({what})", a.container)
     })?;

@@ -505,6 +505,7 @@ fn planarian_killed_mid_rollback_in_place_leaves_no_process_halfway() {
     let sp = sb.snapshot("target");
     sb.send("dirty 0 1048576");
     sb.send("map 1");
+    let before = line(&sb);
     std::fs::create_dir_all("/run/planarian").unwrap();
     std::fs::write(FAULT, "kill:rollback.in-place.memory").unwrap();
     let r = planarian(&["rollback", &sb.name, &sp]);
@@ -517,11 +518,22 @@ fn planarian_killed_mid_rollback_in_place_leaves_no_process_halfway() {
         status()
     );
     assert!(sb.statepoints().iter().any(|m| m["statepoint-id"] == sp.as_str()), "the statepoint is intact");
-    podman("planarian", &["start", &sb.name]).ok();
-    assert!(wait_for(Duration::from_secs(120), || sb.read().is_some()), "the sandbox did not start again");
+    // The next operation puts the sandbox back as it was before the rollback (its safety
+    // statepoint, files and processes), and then does what it was asked.
+    let r = planarian(&["snapshot", &sb.name, "--name", "after-the-kill"]);
+    r.ok();
+    assert!(r.stderr.contains(&format!("an interrupted rollback to {sp} was undone")), "{}", r.stderr);
+    assert_eq!(status(), "running");
+    assert_eq!(line(&sb), before, "as it was before the rollback");
+    let committed_internal = std::fs::read_dir(store_of(&sb).join("statepoints"))
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.unwrap().path().join("manifest.json")).ok())
+        .map(|b| serde_json::from_slice::<serde_json::Value>(&b).unwrap())
+        .filter(|m| m["internal"] == true && m["status"] == "committed")
+        .count();
+    assert_eq!(committed_internal, 0, "the safety statepoint is gone once used");
     let ctx = rollback(&mut sb, &sp);
-    assert_eq!(ctx["how"]["path"], "stop-and-restore", "{ctx}");
-    assert_eq!(line(&sb), at_sp, "at the statepoint");
+    assert_eq!(line(&sb), at_sp, "at the statepoint ({})", ctx["how"]["path"]);
     let r = planarian(&["fsck", &sb.name]);
     assert_eq!(r.code, Some(0), "fsck: {}{}", r.stdout, r.stderr);
 }

@@ -167,7 +167,7 @@ fn process_states_come_back_after_every_operation() {
 }
 
 #[test]
-fn process_states_a_rollback_in_place_refuses_are_restored_with_the_reason() {
+fn process_states_a_rollback_in_place_refuses_come_back_by_restore_checkpoint_and_fork() {
     require_stack!();
     // All in one sandbox (each in one of its own costs a minute of the suite's time under
     // emulation): the rollback names the first it meets, and the restore brings every one back.
@@ -182,4 +182,17 @@ fn process_states_a_rollback_in_place_refuses_are_restored_with_the_reason() {
     assert!(FALLBACK.iter().any(|(_, reason)| why.contains(reason)), "a reason of the list: {why}");
     eprintln!("not in place: {why}");
     c.verify("a rollback by restore of what a rollback in place refuses");
+
+    // The other operations that bring a statepoint back: Podman's checkpoint and restore…
+    podman("planarian", &["container", "checkpoint", &c.name]).ok();
+    podman("planarian", &["container", "restore", &c.name]).ok();
+    c.verify("podman container checkpoint and restore of what a rollback in place refuses");
+
+    // …and a fork, the source changed meanwhile.
+    c.mutate();
+    let fork = name("procstate-fallback-fork");
+    planarian(&["fork", &c.name, &sp, "--name", &fork]).ok();
+    let mut f = Cases::attach(&fork);
+    f.seq = c.seq;
+    f.verify("a fork of what a rollback in place refuses");
 }

@@ -1,11 +1,14 @@
 //! Many sandboxes, many faults: agents change memory and files while statepoints are taken
 //! (synchronously and not), rolled back to and forked, on a seeded random schedule, and
-//! planarian itself is killed (SIGKILL) at random moments of its operations, not only at fault
-//! points. After it: no sandbox is left frozen, `planarian fsck` finds nothing wrong, and every
+//! planarian itself is killed (SIGKILL) at random moments of its snapshots and rollbacks, not
+//! only at fault points; the operation that follows a killed rollback finds the sandbox running,
+//! exactly as it was before the rollback or exactly at its target. After it all: no sandbox is
+//! left frozen, `planarian fsck` finds nothing wrong, and every
 //! committed statepoint — those the schedule saw committed and those a killed operation
 //! committed before it died — restores exactly (memory checksum, counter, files).
 //!
-//! Bounded for CI (`PLANARIAN_SOAK_STEPS`, default 8, and `PLANARIAN_SOAK_SEED`); the longer
+//! Bounded for CI (`PLANARIAN_SOAK_STEPS`, default 8, and `PLANARIAN_SOAK_SEED`, default 4: its
+//! 8 steps kill two snapshots and two rollbacks); the longer
 //! run quoted in docs/testbed.md is the same test with more steps.
 
 use planarian_system_tests::sandbox::*;
@@ -82,11 +85,14 @@ fn statepoint_names(name: &str) -> Vec<String> {
     v.as_array().unwrap().iter().filter_map(|m| m["name"].as_str().map(String::from)).collect()
 }
 
-/// Runs planarian with `args` and kills it after `after`; a CRIU it started ends by itself (it is
-/// waited for: killing CRIU while its parasite is in a process could kill the process).
+/// Runs planarian with `args` and kills it (only it) after `after`; what it started (a CRIU, a
+/// `podman container restore`) ends by itself and is waited for: killing CRIU while its parasite
+/// is in a process could kill the process, and the next operation is the test's, after all of it.
 fn killed(args: &[&str], after: Duration) -> bool {
+    use std::os::unix::process::CommandExt;
     let mut child = std::process::Command::new(planarian_bin())
         .args(args)
+        .process_group(0)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -99,11 +105,13 @@ fn killed(args: &[&str], after: Duration) -> bool {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    let group = child.id().to_string();
     let _ = child.kill();
     let _ = child.wait();
     assert!(
-        wait_for(Duration::from_secs(300), || cmd("pgrep", ["-x", "criu"]).code != Some(0)),
-        "a CRIU outlived the planarian that started it by 5 minutes"
+        wait_for(Duration::from_secs(300), || cmd("pgrep", ["-g", &group]).code != Some(0)
+            && cmd("pgrep", ["-x", "criu"]).code != Some(0)),
+        "what the killed planarian started outlived it by 5 minutes"
     );
     true
 }
@@ -121,7 +129,7 @@ fn frozen(name: &str) -> bool {
 fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
     require_stack!();
     let steps: usize = std::env::var("PLANARIAN_SOAK_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
-    let seed: u64 = std::env::var("PLANARIAN_SOAK_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    let seed: u64 = std::env::var("PLANARIAN_SOAK_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let mut agents: Vec<Agent> = (0..4)
         .map(|i| {
@@ -175,6 +183,38 @@ fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
                 fa.work(&mut rng);
                 born = Some(fa);
                 "fork"
+            }
+            9 if !ag.committed.is_empty() => {
+                // planarian killed mid-rollback, at a moment of the schedule's: in the middle of
+                // a rollback in place or of a stop and restore, whichever the moment falls in.
+                let before = ag.held();
+                let k = rng.below(ag.committed.len());
+                let (sp, target) = ag.committed.iter().nth(k).map(|(s, h)| (s.clone(), h.clone())).unwrap();
+                let after = Duration::from_millis(200 + rng.below(6000) as u64);
+                let sb_name = ag.sb.name.clone();
+                let was_killed = killed(&["rollback", &sb_name, &sp], after);
+                // The next operation finishes or undoes it: the sandbox runs, not frozen, and
+                // holds exactly what it held before the rollback or what the statepoint holds.
+                let next = format!("{name}-next");
+                ag.sb.snapshot(&next);
+                assert_eq!(
+                    podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb_name]).out(),
+                    "running",
+                    "{sb_name}: after planarian was killed mid-rollback and the next operation"
+                );
+                assert!(!frozen(&sb_name), "{sb_name}: frozen after the statepoint that follows a killed rollback");
+                ag.sb.seq = ag.sb.read().expect("state after the killed rollback").0;
+                let now = ag.held();
+                assert!(
+                    now == before || now == target,
+                    "{sb_name}: after a rollback to {sp} killed at {after:?}: {now:?}, neither as before ({before:?}) nor at the statepoint ({target:?})"
+                );
+                ag.committed.insert(next, now.clone());
+                match (was_killed, now == target) {
+                    (false, _) => "rollback (ended before the kill)",
+                    (true, true) => "killed rollback, finished",
+                    (true, false) => "killed rollback, undone",
+                }
             }
             _ => {
                 // planarian killed mid-snapshot, at a moment of the schedule's.

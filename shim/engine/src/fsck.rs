@@ -10,7 +10,7 @@
 //!
 //! `--repair` does only what loses nothing committed: it drops half-made statepoints (pending
 //! or without a manifest) and their ZFS snapshots, thaws a sandbox a dead planarian left frozen,
-//! finishes an interrupted rollback's compensation, clears a head that names no statepoint and an
+//! finishes or undoes an interrupted rollback (and its compensation), clears a head that names no statepoint and an
 //! unreadable base record (the next dump is full), and removes images and bases no statepoint
 //! reaches. A committed statepoint that lost a part is
 //! reported, never removed: that is the user's call (`planarian statepoint rm`).
@@ -26,8 +26,8 @@ pub struct Finding {
     /// The statepoint it concerns, when it concerns one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub statepoint: Option<String>,
-    /// What was checked: manifest, pending, images, chain, files, head, name, frozen, base,
-    /// positions.
+    /// What was checked: manifest, pending, images, chain, files, head, name, rollback, frozen,
+    /// base, positions.
     pub check: &'static str,
     pub detail: String,
     /// Whether `--repair` can (or, after a repair, did) put it right.
@@ -90,6 +90,8 @@ pub fn check_container(cfg: &Config, id: &str, repair: bool, wait: std::time::Du
 
 /// The safe repairs, with the lock held.
 fn mend(cfg: &Config, store: &ContainerStore) {
+    // (first: a half-written sandbox must not be thawed before it is stopped)
+    crate::statepoint::journal::recover(&crate::runtime::Globals::default(), cfg, store, &store.container_id());
     let marker = store.dir.join(crate::local::freezer::MARKER);
     if marker.exists() {
         crate::local::freezer::FreezeGuard::recover(&marker);
@@ -176,6 +178,16 @@ pub fn findings(cfg: &Config, store: &ContainerStore) -> Vec<Finding> {
         if !manifests.iter().any(|m| m.statepoint_id == head && m.status == Status::Committed) {
             add(None, "head", format!("the head names {head}, which is not a committed statepoint"), true);
         }
+    }
+    if let Some(target) = crate::statepoint::journal::interrupted_to(store) {
+        add(
+            None,
+            "rollback",
+            format!(
+                "a rollback to {target} was interrupted (repaired: finished, or undone with its safety statepoint)"
+            ),
+            true,
+        );
     }
     let marker = store.dir.join(crate::local::freezer::MARKER);
     if marker.exists() {

@@ -73,6 +73,10 @@ impl Rootfs for CopyRootfs {
         let parent = self.upperdir.parent().unwrap_or(Path::new("/"));
         let fresh = parent.join(format!("{name}.planarian-new"));
         let old = parent.join(format!("{name}.planarian-old"));
+        // A planarian killed between the two renames below: the old copy is the upper dir.
+        if !self.upperdir.exists() && old.is_dir() {
+            sys::Context::at(std::fs::rename(&old, &self.upperdir), "put the previous files back at", &self.upperdir)?;
+        }
         let _ = std::fs::remove_dir_all(&fresh);
         copy_tree(&saved, &fresh)?;
         // A leftover from a crash: the current upper dir is the truth, drop the old copy.
@@ -171,6 +175,14 @@ mod tests {
         guard.commit();
         assert!(!base.join("diff.planarian-old").exists());
         assert_eq!(std::fs::read_to_string(upper.join("etc/app.conf")).unwrap(), "v1");
+
+        // A planarian killed between moving the upper dir aside and putting the copy in place.
+        std::fs::write(upper.join("etc/app.conf"), "v3").unwrap();
+        std::fs::rename(&upper, base.join("diff.planarian-old")).unwrap();
+        let guard = r.restore(&sp1, &local).unwrap();
+        assert_eq!(std::fs::read_to_string(upper.join("etc/app.conf")).unwrap(), "v1");
+        guard.undo().unwrap();
+        assert_eq!(std::fs::read_to_string(upper.join("etc/app.conf")).unwrap(), "v3", "the old copy was the truth");
         std::fs::remove_dir_all(&base).unwrap();
     }
 }

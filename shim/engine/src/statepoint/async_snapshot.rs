@@ -71,7 +71,7 @@ pub fn start(globals: &Globals, name: &str, req: &SnapshotRequest, worker: &std:
     if let Some(n) = &req.name {
         super::check_name(n)?;
     }
-    let ctx = Ctx::running(globals, name)?;
+    let mut ctx = Ctx::running(globals, name)?;
     let lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
         eprintln!("waiting for what is in flight in {name} ({what})")
     })?;

@@ -5,6 +5,7 @@
 
 pub mod async_snapshot;
 pub mod fork;
+pub mod journal;
 pub mod podman_dir;
 pub mod restore;
 pub mod rollback;
@@ -131,7 +132,16 @@ impl Ctx {
     /// when containers/storage, crun and the container's conmon tell ([`lookup`]), else through
     /// `podman inspect`, whose answer also makes the clearer error (not running, not
     /// planarian's, no such container).
+    ///
+    /// A container an interrupted rollback left stopped is first put back (see [`journal`]).
     pub fn running(globals: &Globals, name: &str) -> Result<Ctx> {
+        match Ctx::running_now(globals, name) {
+            Err(Error::NotRunning { .. }) if recover_stopped(globals, name) => Ctx::running_now(globals, name),
+            r => r,
+        }
+    }
+
+    fn running_now(globals: &Globals, name: &str) -> Result<Ctx> {
         if let Some(id) = lookup::storage_id(name) {
             if let Ok(ctx) = Ctx::load(globals, &id) {
                 if let Ok(pid) = ctx.ctr.running_pid() {
@@ -148,10 +158,16 @@ impl Ctx {
         Ctx::load(globals, &pc.id)
     }
 
-    /// Undoes what a crashed planarian may have left: a cgroup it froze (and CRIU's network
-    /// lock, which a CRIU killed with it leaves), pending statepoints. Call with the exclusive
-    /// lock held.
-    pub fn recover(&self) {
+    /// Undoes what a crashed planarian may have left: a rollback half-way (finished or undone,
+    /// [`journal`]), a cgroup it froze (and CRIU's network lock, which a CRIU killed with it
+    /// leaves), pending statepoints. Call with the exclusive lock held.
+    pub fn recover(&mut self) {
+        if journal::recover(&self.globals, &self.cfg, &self.store, &self.ctr.id).is_some() {
+            // (the container may run new processes now)
+            if let Ok(c) = Container::load(&self.crun, &self.globals, &self.ctr.id) {
+                self.ctr = c;
+            }
+        }
         let marker = self.store.dir.join(local::freezer::MARKER);
         if marker.exists() {
             if let Ok(pid) = self.ctr.running_pid() {
@@ -164,6 +180,18 @@ impl Ctx {
     }
 }
 
+/// Puts back a container an interrupted rollback left stopped, under its exclusive lock:
+/// whether there was one to put back.
+fn recover_stopped(globals: &Globals, name: &str) -> bool {
+    let Ok(cfg) = Config::load() else { return false };
+    let Ok(store) = store_of(&cfg, name) else { return false };
+    if !journal::interrupted(&store) {
+        return false;
+    }
+    let Ok(_lock) = store.lock(true) else { return false };
+    journal::recover(globals, &cfg, &store, &store.container_id()).is_some()
+}
+
 /// A rollback whose planarian was killed after it restored the sandbox, before its
 /// compensation ended: the compensation is finished now, so sandbox and services are both at
 /// the target (said on stderr; a compensation that still fails is said too, and tried again
@@ -171,7 +199,7 @@ impl Ctx {
 pub fn finish_compensation(store: &ContainerStore, id: &str) {
     match crate::remote::hooks::finish_interrupted(&store.dir, id) {
         Ok(Some(target)) => {
-            eprintln!("planarian: finished the compensation of an interrupted rollback to {target}: the remote state is at {target}, like the sandbox");
+            said_compensated(&target);
             if let Ok(m) = store.find(&target) {
                 crate::context::mark_unreachable(store, &m);
             }
@@ -181,6 +209,10 @@ pub fn finish_compensation(store: &ContainerStore, id: &str) {
             "planarian: an interrupted rollback's compensation still fails (tried again by the next operation): {e}"
         ),
     }
+}
+
+fn said_compensated(target: &str) {
+    eprintln!("planarian: finished the compensation of an interrupted rollback to {target}: the remote state is at {target}, like the sandbox");
 }
 
 /// The planarian container a user names (a name, an ID or a prefix), as `podman inspect`

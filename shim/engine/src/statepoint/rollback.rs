@@ -9,6 +9,7 @@
 //! statepoint) and its remote state was not touched (a compensation that fails changes nothing
 //! of PostgreSQL; one that undid some declared tools' calls before failing says how far).
 
+use super::journal::{Journal, Phase};
 use super::podman_dir::{leave_for_podman, Destination, Handoff};
 use super::snapshot::{self, SnapshotRequest};
 use super::{describe, Ctx, Error, Result};
@@ -52,7 +53,11 @@ impl Rollback {
             false => store.try_lock(true)?.ok_or_else(|| Error::Busy(container.name.clone()))?,
         };
         crate::log::mark("locked");
-        // (a rollback killed during its compensation is finished first, whatever the state)
+        // (a rollback killed half-way is finished or undone first, whatever the state)
+        let container = match super::journal::recover(globals, &cfg, &store, &container.id) {
+            Some(_) => podman::planarian_container(&container.id)?,
+            None => container,
+        };
         super::finish_compensation(&store, &container.id);
         let target = store.find(statepoint)?;
         if let Some(why) = &target.unreachable {
@@ -268,18 +273,28 @@ fn rollback(
     // up, and compensation needs it.
     let _rolling = crate::remote::sidecar::RollbackMarker::set(store);
 
-    // 0. In place, when the tree has the statepoint's shape.
+    // 0. In place, when the tree has the statepoint's shape. From here on, a rollback of a
+    // running sandbox keeps its journal: a planarian killed half-way leaves a sandbox the next
+    // operation finishes or undoes (see [`super::journal`]).
     let mut not_in_place = None;
     let mut taken = None;
+    let mut journal = None;
+    // (reserved: the lock is held; a stopped container has no safety statepoint)
+    let safety_id = match pc.status.as_str() {
+        "running" | "paused" => store.next_id(),
+        _ => String::new(),
+    };
     if pc.status == "running" {
-        let ctx = Ctx::load(globals, &pc.id)?;
+        let mut ctx = Ctx::load(globals, &pc.id)?;
         ctx.recover();
         crate::log::mark("ctx");
+        let j = journal.insert(Journal::begin(store, &target.statepoint_id, &safety_id, ctx.ctr.running_pid()?)?);
         if !ctx.cfg.checkpoint.rollback_in_place {
             not_in_place = Some("turned off (checkpoint.rollback_in_place = false)".to_string());
         } else {
             let mut blocked = || full_path.get().as_ref().err().map(|e| e.to_string());
-            match in_place(&ctx, pc, store, target, rootfs.as_ref(), &mut blocked, progress)? {
+            let at = Reserved { safety: &safety_id, journal: j };
+            match in_place(&ctx, pc, store, target, rootfs.as_ref(), at, &mut blocked, progress)? {
                 InPlace::Done { how, safety_positions, leftover } => {
                     return Ok(Done { from, safety_positions, files_backend: rootfs.backend(), how, leftover })
                 }
@@ -296,28 +311,41 @@ fn rollback(
     }
     let how = How { path: "stop-and-restore".into(), not_in_place, ..How::default() };
 
-    // 1. Keep the current state until the restore succeeded.
+    // 1. Keep the current state until the restore succeeded. A running sandbox stays frozen
+    // until its safety statepoint is committed, and is then killed: a planarian killed during
+    // the dump leaves it running as it was, never stopped without a statepoint of its state.
     let safety = match (taken, pc.status.as_str()) {
         (Some(s), _) => Some(s),
-        (None, "running" | "paused") => {
+        (None, status @ ("running" | "paused")) => {
             progress.phase("safety statepoint of the current state");
-            let ctx = Ctx::load(globals, &pc.id)?;
+            let mut ctx = Ctx::load(globals, &pc.id)?;
             ctx.recover();
+            let running = status == "running";
+            let freezer = Freezer::of_pid(ctx.ctr.running_pid()?)?;
+            let frozen = match running {
+                true => Some(FreezeGuard::freeze(&freezer, store.dir.join(crate::local::freezer::MARKER))?),
+                false => None,
+            };
             let m = snapshot::take(
                 &ctx,
                 &SnapshotRequest {
                     tcp_established: target.options.tcp_established,
                     file_locks: target.options.file_locks,
-                    leave_running: false,
+                    leave_running: running,
                     internal: true,
-                    name: None,
                     description: Some(format!("before rollback to {}", target.statepoint_id)),
-                    state: None,
-                    id: None,
-                    files_taken: None,
+                    id: Some(safety_id.clone()),
+                    ..SnapshotRequest::default()
                 },
             )?;
-            podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
+            let stopped = match frozen {
+                Some(frozen) => stop_frozen(&ctx, pc, frozen),
+                None => Ok(podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?),
+            };
+            if let Err(e) = stopped {
+                let _ = super::remove(cfg, store, &m.statepoint_id);
+                return Err(e);
+            }
             progress.done(&m.statepoint_id);
             Some(m)
         }
@@ -330,6 +358,9 @@ fn rollback(
     // the sidecar takes the sandbox's lock, which the rollback holds.
     let result = (|| -> Result<()> {
         crate::fault::point("rollback.stopped")?;
+        if let Some(j) = journal.as_mut() {
+            j.phase(Phase::RestoringTarget)?;
+        }
         progress.phase(&format!("files ({})", rootfs.backend()));
         let files = rootfs.restore(&saved, &target.local_state)?;
         progress.phase("processes (podman container restore)");
@@ -358,6 +389,10 @@ fn rollback(
             .and_then(|intent| {
                 crate::fault::point("rollback.restored")?;
                 crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
+                // (before the intent goes: a kill between them leaves a rollback done)
+                if let Some(j) = journal.as_mut() {
+                    j.phase(Phase::Done)?;
+                }
                 drop(intent);
                 Ok(())
             });
@@ -395,6 +430,9 @@ fn rollback(
         (Err(e), Some(s)) => {
             // 3. Back to where it was.
             progress.phase(&format!("back to the safety statepoint {}", s.statepoint_id));
+            if let Some(j) = journal.as_mut() {
+                let _ = j.phase(Phase::RestoringSafety);
+            }
             let back = podman_restore(store, pc, &s).map(drop);
             if back.is_ok() {
                 progress.done("");
@@ -439,12 +477,20 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 /// any doubt refuses (and the stop-and-restore path runs, with the safety statepoint when there
 /// is one); after it, a failure restores the safety statepoint. `blocked`: why the
 /// stop-and-restore path cannot run, if it cannot.
+/// What a rollback reserved before it tried in place: the safety statepoint's ID, its journal.
+struct Reserved<'a> {
+    safety: &'a str,
+    journal: &'a mut Journal,
+}
+
+#[allow(clippy::too_many_arguments)] // (the rollback's parts, each its own; the house issue cuts this protocol into phases)
 fn in_place(
     ctx: &Ctx,
     pc: &PodmanContainer,
     store: &ContainerStore,
     target: &Manifest,
     rootfs: &dyn Rootfs,
+    reserved: Reserved,
     blocked: &mut dyn FnMut() -> Option<String>,
     progress: &mut dyn Progress,
 ) -> Result<InPlace> {
@@ -473,8 +519,8 @@ fn in_place(
             })
             .collect(),
         scratch: store.dir.join("in-place-files"),
-        // (reserved: the lock is held; what the files' start captures of this freeze is its)
-        safety: Some(store.next_id()),
+        // (what the files' start captures of this freeze is the safety statepoint's)
+        safety: Some(reserved.safety.to_string()),
     };
     crate::log::mark("shape");
     let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at);
@@ -541,7 +587,9 @@ fn in_place(
         files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
     progress.done(&format!("{} pages, {} files{examined}", plan.pages_written, files.sync.len()));
     progress.phase("in place: files and memory written");
+    let journal = reserved.journal;
     let applied = (|| -> Result<(inplace::Applied, usize)> {
+        journal.phase(Phase::Writing)?;
         crate::fault::point("rollback.in-place.files")?;
         let n = files.apply()?;
         let a = plan.apply(&freezer).map_err(|e| Error::Worker(e.to_string()))?;
@@ -569,6 +617,8 @@ fn in_place(
         let _intent = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)?;
         crate::fault::point("rollback.in-place.written")?;
         crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
+        // (before the intent goes: a kill between them leaves a rollback done)
+        journal.phase(Phase::Done)?;
         Ok((a, n))
     })();
     crate::log::mark("remote");
@@ -635,6 +685,7 @@ fn in_place(
         Err(e) => {
             drop(files);
             progress.phase(&format!("back to the safety statepoint {}", safety.statepoint_id));
+            let _ = journal.phase(Phase::RestoringSafety);
             let back = stop_frozen(ctx, pc, frozen).and_then(|()| {
                 let files = rootfs.restore(&safety_dir, &safety.local_state)?;
                 podman_restore(store, pc, &safety)?;
@@ -680,7 +731,11 @@ fn stdio_pairs(sp_dir: &Path, pid: i32) -> Vec<(String, String)> {
 
 /// Asks Podman to restore the container from statepoint `m`, handing our lock to the restore;
 /// what Podman says of the restore's time, when it says.
-fn podman_restore(store: &ContainerStore, pc: &PodmanContainer, m: &Manifest) -> Result<Option<podman::RestoreStats>> {
+pub(super) fn podman_restore(
+    store: &ContainerStore,
+    pc: &PodmanContainer,
+    m: &Manifest,
+) -> Result<Option<podman::RestoreStats>> {
     let image_path = pc.bundle.join("checkpoint");
     let _ = std::fs::remove_dir_all(&image_path);
     leave_for_podman(m, &store.statepoint_dir(&m.statepoint_id), &image_path, None, Destination::Stays)?;

@@ -488,7 +488,7 @@ pub fn checkpoint(
     image_path: Option<&Path>,
     work_path: Option<&Path>,
 ) -> Result<Manifest> {
-    let ctx = Ctx::load(globals, id)?;
+    let mut ctx = Ctx::load(globals, id)?;
     ctx.ctr.running_pid()?;
     let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |_| {})?;
     ctx.recover();

@@ -5,7 +5,8 @@
 //! * pipes: the same pipe, nothing buffered now or at the statepoint;
 //! * eventfd: its count is set back (read to zero, the statepoint's count written);
 //! * timerfd: the same clock, no expiration left unread at the statepoint; armed again with the
-//!   time it had left (which also clears the expirations counted since);
+//!   time it had left (which also clears the expirations counted since), at an absolute time on
+//!   its clock and with its flags when it was armed so (`TFD_TIMER_ABSTIME`, `CANCEL_ON_SET`);
 //! * signalfd: its signal mask set back;
 //! * epoll: the same interest list (descriptor, events, data) as at the statepoint;
 //! * sockets (Unix, TCP, UDP): the same socket in the same state (listening, connected,
@@ -31,10 +32,27 @@ fn fdinfo_field(text: &str, key: &str) -> Option<String> {
 /// What is put back on one descriptor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Fix {
-    Seek { fd: u32, pos: u64 },
-    EventCount { fd: u32, count: u64 },
-    Timer { fd: u32, value: (u64, u64), interval: (u64, u64) },
-    SignalMask { fd: u32, mask: u64 },
+    Seek {
+        fd: u32,
+        pos: u64,
+    },
+    EventCount {
+        fd: u32,
+        count: u64,
+    },
+    /// `flags`: the statepoint's `timerfd_settime` flags (`TFD_TIMER_ABSTIME`,
+    /// `TFD_TIMER_CANCEL_ON_SET`); `value`: the time it had left.
+    Timer {
+        fd: u32,
+        clock: u32,
+        flags: u32,
+        value: (u64, u64),
+        interval: (u64, u64),
+    },
+    SignalMask {
+        fd: u32,
+        mask: u64,
+    },
 }
 
 /// The pipes and sockets of the tree, then and now (see the module's comment).
@@ -153,6 +171,16 @@ fn queued(fd: &OwnedFd, socket: bool) -> u64 {
     total
 }
 
+/// Whether a datagram of no bytes waits in datagram socket `fd`: `FIONREAD` answers 0 for it as
+/// for none, a peek tells them apart (it takes nothing; like a restore, it clears an error the
+/// socket had pending).
+fn empty_datagram_waiting(fd: &OwnedFd) -> bool {
+    let mut b = [0u8; 1];
+    // SAFETY: the kernel writes at most one byte into `b`.
+    let r = unsafe { libc::recv(fd.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    r == 0
+}
+
 fn dup(host: i32, vpid: u32, fd: u32) -> Result<OwnedFd> {
     ptrace::dup_fd(host, fd).map_err(io(format!("duplicate descriptor {fd} of process {vpid}")))
 }
@@ -236,7 +264,8 @@ pub(super) fn compare(
                         ))
                     }
                 }
-                if queued(&dup(host, vpid, f.fd)?, true) != 0 {
+                let live = dup(host, vpid, f.fd)?;
+                if queued(&live, true) != 0 || (*kind == libc::SOCK_DGRAM as u32 && empty_datagram_waiting(&live)) {
                     return refuse(format!("process {vpid}: socket descriptor {} holds data now", f.fd));
                 }
             }
@@ -256,7 +285,7 @@ pub(super) fn compare(
                     None => return refuse(format!("process {vpid}: eventfd {}: no count in its fdinfo", f.fd)),
                 }
             }
-            Some(images::File::TimerFd { flags: then_flags, clock, ticks, value, interval, .. }) => {
+            Some(images::File::TimerFd { flags: then_flags, clock, ticks, settime_flags, value, interval }) => {
                 d.anon("[timerfd]")?;
                 d.same_flags(*then_flags, "timerfd")?;
                 if fdinfo_field(&info, "clockid").and_then(|v| v.parse::<u32>().ok()) != Some(*clock) {
@@ -265,7 +294,13 @@ pub(super) fn compare(
                 if *ticks != 0 {
                     return refuse(format!("process {vpid}: timerfd {} had {ticks} expirations unread at the statepoint", f.fd));
                 }
-                fixes.push(Fix::Timer { fd: f.fd, value: *value, interval: *interval });
+                fixes.push(Fix::Timer {
+                    fd: f.fd,
+                    clock: *clock,
+                    flags: *settime_flags,
+                    value: *value,
+                    interval: *interval,
+                });
             }
             Some(images::File::SignalFd { flags: then_flags, mask }) => {
                 d.anon("[signalfd]")?;
@@ -384,14 +419,25 @@ pub(super) fn apply(host: i32, vpid: u32, fixes: &[Fix]) -> Result<()> {
                     return Err(Error::Failed(format!("eventfd {fd} of process {vpid}: its count is not {count}")));
                 }
             }
-            Fix::Timer { fd, value, interval } => {
+            Fix::Timer { fd, clock, flags, value, interval } => {
                 let d = dup(host, vpid, fd)?;
                 // As CRIU restores it: nothing left but an interval is one interval.
-                let value = if value == (0, 0) { interval } else { value };
+                let mut value = if value == (0, 0) { interval } else { value };
+                // Armed at an absolute time (and cancelled when the clock is set, if it was):
+                // the time left, from now on its clock, with the same flags.
+                if flags & libc::TFD_TIMER_ABSTIME as u32 != 0 && value != (0, 0) {
+                    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+                    // SAFETY: the kernel writes one timespec.
+                    if unsafe { libc::clock_gettime(clock as libc::clockid_t, &mut now) } != 0 {
+                        return Err(fail("read the clock of", fd)(last()));
+                    }
+                    let nsec = value.1 + now.tv_nsec as u64;
+                    value = (value.0 + now.tv_sec as u64 + nsec / 1_000_000_000, nsec % 1_000_000_000);
+                }
                 let ts = |t: (u64, u64)| libc::timespec { tv_sec: t.0 as libc::time_t, tv_nsec: t.1 as libc::c_long };
                 let spec = libc::itimerspec { it_interval: ts(interval), it_value: ts(value) };
                 // SAFETY: the kernel reads one itimerspec.
-                if unsafe { libc::timerfd_settime(d.as_raw_fd(), 0, &spec, std::ptr::null_mut()) } != 0 {
+                if unsafe { libc::timerfd_settime(d.as_raw_fd(), flags as i32, &spec, std::ptr::null_mut()) } != 0 {
                     return Err(fail("arm", fd)(last()));
                 }
             }
@@ -412,6 +458,7 @@ pub(super) fn apply(host: i32, vpid: u32, fixes: &[Fix]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::FromRawFd;
 
     fn info(fd: i32, key: &str) -> String {
         let me = std::process::id();
@@ -424,20 +471,35 @@ mod tests {
     fn counts_timers_and_masks_go_back_through_a_duplicate() {
         let me = std::process::id() as i32;
         // SAFETY: plain system calls on descriptors this test owns.
-        let (ev, tfd, sfd) = unsafe {
+        let (ev, tfd, abs, sfd) = unsafe {
             let mut set: libc::sigset_t = std::mem::zeroed();
             libc::sigemptyset(&mut set);
             libc::sigaddset(&mut set, libc::SIGUSR2);
             (
                 libc::eventfd(7, libc::EFD_NONBLOCK),
                 libc::timerfd_create(libc::CLOCK_MONOTONIC, 0),
+                libc::timerfd_create(libc::CLOCK_REALTIME, 0),
                 libc::signalfd(-1, &set, 0),
             )
         };
-        assert!(ev >= 0 && tfd >= 0 && sfd >= 0);
+        assert!(ev >= 0 && tfd >= 0 && abs >= 0 && sfd >= 0);
+        let abs_flags = (libc::TFD_TIMER_ABSTIME | libc::TFD_TIMER_CANCEL_ON_SET) as u32;
         let fixes = [
             Fix::EventCount { fd: ev as u32, count: 3 },
-            Fix::Timer { fd: tfd as u32, value: (500, 0), interval: (0, 0) },
+            Fix::Timer {
+                fd: tfd as u32,
+                clock: libc::CLOCK_MONOTONIC as u32,
+                flags: 0,
+                value: (500, 0),
+                interval: (0, 0),
+            },
+            Fix::Timer {
+                fd: abs as u32,
+                clock: libc::CLOCK_REALTIME as u32,
+                flags: abs_flags,
+                value: (700, 0),
+                interval: (0, 0),
+            },
             Fix::SignalMask { fd: sfd as u32, mask: 1 << (libc::SIGUSR1 - 1) },
         ];
         match dup(me, 0, ev as u32) {
@@ -450,12 +512,36 @@ mod tests {
         let value = info(tfd, "it_value");
         let secs: u64 = value.trim_start_matches('(').split(',').next().unwrap().trim().parse().unwrap();
         assert!((490..=500).contains(&secs), "{value}");
+        // Armed at an absolute time again, 700 s from now, and cancelled if the clock is set.
+        assert_eq!(u32::from_str_radix(&info(abs, "settime flags"), 8).unwrap(), abs_flags);
+        let value = info(abs, "it_value");
+        let secs: u64 = value.trim_start_matches('(').split(',').next().unwrap().trim().parse().unwrap();
+        assert!((690..=700).contains(&secs), "{value}");
         assert_eq!(u64::from_str_radix(&info(sfd, "sigmask"), 16).unwrap(), 1 << (libc::SIGUSR1 - 1));
         // SAFETY: ours.
         unsafe {
             libc::close(ev);
             libc::close(tfd);
+            libc::close(abs);
             libc::close(sfd);
+        }
+    }
+
+    #[test]
+    fn a_datagram_of_no_bytes_is_data() {
+        let mut sv = [0; 2];
+        // SAFETY: plain system calls on descriptors this test owns.
+        unsafe {
+            assert_eq!(libc::socketpair(libc::AF_UNIX, libc::SOCK_DGRAM, 0, sv.as_mut_ptr()), 0);
+            let (a, b) = (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1]));
+            assert!(!empty_datagram_waiting(&b));
+            assert_eq!(libc::send(a.as_raw_fd(), std::ptr::null(), 0, 0), 0);
+            assert_eq!(queued(&b, true), 0, "FIONREAD cannot tell");
+            assert!(empty_datagram_waiting(&b));
+            assert!(empty_datagram_waiting(&b), "the peek took nothing");
+            let mut buf = [0u8; 1];
+            assert_eq!(libc::recv(b.as_raw_fd(), buf.as_mut_ptr().cast(), 1, 0), 0);
+            assert!(!empty_datagram_waiting(&b));
         }
     }
 
