@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 pub const COMMON_MAGIC: u32 = 0x5456_4319;
 pub const PSTREE_MAGIC: u32 = 0x5027_3030;
 pub const CORE_MAGIC: u32 = 0x5505_3847;
+pub const FS_MAGIC: u32 = 0x5140_3912;
 pub const MM_MAGIC: u32 = 0x5749_2820;
 pub const PAGEMAP_MAGIC: u32 = 0x5608_4025;
 pub const FDINFO_MAGIC: u32 = 0x5621_3732;
@@ -281,6 +282,29 @@ pub struct Core {
     /// The thread's registered `struct rseq` (address, size): fields the kernel rewrites each
     /// time the thread returns to user space (the CPU it runs on).
     pub rseq: Option<(u64, u32)>,
+    /// The process's personality (leader's image only).
+    pub personality: u32,
+    /// The process's resource limits, (soft, hard) by `RLIMIT_*` number (leader's image only).
+    pub rlimits: Vec<(u64, u64)>,
+    pub oom_score_adj: Option<i32>,
+    pub child_subreaper: Option<bool>,
+    /// The thread's nice value, scheduling policy and real-time priority.
+    pub sched: Option<(i32, u32, u32)>,
+    pub creds: Option<Creds>,
+    /// The thread's seccomp mode (0 none, 1 strict, 2 filter).
+    pub seccomp_mode: u32,
+}
+
+/// A thread's credentials (`creds_entry`): user and group IDs (real, effective, saved,
+/// filesystem), capability sets (64 bits each), supplementary groups, `no_new_privs`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Creds {
+    pub uids: [u32; 4],
+    pub gids: [u32; 4],
+    /// Inheritable, permitted, effective, bounding, ambient.
+    pub caps: [u64; 5],
+    pub groups: Vec<u32>,
+    pub no_new_privs: Option<bool>,
 }
 
 pub const TASK_ALIVE: u32 = 1;
@@ -381,6 +405,12 @@ pub fn core(dir: &Path, tid: u32) -> Result<Core> {
             c.posix_timers = posix;
         }
         c.shared_signals = signal_queue(tc.msg(10).map_err(bad)?);
+        c.personality = tc.u(3) as u32;
+        if let Some(r) = tc.msg(8).map_err(bad)? {
+            c.rlimits = r.msgs(1).map_err(bad)?.iter().map(|l| (l.u(1), l.u(2))).collect();
+        }
+        c.oom_score_adj = tc.int(14).map(|v| v as i64 as i32);
+        c.child_subreaper = tc.int(18).map(|v| v != 0);
         c.sigactions = tc
             .msgs(15)
             .map_err(bad)?
@@ -407,6 +437,31 @@ pub fn core(dir: &Path, tid: u32) -> Result<Core> {
         let comm = th.string(13);
         if !comm.is_empty() {
             c.comm = comm;
+        }
+        if let Some(nice) = th.int(3) {
+            // (sint32: zigzag)
+            let nice = ((nice >> 1) as i64 ^ -((nice & 1) as i64)) as i32;
+            c.sched = Some((nice, th.u(4) as u32, th.u(5) as u32));
+        }
+        c.seccomp_mode = th.u(11) as u32;
+        if let Some(cr) = th.msg(10).map_err(bad)? {
+            let cap = |n: u64| -> std::result::Result<u64, ImageError> {
+                let w = cr.ints(n)?;
+                Ok(w.first().copied().unwrap_or(0) | w.get(1).copied().unwrap_or(0) << 32)
+            };
+            c.creds = Some(Creds {
+                uids: [cr.u(1) as u32, cr.u(3) as u32, cr.u(5) as u32, cr.u(7) as u32],
+                gids: [cr.u(2) as u32, cr.u(4) as u32, cr.u(6) as u32, cr.u(8) as u32],
+                caps: [
+                    cap(9).map_err(bad)?,
+                    cap(10).map_err(bad)?,
+                    cap(11).map_err(bad)?,
+                    cap(12).map_err(bad)?,
+                    cap(19).map_err(bad)?,
+                ],
+                groups: cr.ints(14).map_err(bad)?.into_iter().map(|g| g as u32).collect(),
+                no_new_privs: cr.int(18).map(|v| v != 0),
+            });
         }
     }
     c.pending_signals = !c.signals.is_empty() || !c.shared_signals.is_empty();
@@ -479,6 +534,23 @@ pub struct Mm {
 }
 
 /// The id of process `pid`'s descriptor table (`ids-PID.img`, `task_kobj_ids_entry.files_id`).
+/// A process's working and root directories (their IDs among the files) and umask
+/// (`fs-PID.img`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fs {
+    pub cwd_id: u32,
+    pub root_id: u32,
+    pub umask: Option<u32>,
+}
+
+pub fn fs(dir: &Path, pid: u32) -> Result<Fs> {
+    let path = dir.join(format!("fs-{pid}.img"));
+    let e = required(&path, FS_MAGIC)?;
+    let body = e.first().ok_or_else(|| ReadError::Content { path: path.clone(), what: "no fs entry".into() })?;
+    let m = decode(&path, body)?;
+    Ok(Fs { cwd_id: m.u(1) as u32, root_id: m.u(2) as u32, umask: m.int(3).map(|u| u as u32) })
+}
+
 pub fn files_id(dir: &Path, pid: u32) -> Result<u32> {
     let path = dir.join(format!("ids-{pid}.img"));
     let e = required(&path, IDS_MAGIC)?;
@@ -902,9 +974,42 @@ pub(crate) mod tests {
             .bytes(3, &itimer(0).0)
             .bytes(4, &posix.int(9, 5).int(10, 7).int(11, 12).0);
         let sa = Enc::default().int(1, 0x401000).int(2, 0x4000000).int(3, 0x402000).int(4, 1);
-        let tc = Enc::default().int(1, 1).int(5, 0x4000).bytes(6, b"python3").bytes(7, &timers.0).bytes(15, &sa.0);
+        let rl = |cur: u64, max: u64| Enc::default().int(1, cur).int(2, max).0;
+        let rlimits = Enc::default().bytes(1, &rl(8 << 20, u64::MAX)).bytes(1, &rl(1024, 4096));
+        let tc = Enc::default()
+            .int(1, 1)
+            .int(3, 0x0040_0000)
+            .int(5, 0x4000)
+            .bytes(6, b"python3")
+            .bytes(7, &timers.0)
+            .bytes(8, &rlimits.0)
+            .int(14, (-500i64) as u64)
+            .bytes(15, &sa.0)
+            .int(18, 1);
         let sas = Enc::default().int(1, 0x7000).int(2, 8192).int(3, 0);
-        let th = Enc::default().int(1, 0).int(2, 0).int(6, 0x2000).bytes(7, &sas.0).bytes(9, &queue.0);
+        let creds = Enc::default()
+            .int(1, 1000)
+            .int(2, 100)
+            .int(3, 1001)
+            .int(4, 101)
+            .int(5, 1002)
+            .int(6, 102)
+            .int(7, 1003)
+            .int(8, 103)
+            .int(10, 0xffff_ffff)
+            .int(10, 0x1ff)
+            .int(14, 27)
+            .int(18, 1);
+        let th = Enc::default()
+            .int(1, 0)
+            .int(2, 0)
+            .int(3, 9) // nice -5, zigzag
+            .int(4, 0)
+            .int(6, 0x2000)
+            .bytes(7, &sas.0)
+            .bytes(9, &queue.0)
+            .bytes(10, &creds.0)
+            .int(11, 2);
         let core_e = Enc::default()
             .int(1, 1)
             .bytes(2, &ti.0)
@@ -942,6 +1047,25 @@ pub(crate) mod tests {
             vec![SigAction { handler: 0x401000, flags: 0x4000000, restorer: 0x402000, mask: 1, compat: false }]
         );
         assert_eq!(c.altstack, Some((0x7000, 8192, 0)));
+        assert_eq!(c.personality, 0x0040_0000);
+        assert_eq!(c.rlimits, vec![(8 << 20, u64::MAX), (1024, 4096)]);
+        assert_eq!(
+            (c.oom_score_adj, c.child_subreaper, c.sched, c.seccomp_mode),
+            (Some(-500), Some(true), Some((-5, 0, 0)), 2)
+        );
+        assert_eq!(
+            c.creds,
+            Some(Creds {
+                uids: [1000, 1001, 1002, 1003],
+                gids: [100, 101, 102, 103],
+                caps: [0, 0x1ff_ffff_ffff, 0, 0, 0],
+                groups: vec![27],
+                no_new_privs: Some(true),
+            })
+        );
+        let fs_e = Enc::default().int(1, 4).int(2, 5).int(3, 0o027);
+        image(&d.join("fs-7.img"), FS_MAGIC, &[fs_e.0]);
+        assert_eq!(fs(&d, 7).unwrap(), Fs { cwd_id: 4, root_id: 5, umask: Some(0o027) });
         assert_eq!(c.fpregs.fxsave.len(), 512);
         assert_eq!(&c.fpregs.fxsave[0..2], &0x37fu16.to_le_bytes());
         assert_eq!(&c.fpregs.fxsave[24..28], &0x1f80u32.to_le_bytes());

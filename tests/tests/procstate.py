@@ -4,7 +4,7 @@
 #   verify  checks that the state is the one it set up (consuming queued signals and data)
 # The first process starts the cases named on its command line, then reads "SEQ VERB" from
 # /tmp/cmd, hands VERB to every case and publishes "SEQ" and one line per case in /tmp/state.
-import ctypes, fcntl, mmap, os, select, signal, socket, struct, sys, threading, time
+import ctypes, fcntl, mmap, os, resource, select, signal, socket, struct, sys, threading, time
 
 libc = ctypes.CDLL(None, use_errno=True)
 RT = signal.SIGRTMIN
@@ -317,6 +317,52 @@ class SocketData:
         expect("the queued data", self.b.recv(100), b"queued")
 
 
+class Attrs:
+    """A process's working directory, umask, a resource limit, its nice value and oom_score_adj
+    (each changed after the statepoint in the direction a process may change it unprivileged)."""
+    def setup(self):
+        os.makedirs("/srv/work", exist_ok=True)
+        os.chdir("/srv/work")
+        os.umask(0o027)
+        self.hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (512, self.hard))
+        os.nice(5)
+        self.nice = os.getpriority(os.PRIO_PROCESS, 0)
+        self.adj = int(open("/proc/self/oom_score_adj").read()) + 100
+        open("/proc/self/oom_score_adj", "w").write(str(self.adj))
+
+    def mutate(self):
+        os.chdir("/tmp")
+        os.umask(0o077)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, self.hard))
+        os.nice(5)
+        open("/proc/self/oom_score_adj", "w").write(str(self.adj + 100))
+
+    def verify(self):
+        expect("the working directory", os.getcwd(), "/srv/work")
+        umask = os.umask(0o022)
+        os.umask(umask)
+        expect("the umask", oct(umask), oct(0o027))
+        expect("the open-files limit", resource.getrlimit(resource.RLIMIT_NOFILE), (512, self.hard))
+        expect("the nice value", os.getpriority(os.PRIO_PROCESS, 0), self.nice)
+        expect("oom_score_adj", int(open("/proc/self/oom_score_adj").read()), self.adj)
+
+
+class PipeData:
+    """A pipe with data in it."""
+    def setup(self):
+        self.r, self.w = os.pipe()
+        os.write(self.w, b"in the pipe")
+
+    def mutate(self):
+        os.read(self.r, 3)
+        os.write(self.w, b" and more")
+
+    def verify(self):
+        os.set_blocking(self.r, False)
+        expect("the pipe's data", os.read(self.r, 100), b"in the pipe")
+
+
 class EventFd:
     """An eventfd with a count."""
     def setup(self):
@@ -494,7 +540,7 @@ class Zombie:
 
 CASES = {"signals": Signals, "dispositions": Dispositions, "altstack": AltStack, "itimers": ITimers,
          "posix-timer": PosixTimer, "files": Files, "threads": Threads, "session": Session,
-         "eventfd": EventFd, "timerfd": TimerFd, "signalfd": SignalFd, "epoll": Epoll, "sockets": Sockets,
+         "attrs": Attrs, "pipe-data": PipeData, "eventfd": EventFd, "timerfd": TimerFd, "signalfd": SignalFd, "epoll": Epoll, "sockets": Sockets,
          "socket-data": SocketData, "shared-memory": SharedMemory, "unlinked": Unlinked, "zombie": Zombie,
          "inotify": Inotify, "memfd": MemFd, "sysv-shm": SysvShm}
 

@@ -25,12 +25,14 @@ const IN_PLACE: &[&str] = &[
     "signalfd",
     "epoll",
     "sockets",
+    "attrs",
 ];
 
 /// Cases a rollback in place refuses, with the reason's words: they take the stop-and-restore
 /// path (CRIU's restore), which brings them back.
 const FALLBACK: &[(&str, &str)] = &[
     ("socket-data", "socket descriptor"),
+    ("pipe-data", "pipe"),
     ("shared-memory", "shared memory"),
     ("unlinked", "(deleted)"),
     ("zombie", "zombie"),

@@ -190,7 +190,7 @@ fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
                 let before = ag.held();
                 let k = rng.below(ag.committed.len());
                 let (sp, target) = ag.committed.iter().nth(k).map(|(s, h)| (s.clone(), h.clone())).unwrap();
-                let after = Duration::from_millis(200 + rng.below(6000) as u64);
+                let after = Duration::from_millis(100 + rng.below(3000) as u64);
                 let sb_name = ag.sb.name.clone();
                 let was_killed = killed(&["rollback", &sb_name, &sp], after);
                 // The next operation finishes or undoes it: the sandbox runs, not frozen, and

@@ -12,13 +12,15 @@
 //!   and vDSO; no shared anonymous memory or System V shm, now or then. Private anonymous
 //!   memory may differ: the heap is put back with `brk`, other mappings with `munmap`, `mmap`
 //!   and `mprotect`, run inside the process;
-//! * the same descriptors: regular files (same name, access mode, `O_APPEND`/`O_NONBLOCK`,
-//!   close-on-exec; the offset is set back) and pipes (the same pipe, nothing buffered now or at
-//!   the statepoint); any other kind (sockets, eventfd, epoll, timerfd, terminals…) refuses.
+//! * the same descriptors, as [`descriptors`] allows: regular files (the offset is set back),
+//!   pipes, sockets, eventfd, timerfd, signalfd, epoll; terminals and other kinds refuse;
+//! * the same credentials, seccomp mode, personality and scheduling policy; resource limits,
+//!   `oom_score_adj`, nice values, umask, working directory and child-subreaper flag are put
+//!   back ([`attrs`]).
 //!
 //! Not compared (not in CRIU's images, or not visible from outside): `set_tid_address`, robust
-//! futex lists, rseq, resource limits, scheduling policy, credentials and the `prctl`
-//! memory-layout fields; they belong to the same threads and rarely change.
+//! futex lists, rseq, the parent-death signal, a root directory changed by `chroot`, and the
+//! `prctl` memory-layout fields; they belong to the same threads and rarely change.
 //!
 //! [`Shape::plan`] then compares the statepoint's pages with a dump of the current state (the
 //! safety statepoint, taken frozen just before): a page is written when its content comes from
@@ -32,6 +34,7 @@
 //! next dump is incremental on the statepoint's images), and checks that the mappings now are
 //! the statepoint's.
 
+mod attrs;
 mod descriptors;
 pub mod ptrace;
 mod signals;
@@ -342,6 +345,8 @@ struct Process {
     special: Vec<(u64, u64)>,
     /// What goes back on its descriptors (offsets, counts, timers, masks).
     fixes: Vec<descriptors::Fix>,
+    /// Limits, umask, working directory, nice values…
+    attrs: attrs::Attrs,
 }
 
 /// A tree whose shape matches the statepoint's.
@@ -404,13 +409,14 @@ pub fn check(images: &Path, cgroup: &Path, stdio: &[(String, String)]) -> Result
             threads.push((*th, c));
         }
         let signals = signals::check(t.pid, l.host, &threads)?;
+        let attrs = attrs::check(images, t.pid, l.host, &threads, &files)?;
         let files_id = Some(images::files_id(images, t.pid)?);
         let (layout, target_anon, special) = compare_memory(images, t.pid, l.host, &files)?;
         let fixes = match files_id {
             Some(id) => descriptors::compare(images, id, l.host, t.pid, &files, &mut objects)?,
             None => return refuse(format!("process {}: no descriptor table in the statepoint", t.pid)),
         };
-        procs.push(Process { host: l.host, vpid: t.pid, threads, signals, layout, target_anon, special, fixes });
+        procs.push(Process { host: l.host, vpid: t.pid, threads, signals, layout, target_anon, special, fixes, attrs });
     }
     Ok(Shape { images: images.to_path_buf(), procs, pids })
 }
@@ -789,6 +795,7 @@ impl Plan {
             let threads = p.threads.iter().enumerate().map(|(i, (th, _))| (&tracees[ti + i], th.vtid)).collect();
             let mut h = signals::Held { vpid: p.vpid, host: p.host, insn, threads, calls: &mut applied.system_calls };
             p.signals.apply(&mut h)?;
+            p.attrs.apply(&mut h)?;
             ti += p.threads.len();
             descriptors::apply(p.host, p.vpid, &p.fixes)?;
         }

@@ -200,12 +200,12 @@ pub(super) struct Held<'a> {
 }
 
 impl Held<'_> {
-    fn call(&mut self, t: usize, name: &str, nr: libc::c_long, args: &[u64]) -> Result<i64> {
+    pub(super) fn call(&mut self, t: usize, name: &str, nr: libc::c_long, args: &[u64]) -> Result<i64> {
         *self.calls += 1;
         ptrace::call(self.threads[t].0, self.insn, name, nr, args).map_err(io(format!("process {}", self.vpid)))
     }
 
-    fn leader(&self) -> Result<usize> {
+    pub(super) fn leader(&self) -> Result<usize> {
         self.threads
             .iter()
             .position(|(_, v)| *v == self.vpid)
