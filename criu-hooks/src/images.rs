@@ -291,8 +291,8 @@ pub struct Core {
     /// The thread's nice value, scheduling policy and real-time priority.
     pub sched: Option<(i32, u32, u32)>,
     pub creds: Option<Creds>,
-    /// The thread's seccomp mode (0 none, 1 strict, 2 filter).
-    pub seccomp_mode: u32,
+    /// The thread's seccomp mode (0 none, 1 strict, 2 filter), when the image says.
+    pub seccomp_mode: Option<u32>,
 }
 
 /// A thread's credentials (`creds_entry`): user and group IDs (real, effective, saved,
@@ -410,6 +410,8 @@ pub fn core(dir: &Path, tid: u32) -> Result<Core> {
             c.rlimits = r.msgs(1).map_err(bad)?.iter().map(|l| (l.u(1), l.u(2))).collect();
         }
         c.oom_score_adj = tc.int(14).map(|v| v as i64 as i32);
+        // (per thread since CRIU 3.x; an older image has the process's here)
+        c.seccomp_mode = tc.int(11).map(|m| m as u32);
         c.child_subreaper = tc.int(18).map(|v| v != 0);
         c.sigactions = tc
             .msgs(15)
@@ -443,7 +445,9 @@ pub fn core(dir: &Path, tid: u32) -> Result<Core> {
             let nice = ((nice >> 1) as i64 ^ -((nice & 1) as i64)) as i32;
             c.sched = Some((nice, th.u(4) as u32, th.u(5) as u32));
         }
-        c.seccomp_mode = th.u(11) as u32;
+        if let Some(mode) = th.int(11) {
+            c.seccomp_mode = Some(mode as u32);
+        }
         if let Some(cr) = th.msg(10).map_err(bad)? {
             let cap = |n: u64| -> std::result::Result<u64, ImageError> {
                 let w = cr.ints(n)?;
@@ -1051,7 +1055,7 @@ pub(crate) mod tests {
         assert_eq!(c.rlimits, vec![(8 << 20, u64::MAX), (1024, 4096)]);
         assert_eq!(
             (c.oom_score_adj, c.child_subreaper, c.sched, c.seccomp_mode),
-            (Some(-500), Some(true), Some((-5, 0, 0)), 2)
+            (Some(-500), Some(true), Some((-5, 0, 0)), Some(2))
         );
         assert_eq!(
             c.creds,

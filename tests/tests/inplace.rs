@@ -22,7 +22,7 @@ use std::time::Duration;
 /// Publishes `SEQ COUNTER SHA256(memory, every mapping) MAPPINGS PIPE-DATA`, and the memory's
 /// address in `/tmp/addr`.
 const WORKLOAD: &str = r#"
-import ctypes, hashlib, mmap, os, random, signal, sys, threading, time
+import ctypes, hashlib, mmap, os, random, resource, signal, sys, threading, time
 random.seed(7)
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGRTMIN + 1})
 buf = mmap.mmap(-1, int(sys.argv[1]) << 20, flags=mmap.MAP_PRIVATE)
@@ -86,6 +86,14 @@ while True:
         ctypes.CDLL(None).sigqueue(os.getpid(), signal.SIGRTMIN + 1, ctypes.c_void_p(77))
         signal.setitimer(signal.ITIMER_REAL, 3000, 1000)
         signal.signal(signal.SIGTERM, lambda *a: None)
+    elif cmd[1] == "elsewhere":
+        os.chdir("/tmp")
+        os.umask(0o077)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        os.nice(3)
+        adj = int(open("/proc/self/oom_score_adj").read())
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(adj + 50))
     elif cmd[1] == "sigtake":
         signal.sigtimedwait({signal.SIGUSR1}, 0)
         signal.sigtimedwait({signal.SIGRTMIN + 1}, 0)
@@ -237,6 +245,29 @@ fn assert_dump_equals(target: &Path, dump: &Path) {
         // (the same intervals; the time left, less by what passed since).
         let (lt, ld) = (images::core(target, p.pid).unwrap(), images::core(dump, p.pid).unwrap());
         assert_eq!(ld.shared_signals, lt.shared_signals, "process {}: queued signals", p.pid);
+        // What the process is besides: limits, oom_score_adj, personality, subreaper flag, each
+        // thread's credentials and scheduling, its umask and working directory.
+        assert_eq!(
+            (ld.personality, &ld.rlimits, ld.oom_score_adj, ld.child_subreaper),
+            (lt.personality, &lt.rlimits, lt.oom_score_adj, lt.child_subreaper),
+            "process {}: personality, limits, oom_score_adj, subreaper",
+            p.pid
+        );
+        for tid in &p.threads {
+            let (ct, cd) = (images::core(target, *tid).unwrap(), images::core(dump, *tid).unwrap());
+            assert_eq!((cd.sched, &cd.creds, cd.seccomp_mode), (ct.sched, &ct.creds, ct.seccomp_mode), "thread {tid}");
+        }
+        let (fst, fsd) = (images::fs(target, p.pid).unwrap(), images::fs(dump, p.pid).unwrap());
+        let dir = |files: &std::collections::HashMap<u32, images::File>, id: u32| match files.get(&id) {
+            Some(images::File::Regular { name, .. }) => name.clone(),
+            other => panic!("process {}: its working directory is {other:?}", p.pid),
+        };
+        assert_eq!(
+            (fsd.umask, dir(&df, fsd.cwd_id)),
+            (fst.umask, dir(&tf, fst.cwd_id)),
+            "process {}: umask and working directory",
+            p.pid
+        );
         assert_eq!(ld.sigactions, lt.sigactions, "process {}: signal dispositions", p.pid);
         assert_eq!(ld.posix_timers.len(), lt.posix_timers.len(), "process {}: POSIX timers", p.pid);
         for (d, t) in ld.itimers.unwrap().iter().zip(lt.itimers.unwrap().iter()) {
@@ -292,7 +323,11 @@ fn rollback_with_strays(sb: &mut Sandbox, sp: &str, holes: &[u64]) -> serde_json
         let name = sb.name.clone();
         let rb = s.spawn(move || planarian(&["rollback", &name, sp, "--json"]));
         let reached = wait_for(Duration::from_secs(300), || paused.exists() || rb.is_finished());
-        assert!(reached && paused.exists(), "the rollback did not pause after its safety statepoint");
+        if !paused.exists() {
+            let _ = std::fs::remove_file(FAULT);
+            let said = if reached { format!("{:?}", rb.join().unwrap()) } else { "(still running)".into() };
+            panic!("the rollback did not pause after its safety statepoint: {said}");
+        }
         let mem = std::fs::OpenOptions::new().write(true).open(format!("/proc/{pid}/mem")).unwrap();
         for &a in holes {
             mem.write_all_at(&[0u8; images::PAGE_SIZE as usize], a).unwrap();
@@ -337,6 +372,7 @@ fn a_rollback_in_place_equals_the_statepoint_and_a_restore_of_it() {
     sb.send("map 2");
     sb.send("log after");
     sb.send("sigtake");
+    sb.send("elsewhere");
     sb.sh("rm /root/f; echo changed > /etc/motd.planarian; echo new > /tmp/new; echo overwritten > /etc/hostname.planarian").ok();
     sb.sh("ls / > /dev/null").ok();
     assert_ne!(line(&sb), at_sp);

@@ -355,8 +355,8 @@ class PipeData:
         os.write(self.w, b"in the pipe")
 
     def mutate(self):
-        os.read(self.r, 3)
         os.write(self.w, b" and more")
+        os.read(self.r, 3)
 
     def verify(self):
         os.set_blocking(self.r, False)

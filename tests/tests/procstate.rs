@@ -177,6 +177,14 @@ fn process_states_a_rollback_in_place_refuses_come_back_by_restore_checkpoint_an
     let cases: Vec<&str> = FALLBACK.iter().map(|(c, _)| *c).collect();
     let mut c = Cases::start("procstate-fallback", &cases);
     let sp = planarian(&["snapshot", &c.name, "--name", "set-up"]).ok().out();
+
+    // Podman's checkpoint and restore (a verify consumes what it checks: the queued data, the
+    // zombie; each operation after it starts from the statepoint).
+    podman("planarian", &["container", "checkpoint", &c.name]).ok();
+    podman("planarian", &["container", "restore", &c.name]).ok();
+    c.verify("podman container checkpoint and restore of what a rollback in place refuses");
+
+    // A rollback: refused in place, with a reason of the list, and by restore instead.
     c.mutate();
     let ctx = c.rollback(&sp);
     assert_eq!(ctx["how"]["path"], "stop-and-restore", "{ctx}");
@@ -185,12 +193,7 @@ fn process_states_a_rollback_in_place_refuses_come_back_by_restore_checkpoint_an
     eprintln!("not in place: {why}");
     c.verify("a rollback by restore of what a rollback in place refuses");
 
-    // The other operations that bring a statepoint back: Podman's checkpoint and restore…
-    podman("planarian", &["container", "checkpoint", &c.name]).ok();
-    podman("planarian", &["container", "restore", &c.name]).ok();
-    c.verify("podman container checkpoint and restore of what a rollback in place refuses");
-
-    // …and a fork, the source changed meanwhile.
+    // A fork, the source changed meanwhile.
     c.mutate();
     let fork = name("procstate-fallback-fork");
     planarian(&["fork", &c.name, &sp, "--name", &fork]).ok();

@@ -66,6 +66,12 @@ impl Agent {
         );
     }
 
+    /// A change of the agent's file only (no memory, nothing of the schedule's).
+    fn touch(&mut self) {
+        self.edits += 1;
+        self.sb.sh(&format!("echo {} > /root/agent-file", self.edits)).ok();
+    }
+
     fn held(&self) -> Held {
         Held { state: self.sb.state(), file: self.sb.sh("cat /root/agent-file").ok().out() }
     }
@@ -187,6 +193,8 @@ fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
             9 if !ag.committed.is_empty() => {
                 // planarian killed mid-rollback, at a moment of the schedule's: in the middle of
                 // a rollback in place or of a stop and restore, whichever the moment falls in.
+                // (the sandbox changed since every statepoint: before and after differ)
+                ag.touch();
                 let before = ag.held();
                 let k = rng.below(ag.committed.len());
                 let (sp, target) = ag.committed.iter().nth(k).map(|(s, h)| (s.clone(), h.clone())).unwrap();
@@ -196,7 +204,8 @@ fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
                 // The next operation finishes or undoes it: the sandbox runs, not frozen, and
                 // holds exactly what it held before the rollback or what the statepoint holds.
                 let next = format!("{name}-next");
-                ag.sb.snapshot(&next);
+                let r = planarian(&["snapshot", &sb_name, "--name", &next]);
+                r.ok();
                 assert_eq!(
                     podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb_name]).out(),
                     "running",
@@ -209,11 +218,16 @@ fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
                     now == before || now == target,
                     "{sb_name}: after a rollback to {sp} killed at {after:?}: {now:?}, neither as before ({before:?}) nor at the statepoint ({target:?})"
                 );
+                // What the next operation said it did is what the sandbox holds.
+                let (undone, finished) = (r.stderr.contains("was undone"), r.stderr.contains("was finished"));
+                assert!(undone <= (now == before) && finished <= (now == target), "{sb_name}: {}", r.stderr);
                 ag.committed.insert(next, now.clone());
-                match (was_killed, now == target) {
-                    (false, _) => "rollback (ended before the kill)",
-                    (true, true) => "killed rollback, finished",
-                    (true, false) => "killed rollback, undone",
+                match (was_killed, undone, finished, now == target) {
+                    (false, ..) => "rollback (ended before the kill)",
+                    (true, true, _, _) => "killed rollback, undone by the next operation",
+                    (true, _, true, _) => "killed rollback, finished by the next operation",
+                    (true, _, _, true) => "killed rollback, after it ended",
+                    (true, ..) => "killed rollback, before it began",
                 }
             }
             _ => {

@@ -371,6 +371,19 @@ mod tests {
     }
 
     #[test]
+    fn an_interrupted_rollback_is_found() {
+        let (cfg, s) = setup("rollback");
+        make(&s, "sp1", None, None);
+        // As a planarian killed mid-rollback leaves its journal.
+        let journal = r#"{"pid":4294967295,"target":"sp1","safety":"sp2","from":null,"init":[1,0],"phase":"writing"}"#;
+        std::fs::write(s.dir.join("rolling-back.json"), journal).unwrap();
+        let f = findings(&cfg, &s);
+        assert_eq!(checks(&f), vec![(None, "rollback")]);
+        assert!(f[0].repairable && f[0].detail.contains("sp1"), "{f:?}");
+        std::fs::remove_dir_all(&cfg.store.path).unwrap();
+    }
+
+    #[test]
     fn a_container_in_an_operation_is_left_alone() {
         let (cfg, s) = setup("busy");
         std::fs::create_dir_all(s.statepoint_dir("sp1")).unwrap();

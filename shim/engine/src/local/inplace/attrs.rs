@@ -93,9 +93,11 @@ pub(super) fn check(
                 return refuse(format!("{what}: its {why} changed since the statepoint"));
             }
         }
-        let seccomp = status_field(&st, "Seccomp").and_then(|s| s.parse::<u32>().ok()).unwrap_or(0);
-        if seccomp != core.seccomp_mode {
-            return refuse(format!("{what}: its seccomp mode is {seccomp}, {} at the statepoint", core.seccomp_mode));
+        let seccomp = status_field(&st, "Seccomp").and_then(|s| s.parse::<u32>().ok());
+        if let (Some(now), Some(then)) = (seccomp, core.seccomp_mode) {
+            if now != then {
+                return refuse(format!("{what}: its seccomp mode is {now}, {then} at the statepoint"));
+            }
         }
         if let Some((nice, policy, prio)) = core.sched {
             let (now_nice, now_prio, now_policy) = sched_of(host, t.host)?;
