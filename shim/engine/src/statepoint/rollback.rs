@@ -246,6 +246,78 @@ fn rollback(
     progress: &mut dyn Progress,
 ) -> Result<Done> {
     let from = store.head();
+    let (rootfs, mut full_path) = checked(cfg, pc, store, target)?;
+    let mut rb = Parts { globals, cfg, pc, store, target, rootfs, journal: None };
+    // The sidecar outlives the stop and restore of a rollback: the agent's MCP connection stays
+    // up, and compensation needs it.
+    let _rolling = crate::remote::sidecar::RollbackMarker::set(store);
+    // (reserved: the lock is held; a stopped container has no safety statepoint)
+    let safety_id = match pc.status.as_str() {
+        "running" | "paused" => store.next_id(),
+        _ => String::new(),
+    };
+
+    // 0. In place, when the tree has the statepoint's shape.
+    let (not_in_place, taken) = match pc.status.as_str() {
+        "running" => match try_in_place(&mut rb, &safety_id, &mut full_path, progress)? {
+            InPlace::Done { how, safety_positions, leftover } => {
+                return Ok(Done { from, safety_positions, files_backend: rb.rootfs.backend(), how, leftover })
+            }
+            InPlace::Refused { why, safety } => (Some(why), safety.map(|b| *b)),
+        },
+        _ => (None, None),
+    };
+    if taken.is_none() {
+        full_path.into_inner()?;
+    }
+    let how = How { path: "stop-and-restore".into(), not_in_place, ..How::default() };
+    // 1. Keep the current state until the restore succeeded.
+    let safety = match taken {
+        Some(s) => Some(s),
+        None => take_safety(&rb, &safety_id, progress)?,
+    };
+    // 2. Files, processes, and the remote state last.
+    let result = restore_target(&mut rb, progress);
+    // 3. Done, or back to where it was.
+    let files_backend = rb.rootfs.backend();
+    match (result, safety) {
+        (Ok(()), Some(s)) => {
+            let _ = super::remove(cfg, store, &s.statepoint_id);
+            Ok(Done { from, safety_positions: s.remote_state, files_backend, how, leftover: None })
+        }
+        (Ok(()), None) => Ok(Done { from, safety_positions: vec![], files_backend, how, leftover: None }),
+        (Err(e), Some(s)) => Err(back_to_safety(&mut rb, e, &s, progress)),
+        (Err(e), None) => Err(rolled_back(e)),
+    }
+}
+
+/// One rollback's parts, shared by its phases.
+struct Parts<'a> {
+    globals: &'a Globals,
+    cfg: &'a Config,
+    pc: &'a PodmanContainer,
+    store: &'a ContainerStore,
+    target: &'a Manifest,
+    rootfs: Box<dyn Rootfs>,
+    /// Kept from the first change of a running sandbox on: a planarian killed half-way leaves
+    /// a sandbox the next operation finishes or undoes (see [`super::journal`]).
+    journal: Option<Journal>,
+}
+
+/// Whether the stop-and-restore path can run, asked beside the rollback.
+type FullPath = Beside<Result<(), crate::local::Error>>;
+
+/// What a rollback needs before it starts: the container's files where the statepoint's were
+/// (the same backend, the statepoint's copy there), and — asked beside the rollback, waited for
+/// only before a stop — whether stopping and restoring is possible (clones of the dataset in
+/// use refuse it; a rollback in place does not swap datasets and goes ahead. `zfs list`s: a few
+/// hundred ms through zfs-fuse).
+fn checked(
+    cfg: &Config,
+    pc: &PodmanContainer,
+    store: &ContainerStore,
+    target: &Manifest,
+) -> Result<(Box<dyn Rootfs>, FullPath)> {
     let rootfs = crate::local::rootfs_for(cfg, store, &pc.id, pc.upperdir.clone())?;
     crate::log::mark("rootfs");
     if rootfs.backend() != target.local_state.rootfs_backend {
@@ -256,10 +328,7 @@ fn rollback(
         });
     }
     let saved = store.statepoint_dir(&target.statepoint_id);
-    // What stopping and restoring would refuse (clones of the dataset in use): a rollback in
-    // place does not swap datasets and goes ahead. Asked beside it (`zfs list`s: a few hundred
-    // ms through zfs-fuse), and waited for only where the answer matters: before the stop.
-    let mut full_path = {
+    let full_path = {
         let (cfg, store, local) = (cfg.clone(), store.clone(), target.local_state.clone());
         Beside::start(move || crate::local::zfs::check_rollback(&cfg, &store, &local))
     };
@@ -268,183 +337,154 @@ fn rollback(
             return Err(Error::FilesMissing { statepoint: target.statepoint_id.clone(), path: saved.join(copy) });
         }
     }
+    Ok((rootfs, full_path))
+}
 
-    // The sidecar outlives the stop and restore of a rollback: the agent's MCP connection stays
-    // up, and compensation needs it.
-    let _rolling = crate::remote::sidecar::RollbackMarker::set(store);
+/// Phase 0: the journal begun, then in place unless turned off.
+fn try_in_place(
+    rb: &mut Parts,
+    safety_id: &str,
+    full_path: &mut FullPath,
+    progress: &mut dyn Progress,
+) -> Result<InPlace> {
+    let mut ctx = Ctx::load(rb.globals, &rb.pc.id)?;
+    ctx.recover();
+    crate::log::mark("ctx");
+    rb.journal = Some(Journal::begin(rb.store, &rb.target.statepoint_id, safety_id, ctx.ctr.running_pid()?)?);
+    if !ctx.cfg.checkpoint.rollback_in_place {
+        return Ok(InPlace::Refused { why: "turned off (checkpoint.rollback_in_place = false)".into(), safety: None });
+    }
+    let mut blocked = || full_path.get().as_ref().err().map(|e| e.to_string());
+    let r = in_place(&ctx, rb, safety_id, &mut blocked, progress)?;
+    if let InPlace::Refused { why, .. } = &r {
+        progress.phase(&format!("not in place: {why}"));
+    }
+    Ok(r)
+}
 
-    // 0. In place, when the tree has the statepoint's shape. From here on, a rollback of a
-    // running sandbox keeps its journal: a planarian killed half-way leaves a sandbox the next
-    // operation finishes or undoes (see [`super::journal`]).
-    let mut not_in_place = None;
-    let mut taken = None;
-    let mut journal = None;
-    // (reserved: the lock is held; a stopped container has no safety statepoint)
-    let safety_id = match pc.status.as_str() {
-        "running" | "paused" => store.next_id(),
-        _ => String::new(),
+/// Phase 1: a statepoint of the current state, to come back to if the rest fails. A running
+/// sandbox stays frozen until it is committed, and is then killed: a planarian killed during
+/// the dump leaves it running as it was, never stopped without a statepoint of its state.
+fn take_safety(rb: &Parts, safety_id: &str, progress: &mut dyn Progress) -> Result<Option<Manifest>> {
+    let (pc, store, target) = (rb.pc, rb.store, rb.target);
+    let running = match pc.status.as_str() {
+        "running" => true,
+        "paused" => false,
+        _ => return Ok(None),
     };
-    if pc.status == "running" {
-        let mut ctx = Ctx::load(globals, &pc.id)?;
-        ctx.recover();
-        crate::log::mark("ctx");
-        let j = journal.insert(Journal::begin(store, &target.statepoint_id, &safety_id, ctx.ctr.running_pid()?)?);
-        if !ctx.cfg.checkpoint.rollback_in_place {
-            not_in_place = Some("turned off (checkpoint.rollback_in_place = false)".to_string());
-        } else {
-            let mut blocked = || full_path.get().as_ref().err().map(|e| e.to_string());
-            let at = Reserved { safety: &safety_id, journal: j };
-            match in_place(&ctx, pc, store, target, rootfs.as_ref(), at, &mut blocked, progress)? {
-                InPlace::Done { how, safety_positions, leftover } => {
-                    return Ok(Done { from, safety_positions, files_backend: rootfs.backend(), how, leftover })
-                }
-                InPlace::Refused { why, safety } => {
-                    progress.phase(&format!("not in place: {why}"));
-                    not_in_place = Some(why);
-                    taken = safety.map(|b| *b);
-                }
+    progress.phase("safety statepoint of the current state");
+    let mut ctx = Ctx::load(rb.globals, &pc.id)?;
+    ctx.recover();
+    let freezer = Freezer::of_pid(ctx.ctr.running_pid()?)?;
+    let frozen = match running {
+        true => Some(FreezeGuard::freeze(&freezer, store.dir.join(crate::local::freezer::MARKER))?),
+        false => None,
+    };
+    let m = snapshot::take(
+        &ctx,
+        &SnapshotRequest {
+            tcp_established: target.options.tcp_established,
+            file_locks: target.options.file_locks,
+            leave_running: running,
+            internal: true,
+            description: Some(format!("before rollback to {}", target.statepoint_id)),
+            id: Some(safety_id.to_string()),
+            ..SnapshotRequest::default()
+        },
+    )?;
+    let stopped = match frozen {
+        Some(frozen) => stop_frozen(&ctx, pc, frozen),
+        None => Ok(podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?),
+    };
+    if let Err(e) = stopped {
+        let _ = super::remove(rb.cfg, store, &m.statepoint_id);
+        return Err(e);
+    }
+    progress.done(&m.statepoint_id);
+    Ok(Some(m))
+}
+
+/// Phase 2: the statepoint's files, its processes (`podman container restore`), and the remote
+/// state last: compensation cannot be taken back, so every local step that can fail comes
+/// before it (their undo is the safety statepoint). The restored processes run while it
+/// compensates, but their calls that change anything wait: the sidecar takes the sandbox's
+/// lock, which the rollback holds. A failure leaves the container stopped on its previous files.
+fn restore_target(rb: &mut Parts, progress: &mut dyn Progress) -> Result<()> {
+    let (pc, store, target) = (rb.pc, rb.store, rb.target);
+    crate::fault::point("rollback.stopped")?;
+    if let Some(j) = rb.journal.as_mut() {
+        j.phase(Phase::RestoringTarget)?;
+    }
+    progress.phase(&format!("files ({})", rb.rootfs.backend()));
+    let files = rb.rootfs.restore(&store.statepoint_dir(&target.statepoint_id), &target.local_state)?;
+    progress.phase("processes (podman container restore)");
+    let restored = crate::fault::point("rollback.files-restored")
+        .map_err(Error::from)
+        .and_then(|()| podman_restore(store, pc, target));
+    match restored {
+        Ok(Some(s)) => progress.done(&s.breakdown()),
+        Ok(None) => {}
+        Err(e) => {
+            return match files.undo() {
+                Ok(()) => Err(e),
+                Err(u) => Err(Error::UndoFailed {
+                    first: Box::new(e),
+                    undoing: "putting the previous files back",
+                    then: Box::new(u.into()),
+                }),
             }
         }
     }
-    if taken.is_none() {
-        full_path.into_inner()?;
+    if !target.remote_state.is_empty() {
+        progress.phase("remote state compensated");
     }
-    let how = How { path: "stop-and-restore".into(), not_in_place, ..How::default() };
-
-    // 1. Keep the current state until the restore succeeded. A running sandbox stays frozen
-    // until its safety statepoint is committed, and is then killed: a planarian killed during
-    // the dump leaves it running as it was, never stopped without a statepoint of its state.
-    let safety = match (taken, pc.status.as_str()) {
-        (Some(s), _) => Some(s),
-        (None, status @ ("running" | "paused")) => {
-            progress.phase("safety statepoint of the current state");
-            let mut ctx = Ctx::load(globals, &pc.id)?;
-            ctx.recover();
-            let running = status == "running";
-            let freezer = Freezer::of_pid(ctx.ctr.running_pid()?)?;
-            let frozen = match running {
-                true => Some(FreezeGuard::freeze(&freezer, store.dir.join(crate::local::freezer::MARKER))?),
-                false => None,
-            };
-            let m = snapshot::take(
-                &ctx,
-                &SnapshotRequest {
-                    tcp_established: target.options.tcp_established,
-                    file_locks: target.options.file_locks,
-                    leave_running: running,
-                    internal: true,
-                    description: Some(format!("before rollback to {}", target.statepoint_id)),
-                    id: Some(safety_id.clone()),
-                    ..SnapshotRequest::default()
-                },
-            )?;
-            let stopped = match frozen {
-                Some(frozen) => stop_frozen(&ctx, pc, frozen),
-                None => Ok(podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?),
-            };
-            if let Err(e) = stopped {
-                let _ = super::remove(cfg, store, &m.statepoint_id);
-                return Err(e);
+    let compensated = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)
+        .map_err(Error::from)
+        .and_then(|intent| {
+            crate::fault::point("rollback.restored")?;
+            crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
+            // (before the intent goes: a kill between them leaves a rollback done; past the
+            // compensation, nothing fails the rollback any more)
+            if let Some(j) = rb.journal.as_mut() {
+                let _ = j.phase(Phase::Done);
             }
-            progress.done(&m.statepoint_id);
-            Some(m)
-        }
-        (None, _) => None,
+            drop(intent);
+            Ok(())
+        });
+    let Err(e) = compensated else {
+        files.commit();
+        return Ok(());
     };
+    // The target's processes run on the target's files: stopped, and the previous files put
+    // back (the safety statepoint's processes follow).
+    let back = podman::run(&["kill", &pc.id])
+        .and_then(|()| podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60)))
+        .map_err(Error::from)
+        .and_then(|()| files.undo().map_err(Error::from));
+    match back {
+        Ok(()) => Err(e),
+        Err(u) => Err(Error::UndoFailed {
+            first: Box::new(e),
+            undoing: "stopping the restored container and putting the previous files back",
+            then: Box::new(u),
+        }),
+    }
+}
 
-    // 2. Files, processes, and the remote state last: compensation cannot be taken back, so
-    // every local step that can fail comes before it (their undo is the safety statepoint). The
-    // restored processes run while it compensates, but their calls that change anything wait:
-    // the sidecar takes the sandbox's lock, which the rollback holds.
-    let result = (|| -> Result<()> {
-        crate::fault::point("rollback.stopped")?;
-        if let Some(j) = journal.as_mut() {
-            j.phase(Phase::RestoringTarget)?;
-        }
-        progress.phase(&format!("files ({})", rootfs.backend()));
-        let files = rootfs.restore(&saved, &target.local_state)?;
-        progress.phase("processes (podman container restore)");
-        let restored = crate::fault::point("rollback.files-restored")
-            .map_err(Error::from)
-            .and_then(|()| podman_restore(store, pc, target));
-        match restored {
-            Ok(Some(s)) => progress.done(&s.breakdown()),
-            Ok(None) => {}
-            Err(e) => {
-                return match files.undo() {
-                    Ok(()) => Err(e),
-                    Err(u) => Err(Error::UndoFailed {
-                        first: Box::new(e),
-                        undoing: "putting the previous files back",
-                        then: Box::new(u.into()),
-                    }),
-                }
-            }
-        }
-        if !target.remote_state.is_empty() {
-            progress.phase("remote state compensated");
-        }
-        let compensated = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)
-            .map_err(Error::from)
-            .and_then(|intent| {
-                crate::fault::point("rollback.restored")?;
-                crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
-                // (before the intent goes: a kill between them leaves a rollback done; past the
-                // compensation, nothing fails the rollback any more)
-                if let Some(j) = journal.as_mut() {
-                    let _ = j.phase(Phase::Done);
-                }
-                drop(intent);
-                Ok(())
-            });
-        match compensated {
-            Ok(()) => {
-                files.commit();
-                Ok(())
-            }
-            // The target's processes run on the target's files: stopped, and the previous files
-            // put back (the safety statepoint's processes follow).
-            Err(e) => {
-                let back = podman::run(&["kill", &pc.id])
-                    .and_then(|()| podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60)))
-                    .map_err(Error::from)
-                    .and_then(|()| files.undo().map_err(Error::from));
-                match back {
-                    Ok(()) => Err(e),
-                    Err(u) => Err(Error::UndoFailed {
-                        first: Box::new(e),
-                        undoing: "stopping the restored container and putting the previous files back",
-                        then: Box::new(u),
-                    }),
-                }
-            }
-        }
-    })();
-
-    let files_backend = rootfs.backend();
-    match (result, safety) {
-        (Ok(()), Some(s)) => {
-            let _ = super::remove(cfg, store, &s.statepoint_id);
-            Ok(Done { from, safety_positions: s.remote_state, files_backend, how, leftover: None })
-        }
-        (Ok(()), None) => Ok(Done { from, safety_positions: vec![], files_backend, how, leftover: None }),
-        (Err(e), Some(s)) => {
-            // 3. Back to where it was.
-            progress.phase(&format!("back to the safety statepoint {}", s.statepoint_id));
-            if let Some(j) = journal.as_mut() {
-                let _ = j.phase(Phase::RestoringSafety);
-            }
-            let back = podman_restore(store, pc, &s).map(drop);
-            if back.is_ok() {
-                progress.done("");
-            }
-            let _ = super::remove(cfg, store, &s.statepoint_id);
-            match back {
-                Ok(()) => Err(rolled_back(e)),
-                Err(b) => Err(Error::NotRolledBack { first: Box::new(e), then: Box::new(b) }),
-            }
-        }
-        (Err(e), None) => Err(rolled_back(e)),
+/// Phase 3, when phase 2 failed with `e`: the safety statepoint `s` restored, then removed.
+fn back_to_safety(rb: &mut Parts, e: Error, s: &Manifest, progress: &mut dyn Progress) -> Error {
+    progress.phase(&format!("back to the safety statepoint {}", s.statepoint_id));
+    if let Some(j) = rb.journal.as_mut() {
+        let _ = j.phase(Phase::RestoringSafety);
+    }
+    let back = podman_restore(rb.store, rb.pc, s).map(drop);
+    if back.is_ok() {
+        progress.done("");
+    }
+    let _ = super::remove(rb.cfg, rb.store, &s.statepoint_id);
+    match back {
+        Ok(()) => rolled_back(e),
+        Err(b) => Error::NotRolledBack { first: Box::new(e), then: Box::new(b) },
     }
 }
 
@@ -477,24 +517,17 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 /// → the statepoint's images become the base of the next dump → thaw. Before the first write
 /// any doubt refuses (and the stop-and-restore path runs, with the safety statepoint when there
 /// is one); after it, a failure restores the safety statepoint. `blocked`: why the
-/// stop-and-restore path cannot run, if it cannot.
-/// What a rollback reserved before it tried in place: the safety statepoint's ID, its journal.
-struct Reserved<'a> {
-    safety: &'a str,
-    journal: &'a mut Journal,
-}
-
-#[allow(clippy::too_many_arguments)] // (the rollback's parts, each its own; the house issue cuts this protocol into phases)
+/// stop-and-restore path cannot run, if it cannot; `safety_id`: the safety statepoint's
+/// reserved ID. (One function, long: everything in it happens inside one freeze, whose guard
+/// it holds from the first line to the thaw; its steps are the comments' and the progress's.)
 fn in_place(
     ctx: &Ctx,
-    pc: &PodmanContainer,
-    store: &ContainerStore,
-    target: &Manifest,
-    rootfs: &dyn Rootfs,
-    reserved: Reserved,
+    rb: &mut Parts,
+    safety_id: &str,
     blocked: &mut dyn FnMut() -> Option<String>,
     progress: &mut dyn Progress,
 ) -> Result<InPlace> {
+    let (pc, store, target, rootfs) = (rb.pc, rb.store, rb.target, rb.rootfs.as_ref());
     let pid = ctx.ctr.running_pid()?;
     let freezer = Freezer::of_pid(pid)?;
     let frozen = FreezeGuard::freeze(&freezer, store.dir.join(crate::local::freezer::MARKER))?;
@@ -510,19 +543,7 @@ fn in_place(
     // What the files need (ZFS: a snapshot of the frozen state, what changed, where) is found
     // beside the safety statepoint and the page plan.
     let mounts = sys::proc::mounts(pid).unwrap_or_default();
-    let at = InPlaceAt {
-        root: PathBuf::from(format!("/proc/{pid}/root")),
-        lowers: crate::local::zfs::layers::overlay_layers(&mounts, Path::new("/")).map(|l| l.lower).unwrap_or_default(),
-        mounted: mounts
-            .iter()
-            .filter_map(|m| {
-                Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)
-            })
-            .collect(),
-        scratch: store.dir.join("in-place-files"),
-        // (what the files' start captures of this freeze is the safety statepoint's)
-        safety: Some(reserved.safety.to_string()),
-    };
+    let at = files_at(pid, &mounts, store, safety_id);
     crate::log::mark("shape");
     let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at);
     let files_taken = started.as_ref().and_then(|s| s.files_taken.clone());
@@ -554,18 +575,7 @@ fn in_place(
             shape.plan(&safety_dir.join(&safety.local_state.criu_checkpoint_path)).map_err(|e| e.to_string())
         });
         let plan = || planning.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-        // /dev, a tmpfs planarian keeps itself: put back only by a restore; in place, it must
-        // be as it was.
-        if let (true, Some(dev)) = (crate::local::devfs::saved(&sp_dir), crate::local::devfs::dev_mount(&mounts)) {
-            let then = crate::local::devfs::Restored::mount(&sp_dir, &store.dir.join("in-place-dev"))
-                .map_err(|e| e.to_string())?;
-            let live = PathBuf::from(format!("/proc/{pid}/root/dev"));
-            let children: Vec<PathBuf> = dev.children.iter().map(PathBuf::from).collect();
-            let differs = crate::local::treesync::plan(&then.path, &live, &live, &[], false, &children)?;
-            if !differs.is_empty() {
-                return Err(format!("/dev changed since the statepoint ({} entries)", differs.len()));
-            }
-        }
+        dev_unchanged(&sp_dir, &mounts, store, pid)?;
         let files = rootfs.in_place(&sp_dir, &target.local_state, &at, started).map_err(|e| e.to_string())?;
         Ok((plan()?, files))
     });
@@ -588,7 +598,7 @@ fn in_place(
         files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
     progress.done(&format!("{} pages, {} files{examined}", plan.pages_written, files.sync.len()));
     progress.phase("in place: files and memory written");
-    let journal = reserved.journal;
+    let journal = rb.journal.as_mut().expect("begun before a rollback in place");
     let applied = (|| -> Result<(inplace::Applied, usize)> {
         journal.phase(Phase::Writing)?;
         crate::fault::point("rollback.in-place.files")?;
@@ -631,26 +641,7 @@ fn in_place(
                     progress.phase(&format!("oracle dump failed: {e}"));
                 }
             }
-            // The next dump builds on the statepoint's images: the soft-dirty bits were cleared
-            // after the writes, and E covers every thread's start.
-            let init_start = sys::proc::start_time(pid).unwrap_or(0);
-            let epoch = criu_hooks::epoch(Path::new("/proc"), plan.pids())
-                .ok()
-                .zip(nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten())
-                .map(|(e, clk)| crate::chain::Epoch::Recorded(criu_hooks::ticks_to_usec(e, clk as u64)))
-                .unwrap_or_else(|| crate::chain::Epoch::Missing("no start time of the rolled-back threads".into()));
-            if crate::chain::after_restore(store, target, epoch, init_start).is_err() {
-                // Never an incremental dump against the safety statepoint's images.
-                let _ = crate::chain::write_base(
-                    store,
-                    &crate::chain::Base {
-                        images: None,
-                        depth: 0,
-                        init_start_time: init_start,
-                        full_reason: Some("the rollback in place could not record its base".into()),
-                    },
-                );
-            }
+            record_base(store, target, pid, plan.pids());
             store.set_head(Some(&target.statepoint_id))?;
             crate::log::mark("chain");
             let positions = safety.remote_state.clone();
@@ -700,6 +691,70 @@ fn in_place(
                 Err(b) => Err(Error::NotRolledBack { first: Box::new(e), then: Box::new(b) }),
             }
         }
+    }
+}
+
+/// Where a rollback in place finds the container's files: its root through `/proc`, the
+/// overlay's lower layers, its mount points (left alone), a scratch directory, and the safety
+/// statepoint whose files' capture of this freeze it is.
+fn files_at(pid: i32, mounts: &[sys::proc::Mount], store: &ContainerStore, safety_id: &str) -> InPlaceAt {
+    InPlaceAt {
+        root: PathBuf::from(format!("/proc/{pid}/root")),
+        lowers: crate::local::zfs::layers::overlay_layers(mounts, Path::new("/")).map(|l| l.lower).unwrap_or_default(),
+        mounted: mounts
+            .iter()
+            .filter_map(|m| {
+                Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)
+            })
+            .collect(),
+        scratch: store.dir.join("in-place-files"),
+        safety: Some(safety_id.to_string()),
+    }
+}
+
+/// /dev, a tmpfs planarian keeps itself, is put back only by a restore: in place, it must be as
+/// it was at the statepoint (saved in `sp_dir`).
+fn dev_unchanged(
+    sp_dir: &Path,
+    mounts: &[sys::proc::Mount],
+    store: &ContainerStore,
+    pid: i32,
+) -> std::result::Result<(), String> {
+    let (true, Some(dev)) = (crate::local::devfs::saved(sp_dir), crate::local::devfs::dev_mount(mounts)) else {
+        return Ok(());
+    };
+    let then =
+        crate::local::devfs::Restored::mount(sp_dir, &store.dir.join("in-place-dev")).map_err(|e| e.to_string())?;
+    let live = PathBuf::from(format!("/proc/{pid}/root/dev"));
+    let children: Vec<PathBuf> = dev.children.iter().map(PathBuf::from).collect();
+    let differs = crate::local::treesync::plan(&then.path, &live, &live, &[], false, &children)?;
+    match differs.is_empty() {
+        true => Ok(()),
+        false => Err(format!("/dev changed since the statepoint ({} entries)", differs.len())),
+    }
+}
+
+/// After a rollback in place, the next dump builds on the statepoint's images: the soft-dirty
+/// bits were cleared after the writes, and E covers every thread's start (`pids`). Never an
+/// incremental dump against the safety statepoint's images: a base that cannot be recorded makes
+/// the next dump full.
+fn record_base(store: &ContainerStore, target: &Manifest, pid: i32, pids: &[i32]) {
+    let init_start = sys::proc::start_time(pid).unwrap_or(0);
+    let epoch = criu_hooks::epoch(Path::new("/proc"), pids)
+        .ok()
+        .zip(nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten())
+        .map(|(e, clk)| crate::chain::Epoch::Recorded(criu_hooks::ticks_to_usec(e, clk as u64)))
+        .unwrap_or_else(|| crate::chain::Epoch::Missing("no start time of the rolled-back threads".into()));
+    if crate::chain::after_restore(store, target, epoch, init_start).is_err() {
+        let _ = crate::chain::write_base(
+            store,
+            &crate::chain::Base {
+                images: None,
+                depth: 0,
+                init_start_time: init_start,
+                full_reason: Some("the rollback in place could not record its base".into()),
+            },
+        );
     }
 }
 
