@@ -139,7 +139,7 @@ fn compare(saved: &Path, upper: &Path, at: &InPlaceAt) -> Result<super::treesync
     if at.lowers.is_empty() {
         return Err(Error::InPlaceFiles("the container's root is not an overlay with lower layers".into()));
     }
-    super::treesync::plan(saved, upper, &at.root, &at.lowers, false, &at.mounted).map_err(Error::InPlaceFiles)
+    Ok(super::treesync::plan(saved, upper, &at.root, &at.lowers, false, &at.mounted)?)
 }
 
 #[cfg(test)]

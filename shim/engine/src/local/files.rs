@@ -186,7 +186,7 @@ pub struct InPlaceFiles {
 impl InPlaceFiles {
     /// Entries changed.
     pub fn apply(&self) -> Result<usize> {
-        self.sync.apply().map_err(super::Error::InPlaceFiles)
+        Ok(self.sync.apply()?)
     }
 
     /// The ZFS clone and snapshot to destroy, left to the caller (who destroys them later,

@@ -77,6 +77,8 @@ pub enum Error {
     ImageCopy { dataset: String, source: Box<Error> },
     #[error("files in place: {0}")]
     InPlaceFiles(String),
+    #[error("files in place: {0}")]
+    Sync(#[from] treesync::SyncError),
     /// An undo that failed after the step it undoes failed: both are told.
     #[error("{first}; and {undoing} failed: {then}")]
     UndoFailed { first: Box<Error>, undoing: &'static str, then: Box<Error> },

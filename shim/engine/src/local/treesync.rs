@@ -103,6 +103,19 @@ fn lower_of(lowers: &[PathBuf], rel: &Path) -> Option<PathBuf> {
     None
 }
 
+/// Why two trees cannot be made the same in place, or what failed writing the difference.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    /// A directory opaque in the overlay on one side only: a copy of the layer does not say
+    /// which lower entries it hides.
+    #[error("/{} became or stopped being an opaque overlay directory", .0.display())]
+    OpaqueChanged(PathBuf),
+    #[error("/{} is an opaque overlay directory in the statepoint", .0.display())]
+    OpaqueThen(PathBuf),
+    #[error("{op}: {source}")]
+    Write { op: String, source: std::io::Error },
+}
+
 /// Compares `target` (the statepoint's tree) with `current` (the live one); changes go to
 /// `apply_root`. `lowers`: the overlay's lower layers (copy path), none on ZFS (`strict`).
 /// Paths in `mounted` (relative: the container's mount points) are not the tree's and are left.
@@ -113,7 +126,7 @@ pub fn plan(
     lowers: &[PathBuf],
     strict: bool,
     mounted: &[PathBuf],
-) -> Result<Sync, String> {
+) -> Result<Sync, SyncError> {
     plan_changed(target, current, apply_root, lowers, strict, mounted, None)
 }
 
@@ -129,7 +142,7 @@ pub fn plan_changed(
     strict: bool,
     mounted: &[PathBuf],
     changed: Option<&HashSet<u64>>,
-) -> Result<Sync, String> {
+) -> Result<Sync, SyncError> {
     let mut ops = Vec::new();
     let mut metas = Vec::new();
     let w = Walk { target, current, lowers, strict, mounted, changed, focused: false, dirs: Default::default() };
@@ -177,7 +190,7 @@ pub fn plan_places(
     mounted: &[PathBuf],
     changed: &HashSet<u64>,
     places: &[PathBuf],
-) -> Result<Sync, String> {
+) -> Result<Sync, SyncError> {
     let mut ops = Vec::new();
     let mut metas = Vec::new();
     let w = Walk {
@@ -282,7 +295,7 @@ impl Walk<'_> {
     /// `unchanged`: the directory is the same object on both sides and did not change, so its
     /// listing is the same: read once, from the live side (the statepoint's side is a fresh mount,
     /// every read of it cold).
-    fn walk(&self, rel: &Path, unchanged: bool, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), String> {
+    fn walk(&self, rel: &Path, unchanged: bool, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), SyncError> {
         let (td, cd) = (self.target.join(rel), self.current.join(rel));
         let cl = listing(&cd);
         let tl = if unchanged { cl.clone() } else { listing(&td) };
@@ -308,7 +321,7 @@ impl Walk<'_> {
 
     /// Compares the entry at `r` on both sides. `checked`: its directories are checked on the way
     /// (it was not reached through them).
-    fn entry(&self, r: &Path, checked: bool, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), String> {
+    fn entry(&self, r: &Path, checked: bool, ops: &mut Vec<Op>, metas: &mut Vec<Op>) -> Result<(), SyncError> {
         let (target, current, lowers, strict) = (self.target, self.current, self.lowers, self.strict);
         let (tp, cp) = (target.join(r), current.join(r));
         let (t, c) = if checked {
@@ -328,7 +341,7 @@ impl Walk<'_> {
                     return Ok(());
                 }
                 if !lowers.is_empty() && is_opaque(&tp) != is_opaque(&cp) {
-                    return Err(format!("/{} became or stopped being an opaque overlay directory", r.display()));
+                    return Err(SyncError::OpaqueChanged(r.to_path_buf()));
                 }
                 self.walk(r, false, ops, metas)?;
                 if !same(&t, &c, &tp, &cp, strict) || t.mtime() != c.mtime() || t.mtime_nsec() != c.mtime_nsec() {
@@ -340,7 +353,7 @@ impl Walk<'_> {
                     return Ok(());
                 }
                 if !lowers.is_empty() && t.is_dir() && is_opaque(&tp) {
-                    return Err(format!("/{} is an opaque overlay directory in the statepoint", r.display()));
+                    return Err(SyncError::OpaqueThen(r.to_path_buf()));
                 }
                 ops.push(if is_whiteout(&t) && !lowers.is_empty() {
                     Op::Remove(r.to_path_buf())
@@ -448,7 +461,7 @@ impl Sync {
 
     /// Writes the changes; the first failure stops it (the caller restores the safety
     /// statepoint).
-    pub fn apply(&self) -> Result<usize, String> {
+    pub fn apply(&self) -> Result<usize, SyncError> {
         for op in &self.ops {
             let r = match op {
                 Op::Put { rel, from } => put(from, &self.apply_root.join(rel)),
@@ -457,7 +470,7 @@ impl Sync {
                     std::fs::symlink_metadata(from).and_then(|md| set_meta(&md, &self.apply_root.join(rel)))
                 }
             };
-            r.map_err(|e| format!("{op:?}: {e}"))?;
+            r.map_err(|source| SyncError::Write { op: format!("{op:?}"), source })?;
         }
         Ok(self.len())
     }

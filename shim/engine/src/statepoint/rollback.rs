@@ -727,7 +727,8 @@ fn dev_unchanged(
         crate::local::devfs::Restored::mount(sp_dir, &store.dir.join("in-place-dev")).map_err(|e| e.to_string())?;
     let live = PathBuf::from(format!("/proc/{pid}/root/dev"));
     let children: Vec<PathBuf> = dev.children.iter().map(PathBuf::from).collect();
-    let differs = crate::local::treesync::plan(&then.path, &live, &live, &[], false, &children)?;
+    let differs =
+        crate::local::treesync::plan(&then.path, &live, &live, &[], false, &children).map_err(|e| e.to_string())?;
     match differs.is_empty() {
         true => Ok(()),
         false => Err(format!("/dev changed since the statepoint ({} entries)", differs.len())),

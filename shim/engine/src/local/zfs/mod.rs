@@ -390,13 +390,11 @@ fn compare(zfs: &Zfs, found: &Found, at: &InPlaceAt) -> Result<(super::treesync:
         .as_ref()
         .filter(|(_, named, _)| named.iter().all(|rel| super::treesync::unchanged(&at.scratch, live, rel)));
     let planned = if let (Some(changed), Some((places, _, by))) = (&found.changed, places) {
-        let mut s = super::treesync::plan_places(&at.scratch, live, live, &at.mounted, changed, places)
-            .map_err(Error::InPlaceFiles)?;
+        let mut s = super::treesync::plan_places(&at.scratch, live, live, &at.mounted, changed, places)?;
         s.located_by = Some(by);
         s
     } else {
-        super::treesync::plan_changed(&at.scratch, live, live, &[], true, &at.mounted, found.changed.as_ref())
-            .map_err(Error::InPlaceFiles)?
+        super::treesync::plan_changed(&at.scratch, live, live, &[], true, &at.mounted, found.changed.as_ref())?
     };
     Ok((planned, format!("{}; plan {} ms", found.times, t.elapsed().as_millis())))
 }
