@@ -168,23 +168,46 @@ fn resolve(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &str, e:
         FreezeGuard::recover(&marker);
         return at_target(cfg, store, e, init).map(|_| Recovered::Compensated(e.target.clone()));
     }
-    let same = init == Some(e.init);
-    match (e.phase, init.is_some(), same) {
-        (Phase::Done, _, _) => {
+    match decide(e.phase, init, e.init) {
+        Action::AtTarget => {
             FreezeGuard::recover(&marker);
             at_target(cfg, store, e, init)
         }
-        (Phase::Started, true, true) => {
+        Action::Thaw => {
             FreezeGuard::recover(&marker);
             forget_safety(cfg, store, e);
             Ok(Recovered::AsBefore(e.target.clone()))
         }
-        (Phase::RestoringSafety, true, false) => {
+        Action::SafetyRuns => {
             forget_safety(cfg, store, e);
             let _ = store.set_head(e.from.as_deref());
             Ok(Recovered::AsBefore(e.target.clone()))
         }
-        _ => back_to_safety(globals, cfg, store, id, e),
+        Action::BackToSafety => back_to_safety(globals, cfg, store, id, e),
+    }
+}
+
+/// What the next operation does with an interrupted rollback (no compensation under way).
+#[derive(Debug, PartialEq, Eq)]
+enum Action {
+    /// It ended: at the target.
+    AtTarget,
+    /// Nothing was written: the same processes, thawed.
+    Thaw,
+    /// The safety statepoint was restored: as before.
+    SafetyRuns,
+    /// Anything else: stop what runs, restore the safety statepoint.
+    BackToSafety,
+}
+
+/// The module's table: from the phase reached, the container's init now (PID, start time; none
+/// when it does not run) and its init when the rollback began.
+fn decide(phase: Phase, now: Option<(i32, u64)>, then: (i32, u64)) -> Action {
+    match (phase, now) {
+        (Phase::Done, _) => Action::AtTarget,
+        (Phase::Started, Some(n)) if n == then => Action::Thaw,
+        (Phase::RestoringSafety, Some(n)) if n != then => Action::SafetyRuns,
+        _ => Action::BackToSafety,
     }
 }
 
@@ -247,6 +270,35 @@ fn back_to_safety(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_table() {
+        let then = (42, 1000);
+        let other = Some((57, 2000));
+        use Action::*;
+        use Phase::*;
+        for (phase, now, want) in [
+            (Done, None, AtTarget),
+            (Done, Some(then), AtTarget),
+            (Done, other, AtTarget),
+            (Started, Some(then), Thaw),
+            // stopped after its safety statepoint, before the restore began
+            (Started, None, BackToSafety),
+            (Started, other, BackToSafety),
+            // half-written in place: the same processes, or killed with planarian
+            (Writing, Some(then), BackToSafety),
+            (Writing, None, BackToSafety),
+            // the target restored, not compensated
+            (RestoringTarget, other, BackToSafety),
+            (RestoringTarget, None, BackToSafety),
+            (RestoringSafety, other, SafetyRuns),
+            (RestoringSafety, None, BackToSafety),
+            // (a PID reused: another start time is another process)
+            (Started, Some((42, 1001)), BackToSafety),
+        ] {
+            assert_eq!(decide(phase, now, then), want, "{phase:?} {now:?}");
+        }
+    }
 
     #[test]
     fn a_journal_is_its_writers_until_it_ends_and_an_interrupted_one_is_found() {
