@@ -364,11 +364,14 @@ fn try_in_place(
 
 /// Phase 1: a statepoint of the current state, to come back to if the rest fails. A running
 /// sandbox stays frozen until it is committed, and is then killed: a planarian killed during
-/// the dump leaves it running as it was, never stopped without a statepoint of its state.
+/// the dump leaves it running as it was, never stopped without a statepoint of its state. (With
+/// established TCP connections CRIU kills the processes itself, their sockets still in repair
+/// mode: a kill from outside would close them, and the peers of the restored connections would
+/// have seen them reset.)
 fn take_safety(rb: &Parts, safety_id: &str, progress: &mut dyn Progress) -> Result<Option<Manifest>> {
     let (pc, store, target) = (rb.pc, rb.store, rb.target);
     let running = match pc.status.as_str() {
-        "running" => true,
+        "running" => !target.options.tcp_established,
         "paused" => false,
         _ => return Ok(None),
     };
