@@ -1,15 +1,15 @@
 //! Many sandboxes, many faults: agents change memory and files while statepoints are taken
-//! (synchronously and not), rolled back to and forked, on a seeded random schedule, and
-//! planarian itself is killed (SIGKILL) at random moments of its snapshots and rollbacks, not
-//! only at fault points; the operation that follows a killed rollback finds the sandbox running,
-//! exactly as it was before the rollback or exactly at its target. After it all: no sandbox is
-//! left frozen, `planarian fsck` finds nothing wrong, and every
-//! committed statepoint — those the schedule saw committed and those a killed operation
+//! (synchronously and not), rolled back to and forked (every other fork from a spare), on a
+//! seeded random schedule, and planarian itself is killed (SIGKILL) at random moments of its
+//! snapshots and rollbacks, not only at fault points; the operation that follows a killed
+//! rollback finds the sandbox running, exactly as it was before the rollback or exactly at its
+//! target. After it all: no sandbox is left frozen, `planarian fsck` finds nothing wrong, and
+//! every committed statepoint — those the schedule saw committed and those a killed operation
 //! committed before it died — restores exactly (memory checksum, counter, files).
 //!
 //! Bounded for CI (`PLANARIAN_SOAK_STEPS`, default 8, and `PLANARIAN_SOAK_SEED`, default 4: its
-//! 8 steps kill two snapshots and two rollbacks); the longer
-//! run quoted in docs/testbed.md is the same test with more steps.
+//! 8 steps kill two snapshots and two rollbacks); the longer runs quoted in
+//! docs/architecture.md are the same test with more steps.
 
 use planarian_system_tests::sandbox::*;
 use planarian_system_tests::*;
@@ -182,13 +182,25 @@ fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
                 let k = rng.below(ag.committed.len());
                 let (sp, held) = ag.committed.iter().nth(k).map(|(s, h)| (s.clone(), h.clone())).unwrap();
                 let fork = name_for_fork(step);
-                planarian(&["fork", &ag.sb.name, &sp, "--name", &fork]).ok();
+                // Every other fork takes a spare made ahead of time (held frozen until taken).
+                let spared = step % 2 == 0;
+                if spared {
+                    planarian(&["spare", &ag.sb.name, &sp, "--count", "1"]).ok();
+                }
+                let r = planarian(&["fork", &ag.sb.name, &sp, "--name", &fork, "--json"]);
+                r.ok();
+                let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+                assert_eq!(ctx["how"]["path"] == "spare", spared, "{fork}: {ctx}");
                 let f = Sandbox::attach(&fork);
                 let mut fa = Agent { sb: f, committed: BTreeMap::new(), maybe: BTreeMap::new(), edits: 1000 };
                 assert_eq!(fa.held(), held, "{fork}: a fork of {sp}");
                 fa.work(&mut rng);
                 born = Some(fa);
-                "fork"
+                if spared {
+                    "fork from a spare"
+                } else {
+                    "fork"
+                }
             }
             9 if !ag.committed.is_empty() => {
                 // planarian killed mid-rollback, at a moment of the schedule's: in the middle of
