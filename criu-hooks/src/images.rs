@@ -464,7 +464,8 @@ pub fn core(dir: &Path, tid: u32) -> Result<Core> {
                     cap(19).map_err(bad)?,
                 ],
                 groups: cr.ints(14).map_err(bad)?.into_iter().map(|g| g as u32).collect(),
-                no_new_privs: cr.int(18).map(|v| v != 0),
+                // (CRIU writes it only when it is set)
+                no_new_privs: Some(cr.int(18).is_some_and(|v| v != 0)),
             });
         }
     }

@@ -118,7 +118,7 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
         eprintln!("waiting for what is in flight in {} ({what})", a.container)
     })?;
-    ctx.recover();
+    ctx.recover()?;
     let m = statepoint::snapshot::take(
         &ctx,
         &SnapshotRequest {

@@ -91,7 +91,11 @@ pub fn check_container(cfg: &Config, id: &str, repair: bool, wait: std::time::Du
 /// The safe repairs, with the lock held.
 fn mend(cfg: &Config, store: &ContainerStore) {
     // (first: a half-written sandbox must not be thawed before it is stopped)
-    crate::statepoint::journal::recover(&crate::runtime::Globals::default(), cfg, store, &store.container_id());
+    if let Err(e) =
+        crate::statepoint::journal::recover(&crate::runtime::Globals::default(), cfg, store, &store.container_id())
+    {
+        eprintln!("planarian: {e}");
+    }
     let marker = store.dir.join(crate::local::freezer::MARKER);
     if marker.exists() {
         crate::local::freezer::FreezeGuard::recover(&marker);

@@ -75,7 +75,7 @@ pub fn start(globals: &Globals, name: &str, req: &SnapshotRequest, worker: &std:
     let lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
         eprintln!("waiting for what is in flight in {name} ({what})")
     })?;
-    ctx.recover();
+    ctx.recover()?;
     let id = ctx.store.next_id();
     record(
         &ctx.store,

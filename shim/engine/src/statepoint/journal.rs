@@ -90,6 +90,22 @@ impl Journal {
         self.write()
     }
 
+    /// The sandbox is at the target and its services compensated: `done`, written before the
+    /// compensation's intent is removed. Past the compensation nothing may fail the rollback: a
+    /// journal that cannot say so is removed instead (a kill from here on then finds nothing to
+    /// undo, and there is nothing to).
+    pub fn done(&mut self) {
+        if self.phase(Phase::Done).is_err() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
+    /// Left for the next operation: the rollback could not be undone here (its safety
+    /// statepoint stays too), and the next operation tries again.
+    pub fn keep(self) {
+        std::mem::forget(self);
+    }
+
     fn write(&self) -> Result<()> {
         let text = serde_json::to_vec(&self.entry).expect("a journal serialises");
         Ok(sys::write_atomic(&self.path, &text, 0o600)?)
@@ -124,36 +140,73 @@ pub enum Recovered {
     /// At the target, its compensation finished now.
     Compensated(String),
     AsBefore(String),
+    /// Stopped, its state not kept: CRIU killed the processes at the end of a safety dump that
+    /// was never committed (established TCP connections, a paused container).
+    Stopped(String),
 }
 
 /// Finishes or undoes the rollback a killed planarian left (see the module's table), and says
-/// which on stderr; a recovery that fails leaves the journal, says why, and is tried again by the
-/// next operation. Call with the container's exclusive lock held, before anything else of the
-/// recovery (a half-written sandbox must not be thawed first).
-pub fn recover(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &str) -> Option<Recovered> {
-    let e = read(store).filter(|e| e.pid != std::process::id())?;
-    match resolve(globals, cfg, store, id, &e) {
-        Ok(r) => {
-            let _ = std::fs::remove_file(store.dir.join(JOURNAL));
-            match &r {
-                Recovered::AtTarget(t) => {
-                    eprintln!("planarian: an interrupted rollback to {t} was finished: the sandbox is at {t}")
-                }
-                Recovered::Compensated(t) => super::said_compensated(t),
-                Recovered::AsBefore(t) => eprintln!(
-                    "planarian: an interrupted rollback to {t} was undone: the sandbox is as it was before it"
-                ),
-            }
-            Some(r)
+/// which on stderr: `Ok(None)` when there was none. A recovery that fails leaves the journal and
+/// is an error: the operation that asked must not go on (it would build on a sandbox half
+/// rolled back); the next one tries again. Call with the container's exclusive lock held, before
+/// anything else of the recovery (a half-written sandbox must not be thawed first), and never
+/// from a verb Podman runs (recovery calls Podman).
+pub fn recover(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &str) -> Result<Option<Recovered>> {
+    let Some(e) = read(store).filter(|e| e.pid != std::process::id()) else { return Ok(None) };
+    wait_for_orphans(store, id, Duration::from_secs(300));
+    let r = resolve(globals, cfg, store, id, &e).map_err(|err| {
+        Error::Worker(format!(
+            "an interrupted rollback to {} could not be finished or undone (tried again by the next operation, or `planarian fsck --repair`): {err}",
+            e.target
+        ))
+    })?;
+    let _ = std::fs::remove_file(store.dir.join(JOURNAL));
+    match &r {
+        Recovered::AtTarget(t) => eprintln!("planarian: an interrupted rollback to {t} was finished: the sandbox is at {t}"),
+        Recovered::Compensated(t) => super::said_compensated(t),
+        Recovered::AsBefore(t) => {
+            eprintln!("planarian: an interrupted rollback to {t} was undone: the sandbox is as it was before it")
         }
-        Err(err) => {
-            eprintln!(
-                "planarian: an interrupted rollback to {} could not be recovered (tried again by the next operation): {err}",
-                e.target
-            );
-            None
-        }
+        Recovered::Stopped(t) => eprintln!(
+            "planarian: an interrupted rollback to {t} left the sandbox stopped and its state was not kept (its statepoints are all there)"
+        ),
     }
+    Ok(Some(r))
+}
+
+/// Waits (at most `max`) until what the killed planarian started against this container has
+/// ended — a CRIU with a file of the store open, a `podman container restore` or `kill` naming
+/// the container — under a hand-over of the lock, so that a restore it left (whose runtime verb
+/// waits for the lock or a hand-over) can end. Deciding before they end would race them: a
+/// dump that kills the processes when it ends, a restore that starts the target.
+fn wait_for_orphans(store: &ContainerStore, id: &str, max: Duration) {
+    let _handoff = super::podman_dir::Handoff::give(store, id);
+    let end = std::time::Instant::now() + max;
+    while orphans(store, id) && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn orphans(store: &ContainerStore, id: &str) -> bool {
+    let me = std::process::id().to_string();
+    let Ok(rd) = std::fs::read_dir("/proc") else { return false };
+    rd.flatten().any(|p| {
+        let pid = p.file_name().to_string_lossy().into_owned();
+        if pid == me || !pid.bytes().all(|b| b.is_ascii_digit()) {
+            return false;
+        }
+        match std::fs::read_to_string(p.path().join("comm")).unwrap_or_default().trim() {
+            "criu" => std::fs::read_dir(p.path().join("fd")).is_ok_and(|fds| {
+                fds.flatten().any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l.starts_with(&store.dir)))
+            }),
+            "podman" => {
+                let cmd = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+                let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+                args.contains(&id.as_bytes()) && (args.contains(&&b"restore"[..]) || args.contains(&&b"kill"[..]))
+            }
+            _ => false,
+        }
+    })
 }
 
 fn resolve(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &str, e: &Entry) -> Result<Recovered> {
@@ -168,7 +221,8 @@ fn resolve(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &str, e:
         FreezeGuard::recover(&marker);
         return at_target(cfg, store, e, init).map(|_| Recovered::Compensated(e.target.clone()));
     }
-    match decide(e.phase, init, e.init) {
+    let safety_runs = store.head().as_deref() == Some(e.safety.as_str());
+    match decide(e.phase, init, e.init, safety_runs) {
         Action::AtTarget => {
             FreezeGuard::recover(&marker);
             at_target(cfg, store, e, init)
@@ -201,12 +255,13 @@ enum Action {
 }
 
 /// The module's table: from the phase reached, the container's init now (PID, start time; none
-/// when it does not run) and its init when the rollback began.
-fn decide(phase: Phase, now: Option<(i32, u64)>, then: (i32, u64)) -> Action {
+/// when it does not run), its init when the rollback began, and whether the head is the safety
+/// statepoint (a restore of it sets it when it ends).
+fn decide(phase: Phase, now: Option<(i32, u64)>, then: (i32, u64), head_is_safety: bool) -> Action {
     match (phase, now) {
         (Phase::Done, _) => Action::AtTarget,
         (Phase::Started, Some(n)) if n == then => Action::Thaw,
-        (Phase::RestoringSafety, Some(n)) if n != then => Action::SafetyRuns,
+        (Phase::RestoringSafety, Some(n)) if n != then && head_is_safety => Action::SafetyRuns,
         _ => Action::BackToSafety,
     }
 }
@@ -246,9 +301,18 @@ fn forget_safety(cfg: &Config, store: &ContainerStore, e: &Entry) {
 /// Stops the sandbox (killed while frozen: nothing half-written runs) and restores the safety
 /// statepoint: files, then processes through Podman.
 fn back_to_safety(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &str, e: &Entry) -> Result<Recovered> {
-    let safety = committed_safety(store, e)
-        .ok_or_else(|| Error::Worker(format!("the rollback's safety statepoint {} was never committed", e.safety)))?;
     let pc = podman::planarian_container(id)?;
+    let Some(safety) = committed_safety(store, e) else {
+        // Never committed: the processes still run as they were (frozen: thawed), or a dump that
+        // kills them at its end (established TCP connections, a paused container) stopped them.
+        if matches!(pc.status.as_str(), "running" | "paused") {
+            FreezeGuard::recover(&store.dir.join(MARKER));
+            forget_safety(cfg, store, e);
+            return Ok(Recovered::AsBefore(e.target.clone()));
+        }
+        forget_safety(cfg, store, e);
+        return Ok(Recovered::Stopped(e.target.clone()));
+    };
     // (whatever runs: the statepoint's processes, or ones half-written; killed while frozen)
     let crun = runtime::crun(cfg)?;
     let _ = std::process::Command::new(&crun)
@@ -262,8 +326,10 @@ fn back_to_safety(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &
     let files = rootfs.restore(&store.statepoint_dir(&e.safety), &safety.local_state)?;
     super::rollback::podman_restore(store, &pc, &safety)?;
     files.commit();
-    let _ = super::remove(cfg, store, &e.safety);
+    // (the head first: a kill between the two leaves a head that names no statepoint, which
+    // fsck clears, rather than a journal whose safety statepoint is gone)
     store.set_head(e.from.as_deref())?;
+    let _ = super::remove(cfg, store, &e.safety);
     Ok(Recovered::AsBefore(e.target.clone()))
 }
 
@@ -277,26 +343,29 @@ mod tests {
         let other = Some((57, 2000));
         use Action::*;
         use Phase::*;
-        for (phase, now, want) in [
-            (Done, None, AtTarget),
-            (Done, Some(then), AtTarget),
-            (Done, other, AtTarget),
-            (Started, Some(then), Thaw),
+        for (phase, now, head_is_safety, want) in [
+            (Done, None, false, AtTarget),
+            (Done, Some(then), false, AtTarget),
+            (Done, other, false, AtTarget),
+            (Started, Some(then), false, Thaw),
             // stopped after its safety statepoint, before the restore began
-            (Started, None, BackToSafety),
-            (Started, other, BackToSafety),
+            (Started, None, false, BackToSafety),
+            (Started, other, false, BackToSafety),
             // half-written in place: the same processes, or killed with planarian
-            (Writing, Some(then), BackToSafety),
-            (Writing, None, BackToSafety),
+            (Writing, Some(then), false, BackToSafety),
+            (Writing, None, false, BackToSafety),
             // the target restored, not compensated
-            (RestoringTarget, other, BackToSafety),
-            (RestoringTarget, None, BackToSafety),
-            (RestoringSafety, other, SafetyRuns),
-            (RestoringSafety, None, BackToSafety),
+            (RestoringTarget, other, false, BackToSafety),
+            (RestoringTarget, None, false, BackToSafety),
+            (RestoringSafety, other, true, SafetyRuns),
+            (RestoringSafety, None, true, BackToSafety),
+            // new processes, but not the safety statepoint's (started by hand on half-put-back
+            // files)
+            (RestoringSafety, other, false, BackToSafety),
             // (a PID reused: another start time is another process)
-            (Started, Some((42, 1001)), BackToSafety),
+            (Started, Some((42, 1001)), false, BackToSafety),
         ] {
-            assert_eq!(decide(phase, now, then), want, "{phase:?} {now:?}");
+            assert_eq!(decide(phase, now, then, head_is_safety), want, "{phase:?} {now:?} {head_is_safety}");
         }
     }
 

@@ -136,7 +136,10 @@ impl Ctx {
     /// A container an interrupted rollback left stopped is first put back (see [`journal`]).
     pub fn running(globals: &Globals, name: &str) -> Result<Ctx> {
         match Ctx::running_now(globals, name) {
-            Err(Error::NotRunning { .. }) if recover_stopped(globals, name) => Ctx::running_now(globals, name),
+            Err(e @ Error::NotRunning { .. }) => match recover_stopped(globals, name)? {
+                true => Ctx::running_now(globals, name),
+                false => Err(e),
+            },
             r => r,
         }
     }
@@ -160,13 +163,13 @@ impl Ctx {
 
     /// Undoes what a crashed planarian may have left: a rollback half-way (finished or undone,
     /// [`journal`]), a cgroup it froze (and CRIU's network lock, which a CRIU killed with it
-    /// leaves), pending statepoints. Call with the exclusive lock held.
-    pub fn recover(&mut self) {
-        if journal::recover(&self.globals, &self.cfg, &self.store, &self.ctr.id).is_some() {
+    /// leaves), pending statepoints. Call with the exclusive lock held; an interrupted rollback
+    /// that cannot be recovered now is an error (nothing may build on a sandbox half rolled
+    /// back).
+    pub fn recover(&mut self) -> Result<()> {
+        if journal::recover(&self.globals, &self.cfg, &self.store, &self.ctr.id)?.is_some() {
             // (the container may run new processes now)
-            if let Ok(c) = Container::load(&self.crun, &self.globals, &self.ctr.id) {
-                self.ctr = c;
-            }
+            self.ctr = Container::load(&self.crun, &self.globals, &self.ctr.id)?;
         }
         let marker = self.store.dir.join(local::freezer::MARKER);
         if marker.exists() {
@@ -177,19 +180,20 @@ impl Ctx {
         }
         discard_stale(&self.cfg, &self.store);
         finish_compensation(&self.store, &self.ctr.id);
+        Ok(())
     }
 }
 
 /// Puts back a container an interrupted rollback left stopped, under its exclusive lock:
 /// whether there was one to put back.
-fn recover_stopped(globals: &Globals, name: &str) -> bool {
-    let Ok(cfg) = Config::load() else { return false };
-    let Ok(store) = store_of(&cfg, name) else { return false };
+fn recover_stopped(globals: &Globals, name: &str) -> Result<bool> {
+    let cfg = Config::load()?;
+    let Ok(store) = store_of(&cfg, name) else { return Ok(false) };
     if !journal::interrupted(&store) {
-        return false;
+        return Ok(false);
     }
-    let Ok(_lock) = store.lock(true) else { return false };
-    journal::recover(globals, &cfg, &store, &store.container_id()).is_some()
+    let _lock = store.lock(true)?;
+    Ok(journal::recover(globals, &cfg, &store, &store.container_id())?.is_some())
 }
 
 /// A rollback whose planarian was killed after it restored the sandbox, before its

@@ -61,8 +61,18 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
         return Err(Error::ForeignMarker { statepoint: marker_sp, container: marker_ctr });
     }
     let store = if import.is_some() { ContainerStore::new(&cfg.store.path, &a.container_id) } else { marker_store };
-    // A rollback that started this restore holds the lock and has handed it over.
-    let _lock = if Handoff::taken(&store, &a.container_id) { None } else { Some(store.lock(true)?) };
+    // A rollback that started this restore holds the lock and has handed it over. Waited for
+    // either: a rollback killed meanwhile is recovered by the next operation, which hands the
+    // lock over in turn and lets this restore end before it decides.
+    let _lock = loop {
+        if Handoff::taken(&store, &a.container_id) {
+            break None;
+        }
+        if let Some(l) = store.try_lock(true)? {
+            break Some(l);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
     let (m, imported) = match &import {
         Some(from) => {
             let (m, guard) = travel::import(&cfg, &store, from, &a.container_id, &b, None)?;

@@ -54,7 +54,7 @@ impl Rollback {
         };
         crate::log::mark("locked");
         // (a rollback killed half-way is finished or undone first, whatever the state)
-        let container = match super::journal::recover(globals, &cfg, &store, &container.id) {
+        let container = match super::journal::recover(globals, &cfg, &store, &container.id)? {
             Some(_) => podman::planarian_container(&container.id)?,
             None => container,
         };
@@ -348,7 +348,7 @@ fn try_in_place(
     progress: &mut dyn Progress,
 ) -> Result<InPlace> {
     let mut ctx = Ctx::load(rb.globals, &rb.pc.id)?;
-    ctx.recover();
+    ctx.recover()?;
     crate::log::mark("ctx");
     rb.journal = Some(Journal::begin(rb.store, &rb.target.statepoint_id, safety_id, ctx.ctr.running_pid()?)?);
     if !ctx.cfg.checkpoint.rollback_in_place {
@@ -377,7 +377,7 @@ fn take_safety(rb: &Parts, safety_id: &str, progress: &mut dyn Progress) -> Resu
     };
     progress.phase("safety statepoint of the current state");
     let mut ctx = Ctx::load(rb.globals, &pc.id)?;
-    ctx.recover();
+    ctx.recover()?;
     let freezer = Freezer::of_pid(ctx.ctr.running_pid()?)?;
     let frozen = match running {
         true => Some(FreezeGuard::freeze(&freezer, store.dir.join(crate::local::freezer::MARKER))?),
@@ -449,7 +449,7 @@ fn restore_target(rb: &mut Parts, progress: &mut dyn Progress) -> Result<()> {
             // (before the intent goes: a kill between them leaves a rollback done; past the
             // compensation, nothing fails the rollback any more)
             if let Some(j) = rb.journal.as_mut() {
-                let _ = j.phase(Phase::Done);
+                j.done();
             }
             drop(intent);
             Ok(())
@@ -480,14 +480,19 @@ fn back_to_safety(rb: &mut Parts, e: Error, s: &Manifest, progress: &mut dyn Pro
     if let Some(j) = rb.journal.as_mut() {
         let _ = j.phase(Phase::RestoringSafety);
     }
-    let back = podman_restore(rb.store, rb.pc, s).map(drop);
-    if back.is_ok() {
-        progress.done("");
-    }
-    let _ = super::remove(rb.cfg, rb.store, &s.statepoint_id);
-    match back {
-        Ok(()) => rolled_back(e),
-        Err(b) => Error::NotRolledBack { first: Box::new(e), then: Box::new(b) },
+    match podman_restore(rb.store, rb.pc, s) {
+        Ok(_) => {
+            progress.done("");
+            let _ = super::remove(rb.cfg, rb.store, &s.statepoint_id);
+            rolled_back(e)
+        }
+        // (the safety statepoint and the journal stay: the next operation tries again)
+        Err(b) => {
+            if let Some(j) = rb.journal.take() {
+                j.keep();
+            }
+            Error::NotRolledBack { first: Box::new(e), then: Box::new(b) }
+        }
     }
 }
 
@@ -633,7 +638,7 @@ fn in_place(
         crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
         // (before the intent goes: a kill between them leaves a rollback done; past the
         // compensation, nothing fails the rollback any more)
-        let _ = journal.phase(Phase::Done);
+        journal.done();
         Ok((a, n))
     })();
     crate::log::mark("remote");
@@ -688,10 +693,18 @@ fn in_place(
                 files.commit();
                 Ok(())
             });
-            forget_safety();
             match back {
-                Ok(()) => Err(rolled_back(e)),
-                Err(b) => Err(Error::NotRolledBack { first: Box::new(e), then: Box::new(b) }),
+                Ok(()) => {
+                    forget_safety();
+                    Err(rolled_back(e))
+                }
+                // (the safety statepoint and the journal stay: the next operation tries again)
+                Err(b) => {
+                    if let Some(j) = rb.journal.take() {
+                        j.keep();
+                    }
+                    Err(Error::NotRolledBack { first: Box::new(e), then: Box::new(b) })
+                }
             }
         }
     }

@@ -491,7 +491,14 @@ pub fn checkpoint(
     let mut ctx = Ctx::load(globals, id)?;
     ctx.ctr.running_pid()?;
     let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |_| {})?;
-    ctx.recover();
+    // (Podman runs this verb holding the container's lock: a recovery, which calls Podman, would
+    // wait for it forever)
+    if let Some(target) = super::journal::interrupted_to(&ctx.store) {
+        return Err(Error::Worker(format!(
+            "a rollback to {target} was interrupted: any planarian command on the container, or `planarian fsck --repair`, finishes or undoes it first"
+        )));
+    }
+    ctx.recover()?;
     // What Podman or CRI-O reads is written before the container is let go: when it cannot be
     // (a full disk during a hand-out), the checkpoint fails and the container runs on.
     take_then(&ctx, req, |m| {

@@ -100,6 +100,8 @@ pub(super) fn check(
             }
         }
         if let Some((nice, policy, prio)) = core.sched {
+            // (CRIU records the policy with SCHED_RESET_ON_FORK, /proc without it)
+            let policy = policy & !(libc::SCHED_RESET_ON_FORK as u32);
             let (now_nice, now_prio, now_policy) = sched_of(host, t.host)?;
             if (now_policy, now_prio) != (policy, prio) {
                 return refuse(format!(
