@@ -226,24 +226,15 @@ impl Attrs {
             h.call(leader, "prctl", libc::SYS_prctl, &[libc::PR_SET_CHILD_SUBREAPER as u64, u64::from(v), 0, 0, 0])?;
         }
         if let Some(cwd) = self.cwd.as_deref().filter(|c| !same_dir(host, c)) {
-            let prot = (libc::PROT_READ | libc::PROT_WRITE) as u64;
-            let flags = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64;
-            let base = h.call(leader, "mmap", libc::SYS_mmap, &[0, SCRATCH, prot, flags, u64::MAX, 0])? as u64;
-            let mem_path = format!("/proc/{host}/mem");
             let mut name = cwd.as_bytes().to_vec();
             name.push(0);
-            let r = if name.len() as u64 > SCRATCH {
-                Err(Error::Failed(format!("process {vpid}: a working directory name of {} bytes", name.len())))
-            } else {
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(&mem_path)
-                    .and_then(|m| m.write_all_at(&name, base))
-                    .map_err(io(format!("write process {vpid}'s memory")))
-                    .and_then(|()| h.call(leader, "chdir", libc::SYS_chdir, &[base]))
-            };
-            let unmapped = h.call(leader, "munmap", libc::SYS_munmap, &[base, SCRATCH]);
-            r.and(unmapped)?;
+            if name.len() as u64 > SCRATCH {
+                return Err(Error::Failed(format!("process {vpid}: a working directory name of {} bytes", name.len())));
+            }
+            h.with_scratch(leader, SCRATCH, |h, mem, base| {
+                mem.write_all_at(&name, base).map_err(io(format!("write process {vpid}'s memory")))?;
+                h.call(leader, "chdir", libc::SYS_chdir, &[base])
+            })?;
             if !same_dir(host, cwd) {
                 return Err(Error::Failed(format!("process {vpid}: not in {cwd} after chdir")));
             }

@@ -205,6 +205,24 @@ impl Held<'_> {
         ptrace::call(self.threads[t].0, self.insn, name, nr, args).map_err(io(format!("process {}", self.vpid)))
     }
 
+    /// Runs `f` with a page of `size` bytes mapped in the process by thread `t` (its address,
+    /// and the process's memory open for writing), and unmaps it after, whatever `f` returned.
+    pub(super) fn with_scratch<T>(
+        &mut self,
+        t: usize,
+        size: u64,
+        f: impl FnOnce(&mut Held, &std::fs::File, u64) -> Result<T>,
+    ) -> Result<T> {
+        let mem_path = format!("/proc/{}/mem", self.host);
+        let mem = std::fs::OpenOptions::new().write(true).open(&mem_path).map_err(io(format!("open {mem_path}")))?;
+        let prot = (libc::PROT_READ | libc::PROT_WRITE) as u64;
+        let flags = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64;
+        let base = self.call(t, "mmap", libc::SYS_mmap, &[0, size, prot, flags, u64::MAX, 0])? as u64;
+        let r = f(self, &mem, base);
+        let unmapped = self.call(t, "munmap", libc::SYS_munmap, &[base, size]);
+        r.and_then(|v| unmapped.map(|_| v))
+    }
+
     pub(super) fn leader(&self) -> Result<usize> {
         self.threads
             .iter()
@@ -235,14 +253,7 @@ impl Signals {
     /// the process blocks every signal on entry ([`block_all`]).
     pub(super) fn apply(&self, h: &mut Held) -> Result<()> {
         let leader = h.leader()?;
-        let mem_path = format!("/proc/{}/mem", h.host);
-        let mem = std::fs::OpenOptions::new().write(true).open(&mem_path).map_err(io(format!("open {mem_path}")))?;
-        let prot = (libc::PROT_READ | libc::PROT_WRITE) as u64;
-        let flags = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64;
-        let base = h.call(leader, "mmap", libc::SYS_mmap, &[0, SCRATCH, prot, flags, u64::MAX, 0])? as u64;
-        let r = self.apply_with(h, leader, &mem, base);
-        let unmapped = h.call(leader, "munmap", libc::SYS_munmap, &[base, SCRATCH]);
-        r.and(unmapped.map(drop))
+        h.with_scratch(leader, SCRATCH, |h, mem, base| self.apply_with(h, leader, mem, base))
     }
 
     fn apply_with(&self, h: &mut Held, leader: usize, mem: &std::fs::File, base: u64) -> Result<()> {
