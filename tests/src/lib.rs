@@ -128,12 +128,33 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
 {
-    Command::new(program)
-        .args(args)
+    let args: Vec<std::ffi::OsString> = args.into_iter().map(|a| a.as_ref().to_owned()).collect();
+    let started = Instant::now();
+    let run: Run = Command::new(program)
+        .args(&args)
         .stdin(Stdio::null())
         .output()
         .unwrap_or_else(|e| panic!("cannot run {program}: {e}"))
-        .into()
+        .into();
+    trace(program, &args, started);
+    run
+}
+
+/// With PLANARIAN_TEST_TRACE=FILE, each command's time is appended to FILE (where a suite's
+/// time goes).
+pub(crate) fn trace(program: &str, args: &[std::ffi::OsString], started: Instant) {
+    let Some(file) = std::env::var_os("PLANARIAN_TEST_TRACE") else { return };
+    let words: Vec<String> = args.iter().take(4).map(|a| a.to_string_lossy().chars().take(40).collect()).collect();
+    let line = format!(
+        "{:.2} {} {}\n",
+        started.elapsed().as_secs_f64(),
+        program.rsplit('/').next().unwrap_or(program),
+        words.join(" ")
+    );
+    use std::io::Write;
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(file) {
+        let _ = f.write_all(line.as_bytes());
+    }
 }
 
 /// `podman --runtime RUNTIME ARGS…`.

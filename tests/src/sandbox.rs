@@ -1,7 +1,8 @@
 //! A sandbox with known memory and files, driven through Podman and planarian.
 
 use crate::*;
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// A sandbox process that holds `MiB` of seeded random memory and a counter, and acts on commands
 /// written to /tmp/cmd: `SEQ tick` (counter + 1), `SEQ dirty OFFSET LEN` (rewrites memory),
@@ -59,9 +60,15 @@ while True:
 pub struct Sandbox {
     pub name: String,
     pub seq: u64,
+    ctr: Ctr,
+    _cleanup: Cleanup,
+}
+
+/// A running container's namespaces, where a test reads and changes its files and processes.
+pub struct Ctr {
+    pub name: String,
     /// The container's ID and the host PID of its first process, once looked up.
     proc: std::cell::RefCell<Option<(String, u32)>>,
-    _cleanup: Cleanup,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -85,7 +92,7 @@ impl Sandbox {
         args.extend_from_slice(extra);
         args.extend_from_slice(&[DEBIAN, "python3", "-c", WORKLOAD, &mib]);
         podman("planarian", &args).ok();
-        let sb = Sandbox { name: name.clone(), seq: 0, proc: Default::default(), _cleanup: Cleanup(name) };
+        let sb = Sandbox { name: name.clone(), seq: 0, ctr: Ctr::new(&name), _cleanup: Cleanup(name) };
         assert!(wait_for(Duration::from_secs(60), || sb.read().is_some()), "workload did not start");
         sb
     }
@@ -93,7 +100,7 @@ impl Sandbox {
     /// A sandbox that already runs (e.g. a fork), removed at the end of the test.
     pub fn attach(name: &str) -> Sandbox {
         let mut sb =
-            Sandbox { name: name.to_string(), seq: 0, proc: Default::default(), _cleanup: Cleanup(name.to_string()) };
+            Sandbox { name: name.to_string(), seq: 0, ctr: Ctr::new(name), _cleanup: Cleanup(name.to_string()) };
         sb.seq = sb.read().expect("the workload runs").0;
         sb
     }
@@ -122,33 +129,8 @@ impl Sandbox {
         assert!(c["prev-images-dir"].is_null() && c["full-reason"].as_str().unwrap_or("").contains(why), "{sp}: {c}");
     }
 
-    /// The workload's root, `/proc/PID/root` of the container's first process, while it runs
-    /// and is not frozen (a frozen or paused container answers nothing, as `podman exec` would
-    /// not). The workload's files are read and written there, not through a `podman exec` each:
-    /// under emulation an exec costs a second or more, and a test sends hundreds of commands.
-    /// Its PID is looked up again when a restore gave the container another one.
     fn root(&self) -> Option<std::path::PathBuf> {
-        let cgroup = |id: &str, pid: u32| {
-            let c = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-            let path = c.lines().find_map(|l| l.strip_prefix("0::"))?.to_string();
-            path.contains(id).then_some(path)
-        };
-        let known = self.proc.borrow().clone().and_then(|(id, pid)| Some((pid, cgroup(&id, pid)?)));
-        let (pid, path) = match known {
-            Some(p) => p,
-            None => {
-                let out = podman("planarian", &["inspect", "--format", "{{.Id}} {{.State.Pid}}", &self.name]).stdout;
-                let (id, pid) = out.trim().split_once(' ')?;
-                let pid: u32 = pid.parse().ok().filter(|&p| p > 0)?;
-                *self.proc.borrow_mut() = Some((id.to_string(), pid));
-                (pid, cgroup(id, pid)?)
-            }
-        };
-        let events = std::fs::read_to_string(format!("/sys/fs/cgroup{path}/cgroup.events")).ok()?;
-        if events.lines().any(|l| l == "frozen 1") {
-            return None;
-        }
-        Some(format!("/proc/{pid}/root").into())
+        self.ctr.root()
     }
 
     pub fn read(&self) -> Option<(u64, State)> {
@@ -182,7 +164,13 @@ impl Sandbox {
         last.unwrap().1
     }
 
+    /// Runs a shell script in the sandbox's namespaces ([`Ctr::sh`]).
     pub fn sh(&self, script: &str) -> Run {
+        self.ctr.sh(script)
+    }
+
+    /// Runs a shell script in the sandbox through `podman exec`, as an agent's tool call does.
+    pub fn exec(&self, script: &str) -> Run {
         podman("planarian", &["exec", &self.name, "sh", "-c", script])
     }
 
@@ -229,5 +217,66 @@ impl Sandbox {
         let r = cmd(planarian_bin().to_str().unwrap(), ["statepoint", "list", &self.name, "--json"]);
         r.ok();
         serde_json::from_str::<serde_json::Value>(&r.stdout).unwrap().as_array().unwrap().clone()
+    }
+}
+
+impl Ctr {
+    pub fn new(name: &str) -> Ctr {
+        Ctr { name: name.to_string(), proc: Default::default() }
+    }
+
+    /// The workload's root, `/proc/PID/root` of the container's first process, while it runs
+    /// and is not frozen (a frozen or paused container answers nothing, as `podman exec` would
+    /// not). The workload's files are read and written there, not through a `podman exec` each:
+    /// under emulation an exec costs a second or more, and a test sends hundreds of commands.
+    /// Its PID is looked up again when a restore gave the container another one.
+    pub fn root(&self) -> Option<std::path::PathBuf> {
+        Some(format!("/proc/{}/root", self.pid()?).into())
+    }
+
+    /// The host PID of the container's first process, while it runs and is not frozen.
+    pub fn pid(&self) -> Option<u32> {
+        let cgroup = |id: &str, pid: u32| {
+            let c = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+            let path = c.lines().find_map(|l| l.strip_prefix("0::"))?.to_string();
+            path.contains(id).then_some(path)
+        };
+        let known = self.proc.borrow().clone().and_then(|(id, pid)| Some((pid, cgroup(&id, pid)?)));
+        let (pid, path) = match known {
+            Some(p) => p,
+            None => {
+                let out = podman("planarian", &["inspect", "--format", "{{.Id}} {{.State.Pid}}", &self.name]).stdout;
+                let (id, pid) = out.trim().split_once(' ')?;
+                let pid: u32 = pid.parse().ok().filter(|&p| p > 0)?;
+                *self.proc.borrow_mut() = Some((id.to_string(), pid));
+                (pid, cgroup(id, pid)?)
+            }
+        };
+        let events = std::fs::read_to_string(format!("/sys/fs/cgroup{path}/cgroup.events")).ok()?;
+        if events.lines().any(|l| l == "frozen 1") {
+            return None;
+        }
+        Some(pid)
+    }
+
+    /// Runs a shell script in the container's namespaces (`nsenter` into those of its first
+    /// process: its mounts, root, PIDs, network), as root, for the files and processes a test
+    /// reads and changes. Under emulation a `podman exec` costs seconds; it is used where it is
+    /// the point ([`Sandbox::exec`]). The container runs and is not frozen.
+    pub fn sh(&self, script: &str) -> Run {
+        let pid = self.pid().unwrap_or_else(|| panic!("{} is not running (or frozen): cannot run {script}", self.name));
+        let started = Instant::now();
+        let args = ["-t", &pid.to_string(), "-a", "-r", "-w", "sh", "-c", script].map(std::ffi::OsString::from);
+        let run: Run = Command::new("nsenter")
+            .args(&args)
+            .env_clear()
+            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .env("HOME", "/root")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run nsenter: {e}"))
+            .into();
+        trace("nsenter", &args, started);
+        run
     }
 }

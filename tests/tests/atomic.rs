@@ -2,6 +2,7 @@
 //! on both paths, and planarian killed between the restored sandbox and the compensation.
 //! (Apart from remote.rs, so that the two run side by side in the guests.)
 
+use planarian_system_tests::sandbox::Ctr;
 use planarian_system_tests::*;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -23,7 +24,7 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
     let _conf = DropIn::new(
         "zz-mcp-atomic",
         &format!(
-            "[mcp.services.pltest-atomic]\nupstream = [\"{node}\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable\"]\nserver = \"dbhub\"\ndatabase = \"host=127.0.0.1 port={port} user=postgres dbname=postgres\"\n",
+            "[mcp.services.pltest-atomic]\nupstream = [\"{node}\", \"--jitless\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable\"]\nserver = \"dbhub\"\ndatabase = \"host=127.0.0.1 port={port} user=postgres dbname=postgres\"\n",
             node = node.display(),
             dbhub = dbhub.display(),
             port = pg.port
@@ -68,14 +69,15 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
         let mut agent = Harness::connect(&id);
         let ok = |r: Value| assert_ne!(r["isError"], json!(true), "{r}");
         ok(agent.sql("INSERT INTO reports VALUES (1, 'at the statepoint')"));
-        podman("planarian", &["exec", &n, "sh", "-c", "echo at-the-statepoint > /f"]).ok();
+        let ctr = Ctr::new(&n);
+        ctr.sh("echo at-the-statepoint > /f").ok();
         let sp1 = planarian(&["snapshot", &n]).ok().out();
         let at_sp1 = rows();
         ok(agent.sql("UPDATE reports SET body = 'later' WHERE id = 1"));
         ok(agent.sql("INSERT INTO reports VALUES (2, 'later too')"));
-        podman("planarian", &["exec", &n, "sh", "-c", "echo later > /f"]).ok();
+        ctr.sh("echo later > /f").ok();
         let later = rows();
-        let sandbox = || podman("planarian", &["exec", &n, "cat", "/f"]).out();
+        let sandbox = || ctr.sh("cat /f").out();
         for point in points {
             std::fs::write(FAULT, point).unwrap();
             let r = planarian(&["rollback", &n, &sp1]);

@@ -3,7 +3,7 @@
 //! between containers, fork as a clone, removal, and the faults (pool full, dataset busy, zfs
 //! missing).
 
-use planarian_system_tests::sandbox::Sandbox;
+use planarian_system_tests::sandbox::{Ctr, Sandbox};
 use planarian_system_tests::*;
 use std::time::Duration;
 
@@ -223,7 +223,8 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
     )
     .ok();
     let id = id_of(&name);
-    let sh = |s: &str| podman("planarian", &["exec", &name, "sh", "-c", s]);
+    let ctr = Ctr::new(&name);
+    let sh = |s: &str| ctr.sh(s);
     let sums = || sh(&format!("find /data /etc -type f {PODMAN_FILES} | sort | xargs md5sum")).ok().out();
     sh("mkdir /data && echo 1 > /data/f && rm /etc/group").ok();
     let f1 = sums();
@@ -549,7 +550,8 @@ fn faults_pool_full_dataset_busy_zfs_missing_change_nothing() {
     .ok();
     let id = id_of(&name);
     let ds = format!("{parent}/ctr-{id}");
-    let sh = |s: &str| podman("planarian", &["exec", &name, "sh", "-c", s]);
+    let ctr = Ctr::new(&name);
+    let sh = |s: &str| ctr.sh(s);
     sh("echo 1 > /f").ok();
     planarian(&["snapshot", &name, "--name", "b1"]).ok();
     sh("echo 2 > /f").ok();

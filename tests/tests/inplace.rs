@@ -111,11 +111,10 @@ fn start(tag: &str, mib: u32, extra: &[&str]) -> Sandbox {
     podman("planarian", &args).ok();
     let _c = Cleanup(n.clone());
     assert!(
-        wait_for(Duration::from_secs(120), || podman("planarian", &["exec", &n, "cat", "/tmp/state"])
-            .stdout
-            .split_whitespace()
-            .count()
-            >= 3),
+        wait_for(Duration::from_secs(120), || Ctr::new(&n)
+            .root()
+            .and_then(|r| std::fs::read_to_string(r.join("tmp/state")).ok())
+            .is_some_and(|s| s.split_whitespace().count() >= 3)),
         "workload did not start"
     );
     std::mem::forget(_c);

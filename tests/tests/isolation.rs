@@ -20,10 +20,10 @@ fn a_sandbox_reaches_no_statepoint_no_sidecar_socket_and_no_endpoint() {
     std::fs::create_dir_all(&mcp).unwrap();
     for sb in [&a, &b] {
         for path in ["/var/lib/planarian", "/run/planarian", &store, &mcp] {
-            let r = sb.sh(&format!("test -e '{path}'"));
+            let r = sb.exec(&format!("test -e '{path}'"));
             assert_eq!(r.code, Some(1), "{}: {path} is visible inside: {r:?}", sb.name);
         }
-        let socks = sb.sh("find / -xdev -type s 2>/dev/null").out();
+        let socks = sb.exec("find / -xdev -type s 2>/dev/null").out();
         assert!(socks.is_empty(), "{}: sockets inside: {socks}", sb.name);
     }
     // An endpoint on the host's loopback, as a sidecar's is: the host reaches it, the sandbox
@@ -31,9 +31,9 @@ fn a_sandbox_reaches_no_statepoint_no_sidecar_socket_and_no_endpoint() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(), "the host reaches its own endpoint");
-    let gateway = b.sh("ip route 2>/dev/null | awk '/default/ {print $3}'; true").out();
+    let gateway = b.exec("ip route 2>/dev/null | awk '/default/ {print $3}'; true").out();
     let gateway =
-        if gateway.is_empty() { b.sh("awk '$2 == \"00000000\" {print $3}' /proc/net/route").out() } else { gateway };
+        if gateway.is_empty() { b.exec("awk '$2 == \"00000000\" {print $3}' /proc/net/route").out() } else { gateway };
     let gateway = if gateway.len() == 8 && !gateway.contains('.') {
         // /proc/net/route: little-endian hex.
         let v = u32::from_str_radix(&gateway, 16).unwrap();

@@ -5,6 +5,7 @@
 //! Podman's checkpoint and restore, a rollback in place, a rollback by stop-and-restore, a fork.
 //! Each case's expectation is written here: in place, or the stop-and-restore path and why.
 
+use planarian_system_tests::sandbox::Ctr;
 use planarian_system_tests::*;
 use std::time::Duration;
 
@@ -43,6 +44,7 @@ const FALLBACK: &[(&str, &str)] = &[
 struct Cases {
     name: String,
     seq: u64,
+    ctr: Ctr,
     _c: Cleanup,
 }
 
@@ -52,7 +54,7 @@ impl Cases {
         let mut args = vec!["run", "-d", "--name", &name, "--network", "none", DEBIAN, "python3", "-c", SCRIPT];
         args.extend_from_slice(cases);
         podman("planarian", &args).ok();
-        let c = Cases { name: name.clone(), seq: 0, _c: Cleanup(name) };
+        let c = Cases { name: name.clone(), seq: 0, ctr: Ctr::new(&name), _c: Cleanup(name) };
         let mut last = String::new();
         assert!(
             wait_for(Duration::from_secs(120), || {
@@ -65,11 +67,11 @@ impl Cases {
     }
 
     fn attach(name: &str) -> Cases {
-        Cases { name: name.to_string(), seq: 0, _c: Cleanup(name.to_string()) }
+        Cases { name: name.to_string(), seq: 0, ctr: Ctr::new(name), _c: Cleanup(name.to_string()) }
     }
 
     fn state(&self) -> String {
-        podman("planarian", &["exec", &self.name, "cat", "/tmp/state"]).stdout
+        self.ctr.root().and_then(|r| std::fs::read_to_string(r.join("tmp/state")).ok()).unwrap_or_default()
     }
 
     /// Hands `verb` to every case; each case's answer.
@@ -77,7 +79,7 @@ impl Cases {
         self.seq += 1;
         let seq = self.seq;
         let sent = format!("echo {seq} {verb} > /tmp/.cmd && mv /tmp/.cmd /tmp/cmd");
-        podman("planarian", &["exec", &self.name, "sh", "-c", &sent]).ok();
+        self.ctr.sh(&sent).ok();
         let mut last = String::new();
         assert!(
             wait_for(Duration::from_secs(120), || {

@@ -5,6 +5,7 @@
 //! server, with the spec planarian ships), rolled back with the files, the statepoints a
 //! rollback made unreachable marked so, and a tool let through unrecorded marked in the ledger.
 
+use planarian_system_tests::sandbox::Ctr;
 use planarian_system_tests::*;
 use serde_json::{json, Value};
 use std::io::Write;
@@ -21,11 +22,12 @@ use mcp::*;
 fn rollback_undoes_database_changes_with_the_files_and_forks_get_their_own_databases() {
     require_stack!();
     // DBHub under node: it starts in seconds under the guest's emulation, the Toolbox (a
-    // 300 MB Go binary read over 9p) in minutes.
+    // 300 MB Go binary read over 9p) in minutes. (`--jitless`: V8's compilers cost more than
+    // they save under emulation, where DBHub's start took 18 s with them and 7 s without.)
     let Some((node, dbhub)) = node_and_dbhub() else { return };
     let pg = Pg::start();
     let service = format!(
-        "upstream = [\"{node}\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/{{dbname}}?sslmode=disable\"]\n",
+        "upstream = [\"{node}\", \"--jitless\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/{{dbname}}?sslmode=disable\"]\n",
         node = node.display(),
         dbhub = dbhub.display(),
         port = pg.port
@@ -106,7 +108,7 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
     let mut agent = Harness::connect(&id);
     let r = agent.sql("INSERT INTO reports VALUES (1, 'first draft')");
     assert_ne!(r["isError"], json!(true), "{r}");
-    podman("planarian", &["exec", &n, "sh", "-c", "echo 'first draft' > /report"]).ok();
+    Ctr::new(&n).sh("echo 'first draft' > /report").ok();
     let sp1 = planarian(&["snapshot", &n]);
     sp1.ok();
     let sp1 = sp1.out();
@@ -120,11 +122,11 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
         let r = agent.sql(q);
         assert_ne!(r["isError"], json!(true), "{q}: {r}");
     }
-    podman("planarian", &["exec", &n, "sh", "-c", "echo rewritten > /report"]).ok();
+    Ctr::new(&n).sh("echo rewritten > /report").ok();
     assert_eq!(pg.psql("SELECT count(*) FROM reports"), "2");
 
     planarian(&["rollback", &n, &sp1]).ok();
-    assert_eq!(podman("planarian", &["exec", &n, "cat", "/report"]).out(), "first draft");
+    assert_eq!(Ctr::new(&n).sh("cat /report").out(), "first draft");
     assert_eq!(pg.psql("SELECT id || ':' || body FROM reports ORDER BY id"), "1:first draft");
     assert_eq!(pg.psql("SELECT count(*) FROM planarian.undo WHERE position > 1"), "0");
     // The sandbox and its database calls go on after the rollback.
@@ -175,7 +177,7 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
         let cleanup = Cleanup(f.clone());
         planarian(&["fork", &n, &sp1, "--name", &f]).ok();
         let fid = podman("planarian", &["inspect", "--format", "{{.Id}}", &f]).out();
-        assert_eq!(podman("planarian", &["exec", &f, "cat", "/report"]).out(), "first draft");
+        assert_eq!(Ctr::new(&f).sh("cat /report").out(), "first draft");
         let mut forked = Harness::connect(&fid);
         let db = format!("postgres_{}", &fid[..12]);
         if branches {
@@ -286,13 +288,13 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
     let ok = |r: &Value| assert_ne!(r["isError"], json!(true), "{r}");
     let e = |name: &str, obs: &[&str]| json!({"name": name, "entityType": "person", "observations": obs});
     ok(&agent.call("create_entities", json!({"entities": [e("ann", &["likes tea"])]})));
-    podman("planarian", &["exec", &n, "sh", "-c", "echo one > /notes"]).ok();
+    Ctr::new(&n).sh("echo one > /notes").ok();
     let sp1 = planarian(&["snapshot", &n, "--name", "one-entity"]).ok().out();
     let at_sp1 = graph(&file);
     ok(&agent.call("add_observations", json!({"observations": [{"entityName": "ann", "contents": ["plays chess"]}]})));
     ok(&agent.call("create_entities", json!({"entities": [e("bob", &[])]})));
     ok(&agent.call("create_relations", json!({"relations": [{"from": "ann", "to": "bob", "relationType": "knows"}]})));
-    podman("planarian", &["exec", &n, "sh", "-c", "echo two > /notes"]).ok();
+    Ctr::new(&n).sh("echo two > /notes").ok();
     let sp2 = planarian(&["snapshot", &n, "--name", "two-entities"]).ok().out();
     let m2: Value = serde_json::from_str(&planarian(&["statepoint", "show", &n, &sp2]).out()).unwrap();
     assert_eq!(m2["remote-state"][0]["calls-since-parent"], json!(3), "{m2}");
@@ -301,7 +303,7 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
 
     planarian(&["rollback", &n, &sp1]).ok();
     let r = planarian(&["statepoint", "context", &n]).ok().out();
-    assert_eq!(podman("planarian", &["exec", &n, "cat", "/notes"]).out(), "one");
+    assert_eq!(Ctr::new(&n).sh("cat /notes").out(), "one");
     assert_eq!(graph(&file), at_sp1, "the graph is as it was at {sp1}");
     assert!(r.contains(&format!("no longer restorable (the MCP calls they hold were undone): {sp2}")), "{r}");
     let ledger = planarian(&["ledger", &n]).out();
@@ -312,7 +314,7 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
         "{again:?}"
     );
     assert_eq!(graph(&file), at_sp1, "a refused rollback changes nothing");
-    assert_eq!(podman("planarian", &["exec", &n, "cat", "/notes"]).out(), "one");
+    assert_eq!(Ctr::new(&n).sh("cat /notes").out(), "one");
 
     // A fork has no copy of the graph: its sidecar reaches nothing of it.
     let f = name("kg-fork");

@@ -58,7 +58,7 @@ impl Agent {
             "echo {} > /root/agent-file && echo '{seq} dirty {off} 65536' > /tmp/.cmd && mv /tmp/.cmd /tmp/cmd",
             self.edits
         );
-        self.sb.sh(&script).ok();
+        self.sb.exec(&script).ok();
         assert!(
             wait_for(Duration::from_secs(120), || self.sb.read().is_some_and(|(s, _)| s == seq)),
             "{}: the workload did not take command {seq}",

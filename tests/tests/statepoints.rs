@@ -31,7 +31,7 @@ fn rollback_restores_memory_checksum_and_counter() {
     let again = sb.send("tick");
     assert_eq!((again.counter, &again.checksum), (3, &at_sp.checksum));
     // Podman's tooling still works on the restored container.
-    assert!(sb.sh("echo exec-ok").stdout.contains("exec-ok"));
+    assert!(sb.exec("echo exec-ok").stdout.contains("exec-ok"));
     podman("planarian", &["pause", &sb.name]).ok();
     podman("planarian", &["unpause", &sb.name]).ok();
     podman("planarian", &["stop", "-t", "2", &sb.name]).ok();
@@ -60,11 +60,11 @@ fn rollback_restores_dev_and_masked_directories_exactly() {
     require_stack!();
     let mut sb = Sandbox::start("dev", 8, &[]);
     // What an agent can leave in /dev: a file (and a hard link to it), a directory, a FIFO.
-    sb.sh("echo kept > /dev/agent-note && chmod 640 /dev/agent-note && mkdir /dev/sub && ln /dev/agent-note /dev/sub/hl && mkfifo /dev/ff").ok();
+    sb.exec("echo kept > /dev/agent-note && chmod 640 /dev/agent-note && mkdir /dev/sub && ln /dev/agent-note /dev/sub/hl && mkfifo /dev/ff").ok();
     // Every entry of the /dev tmpfs (not the mounts on it): name, type, mode, owner, links,
     // size, mtime, device numbers, link target.
     let listing = "cd /dev && find . -xdev ! -path ./pts ! -path ./shm ! -path ./mqueue -exec stat -c '%n|%F|%a|%u:%g|%h|%s|%Y|%t:%T|%N' {} + | sort; cat /dev/sub/hl";
-    let at_sp = sb.sh(listing).stdout;
+    let at_sp = sb.exec(listing).stdout;
     assert!(
         at_sp.contains("./sub/hl|regular file|640|0:0|2|5|") && at_sp.contains("./null|character special file|666"),
         "{at_sp}"
@@ -81,22 +81,22 @@ fn rollback_restores_dev_and_masked_directories_exactly() {
     assert!(tars.is_empty(), "CRIU archived tmpfs mounts: {tars:?}");
     assert!(spdir.join("dev.json").is_file(), "no /dev archive in {}", spdir.display());
 
-    sb.sh("rm -rf /dev/agent-note /dev/sub /dev/ff && echo later > /dev/later").ok();
-    assert_ne!(sb.sh(listing).stdout, at_sp);
+    sb.exec("rm -rf /dev/agent-note /dev/sub /dev/ff && echo later > /dev/later").ok();
+    assert_ne!(sb.exec(listing).stdout, at_sp);
     sb.rollback(&sp);
-    assert_eq!(sb.sh(listing).stdout, at_sp, "/dev is exactly the statepoint's");
-    assert_eq!(sb.sh("test -e /dev/later; echo $?").out(), "1");
+    assert_eq!(sb.exec(listing).stdout, at_sp, "/dev is exactly the statepoint's");
+    assert_eq!(sb.exec("test -e /dev/later; echo $?").out(), "1");
     // The devices work, and the mounts on /dev are back.
-    assert_eq!(sb.sh("head -c 4096 /dev/urandom | wc -c; echo x > /dev/null && echo null-ok").out(), "4096\nnull-ok");
+    assert_eq!(sb.exec("head -c 4096 /dev/urandom | wc -c; echo x > /dev/null && echo null-ok").out(), "4096\nnull-ok");
     let mounts =
-        sb.sh("awk '{for (i = 7; i <= NF && $i != \"-\"; i++); print $5, $6, $(i + 1)}' /proc/self/mountinfo").stdout;
+        sb.exec("awk '{for (i = 7; i <= NF && $i != \"-\"; i++); print $5, $6, $(i + 1)}' /proc/self/mountinfo").stdout;
     for want in ["/dev rw,nosuid,noexec tmpfs", "/dev/pts ", "/dev/mqueue ", "/dev/shm "] {
         assert!(mounts.lines().any(|l| l.starts_with(want)), "{want:?} missing from\n{mounts}");
     }
     // Masked directories stay empty and read-only.
     for d in ["/proc/acpi", "/sys/firmware"] {
         assert!(mounts.lines().any(|l| l.starts_with(&format!("{d} ro,"))), "{d} not read-only:\n{mounts}");
-        assert_eq!(sb.sh(&format!("ls -A {d} | wc -l; touch {d}/x 2>/dev/null; echo $?")).out(), "0\n1", "{d}");
+        assert_eq!(sb.exec(&format!("ls -A {d} | wc -l; touch {d}/x 2>/dev/null; echo $?")).out(), "0\n1", "{d}");
     }
     // And the next snapshot of the restored sandbox keeps /dev the same way.
     let sp2 = sb.snapshot("dev-v2");
