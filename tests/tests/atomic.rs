@@ -24,7 +24,7 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
     let _conf = DropIn::new(
         "zz-mcp-atomic",
         &format!(
-            "[mcp.services.pltest-atomic]\nupstream = [\"{node}\", \"--jitless\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable\"]\nserver = \"dbhub\"\ndatabase = \"host=127.0.0.1 port={port} user=postgres dbname=postgres\"\n",
+            "[mcp.services.pltest-atomic]\nupstream = [\"{node}\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable\"]\nserver = \"dbhub\"\ndatabase = \"host=127.0.0.1 port={port} user=postgres dbname=postgres\"\n",
             node = node.display(),
             dbhub = dbhub.display(),
             port = pg.port

@@ -22,12 +22,11 @@ use mcp::*;
 fn rollback_undoes_database_changes_with_the_files_and_forks_get_their_own_databases() {
     require_stack!();
     // DBHub under node: it starts in seconds under the guest's emulation, the Toolbox (a
-    // 300 MB Go binary read over 9p) in minutes. (`--jitless`: V8's compilers cost more than
-    // they save under emulation, where DBHub's start took 18 s with them and 7 s without.)
+    // 300 MB Go binary read over 9p) in minutes.
     let Some((node, dbhub)) = node_and_dbhub() else { return };
     let pg = Pg::start();
     let service = format!(
-        "upstream = [\"{node}\", \"--jitless\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/{{dbname}}?sslmode=disable\"]\n",
+        "upstream = [\"{node}\", \"{dbhub}\", \"--transport\", \"stdio\", \"--dsn\", \"postgres://postgres@127.0.0.1:{port}/{{dbname}}?sslmode=disable\"]\n",
         node = node.display(),
         dbhub = dbhub.display(),
         port = pg.port

@@ -839,7 +839,7 @@ fn an_async_snapshot_answers_at_once_and_the_next_tool_call_waits_for_it() {
     let sp1 = cmd(pl, ["snapshot", &sb.name, "--async", "--name", "a1"]).out();
     let answered = t.elapsed();
     // Issued while the worker snapshots: it waits on the container's lock, then runs.
-    sb.sh("echo after > /tmp/mark").ok();
+    sb.exec("echo after > /tmp/mark").ok();
     assert_eq!(cmd(pl, ["statepoint", "wait", &sb.name, &sp1]).out(), format!("{sp1} committed"));
     let async_total = sb.manifest(&sp1)["measurements"]["total-ms"].as_f64().unwrap();
 
@@ -950,7 +950,7 @@ fn a_snapshot_waits_for_a_podman_exec_in_flight() {
     err.read_line(&mut first).unwrap();
     assert!(first.contains("waiting for what is in flight") && first.contains("while [ ! -e /stop ]"), "{first}");
     // The snapshot waits; the command ends (an exec meanwhile still runs: it only reads).
-    sb.sh("touch /stop").ok();
+    sb.exec("touch /stop").ok();
     let out = snap.wait_with_output().unwrap();
     assert!(out.status.success(), "{out:?}");
     writer.join().unwrap().ok();
