@@ -236,7 +236,12 @@ impl Ctr {
 
     /// The host PID of the container's first process, while it runs and is not frozen.
     pub fn pid(&self) -> Option<u32> {
+        // (its cgroup, while PID is the container's first process: PID 1 in its namespace; a
+        // restore gives that process another host PID, which another of its processes may reuse)
         let cgroup = |id: &str, pid: u32| {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            let nspid = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+            (nspid.split_whitespace().last()? == "1").then_some(())?;
             let c = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
             let path = c.lines().find_map(|l| l.strip_prefix("0::"))?.to_string();
             path.contains(id).then_some(path)
@@ -262,7 +267,9 @@ impl Ctr {
     /// Runs a shell script in the container's namespaces (`nsenter` into those of its first
     /// process: its mounts, root, PIDs, network), as root, for the files and processes a test
     /// reads and changes. Under emulation a `podman exec` costs seconds; it is used where it is
-    /// the point ([`Sandbox::exec`]). The container runs and is not frozen.
+    /// the point ([`Sandbox::exec`]). The container runs and is not frozen; the script runs
+    /// outside its cgroup, and does not wait for a snapshot as an exec does: not for a script that
+    /// runs while one may be taken.
     pub fn sh(&self, script: &str) -> Run {
         let pid = self.pid().unwrap_or_else(|| panic!("{} is not running (or frozen): cannot run {script}", self.name));
         let started = Instant::now();

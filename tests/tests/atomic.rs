@@ -77,7 +77,11 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
         ok(agent.sql("INSERT INTO reports VALUES (2, 'later too')"));
         ctr.sh("echo later > /f").ok();
         let later = rows();
-        let sandbox = || ctr.sh("cat /f").out();
+        // (what the sandbox holds, and that Podman sees it running, as an exec would have)
+        let sandbox = || {
+            assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &n]).out(), "running");
+            ctr.sh("cat /f").out()
+        };
         for point in points {
             std::fs::write(FAULT, point).unwrap();
             let r = planarian(&["rollback", &n, &sp1]);

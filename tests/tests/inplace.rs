@@ -373,7 +373,7 @@ fn a_rollback_in_place_equals_the_statepoint_and_a_restore_of_it() {
     sb.send("sigtake");
     sb.send("elsewhere");
     sb.sh("rm /root/f; echo changed > /etc/motd.planarian; echo new > /tmp/new; echo overwritten > /etc/hostname.planarian").ok();
-    sb.sh("ls / > /dev/null").ok();
+    sb.exec("ls / > /dev/null").ok();
     assert_ne!(line(&sb), at_sp);
 
     let oracle = PathBuf::from("/var/tmp/planarian-oracle");

@@ -107,7 +107,8 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
     let mut agent = Harness::connect(&id);
     let r = agent.sql("INSERT INTO reports VALUES (1, 'first draft')");
     assert_ne!(r["isError"], json!(true), "{r}");
-    Ctr::new(&n).sh("echo 'first draft' > /report").ok();
+    let ctr = Ctr::new(&n);
+    ctr.sh("echo 'first draft' > /report").ok();
     let sp1 = planarian(&["snapshot", &n]);
     sp1.ok();
     let sp1 = sp1.out();
@@ -121,11 +122,11 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
         let r = agent.sql(q);
         assert_ne!(r["isError"], json!(true), "{q}: {r}");
     }
-    Ctr::new(&n).sh("echo rewritten > /report").ok();
+    ctr.sh("echo rewritten > /report").ok();
     assert_eq!(pg.psql("SELECT count(*) FROM reports"), "2");
 
     planarian(&["rollback", &n, &sp1]).ok();
-    assert_eq!(Ctr::new(&n).sh("cat /report").out(), "first draft");
+    assert_eq!(ctr.sh("cat /report").out(), "first draft");
     assert_eq!(pg.psql("SELECT id || ':' || body FROM reports ORDER BY id"), "1:first draft");
     assert_eq!(pg.psql("SELECT count(*) FROM planarian.undo WHERE position > 1"), "0");
     // The sandbox and its database calls go on after the rollback.
@@ -286,14 +287,15 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
     let mut agent = Harness::connect(&id);
     let ok = |r: &Value| assert_ne!(r["isError"], json!(true), "{r}");
     let e = |name: &str, obs: &[&str]| json!({"name": name, "entityType": "person", "observations": obs});
+    let ctr = Ctr::new(&n);
     ok(&agent.call("create_entities", json!({"entities": [e("ann", &["likes tea"])]})));
-    Ctr::new(&n).sh("echo one > /notes").ok();
+    ctr.sh("echo one > /notes").ok();
     let sp1 = planarian(&["snapshot", &n, "--name", "one-entity"]).ok().out();
     let at_sp1 = graph(&file);
     ok(&agent.call("add_observations", json!({"observations": [{"entityName": "ann", "contents": ["plays chess"]}]})));
     ok(&agent.call("create_entities", json!({"entities": [e("bob", &[])]})));
     ok(&agent.call("create_relations", json!({"relations": [{"from": "ann", "to": "bob", "relationType": "knows"}]})));
-    Ctr::new(&n).sh("echo two > /notes").ok();
+    ctr.sh("echo two > /notes").ok();
     let sp2 = planarian(&["snapshot", &n, "--name", "two-entities"]).ok().out();
     let m2: Value = serde_json::from_str(&planarian(&["statepoint", "show", &n, &sp2]).out()).unwrap();
     assert_eq!(m2["remote-state"][0]["calls-since-parent"], json!(3), "{m2}");
@@ -302,7 +304,7 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
 
     planarian(&["rollback", &n, &sp1]).ok();
     let r = planarian(&["statepoint", "context", &n]).ok().out();
-    assert_eq!(Ctr::new(&n).sh("cat /notes").out(), "one");
+    assert_eq!(ctr.sh("cat /notes").out(), "one");
     assert_eq!(graph(&file), at_sp1, "the graph is as it was at {sp1}");
     assert!(r.contains(&format!("no longer restorable (the MCP calls they hold were undone): {sp2}")), "{r}");
     let ledger = planarian(&["ledger", &n]).out();
@@ -313,7 +315,7 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
         "{again:?}"
     );
     assert_eq!(graph(&file), at_sp1, "a refused rollback changes nothing");
-    assert_eq!(Ctr::new(&n).sh("cat /notes").out(), "one");
+    assert_eq!(ctr.sh("cat /notes").out(), "one");
 
     // A fork has no copy of the graph: its sidecar reaches nothing of it.
     let f = name("kg-fork");
