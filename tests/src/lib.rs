@@ -129,20 +129,21 @@ where
     S: AsRef<OsStr>,
 {
     let args: Vec<std::ffi::OsString> = args.into_iter().map(|a| a.as_ref().to_owned()).collect();
+    run(&mut Command::new(program), program, &args)
+}
+
+/// Runs `command` (PROGRAM with ARGS, set up as the caller wants) and returns what it did.
+pub(crate) fn run(command: &mut Command, program: &str, args: &[std::ffi::OsString]) -> Run {
     let started = Instant::now();
-    let run: Run = Command::new(program)
-        .args(&args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"))
-        .into();
-    trace(program, &args, started);
+    let run: Run =
+        command.args(args).stdin(Stdio::null()).output().unwrap_or_else(|e| panic!("cannot run {program}: {e}")).into();
+    trace(program, args, started);
     run
 }
 
 /// With PLANARIAN_TEST_TRACE=FILE, each command's time is appended to FILE (where a suite's
 /// time goes).
-pub(crate) fn trace(program: &str, args: &[std::ffi::OsString], started: Instant) {
+fn trace(program: &str, args: &[std::ffi::OsString], started: Instant) {
     let Some(file) = std::env::var_os("PLANARIAN_TEST_TRACE") else { return };
     let words: Vec<String> = args.iter().take(4).map(|a| a.to_string_lossy().chars().take(40).collect()).collect();
     let line = format!(

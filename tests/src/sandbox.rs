@@ -1,8 +1,8 @@
 //! A sandbox with known memory and files, driven through Podman and planarian.
 
 use crate::*;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 /// A sandbox process that holds `MiB` of seeded random memory and a counter, and acts on commands
 /// written to /tmp/cmd: `SEQ tick` (counter + 1), `SEQ dirty OFFSET LEN` (rewrites memory),
@@ -134,7 +134,7 @@ impl Sandbox {
     }
 
     pub fn read(&self) -> Option<(u64, State)> {
-        let text = std::fs::read_to_string(self.root()?.join("tmp/state")).ok()?;
+        let text = self.ctr.read("tmp/state")?;
         let mut f = text.split_whitespace();
         let seq = f.next()?.parse().ok()?;
         let counter = f.next()?.parse().ok()?;
@@ -272,18 +272,17 @@ impl Ctr {
     /// runs while one may be taken.
     pub fn sh(&self, script: &str) -> Run {
         let pid = self.pid().unwrap_or_else(|| panic!("{} is not running (or frozen): cannot run {script}", self.name));
-        let started = Instant::now();
         let args = ["-t", &pid.to_string(), "-a", "-r", "-w", "sh", "-c", script].map(std::ffi::OsString::from);
-        let run: Run = Command::new("nsenter")
-            .args(&args)
+        let mut nsenter = Command::new("nsenter");
+        nsenter
             .env_clear()
             .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-            .env("HOME", "/root")
-            .stdin(Stdio::null())
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run nsenter: {e}"))
-            .into();
-        trace("nsenter", &args, started);
-        run
+            .env("HOME", "/root");
+        run(&mut nsenter, "nsenter", &args)
+    }
+
+    /// A file of the container, read in its root (`PATH` relative to it), while it runs.
+    pub fn read(&self, path: &str) -> Option<String> {
+        std::fs::read_to_string(self.root()?.join(path)).ok()
     }
 }

@@ -110,11 +110,9 @@ fn start(tag: &str, mib: u32, extra: &[&str]) -> Sandbox {
     args.extend_from_slice(&[DEBIAN, "python3", "-c", WORKLOAD, &mib]);
     podman("planarian", &args).ok();
     let _c = Cleanup(n.clone());
+    let ctr = Ctr::new(&n);
     assert!(
-        wait_for(Duration::from_secs(120), || Ctr::new(&n)
-            .root()
-            .and_then(|r| std::fs::read_to_string(r.join("tmp/state")).ok())
-            .is_some_and(|s| s.split_whitespace().count() >= 3)),
+        wait_for(Duration::from_secs(120), || ctr.read("tmp/state").is_some_and(|s| s.split_whitespace().count() >= 3)),
         "workload did not start"
     );
     std::mem::forget(_c);

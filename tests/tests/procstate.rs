@@ -71,7 +71,7 @@ impl Cases {
     }
 
     fn state(&self) -> String {
-        self.ctr.root().and_then(|r| std::fs::read_to_string(r.join("tmp/state")).ok()).unwrap_or_default()
+        self.ctr.read("tmp/state").unwrap_or_default()
     }
 
     /// Hands `verb` to every case; each case's answer.
