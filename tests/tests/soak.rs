@@ -1,14 +1,15 @@
 //! Many sandboxes, many faults: agents change memory and files while statepoints are taken
 //! (synchronously and not), rolled back to and forked (every other fork from a spare), on a
 //! seeded random schedule, and planarian itself is killed (SIGKILL) at random moments of its
-//! snapshots and rollbacks, not only at fault points; the operation that follows a killed
+//! snapshots, rollbacks and forks, not only at fault points; the operation that follows a killed
 //! rollback finds the sandbox running, exactly as it was before the rollback or exactly at its
-//! target. After it all: no sandbox is left frozen, `planarian fsck` finds nothing wrong, and
+//! target, and the fork that follows a killed fork finds it finished (running, at the
+//! statepoint) or finds nothing of it left. After it all: no sandbox is left frozen, `planarian fsck` finds nothing wrong, and
 //! every committed statepoint — those the schedule saw committed and those a killed operation
 //! committed before it died — restores exactly (memory checksum, counter, files).
 //!
-//! Bounded for CI (`PLANARIAN_SOAK_STEPS`, default 8, and `PLANARIAN_SOAK_SEED`, default 4: its
-//! 8 steps kill two snapshots and two rollbacks); the longer runs quoted in
+//! Bounded for CI (`PLANARIAN_SOAK_STEPS`, default 8, and `PLANARIAN_SOAK_SEED`, default 7: its
+//! 8 steps kill a snapshot, a rollback and a fork); the longer runs quoted in
 //! docs/architecture.md are the same test with more steps.
 
 use planarian_system_tests::sandbox::*;
@@ -122,6 +123,12 @@ fn killed(args: &[&str], after: Duration) -> bool {
     true
 }
 
+/// The containers planarian keeps a store for.
+fn store_dirs() -> Vec<String> {
+    let rd = std::fs::read_dir("/var/lib/planarian/containers").unwrap();
+    rd.flatten().filter_map(|e| e.file_name().to_str().map(String::from)).collect()
+}
+
 fn frozen(name: &str) -> bool {
     let id = podman("planarian", &["inspect", "--format", "{{.Id}}", name]).out();
     let pid = podman("planarian", &["inspect", "--format", "{{.State.Pid}}", name]).out();
@@ -135,7 +142,7 @@ fn frozen(name: &str) -> bool {
 fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
     require_stack!();
     let steps: usize = std::env::var("PLANARIAN_SOAK_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
-    let seed: u64 = std::env::var("PLANARIAN_SOAK_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
+    let seed: u64 = std::env::var("PLANARIAN_SOAK_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(7);
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let mut agents: Vec<Agent> = (0..4)
         .map(|i| {
@@ -147,7 +154,7 @@ fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
     let mut counts: BTreeMap<&str, u32> = BTreeMap::new();
     for step in 0..steps {
         let a = rng.below(agents.len());
-        let op = rng.below(10);
+        let op = rng.below(11);
         let name = format!("s{step}");
         let n_agents = agents.len();
         let mut born = None;
@@ -240,6 +247,44 @@ fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
                     (true, _, true, _) => "killed rollback, finished by the next operation",
                     (true, _, _, true) => "killed rollback, after it ended",
                     (true, ..) => "killed rollback, before it began",
+                }
+            }
+            10 if !ag.committed.is_empty() && n_agents < 6 => {
+                // planarian killed mid-fork, at a moment of the schedule's: in its clone, its
+                // init, the linking of its statepoint or its restore (what it started goes on).
+                let k = rng.below(ag.committed.len());
+                let (sp, held) = ag.committed.iter().nth(k).map(|(s, h)| (s.clone(), h.clone())).unwrap();
+                let fork = name_for_fork(step);
+                let after = Duration::from_millis(500 + rng.below(20000) as u64);
+                let stores = store_dirs();
+                let was_killed = killed(&["fork", &ag.sb.name, &sp, "--name", &fork], after);
+                // The next fork of the source finishes what the kill left (it runs: the name is
+                // taken) or removes it, and forks anew.
+                let r = planarian(&["fork", &ag.sb.name, &sp, "--name", &fork]);
+                let finished = r.stderr.contains(&format!("an interrupted fork into {fork} was finished"));
+                let undone = r.stderr.contains(&format!("an interrupted fork into {fork} was undone"));
+                match r.code {
+                    Some(0) => assert!(!finished, "{fork}: {}", r.stderr),
+                    _ => assert!(
+                        r.stderr.contains("already exists") && (finished || !was_killed),
+                        "{fork}: the fork after a killed one: {}",
+                        r.stderr
+                    ),
+                }
+                // One container of that name, running the statepoint; one store more than
+                // before, its own (a fork undone left none).
+                let f = Sandbox::attach(&fork);
+                let fa = Agent { sb: f, committed: BTreeMap::new(), maybe: BTreeMap::new(), edits: 1000 };
+                assert_eq!(fa.held(), held, "{fork}: a fork of {sp}, after a fork killed at {after:?}");
+                let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &fork]).out();
+                let new: Vec<String> = store_dirs().into_iter().filter(|d| !stores.contains(d)).collect();
+                assert_eq!(new, vec![id], "{fork}: the stores made by a killed fork and the one after it");
+                born = Some(fa);
+                match (was_killed, finished, undone) {
+                    (false, ..) => "fork (ended before the kill)",
+                    (true, true, _) => "killed fork, finished by the next fork",
+                    (true, _, true) => "killed fork, undone by the next fork",
+                    (true, ..) => "killed fork, after it ended",
                 }
             }
             _ => {

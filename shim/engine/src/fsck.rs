@@ -4,16 +4,17 @@
 //! in the middle of an operation is reported busy and left alone): every statepoint directory
 //! has a readable manifest; a committed statepoint has its images, every directory of its
 //! chain (the `parent` links) has its images, and its files are there (the copy, or the ZFS
-//! snapshot); no statepoint is left pending by a planarian that died; the head names a
-//! committed statepoint; names are unique; the sandbox is not left frozen by planarian; the
-//! incremental base and the sidecar's call positions are readable.
+//! snapshot); no statepoint is left pending by a planarian that died, and no fork half-made;
+//! the head names a committed statepoint; names are unique; the sandbox is not left frozen by
+//! planarian; the incremental base and the sidecar's call positions are readable.
 //!
 //! `--repair` does only what loses nothing committed: it drops half-made statepoints (pending
 //! or without a manifest) and their ZFS snapshots, thaws a sandbox a dead planarian left frozen,
-//! finishes or undoes an interrupted rollback (and its compensation), clears a head that names no statepoint and an
+//! finishes or undoes an interrupted rollback (and its compensation) and an interrupted fork
+//! (see [`crate::statepoint::forking`]), clears a head that names no statepoint and an
 //! unreadable base record (the next dump is full), and removes images and bases no statepoint
-//! reaches. A committed statepoint that lost a part is
-//! reported, never removed: that is the user's call (`planarian statepoint rm`).
+//! reaches. A committed statepoint that lost a part is reported, never removed: that is the
+//! user's call (`planarian statepoint rm`).
 
 use crate::config::Config;
 use crate::store::{ContainerStore, Manifest, Status};
@@ -26,8 +27,8 @@ pub struct Finding {
     /// The statepoint it concerns, when it concerns one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub statepoint: Option<String>,
-    /// What was checked: manifest, pending, images, chain, files, head, name, rollback, frozen,
-    /// base, positions.
+    /// What was checked: manifest, pending, images, chain, files, head, name, rollback, fork,
+    /// frozen, base, positions.
     pub check: &'static str,
     pub detail: String,
     /// Whether `--repair` can (or, after a repair, did) put it right.
@@ -99,6 +100,9 @@ fn mend(cfg: &Config, store: &ContainerStore) {
     let marker = store.dir.join(crate::local::freezer::MARKER);
     if marker.exists() {
         crate::local::freezer::FreezeGuard::recover(&marker);
+    }
+    if let Ok(src) = crate::runtime::podman::inspect(&store.container_id()) {
+        crate::statepoint::forking::recover(&crate::runtime::Globals::default(), cfg, &src, store);
     }
     crate::statepoint::discard_stale(cfg, store);
     crate::statepoint::finish_compensation(store, &store.container_id());
@@ -189,6 +193,17 @@ pub fn findings(cfg: &Config, store: &ContainerStore) -> Vec<Finding> {
             "rollback",
             format!(
                 "a rollback to {target} was interrupted (repaired: finished, or undone with its safety statepoint)"
+            ),
+            true,
+        );
+    }
+    for f in crate::statepoint::forking::interrupted(store) {
+        add(
+            None,
+            "fork",
+            format!(
+                "a fork of {} into {} was interrupted (repaired: finished if it runs, else removed)",
+                f.statepoint, f.name
             ),
             true,
         );

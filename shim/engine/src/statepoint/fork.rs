@@ -19,6 +19,7 @@
 //! Any failure removes NEW and its store; CTR is never changed. A spare of the statepoint made
 //! beforehand ([`super::spares`]) replaces all four steps with a thaw (and a rename).
 
+use super::forking::{Kind, Record};
 use super::podman_dir::{leave_for_podman, Destination};
 use super::{describe, Error, Result};
 use crate::config::Config;
@@ -53,6 +54,8 @@ impl Fork {
         if let Some(why) = &target.unreachable {
             return Err(Error::Unreachable { statepoint: target.statepoint_id.clone(), why: why.clone() });
         }
+        // (a fork a killed planarian left is finished or removed first: its name may be this one)
+        super::forking::recover(globals, &cfg, &source, &src_store);
         if let Some(new_name) = new_name.filter(|n| taken(n)) {
             return Err(Error::ContainerExists(new_name.to_string()));
         }
@@ -75,16 +78,19 @@ impl Fork {
     pub fn run(self, progress: &mut dyn Progress, by: Actor) -> Result<(PodmanContainer, RestoreContext)> {
         // A spare of the statepoint, restored and frozen beforehand, is handed out when there is
         // one (a rename, unless it keeps its name, and a thaw); otherwise the fork is made now.
-        let handed = match super::spares::claim(&self.src_store, &self.target.statepoint_id) {
+        let sp = &self.target.statepoint_id;
+        let handed = match super::spares::claim(&self.src_store, sp) {
             Some(spare) => {
                 let name = self.name.as_deref().unwrap_or(&spare.name);
+                let mut record = Record::begin(&self.src_store, name, sp, Kind::HandOut)?;
+                record.set(Kind::HandOut, &spare.id)?;
                 progress.phase(if name == spare.name {
                     "a spare of the statepoint, under its own name (thawed)"
                 } else {
                     "a spare of the statepoint (podman rename, thawed)"
                 });
                 match super::spares::hand_out(&self.globals, &self.cfg, &self.source, &spare, name) {
-                    Ok(x) => Some(x),
+                    Ok(x) => Some((x, record)),
                     Err(e) => {
                         progress.done(&format!("spare {} not usable ({e}): forking anew", spare.name));
                         None
@@ -93,14 +99,15 @@ impl Fork {
             }
             None => None,
         };
-        let (new, ctx) = match handed {
+        let ((new, ctx), _record) = match handed {
             Some(x) => x,
             None => {
                 let name = self
                     .name
                     .clone()
                     .unwrap_or_else(|| free_name(&format!("{}-fork-{}", self.source.name, self.target.statepoint_id)));
-                self.make(&name, progress)?
+                let mut record = Record::begin(&self.src_store, &name, sp, Kind::Fork)?;
+                (self.make(&name, &mut record, progress)?, record)
             }
         };
         let name = ctx.container.as_str();
@@ -114,48 +121,58 @@ impl Fork {
         Ok((new, ctx))
     }
 
-    /// Makes the new container, running, and its restore context (kept in its store). On
-    /// failure nothing is left (no container, no store).
-    pub(super) fn make(&self, name: &str, progress: &mut dyn Progress) -> Result<(PodmanContainer, RestoreContext)> {
+    /// Makes the new container, running, and its restore context (kept in its store), noting its
+    /// ID in `record` once Podman made it. On failure nothing is left (no container, no store).
+    pub(super) fn make(
+        &self,
+        name: &str,
+        record: &mut Record,
+        progress: &mut dyn Progress,
+    ) -> Result<(PodmanContainer, RestoreContext)> {
         let (src, cfg) = (&self.source, &self.cfg);
         // A clone gets the engine's default runtime unless told: the fork must run on planarian too.
         progress.phase("new container (podman container clone)");
         podman::run(&["--runtime", &src.runtime, "container", "clone", &src.id, name])?;
-        if let Err(e) = fork_into(cfg, src, &self.src_store, &self.target, name, progress) {
+        let made = podman::inspect(name).map_err(Error::from).and_then(|new| record.made(&new.id));
+        if let Err(e) = made.and_then(|()| fork_into(cfg, src, &self.src_store, &self.target, name, progress)) {
             discard(cfg, src, name);
             return Err(Error::ForkFailed(Box::new(e)));
         }
         let new = podman::inspect(name)?;
-        let target = &self.target;
-        let ctx = RestoreContext {
-            operation: "fork".into(),
-            container: name.to_string(),
-            statepoint: Restored {
-                id: target.statepoint_id.clone(),
-                name: target.name.clone(),
-                description: target.state_evidence.state_description.clone(),
-                state: target.state_evidence.state.clone(),
-                source: Some(src.name.clone()),
-            },
-            restored: vec![
-                "processes and memory (CRIU restore)".into(),
-                if target.local_state.zfs_snapshot.is_some() {
-                    "files (a ZFS clone)".into()
-                } else {
-                    "files (a copy)".into()
-                },
-            ],
-            compensated: vec![],
-            discarded_statepoints: vec![],
-            unreachable_statepoints: vec![],
-            uncovered: crate::context::uncovered(target),
-            reason: None,
-            prior_outcomes: target.state_evidence.prior_outcomes.clone(),
-            time: crate::log::rfc3339(std::time::SystemTime::now()),
-            how: None,
-        };
+        let ctx = context(src, &self.target, name);
         let _ = ctx.save(&ContainerStore::new(&cfg.store.path, &new.id));
         Ok((new, ctx))
+    }
+}
+
+/// The restore context of fork `name` of `src` at statepoint `target`.
+pub(super) fn context(src: &PodmanContainer, target: &Manifest, name: &str) -> RestoreContext {
+    RestoreContext {
+        operation: "fork".into(),
+        container: name.to_string(),
+        statepoint: Restored {
+            id: target.statepoint_id.clone(),
+            name: target.name.clone(),
+            description: target.state_evidence.state_description.clone(),
+            state: target.state_evidence.state.clone(),
+            source: Some(src.name.clone()),
+        },
+        restored: vec![
+            "processes and memory (CRIU restore)".into(),
+            if target.local_state.zfs_snapshot.is_some() {
+                "files (a ZFS clone)".into()
+            } else {
+                "files (a copy)".into()
+            },
+        ],
+        compensated: vec![],
+        discarded_statepoints: vec![],
+        unreachable_statepoints: vec![],
+        uncovered: crate::context::uncovered(target),
+        reason: None,
+        prior_outcomes: target.state_evidence.prior_outcomes.clone(),
+        time: crate::log::rfc3339(std::time::SystemTime::now()),
+        how: None,
     }
 }
 
@@ -173,14 +190,19 @@ pub(super) fn free_name(stem: &str) -> String {
 /// Removes fork `name` of `src` and everything it was given: the container, its store, its
 /// dataset, its database.
 pub(super) fn discard(cfg: &Config, src: &PodmanContainer, name: &str) {
-    let removed = podman::inspect(name).ok();
-    let _ = podman::run(&["rm", "-f", "-t", "0", name]);
-    if let Some(c) = removed {
-        let store = ContainerStore::new(&cfg.store.path, &c.id);
-        let _ = crate::local::zfs::remove_container(cfg, &store);
-        let _ = std::fs::remove_dir_all(store.dir);
-        unbranch(cfg, src, &c.id);
+    match podman::inspect(name) {
+        Ok(c) => discard_id(cfg, src, &c.id),
+        Err(_) => drop(podman::run(&["rm", "-f", "-t", "0", name])),
     }
+}
+
+/// [`discard`], of the fork whose container ID is (or was) `id`.
+pub(super) fn discard_id(cfg: &Config, src: &PodmanContainer, id: &str) {
+    let _ = podman::run(&["rm", "-f", "-t", "0", id]);
+    let store = ContainerStore::new(&cfg.store.path, id);
+    let _ = crate::local::zfs::remove_container(cfg, &store);
+    let _ = std::fs::remove_dir_all(store.dir);
+    unbranch(cfg, src, id);
 }
 
 /// Drops the database a failed fork `new_id` may have been given (nothing when it has none).

@@ -182,12 +182,17 @@ pub fn recover(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &str
 fn wait_for_orphans(store: &ContainerStore, id: &str, max: Duration) {
     let _handoff = super::podman_dir::Handoff::give(store, id);
     let end = std::time::Instant::now() + max;
-    while orphans(store, id) && std::time::Instant::now() < end {
+    let restore_or_kill = |args: &[&[u8]]| {
+        args.contains(&id.as_bytes()) && (args.contains(&&b"restore"[..]) || args.contains(&&b"kill"[..]))
+    };
+    while orphans(std::slice::from_ref(&store.dir), &restore_or_kill) && std::time::Instant::now() < end {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
 
-fn orphans(store: &ContainerStore, id: &str) -> bool {
+/// Whether a process other than this one is a CRIU with a file under one of `stores` open, or a
+/// Podman whose arguments `podman` matches: what a killed planarian started and left running.
+pub(super) fn orphans(stores: &[PathBuf], podman: &dyn Fn(&[&[u8]]) -> bool) -> bool {
     let me = std::process::id().to_string();
     let Ok(rd) = std::fs::read_dir("/proc") else { return false };
     rd.flatten().any(|p| {
@@ -197,12 +202,13 @@ fn orphans(store: &ContainerStore, id: &str) -> bool {
         }
         match std::fs::read_to_string(p.path().join("comm")).unwrap_or_default().trim() {
             "criu" => std::fs::read_dir(p.path().join("fd")).is_ok_and(|fds| {
-                fds.flatten().any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l.starts_with(&store.dir)))
+                fds.flatten()
+                    .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| stores.iter().any(|s| l.starts_with(s))))
             }),
             "podman" => {
                 let cmd = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
                 let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
-                args.contains(&id.as_bytes()) && (args.contains(&&b"restore"[..]) || args.contains(&&b"kill"[..]))
+                podman(&args)
             }
             _ => false,
         }

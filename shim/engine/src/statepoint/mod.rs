@@ -5,6 +5,7 @@
 
 pub mod async_snapshot;
 pub mod fork;
+pub mod forking;
 pub mod journal;
 pub mod podman_dir;
 pub mod restore;

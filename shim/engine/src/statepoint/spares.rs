@@ -20,7 +20,8 @@
 //! to `podman rm -f` (`podman stop` waits for its timeout: a frozen process does not act on
 //! SIGTERM).
 
-use super::fork::{discard, Fork};
+use super::fork::Fork;
+use super::forking::{Kind, Record};
 use super::{Error, Result};
 use crate::config::Config;
 use crate::context::RestoreContext;
@@ -107,8 +108,7 @@ fn usable(cfg: &Config, s: &Spare) -> bool {
 /// Removes spare `s` (thawed first: a frozen process waits for its thaw even to die, under the
 /// cgroup-v1 freezer).
 fn remove(cfg: &Config, src: &PodmanContainer, s: &Spare) {
-    let _ = thaw(cfg, &s.id);
-    discard(cfg, src, &s.id);
+    remove_id(cfg, src, &s.id);
 }
 
 /// The spares of one committed statepoint of a planarian container.
@@ -154,13 +154,16 @@ pub fn fill(pool: Pool, count: usize, progress: &mut dyn Progress) -> Result<Vec
         let name = super::fork::free_name(&format!("{}-spare-{sp}", source.name));
         let fork = Fork::begin(&globals, &source.id, &sp, Some(&name))?;
         progress.phase(&format!("spare {name}: {}", fork.title()));
-        let (new, _) = fork.make(&name, progress)?;
+        // (until it is registered: a spare a killed planarian was making is removed)
+        let mut record = Record::begin(&store, &name, &sp, Kind::Spare)?;
+        let (new, _) = fork.make(&name, &mut record, progress)?;
         progress.phase(&format!("spare {name}: frozen"));
         let spare = Spare { id: new.id, name };
         if let Err(e) = freeze(&globals, &cfg, &spare.id).and_then(|()| register(&store, &sp, &spare)) {
             remove(&cfg, &source, &spare);
             return Err(Error::ForkFailed(Box::new(e)));
         }
+        drop(record);
         have.push(spare);
     }
     Ok(have)
@@ -199,23 +202,59 @@ pub fn hand_out(
     s: &Spare,
     name: &str,
 ) -> Result<(PodmanContainer, RestoreContext)> {
-    let out = (|| {
-        if name != s.name {
-            podman::run(&["rename", &s.id, name])?;
-        }
-        thaw(cfg, &s.id)?;
-        let new = super::planarian_container(globals, &s.id)?;
-        let store = ContainerStore::new(&cfg.store.path, &new.id);
-        let mut ctx = RestoreContext::last(&store)
-            .ok_or_else(|| Error::Worker(format!("spare {} has no restore context", s.name)))?;
-        ctx.container = name.to_string();
-        ctx.time = crate::log::rfc3339(std::time::SystemTime::now());
-        ctx.how = Some(How { path: "spare".into(), ..How::default() });
-        ctx.save(&store)?;
-        Ok((new, ctx))
-    })();
+    let out = finish(globals, cfg, &s.id, &s.name, name, false);
     if out.is_err() {
         remove(cfg, src, s);
     }
     out
+}
+
+/// A hand-out a killed planarian left, of spare `new`, finished as `name` (it may have been
+/// renamed and thawed already); the spare removed when it cannot be.
+pub(super) fn finish_hand_out(
+    globals: &Globals,
+    cfg: &Config,
+    src: &PodmanContainer,
+    new: &PodmanContainer,
+    name: &str,
+) -> Result<()> {
+    finish(globals, cfg, &new.id, &new.name, name, true).map(drop).inspect_err(|_| remove_id(cfg, src, &new.id))
+}
+
+/// Spare `id`, named `now`, renamed `name` (unless so named) and thawed (`recovering`: unless
+/// a hand-out already thawed it), its restore context saying so.
+fn finish(
+    globals: &Globals,
+    cfg: &Config,
+    id: &str,
+    now: &str,
+    name: &str,
+    recovering: bool,
+) -> Result<(PodmanContainer, RestoreContext)> {
+    if name != now {
+        podman::run(&["rename", id, name])?;
+    }
+    if !recovering || held(cfg, id).is_some() {
+        thaw(cfg, id)?;
+    }
+    let new = super::planarian_container(globals, id)?;
+    let store = ContainerStore::new(&cfg.store.path, &new.id);
+    let mut ctx =
+        RestoreContext::last(&store).ok_or_else(|| Error::Worker(format!("spare {now} has no restore context")))?;
+    ctx.container = name.to_string();
+    ctx.time = crate::log::rfc3339(std::time::SystemTime::now());
+    ctx.how = Some(How { path: "spare".into(), ..How::default() });
+    ctx.save(&store)?;
+    Ok((new, ctx))
+}
+
+/// Takes spare `id` of `sp` out of the registry, if it is in it.
+pub(super) fn forget(store: &ContainerStore, sp: &str, id: &str) {
+    let _ = std::fs::remove_file(dir(store, sp).join(id));
+}
+
+/// Removes spare `id` (thawed first).
+pub(super) fn remove_id(cfg: &Config, src: &PodmanContainer, id: &str) {
+    let _ = thaw(cfg, id);
+    super::fork::discard_id(cfg, src, id);
 }
