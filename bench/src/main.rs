@@ -52,6 +52,7 @@ fn main() {
         Some("chains") => chains(&args[1..]),
         Some("files") => files(&args[1..]),
         Some("unchanged") => unchanged(&args[1..]),
+        Some("forks") => forks(&args[1..]),
         Some("mcp") => mcp::main(&args[1..]),
         Some("e2e") => e2e::main(&args[1..]),
         _ => {
@@ -60,6 +61,7 @@ fn main() {
             eprintln!("       planarian-bench chains [--mem MiB] [--files MiB] [--pool POOL] [--repeat N]");
             eprintln!("       planarian-bench files [--files MiB] [--pool POOL]");
             eprintln!("       planarian-bench unchanged [--mem MiB] [--files MiB] [--iterations N]");
+            eprintln!("       planarian-bench forks [--mem MiB] [--files MiB] [--count N]");
             eprintln!("       planarian-bench mcp [--iterations N] [--proxy PATH]");
             eprintln!("       planarian-bench e2e [--scales 1,0.5,0.25] [--traces NAME,...]");
             2
@@ -199,7 +201,8 @@ fn passthrough(args: &[String]) -> i32 {
 }
 
 /// A workload: MEM MiB of random memory in a python process, FILES MiB of files, and a little
-/// change (1 % of memory, one file) between statepoints.
+/// change (1 % of memory, one file) between statepoints; asked (`/tmp/sum`), the checksum of
+/// its memory.
 const WORKLOAD: &str = r#"
 import os, sys, time
 buf = bytearray(os.urandom(int(sys.argv[1]) << 20))
@@ -210,6 +213,11 @@ while True:
         n = len(buf) // 100
         buf[0:n] = os.urandom(n)
         open("/tmp/dirtied", "w").close()
+    if os.path.exists("/tmp/sum"):
+        import hashlib
+        os.remove("/tmp/sum")
+        open("/tmp/sum.part", "w").write(hashlib.sha1(buf).hexdigest())
+        os.rename("/tmp/sum.part", "/tmp/sum.out")
     time.sleep(0.05)
 "#;
 
@@ -250,6 +258,13 @@ fn wait_file(name: &str, path: &str) -> Result<(), String> {
         std::thread::sleep(Duration::from_millis(200));
     }
     Err(format!("{name}: {path} did not appear"))
+}
+
+/// The workload's memory checksum, as it computes it now.
+fn checksum(name: &str) -> Result<String, String> {
+    run_quiet("podman", &["exec", name, "sh", "-c", "rm -f /tmp/sum.out; touch /tmp/sum"])?;
+    wait_file(name, "/tmp/sum.out")?;
+    run_quiet("podman", &["exec", name, "cat", "/tmp/sum.out"])
 }
 
 fn dirty(name: &str) -> Result<(), String> {
@@ -754,6 +769,75 @@ time.sleep(1e9)
 /// A statepoint of a sandbox that did nothing since its last one, against an incremental
 /// statepoint of the same sandbox after a 1 % change (both measured here, one after the other,
 /// the same memory and files): the ratio #31 asks to be at most 0.1.
+/// N forks of one statepoint: `planarian fork --count N` (one call, side by side) against one
+/// fork, and against N forks one after another (what a harness looping over `fork` gets), in
+/// one run. Each fork is checked running at the statepoint (the workload's memory checksum).
+fn forks(args: &[String]) -> i32 {
+    let mem: u32 = flag(args, "--mem").and_then(|s| s.parse().ok()).unwrap_or(256);
+    let files: u32 = flag(args, "--files").and_then(|s| s.parse().ok()).unwrap_or(16);
+    let count: usize = flag(args, "--count").and_then(|s| s.parse().ok()).unwrap_or(8);
+    let ctr = format!("plbench-forks-{}", std::process::id());
+    let mut made: Vec<String> = Vec::new();
+    let result = (|| -> Result<(), String> {
+        start_workload("planarian", &ctr, mem, files)?;
+        let sp = run_quiet(PLANARIAN, &["snapshot", &ctr])?;
+        let want = checksum(&ctr)?;
+        let mut fork_set = |names: Vec<String>, one_call: bool| -> Result<f64, String> {
+            let t = Instant::now();
+            if one_call {
+                let mut a = vec!["fork", &ctr, &sp, "--count"];
+                let n = names.len().to_string();
+                a.push(&n);
+                for name in &names {
+                    a.extend(["--name", name]);
+                }
+                run_quiet(PLANARIAN, &a)?;
+            } else {
+                for name in &names {
+                    run_quiet(PLANARIAN, &["fork", &ctr, &sp, "--name", name])?;
+                }
+            }
+            let secs = t.elapsed().as_secs_f64();
+            for name in &names {
+                made.push(name.clone());
+                let got = checksum(name)?;
+                if got != want {
+                    return Err(format!("{name}: memory checksum {got}, the statepoint's is {want}"));
+                }
+            }
+            for name in names {
+                run_quiet("podman", &["rm", "-f", "-t", "0", &name])?;
+            }
+            Ok(secs)
+        };
+        let names = |tag: &str, n: usize| (1..=n).map(|k| format!("{ctr}-{tag}-{k}")).collect::<Vec<_>>();
+        let one = fork_set(names("one", 1), true)?;
+        let together = fork_set(names("n", count), true)?;
+        let apart = fork_set(names("seq", count), false)?;
+        println!("forks of one statepoint ({mem} MiB, {files} MiB of files), each checked at the statepoint's memory checksum:");
+        println!("{:<44} {:>9} {:>13}", "", "seconds", "× one fork");
+        for (what, s) in [
+            ("one fork".to_string(), one),
+            (format!("--count {count} (one call, side by side)"), together),
+            (format!("{count} forks one after another"), apart),
+        ] {
+            println!("{what:<44} {s:>9.1} {:>13.2}", s / one);
+        }
+        println!("--count {count} against {count} one after another: {:.2}", together / apart);
+        Ok(())
+    })();
+    for n in made.iter().chain([&ctr]) {
+        let _ = run_quiet("podman", &["rm", "-f", "-t", "0", n]);
+    }
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("planarian-bench forks: {e}");
+            1
+        }
+    }
+}
+
 fn unchanged(args: &[String]) -> i32 {
     let mem: u32 = flag(args, "--mem").and_then(|s| s.parse().ok()).unwrap_or(256);
     let files: u32 = flag(args, "--files").and_then(|s| s.parse().ok()).unwrap_or(16);

@@ -23,7 +23,7 @@ import os
 import subprocess
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "Sandbox",
@@ -66,6 +66,16 @@ class Busy(PlanarianError):
 
 class ForkError(PlanarianError):
     """One fork of a :meth:`Sandbox.fork` call failed (the others are unaffected)."""
+
+
+def _last_error(argv: Sequence[str], p: "subprocess.CompletedProcess[str]") -> str:
+    """The last line a command wrote to stderr, without its ``planarian: `` prefix."""
+    lines = [line.strip() for line in p.stderr.splitlines() if line.strip()]
+    message = lines[-1] if lines else f"{argv[0]} exited with {p.returncode}"
+    for prefix in ("planarian: ", "Error: "):
+        if message.startswith(prefix):
+            message = message[len(prefix):]
+    return message
 
 
 def _classify(message: str) -> type:
@@ -141,13 +151,18 @@ class _Cli:
         except FileNotFoundError as e:
             raise PlanarianError(f"{argv[0]} not found: {e}", argv) from None
         if p.returncode != 0:
-            lines = [line.strip() for line in p.stderr.splitlines() if line.strip()]
-            message = lines[-1] if lines else f"{argv[0]} exited with {p.returncode}"
-            for prefix in ("planarian: ", "Error: "):
-                if message.startswith(prefix):
-                    message = message[len(prefix):]
+            message = _last_error(argv, p)
             raise _classify(message)(message, argv, p.returncode)
         return p.stdout
+
+    def run_status(self, argv: Sequence[str]) -> Tuple[int, str, str]:
+        """Runs ``argv``: its exit code, its standard output, and its last line of error (the
+        ``planarian: `` prefix dropped), whatever the exit code."""
+        try:
+            p = subprocess.run(list(argv), capture_output=True, text=True)
+        except FileNotFoundError as e:
+            return 127, "", f"{argv[0]} not found: {e}"
+        return p.returncode, p.stdout, _last_error(argv, p)
 
     def planarian_json(self, *args: str, input: Optional[str] = None) -> Any:
         return json.loads(self.run([self.planarian, *args], input=input))
@@ -253,16 +268,28 @@ class Sandbox:
         wanted: List[Optional[str]] = list(names) if names else [None] * count
         if len(wanted) != count:
             raise ValueError("give one name per fork")
-        out: List[Union[Sandbox, ForkError]] = []
+        # One call: the forks are made side by side, what they share done once.
+        argv = [self._cli.planarian, "fork", self.name, statepoint, "--count", str(count), "--by", "harness", "--json"]
         for n in wanted:
-            try:
-                named = ["--name", n] if n else []
-                ctx = RestoreContext.from_json(self._cli.planarian_json("fork", self.name, statepoint, *named, "--by", "harness", "--json"))
-                sb = Sandbox(n or ctx.container, self._cli)
-                sb.context = ctx  # type: ignore[attr-defined]
-                out.append(sb)
-            except PlanarianError as e:
-                out.append(ForkError(e.message, e.command, e.returncode))
+            if n:
+                argv += ["--name", n]
+        code, stdout, message = self._cli.run_status(argv)
+        try:
+            answers = json.loads(stdout) if stdout.strip() else None
+        except ValueError:
+            answers = None
+        if not isinstance(answers, list) or len(answers) != count:
+            # Refused as a whole (no such statepoint, a name taken): nothing was made.
+            return [ForkError(message, argv, code) for _ in wanted]
+        out: List[Union[Sandbox, ForkError]] = []
+        for v in answers:
+            if "error" in v:
+                out.append(ForkError(v["error"], argv, code))
+                continue
+            ctx = RestoreContext.from_json(v)
+            sb = Sandbox(v["container"], self._cli)
+            sb.context = ctx  # type: ignore[attr-defined]
+            out.append(sb)
         return out
 
     def fork_async(self, statepoint: str, count: Optional[int] = None, names: Optional[Sequence[str]] = None) -> "Future[List[Union[Sandbox, ForkError]]]":

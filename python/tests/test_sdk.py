@@ -96,29 +96,36 @@ class CommandLines(unittest.TestCase):
 
     def test_fork_gives_one_result_per_fork(self):
         sb = Sandbox("agent", self.cli)
+        # Refused as a whole: every fork says why.
         self.answer(fail="a container named agent-fork-1 already exists")
         results = sb.fork("sp1", count=2)
         self.assertEqual(len(results), 2)
         self.assertTrue(all(isinstance(r, ForkError) for r in results))
         self.assertEqual(str(results[0]), "a container named agent-fork-1 already exists")
-        # Without names the CLI names each fork (a spare keeps its own name).
-        self.assertEqual(self.calls()[-2:], ["fork agent sp1 --by harness --json"] * 2)
-        self.answer(json.dumps(dict(CONTEXT, operation="fork", container="agent-spare-sp1-1", how={"path": "spare"})))
+        # One call for all of them; without names the CLI names each fork (a spare keeps its own).
+        self.assertEqual(self.calls()[-1], "fork agent sp1 --count 2 --by harness --json")
+        spare = dict(CONTEXT, operation="fork", container="agent-spare-sp1-1", how={"path": "spare"})
+        self.answer(json.dumps([spare]))
         (s,) = sb.fork("sp1")
         self.assertEqual((s.name, s.context.how), ("agent-spare-sp1-1", {"path": "spare"}))
-        self.answer(json.dumps(dict(CONTEXT, operation="fork", container="b")))
-        (b,) = sb.fork("sp1", names=["b"])
+        # One fork failed, the other made: one result each, in order.
+        made = dict(CONTEXT, operation="fork", container="b")
+        self.answer(json.dumps([made, {"container": "c", "error": "fork failed, nothing was created: disk full"}]))
+        b, c = sb.fork("sp1", names=["b", "c"])
         self.assertEqual((b.name, b.context.operation), ("b", "fork"))
+        self.assertIsInstance(c, ForkError)
+        self.assertEqual(str(c), "fork failed, nothing was created: disk full")
+        self.assertEqual(self.calls()[-1], "fork agent sp1 --count 2 --by harness --json --name b --name c")
         with self.assertRaises(ValueError):
             sb.fork("sp1", count=2, names=["only-one"])
 
     def test_fork_async_answers_at_once_and_its_result_is_the_forks(self):
         sb = Sandbox("agent", self.cli)
-        self.answer(json.dumps(dict(CONTEXT, operation="fork", container="c")))
+        self.answer(json.dumps([dict(CONTEXT, operation="fork", container=n) for n in ("c", "d")]))
         future = sb.fork_async("sp1", names=["c", "d"])
         results = future.result(timeout=60)
         self.assertEqual([r.name for r in results], ["c", "d"])
-        self.assertEqual(self.calls()[-2:], ["fork agent sp1 --name c --by harness --json", "fork agent sp1 --name d --by harness --json"])
+        self.assertEqual(self.calls()[-1], "fork agent sp1 --count 2 --by harness --json --name c --name d")
 
     def test_spare_asks_for_a_count_and_returns_the_names(self):
         sb = Sandbox("agent", self.cli)
@@ -127,7 +134,7 @@ class CommandLines(unittest.TestCase):
         self.answer("")
         self.assertEqual(sb.spare_async("sp1", 0).result(timeout=60), [])
         self.assertEqual(self.calls()[-2:], ["spare agent sp1 --count 2", "spare agent sp1 --count 0"])
-        self.answer(json.dumps(dict(CONTEXT, operation="fork", container="e", how={"path": "spare"})))
+        self.answer(json.dumps([dict(CONTEXT, operation="fork", container="e", how={"path": "spare"})]))
         (e,) = sb.fork("sp1", names=["e"])
         self.assertEqual(e.context.how, {"path": "spare"})
 

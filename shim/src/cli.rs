@@ -391,14 +391,18 @@ pub struct ForkArgs {
     pub container: String,
     /// Its statepoint (id or name).
     pub statepoint: String,
-    /// The new container's name. Without it, a spare of the statepoint keeps its own name (a
-    /// thaw, no rename), or the fork is made as CTR-fork-SP-K.
+    /// The new container's name (once per fork with --count). Without it, a spare of the
+    /// statepoint keeps its own name (a thaw, no rename), or the fork is made as CTR-fork-SP-K.
     #[arg(long)]
-    pub name: Option<String>,
+    pub name: Vec<String>,
+    /// How many forks, made side by side (as many at once as the machine has CPUs).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub count: Option<u16>,
     /// Who asks for it.
     #[arg(long, value_enum, default_value = "user")]
     pub by: By,
-    /// Print the new sandbox's restore context as JSON.
+    /// Print the new sandbox's restore context as JSON (with --count: an array, one per fork,
+    /// or the error that fork ended with).
     #[arg(long)]
     pub json: bool,
 }
@@ -773,7 +777,11 @@ mod tests {
             ("agent", Some("n"), Some("d"))
         );
         let f: ForkArgs = parse_verb("fork", &os(&["agent", "sp1", "--name", "b"])).unwrap();
-        assert_eq!(f.name.as_deref(), Some("b"));
+        assert_eq!((f.name, f.count), (vec!["b".to_string()], None));
+        let f: ForkArgs =
+            parse_verb("fork", &os(&["agent", "sp1", "--count", "2", "--name", "b", "--name", "c"])).unwrap();
+        assert_eq!((f.name, f.count), (vec!["b".to_string(), "c".to_string()], Some(2)));
+        assert!(parse_verb::<ForkArgs>("fork", &os(&["agent", "sp1", "--count", "0"])).is_err(), "no fork is no call");
     }
 
     #[test]

@@ -5,7 +5,7 @@ use crate::cli::{self, Invocation};
 use crate::Failure;
 use engine::config::Config;
 use engine::context::{Ledger, RestoreContext};
-use engine::log::StderrProgress;
+use engine::log::{LineProgress, Progress, StderrProgress};
 use engine::runtime::podman;
 use engine::statepoint::{
     self, async_snapshot, fork::Fork, restore::RestoreRequest, rollback::Rollback, snapshot::SnapshotRequest, travel,
@@ -153,22 +153,63 @@ pub fn rollback(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     Ok(0)
 }
 
-/// `planarian fork CTR SP [--name NEW]`.
+/// `planarian fork CTR SP [--name NEW]...  [--count N]`.
 pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::ForkArgs = parse!("fork", args);
-    let f = Fork::begin(&inv.globals(), &a.container, &a.statepoint, a.name.as_deref())?;
-    let (source, sp) = (f.source.name.clone(), f.target.statepoint_id.clone());
-    let mut progress = StderrProgress::start(&f.title());
-    let (new, ctx) = f.run(&mut progress, a.by.into())?;
-    progress.finish();
-    if a.json {
-        let mut v: serde_json::Value = serde_json::from_str(&context_json(&ctx)?)?;
-        v["container-id"] = serde_json::json!(new.id);
-        println!("{}", serde_json::to_string_pretty(&v)?);
-    } else {
-        println!("{} forked from {source} at {sp} ({})", ctx.container, new.id);
+    let count = a.count.map_or(a.name.len().max(1), usize::from);
+    if !a.name.is_empty() && a.name.len() != count {
+        return Err(format!("--count {count} with {} --name: give one name per fork, or none", a.name.len()).into());
     }
-    Ok(0)
+    let names: Vec<Option<String>> =
+        if a.name.is_empty() { vec![None; count] } else { a.name.iter().cloned().map(Some).collect() };
+    let first = names[0].as_deref().filter(|_| count == 1);
+    let f = Fork::begin(&inv.globals(), &a.container, &a.statepoint, first)?;
+    let (source, sp) = (f.source.name.clone(), f.target.statepoint_id.clone());
+    if a.count.is_none() {
+        let mut progress = StderrProgress::start(&f.title());
+        let (new, ctx) = f.run(&mut progress, a.by.into())?;
+        progress.finish();
+        if a.json {
+            let mut v: serde_json::Value = serde_json::from_str(&context_json(&ctx)?)?;
+            v["container-id"] = serde_json::json!(new.id);
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        } else {
+            println!("{} forked from {source} at {sp} ({})", ctx.container, new.id);
+        }
+        return Ok(0);
+    }
+    let parallel = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
+    eprintln!(
+        "planarian: forking {source} at {} {count} time(s), {} at once",
+        statepoint::describe(&f.target),
+        parallel.min(count)
+    );
+    let started = std::time::Instant::now();
+    let progress_for = |name: &str| -> Box<dyn Progress + Send> { Box::new(LineProgress::new(name)) };
+    let results = f.run_many(&names, parallel, &progress_for, a.by.into())?;
+    eprintln!("  {:<65} {:>7.2} s", "total", started.elapsed().as_secs_f64());
+    let failed = results.iter().filter(|(_, r)| r.is_err()).count();
+    let mut out = Vec::new();
+    for (name, r) in results {
+        match r {
+            Ok((new, ctx)) => {
+                let mut v: serde_json::Value = serde_json::from_str(&context_json(&ctx)?)?;
+                v["container-id"] = serde_json::json!(new.id);
+                out.push(v);
+                if !a.json {
+                    println!("{} forked from {source} at {sp} ({})", ctx.container, new.id);
+                }
+            }
+            Err(e) => {
+                eprintln!("planarian: fork into {name} failed: {e}");
+                out.push(serde_json::json!({ "container": name, "error": e.to_string() }));
+            }
+        }
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    Ok(if failed > 0 { 1 } else { 0 })
 }
 
 /// `planarian spare CTR SP [--count N]`: the spares' names, a line each.

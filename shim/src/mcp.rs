@@ -186,9 +186,10 @@ impl Server {
             tools.push(tool(
                 "statepoint_fork",
                 "Fork a new sandbox from a statepoint",
-                "Starts a second, independent sandbox from a statepoint of this one, to try an alternative; this sandbox is not changed.",
+                "Starts a second, independent sandbox from a statepoint of this one, to try an alternative; this sandbox is not changed. With count, several, made side by side (named NAME-1, NAME-2, ...), to try alternatives in parallel.",
                 json!({"type": "object", "required": ["statepoint", "name"], "properties": {
-                    "statepoint": {"type": "string"}, "name": {"type": "string", "description": "The new sandbox's name."}
+                    "statepoint": {"type": "string"}, "name": {"type": "string", "description": "The new sandbox's name (with count: the stem of their names)."},
+                    "count": {"type": "integer", "minimum": 1, "maximum": 16, "description": "How many forks (default 1)."}
                 }}),
                 false,
                 false,
@@ -284,9 +285,42 @@ impl Server {
     fn fork(&self, args: &Value) -> Result<String, Failure> {
         let sp = required(args, "statepoint")?;
         let name = required(args, "name")?;
-        let f = Fork::begin(&self.globals, &self.id, &sp, Some(&name))?;
-        let (_, ctx) = f.run(&mut Silent, Actor::Agent)?;
-        Ok(format!("{}The sandbox {} continues unchanged; the fork is {name}.", ctx.text(), self.name))
+        let count = match args.get("count") {
+            None | Some(Value::Null) => None,
+            Some(v) => {
+                Some(v.as_u64().filter(|n| (1..=16).contains(n)).ok_or("count must be a whole number from 1 to 16")?)
+            }
+        };
+        let Some(count) = count else {
+            let f = Fork::begin(&self.globals, &self.id, &sp, Some(&name))?;
+            let (_, ctx) = f.run(&mut Silent, Actor::Agent)?;
+            return Ok(format!("{}The sandbox {} continues unchanged; the fork is {name}.", ctx.text(), self.name));
+        };
+        let names: Vec<Option<String>> = (1..=count).map(|k| Some(format!("{name}-{k}"))).collect();
+        let f = Fork::begin(&self.globals, &self.id, &sp, None)?;
+        let parallel = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
+        let silent = |_: &str| -> Box<dyn engine::log::Progress + Send> { Box::new(Silent) };
+        let mut made = Vec::new();
+        let mut failed = Vec::new();
+        for (n, r) in f.run_many(&names, parallel, &silent, Actor::Agent)? {
+            match r {
+                Ok(_) => made.push(n),
+                Err(e) => failed.push(format!("{n}: {e}")),
+            }
+        }
+        let mut text = format!(
+            "{} of {count} forks of statepoint {sp} run: {}. Each starts from the statepoint; the sandbox {} continues unchanged.",
+            made.len(),
+            if made.is_empty() { "none".to_string() } else { made.join(", ") },
+            self.name
+        );
+        if !failed.is_empty() {
+            text.push_str(&format!(" Failed (nothing left of them): {}.", failed.join("; ")));
+        }
+        match made.is_empty() {
+            true => Err(text.into()),
+            false => Ok(text),
+        }
     }
 
     fn run(&self, args: &Value) -> Result<String, Failure> {

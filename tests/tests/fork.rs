@@ -143,6 +143,55 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     podman("planarian", &["stop", "-t", "2", &b.name]).ok();
 }
 
+/// `planarian fork --count N`: N forks in one call, the spares of the statepoint taken first and
+/// the rest made side by side under names of their own; each starts exactly at the statepoint
+/// and snapshots incrementally. Names given twice, or not one per fork, are refused with one line
+/// before anything is made.
+#[test]
+fn n_forks_in_one_call_take_the_spares_and_make_the_rest_side_by_side() {
+    require_stack!();
+    let mut src = Sandbox::start("fcount", 16, &[]);
+    src.sh("echo base > /root/f").ok();
+    let at_sp = src.send("tick");
+    let sp = src.snapshot("fork-point");
+    src.send("dirty 0 65536");
+    let spares = spare(&src, &sp, 1);
+    let pl = planarian_bin();
+    let pl = pl.to_str().unwrap();
+    let stem = format!("{}-fork-{sp}", src.name);
+    let made: Vec<String> = (1..=2).map(|k| format!("{stem}-{k}")).collect();
+    let _c: Vec<Cleanup> = spares.iter().chain(&made).cloned().map(Cleanup).collect();
+
+    for (args, says) in [
+        (vec!["--count", "2", "--name", "x", "--name", "x"], "two forks cannot both be named x"),
+        (vec!["--count", "2", "--name", "x"], "give one name per fork"),
+        (vec!["--count", "0"], "--count"),
+    ] {
+        let r = cmd(pl, ["fork", &src.name, &sp].into_iter().chain(args.iter().copied()));
+        assert!(r.code != Some(0) && r.stderr.contains(says), "{args:?}: {r:?}");
+        assert_ne!(podman("planarian", &["container", "exists", "x"]).code, Some(0), "{args:?}");
+    }
+    assert!(held_frozen(&spares[0]), "a refused call claims no spare");
+
+    let r = cmd(pl, ["fork", &src.name, &sp, "--count", "3", "--json"]);
+    r.ok();
+    assert!(r.stderr.contains("3 time(s)") && r.stderr.contains("total"), "{}", r.stderr);
+    let forks: Vec<serde_json::Value> = serde_json::from_str(&r.stdout).unwrap();
+    let names: Vec<&str> = forks.iter().map(|f| f["container"].as_str().unwrap()).collect();
+    assert_eq!(names, [spares[0].as_str(), made[0].as_str(), made[1].as_str()], "{}", r.stdout);
+    let paths: Vec<Option<&str>> = forks.iter().map(|f| f["how"]["path"].as_str()).collect();
+    assert_eq!(paths, [Some("spare"), None, None]);
+    for n in &names {
+        let mut f = Sandbox::attach(n);
+        assert_eq!(f.state(), at_sp, "{n} starts at the statepoint");
+        assert_eq!(f.sh("cat /root/f").stdout, "base\n", "{n}");
+        f.send("dirty 1048576 65536");
+        let first = f.snapshot("first");
+        f.assert_incremental(&first, 1, 2_048);
+    }
+    assert_eq!(src.statepoints().len(), 1, "the source is untouched");
+}
+
 #[test]
 fn fork_of_an_unknown_statepoint_creates_nothing() {
     require_stack!();

@@ -130,6 +130,43 @@ impl Progress for StderrProgress {
     }
 }
 
+/// The phases of one of several operations running side by side, on stderr: a whole line per
+/// phase as it ends (`  agent-b  its OCI bundle (podman container init)   2.1s`), so that
+/// the lines of the others never cut into it.
+pub struct LineProgress {
+    who: String,
+    phase: Option<(String, std::time::Instant)>,
+}
+
+impl LineProgress {
+    pub fn new(who: &str) -> LineProgress {
+        LineProgress { who: who.to_string(), phase: None }
+    }
+
+    fn end(&mut self, note: &str) {
+        if let Some((name, t)) = self.phase.take() {
+            eprintln!("  {:<24} {name:<40} {:>7} {note}", self.who, secs(t.elapsed()));
+        }
+    }
+}
+
+impl Progress for LineProgress {
+    fn phase(&mut self, name: &str) {
+        self.end("");
+        self.phase = Some((name.to_string(), std::time::Instant::now()));
+    }
+
+    fn done(&mut self, note: &str) {
+        self.end(note);
+    }
+}
+
+impl Drop for LineProgress {
+    fn drop(&mut self) {
+        self.end("");
+    }
+}
+
 impl Drop for StderrProgress {
     /// A failed phase: its line is ended so the error that follows stands on a line of its own.
     fn drop(&mut self) {

@@ -76,12 +76,82 @@ impl Fork {
     /// source statepoint gets a note naming the fork. On failure nothing is left (no container,
     /// no store).
     pub fn run(self, progress: &mut dyn Progress, by: Actor) -> Result<(PodmanContainer, RestoreContext)> {
+        let job = self.plan(std::slice::from_ref(&self.name))?.remove(0);
+        self.run_job(job, progress, by)
+    }
+
+    /// `names.len()` forks of the statepoint (each named, or not: a spare's name, or
+    /// `CTR-fork-SP-K`), made side by side, at most `parallel` at once, each reporting to the
+    /// progress `progress_for` gives for its name. What they share is done once: the source,
+    /// its statepoint, the recovery of forks a killed planarian left (in [`Fork::begin`]), the
+    /// spares claimed and the names chosen. One result per fork, in order: a fork that fails
+    /// leaves nothing and fails no other.
+    pub fn run_many(
+        self,
+        names: &[Option<String>],
+        parallel: usize,
+        progress_for: &(dyn Fn(&str) -> Box<dyn Progress + Send> + Sync),
+        by: Actor,
+    ) -> Result<Vec<(String, Result<(PodmanContainer, RestoreContext)>)>> {
+        let jobs = self.plan(names)?;
+        let queue = std::sync::Mutex::new(jobs.into_iter().enumerate().collect::<std::collections::VecDeque<_>>());
+        let results = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|scope| {
+            for _ in 0..parallel.clamp(1, names.len().max(1)) {
+                scope.spawn(|| loop {
+                    let Some((i, job)) = queue.lock().expect("the fork queue").pop_front() else { break };
+                    let name = job.name.clone();
+                    let mut progress = progress_for(&name);
+                    let r = self.run_job(job, progress.as_mut(), by);
+                    results.lock().expect("the fork results").push((i, name, r));
+                });
+            }
+        });
+        let mut results = results.into_inner().expect("the fork results");
+        results.sort_by_key(|(i, ..)| *i);
+        Ok(results.into_iter().map(|(_, name, r)| (name, r)).collect())
+    }
+
+    /// Each fork's name and spare: a named one takes a spare of the statepoint too when there is
+    /// one (renamed); an unnamed one keeps the spare's name, or is given the first free
+    /// `CTR-fork-SP-K` none of the others has.
+    fn plan(&self, names: &[Option<String>]) -> Result<Vec<Job>> {
+        let mut seen = std::collections::HashSet::new();
+        if let Some(twice) = names.iter().flatten().find(|n| !seen.insert(n.as_str())) {
+            return Err(Error::Worker(format!("two forks cannot both be named {twice}")));
+        }
+        if let Some(n) = names.iter().flatten().find(|n| taken(n)) {
+            return Err(Error::ContainerExists(n.clone()));
+        }
+        let sp = &self.target.statepoint_id;
+        let stem = format!("{}-fork-{sp}", self.source.name);
+        let mut chosen: std::collections::HashSet<String> = names.iter().flatten().cloned().collect();
+        Ok(names
+            .iter()
+            .map(|n| {
+                let spare = super::spares::claim(&self.src_store, sp);
+                let name = match (n, &spare) {
+                    (Some(n), _) => n.clone(),
+                    (None, Some(s)) => s.name.clone(),
+                    (None, None) => (1..)
+                        .map(|k| format!("{stem}-{k}"))
+                        .find(|c| !chosen.contains(c) && !taken(c))
+                        .expect("some K is free"),
+                };
+                chosen.insert(name.clone());
+                Job { name, spare }
+            })
+            .collect())
+    }
+
+    /// One fork: its spare handed out, or (none, or not usable) made now.
+    fn run_job(&self, job: Job, progress: &mut dyn Progress, by: Actor) -> Result<(PodmanContainer, RestoreContext)> {
         // A spare of the statepoint, restored and frozen beforehand, is handed out when there is
         // one (a rename, unless it keeps its name, and a thaw); otherwise the fork is made now.
         let sp = &self.target.statepoint_id;
-        let handed = match super::spares::claim(&self.src_store, sp) {
+        let name = job.name.as_str();
+        let handed = match job.spare {
             Some(spare) => {
-                let name = self.name.as_deref().unwrap_or(&spare.name);
                 let mut record = Record::begin(&self.src_store, name, sp, Kind::HandOut)?;
                 record.set(Kind::HandOut, &spare.id)?;
                 progress.phase(if name == spare.name {
@@ -102,12 +172,8 @@ impl Fork {
         let ((new, ctx), _record) = match handed {
             Some(x) => x,
             None => {
-                let name = self
-                    .name
-                    .clone()
-                    .unwrap_or_else(|| free_name(&format!("{}-fork-{}", self.source.name, self.target.statepoint_id)));
-                let mut record = Record::begin(&self.src_store, &name, sp, Kind::Fork)?;
-                (self.make(&name, &mut record, progress)?, record)
+                let mut record = Record::begin(&self.src_store, name, sp, Kind::Fork)?;
+                (self.make(name, &mut record, progress)?, record)
             }
         };
         let name = ctx.container.as_str();
@@ -174,6 +240,12 @@ pub(super) fn context(src: &PodmanContainer, target: &Manifest, name: &str) -> R
         time: crate::log::rfc3339(std::time::SystemTime::now()),
         how: None,
     }
+}
+
+/// One fork of [`Fork::run_many`]: its name, and the spare claimed for it.
+struct Job {
+    name: String,
+    spare: Option<super::spares::Spare>,
 }
 
 /// Whether a container already has name `n`: Podman is asked only when containers/storage's
