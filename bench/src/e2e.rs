@@ -12,7 +12,11 @@
 //!   (`full_dump_interval=1`), synchronous, and the same rollback at the end.
 //!
 //! The think times are replayed as sleeps (the model's latency is the trace's, not measured) and
-//! can be scaled down (`--scales 1,0.5,0.25`) to show where the overlap stops hiding the cost.
+//! can be scaled down (`--scales 1,0.5,0.25`) to show where the overlap stops hiding the cost —
+//! or up, to native proportion (`--scales native`): under emulation every tool call and
+//! statepoint is slower by a factor the think time is not, so the think times are stretched by
+//! that factor, measured in the same run as the slowdown of reference commands timed here and
+//! on the host (`planarian-bench calibrate`, which bench/run runs on the host first).
 //!
 //! The traces are modelled on Terminal-Bench's system-administration tasks: written for this
 //! benchmark, each a sequence an agent would issue, with think times of 2–4 s (the per-step
@@ -496,9 +500,98 @@ fn row(name: &str, calls: usize, runs: &[Run]) -> String {
     )
 }
 
+/// Reference commands for the emulator's slowdown: process start-ups, a shell loop, Python's
+/// start-up and a little of its work — what a tool call and a statepoint are made of.
+const REFERENCE: &[(&str, &[&str])] = &[
+    ("50 × /bin/true", &["sh", "-c", "for i in $(seq 50); do /bin/true; done"]),
+    ("a shell loop", &["sh", "-c", "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done"]),
+    (
+        "python3 start-up and work",
+        &[
+            "python3",
+            "-c",
+            "import json, hashlib; hashlib.sha256(json.dumps(list(range(200000))).encode()).hexdigest()",
+        ],
+    ),
+];
+
+/// Each reference command's time (ms), the best of five.
+pub fn reference_ms() -> Result<Vec<f64>, String> {
+    REFERENCE
+        .iter()
+        .map(|(what, argv)| {
+            (0..5)
+                .map(|_| {
+                    let t = Instant::now();
+                    let ok = Command::new(argv[0]).args(&argv[1..]).status().map_err(|e| format!("{what}: {e}"))?;
+                    ok.success().then(|| t.elapsed().as_secs_f64() * 1e3).ok_or(format!("{what} failed"))
+                })
+                .try_fold(f64::MAX, |best, t| Ok::<f64, String>(best.min(t?)))
+        })
+        .collect()
+}
+
+/// `planarian-bench calibrate`: the reference commands' times here, a comma-separated line
+/// (what bench/run measures on the host and hands to the guest).
+pub fn calibrate() -> i32 {
+    match reference_ms() {
+        Ok(v) => {
+            println!("{}", v.iter().map(|t| format!("{t:.2}")).collect::<Vec<_>>().join(","));
+            0
+        }
+        Err(e) => {
+            eprintln!("planarian-bench calibrate: {e}");
+            1
+        }
+    }
+}
+
+/// The emulator's slowdown: the geometric mean, over the reference commands, of their time here
+/// against the host's (`PLANARIAN_BENCH_HOST_REFERENCE`, from `calibrate` on the host), with
+/// what it is made of.
+fn native_factor() -> Result<(f64, String), String> {
+    let host: Vec<f64> = std::env::var("PLANARIAN_BENCH_HOST_REFERENCE")
+        .map_err(|_| {
+            "think times in native proportion need the host's reference times (bench/run measures them)".to_string()
+        })?
+        .split(',')
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    let here = reference_ms()?;
+    if host.len() != here.len() {
+        return Err(format!("{} host reference times for {} commands", host.len(), here.len()));
+    }
+    let ratios: Vec<f64> = here.iter().zip(&host).map(|(g, h)| g / h).collect();
+    let factor = ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len() as f64;
+    let parts = REFERENCE
+        .iter()
+        .zip(here.iter().zip(&host))
+        .map(|((what, _), (g, h))| format!("{what}: {g:.0} ms here, {h:.0} ms on the host"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    Ok((factor.exp(), parts))
+}
+
 pub fn main(args: &[String]) -> i32 {
-    let scales: Vec<f64> =
-        flag(args, "--scales").unwrap_or("1,0.5,0.25").split(',').filter_map(|s| s.parse().ok()).collect();
+    let mut scales: Vec<f64> = Vec::new();
+    for s in flag(args, "--scales").unwrap_or("1,0.5,0.25").split(',') {
+        if s == "native" {
+            // The emulator slows every tool call and statepoint by this factor, not the model:
+            // the think times are stretched by as much, so that they weigh what they weigh natively.
+            match native_factor() {
+                Ok((f, parts)) => {
+                    println!("native proportion: think times x{f:.1}, the geometric mean of the reference commands' slowdown here ({parts})");
+                    scales.push((f * 10.0).round() / 10.0);
+                }
+                Err(e) => {
+                    eprintln!("planarian-bench e2e: {e}");
+                    return 2;
+                }
+            }
+        } else if let Ok(x) = s.parse() {
+            scales.push(x);
+        }
+    }
     let only: Option<Vec<&str>> = flag(args, "--traces").map(|t| t.split(',').collect());
     let traces: Vec<&Trace> = TRACES.iter().filter(|t| only.as_ref().is_none_or(|o| o.contains(&t.name))).collect();
     if scales.is_empty() || traces.is_empty() {

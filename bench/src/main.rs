@@ -28,7 +28,8 @@
 //!
 //! `mcp`: proxied against direct MCP round trips (see bench/src/mcp.rs); runs on the host.
 //!
-//!   planarian-bench e2e [--scales 1,0.5,0.25] [--traces NAME,...]
+//!   planarian-bench e2e [--scales 1,0.5,0.25|native] [--traces NAME,...]
+//!   planarian-bench calibrate
 //!
 //! `e2e`: agent traces (tool calls with the model's think time between them) replayed on
 //! No-snapshot, Planarian (a statepoint after every call, asynchronous) and Full-snapshot; see
@@ -55,6 +56,7 @@ fn main() {
         Some("forks") => forks(&args[1..]),
         Some("mcp") => mcp::main(&args[1..]),
         Some("e2e") => e2e::main(&args[1..]),
+        Some("calibrate") => e2e::calibrate(),
         _ => {
             eprintln!("usage: planarian-bench passthrough [--iterations N] [--planarian PATH] [--crun PATH]");
             eprintln!("       planarian-bench statepoint [--mem MiB] [--files MiB] [--iterations N]");
@@ -63,7 +65,8 @@ fn main() {
             eprintln!("       planarian-bench unchanged [--mem MiB] [--files MiB] [--iterations N]");
             eprintln!("       planarian-bench forks [--mem MiB] [--files MiB] [--count N]");
             eprintln!("       planarian-bench mcp [--iterations N] [--proxy PATH]");
-            eprintln!("       planarian-bench e2e [--scales 1,0.5,0.25] [--traces NAME,...]");
+            eprintln!("       planarian-bench e2e [--scales 1,0.5,0.25|native] [--traces NAME,...]");
+            eprintln!("       planarian-bench calibrate");
             2
         }
     };
