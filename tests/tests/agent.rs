@@ -77,7 +77,8 @@ fn the_agent_saves_rolls_back_and_reads_its_ledger_through_the_official_sdk() {
     let tools = listed["tools"].as_array().unwrap();
     let tool =
         |n: &str| tools.iter().find(|t| t["name"] == n).cloned().unwrap_or_else(|| panic!("no tool {n}: {listed}"));
-    assert_eq!(tools.len(), 5, "four statepoint tools and run: {listed}");
+    assert_eq!(tools.len(), 6, "five statepoint tools (fork allowed) and run: {listed}");
+    assert_eq!(tool("statepoint_fork")["inputSchema"]["properties"]["count"]["maximum"], 16);
     assert_eq!(tool("statepoint_ledger")["annotations"]["readOnlyHint"], true);
     assert_eq!(tool("statepoint_rollback")["annotations"]["destructiveHint"], true);
     assert_eq!(tool("statepoint_rollback")["inputSchema"]["required"], json!(["statepoint", "reason"]));
@@ -133,6 +134,25 @@ fn the_agent_saves_rolls_back_and_reads_its_ledger_through_the_official_sdk() {
         ),
         "{text}"
     );
+
+    // Two alternatives at once: forks of the statepoint, side by side, each at the statepoint;
+    // the sandbox goes on unchanged.
+    let stem = name("agent-alt");
+    let forks: Vec<String> = (1..=2).map(|k| format!("{stem}-{k}")).collect();
+    let _c: Vec<Cleanup> = forks.iter().cloned().map(Cleanup).collect();
+    let (text, err) = agent.call("statepoint_fork", json!({"statepoint": "before-change", "name": stem, "count": 2}));
+    assert!(
+        !err && text.starts_with(&format!("2 of 2 forks of statepoint sp1 run: {}, {}.", forks[0], forks[1])),
+        "{text}"
+    );
+    for f in &forks {
+        let mut fork = Sandbox::attach(f);
+        assert_eq!(fork.sh("cat /tmp/app.conf").out(), "v1", "{f}");
+        let t = fork.send("tick");
+        assert_eq!((t.counter, t.checksum.as_str()), (before.counter + 1, before.checksum.as_str()), "{f}");
+    }
+    let (text, err) = agent.call("statepoint_fork", json!({"statepoint": "before-change", "name": stem, "count": 17}));
+    assert!(err && text.contains("count must be a whole number from 1 to 16"), "{text}");
 
     // Mistakes are tool errors with one line, and change nothing.
     let (text, err) = agent.call("statepoint_rollback", json!({"statepoint": "sp99", "reason": "x"}));

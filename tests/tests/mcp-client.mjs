@@ -1,5 +1,5 @@
 // The agent's side of `planarian mcp`, by the official MCP TypeScript SDK (a real client, not
-// ours): starts `planarian mcp CONTAINER --allow run` over stdio, prints the tools it lists as
+// ours): starts `planarian mcp CONTAINER --allow fork,run` over stdio, prints the tools it lists as
 // one JSON line, then calls one tool per line of stdin ({"name": …, "arguments": …}) and prints
 // one JSON line per call ({"result": …} or {"error": "…"}).
 //
@@ -15,7 +15,7 @@ const { Client } = await load("client/index.js");
 const { StdioClientTransport } = await load("client/stdio.js");
 
 const client = new Client({ name: "planarian-agent-test", version: "1" });
-const transport = new StdioClientTransport({ command: planarian, args: ["mcp", container, "--allow", "run"], stderr: "inherit" });
+const transport = new StdioClientTransport({ command: planarian, args: ["mcp", container, "--allow", "fork,run"], stderr: "inherit" });
 await client.connect(transport);
 const tools = await client.listTools();
 console.log(JSON.stringify({ server: client.getServerVersion(), tools: tools.tools }));
