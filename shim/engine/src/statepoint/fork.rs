@@ -92,7 +92,7 @@ impl Fork {
         parallel: usize,
         progress_for: &(dyn Fn(&str) -> Box<dyn Progress + Send> + Sync),
         by: Actor,
-    ) -> Result<Vec<(String, Result<(PodmanContainer, RestoreContext)>)>> {
+    ) -> Result<Vec<(String, Result<Forked>)>> {
         let jobs = self.plan(names)?;
         let queue = std::sync::Mutex::new(jobs.into_iter().enumerate().collect::<std::collections::VecDeque<_>>());
         let results = std::sync::Mutex::new(Vec::new());
@@ -126,55 +126,82 @@ impl Fork {
         let sp = &self.target.statepoint_id;
         let stem = format!("{}-fork-{sp}", self.source.name);
         let mut chosen: std::collections::HashSet<String> = names.iter().flatten().cloned().collect();
-        Ok(names
-            .iter()
-            .map(|n| {
-                let spare = super::spares::claim(&self.src_store, sp);
-                let name = match (n, &spare) {
-                    (Some(n), _) => n.clone(),
-                    (None, Some(s)) => s.name.clone(),
-                    (None, None) => (1..)
-                        .map(|k| format!("{stem}-{k}"))
-                        .find(|c| !chosen.contains(c) && !taken(c))
-                        .expect("some K is free"),
+        let mut jobs: Vec<Job> = Vec::new();
+        for n in names {
+            // (each fork's record is made as its spare is claimed: a planarian killed while
+            // forks wait their turn leaves no claimed spare that nobody hands out)
+            let job = (|| {
+                let (spare, mut record) = match n {
+                    Some(n) => {
+                        let record = Record::begin(&self.src_store, n, sp, Kind::Fork)?;
+                        (super::spares::claim(&self.src_store, sp), record)
+                    }
+                    None => {
+                        let spare = super::spares::claim(&self.src_store, sp);
+                        let name = match &spare {
+                            Some(s) => s.name.clone(),
+                            None => (1..)
+                                .map(|k| format!("{stem}-{k}"))
+                                .find(|c| !chosen.contains(c) && !taken(c))
+                                .expect("some K is free"),
+                        };
+                        match Record::begin(&self.src_store, &name, sp, Kind::Fork) {
+                            Ok(r) => (spare, r),
+                            Err(e) => {
+                                spare.iter().for_each(|s| super::spares::unclaim(&self.src_store, sp, s));
+                                return Err(e);
+                            }
+                        }
+                    }
                 };
-                chosen.insert(name.clone());
-                Job { name, spare }
-            })
-            .collect())
+                if let Some(s) = &spare {
+                    record.set(Kind::HandOut, &s.id)?;
+                }
+                Ok(Job { name: record.name().to_string(), spare, record })
+            })();
+            match job {
+                Ok(j) => {
+                    chosen.insert(j.name.clone());
+                    jobs.push(j);
+                }
+                Err(e) => {
+                    for j in jobs {
+                        j.spare.iter().for_each(|s| super::spares::unclaim(&self.src_store, sp, s));
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(jobs)
     }
 
     /// One fork: its spare handed out, or (none, or not usable) made now.
     fn run_job(&self, job: Job, progress: &mut dyn Progress, by: Actor) -> Result<(PodmanContainer, RestoreContext)> {
         // A spare of the statepoint, restored and frozen beforehand, is handed out when there is
         // one (a rename, unless it keeps its name, and a thaw); otherwise the fork is made now.
-        let sp = &self.target.statepoint_id;
-        let name = job.name.as_str();
-        let handed = match job.spare {
+        let Job { name, spare, mut record } = job;
+        let name = name.as_str();
+        let handed = match spare {
             Some(spare) => {
-                let mut record = Record::begin(&self.src_store, name, sp, Kind::HandOut)?;
-                record.set(Kind::HandOut, &spare.id)?;
                 progress.phase(if name == spare.name {
                     "a spare of the statepoint, under its own name (thawed)"
                 } else {
                     "a spare of the statepoint (podman rename, thawed)"
                 });
                 match super::spares::hand_out(&self.globals, &self.cfg, &self.source, &spare, name) {
-                    Ok(x) => Some((x, record)),
+                    Ok(x) => Some(x),
                     Err(e) => {
                         progress.done(&format!("spare {} not usable ({e}): forking anew", spare.name));
+                        record.fork_anew()?;
                         None
                     }
                 }
             }
             None => None,
         };
-        let ((new, ctx), _record) = match handed {
+        let (new, ctx) = match handed {
             Some(x) => x,
-            None => {
-                let mut record = Record::begin(&self.src_store, name, sp, Kind::Fork)?;
-                (self.make(name, &mut record, progress)?, record)
-            }
+            None => self.make(name, &mut record, progress)?,
         };
         let name = ctx.container.as_str();
         {
@@ -242,10 +269,14 @@ pub(super) fn context(src: &PodmanContainer, target: &Manifest, name: &str) -> R
     }
 }
 
-/// One fork of [`Fork::run_many`]: its name, and the spare claimed for it.
+/// A fork made: its container, running, and its restore context.
+pub type Forked = (PodmanContainer, RestoreContext);
+
+/// One fork of [`Fork::run_many`]: its name, the spare claimed for it, and its record.
 struct Job {
     name: String,
     spare: Option<super::spares::Spare>,
+    record: Record,
 }
 
 /// Whether a container already has name `n`: Podman is asked only when containers/storage's

@@ -86,6 +86,18 @@ impl Record {
         self.write()
     }
 
+    /// The spare it was to hand out could not be: the fork is made on the spot instead.
+    pub fn fork_anew(&mut self) -> Result<()> {
+        self.entry.kind = Kind::Fork;
+        self.entry.id = None;
+        self.write()
+    }
+
+    /// The new container's name.
+    pub fn name(&self) -> &str {
+        self.path.file_name().and_then(|n| n.to_str()).unwrap_or_default()
+    }
+
     /// Podman made the new container: its ID is `id`.
     pub fn made(&mut self, id: &str) -> Result<()> {
         self.set(self.entry.kind.clone(), id)

@@ -193,6 +193,11 @@ pub fn claim(store: &ContainerStore, sp: &str) -> Option<Spare> {
     registered(store, sp).into_iter().find(|s| unregister(store, sp, s))
 }
 
+/// Puts claimed spare `s` back in the registry (the fork it was claimed for did not start).
+pub(super) fn unclaim(store: &ContainerStore, sp: &str, s: &Spare) {
+    let _ = register(store, sp, s);
+}
+
 /// Hands claimed spare `s` out as `name`: renamed (unless that is its name) and thawed, its
 /// restore context saying so. On failure the spare is removed (the caller forks anew).
 pub fn hand_out(
