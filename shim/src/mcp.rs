@@ -298,6 +298,7 @@ impl Server {
         };
         let names: Vec<Option<String>> = (1..=count).map(|k| Some(format!("{name}-{k}"))).collect();
         let f = Fork::begin(&self.globals, &self.id, &sp, None)?;
+        let sp = statepoint::describe(&f.target);
         let parallel = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
         let silent = |_: &str| -> Box<dyn engine::log::Progress + Send> { Box::new(Silent) };
         let mut made = Vec::new();

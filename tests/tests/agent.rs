@@ -142,7 +142,8 @@ fn the_agent_saves_rolls_back_and_reads_its_ledger_through_the_official_sdk() {
     let _c: Vec<Cleanup> = forks.iter().cloned().map(Cleanup).collect();
     let (text, err) = agent.call("statepoint_fork", json!({"statepoint": "before-change", "name": stem, "count": 2}));
     assert!(
-        !err && text.starts_with(&format!("2 of 2 forks of statepoint sp1 run: {}, {}.", forks[0], forks[1])),
+        !err && text
+            .starts_with(&format!("2 of 2 forks of statepoint sp1 (before-change) run: {}, {}.", forks[0], forks[1])),
         "{text}"
     );
     for f in &forks {
