@@ -207,6 +207,8 @@ pub struct Measurements {
     pub frozen_ms: f64,
     pub total_ms: f64,
     pub criu_bytes: u64,
+    /// What the statepoint's copy of the files added to the disk (files it shares with an
+    /// earlier copy not counted).
     pub rootfs_bytes: u64,
     /// From CRIU's stats: memory pages written by this dump and found in the parent instead.
     #[serde(default)]
@@ -458,6 +460,23 @@ pub fn du(path: &Path) -> u64 {
             for e in rd.filter_map(Result::ok) {
                 total += du(&e.path());
             }
+        }
+    }
+    total
+}
+
+/// [`du`], without the regular files another statepoint's copy shares (hard links): what the
+/// tree added to the disk.
+pub fn du_unshared(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = std::fs::symlink_metadata(path) else { return 0 };
+    if md.is_file() && md.nlink() > 1 {
+        return 0;
+    }
+    let mut total = md.blocks() * 512;
+    if md.is_dir() {
+        if let Ok(rd) = std::fs::read_dir(path) {
+            total += rd.filter_map(Result::ok).map(|e| du_unshared(&e.path())).sum::<u64>();
         }
     }
     total

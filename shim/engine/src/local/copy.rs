@@ -1,6 +1,17 @@
-//! The files path that works on every host: a full copy of the container's writable layer (the
+//! The files path that works on every host: a copy of the container's writable layer (the
 //! overlay upper directory, with its whiteouts and opaque directories, so deletions of image
 //! files are captured too), taken while the container is frozen.
+//!
+//! A copy is whole only the first time. Each copy keeps an index (`rootfs.idx` beside it) of the
+//! layer's regular files as they were: device, inode, size, modification and change times. The
+//! next copy takes the tree with its attributes (`cp --attributes-only`), hard-links every file
+//! whose index entry still matches from the last copy, copies the others, and puts the
+//! directories' times back: an unchanged file costs a link, not its bytes. The change time is
+//! the kernel's (no program can set it), and any write, `chmod`, `chown`, xattr or rename of
+//! the file moves it; a file changed less than two seconds before a copy is left out of its
+//! index (the timestamp's granularity, as git's "racily clean" files), so its next copy is a
+//! real one. Statepoint copies are never written (a restore copies them back), so two of them
+//! may share a file.
 
 use super::files::{InPlaceAt, InPlaceFiles, RestoreGuard, Rootfs};
 use super::{Error, Result};
@@ -10,6 +21,9 @@ use std::process::Command;
 
 pub struct CopyRootfs {
     pub upperdir: PathBuf,
+    /// The container's store, whose newest committed copy with an index the next one links
+    /// unchanged files from; none: every copy is whole.
+    pub store: Option<PathBuf>,
 }
 
 /// `cp -a` with `extra` options from `from` to `to` (`--no-target-directory`); the error quotes
@@ -54,11 +68,24 @@ impl Rootfs for CopyRootfs {
     }
 
     fn snapshot(&self, sp_dir: &Path, local: &LocalState) -> Result<()> {
-        copy_tree(&self.upperdir, &sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs")))
+        let dest = sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs"));
+        let since = std::time::SystemTime::now() - RACY;
+        let base = self.store.as_deref().and_then(|s| last_copy(s, sp_dir));
+        let copied = match &base {
+            Some((copy, index)) => incremental(&self.upperdir, &dest, copy, index, since),
+            None => copy_tree(&self.upperdir, &dest).and_then(|()| Ok(index_of(&walk(&self.upperdir)?, since))),
+        };
+        let written = copied.and_then(|index| write_index(&sp_dir.join(INDEX), &index));
+        if written.is_err() {
+            let _ = std::fs::remove_dir_all(&dest);
+            let _ = std::fs::remove_file(sp_dir.join(INDEX));
+        }
+        written
     }
 
     fn discard(&self, sp_dir: &Path, local: &LocalState) {
         let _ = std::fs::remove_dir_all(sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs")));
+        let _ = std::fs::remove_file(sp_dir.join(INDEX));
     }
 
     fn restore(&self, sp_dir: &Path, local: &LocalState) -> Result<RestoreGuard> {
@@ -122,6 +149,187 @@ impl Rootfs for CopyRootfs {
     }
 }
 
+/// Beside a statepoint's copy: the index of the layer's files it was copied from.
+const INDEX: &str = "rootfs.idx";
+const MAGIC: &[u8] = b"planarian rootfs index 1\n";
+/// How recent a change may be for a file to be left out of the index (racily clean).
+const RACY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// What identifies a regular file's content without reading it: device, inode, size, and its
+/// modification and change times (seconds, nanoseconds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Key([i64; 7]);
+
+impl Key {
+    fn of(md: &std::fs::Metadata) -> Key {
+        use std::os::unix::fs::MetadataExt;
+        Key([
+            md.dev() as i64,
+            md.ino() as i64,
+            md.size() as i64,
+            md.mtime(),
+            md.mtime_nsec(),
+            md.ctime(),
+            md.ctime_nsec(),
+        ])
+    }
+
+    /// Changed at or after `since` (or the clock says so): not to be trusted by the next copy.
+    fn racy(&self, since: std::time::SystemTime) -> bool {
+        let changed = std::time::UNIX_EPOCH
+            .checked_add(std::time::Duration::new(self.0[5].max(0) as u64, self.0[6].clamp(0, 999_999_999) as u32));
+        changed.is_none_or(|c| c >= since)
+    }
+}
+
+type Index = std::collections::HashMap<PathBuf, Key>;
+
+/// Every entry of the tree at `root` (its relative path and metadata, `root` itself first as
+/// ""), parents before children.
+fn walk(root: &Path) -> Result<Vec<(PathBuf, std::fs::Metadata)>> {
+    let io = |p: &Path, e| Error::from(sys::IoError::new("read", p.to_path_buf(), e));
+    let mut out = vec![(PathBuf::new(), std::fs::symlink_metadata(root).map_err(|e| io(root, e))?)];
+    let mut i = 0;
+    while i < out.len() {
+        if out[i].1.is_dir() {
+            let rel = out[i].0.clone();
+            let dir = root.join(&rel);
+            let mut names: Vec<_> =
+                std::fs::read_dir(&dir).map_err(|e| io(&dir, e))?.flatten().map(|e| e.file_name()).collect();
+            names.sort();
+            for n in names {
+                let p = dir.join(&n);
+                out.push((rel.join(&n), std::fs::symlink_metadata(&p).map_err(|e| io(&p, e))?));
+            }
+        }
+        i += 1;
+    }
+    Ok(out)
+}
+
+/// The index of the regular files among `entries`, those changed since `since` left out.
+fn index_of(entries: &[(PathBuf, std::fs::Metadata)], since: std::time::SystemTime) -> Index {
+    entries
+        .iter()
+        .filter(|(_, md)| md.is_file())
+        .map(|(rel, md)| (rel.clone(), Key::of(md)))
+        .filter(|(_, k)| !k.racy(since))
+        .collect()
+}
+
+fn write_index(path: &Path, index: &Index) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut buf = MAGIC.to_vec();
+    for (rel, k) in index {
+        let b = rel.as_os_str().as_bytes();
+        buf.extend((b.len() as u32).to_le_bytes());
+        buf.extend(b);
+        k.0.iter().for_each(|x| buf.extend(x.to_le_bytes()));
+    }
+    Ok(sys::write_atomic(path, &buf, 0o600)?)
+}
+
+fn read_index(path: &Path) -> Option<Index> {
+    use std::os::unix::ffi::OsStrExt;
+    let buf = std::fs::read(path).ok()?;
+    let mut rest = buf.strip_prefix(MAGIC)?;
+    let mut out = Index::new();
+    while !rest.is_empty() {
+        let n = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+        let rel = PathBuf::from(std::ffi::OsStr::from_bytes(rest.get(4..4 + n)?));
+        rest = &rest[4 + n..];
+        let mut k = [0i64; 7];
+        for x in &mut k {
+            *x = i64::from_le_bytes(rest.get(..8)?.try_into().ok()?);
+            rest = &rest[8..];
+        }
+        out.insert(rel, Key(k));
+    }
+    Some(out)
+}
+
+/// The newest committed statepoint of `store` (other than `this`) with a copy and its index:
+/// the copy's path and the index.
+fn last_copy(store: &Path, this: &Path) -> Option<(PathBuf, Index)> {
+    let sps = store.join("statepoints");
+    let mut dirs: Vec<(u64, PathBuf)> = std::fs::read_dir(&sps)
+        .ok()?
+        .flatten()
+        .filter_map(|e| Some((e.file_name().to_str()?.strip_prefix("sp")?.parse().ok()?, e.path())))
+        .filter(|(_, p)| p != this && p.join(INDEX).is_file())
+        .collect();
+    dirs.sort();
+    dirs.into_iter().rev().find_map(|(_, dir)| {
+        let m = crate::store::read_manifest(&dir.join("manifest.json")).ok()?;
+        let copy = dir.join(m.local_state.rootfs_copy_path.as_deref()?);
+        (m.status == crate::store::Status::Committed && copy.is_dir()).then_some(())?;
+        Some((copy, read_index(&dir.join(INDEX))?))
+    })
+}
+
+/// The copy of `upper` at `dest` with every file `index` says unchanged hard-linked from `base`
+/// (an earlier copy); returns the new copy's index.
+fn incremental(upper: &Path, dest: &Path, base: &Path, index: &Index, since: std::time::SystemTime) -> Result<Index> {
+    let entries = walk(upper)?;
+    // The tree, every attribute of every entry, regular files empty.
+    cp(&["--attributes-only"], upper, dest)?;
+    let mut changed: Vec<&Path> = Vec::new();
+    for (rel, md) in entries.iter().filter(|(_, md)| md.is_file()) {
+        let from = base.join(rel);
+        let unchanged = index.get(rel) == Some(&Key::of(md))
+            && std::fs::symlink_metadata(&from).is_ok_and(|b| b.is_file() && b.len() == md.len());
+        if !(unchanged && link_over(&from, &dest.join(rel))) {
+            changed.push(rel);
+        }
+    }
+    // The others, with their bytes (one cp for many: `--parents` names them under `dest`).
+    let bin = crate::tools::locate("cp", None, "PATH")?;
+    for chunk in changed.chunks(1000) {
+        let out = Command::new(&bin)
+            .current_dir(upper)
+            .args(["-a", "--reflink=auto", "--parents", "-t"])
+            .arg(dest)
+            .arg("--")
+            .args(chunk)
+            .output()
+            .map_err(|source| Error::Run { tool: bin.clone(), source })?;
+        if !out.status.success() {
+            return Err(Error::Copy {
+                from: upper.to_path_buf(),
+                why: String::from_utf8_lossy(&out.stderr).lines().next().unwrap_or("").trim().to_string(),
+            });
+        }
+    }
+    // A link put in a directory moved its times: back to the layer's, deepest first.
+    for (rel, md) in entries.iter().rev().filter(|(_, md)| md.is_dir()) {
+        let p = dest.join(rel);
+        let t = |s: i64, ns: i64| nix::sys::time::TimeSpec::new(s, ns);
+        use std::os::unix::fs::MetadataExt;
+        nix::sys::stat::utimensat(
+            nix::fcntl::AT_FDCWD,
+            &p,
+            &t(md.atime(), md.atime_nsec()),
+            &t(md.mtime(), md.mtime_nsec()),
+            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+        )
+        .map_err(|e| Error::from(sys::IoError::new("set the times of", p.clone(), std::io::Error::from(e))))?;
+    }
+    Ok(index_of(&entries, since))
+}
+
+/// `to` replaced by a hard link to `from`; false (nothing changed) when it cannot be.
+fn link_over(from: &Path, to: &Path) -> bool {
+    let tmp = to.with_file_name(format!(".{}.planarian-link", to.file_name().unwrap_or_default().to_string_lossy()));
+    if std::fs::hard_link(from, &tmp).is_err() {
+        return false;
+    }
+    if std::fs::rename(&tmp, to).is_ok() {
+        return true;
+    }
+    let _ = std::fs::remove_file(&tmp);
+    false
+}
+
 /// The comparison a rollback in place began early.
 type Planning = std::thread::JoinHandle<Result<super::treesync::Sync>>;
 
@@ -145,6 +353,73 @@ fn compare(saved: &Path, upper: &Path, at: &InPlaceAt) -> Result<super::treesync
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    /// What a tree holds, entry by entry: type, mode, owner, size, modification time, the bytes
+    /// of files and the targets of links (no inode, no access time).
+    fn tree(root: &Path) -> Vec<String> {
+        walk(root)
+            .unwrap()
+            .into_iter()
+            .map(|(rel, md)| {
+                let what = if md.is_file() {
+                    String::from_utf8_lossy(&std::fs::read(root.join(&rel)).unwrap()).into_owned()
+                } else if md.is_symlink() {
+                    std::fs::read_link(root.join(&rel)).unwrap().display().to_string()
+                } else {
+                    String::new()
+                };
+                let t = if md.is_symlink() { (0, 0) } else { (md.mtime(), md.mtime_nsec()) };
+                format!("{} {:o} {}:{} {} {t:?} {what}", rel.display(), md.mode(), md.uid(), md.gid(), md.len())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_copy_links_what_did_not_change_and_equals_a_whole_one() {
+        let base = std::env::temp_dir().join(format!("planarian-incremental-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let upper = base.join("diff");
+        std::fs::create_dir_all(upper.join("a/deep")).unwrap();
+        std::fs::write(upper.join("a/f1"), "one").unwrap();
+        std::fs::write(upper.join("a/f2"), "two").unwrap();
+        std::fs::write(upper.join("a/deep/f5"), "five").unwrap();
+        std::fs::hard_link(upper.join("a/f1"), upper.join("a/f3")).unwrap();
+        std::os::unix::fs::symlink("f1", upper.join("a/l")).unwrap();
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(3600);
+        // Files changed just now are racily clean: left out of the index.
+        assert!(index_of(&walk(&upper).unwrap(), std::time::SystemTime::now() - RACY).is_empty());
+
+        let sp1 = base.join("sp1");
+        copy_tree(&upper, &sp1).unwrap();
+        let index = index_of(&walk(&upper).unwrap(), later);
+        assert_eq!(index.len(), 4);
+        write_index(&base.join(INDEX), &index).unwrap();
+        assert_eq!(read_index(&base.join(INDEX)).unwrap(), index);
+
+        std::fs::write(upper.join("a/f2"), "TWO").unwrap();
+        std::fs::write(upper.join("a/f4"), "four").unwrap();
+        std::fs::remove_file(upper.join("a/deep/f5")).unwrap();
+        std::fs::set_permissions(upper.join("a/f1"), std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        std::fs::write(upper.join("a/deep/f6"), "six").unwrap();
+        let sp2 = base.join("sp2");
+        let index2 = incremental(&upper, &sp2, &sp1, &index, later).unwrap();
+        assert_eq!(tree(&sp2), tree(&upper), "the copy holds what the layer holds");
+        let ino = |p: PathBuf| std::fs::metadata(p).unwrap().ino();
+        assert_ne!(ino(sp2.join("a/f2")), ino(sp1.join("a/f2")), "a changed file is copied");
+        assert_ne!(ino(sp2.join("a/f1")), ino(sp1.join("a/f1")), "a chmod is a change");
+        assert_eq!(ino(sp2.join("a/f1")), ino(sp2.join("a/f3")), "hard links within the layer stay links");
+
+        // Nothing changed since: every file is a link, and the copy still equals the layer.
+        let sp3 = base.join("sp3");
+        incremental(&upper, &sp3, &sp2, &index2, later).unwrap();
+        assert_eq!(tree(&sp3), tree(&upper));
+        for f in ["a/f1", "a/f2", "a/f3", "a/f4", "a/deep/f6"] {
+            assert_eq!(ino(sp3.join(f)), ino(sp2.join(f)), "{f} is linked");
+        }
+        assert_eq!(std::fs::read_to_string(sp1.join("a/f2")).unwrap(), "two", "an earlier copy keeps its bytes");
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 
     #[test]
     fn copy_snapshot_and_restore_are_exact_and_undoable() {
@@ -154,7 +429,7 @@ mod tests {
         std::fs::create_dir_all(upper.join("etc")).unwrap();
         std::fs::write(upper.join("etc/app.conf"), "v1").unwrap();
         std::os::unix::fs::symlink("app.conf", upper.join("etc/link")).unwrap();
-        let r = CopyRootfs { upperdir: upper.clone() };
+        let r = CopyRootfs { upperdir: upper.clone(), store: None };
         let mut local = LocalState::default();
         r.plan("sp1", &mut local);
         let sp1 = base.join("sp1");

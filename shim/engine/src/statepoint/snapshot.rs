@@ -266,7 +266,7 @@ pub fn take_then(
             crate::fault::point("snapshot.before-commit")?;
             m.measurements.criu_bytes = store::du(&images);
             m.measurements.rootfs_bytes =
-                m.local_state.rootfs_copy_path.as_ref().map_or(0, |c| store::du(&dir.join(c)));
+                m.local_state.rootfs_copy_path.as_ref().map_or(0, |c| store::du_unshared(&dir.join(c)));
             m.measurements.frozen_ms = ms(tf);
             m.measurements.total_ms = ms(t0);
             m.status = Status::Committed;
