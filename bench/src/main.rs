@@ -884,6 +884,15 @@ fn unchanged(args: &[String]) -> i32 {
             );
         }
         println!("ratio unchanged / incremental: {:.2}", median(&free, |c| c.ms) / median(&inc, |c| c.ms));
+        // Where the last of each went, as planarian's log has it.
+        let log = std::fs::read_to_string("/var/log/planarian.log").unwrap_or_default();
+        for (what, n) in [("unchanged", &idle), ("incremental", &busy)] {
+            let id = run_quiet("podman", &["inspect", "--format", "{{.Id}}", n])?;
+            let short = &id[..12.min(id.len())];
+            if let Some(line) = log.lines().rev().find(|l| l.contains(&format!(" of {short} timeline"))) {
+                println!("{what}: {}", line.split_once("timeline (ms): ").map_or(line, |(_, t)| t));
+            }
+        }
         Ok(())
     })();
     for n in [&idle, &busy] {

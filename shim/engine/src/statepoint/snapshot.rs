@@ -48,6 +48,16 @@ pub fn take_then(
     before_release: impl FnOnce(&Manifest) -> Result<()>,
 ) -> Result<Manifest> {
     let t0 = Instant::now();
+    // Where its time goes, one line of planarian's log (not for a rollback's safety statepoint:
+    // the rollback's own line has it).
+    let mark = |what| {
+        if !req.internal {
+            crate::log::mark(what)
+        }
+    };
+    if !req.internal {
+        crate::log::start_marks();
+    }
     let pid = ctx.ctr.running_pid()?;
     if let Some(n) = &req.name {
         super::check_name(n)?;
@@ -117,6 +127,7 @@ pub fn take_then(
     let tf = Instant::now();
     let frozen = FreezeGuard::freeze(&freezer, ctx.store.dir.join(crate::local::freezer::MARKER))?;
     m.measurements.freeze_ms = ms(tf);
+    mark("frozen");
     crate::fault::point("snapshot.frozen")?;
 
     let DumpSetting { masked_dirs, netns, dev } = DumpSetting::of(ctx, pid)?;
@@ -128,6 +139,7 @@ pub fn take_then(
         true => crate::local::unchanged::fingerprint(&pids, pid),
         false => Err(crate::local::unchanged::Unfit("not a plain snapshot left running".into())),
     };
+    mark("fingerprint");
     let same_as = match unchanged_since_base(ctx, req, init_start, &print, &pids) {
         Ok(base) => Some(base),
         Err(why) => {
@@ -137,6 +149,7 @@ pub fn take_then(
             None
         }
     };
+    mark(if same_as.is_some() { "unchanged" } else { "changed" });
     let network_lock =
         criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, netns.is_some(), req.tcp_established);
     // A CRIU that dies while the namespace is locked leaves its lock behind: removed on failure.
@@ -242,7 +255,9 @@ pub fn take_then(
             crate::fault::point("snapshot.dumped")?;
             Ok(())
         })();
+        mark("memory");
         let files = files.join().map_err(|_| Error::FilesPanicked).and_then(|r| r.map_err(Error::from));
+        mark("files");
         match (memory, files) {
             (Ok(()), Ok(rootfs_ms)) => m.measurements.rootfs_ms = rootfs_ms,
             (Err(e), files) => {
@@ -263,6 +278,7 @@ pub fn take_then(
                 .unwrap_or_default();
             m.remote_state =
                 crate::remote::hooks::capture(&crate::remote::sidecar::remote_hooks(&ctx.cfg)?, &ctx.ctr.id, &parent)?;
+            mark("remote");
             crate::fault::point("snapshot.before-commit")?;
             m.measurements.criu_bytes = store::du(&images);
             m.measurements.rootfs_bytes =
@@ -278,6 +294,7 @@ pub fn take_then(
         rest
     });
     result?;
+    mark("committed");
     pending.committed();
     // The next dump builds on this one (a tree killed below is restored with a base of its own).
     crate::chain::after_dump(&ctx.store, &m, init_start)?;
@@ -299,9 +316,11 @@ pub fn take_then(
         drop(frozen);
         released
     };
+    mark("thawed");
     if !req.internal {
         ctx.store.set_head(Some(&id))?;
         super::enforce_retention(&ctx.cfg, &ctx.store);
+        crate::log::log_marks(&format!("snapshot {id} of {} timeline (ms)", super::short(&ctx.ctr.id)));
     }
     released.map(|()| m)
 }
