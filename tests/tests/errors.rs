@@ -86,3 +86,21 @@ fn bad_configuration_names_the_file() {
 }
 
 use std::process::Command;
+
+/// `planarian doctor` on the machine the suite runs on, which can run everything: every required
+/// check passes, the cgroup freezer among them — also where planarian runs in the root cgroup,
+/// which has no `cgroup.freeze` of its own (a fresh guest, a host without systemd: Debian 13's
+/// 6.12 reported a failure there that was not one).
+#[test]
+fn doctor_passes_where_the_stack_runs() {
+    require_stack!();
+    let r = planarian(&["doctor", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}: {r:?}"));
+    let checks = v["checks"].as_array().unwrap();
+    let failed: Vec<&serde_json::Value> = checks.iter().filter(|c| c["status"] == "fail").collect();
+    assert!(failed.is_empty() && v["ok"] == true && r.code == Some(0), "{failed:?} {r:?}");
+    let cgroups = checks.iter().find(|c| c["name"] == "cgroups").expect("a cgroups check");
+    assert_eq!(cgroups["status"], "pass", "{cgroups}");
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+    eprintln!("doctor ran in cgroup {}: {}", own.trim(), cgroups["detail"]);
+}
