@@ -162,10 +162,12 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     }
     let names: Vec<Option<String>> =
         if a.name.is_empty() { vec![None; count] } else { a.name.iter().cloned().map(Some).collect() };
-    let first = names[0].as_deref().filter(|_| count == 1);
+    // One fork, asked as always: its phases as one block, its context as one object.
+    let single = a.count.is_none() && count == 1;
+    let first = names[0].as_deref().filter(|_| single);
     let f = Fork::begin(&inv.globals(), &a.container, &a.statepoint, first)?;
     let (source, sp) = (f.source.name.clone(), f.target.statepoint_id.clone());
-    if a.count.is_none() {
+    if single {
         let mut progress = StderrProgress::start(&f.title());
         let (new, ctx) = f.run(&mut progress, a.by.into())?;
         progress.finish();
@@ -193,7 +195,9 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     for (name, r) in results {
         match r {
             Ok((new, ctx)) => {
-                let mut v: serde_json::Value = serde_json::from_str(&context_json(&ctx)?)?;
+                // (made: it is in the answer whatever else happens)
+                let mut v = serde_json::to_value(&ctx).unwrap_or_else(|_| serde_json::json!({ "container": name }));
+                v["text"] = serde_json::json!(ctx.text());
                 v["container-id"] = serde_json::json!(new.id);
                 out.push(v);
                 if !a.json {

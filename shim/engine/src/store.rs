@@ -466,17 +466,25 @@ pub fn du(path: &Path) -> u64 {
 }
 
 /// [`du`], without the regular files another statepoint's copy shares (hard links): what the
-/// tree added to the disk.
+/// tree added to the disk. A file with several names counts once, when all of them are in it.
 pub fn du_unshared(path: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
-    let Ok(md) = std::fs::symlink_metadata(path) else { return 0 };
-    if md.is_file() && md.nlink() > 1 {
-        return 0;
-    }
-    let mut total = md.blocks() * 512;
-    if md.is_dir() {
-        if let Ok(rd) = std::fs::read_dir(path) {
-            total += rd.filter_map(Result::ok).map(|e| du_unshared(&e.path())).sum::<u64>();
+    let mut total = 0;
+    let mut linked: std::collections::HashMap<(u64, u64), (u64, u64)> = Default::default();
+    let mut todo = vec![path.to_path_buf()];
+    while let Some(p) = todo.pop() {
+        let Ok(md) = std::fs::symlink_metadata(&p) else { continue };
+        if md.is_file() && md.nlink() > 1 {
+            let seen = linked.entry((md.dev(), md.ino())).or_insert((0, md.nlink()));
+            seen.0 += 1;
+            if seen.0 == seen.1 {
+                total += md.blocks() * 512;
+            }
+            continue;
+        }
+        total += md.blocks() * 512;
+        if md.is_dir() {
+            todo.extend(std::fs::read_dir(&p).into_iter().flatten().flatten().map(|e| e.path()));
         }
     }
     total

@@ -12,6 +12,13 @@
 //! index (the timestamp's granularity, as git's "racily clean" files), so its next copy is a
 //! real one. Statepoint copies are never written (a restore copies them back), so two of them
 //! may share a file.
+//!
+//! What a write does not date: a page of a shared writable mapping that is dirty already takes
+//! further writes without a fault, so without a new change time until written back. So a file a
+//! process of the container maps shared and writable is always copied, and is written back
+//! while frozen (`fdatasync`), which makes its next write fault and date the file again. On
+//! tmpfs no mapped write ever dates a file: there every copy is whole. Neither is the index
+//! trusted across a reboot or a wall clock set back or forward (the host's clocks kept with it).
 
 use super::files::{InPlaceAt, InPlaceFiles, RestoreGuard, Rootfs};
 use super::{Error, Result};
@@ -24,6 +31,15 @@ pub struct CopyRootfs {
     /// The container's store, whose newest committed copy with an index the next one links
     /// unchanged files from; none: every copy is whole.
     pub store: Option<PathBuf>,
+    /// Files the container's processes map shared and writable (device major, minor, inode):
+    /// always copied.
+    pub mapped: std::sync::Mutex<std::collections::HashSet<(u64, u64, u64)>>,
+}
+
+impl CopyRootfs {
+    pub fn new(upperdir: PathBuf, store: Option<PathBuf>) -> CopyRootfs {
+        CopyRootfs { upperdir, store, mapped: Default::default() }
+    }
 }
 
 /// `cp -a` with `extra` options from `from` to `to` (`--no-target-directory`); the error quotes
@@ -67,15 +83,28 @@ impl Rootfs for CopyRootfs {
         local.zfs_snapshot = None;
     }
 
+    fn processes(&self, pids: &[i32]) {
+        *self.mapped.lock().expect("the mapped files") = shared_writable(pids);
+    }
+
     fn snapshot(&self, sp_dir: &Path, local: &LocalState) -> Result<()> {
         let dest = sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs"));
         let since = std::time::SystemTime::now() - RACY;
-        let base = self.store.as_deref().and_then(|s| last_copy(s, sp_dir));
+        let clock = crate::store::Clock::now();
+        // (tmpfs: a mapped write never dates a file; no index is kept, every copy is whole)
+        let dated = !on_tmpfs(&self.upperdir);
+        let base = self.store.as_deref().filter(|_| dated).and_then(|s| last_copy(s, sp_dir, clock.as_ref()));
+        let mapped = self.mapped.lock().expect("the mapped files").clone();
         let copied = match &base {
-            Some((copy, index)) => incremental(&self.upperdir, &dest, copy, index, since),
-            None => copy_tree(&self.upperdir, &dest).and_then(|()| Ok(index_of(&walk(&self.upperdir)?, since))),
+            Some((copy, index)) => incremental(&self.upperdir, &dest, copy, index, &mapped, since),
+            None => {
+                copy_tree(&self.upperdir, &dest).and_then(|()| Ok(index_of(&walk(&self.upperdir)?, &mapped, since)))
+            }
         };
-        let written = copied.and_then(|index| write_index(&sp_dir.join(INDEX), &index));
+        let written = match (dated, clock) {
+            (true, Some(clock)) => copied.and_then(|index| write_index(&sp_dir.join(INDEX), &clock, &index)),
+            _ => copied.map(drop),
+        };
         if written.is_err() {
             let _ = std::fs::remove_dir_all(&dest);
             let _ = std::fs::remove_file(sp_dir.join(INDEX));
@@ -150,7 +179,7 @@ impl Rootfs for CopyRootfs {
 }
 
 /// Beside a statepoint's copy: the index of the layer's files it was copied from.
-const INDEX: &str = "rootfs.idx";
+pub const INDEX: &str = "rootfs.idx";
 const MAGIC: &[u8] = b"planarian rootfs index 1\n";
 /// How recent a change may be for a file to be left out of the index (racily clean).
 const RACY: std::time::Duration = std::time::Duration::from_secs(2);
@@ -207,19 +236,64 @@ fn walk(root: &Path) -> Result<Vec<(PathBuf, std::fs::Metadata)>> {
     Ok(out)
 }
 
-/// The index of the regular files among `entries`, those changed since `since` left out.
-fn index_of(entries: &[(PathBuf, std::fs::Metadata)], since: std::time::SystemTime) -> Index {
+/// The index of the regular files among `entries`, those changed since `since` and those
+/// `mapped` shared and writable left out.
+fn index_of(entries: &[(PathBuf, std::fs::Metadata)], mapped: &Mapped, since: std::time::SystemTime) -> Index {
     entries
         .iter()
-        .filter(|(_, md)| md.is_file())
+        .filter(|(_, md)| md.is_file() && !is_mapped(md, mapped))
         .map(|(rel, md)| (rel.clone(), Key::of(md)))
         .filter(|(_, k)| !k.racy(since))
         .collect()
 }
 
-fn write_index(path: &Path, index: &Index) -> Result<()> {
+type Mapped = std::collections::HashSet<(u64, u64, u64)>;
+
+fn is_mapped(md: &std::fs::Metadata, mapped: &Mapped) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let dev = md.dev();
+    mapped.contains(&(nix::sys::stat::major(dev), nix::sys::stat::minor(dev), md.ino()))
+}
+
+/// The files processes `pids` map shared and writable (`/proc/PID/maps`: `rw?s`), each written
+/// back now (`fdatasync` through `/proc/PID/map_files`), so that its next write through the
+/// mapping faults and dates the file again.
+fn shared_writable(pids: &[i32]) -> Mapped {
+    let mut out = Mapped::new();
+    for pid in pids {
+        let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else { continue };
+        for line in maps.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (Some(range), Some(perms), Some(dev), Some(ino)) = (f.first(), f.get(1), f.get(3), f.get(4)) else {
+                continue;
+            };
+            let (b, p) = (perms.as_bytes(), ino.parse::<u64>().unwrap_or(0));
+            if b.len() < 4 || b[1] != b'w' || b[3] != b's' || p == 0 {
+                continue;
+            }
+            let Some((maj, min)) = dev.split_once(':') else { continue };
+            let (Ok(maj), Ok(min)) = (u64::from_str_radix(maj, 16), u64::from_str_radix(min, 16)) else { continue };
+            if out.insert((maj, min, p)) {
+                if let Ok(file) = std::fs::File::open(format!("/proc/{pid}/map_files/{range}")) {
+                    let _ = file.sync_data();
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Whether `dir` is on tmpfs.
+fn on_tmpfs(dir: &Path) -> bool {
+    nix::sys::statfs::statfs(dir).is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+}
+
+fn write_index(path: &Path, clock: &crate::store::Clock, index: &Index) -> Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let mut buf = MAGIC.to_vec();
+    let c = serde_json::to_vec(clock).expect("a clock serialises");
+    buf.extend((c.len() as u32).to_le_bytes());
+    buf.extend(c);
     for (rel, k) in index {
         let b = rel.as_os_str().as_bytes();
         buf.extend((b.len() as u32).to_le_bytes());
@@ -229,10 +303,14 @@ fn write_index(path: &Path, index: &Index) -> Result<()> {
     Ok(sys::write_atomic(path, &buf, 0o600)?)
 }
 
-fn read_index(path: &Path) -> Option<Index> {
+/// The index a copy kept, and the host's clocks when it was made.
+fn read_index(path: &Path) -> Option<(crate::store::Clock, Index)> {
     use std::os::unix::ffi::OsStrExt;
     let buf = std::fs::read(path).ok()?;
     let mut rest = buf.strip_prefix(MAGIC)?;
+    let n = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+    let clock = serde_json::from_slice(rest.get(4..4 + n)?).ok()?;
+    rest = &rest[4 + n..];
     let mut out = Index::new();
     while !rest.is_empty() {
         let n = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
@@ -245,12 +323,12 @@ fn read_index(path: &Path) -> Option<Index> {
         }
         out.insert(rel, Key(k));
     }
-    Some(out)
+    Some((clock, out))
 }
 
-/// The newest committed statepoint of `store` (other than `this`) with a copy and its index:
-/// the copy's path and the index.
-fn last_copy(store: &Path, this: &Path) -> Option<(PathBuf, Index)> {
+/// The newest committed statepoint of `store` (other than `this`) with a copy and its index,
+/// made while the wall clock kept time up to `now`: the copy's path and the index.
+fn last_copy(store: &Path, this: &Path, now: Option<&crate::store::Clock>) -> Option<(PathBuf, Index)> {
     let sps = store.join("statepoints");
     let mut dirs: Vec<(u64, PathBuf)> = std::fs::read_dir(&sps)
         .ok()?
@@ -263,34 +341,76 @@ fn last_copy(store: &Path, this: &Path) -> Option<(PathBuf, Index)> {
         let m = crate::store::read_manifest(&dir.join("manifest.json")).ok()?;
         let copy = dir.join(m.local_state.rootfs_copy_path.as_deref()?);
         (m.status == crate::store::Status::Committed && copy.is_dir()).then_some(())?;
-        Some((copy, read_index(&dir.join(INDEX))?))
+        let (then, index) = read_index(&dir.join(INDEX))?;
+        // (a second of slack: two readings of two clocks)
+        then.kept_time_to(now?, 1.0).then_some((copy, index))
     })
 }
 
 /// The copy of `upper` at `dest` with every file `index` says unchanged hard-linked from `base`
-/// (an earlier copy); returns the new copy's index.
-fn incremental(upper: &Path, dest: &Path, base: &Path, index: &Index, since: std::time::SystemTime) -> Result<Index> {
+/// (an earlier copy), files `mapped` shared and writable copied whatever the index says; returns
+/// the new copy's index.
+fn incremental(
+    upper: &Path,
+    dest: &Path,
+    base: &Path,
+    index: &Index,
+    mapped: &Mapped,
+    since: std::time::SystemTime,
+) -> Result<Index> {
+    use std::os::unix::fs::MetadataExt;
     let entries = walk(upper)?;
     // The tree, every attribute of every entry, regular files empty.
     cp(&["--attributes-only"], upper, dest)?;
-    let mut changed: Vec<&Path> = Vec::new();
+    // Names of one inode (hard links in the layer) are linked or copied together, so that they
+    // stay one file.
+    let mut groups: std::collections::BTreeMap<(u64, u64), Vec<&Path>> = Default::default();
     for (rel, md) in entries.iter().filter(|(_, md)| md.is_file()) {
-        let from = base.join(rel);
-        let unchanged = index.get(rel) == Some(&Key::of(md))
-            && std::fs::symlink_metadata(&from).is_ok_and(|b| b.is_file() && b.len() == md.len());
-        if !(unchanged && link_over(&from, &dest.join(rel))) {
-            changed.push(rel);
+        groups.entry((md.dev(), md.ino())).or_default().push(rel);
+    }
+    let by_rel: std::collections::HashMap<&Path, &std::fs::Metadata> =
+        entries.iter().map(|(r, m)| (r.as_path(), m)).collect();
+    let mut changed: Vec<Vec<&Path>> = Vec::new();
+    for names in groups.into_values() {
+        let md = by_rel[names[0]];
+        let unchanged = !is_mapped(md, mapped)
+            && names.iter().all(|rel| {
+                index.get(*rel) == Some(&Key::of(md))
+                    && std::fs::symlink_metadata(base.join(rel)).is_ok_and(|b| b.is_file() && b.len() == md.len())
+            });
+        let mut linked = Vec::new();
+        if unchanged {
+            for rel in &names {
+                if !link_over(&base.join(rel), &dest.join(rel)) {
+                    break;
+                }
+                linked.push(*rel);
+            }
+        }
+        if linked.len() < names.len() {
+            // (every name taken out, linked or placeholder: cp makes the group anew, as one)
+            for rel in &names {
+                let _ = std::fs::remove_file(dest.join(rel));
+            }
+            changed.push(names);
         }
     }
-    // The others, with their bytes (one cp for many: `--parents` names them under `dest`).
+    // The others, with their bytes (one cp for many, a group never split between two: `--parents`
+    // names them under `dest`).
     let bin = crate::tools::locate("cp", None, "PATH")?;
-    for chunk in changed.chunks(1000) {
+    let mut batch: Vec<&Path> = Vec::new();
+    let mut groups = changed.into_iter().peekable();
+    while let Some(g) = groups.next() {
+        batch.extend(g);
+        if batch.len() < 1000 && groups.peek().is_some() {
+            continue;
+        }
         let out = Command::new(&bin)
             .current_dir(upper)
             .args(["-a", "--reflink=auto", "--parents", "-t"])
             .arg(dest)
             .arg("--")
-            .args(chunk)
+            .args(&batch)
             .output()
             .map_err(|source| Error::Run { tool: bin.clone(), source })?;
         if !out.status.success() {
@@ -299,12 +419,12 @@ fn incremental(upper: &Path, dest: &Path, base: &Path, index: &Index, since: std
                 why: String::from_utf8_lossy(&out.stderr).lines().next().unwrap_or("").trim().to_string(),
             });
         }
+        batch.clear();
     }
     // A link put in a directory moved its times: back to the layer's, deepest first.
     for (rel, md) in entries.iter().rev().filter(|(_, md)| md.is_dir()) {
         let p = dest.join(rel);
         let t = |s: i64, ns: i64| nix::sys::time::TimeSpec::new(s, ns);
-        use std::os::unix::fs::MetadataExt;
         nix::sys::stat::utimensat(
             nix::fcntl::AT_FDCWD,
             &p,
@@ -314,7 +434,7 @@ fn incremental(upper: &Path, dest: &Path, base: &Path, index: &Index, since: std
         )
         .map_err(|e| Error::from(sys::IoError::new("set the times of", p.clone(), std::io::Error::from(e))))?;
     }
-    Ok(index_of(&entries, since))
+    Ok(index_of(&entries, mapped, since))
 }
 
 /// `to` replaced by a hard link to `from`; false (nothing changed) when it cannot be.
@@ -387,15 +507,17 @@ mod tests {
         std::fs::hard_link(upper.join("a/f1"), upper.join("a/f3")).unwrap();
         std::os::unix::fs::symlink("f1", upper.join("a/l")).unwrap();
         let later = std::time::SystemTime::now() + std::time::Duration::from_secs(3600);
+        let none = Mapped::new();
         // Files changed just now are racily clean: left out of the index.
-        assert!(index_of(&walk(&upper).unwrap(), std::time::SystemTime::now() - RACY).is_empty());
+        assert!(index_of(&walk(&upper).unwrap(), &none, std::time::SystemTime::now() - RACY).is_empty());
 
         let sp1 = base.join("sp1");
         copy_tree(&upper, &sp1).unwrap();
-        let index = index_of(&walk(&upper).unwrap(), later);
+        let index = index_of(&walk(&upper).unwrap(), &none, later);
         assert_eq!(index.len(), 4);
-        write_index(&base.join(INDEX), &index).unwrap();
-        assert_eq!(read_index(&base.join(INDEX)).unwrap(), index);
+        let clock = crate::store::Clock::now().unwrap();
+        write_index(&base.join(INDEX), &clock, &index).unwrap();
+        assert_eq!(read_index(&base.join(INDEX)).unwrap(), (clock, index.clone()));
 
         std::fs::write(upper.join("a/f2"), "TWO").unwrap();
         std::fs::write(upper.join("a/f4"), "four").unwrap();
@@ -403,7 +525,7 @@ mod tests {
         std::fs::set_permissions(upper.join("a/f1"), std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
         std::fs::write(upper.join("a/deep/f6"), "six").unwrap();
         let sp2 = base.join("sp2");
-        let index2 = incremental(&upper, &sp2, &sp1, &index, later).unwrap();
+        let index2 = incremental(&upper, &sp2, &sp1, &index, &none, later).unwrap();
         assert_eq!(tree(&sp2), tree(&upper), "the copy holds what the layer holds");
         let ino = |p: PathBuf| std::fs::metadata(p).unwrap().ino();
         assert_ne!(ino(sp2.join("a/f2")), ino(sp1.join("a/f2")), "a changed file is copied");
@@ -412,12 +534,33 @@ mod tests {
 
         // Nothing changed since: every file is a link, and the copy still equals the layer.
         let sp3 = base.join("sp3");
-        incremental(&upper, &sp3, &sp2, &index2, later).unwrap();
+        let index3 = incremental(&upper, &sp3, &sp2, &index2, &none, later).unwrap();
         assert_eq!(tree(&sp3), tree(&upper));
         for f in ["a/f1", "a/f2", "a/f3", "a/f4", "a/deep/f6"] {
             assert_eq!(ino(sp3.join(f)), ino(sp2.join(f)), "{f} is linked");
         }
         assert_eq!(std::fs::read_to_string(sp1.join("a/f2")).unwrap(), "two", "an earlier copy keeps its bytes");
+
+        // A file mapped shared and writable takes writes its times may not show: always copied.
+        let f4 = std::fs::OpenOptions::new().read(true).write(true).open(upper.join("a/f4")).unwrap();
+        use nix::libc;
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh shared mapping of a 4-byte file, written within its length, unmapped below.
+        let map = unsafe {
+            libc::mmap(std::ptr::null_mut(), 4, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f4.as_raw_fd(), 0)
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        unsafe { *map.cast::<u8>() = b'F' };
+        let mapped = shared_writable(&[std::process::id() as i32]);
+        assert!(is_mapped(&std::fs::metadata(upper.join("a/f4")).unwrap(), &mapped), "{mapped:?}");
+        let sp4 = base.join("sp4");
+        let index4 = incremental(&upper, &sp4, &sp3, &index3, &mapped, later).unwrap();
+        assert_eq!(std::fs::read_to_string(sp4.join("a/f4")).unwrap(), "Four");
+        assert_ne!(ino(sp4.join("a/f4")), ino(sp3.join("a/f4")), "a mapped file is copied");
+        assert!(!index4.contains_key(Path::new("a/f4")), "and never trusted by the next copy");
+        assert_eq!(ino(sp4.join("a/f1")), ino(sp3.join("a/f1")));
+        // SAFETY: the mapping made above, of that length.
+        assert_eq!(unsafe { libc::munmap(map, 4) }, 0);
         std::fs::remove_dir_all(&base).unwrap();
     }
 
@@ -429,7 +572,7 @@ mod tests {
         std::fs::create_dir_all(upper.join("etc")).unwrap();
         std::fs::write(upper.join("etc/app.conf"), "v1").unwrap();
         std::os::unix::fs::symlink("app.conf", upper.join("etc/link")).unwrap();
-        let r = CopyRootfs { upperdir: upper.clone(), store: None };
+        let r = CopyRootfs::new(upper.clone(), None);
         let mut local = LocalState::default();
         r.plan("sp1", &mut local);
         let sp1 = base.join("sp1");

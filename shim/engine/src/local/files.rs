@@ -13,6 +13,9 @@ pub trait Rootfs: Send + Sync {
     fn plan(&self, sp: &str, local: &mut LocalState);
     /// Captures the files as `local` says. Container frozen.
     fn snapshot(&self, sp_dir: &Path, local: &LocalState) -> Result<()>;
+    /// Told, the container frozen and before [`Rootfs::snapshot`], which processes it has: a
+    /// backend that copies only what changed looks at what they map.
+    fn processes(&self, _pids: &[i32]) {}
     /// Drops what [`Rootfs::snapshot`] captured, for a statepoint that is not committed.
     fn discard(&self, sp_dir: &Path, local: &LocalState);
     /// Makes the files exactly what statepoint `local` (in `sp_dir`) holds. The container does

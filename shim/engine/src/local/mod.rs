@@ -98,5 +98,5 @@ pub fn rootfs_for(
         return Ok(Box::new(z));
     }
     let upperdir = upperdir.ok_or_else(|| Error::NoFilesBackend(id.to_string()))?;
-    Ok(Box::new(copy::CopyRootfs { upperdir, store: Some(store.dir.clone()) }))
+    Ok(Box::new(copy::CopyRootfs::new(upperdir, Some(store.dir.clone()))))
 }

@@ -56,6 +56,9 @@ impl Fork {
         }
         // (a fork a killed planarian left is finished or removed first: its name may be this one)
         super::forking::recover(globals, &cfg, &source, &src_store);
+        if let Some(n) = new_name {
+            super::check_container_name(n)?;
+        }
         if let Some(new_name) = new_name.filter(|n| taken(n)) {
             return Err(Error::ContainerExists(new_name.to_string()));
         }
@@ -120,50 +123,17 @@ impl Fork {
         if let Some(twice) = names.iter().flatten().find(|n| !seen.insert(n.as_str())) {
             return Err(Error::Worker(format!("two forks cannot both be named {twice}")));
         }
+        for n in names.iter().flatten() {
+            super::check_container_name(n)?;
+        }
         if let Some(n) = names.iter().flatten().find(|n| taken(n)) {
             return Err(Error::ContainerExists(n.clone()));
         }
         let sp = &self.target.statepoint_id;
-        let stem = format!("{}-fork-{sp}", self.source.name);
-        let mut chosen: std::collections::HashSet<String> = names.iter().flatten().cloned().collect();
         let mut jobs: Vec<Job> = Vec::new();
         for n in names {
-            // (each fork's record is made as its spare is claimed: a planarian killed while
-            // forks wait their turn leaves no claimed spare that nobody hands out)
-            let job = (|| {
-                let (spare, mut record) = match n {
-                    Some(n) => {
-                        let record = Record::begin(&self.src_store, n, sp, Kind::Fork)?;
-                        (super::spares::claim(&self.src_store, sp), record)
-                    }
-                    None => {
-                        let spare = super::spares::claim(&self.src_store, sp);
-                        let name = match &spare {
-                            Some(s) => s.name.clone(),
-                            None => (1..)
-                                .map(|k| format!("{stem}-{k}"))
-                                .find(|c| !chosen.contains(c) && !taken(c))
-                                .expect("some K is free"),
-                        };
-                        match Record::begin(&self.src_store, &name, sp, Kind::Fork) {
-                            Ok(r) => (spare, r),
-                            Err(e) => {
-                                spare.iter().for_each(|s| super::spares::unclaim(&self.src_store, sp, s));
-                                return Err(e);
-                            }
-                        }
-                    }
-                };
-                if let Some(s) = &spare {
-                    record.set(Kind::HandOut, &s.id)?;
-                }
-                Ok(Job { name: record.name().to_string(), spare, record })
-            })();
-            match job {
-                Ok(j) => {
-                    chosen.insert(j.name.clone());
-                    jobs.push(j);
-                }
+            match self.job(n.as_deref(), &jobs) {
+                Ok(j) => jobs.push(j),
                 Err(e) => {
                     for j in jobs {
                         j.spare.iter().for_each(|s| super::spares::unclaim(&self.src_store, sp, s));
@@ -175,6 +145,47 @@ impl Fork {
         Ok(jobs)
     }
 
+    /// One fork's job: its record is made before a spare is claimed for it (a planarian killed
+    /// in between leaves a record that puts the spare back), the spare's claimed name, or the
+    /// first `CTR-fork-SP-K` that is free and none of `others` has.
+    fn job(&self, name: Option<&str>, others: &[Job]) -> Result<Job> {
+        let (store, sp) = (&self.src_store, self.target.statepoint_id.as_str());
+        let claim = |record: &mut Record, s: &super::spares::Spare| -> Result<bool> {
+            record.set(Kind::Claimed, &s.id)?;
+            Ok(super::spares::unregister(store, sp, s))
+        };
+        if let Some(n) = name {
+            let mut record = Record::begin(store, n, sp, Kind::Fork, None)?;
+            for s in super::spares::registered(store, sp) {
+                if claim(&mut record, &s)? {
+                    return Ok(Job { name: n.to_string(), spare: Some(s), record });
+                }
+            }
+            record.fork_anew()?;
+            return Ok(Job { name: n.to_string(), spare: None, record });
+        }
+        for s in super::spares::registered(store, sp) {
+            // (a spare another fork is claiming has its record: the next one)
+            let Ok(mut record) = Record::begin(store, &s.name, sp, Kind::Fork, None) else { continue };
+            if claim(&mut record, &s)? {
+                return Ok(Job { name: s.name.clone(), spare: Some(s), record });
+            }
+        }
+        let stem = format!("{}-fork-{sp}", self.source.name);
+        for k in 1.. {
+            let n = format!("{stem}-{k}");
+            if others.iter().any(|j| j.name == n) || taken(&n) {
+                continue;
+            }
+            match Record::begin(store, &n, sp, Kind::Fork, None) {
+                Ok(record) => return Ok(Job { name: n, spare: None, record }),
+                Err(Error::ForkUnderWay(_)) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        unreachable!("some K is free")
+    }
+
     /// One fork: its spare handed out, or (none, or not usable) made now.
     fn run_job(&self, job: Job, progress: &mut dyn Progress, by: Actor) -> Result<(PodmanContainer, RestoreContext)> {
         // A spare of the statepoint, restored and frozen beforehand, is handed out when there is
@@ -183,6 +194,7 @@ impl Fork {
         let name = name.as_str();
         let handed = match spare {
             Some(spare) => {
+                record.set(Kind::HandOut, &spare.id)?;
                 progress.phase(if name == spare.name {
                     "a spare of the statepoint, under its own name (thawed)"
                 } else {

@@ -10,8 +10,16 @@
 //! |---|---|---|
 //! | a fork | the new container running (its restore ended) | finished: it runs, its restore context written |
 //! | a fork | anything else (none, created, stopped, half-restored) | undone: container, store, dataset and database branch removed |
-//! | a spare being made | anything | undone (a spare not registered is nobody's) |
+//! | a spare being made | registered already | finished: a spare like any other |
+//! | a spare being made | not registered | undone (a spare not registered is nobody's) |
+//! | a spare claimed, its hand-out not begun | the spare | undone: registered again |
 //! | a spare being handed out | the spare's container | finished: renamed, thawed |
+//!
+//! A record is made whole under a name of its own and linked into place (a name already there
+//! is a fork under way or interrupted: refused), so a record is never seen half-written, nor
+//! locked by anyone but its maker. A record that does not know its container's ID yet (killed
+//! during `podman container clone`) adopts only a container of its name that has never run,
+//! made within five minutes after the record, and that no live record of another source claims.
 //!
 //! Before deciding, recovery waits for what the killed planarian started and what outlived it
 //! (a `podman container clone`, `init` or `restore` naming the new container, a CRIU with its
@@ -40,6 +48,8 @@ pub enum Kind {
     Fork,
     /// A spare (a fork held frozen, registered when made).
     Spare,
+    /// A registered spare, claimed for the fork, its hand-out not begun.
+    Claimed,
     /// A registered spare, claimed, being renamed and thawed.
     HandOut,
 }
@@ -62,20 +72,33 @@ pub struct Record {
 }
 
 impl Record {
-    /// Written before anything of fork `name` of statepoint `sp` is made. Refused while another
-    /// planarian makes a fork of the same name.
-    pub fn begin(store: &ContainerStore, name: &str, sp: &str, kind: Kind) -> Result<Record> {
+    /// Written before anything of fork `name` of statepoint `sp` is made (`id`: the spare it is
+    /// to hand out, for [`Kind::Claimed`]). Refused for a name that is not a container's, and
+    /// while a record of that name is there (a fork under way, or one interrupted and not yet
+    /// recovered).
+    pub fn begin(store: &ContainerStore, name: &str, sp: &str, kind: Kind, id: Option<&str>) -> Result<Record> {
+        super::check_container_name(name)?;
         let dir = store.dir.join(DIR);
         std::fs::create_dir_all(&dir).at("create", &dir)?;
         let path = dir.join(name);
-        let file = File::options().create(true).truncate(false).write(true).open(&path).at("open", &path)?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => return Err(Error::ContainerExists(name.to_string())),
-            Err(std::fs::TryLockError::Error(e)) => return Err(sys::IoError::new("lock", path, e).into()),
-        }
-        let mut r = Record { path, file, entry: Entry { kind, statepoint: sp.to_string(), id: None } };
-        r.write()?;
+        // Made whole under a name of its own, locked, then linked into place: never seen
+        // half-written, never locked by another first.
+        let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+        let file = File::options().create(true).truncate(true).write(true).open(&tmp).at("open", &tmp)?;
+        file.lock().at("lock", &tmp)?;
+        let mut r = Record {
+            path: tmp.clone(),
+            file,
+            entry: Entry { kind, statepoint: sp.to_string(), id: id.map(String::from) },
+        };
+        let linked = r.write().and_then(|()| match std::fs::hard_link(&tmp, &path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(Error::ForkUnderWay(name.to_string())),
+            Err(e) => Err(sys::IoError::new("link", path.clone(), e).into()),
+        });
+        let _ = std::fs::remove_file(&tmp);
+        linked?;
+        r.path = path;
         Ok(r)
     }
 
@@ -103,12 +126,14 @@ impl Record {
         self.set(self.entry.kind.clone(), id)
     }
 
-    /// (in place: the lock is the file's; a rename would put an unlocked one in its place)
+    /// (in place: the lock is the file's; a rename would put an unlocked one in its place. The
+    /// text first, then the length: a reader of a record cut short here still finds the whole
+    /// old or new text first, the rest ignored)
     fn write(&mut self) -> Result<()> {
         let text = serde_json::to_vec(&self.entry).expect("a fork record serialises");
         let at = |e| sys::IoError::new("write", self.path.clone(), e);
-        self.file.set_len(0).map_err(at)?;
         self.file.write_all_at(&text, 0).map_err(at)?;
+        self.file.set_len(text.len() as u64).map_err(at)?;
         self.file.sync_data().map_err(at)?;
         Ok(())
     }
@@ -144,13 +169,20 @@ pub fn interrupted(store: &ContainerStore) -> Vec<Interrupted> {
             let name = e.file_name().to_str()?.to_string();
             let file = File::options().read(true).write(true).open(&path).ok()?;
             file.try_lock().ok()?;
+            if name.starts_with('.') {
+                // (a record its maker died before linking into place: nothing was made)
+                let _ = std::fs::remove_file(&path);
+                return None;
+            }
             // Still the file at that name (not one a fork that ended removed meanwhile).
             let (held, named) = (file.metadata().ok()?, std::fs::metadata(&path).ok()?);
             if (held.dev(), held.ino()) != (named.dev(), named.ino()) {
                 return None;
             }
-            // (a record cut short by the kill says only its name: a fork made on the spot)
-            let entry: Entry = serde_json::from_slice(&std::fs::read(&path).ok()?).unwrap_or_default();
+            // (the first JSON value: what follows is what a longer text before it left)
+            let text = std::fs::read(&path).ok()?;
+            let entry: Entry =
+                serde_json::Deserializer::from_slice(&text).into_iter().next().and_then(|e| e.ok()).unwrap_or_default();
             Some(Interrupted { name, statepoint: entry.statepoint, kind: entry.kind, id: entry.id, path, _file: file })
         })
         .collect();
@@ -198,9 +230,17 @@ fn resolve(
 ) -> Recovered {
     wait_for_orphans(cfg, r, Duration::from_secs(300));
     let undone = Recovered::Undone(r.name.clone());
-    let Some(new) = found(r) else {
+    let registered = |id: &str| super::spares::registered(store, &r.statepoint).iter().any(|s| s.id == id);
+    if r.kind == Kind::Claimed {
+        // Claimed, not begun: back in the registry, as it was.
+        if let Some(id) = r.id.as_deref().filter(|id| !registered(id)) {
+            super::spares::unclaim_id(cfg, store, &r.statepoint, id);
+        }
+        return undone;
+    }
+    let Some(new) = found(cfg, r) else {
         // (Podman made none; what the record knew of is removed all the same)
-        if let Some(id) = &r.id {
+        if let (Some(id), Kind::Fork | Kind::Spare) = (&r.id, &r.kind) {
             super::fork::discard_id(cfg, src, id);
         }
         return undone;
@@ -219,43 +259,59 @@ fn resolve(
             Ok(()) => Recovered::Finished(r.name.clone()),
             Err(_) => undone,
         },
+        // Registered: whole, and maybe being handed out by another fork already.
+        Kind::Spare if registered(&new.id) => Recovered::Finished(r.name.clone()),
         Kind::Spare => {
-            super::spares::forget(store, &r.statepoint, &new.id);
             super::spares::remove_id(cfg, src, &new.id);
             undone
         }
-        Kind::Fork => {
+        Kind::Fork | Kind::Claimed => {
             super::fork::discard_id(cfg, src, &new.id);
             undone
         }
     }
 }
 
-/// The container the record speaks of: by its ID, or (killed before it was known) the
-/// container of the record's name made after the record was.
-fn found(r: &Interrupted) -> Option<PodmanContainer> {
+/// The container the record speaks of: by its ID, or (killed before it was known, during the
+/// clone) the container of the record's name that never ran, made within five minutes after
+/// the record, and that no live record of another source claims.
+fn found(cfg: &Config, r: &Interrupted) -> Option<PodmanContainer> {
     if let Some(id) = &r.id {
         return podman::inspect(id).ok();
     }
     let c = podman::inspect(&r.name).ok()?;
-    let born = |p: &Path| std::fs::metadata(p).ok()?.created().ok();
-    match (born(&r.path), born(&c.bundle)) {
-        (Some(record), Some(made)) if made < record => None,
-        _ => Some(c),
+    if !matches!(c.status.as_str(), "created" | "configured") || claimed_elsewhere(cfg, &r.path, &r.name) {
+        return None;
     }
+    let record = std::fs::metadata(&r.path).ok()?.modified().ok()?;
+    let made = std::fs::metadata(&c.bundle).ok().and_then(|m| m.created().or_else(|_| m.modified()).ok())?;
+    let after = made.duration_since(record).ok()?;
+    (after <= Duration::from_secs(300)).then_some(c)
+}
+
+/// Whether a live planarian's record of another container's store is making fork `name`.
+fn claimed_elsewhere(cfg: &Config, ours: &Path, name: &str) -> bool {
+    let Ok(rd) = std::fs::read_dir(cfg.store.path.join("containers")) else { return false };
+    rd.flatten().map(|e| e.path().join(DIR).join(name)).filter(|p| p != ours).any(|p| {
+        File::options()
+            .read(true)
+            .open(&p)
+            .is_ok_and(|f| matches!(f.try_lock(), Err(std::fs::TryLockError::WouldBlock)))
+    })
 }
 
 /// Waits (at most `max`) for what the killed planarian started against the new container: a
-/// Podman command naming it (its clone, init, stop, rename or restore), a CRIU with its store
-/// open.
+/// Podman command of a fork's (clone, init, stop, rename, restore, rm) naming it, a CRIU with
+/// its store open.
 fn wait_for_orphans(cfg: &Config, r: &Interrupted, max: Duration) {
     let mut names = vec![r.name.clone()];
     names.extend(r.id.clone());
     let stores: Vec<PathBuf> = r.id.iter().map(|id| ContainerStore::new(&cfg.store.path, id).dir).collect();
+    let verbs: [&[u8]; 6] = [b"clone", b"init", b"stop", b"rename", b"restore", b"rm"];
+    let forks =
+        |args: &[&[u8]]| names.iter().any(|n| args.contains(&n.as_bytes())) && verbs.iter().any(|v| args.contains(v));
     let end = std::time::Instant::now() + max;
-    while super::journal::orphans(&stores, &|args: &[&[u8]]| names.iter().any(|n| args.contains(&n.as_bytes())))
-        && std::time::Instant::now() < end
-    {
+    while super::journal::orphans(&stores, &forks) && std::time::Instant::now() < end {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -269,36 +325,51 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("planarian-forking-{}", std::process::id()));
         let store = ContainerStore::new(&dir, "c");
         std::fs::create_dir_all(&store.dir).unwrap();
-        let mut r = Record::begin(&store, "f1", "sp2", Kind::Fork).unwrap();
+        for bad in ["/etc/passwd", "../lock", "a/b", ".hidden"] {
+            assert!(
+                matches!(Record::begin(&store, bad, "sp2", Kind::Fork, None), Err(Error::BadContainerName(_))),
+                "{bad}"
+            );
+        }
+        let mut r = Record::begin(&store, "f1", "sp2", Kind::Fork, None).unwrap();
         assert!(interrupted(&store).is_empty(), "a live fork's record is not an interrupted one");
         assert!(
-            matches!(Record::begin(&store, "f1", "sp2", Kind::Fork), Err(Error::ContainerExists(_))),
+            matches!(Record::begin(&store, "f1", "sp2", Kind::Fork, None), Err(Error::ForkUnderWay(_))),
             "a second fork of the same name while the first runs"
         );
         r.set(Kind::Spare, "abc").unwrap();
-        let text = std::fs::read_to_string(store.dir.join(DIR).join("f1")).unwrap();
-        assert!(text.contains("\"spare\"") && text.contains("abc"), "{text}");
-        // As a killed maker leaves it: the file, unlocked.
-        std::mem::forget(r);
         let path = store.dir.join(DIR).join("f1");
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains("\"spare\"") && text.contains("abc"), "{text}");
+        // A shorter text over a longer one: the reader takes the first.
+        r.set(Kind::HandOut, "x").unwrap();
+        // As a killed maker leaves it: the file, unlocked (its lock gone with it).
+        std::mem::forget(r);
         let copy = std::fs::read(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
-        std::fs::write(&path, copy).unwrap();
+        std::fs::write(&path, [&copy[..], b"\"}trailing"].concat()).unwrap();
         let found = interrupted(&store);
         assert_eq!(found.len(), 1);
         assert_eq!((found[0].name.as_str(), found[0].statepoint.as_str()), ("f1", "sp2"));
-        assert_eq!((found[0].kind.clone(), found[0].id.as_deref()), (Kind::Spare, Some("abc")));
+        assert_eq!((found[0].kind.clone(), found[0].id.as_deref()), (Kind::HandOut, Some("x")));
         assert!(interrupted(&store).is_empty(), "one recovery at a time: it is locked for the first");
+        assert!(matches!(Record::begin(&store, "f1", "sp2", Kind::Fork, None), Err(Error::ForkUnderWay(_))));
         drop(found);
-        // A record cut short by the kill is a fork made on the spot, known by its name.
+        // A record cut short names a fork made on the spot, known by its name.
         std::fs::write(&path, b"{\"kind\":").unwrap();
         let found = interrupted(&store);
         assert_eq!((found[0].kind.clone(), found[0].id.as_deref()), (Kind::Fork, None));
         drop(found);
         std::fs::remove_file(&path).unwrap();
-        let r = Record::begin(&store, "f2", "sp2", Kind::Fork).unwrap();
+        // A maker that died before linking its record into place leaves only its own file.
+        let tmp = store.dir.join(DIR).join(".f3.1");
+        std::fs::write(&tmp, b"{}").unwrap();
+        assert!(interrupted(&store).is_empty() && !tmp.exists(), "removed, nothing to recover");
+        let r = Record::begin(&store, "f2", "sp2", Kind::Claimed, Some("s1")).unwrap();
+        assert_eq!(r.name(), "f2");
         drop(r);
-        assert!(!store.dir.join(DIR).join("f2").exists(), "removed when the fork ends");
+        let left: Vec<_> = std::fs::read_dir(store.dir.join(DIR)).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert!(left.is_empty(), "removed when the fork ends: {left:?}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

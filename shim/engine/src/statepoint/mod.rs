@@ -80,6 +80,10 @@ pub enum Error {
     Busy(String),
     #[error("a container named {0} already exists")]
     ContainerExists(String),
+    #[error("{0:?} cannot name a container: a letter or digit first, then letters, digits, _ . or -")]
+    BadContainerName(String),
+    #[error("a fork into {0} is being made or was interrupted (`planarian fsck --repair` finishes or removes an interrupted one)")]
+    ForkUnderWay(String),
     /// A step failed and what undoes it failed too: both are told.
     #[error("{first}; and {undoing} failed: {then}")]
     UndoFailed { first: Box<Error>, undoing: &'static str, then: Box<Error> },
@@ -303,6 +307,7 @@ pub fn free(cfg: &Config, store: &ContainerStore, m: &Manifest) -> Result<()> {
         if p.exists() {
             sys::Context::at(std::fs::remove_dir_all(&p), "remove", &p)?;
         }
+        let _ = std::fs::remove_file(dir.join(local::copy::INDEX));
     }
     if let Some(snap) = &m.local_state.zfs_snapshot {
         local::zfs::destroy_snapshot(cfg, store, snap)?;
@@ -344,6 +349,18 @@ pub fn check_name(name: &str) -> Result<()> {
         return bad("that is the shape of a statepoint id");
     }
     Ok(())
+}
+
+/// Whether `name` can name a new container: Podman's rule (a letter or digit, then letters,
+/// digits, `_`, `.` or `-`), checked before it is used for anything (a fork's record is a file
+/// of that name).
+pub fn check_container_name(name: &str) -> Result<()> {
+    let mut b = name.bytes();
+    let first = b.next().is_some_and(|c| c.is_ascii_alphanumeric());
+    if first && name.len() <= 253 && b.all(|c| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'-')) {
+        return Ok(());
+    }
+    Err(Error::BadContainerName(name.to_string()))
 }
 
 pub fn annotate(
@@ -396,6 +413,16 @@ fn committed(m: Manifest) -> Result<Manifest> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_container_name_is_podmans_never_a_path() {
+        for ok in ["agent-b", "a", "x.1_2-3", "0abc"] {
+            assert!(check_container_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "/etc/passwd", "../lock", "a/b", ".x", "-x", "a b", "a\nb", "é"] {
+            assert!(matches!(check_container_name(bad), Err(Error::BadContainerName(_))), "{bad:?}");
+        }
+    }
 
     #[test]
     fn a_name_is_a_label_never_a_path_nor_an_id() {

@@ -135,6 +135,7 @@ pub fn take_then(
     // (only where it can serve: a plain snapshot left running, whose dump becomes the base)
     // (its processes, frozen: the same through the dump)
     let pids = crate::local::inplace::cgroup_pids(freezer.dir());
+    rootfs.processes(&pids);
     let print = match ctx.cfg.checkpoint.skip_unchanged && req.leave_running && !req.internal {
         true => crate::local::unchanged::fingerprint(&pids, pid),
         false => Err(crate::local::unchanged::Unfit("not a plain snapshot left running".into())),

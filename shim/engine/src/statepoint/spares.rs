@@ -65,8 +65,10 @@ fn register(store: &ContainerStore, sp: &str, s: &Spare) -> Result<()> {
     Ok(sys::write_atomic(&d.join(&s.id), s.name.as_bytes(), 0o644)?)
 }
 
-/// Takes `s` out of the registry; true for exactly one caller.
-fn unregister(store: &ContainerStore, sp: &str, s: &Spare) -> bool {
+/// Takes `s` out of the registry (a fork claims it: [`super::fork`]'s jobs); true for exactly one
+/// caller (false: another fork took it). Whether it is still a frozen container shows when it is
+/// handed out (the thaw and the lookup fail otherwise): a Podman call less on the fork's path.
+pub(super) fn unregister(store: &ContainerStore, sp: &str, s: &Spare) -> bool {
     std::fs::remove_file(dir(store, sp).join(&s.id)).is_ok()
 }
 
@@ -155,7 +157,7 @@ pub fn fill(pool: Pool, count: usize, progress: &mut dyn Progress) -> Result<Vec
         let fork = Fork::begin(&globals, &source.id, &sp, Some(&name))?;
         progress.phase(&format!("spare {name}: {}", fork.title()));
         // (until it is registered: a spare a killed planarian was making is removed)
-        let mut record = Record::begin(&store, &name, &sp, Kind::Spare)?;
+        let mut record = Record::begin(&store, &name, &sp, Kind::Spare, None)?;
         let (new, _) = fork.make(&name, &mut record, progress)?;
         progress.phase(&format!("spare {name}: frozen"));
         let spare = Spare { id: new.id, name };
@@ -185,17 +187,19 @@ pub fn remove_all(container: &str, sp: &str) -> Result<usize> {
     Ok(n)
 }
 
-/// Claims a registered spare of `sp`; none when there is none. Whether it is still a frozen
-/// container shows when it is handed out (the thaw and the lookup fail otherwise): a Podman call
-/// less on the fork's path.
-pub fn claim(store: &ContainerStore, sp: &str) -> Option<Spare> {
-    // (false: another fork took it)
-    registered(store, sp).into_iter().find(|s| unregister(store, sp, s))
-}
-
 /// Puts claimed spare `s` back in the registry (the fork it was claimed for did not start).
 pub(super) fn unclaim(store: &ContainerStore, sp: &str, s: &Spare) {
     let _ = register(store, sp, s);
+}
+
+/// [`unclaim`] of spare `id`, when it is still a container planarian holds frozen.
+pub(super) fn unclaim_id(cfg: &Config, store: &ContainerStore, sp: &str, id: &str) {
+    if let Ok(c) = podman::inspect(id) {
+        let s = Spare { id: c.id, name: c.name };
+        if usable(cfg, &s) {
+            unclaim(store, sp, &s);
+        }
+    }
 }
 
 /// Hands claimed spare `s` out as `name`: renamed (unless that is its name) and thawed, its
@@ -251,11 +255,6 @@ fn finish(
     ctx.how = Some(How { path: "spare".into(), ..How::default() });
     ctx.save(&store)?;
     Ok((new, ctx))
-}
-
-/// Takes spare `id` of `sp` out of the registry, if it is in it.
-pub(super) fn forget(store: &ContainerStore, sp: &str, id: &str) {
-    let _ = std::fs::remove_file(dir(store, sp).join(id));
 }
 
 /// Removes spare `id` (thawed first).

@@ -271,7 +271,7 @@ pub fn import<'a>(
                     .upper
             }
         };
-        let copy = CopyRootfs { upperdir: upper, store: None };
+        let copy = CopyRootfs::new(upper, None);
         copy.plan(&sp, &mut local);
         let carried = part.join(CARRIED_ROOTFS);
         if carried.is_dir() {
