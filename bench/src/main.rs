@@ -890,7 +890,8 @@ fn unchanged(args: &[String]) -> i32 {
             let id = run_quiet("podman", &["inspect", "--format", "{{.Id}}", n])?;
             let short = &id[..12.min(id.len())];
             if let Some(line) = log.lines().rev().find(|l| l.contains(&format!(" of {short} timeline"))) {
-                println!("{what}: {}", line.split_once("timeline (ms): ").map_or(line, |(_, t)| t));
+                let t = line.split_once("timeline (ms): ").map_or(line, |(_, t)| t);
+                println!("{what}: {}", t.trim_end_matches('"'));
             }
         }
         Ok(())

@@ -1,7 +1,7 @@
 //! Many sandboxes, many faults: agents change memory and files while statepoints are taken
 //! (synchronously and not), rolled back to and forked (every other fork from a spare), on a
 //! seeded random schedule, and planarian itself is killed (SIGKILL) at random moments of its
-//! snapshots, rollbacks and forks, not only at fault points; the operation that follows a killed
+//! snapshots, rollbacks, forks and spares, not only at fault points; the operation that follows a killed
 //! rollback finds the sandbox running, exactly as it was before the rollback or exactly at its
 //! target, and the fork that follows a killed fork finds it finished (running, at the
 //! statepoint) or finds nothing of it left. After it all: no sandbox is left frozen, `planarian fsck` finds nothing wrong, and
@@ -257,6 +257,9 @@ fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
                 let fork = name_for_fork(step);
                 let after = Duration::from_millis(500 + rng.below(20000) as u64);
                 let stores = store_dirs();
+                // First a spare of the statepoint, killed while it is made (half as far in): the
+                // fork that follows finds it registered and takes it, or removes what is left.
+                let spare_killed = killed(&["spare", &ag.sb.name, &sp, "--count", "1"], after / 2);
                 let was_killed = killed(&["fork", &ag.sb.name, &sp, "--name", &fork], after);
                 // The next fork of the source finishes what the kill left (it runs: the name is
                 // taken) or removes it, and forks anew.
@@ -272,8 +275,13 @@ fn a_seeded_schedule_of_operations_and_kills_loses_nothing_committed() {
                         r.stderr
                     ),
                 }
-                // One container of that name, running the statepoint; one store more than
-                // before, its own (a fork undone left none).
+                // The spares left (one made whole, or registered by the recovery) go; then one
+                // container of that name, running the statepoint, and one store more than
+                // before, its own (a fork or spare undone left none).
+                planarian(&["spare", &ag.sb.name, &sp, "--count", "0"]).ok();
+                if spare_killed {
+                    *counts.entry("spare killed while made").or_default() += 1;
+                }
                 let f = Sandbox::attach(&fork);
                 let fa = Agent { sb: f, committed: BTreeMap::new(), maybe: BTreeMap::new(), edits: 1000 };
                 assert_eq!(fa.held(), held, "{fork}: a fork of {sp}, after a fork killed at {after:?}");
