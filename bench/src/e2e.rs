@@ -574,14 +574,18 @@ fn native_factor() -> Result<(f64, String), String> {
 
 pub fn main(args: &[String]) -> i32 {
     let mut scales: Vec<f64> = Vec::new();
+    // How the native scale was measured, said again above its table.
+    let mut native: Option<(f64, String)> = None;
     for s in flag(args, "--scales").unwrap_or("1,0.5,0.25").split(',') {
         if s == "native" {
             // The emulator slows every tool call and statepoint by this factor, not the model:
             // the think times are stretched by as much, so that they weigh what they weigh natively.
             match native_factor() {
                 Ok((f, parts)) => {
-                    println!("native proportion: think times x{f:.1}, the geometric mean of the reference commands' slowdown here ({parts})");
-                    scales.push((f * 10.0).round() / 10.0);
+                    let f = (f * 10.0).round() / 10.0;
+                    eprintln!("e2e: native proportion: think times x{f}, the geometric mean of the reference commands' slowdown here ({parts})");
+                    scales.push(f);
+                    native = Some((f, parts));
                 }
                 Err(e) => {
                     eprintln!("planarian-bench e2e: {e}");
@@ -632,6 +636,9 @@ pub fn main(args: &[String]) -> i32 {
             rows.push((t, runs));
         }
         println!("\nend to end, think times x{scale} (all times s; overhead = against No-snapshot)");
+        if let Some((_, parts)) = native.as_ref().filter(|(f, _)| *f == scale) {
+            println!("(native proportion: x{scale} is the emulator's slowdown here, the geometric mean over reference commands: {parts})");
+        }
         println!("| trace | calls | think | No-snapshot | Planarian | Full-snapshot | Planarian overhead | Full overhead | Full / Planarian | snapshot work pl / full | rollback pl / full |");
         println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         let mut sum = [Run::default(); 3];
