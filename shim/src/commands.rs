@@ -172,7 +172,7 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
         let (new, ctx) = f.run(&mut progress, a.by.into())?;
         progress.finish();
         if a.json {
-            let mut v: serde_json::Value = serde_json::from_str(&context_json(&ctx)?)?;
+            let mut v = context_value(&ctx)?;
             v["container-id"] = serde_json::json!(new.id);
             println!("{}", serde_json::to_string_pretty(&v)?);
         } else {
@@ -180,15 +180,14 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
         }
         return Ok(0);
     }
-    let parallel = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
     eprintln!(
         "planarian: forking {source} at {} {count} time(s), {} at once",
         statepoint::describe(&f.target),
-        parallel.min(count)
+        statepoint::fork::parallelism(count)
     );
     let started = std::time::Instant::now();
     let progress_for = |name: &str| -> Box<dyn Progress + Send> { Box::new(LineProgress::new(name)) };
-    let results = f.run_many(&names, parallel, &progress_for, a.by.into())?;
+    let results = f.run_many(&names, &progress_for, a.by.into())?;
     eprintln!("  {:<65} {:>7.2} s", "total", started.elapsed().as_secs_f64());
     let failed = results.iter().filter(|(_, r)| r.is_err()).count();
     let mut out = Vec::new();
@@ -196,8 +195,7 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
         match r {
             Ok((new, ctx)) => {
                 // (made: it is in the answer whatever else happens)
-                let mut v = serde_json::to_value(&ctx).unwrap_or_else(|_| serde_json::json!({ "container": name }));
-                v["text"] = serde_json::json!(ctx.text());
+                let mut v = context_value(&ctx).unwrap_or_else(|_| serde_json::json!({ "container": name }));
                 v["container-id"] = serde_json::json!(new.id);
                 out.push(v);
                 if !a.json {
@@ -321,9 +319,14 @@ pub fn ledger(args: &[OsString]) -> Result<i32, Failure> {
 
 /// A restore context as JSON, with the text a harness appends to the conversation beside it.
 fn context_json(ctx: &RestoreContext) -> Result<String, Failure> {
+    Ok(serde_json::to_string_pretty(&context_value(ctx)?)?)
+}
+
+/// A restore context as a program reads it: its fields and the text a model reads.
+fn context_value(ctx: &RestoreContext) -> Result<serde_json::Value, Failure> {
     let mut v = serde_json::to_value(ctx)?;
     v["text"] = serde_json::json!(ctx.text());
-    Ok(serde_json::to_string_pretty(&v)?)
+    Ok(v)
 }
 
 /// A statepoint's structured state: JSON from a file, or from stdin for `-`.

@@ -299,11 +299,10 @@ impl Server {
         let names: Vec<Option<String>> = (1..=count).map(|k| Some(format!("{name}-{k}"))).collect();
         let f = Fork::begin(&self.globals, &self.id, &sp, None)?;
         let sp = statepoint::describe(&f.target);
-        let parallel = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
         let silent = |_: &str| -> Box<dyn engine::log::Progress + Send> { Box::new(Silent) };
         let mut made = Vec::new();
         let mut failed = Vec::new();
-        for (n, r) in f.run_many(&names, parallel, &silent, Actor::Agent)? {
+        for (n, r) in f.run_many(&names, &silent, Actor::Agent)? {
             match r {
                 Ok(_) => made.push(n),
                 Err(e) => failed.push(format!("{n}: {e}")),

@@ -45,15 +45,18 @@ impl CopyRootfs {
 /// `cp -a` with `extra` options from `from` to `to` (`--no-target-directory`); the error quotes
 /// cp's first line. The one way planarian copies a tree (statepoint files, overlay layers, forks).
 pub fn cp(extra: &[&str], from: &Path, to: &Path) -> Result<()> {
+    run_cp(from, None, |c| c.arg("-a").args(extra).arg("--no-target-directory").arg(from).arg(to))
+}
+
+/// Runs `cp` with the arguments `args` gives it (in `cwd`, if any); the error names `from` and
+/// quotes cp's first line.
+fn run_cp(from: &Path, cwd: Option<&Path>, args: impl FnOnce(&mut Command) -> &mut Command) -> Result<()> {
     let bin = crate::tools::locate("cp", None, "PATH")?;
-    let out = Command::new(&bin)
-        .arg("-a")
-        .args(extra)
-        .arg("--no-target-directory")
-        .arg(from)
-        .arg(to)
-        .output()
-        .map_err(|source| Error::Run { tool: bin, source })?;
+    let mut c = Command::new(&bin);
+    if let Some(d) = cwd {
+        c.current_dir(d);
+    }
+    let out = args(&mut c).output().map_err(|source| Error::Run { tool: bin, source })?;
     if out.status.success() {
         return Ok(());
     }
@@ -364,30 +367,18 @@ fn incremental(
     cp(&["--attributes-only"], upper, dest)?;
     // Names of one inode (hard links in the layer) are linked or copied together, so that they
     // stay one file.
-    let mut groups: std::collections::BTreeMap<(u64, u64), Vec<&Path>> = Default::default();
+    let mut groups: std::collections::BTreeMap<(u64, u64), (&std::fs::Metadata, Vec<&Path>)> = Default::default();
     for (rel, md) in entries.iter().filter(|(_, md)| md.is_file()) {
-        groups.entry((md.dev(), md.ino())).or_default().push(rel);
+        groups.entry((md.dev(), md.ino())).or_insert((md, Vec::new())).1.push(rel);
     }
-    let by_rel: std::collections::HashMap<&Path, &std::fs::Metadata> =
-        entries.iter().map(|(r, m)| (r.as_path(), m)).collect();
     let mut changed: Vec<Vec<&Path>> = Vec::new();
-    for names in groups.into_values() {
-        let md = by_rel[names[0]];
+    for (md, names) in groups.into_values() {
         let unchanged = !is_mapped(md, mapped)
             && names.iter().all(|rel| {
                 index.get(*rel) == Some(&Key::of(md))
                     && std::fs::symlink_metadata(base.join(rel)).is_ok_and(|b| b.is_file() && b.len() == md.len())
             });
-        let mut linked = Vec::new();
-        if unchanged {
-            for rel in &names {
-                if !link_over(&base.join(rel), &dest.join(rel)) {
-                    break;
-                }
-                linked.push(*rel);
-            }
-        }
-        if linked.len() < names.len() {
+        if !(unchanged && names.iter().all(|rel| link_over(&base.join(rel), &dest.join(rel)))) {
             // (every name taken out, linked or placeholder: cp makes the group anew, as one)
             for rel in &names {
                 let _ = std::fs::remove_file(dest.join(rel));
@@ -397,7 +388,6 @@ fn incremental(
     }
     // The others, with their bytes (one cp for many, a group never split between two: `--parents`
     // names them under `dest`).
-    let bin = crate::tools::locate("cp", None, "PATH")?;
     let mut batch: Vec<&Path> = Vec::new();
     let mut groups = changed.into_iter().peekable();
     while let Some(g) = groups.next() {
@@ -405,20 +395,9 @@ fn incremental(
         if batch.len() < 1000 && groups.peek().is_some() {
             continue;
         }
-        let out = Command::new(&bin)
-            .current_dir(upper)
-            .args(["-a", "--reflink=auto", "--parents", "-t"])
-            .arg(dest)
-            .arg("--")
-            .args(&batch)
-            .output()
-            .map_err(|source| Error::Run { tool: bin.clone(), source })?;
-        if !out.status.success() {
-            return Err(Error::Copy {
-                from: upper.to_path_buf(),
-                why: String::from_utf8_lossy(&out.stderr).lines().next().unwrap_or("").trim().to_string(),
-            });
-        }
+        run_cp(upper, Some(upper), |c| {
+            c.args(["-a", "--reflink=auto", "--parents", "-t"]).arg(dest).arg("--").args(&batch)
+        })?;
         batch.clear();
     }
     // A link put in a directory moved its times: back to the layer's, deepest first.

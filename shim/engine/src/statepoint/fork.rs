@@ -84,7 +84,7 @@ impl Fork {
     }
 
     /// `names.len()` forks of the statepoint (each named, or not: a spare's name, or
-    /// `CTR-fork-SP-K`), made side by side, at most `parallel` at once, each reporting to the
+    /// `CTR-fork-SP-K`), made side by side, [`parallelism`] at once, each reporting to the
     /// progress `progress_for` gives for its name. What they share is done once: the source,
     /// its statepoint, the recovery of forks a killed planarian left (in [`Fork::begin`]), the
     /// spares claimed and the names chosen. One result per fork, in order: a fork that fails
@@ -92,7 +92,6 @@ impl Fork {
     pub fn run_many(
         self,
         names: &[Option<String>],
-        parallel: usize,
         progress_for: &(dyn Fn(&str) -> Box<dyn Progress + Send> + Sync),
         by: Actor,
     ) -> Result<Vec<(String, Result<Forked>)>> {
@@ -100,7 +99,7 @@ impl Fork {
         let queue = std::sync::Mutex::new(jobs.into_iter().enumerate().collect::<std::collections::VecDeque<_>>());
         let results = std::sync::Mutex::new(Vec::new());
         std::thread::scope(|scope| {
-            for _ in 0..parallel.clamp(1, names.len().max(1)) {
+            for _ in 0..parallelism(names.len()) {
                 scope.spawn(|| loop {
                     let Some((i, job)) = queue.lock().expect("the fork queue").pop_front() else { break };
                     let name = job.name.clone();
@@ -172,18 +171,8 @@ impl Fork {
             }
         }
         let stem = format!("{}-fork-{sp}", self.source.name);
-        for k in 1.. {
-            let n = format!("{stem}-{k}");
-            if others.iter().any(|j| j.name == n) || taken(&n) {
-                continue;
-            }
-            match Record::begin(store, &n, sp, Kind::Fork, None) {
-                Ok(record) => return Ok(Job { name: n, spare: None, record }),
-                Err(Error::ForkUnderWay(_)) => continue,
-                Err(e) => return Err(e),
-            }
-        }
-        unreachable!("some K is free")
+        let record = free_record(store, &stem, sp, Kind::Fork, &|n| others.iter().any(|j| j.name == n))?;
+        Ok(Job { name: record.name().to_string(), spare: None, record })
     }
 
     /// One fork: its spare handed out, or (none, or not usable) made now.
@@ -297,9 +286,32 @@ fn taken(n: &str) -> bool {
     lookup::name_taken(n).unwrap_or_else(|| podman::inspect(n).is_ok())
 }
 
-/// The first free `STEM-K` (K = 1, 2, …).
-pub(super) fn free_name(stem: &str) -> String {
-    (1..).map(|k| format!("{stem}-{k}")).find(|n| !taken(n)).expect("some K is free")
+/// The record of a fork (`kind`) of statepoint `sp` under the first `STEM-K` (K = 1, 2, …) that
+/// no container has, `chosen` has not, and no other fork under way is taking.
+pub(super) fn free_record(
+    store: &ContainerStore,
+    stem: &str,
+    sp: &str,
+    kind: Kind,
+    chosen: &dyn Fn(&str) -> bool,
+) -> Result<Record> {
+    for k in 1.. {
+        let n = format!("{stem}-{k}");
+        if chosen(&n) || taken(&n) {
+            continue;
+        }
+        match Record::begin(store, &n, sp, kind.clone(), None) {
+            Err(Error::ForkUnderWay(_)) => continue,
+            r => return r,
+        }
+    }
+    unreachable!("some K is free")
+}
+
+/// How many forks run at once: as many as the machine has CPUs, at least two (a fork waits on
+/// Podman and CRIU as much as it computes), at most `count`.
+pub fn parallelism(count: usize) -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get()).max(2).min(count.max(1))
 }
 
 /// Removes fork `name` of `src` and everything it was given: the container, its store, its

@@ -21,7 +21,7 @@
 //! SIGTERM).
 
 use super::fork::Fork;
-use super::forking::{Kind, Record};
+use super::forking::Kind;
 use super::{Error, Result};
 use crate::config::Config;
 use crate::context::RestoreContext;
@@ -153,11 +153,12 @@ pub fn fill(pool: Pool, count: usize, progress: &mut dyn Progress) -> Result<Vec
         }
     }
     while have.len() < count {
-        let name = super::fork::free_name(&format!("{}-spare-{sp}", source.name));
+        // (until it is registered: a spare a killed planarian was making is removed)
+        let stem = format!("{}-spare-{sp}", source.name);
+        let mut record = super::fork::free_record(&store, &stem, &sp, Kind::Spare, &|_| false)?;
+        let name = record.name().to_string();
         let fork = Fork::begin(&globals, &source.id, &sp, Some(&name))?;
         progress.phase(&format!("spare {name}: {}", fork.title()));
-        // (until it is registered: a spare a killed planarian was making is removed)
-        let mut record = Record::begin(&store, &name, &sp, Kind::Spare, None)?;
         let (new, _) = fork.make(&name, &mut record, progress)?;
         progress.phase(&format!("spare {name}: frozen"));
         let spare = Spare { id: new.id, name };
@@ -195,9 +196,8 @@ pub(super) fn unclaim(store: &ContainerStore, sp: &str, s: &Spare) {
 /// [`unclaim`] of spare `id`, when it is still a container planarian holds frozen.
 pub(super) fn unclaim_id(cfg: &Config, store: &ContainerStore, sp: &str, id: &str) {
     if let Ok(c) = podman::inspect(id) {
-        let s = Spare { id: c.id, name: c.name };
-        if usable(cfg, &s) {
-            unclaim(store, sp, &s);
+        if c.status == "running" && held(cfg, id).is_some_and(|f| f.is_frozen()) {
+            unclaim(store, sp, &Spare { id: c.id, name: c.name });
         }
     }
 }
