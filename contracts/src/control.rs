@@ -91,31 +91,49 @@ pub struct Failure {
 }
 
 /// A request's answer as the sidecar writes it: `answer` or a [`Failure`].
-pub fn answer_line<T: Serialize>(answer: Result<T, String>) -> String {
+pub fn answer_line<T: Serialize, E: std::fmt::Display>(answer: Result<T, E>) -> String {
     let v = match answer {
         Ok(a) => serde_json::to_string(&a),
-        Err(error) => serde_json::to_string(&Failure { error }),
+        Err(error) => serde_json::to_string(&Failure { error: error.to_string() }),
     };
     v.unwrap_or_else(|e| format!("{{\"error\":\"cannot encode the answer: {e}\"}}"))
 }
 
+/// Why a request to the sidecar did not get its answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AskError {
+    /// No sidecar listens on the socket, or the connection broke.
+    #[error("{0}")]
+    Unreachable(String),
+    /// The sidecar answered that the request failed (its [`Failure`]'s words).
+    #[error("{0}")]
+    Failed(String),
+    /// The answer is none of the contract's.
+    #[error("{0}")]
+    Garbled(String),
+}
+
 /// Reads an answer line: the failure's text, or the answer `T`.
-pub fn parse_answer<T: DeserializeOwned>(line: &str) -> Result<T, String> {
+pub fn parse_answer<T: DeserializeOwned>(line: &str) -> Result<T, AskError> {
     if let Ok(f) = serde_json::from_str::<Failure>(line) {
-        return Err(f.error);
+        return Err(AskError::Failed(f.error));
     }
-    serde_json::from_str(line).map_err(|e| format!("bad answer ({e}): {}", line.trim()))
+    serde_json::from_str(line).map_err(|e| AskError::Garbled(format!("bad answer ({e}): {}", line.trim())))
 }
 
 /// Asks the sidecar listening on `socket` one request.
-pub fn ask<T: DeserializeOwned>(socket: &Path, req: &Request) -> Result<T, String> {
-    let mut conn = UnixStream::connect(socket).map_err(|e| format!("no MCP proxy at {}: {e}", socket.display()))?;
-    let line = serde_json::to_string(req).map_err(|e| e.to_string())?;
-    conn.write_all(format!("{line}\n").as_bytes()).map_err(|e| format!("{}: {e}", socket.display()))?;
+pub fn ask<T: DeserializeOwned>(socket: &Path, req: &Request) -> Result<T, AskError> {
+    let broken = |e: std::io::Error| AskError::Unreachable(format!("{}: {e}", socket.display()));
+    let mut conn = UnixStream::connect(socket)
+        .map_err(|e| AskError::Unreachable(format!("no MCP proxy at {}: {e}", socket.display())))?;
+    let line = serde_json::to_string(req).map_err(|e| AskError::Garbled(e.to_string()))?;
+    conn.write_all(format!("{line}\n").as_bytes()).map_err(broken)?;
     let mut answer = String::new();
-    BufReader::new(&conn).read_line(&mut answer).map_err(|e| format!("{}: {e}", socket.display()))?;
-    parse_answer(&answer)
-        .map_err(|e| if e.starts_with("bad answer") { format!("{}: {e}", socket.display()) } else { e })
+    BufReader::new(&conn).read_line(&mut answer).map_err(broken)?;
+    parse_answer(&answer).map_err(|e| match e {
+        AskError::Garbled(e) => AskError::Garbled(format!("{}: {e}", socket.display())),
+        e => e,
+    })
 }
 
 #[cfg(test)]
@@ -144,14 +162,14 @@ mod tests {
 
     #[test]
     fn answers_are_the_named_answer_or_a_failure() {
-        let line = answer_line(Ok(Compensated { position: 2, rows: 5 }));
+        let line = answer_line::<_, String>(Ok(Compensated { position: 2, rows: 5 }));
         assert_eq!(serde_json::from_str::<serde_json::Value>(&line).unwrap(), json!({"position": 2, "rows": 5}));
         assert_eq!(parse_answer::<Compensated>(&line), Ok(Compensated { position: 2, rows: 5 }));
-        let line = answer_line::<Compensated>(Err("conflict: row 3 changed".into()));
-        assert_eq!(parse_answer::<Compensated>(&line), Err("conflict: row 3 changed".into()));
+        let line = answer_line::<Compensated, String>(Err("conflict: row 3 changed".into()));
+        assert_eq!(parse_answer::<Compensated>(&line), Err(AskError::Failed("conflict: row 3 changed".into())));
         // An older proxy wrote `"uncovered": null` when nothing was passed.
         let p: Position = parse_answer(r#"{"position": 4, "uncovered": null}"#).unwrap();
         assert_eq!(p, Position { position: 4, ..Default::default() });
-        assert!(parse_answer::<Position>("{}").unwrap_err().starts_with("bad answer"));
+        assert!(matches!(parse_answer::<Position>("{}"), Err(AskError::Garbled(e)) if e.starts_with("bad answer")));
     }
 }

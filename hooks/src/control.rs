@@ -1,6 +1,7 @@
 //! The control socket's server side: one request per connection, answered by the proxy. The
 //! requests and answers are `planarian_contracts::control`'s.
 
+use crate::error::{Error, Result};
 use crate::proxy::Proxy;
 use planarian_contracts::control::{self, Request};
 use std::io::{BufRead, BufReader, Write};
@@ -9,18 +10,18 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// Listens on `path`, taking it over from a proxy that is gone (never from a live one).
-pub fn bind(path: &Path) -> Result<UnixListener, String> {
+pub fn bind(path: &Path) -> Result<UnixListener> {
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(Error::file("create", dir))?;
     }
     if UnixStream::connect(path).is_ok() {
-        return Err(format!("another proxy already listens on {}", path.display()));
+        return Err(Error::Refused(format!("another proxy already listens on {}", path.display())));
     }
     let _ = std::fs::remove_file(path);
-    UnixListener::bind(path).map_err(|e| format!("cannot listen on {}: {e}", path.display()))
+    UnixListener::bind(path).map_err(Error::file("listen on", path))
 }
 
-pub fn listen(path: &Path, proxy: Arc<Proxy>) -> Result<(), String> {
+pub fn listen(path: &Path, proxy: Arc<Proxy>) -> Result<()> {
     let listener = bind(path)?;
     std::thread::spawn(move || {
         for conn in listener.incoming().flatten() {
@@ -38,7 +39,7 @@ fn handle(conn: UnixStream, proxy: &Arc<Proxy>) {
     }
     let answer = match serde_json::from_str::<Request>(&line) {
         Ok(req) => answer(&req, proxy),
-        Err(e) => control::answer_line::<()>(Err(format!(
+        Err(e) => control::answer_line::<(), _>(Err(format!(
             "unknown request ({e}): expected op position, compensate, branch, unbranch, disable or status"
         ))),
     };
@@ -67,9 +68,9 @@ fn answer(req: &Request, proxy: &Arc<Proxy>) -> String {
         Request::Disable { reason } => {
             let why = if reason.is_empty() { "database calls are disabled for this sandbox" } else { reason };
             proxy.disable(why.to_string());
-            control::answer_line(Ok(control::Disabled { disabled: true }))
+            control::answer_line::<_, Error>(Ok(control::Disabled { disabled: true }))
         }
-        Request::Status => control::answer_line(Ok(proxy.status())),
+        Request::Status => control::answer_line::<_, Error>(Ok(proxy.status())),
         Request::Branch { at, container } => {
             control::answer_line(proxy.branch(*at, container).map(|database| control::Branched { database }))
         }

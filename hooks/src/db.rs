@@ -1,6 +1,7 @@
 //! The proxy's own connection to the database: the undo log's schema, catalog look-ups for the
 //! rewrite, and compensation — each compensation in one real transaction.
 
+use crate::error::{Error, Result};
 use crate::sql::{quote_ident, Ddl, Descendant, Object, TableInfo, UNDO_SCHEMA};
 use postgres::{Client, NoTls};
 use std::process::{Command, Stdio};
@@ -28,27 +29,7 @@ struct Cache {
 const HARMLESS_VOLATILE: &[&str] =
     &["random", "clock_timestamp", "timeofday", "gen_random_uuid", "txid_current", "pg_sleep"];
 
-#[derive(Debug)]
-pub enum CompensateError {
-    /// A row is no longer what the agent's call left: nothing was changed.
-    Conflict(String),
-    Other(String),
-}
-
-impl std::fmt::Display for CompensateError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            CompensateError::Conflict(s) => write!(f, "conflict: {s}"),
-            CompensateError::Other(s) => f.write_str(s),
-        }
-    }
-}
-
-/// A PostgreSQL error of the proxy's own connection, as a compensation reports it.
-fn other(e: postgres::Error) -> CompensateError {
-    CompensateError::Other(pe(e))
-}
-
+/// PostgreSQL's own words for an error of the proxy's connection, for a message of the proxy's.
 fn pe(e: postgres::Error) -> String {
     match e.as_db_error() {
         Some(d) => d.message().to_string(),
@@ -104,7 +85,7 @@ pub fn conninfo(config: &postgres::Config) -> String {
 
 /// Copies the database of `from` into the (empty) one of `to`: pg_dump's consistent snapshot,
 /// restored in one transaction; any error fails the copy.
-pub fn copy_database(from: &postgres::Config, to: &postgres::Config, major: i32) -> Result<(), String> {
+pub fn copy_database(from: &postgres::Config, to: &postgres::Config, major: i32) -> Result<()> {
     let tool = |name: &str| {
         let versioned = std::path::PathBuf::from(format!("/usr/lib/postgresql/{major}/bin/{name}"));
         if versioned.exists() {
@@ -119,20 +100,20 @@ pub fn copy_database(from: &postgres::Config, to: &postgres::Config, major: i32)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", tool("pg_dump").display()))?;
+        .map_err(Error::file("run", tool("pg_dump")))?;
     let restore = Command::new(tool("pg_restore"))
         .args(["--exit-on-error", "--single-transaction", "--dbname"])
         .arg(conninfo(to))
         .stdin(dump.stdout.take().expect("piped"))
         .output()
-        .map_err(|e| format!("cannot run {}: {e}", tool("pg_restore").display()))?;
-    let dumped = dump.wait_with_output().map_err(|e| e.to_string())?;
+        .map_err(Error::file("run", tool("pg_restore")))?;
+    let dumped = dump.wait_with_output().map_err(Error::file("wait for", tool("pg_dump")))?;
     let last = |b: &[u8]| String::from_utf8_lossy(b).lines().last().unwrap_or("no message").trim().to_string();
     if !dumped.status.success() {
-        return Err(format!("pg_dump failed: {}", last(&dumped.stderr)));
+        return Err(Error::Postgres(format!("pg_dump failed: {}", last(&dumped.stderr))));
     }
     if !restore.status.success() {
-        return Err(format!("pg_restore failed: {}", last(&restore.stderr)));
+        return Err(Error::Postgres(format!("pg_restore failed: {}", last(&restore.stderr))));
     }
     Ok(())
 }
@@ -170,8 +151,9 @@ fn descendant(v: &serde_json::Value) -> Descendant {
 }
 
 impl Db {
-    pub fn connect(config: &postgres::Config) -> Result<Db, String> {
-        let client = config.connect(NoTls).map_err(|e| format!("cannot connect to the database: {}", pe(e)))?;
+    pub fn connect(config: &postgres::Config) -> Result<Db> {
+        let client =
+            config.connect(NoTls).map_err(|e| Error::Postgres(format!("cannot connect to the database: {}", pe(e))))?;
         let mut db = Db { client, table_info: None, cache: None };
         db.client
             .batch_execute(&format!(
@@ -189,7 +171,7 @@ impl Db {
                 if e.code().is_some_and(|c| c.code() == "23505" || c.code() == "42P06" || c.code() == "42P07") {
                     Ok(())
                 } else {
-                    Err(format!("cannot create the undo log {UNDO_SCHEMA}.undo: {}", pe(e)))
+                    Err(Error::Postgres(format!("cannot create the undo log {UNDO_SCHEMA}.undo: {}", pe(e))))
                 }
             })?;
         db.watch_catalog();
@@ -236,37 +218,39 @@ impl Db {
     }
 
     /// The database's name and size in bytes, and the server's major version.
-    pub fn describe(&mut self) -> Result<(String, i64, i32), String> {
+    pub fn describe(&mut self) -> Result<(String, i64, i32)> {
         let r = self
             .client
             .query_one("SELECT current_database()::text, pg_database_size(current_database()), current_setting('server_version_num')::int / 10000", &[])
-            .map_err(pe)?;
+            ?;
         Ok((r.get(0), r.get(1), r.get(2)))
     }
 
     /// Creates an empty database `name` (owned by this connection's role).
-    pub fn create_database(&mut self, name: &str) -> Result<(), String> {
+    pub fn create_database(&mut self, name: &str) -> Result<()> {
         self.client.batch_execute(&format!("CREATE DATABASE {} TEMPLATE template0", quote_ident(name))).map_err(|e| {
             match e.code() {
-                Some(c) if c.code() == "42P04" => format!("a database {name} exists already"),
-                _ => format!("cannot create the database {name}: {}", pe(e)),
+                Some(c) if c.code() == "42P04" => Error::Refused(format!("a database {name} exists already")),
+                _ => Error::Postgres(format!("cannot create the database {name}: {}", pe(e))),
             }
         })
     }
 
-    pub fn drop_database(&mut self, name: &str) -> Result<(), String> {
-        self.client.batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", quote_ident(name))).map_err(pe)
+    pub fn drop_database(&mut self, name: &str) -> Result<()> {
+        self.client
+            .batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", quote_ident(name)))
+            .map_err(Error::from)
     }
 
     /// Marks the branch point of a database copied from another at `position`: the copy's
     /// positions go on from there (a position that changed nothing left no undo row).
-    pub fn mark_branch(&mut self, position: u64) -> Result<(), String> {
+    pub fn mark_branch(&mut self, position: u64) -> Result<()> {
         self.client
             .execute(
                 &format!("INSERT INTO {UNDO_SCHEMA}.undo (position, stmt, seq, tbl) VALUES ($1, -1, 0, 'branch') ON CONFLICT DO NOTHING"),
                 &[&(position as i64)],
             )
-            .map_err(pe)?;
+            ?;
         Ok(())
     }
 
@@ -279,15 +263,15 @@ impl Db {
 
     /// The inverse of a DDL statement about to run, or None when it creates nothing (the object
     /// exists: IF NOT EXISTS makes it a no-op, otherwise the server refuses it).
-    pub fn ddl_inverse(&mut self, d: &Ddl) -> Result<Option<String>, String> {
-        let schema = |s: &Option<String>, c: &mut Client| -> Result<String, String> {
+    pub fn ddl_inverse(&mut self, d: &Ddl) -> Result<Option<String>> {
+        let schema = |s: &Option<String>, c: &mut Client| -> Result<String> {
             match s {
                 Some(s) => Ok(s.clone()),
-                None => Ok(c.query_one("SELECT current_schema()::text", &[]).map_err(pe)?.get(0)),
+                None => Ok(c.query_one("SELECT current_schema()::text", &[])?.get(0)),
             }
         };
-        let rel_exists = |c: &mut Client, name: &str| -> Result<bool, String> {
-            Ok(c.query_one("SELECT to_regclass($1) IS NOT NULL", &[&name]).map_err(pe)?.get(0))
+        let rel_exists = |c: &mut Client, name: &str| -> Result<bool> {
+            Ok(c.query_one("SELECT to_regclass($1) IS NOT NULL", &[&name])?.get(0))
         };
         let q = |s: &str, n: &str| format!("{}.{}", quote_ident(s), quote_ident(n));
         let c = &mut self.client;
@@ -304,19 +288,17 @@ impl Db {
                 let full = q(&schema(s, c)?, name);
                 match (rel_exists(c, &full)?, replace) {
                     (true, true) => {
-                        return Err(format!(
+                        return Err(Error::Refused(format!(
                             "CREATE OR REPLACE VIEW over the existing view {full} cannot be undone: create a new view"
-                        ))
+                        )))
                     }
                     (true, false) => None,
                     (false, _) => Some(format!("DROP VIEW IF EXISTS {full}")),
                 }
             }
             Object::Schema { name } => {
-                let exists: bool = c
-                    .query_one("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", &[name])
-                    .map_err(pe)?
-                    .get(0);
+                let exists: bool =
+                    c.query_one("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", &[name])?.get(0);
                 (!exists).then(|| format!("DROP SCHEMA IF EXISTS {}", quote_ident(name)))
             }
             Object::Column { schema: s, table, column } => {
@@ -326,7 +308,7 @@ impl Db {
                         "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = $2 AND NOT attisdropped)",
                         &[&full, column],
                     )
-                    .map_err(pe)?
+                    ?
                     .get(0);
                 (!exists).then(|| format!("ALTER TABLE IF EXISTS {full} DROP COLUMN IF EXISTS {}", quote_ident(column)))
             }
@@ -336,43 +318,34 @@ impl Db {
     /// Records a DDL statement's inverse before the statement is sent (its own transaction: DDL
     /// cannot join the agent's). A crash before the statement ran leaves an inverse that does
     /// nothing (IF EXISTS); the object did not exist before, so dropping it is always right.
-    pub fn record_ddl(&mut self, position: u64, what: &str, inverse: &str) -> Result<(), String> {
-        self.client
-            .execute(
-                &format!("INSERT INTO {UNDO_SCHEMA}.undo (position, stmt, seq, tbl, ddl) VALUES ($1, 0, 0, $2, $3)"),
-                &[&(position as i64), &what, &inverse],
-            )
-            .map_err(pe)?;
+    pub fn record_ddl(&mut self, position: u64, what: &str, inverse: &str) -> Result<()> {
+        self.client.execute(
+            &format!("INSERT INTO {UNDO_SCHEMA}.undo (position, stmt, seq, tbl, ddl) VALUES ($1, 0, 0, $2, $3)"),
+            &[&(position as i64), &what, &inverse],
+        )?;
         Ok(())
     }
 
     /// Records what a table the call just created and filled holds (`CREATE TABLE … AS`): undo
     /// drops it only while it holds exactly that.
-    pub fn record_contents(&mut self, position: u64, inverse: &str) -> Result<(), String> {
+    pub fn record_contents(&mut self, position: u64, inverse: &str) -> Result<()> {
         let Some(table) = inverse.strip_prefix("DROP TABLE IF EXISTS ") else { return Ok(()) };
-        self.client
-            .execute(
-                &format!(
-                    "UPDATE {UNDO_SCHEMA}.undo SET content = ({}) WHERE position = $1 AND seq = 0",
-                    contents(table)
-                ),
-                &[&(position as i64)],
-            )
-            .map_err(pe)?;
+        self.client.execute(
+            &format!("UPDATE {UNDO_SCHEMA}.undo SET content = ({}) WHERE position = $1 AND seq = 0", contents(table)),
+            &[&(position as i64)],
+        )?;
         Ok(())
     }
 
     /// Forgets a DDL record whose statement failed.
-    pub fn forget(&mut self, position: u64) -> Result<(), String> {
-        self.client
-            .execute(&format!("DELETE FROM {UNDO_SCHEMA}.undo WHERE position = $1"), &[&(position as i64)])
-            .map_err(pe)?;
+    pub fn forget(&mut self, position: u64) -> Result<()> {
+        self.client.execute(&format!("DELETE FROM {UNDO_SCHEMA}.undo WHERE position = $1"), &[&(position as i64)])?;
         Ok(())
     }
 
     /// How many calls after position `from`, up to `to`, changed something (those a rollback
     /// undid are gone from the log), and the tables (and, for DDL, `schema change`) they changed.
-    pub fn changes_between(&mut self, from: u64, to: u64) -> Result<(u64, Vec<String>), String> {
+    pub fn changes_between(&mut self, from: u64, to: u64) -> Result<(u64, Vec<String>)> {
         let calls = self
             .client
             .query_one(
@@ -380,19 +353,15 @@ impl Db {
                     "SELECT count(DISTINCT position) FROM {UNDO_SCHEMA}.undo WHERE position > $1 AND position <= $2"
                 ),
                 &[&(from as i64), &(to as i64)],
-            )
-            .map_err(pe)?
+            )?
             .get::<_, i64>(0) as u64;
-        let rows = self
-            .client
-            .query(
-                &format!(
-                    "SELECT DISTINCT CASE WHEN ddl IS NULL THEN tbl ELSE 'schema change' END FROM {UNDO_SCHEMA}.undo
+        let rows = self.client.query(
+            &format!(
+                "SELECT DISTINCT CASE WHEN ddl IS NULL THEN tbl ELSE 'schema change' END FROM {UNDO_SCHEMA}.undo
                      WHERE position > $1 AND position <= $2 ORDER BY 1"
-                ),
-                &[&(from as i64), &(to as i64)],
-            )
-            .map_err(pe)?;
+            ),
+            &[&(from as i64), &(to as i64)],
+        )?;
         // Names as psql shows them: a table of the default schema without it.
         let name = |t: String| t.strip_prefix("public.").map(String::from).unwrap_or(t);
         let mut tables: Vec<String> = rows.iter().map(|r| name(r.get::<_, String>(0))).collect();
@@ -401,18 +370,15 @@ impl Db {
     }
 
     /// The highest position with undo rows (0 when none).
-    pub fn max_position(&mut self) -> Result<u64, String> {
-        let row = self
-            .client
-            .query_one(&format!("SELECT coalesce(max(position), 0) FROM {UNDO_SCHEMA}.undo"), &[])
-            .map_err(pe)?;
+    pub fn max_position(&mut self) -> Result<u64> {
+        let row = self.client.query_one(&format!("SELECT coalesce(max(position), 0) FROM {UNDO_SCHEMA}.undo"), &[])?;
         Ok(row.get::<_, i64>(0) as u64)
     }
 
     /// What a write to `name` needs to know, in one catalog query: its columns and primary key,
     /// and what would make its changes uncompensable (not a plain table, rules, user triggers,
     /// foreign keys of other tables that cascade changes to it).
-    pub fn table_info(&mut self, name: &str) -> Result<TableInfo, String> {
+    pub fn table_info(&mut self, name: &str) -> Result<TableInfo> {
         if let Some(t) = self.cache.as_ref().and_then(|c| c.tables.get(name)) {
             return Ok(t.clone());
         }
@@ -426,7 +392,7 @@ impl Db {
         Ok(t)
     }
 
-    fn ask_table_info(&mut self, name: &str) -> Result<TableInfo, String> {
+    fn ask_table_info(&mut self, name: &str) -> Result<TableInfo> {
         let stmt = match &self.table_info {
             Some(s) => s.clone(),
             None => {
@@ -464,14 +430,14 @@ impl Db {
                          , (SELECT max(generation) FROM planarian.catalog WHERE $2)
                          FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)",
                     )
-                    .map_err(pe)?;
+                    ?;
                 self.table_info = Some(s.clone());
                 s
             }
         };
         let watched = self.cache.is_some();
-        let rows = self.client.query(&stmt, &[&name, &watched]).map_err(pe)?;
-        let Some(row) = rows.first() else { return Err(format!("relation {name} does not exist")) };
+        let rows = self.client.query(&stmt, &[&name, &watched])?;
+        let Some(row) = rows.first() else { return Err(Error::Refused(format!("relation {name} does not exist"))) };
         let qualified: String = row.get(0);
         let relkind: String = row.get(1);
         let mut problems = Vec::new();
@@ -510,7 +476,7 @@ impl Db {
 
     /// The functions among `names` that are volatile (may change the database) and not known to
     /// be harmless.
-    pub fn unsafe_functions(&mut self, names: &[String]) -> Result<Vec<String>, String> {
+    pub fn unsafe_functions(&mut self, names: &[String]) -> Result<Vec<String>> {
         let bare: Vec<String> = names
             .iter()
             .map(|n| n.rsplit('.').next().unwrap_or(n).to_string())
@@ -519,20 +485,17 @@ impl Db {
         if bare.is_empty() {
             return Ok(vec![]);
         }
-        let rows = self
-            .client
-            .query(
-                "SELECT DISTINCT proname::text FROM pg_proc WHERE proname = ANY($1) AND provolatile = 'v' ORDER BY 1",
-                &[&bare],
-            )
-            .map_err(pe)?;
+        let rows = self.client.query(
+            "SELECT DISTINCT proname::text FROM pg_proc WHERE proname = ANY($1) AND provolatile = 'v' ORDER BY 1",
+            &[&bare],
+        )?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
     /// Undoes every recorded change after `position`, newest first, in one transaction: all of
     /// it, or — on a conflict or error — none of it. Returns how many rows were restored.
-    pub fn compensate_to(&mut self, position: u64) -> Result<u64, CompensateError> {
-        let tx = self.client.transaction().map_err(other)?;
+    pub fn compensate_to(&mut self, position: u64) -> Result<u64> {
+        let tx = self.client.transaction()?;
         let mut c = compensation::Compensation::new(tx, position);
         let entries = c.entries()?;
         for e in &entries {

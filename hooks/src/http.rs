@@ -3,6 +3,7 @@
 //! events), and the event-stream parser the client side shares. The client side itself is ureq
 //! (proxy/upstream.rs).
 
+use crate::error::{Error, Result};
 use std::io::{self, BufRead, Read, Write};
 
 /// A request body or a non-streamed response body may not be larger than this.
@@ -259,13 +260,13 @@ pub struct Url {
 }
 
 impl Url {
-    pub fn parse(s: &str) -> Result<Url, String> {
-        let rest = s
-            .strip_prefix("http://")
-            .ok_or_else(|| format!("{s}: only http:// URLs are supported (the MCP server runs beside the proxy)"))?;
+    pub fn parse(s: &str) -> Result<Url> {
+        let rest = s.strip_prefix("http://").ok_or_else(|| {
+            Error::Invalid(format!("{s}: only http:// URLs are supported (the MCP server runs beside the proxy)"))
+        })?;
         let (authority, path) = rest.find('/').map_or((rest, "/"), |i| (&rest[..i], &rest[i..]));
         if authority.is_empty() {
-            return Err(format!("{s}: no host"));
+            return Err(Error::Invalid(format!("{s}: no host")));
         }
         let authority =
             if authority.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) && !authority.ends_with(']') {
@@ -318,6 +319,6 @@ mod tests {
         assert_eq!((u.authority.as_str(), u.path.as_str()), ("127.0.0.1:5000", "/mcp"));
         let u = Url::parse("http://localhost").unwrap();
         assert_eq!((u.authority.as_str(), u.path.as_str()), ("localhost:80", "/"));
-        assert!(Url::parse("https://x/mcp").unwrap_err().contains("only http://"));
+        assert!(Url::parse("https://x/mcp").unwrap_err().to_string().contains("only http://"));
     }
 }

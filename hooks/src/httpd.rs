@@ -4,6 +4,7 @@
 //! last response; `GET /mcp` opens a standing event stream for the server's messages outside
 //! any call; `DELETE /mcp` ends the session. Sessions are created by `initialize`.
 
+use crate::error::{Error, Result};
 use crate::http::{self, Request};
 use crate::proxy::{Conn, Proxy};
 use planarian_contracts::jsonrpc;
@@ -18,14 +19,14 @@ use std::time::Duration;
 type Sessions = Arc<Mutex<HashSet<String>>>;
 
 /// Binds the listener; only loopback addresses (the proxy has no authentication).
-pub fn bind(addr: &str) -> Result<TcpListener, String> {
-    let a: SocketAddr = addr
-        .parse()
-        .map_err(|_| format!("--http {addr}: not an address:port (e.g. 127.0.0.1:8808, or port 0 for any)"))?;
+pub fn bind(addr: &str) -> Result<TcpListener> {
+    let a: SocketAddr = addr.parse().map_err(|_| {
+        Error::Invalid(format!("--http {addr}: not an address:port (e.g. 127.0.0.1:8808, or port 0 for any)"))
+    })?;
     if !a.ip().is_loopback() {
-        return Err(format!("--http {addr}: the proxy listens on loopback only (127.0.0.1 or [::1])"));
+        return Err(Error::Invalid(format!("--http {addr}: the proxy listens on loopback only (127.0.0.1 or [::1])")));
     }
-    TcpListener::bind(a).map_err(|e| format!("cannot listen on {addr}: {e}"))
+    TcpListener::bind(a).map_err(|e| Error::Invalid(format!("cannot listen on {addr}: {e}")))
 }
 
 pub fn serve(proxy: Arc<Proxy>, listener: TcpListener) {

@@ -8,6 +8,7 @@
 //! undo) and an undone one an `undone` line. The file is rewritten without what no longer
 //! matters after each compensation.
 
+use crate::error::{Error, Result};
 use crate::spec::{Call, Scope};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -47,12 +48,12 @@ impl Journal {
         state_file.with_extension("journal")
     }
 
-    pub fn load(path: &Path) -> Result<Journal, String> {
+    pub fn load(path: &Path) -> Result<Journal> {
         let mut j = Journal { path: path.to_path_buf(), entries: vec![] };
         let text = match std::fs::read_to_string(path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(j),
-            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+            Err(e) => return Err(Error::file("read", path)(e)),
         };
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
             // A line cut short by a crash while it was written is the last one: the call it
@@ -80,34 +81,32 @@ impl Journal {
         }
     }
 
-    fn append(&mut self, ev: Event) -> Result<(), String> {
-        let mut line = serde_json::to_vec(&ev).map_err(|e| e.to_string())?;
+    fn append(&mut self, ev: Event) -> Result<()> {
+        let mut line = serde_json::to_vec(&ev).map_err(|e| Error::Invalid(e.to_string()))?;
         line.push(b'\n');
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&self.path)
-            .map_err(|e| format!("cannot open {}: {e}", self.path.display()))?;
-        f.write_all(&line)
-            .and_then(|_| f.sync_data())
-            .map_err(|e| format!("cannot write {}: {e}", self.path.display()))?;
+            .map_err(Error::file("open", &self.path))?;
+        f.write_all(&line).and_then(|_| f.sync_data()).map_err(Error::file("write", &self.path))?;
         self.apply(ev);
         Ok(())
     }
 
-    pub fn sent(&mut self, e: Entry) -> Result<(), String> {
+    pub fn sent(&mut self, e: Entry) -> Result<()> {
         self.append(Event::Sent(Box::new(e)))
     }
 
-    pub fn answered(&mut self, position: u64, result: Value, post: Option<Value>) -> Result<(), String> {
+    pub fn answered(&mut self, position: u64, result: Value, post: Option<Value>) -> Result<()> {
         self.append(Event::Answered { position, result, post })
     }
 
-    pub fn failed(&mut self, position: u64) -> Result<(), String> {
+    pub fn failed(&mut self, position: u64) -> Result<()> {
         self.append(Event::Failed { position })
     }
 
-    pub fn undone(&mut self, position: u64) -> Result<(), String> {
+    pub fn undone(&mut self, position: u64) -> Result<()> {
         self.append(Event::Undone { position })
     }
 
@@ -134,18 +133,20 @@ impl Journal {
     }
 
     /// Rewritten with only the entries in effect.
-    pub fn compact(&mut self) -> Result<(), String> {
+    pub fn compact(&mut self) -> Result<()> {
         let mut out = Vec::new();
         for e in &self.entries {
-            out.extend(serde_json::to_vec(&Event::Sent(Box::new(e.clone()))).map_err(|e| e.to_string())?);
+            out.extend(
+                serde_json::to_vec(&Event::Sent(Box::new(e.clone()))).map_err(|e| Error::Invalid(e.to_string()))?,
+            );
             out.push(b'\n');
             if e.post.is_some() || !e.scope.result.is_null() {
                 let ev = Event::Answered { position: e.position, result: e.scope.result.clone(), post: e.post.clone() };
-                out.extend(serde_json::to_vec(&ev).map_err(|e| e.to_string())?);
+                out.extend(serde_json::to_vec(&ev).map_err(|e| Error::Invalid(e.to_string()))?);
                 out.push(b'\n');
             }
         }
-        sys::write_atomic(&self.path, &out, 0o600).map_err(|e| format!("cannot write {}: {e}", self.path.display()))
+        sys::write_atomic(&self.path, &out, 0o600).map_err(Error::from)
     }
 }
 

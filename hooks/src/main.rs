@@ -24,6 +24,7 @@
 
 mod control;
 mod db;
+mod error;
 mod http;
 mod httpd;
 mod journal;
@@ -33,6 +34,7 @@ mod sql;
 mod state;
 mod toolbox;
 
+use crate::error::{Error, Result};
 use planarian_contracts::control::{self as contract, Request};
 use planarian_contracts::{hook, paths};
 use std::path::PathBuf;
@@ -47,7 +49,7 @@ fn print_line<T: serde::Serialize>(t: &T) {
 /// Plain read/write loops, not `std::io::copy`: between a socket and a pipe that uses
 /// splice(2), and in the guest (Linux 6.1) answers spliced from the sidecar's socket into the
 /// harness's pipe were sometimes never delivered.
-fn connect(path: &std::path::Path) -> Result<(), String> {
+fn connect(path: &std::path::Path) -> Result<()> {
     use std::io::{Read, Write};
     use std::os::unix::net::UnixStream;
     fn pump(mut from: impl Read, mut to: impl Write) -> std::io::Result<()> {
@@ -63,14 +65,14 @@ fn connect(path: &std::path::Path) -> Result<(), String> {
             to.flush()?;
         }
     }
-    let stream =
-        UnixStream::connect(path).map_err(|e| format!("no MCP proxy for this container at {}: {e}", path.display()))?;
-    let to_proxy = stream.try_clone().map_err(|e| e.to_string())?;
+    let stream = UnixStream::connect(path)
+        .map_err(|e| Error::Refused(format!("no MCP proxy for this container at {}: {e}", path.display())))?;
+    let to_proxy = stream.try_clone().map_err(Error::file("use", path))?;
     std::thread::spawn(move || {
         let _ = pump(std::io::stdin(), &to_proxy);
         let _ = to_proxy.shutdown(std::net::Shutdown::Write);
     });
-    pump(&stream, std::io::stdout()).map_err(|e| e.to_string())
+    pump(&stream, std::io::stdout()).map_err(Error::file("relay", path))
 }
 
 /// The proxy's command line.
@@ -185,12 +187,12 @@ fn main() {
     use clap::Parser;
     let cli = Cli::parse();
     let socket = paths::control_socket;
-    let r = match cli.command {
+    let r: Result<()> = match cli.command {
         Cmd::Serve(a) => serve(*a),
         Cmd::Connect { container } => connect(&paths::clients_socket(&container)),
         Cmd::Url { container } => std::fs::read_to_string(paths::url_file(&container))
             .map(|u| println!("{}", u.trim()))
-            .map_err(|_| format!("the MCP proxy of container {container} serves no HTTP endpoint (set http in its [mcp.services] entry)")),
+            .map_err(|_| Error::Invalid(format!("the MCP proxy of container {container} serves no HTTP endpoint (set http in its [mcp.services] entry)"))),
         Cmd::Capture { container } => {
             // planarian passes the position of the statepoint's parent: what changed since.
             let since = std::env::var(hook::SINCE_POSITION_ENV).ok().and_then(|p| p.parse::<u64>().ok());
@@ -204,9 +206,12 @@ fn main() {
                 };
                 print_line(&out);
             })
+            .map_err(Error::from)
         }
         Cmd::Compensate { container, position } => {
-            contract::ask::<contract::Compensated>(&socket(&container), &Request::Compensate { to: position }).map(drop)
+            contract::ask::<contract::Compensated>(&socket(&container), &Request::Compensate { to: position })
+                .map(drop)
+                .map_err(Error::from)
         }
         Cmd::Branch { container, position, new_container } => contract::ask::<contract::Branched>(
             &socket(&container),
@@ -218,10 +223,12 @@ fn main() {
                 database: b.database,
                 mcp_call_position: Some(position),
             })
-        }),
+        })
+        .map_err(Error::from),
         Cmd::Unbranch { container, new_container } => {
             contract::ask::<contract::Unbranched>(&socket(&container), &Request::Unbranch { container: new_container })
                 .map(drop)
+                .map_err(Error::from)
         }
         Cmd::Control { socket, op } => {
             let req = match op {
@@ -233,17 +240,17 @@ fn main() {
                 ControlOp::Disable { reason } => Request::Disable { reason: reason.unwrap_or_default() },
             };
             // (printed as the sidecar answered: for people and tests)
-            contract::ask::<serde_json::Value>(&socket, &req).map(|v| println!("{v}"))
+            contract::ask::<serde_json::Value>(&socket, &req).map(|v| println!("{v}")).map_err(Error::from)
         }
     };
     if let Err(e) = r {
         // One line: planarian reads the last line of a hook's errors.
-        eprintln!("planarian-mcp-proxy: {}", e.replace('\n', " "));
+        eprintln!("planarian-mcp-proxy: {}", e.to_string().replace('\n', " "));
         std::process::exit(1);
     }
 }
 
-fn serve(a: Serve) -> Result<(), String> {
+fn serve(a: Serve) -> Result<()> {
     let container = a.container;
     let dsn = a.dsn;
     let mut upstream = a.upstream;
@@ -251,7 +258,9 @@ fn serve(a: Serve) -> Result<(), String> {
     let state_file = a
         .state
         .or_else(|| container.as_deref().map(|c| PathBuf::from("/var/lib/planarian/mcp").join(format!("{c}.json"))))
-        .ok_or("serve needs --state FILE or --container ID (where the call positions are kept)")?;
+        .ok_or_else(|| {
+            Error::Invalid("serve needs --state FILE or --container ID (where the call positions are kept)".into())
+        })?;
     let server = match a.server {
         ServerKind::Toolbox => proxy::Server::Toolbox,
         ServerKind::Dbhub => proxy::Server::Dbhub,
@@ -298,7 +307,7 @@ fn serve(a: Serve) -> Result<(), String> {
     opts.upstream_url = a.upstream_url.map(|u| http::Url::parse(&u.replace("{dbname}", &dbname))).transpose()?;
     let (upstream, upstream_url) = (&opts.upstream, &opts.upstream_url);
     if upstream.is_empty() && upstream_url.is_none() && opts.disabled.is_none() {
-        return Err("serve needs -- UPSTREAM-COMMAND or --upstream-url URL".into());
+        return Err(Error::Invalid("serve needs -- UPSTREAM-COMMAND or --upstream-url URL".into()));
     }
     let http_listener = a.http.map(|addr| httpd::bind(&addr)).transpose()?;
     let listen = a.listen.or_else(|| container.as_deref().map(paths::clients_socket));
@@ -308,10 +317,13 @@ fn serve(a: Serve) -> Result<(), String> {
     }
     let url_file = container.as_deref().map(paths::url_file);
     if let Some(listener) = http_listener {
-        let url = format!("http://{}/mcp", listener.local_addr().map_err(|e| e.to_string())?);
+        let url = format!(
+            "http://{}/mcp",
+            listener.local_addr().map_err(|e| Error::Invalid(format!("the HTTP listener: {e}")))?
+        );
         eprintln!("planarian-mcp-proxy: serving MCP (Streamable HTTP) at {url}");
         if let Some(f) = &url_file {
-            std::fs::write(f, format!("{url}\n")).map_err(|e| format!("cannot write {}: {e}", f.display()))?;
+            std::fs::write(f, format!("{url}\n")).map_err(Error::file("write", f))?;
         }
         if container.is_none() {
             // Only HTTP: it serves until the proxy is stopped.

@@ -29,6 +29,7 @@
 //! differ, something other than this proxy changed what the call left, and the rollback stops
 //! with a conflict instead of clobbering it (`unordered = true` compares arrays as sets).
 
+use crate::error::{Error, Result};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -94,41 +95,41 @@ fn empty_object() -> Value {
 
 impl Spec {
     /// A builtin spec by name, or a file.
-    pub fn load(name_or_path: &str) -> Result<Spec, String> {
+    pub fn load(name_or_path: &str) -> Result<Spec> {
         let (what, text) = match BUILTIN.iter().find(|(n, _)| *n == name_or_path) {
             Some((_, t)) => (format!("the builtin spec {name_or_path}"), t.to_string()),
             None => (
                 name_or_path.to_string(),
                 std::fs::read_to_string(name_or_path).map_err(|e| {
                     let names: Vec<&str> = BUILTIN.iter().map(|(n, _)| *n).collect();
-                    format!("--spec {name_or_path}: {e} (builtin specs: {})", names.join(", "))
+                    Error::Invalid(format!("--spec {name_or_path}: {e} (builtin specs: {})", names.join(", ")))
                 })?,
             ),
         };
-        let spec: Spec = toml::from_str(&text).map_err(|e| format!("{what}: {e}"))?;
-        spec.validate().map_err(|e| format!("{what}: {e}"))?;
+        let spec: Spec = toml::from_str(&text).map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
+        spec.validate().map_err(|e| e.context(&what))?;
         Ok(spec)
     }
 
     /// Every expression parses.
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<()> {
         for (name, t) in &self.tools {
             let calls = t.capture.iter().chain(&t.undo).chain(&t.check);
             for c in calls {
-                check_template(&c.arguments).map_err(|e| format!("tool {name}: {e}"))?;
+                check_template(&c.arguments).map_err(|e| e.context(format!("tool {name}")))?;
             }
             if let Some(r) = &t.read_if {
-                Expr::parse(r).map_err(|e| format!("tool {name}: read_if: {e}"))?;
+                Expr::parse(r).map_err(|e| e.context(format!("tool {name}: read_if")))?;
             }
             if t.refuse_when_capture_fails.is_some() && t.capture.is_none() {
-                return Err(format!("tool {name}: refuse_when_capture_fails needs a capture"));
+                return Err(Error::Invalid(format!("tool {name}: refuse_when_capture_fails needs a capture")));
             }
         }
         Ok(())
     }
 }
 
-fn check_template(t: &Value) -> Result<(), String> {
+fn check_template(t: &Value) -> Result<()> {
     match t {
         Value::String(s) if s.starts_with('$') => Expr::parse(s).map(drop),
         Value::Array(a) => a.iter().try_for_each(check_template),
@@ -186,7 +187,7 @@ pub fn same_answer(a: &Value, b: &Value, unordered: bool) -> bool {
 }
 
 /// Renders a template.
-pub fn render(t: &Value, scope: &Scope) -> Result<Value, String> {
+pub fn render(t: &Value, scope: &Scope) -> Result<Value> {
     match t {
         Value::String(s) if s.starts_with("$$") => Ok(json!(&s[1..])),
         Value::String(s) if s.starts_with('$') => Expr::parse(s)?.eval(scope),
@@ -198,7 +199,7 @@ pub fn render(t: &Value, scope: &Scope) -> Result<Value, String> {
                 let items = match Expr::parse(e)?.eval(scope)? {
                     Value::Array(a) => a,
                     Value::Null => vec![],
-                    other => return Err(format!("$each {e}: not an array but {other}")),
+                    other => return Err(Error::Invalid(format!("$each {e}: not an array but {other}"))),
                 };
                 items
                     .into_iter()
@@ -206,11 +207,11 @@ pub fn render(t: &Value, scope: &Scope) -> Result<Value, String> {
                     .collect::<Result<Vec<_>, _>>()
                     .map(Value::Array)
             }
-            Some(other) => Err(format!("$each must be an expression, not {other}")),
+            Some(other) => Err(Error::Invalid(format!("$each must be an expression, not {other}"))),
             None => o
                 .iter()
                 .map(|(k, v)| Ok((k.clone(), render(v, scope)?)))
-                .collect::<Result<serde_json::Map<_, _>, String>>()
+                .collect::<Result<serde_json::Map<_, _>>>()
                 .map(Value::Object),
         },
         v => Ok(v.clone()),
@@ -218,7 +219,7 @@ pub fn render(t: &Value, scope: &Scope) -> Result<Value, String> {
 }
 
 /// Whether an expression holds (true, a non-empty string, array or object, a non-zero number).
-pub fn holds(expr: &str, scope: &Scope) -> Result<bool, String> {
+pub fn holds(expr: &str, scope: &Scope) -> Result<bool> {
     Ok(match Expr::parse(expr)?.eval(scope)? {
         Value::Null => false,
         Value::Bool(b) => b,
@@ -243,15 +244,15 @@ enum Expr {
 }
 
 impl Expr {
-    fn parse(s: &str) -> Result<Expr, String> {
+    fn parse(s: &str) -> Result<Expr> {
         if let Some((a, b)) = s.split_once(" minus ") {
             return Ok(Expr::Minus(Box::new(Expr::parse(a.trim())?), Box::new(Expr::parse(b.trim())?)));
         }
-        let body = s.strip_prefix('$').ok_or_else(|| format!("{s}: an expression starts with $"))?;
+        let body = s.strip_prefix('$').ok_or_else(|| Error::Invalid(format!("{s}: an expression starts with $")))?;
         let root_end = body.find(['.', '[']).unwrap_or(body.len());
         let root = &body[..root_end];
         if !["args", "result", "pre", "item"].contains(&root) {
-            return Err(format!("{s}: unknown root ${root} (known: $args, $result, $pre, $item)"));
+            return Err(Error::Invalid(format!("{s}: unknown root ${root} (known: $args, $result, $pre, $item)")));
         }
         let mut steps = vec![];
         let mut rest = &body[root_end..];
@@ -259,35 +260,39 @@ impl Expr {
             if let Some(r) = rest.strip_prefix('.') {
                 let end = r.find(['.', '[']).unwrap_or(r.len());
                 if end == 0 {
-                    return Err(format!("{s}: empty field name"));
+                    return Err(Error::Invalid(format!("{s}: empty field name")));
                 }
                 steps.push(Step::Field(r[..end].to_string()));
                 rest = &r[end..];
             } else if let Some(r) = rest.strip_prefix('[') {
-                let end = r.find(']').ok_or_else(|| format!("{s}: unclosed ["))?;
+                let end = r.find(']').ok_or_else(|| Error::Invalid(format!("{s}: unclosed [")))?;
                 let inner = &r[..end];
                 steps.push(if inner == "*" {
                     Step::Each
                 } else {
-                    Step::Index(inner.parse().map_err(|_| format!("{s}: [{inner}] is neither * nor an index"))?)
+                    Step::Index(
+                        inner
+                            .parse()
+                            .map_err(|_| Error::Invalid(format!("{s}: [{inner}] is neither * nor an index")))?,
+                    )
                 });
                 rest = &r[end + 1..];
             } else {
-                return Err(format!("{s}: unexpected {rest}"));
+                return Err(Error::Invalid(format!("{s}: unexpected {rest}")));
             }
         }
         Ok(Expr::Path(root.to_string(), steps))
     }
 
-    fn eval(&self, scope: &Scope) -> Result<Value, String> {
+    fn eval(&self, scope: &Scope) -> Result<Value> {
         match self {
             Expr::Minus(a, b) => {
                 let (a, b) = (a.eval(scope)?, b.eval(scope)?);
-                let (Value::Array(a), b) = (a, b) else { return Err("minus takes arrays".into()) };
+                let (Value::Array(a), b) = (a, b) else { return Err(Error::Invalid("minus takes arrays".into())) };
                 let b = match b {
                     Value::Array(b) => b,
                     Value::Null => vec![],
-                    _ => return Err("minus takes arrays".into()),
+                    _ => return Err(Error::Invalid("minus takes arrays".into())),
                 };
                 Ok(Value::Array(a.into_iter().filter(|x| !b.contains(x)).collect()))
             }
@@ -343,9 +348,9 @@ mod tests {
         );
         assert!(holds("$args.dryRun", &scope).unwrap());
         assert!(!holds("$args.nothing", &scope).unwrap());
-        assert!(Expr::parse("$argz.x").unwrap_err().contains("unknown root"));
-        assert!(Expr::parse("$args.x[").unwrap_err().contains("unclosed"));
-        assert!(Expr::parse("$args.x[y]").unwrap_err().contains("neither"));
+        assert!(Expr::parse("$argz.x").unwrap_err().to_string().contains("unknown root"));
+        assert!(Expr::parse("$args.x[").unwrap_err().to_string().contains("unclosed"));
+        assert!(Expr::parse("$args.x[y]").unwrap_err().to_string().contains("neither"));
     }
 
     #[test]
@@ -366,6 +371,7 @@ mod tests {
         }
         assert!(Spec::load("/nonexistent.toml")
             .unwrap_err()
+            .to_string()
             .contains("builtin specs: memory, filesystem, toolbox-postgres"));
     }
 }

@@ -9,6 +9,7 @@
 //! (`passed`): no statepoint captured since the first covers the service, and a rollback to a
 //! position before the last cannot undo what it did.
 
+use crate::error::{Error, Result};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
@@ -22,11 +23,12 @@ pub struct Positions {
 }
 
 impl Positions {
-    pub fn load(path: &Path, floor: u64) -> Result<Positions, String> {
+    pub fn load(path: &Path, floor: u64) -> Result<Positions> {
         let mut p = Positions { current: floor, last: floor, events: vec![], passed: vec![], path: path.to_path_buf() };
         match std::fs::read(path) {
             Ok(data) => {
-                let v: Value = serde_json::from_slice(&data).map_err(|e| format!("{}: {e}", path.display()))?;
+                let v: Value =
+                    serde_json::from_slice(&data).map_err(|e| Error::Invalid(format!("{}: {e}", path.display())))?;
                 p.last = v["last"].as_u64().unwrap_or(0).max(floor);
                 p.current = v["current"].as_u64().unwrap_or(0);
                 // A call that reached the database after the state was written (a crash in
@@ -50,20 +52,20 @@ impl Positions {
                     .unwrap_or_default();
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+            Err(e) => return Err(Error::file("read", path)(e)),
         }
         p.save()?;
         Ok(p)
     }
 
-    fn save(&self) -> Result<(), String> {
+    fn save(&self) -> Result<()> {
         let v = json!({
             "current": self.current,
             "last": self.last,
             "compensations": self.events.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>(),
             "passed": self.passed.iter().map(|(p, l, t)| json!([p, t, l])).collect::<Vec<_>>(),
         });
-        sys::write_atomic(&self.path, v.to_string().as_bytes(), 0o644).map_err(|e| e.to_string())
+        sys::write_atomic(&self.path, v.to_string().as_bytes(), 0o644).map_err(Error::from)
     }
 
     /// The position of a new mutating call. Not written here (no fsync per call): a call that
@@ -78,13 +80,13 @@ impl Positions {
 
     /// The current position, for a statepoint: written down, so that no later call can ever
     /// be given a position at or below one a statepoint holds.
-    pub fn captured(&self) -> Result<u64, String> {
+    pub fn captured(&self) -> Result<u64> {
         self.save()?;
         Ok(self.current)
     }
 
     /// A call of `tool` let through unrecorded (written down before it is sent).
-    pub fn passed(&mut self, tool: &str) -> Result<(), String> {
+    pub fn passed(&mut self, tool: &str) -> Result<()> {
         let now = self.current;
         match self.passed.iter_mut().find(|(_, _, t)| t == tool) {
             Some((_, last, _)) if *last == now => return Ok(()),
@@ -94,20 +96,20 @@ impl Positions {
         self.save()
     }
 
-    pub fn check_reachable(&self, to: u64) -> Result<(), String> {
+    pub fn check_reachable(&self, to: u64) -> Result<()> {
         if to > self.last {
-            return Err(format!("position {to} was never reached (the last call is {})", self.last));
+            return Err(Error::Refused(format!("position {to} was never reached (the last call is {})", self.last)));
         }
         if let Some((q, m)) = self.events.iter().find(|(q, m)| *q < to && to <= *m) {
-            return Err(format!(
+            return Err(Error::Refused(format!(
                 "position {to} can no longer be restored: the calls {}..={m} were undone by a rollback to position {q}",
                 q + 1
-            ));
+            )));
         }
         Ok(())
     }
 
-    pub fn compensated(&mut self, to: u64) -> Result<(), String> {
+    pub fn compensated(&mut self, to: u64) -> Result<()> {
         if to < self.current {
             self.events.push((to, self.last));
         }
@@ -132,7 +134,7 @@ mod tests {
         p.compensated(5).unwrap();
         assert_eq!(p.current, 5);
         assert_eq!(p.next(), 11);
-        assert!(p.check_reachable(10).unwrap_err().contains("6..=10 were undone"));
+        assert!(p.check_reachable(10).unwrap_err().to_string().contains("6..=10 were undone"));
         p.check_reachable(5).unwrap();
         p.check_reachable(11).unwrap();
         assert!(p.check_reachable(12).is_err());

@@ -8,6 +8,7 @@
 //! Both of Toolbox's formats are read: the map of `sources:` and `tools:` (each with `kind`), and
 //! the flat one (YAML documents with `kind: source|tool`, `name` and `type`).
 
+use crate::error::{Error, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -94,27 +95,30 @@ pub fn config_args(args: &[String]) -> Vec<(usize, usize, Vec<PathBuf>)> {
 }
 
 impl Config {
-    pub fn load(files: &[PathBuf]) -> Result<Config, String> {
+    pub fn load(files: &[PathBuf]) -> Result<Config> {
         let mut c = Config { files: files.to_vec(), ..Default::default() };
         for f in files {
             let text = std::fs::read_to_string(f)
-                .map_err(|e| format!("cannot read Toolbox's configuration {}: {e}", f.display()))?;
-            c.add(&text).map_err(|e| format!("Toolbox's configuration {}: {e}", f.display()))?;
+                .map_err(|e| Error::Invalid(format!("cannot read Toolbox's configuration {}: {e}", f.display())))?;
+            c.add(&text).map_err(|e| e.context(format!("Toolbox's configuration {}", f.display())))?;
         }
         Ok(c)
     }
 
-    fn add(&mut self, text: &str) -> Result<(), String> {
+    fn add(&mut self, text: &str) -> Result<()> {
         use serde::Deserialize;
         for doc in serde_yaml::Deserializer::from_str(text) {
-            let v = Value::deserialize(doc).map_err(|e| e.to_string())?;
+            let v = Value::deserialize(doc).map_err(|e| Error::Invalid(e.to_string()))?;
             if v.is_null() {
                 continue;
             }
             match v["kind"].as_str() {
                 // The flat format: one object a document.
                 Some(kind) => {
-                    let name = v["name"].as_str().ok_or("a document without a name")?.to_string();
+                    let name = v["name"]
+                        .as_str()
+                        .ok_or_else(|| Error::Invalid("a document without a name".into()))?
+                        .to_string();
                     let ty = v["type"].as_str().unwrap_or_default();
                     match kind {
                         "source" | "sources" => {
@@ -138,7 +142,7 @@ impl Config {
                     }
                     for (name, t) in v["tools"].as_object().into_iter().flatten() {
                         let ty = t["kind"].as_str().or(t["type"].as_str()).unwrap_or_default();
-                        self.tools.insert(name.clone(), tool(ty, t).map_err(|e| format!("tool {name}: {e}"))?);
+                        self.tools.insert(name.clone(), tool(ty, t).map_err(|e| e.context(format!("tool {name}")))?);
                     }
                 }
             }
@@ -224,11 +228,14 @@ fn expand(v: &str) -> String {
     out
 }
 
-fn tool(ty: &str, v: &Value) -> Result<Tool, String> {
+fn tool(ty: &str, v: &Value) -> Result<Tool> {
     let source = v["source"].as_str().unwrap_or_default().to_string();
     Ok(match ty {
         "postgres-sql" => {
-            let statement = v["statement"].as_str().ok_or("a postgres-sql tool without a statement")?.to_string();
+            let statement = v["statement"]
+                .as_str()
+                .ok_or_else(|| Error::Invalid("a postgres-sql tool without a statement".into()))?
+                .to_string();
             let params = v["parameters"]
                 .as_array()
                 .into_iter()
@@ -269,19 +276,22 @@ fn literal(v: &Value) -> String {
 /// The statement with its parameters bound from the call's arguments (a parameter missing from
 /// them takes its default). Only the statement's own `$N` tokens are replaced: not those inside
 /// strings, identifiers or comments.
-pub fn bind(statement: &str, params: &[Param], args: &Value) -> Result<String, String> {
-    let tokens = pg_query::scan(statement).map_err(|e| format!("cannot read the tool's statement: {e}"))?.tokens;
+pub fn bind(statement: &str, params: &[Param], args: &Value) -> Result<String> {
+    let tokens =
+        pg_query::scan(statement).map_err(|e| Error::Sql(format!("cannot read the tool's statement: {e}")))?.tokens;
     let mut out = String::new();
     let mut at = 0usize;
     for t in tokens.iter().filter(|t| t.token == pg_query::protobuf::Token::Param as i32) {
         let (s, e) = (t.start as usize, t.end as usize);
-        let n: usize = statement[s + 1..e].parse().map_err(|_| format!("{}: not a parameter", &statement[s..e]))?;
-        let p = params
-            .get(n.wrapping_sub(1))
-            .ok_or_else(|| format!("the statement's ${n} has no parameter (it declares {})", params.len()))?;
+        let n: usize = statement[s + 1..e]
+            .parse()
+            .map_err(|_| Error::Invalid(format!("{}: not a parameter", &statement[s..e])))?;
+        let p = params.get(n.wrapping_sub(1)).ok_or_else(|| {
+            Error::Invalid(format!("the statement's ${n} has no parameter (it declares {})", params.len()))
+        })?;
         let v = match args.get(&p.name) {
             Some(v) => v,
-            None => p.default.as_ref().ok_or_else(|| format!("the argument {} is missing", p.name))?,
+            None => p.default.as_ref().ok_or_else(|| Error::Invalid(format!("the argument {} is missing", p.name)))?,
         };
         out.push_str(&statement[at..s]);
         out.push_str(&literal(v));
@@ -293,14 +303,14 @@ pub fn bind(statement: &str, params: &[Param], args: &Value) -> Result<String, S
 
 /// Toolbox's command line with the hidden tools' file added to its configuration (written to
 /// `extra`); unchanged when no tool needs one.
-pub fn with_hidden_tools(args: &[String], config: &Config, extra: &Path) -> Result<Vec<String>, String> {
+pub fn with_hidden_tools(args: &[String], config: &Config, extra: &Path) -> Result<Vec<String>> {
     let yaml = config.hidden_tools_yaml();
     if yaml.is_empty() {
         return Ok(args.to_vec());
     }
     let found = config_args(args);
     let Some((start, end, _)) = found.first() else { return Ok(args.to_vec()) };
-    sys::write_atomic(extra, yaml.as_bytes(), 0o600).map_err(|e| format!("cannot write {}: {e}", extra.display()))?;
+    sys::write_atomic(extra, yaml.as_bytes(), 0o600).map_err(Error::from)?;
     let mut files: Vec<String> = config.files.iter().map(|f| f.display().to_string()).collect();
     files.push(extra.display().to_string());
     let mut out = args[..*start].to_vec();
@@ -331,8 +341,8 @@ mod tests {
         assert_eq!(got, "INSERT INTO t (a, b, c) VALUES ('it''s', '42', '$1 stays') -- $2 stays\n RETURNING '{\"1\",\"2\",\"x\\\"y\"}'::int[], \"$1\"");
         let with_default = vec![Param { name: "n".into(), default: Some(json!(7)) }];
         assert_eq!(bind("SELECT $1", &with_default, &json!({})).unwrap(), "SELECT '7'");
-        assert!(bind("SELECT $1", &params(&["a"]), &json!({})).unwrap_err().contains("missing"));
-        assert!(bind("SELECT $2", &params(&["a"]), &json!({"a": 1})).unwrap_err().contains("no parameter"));
+        assert!(bind("SELECT $1", &params(&["a"]), &json!({})).unwrap_err().to_string().contains("missing"));
+        assert!(bind("SELECT $2", &params(&["a"]), &json!({"a": 1})).unwrap_err().to_string().contains("no parameter"));
         assert_eq!(bind("SELECT $1", &params(&["a"]), &json!({"a": null})).unwrap(), "SELECT NULL");
     }
 

@@ -4,7 +4,8 @@
 //! then delete the entries and commit. Any conflict or surprise fails the whole of it, changing
 //! nothing.
 
-use super::{contents, key_match, key_text, other, pe, CompensateError};
+use super::{contents, key_match, key_text, pe};
+use crate::error::{Error, Result};
 use crate::sql::{quote_ident, quote_literal, UNDO_SCHEMA};
 use postgres::Transaction;
 use serde_json::Value;
@@ -65,7 +66,7 @@ impl<'c> Compensation<'c> {
     }
 
     /// The entries after the position, newest first, locked.
-    pub(super) fn entries(&mut self) -> Result<Vec<Entry>, CompensateError> {
+    pub(super) fn entries(&mut self) -> Result<Vec<Entry>> {
         let rows = self
             .tx
             .query(
@@ -75,7 +76,7 @@ impl<'c> Compensation<'c> {
                 ),
                 &[&(self.position as i64)],
             )
-            .map_err(other)?;
+            ?;
         Ok(rows
             .iter()
             .map(|e| Entry {
@@ -91,7 +92,7 @@ impl<'c> Compensation<'c> {
     }
 
     /// Undoes one entry, and records what it promises of the rows it touched.
-    pub(super) fn undo(&mut self, e: &Entry) -> Result<(), CompensateError> {
+    pub(super) fn undo(&mut self, e: &Entry) -> Result<()> {
         if let Some(inverse) = &e.inverse {
             return self.undo_ddl(e, inverse);
         }
@@ -129,35 +130,25 @@ impl<'c> Compensation<'c> {
     /// A DDL undone by its inverse. A table the agent created is dropped only when it holds
     /// nothing the agent's own recorded calls did not put there (those were undone just before):
     /// no rows, or exactly those the creating statement filled it with.
-    fn undo_ddl(&mut self, e: &Entry, inverse: &str) -> Result<(), CompensateError> {
+    fn undo_ddl(&mut self, e: &Entry, inverse: &str) -> Result<()> {
         if let Some(table) = inverse.strip_prefix("DROP TABLE IF EXISTS ") {
             let tx = &mut self.tx;
-            let exists: bool = tx
-                .query_one(&format!("SELECT to_regclass({}) IS NOT NULL", quote_literal(table)), &[])
-                .map_err(other)?
-                .get(0);
+            let exists: bool =
+                tx.query_one(&format!("SELECT to_regclass({}) IS NOT NULL", quote_literal(table)), &[])?.get(0);
             let foreign = exists
                 && match &e.filled {
-                    Some(filled) => tx.query_one(&contents(table), &[]).map_err(other)?.get::<_, String>(0) != *filled,
-                    None => tx
-                        .query_one(&format!("SELECT EXISTS (SELECT 1 FROM {table})"), &[])
-                        .map_err(other)?
-                        .get::<_, bool>(0),
+                    Some(filled) => tx.query_one(&contents(table), &[])?.get::<_, String>(0) != *filled,
+                    None => tx.query_one(&format!("SELECT EXISTS (SELECT 1 FROM {table})"), &[])?.get::<_, bool>(0),
                 };
             if foreign {
-                return Err(CompensateError::Conflict(format!(
+                return Err(Error::Conflict(format!(
                     "{table}, created by the call at position {}, holds rows no recorded call put there; nothing was undone",
                     e.pos
                 )));
             }
         }
         self.tx.batch_execute(inverse).map_err(|err| {
-            CompensateError::Conflict(format!(
-                "cannot undo {} (position {}): {}; nothing was undone",
-                e.tbl,
-                e.pos,
-                pe(err)
-            ))
+            Error::Conflict(format!("cannot undo {} (position {}): {}; nothing was undone", e.tbl, e.pos, pe(err)))
         })
     }
 
@@ -166,7 +157,7 @@ impl<'c> Compensation<'c> {
     /// through the table, which routes it back to the partition it lived in (an UPDATE of its key
     /// may have moved it). (Records written before the proxy knew where rows live name only the
     /// table the statement named.)
-    fn place_of(&mut self, e: &Entry) -> Result<Place, CompensateError> {
+    fn place_of(&mut self, e: &Entry) -> Result<Place> {
         let partitioned = match self.partitioned.get(&e.tbl) {
             Some(p) => *p,
             None => {
@@ -175,8 +166,7 @@ impl<'c> Compensation<'c> {
                     .query_one(
                         "SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)",
                         &[&e.tbl],
-                    )
-                    .map_err(other)?
+                    )?
                     .get(0);
                 self.partitioned.insert(e.tbl.clone(), p);
                 p
@@ -191,20 +181,17 @@ impl<'c> Compensation<'c> {
     }
 
     /// A relation's writable columns and primary key (asked once per compensation).
-    fn table(&mut self, target: &str, pos: i64) -> Result<(Vec<String>, Vec<String>), CompensateError> {
+    fn table(&mut self, target: &str, pos: i64) -> Result<(Vec<String>, Vec<String>)> {
         if let Some(t) = self.tables.get(target) {
             return Ok(t.clone());
         }
-        let cols = self
-            .tx
-            .query(
-                "SELECT attname::text, attgenerated::text, attidentity::text FROM pg_attribute
+        let cols = self.tx.query(
+            "SELECT attname::text, attgenerated::text, attidentity::text FROM pg_attribute
                  WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
-                &[&target],
-            )
-            .map_err(other)?;
+            &[&target],
+        )?;
         if cols.is_empty() {
-            return Err(CompensateError::Other(format!("{target} no longer exists: cannot undo position {pos}")));
+            return Err(Error::Refused(format!("{target} no longer exists: cannot undo position {pos}")));
         }
         let writable: Vec<String> =
             cols.iter().filter(|r| r.get::<_, String>(1).is_empty()).map(|r| r.get::<_, String>(0)).collect();
@@ -216,15 +203,12 @@ impl<'c> Compensation<'c> {
                  JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
                  WHERE i.indrelid = to_regclass($1) AND i.indisprimary ORDER BY k.ord",
                 &[&target],
-            )
-            .map_err(other)?
+            )?
             .iter()
             .map(|r| r.get::<_, String>(0))
             .collect();
         if keys.is_empty() {
-            return Err(CompensateError::Other(format!(
-                "{target} has lost its primary key: cannot undo position {pos}"
-            )));
+            return Err(Error::Refused(format!("{target} has lost its primary key: cannot undo position {pos}")));
         }
         self.tables.insert(target.to_string(), (writable.clone(), keys.clone()));
         Ok((writable, keys))
@@ -232,13 +216,13 @@ impl<'c> Compensation<'c> {
 
     /// The row put back: an insert deleted, an update reverted, a delete re-inserted — each only
     /// when the row is still exactly as the call left it.
-    fn undo_row(&mut self, e: &Entry, place: &Place, cols: &[String], keys: &[String]) -> Result<(), CompensateError> {
+    fn undo_row(&mut self, e: &Entry, place: &Place, cols: &[String], keys: &[String]) -> Result<()> {
         let Place { target, only, .. } = place;
         let qcols: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
         let from_image = qcols.iter().map(|c| format!("r.{c}")).collect::<Vec<_>>().join(", ");
         let key_match = |img: &str| key_match(keys, target, img);
         let conflict = |what: &str, img: &Value| {
-            CompensateError::Conflict(format!(
+            Error::Conflict(format!(
                 "the row of {target} with {} {what} since the call at position {}; nothing was undone",
                 key_text(keys, img),
                 e.pos
@@ -247,7 +231,7 @@ impl<'c> Compensation<'c> {
         match (&e.before, &e.after) {
             (None, Some(after)) => {
                 let sql = format!("DELETE FROM {only}{target} o WHERE {} AND to_jsonb(o.*) = $1", key_match("$1"));
-                if self.tx.execute(&sql, &[after]).map_err(other)? != 1 {
+                if self.tx.execute(&sql, &[after])? != 1 {
                     return Err(conflict("was changed or removed", after));
                 }
             }
@@ -258,7 +242,7 @@ impl<'c> Compensation<'c> {
                     qcols.join(", "),
                     key_match("$1")
                 );
-                if self.tx.execute(&sql, &[after, before]).map_err(other)? != 1 {
+                if self.tx.execute(&sql, &[after, before])? != 1 {
                     return Err(conflict("was changed or removed", after));
                 }
             }
@@ -272,7 +256,7 @@ impl<'c> Compensation<'c> {
                     Err(err) if err.code().is_some_and(|c| c.code() == "23505") => {
                         return Err(conflict("was inserted again", before))
                     }
-                    Err(err) => return Err(other(err)),
+                    Err(err) => return Err(err.into()),
                 }
             }
             (None, None) => unreachable!("marks are skipped before"),
@@ -283,7 +267,7 @@ impl<'c> Compensation<'c> {
     /// Verifies what was promised: every row back in the relation it lived in, exactly as it
     /// was, and every row the agent added gone. A trigger, rule or anything else that sent a row
     /// elsewhere makes the whole compensation fail, never report success.
-    pub(super) fn verify(&mut self) -> Result<(), CompensateError> {
+    pub(super) fn verify(&mut self) -> Result<()> {
         for ((target, key), p) in &self.promised {
             let (_, keys) = &self.tables[target];
             let row = self
@@ -296,7 +280,7 @@ impl<'c> Compensation<'c> {
                     ),
                     &[&p.image, &p.want, &p.home],
                 )
-                .map_err(other)?;
+                ?;
             let (found, same): (i64, i64) = (row.get(0), row.get(1));
             let ok = match p.want {
                 Some(_) => found == 1 && same == 1,
@@ -311,7 +295,7 @@ impl<'c> Compensation<'c> {
                     }
                     (None, _) => "is still there".to_string(),
                 };
-                return Err(CompensateError::Other(format!(
+                return Err(Error::Refused(format!(
                     "undoing the calls after position {} did not restore what it promised: the row of {target} with {key} {what} (undoing position {}); nothing was undone",
                     self.position, p.pos
                 )));
@@ -321,10 +305,8 @@ impl<'c> Compensation<'c> {
     }
 
     /// The entries undone are gone from the log, with everything else, in one commit.
-    pub(super) fn commit(mut self) -> Result<(), CompensateError> {
-        self.tx
-            .execute(&format!("DELETE FROM {UNDO_SCHEMA}.undo WHERE position > $1"), &[&(self.position as i64)])
-            .map_err(other)?;
-        self.tx.commit().map_err(other)
+    pub(super) fn commit(mut self) -> Result<()> {
+        self.tx.execute(&format!("DELETE FROM {UNDO_SCHEMA}.undo WHERE position > $1"), &[&(self.position as i64)])?;
+        Ok(self.tx.commit()?)
     }
 }

@@ -21,7 +21,8 @@ mod sql_calls;
 mod tool_calls;
 mod upstream;
 
-use crate::db::{CompensateError, Db};
+use crate::db::Db;
+use crate::error::{Error, Result};
 use crate::http;
 use crate::journal::Journal;
 use crate::state::Positions;
@@ -73,9 +74,10 @@ pub struct Options {
 
 impl Options {
     /// The proxy's own connection: `dsn`, with `dbname` when set.
-    pub fn pg_config(&self) -> Result<postgres::Config, String> {
-        let dsn = self.dsn.as_deref().ok_or("this proxy has no database (--database)")?;
-        let mut c: postgres::Config = dsn.parse().map_err(|e| format!("--database {dsn}: {e}"))?;
+    pub fn pg_config(&self) -> Result<postgres::Config> {
+        let dsn =
+            self.dsn.as_deref().ok_or_else(|| Error::Refused("this proxy has no database (--database)".into()))?;
+        let mut c: postgres::Config = dsn.parse().map_err(|e| Error::Refused(format!("--database {dsn}: {e}")))?;
         if let Some(d) = &self.dbname {
             c.dbname(d);
         }
@@ -84,7 +86,7 @@ impl Options {
 
     /// The database's name as the upstream server must be told it (`{dbname}`): libpq's
     /// default is the user's name.
-    pub fn effective_dbname(&self) -> Result<String, String> {
+    pub fn effective_dbname(&self) -> Result<String> {
         if self.dsn.is_none() {
             return Ok(String::new());
         }
@@ -189,7 +191,7 @@ impl Proxy {
     /// The sandbox's lock, shared, for the length of a mutating call (taken before the proxy
     /// lock: a snapshot holds the sandbox's lock while it asks for the position under the proxy
     /// lock). `Err` with one line when the lock file cannot be used.
-    fn sandbox_lock(&self) -> Result<Option<std::fs::File>, String> {
+    fn sandbox_lock(&self) -> Result<Option<std::fs::File>> {
         let Some(path) = &self.opts.sandbox_lock else { return Ok(None) };
         let f = std::fs::File::options()
             .read(true)
@@ -197,18 +199,18 @@ impl Proxy {
             .create(true)
             .truncate(false)
             .open(path)
-            .map_err(|e| format!("cannot open the sandbox's lock {}: {e}", path.display()))?;
-        f.lock_shared().map_err(|e| format!("cannot lock {}: {e}", path.display()))?;
+            .map_err(|e| Error::Refused(format!("cannot open the sandbox's lock {}: {e}", path.display())))?;
+        f.lock_shared().map_err(|e| Error::Refused(format!("cannot lock {}: {e}", path.display())))?;
         // A rollback whose planarian was killed after it restored the sandbox and before its
         // compensation ended leaves its intent: a call now would be undone by the compensation
         // that finishes it.
         if path.with_file_name("compensating.json").exists() {
-            return Err("a rollback of this sandbox was interrupted before its remote state was put back; the next planarian operation on it (a snapshot, a rollback) finishes it".into());
+            return Err(Error::Refused("a rollback of this sandbox was interrupted before its remote state was put back; the next planarian operation on it (a snapshot, a rollback) finishes it".into()));
         }
         Ok(Some(f))
     }
 
-    pub fn new(opts: Options) -> Result<Arc<Proxy>, String> {
+    pub fn new(opts: Options) -> Result<Arc<Proxy>> {
         // A disabled proxy reaches nothing of the source: no database, no upstream.
         let mut db = match (&opts.dsn, &opts.disabled) {
             (Some(_), None) => Some(Db::connect(&opts.pg_config()?)?),
@@ -287,12 +289,12 @@ impl Proxy {
         self.pending.lock().unwrap().insert(id, Pending::Client(orig.clone(), conn.clone(), list));
         if let Err(e) = self.send_upstream(&msg) {
             self.pending.lock().unwrap().remove(&id);
-            Self::reply_error(conn, &orig, jsonrpc::INTERNAL_ERROR, &e);
+            Self::reply_error(conn, &orig, jsonrpc::INTERNAL_ERROR, &e.to_string());
         }
     }
 
     /// Sends a request of the proxy's own (or a rewritten client call) and waits for its response.
-    fn call_upstream(self: &Arc<Self>, method: &str, params: Value) -> Result<Value, String> {
+    fn call_upstream(self: &Arc<Self>, method: &str, params: Value) -> Result<Value> {
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
         let (tx, rx) = channel();
         self.pending.lock().unwrap().insert(id, Pending::Own(tx));
@@ -300,7 +302,7 @@ impl Proxy {
             self.pending.lock().unwrap().remove(&id);
             return Err(e);
         }
-        rx.recv().map_err(|_| "the upstream MCP server exited before answering".to_string())
+        rx.recv().map_err(|_| Error::Upstream("the upstream MCP server exited before answering".into()))
     }
 
     fn on_upstream_message(&self, mut msg: Value) {
@@ -460,13 +462,13 @@ impl Proxy {
     // --- the control interface -------------------------------------------------------------
 
     /// The current position, taken under the proxy lock (no write is in flight).
-    pub fn capture(&self) -> Result<u64, String> {
+    pub fn capture(&self) -> Result<u64> {
         let _guard = self.lock.lock().unwrap();
         self.positions.lock().unwrap().captured()
     }
 
     /// The calls after position `from` up to `to` that changed something, and the tables.
-    pub fn changes(&self, from: u64, to: u64) -> Result<(u64, Vec<String>), String> {
+    pub fn changes(&self, from: u64, to: u64) -> Result<(u64, Vec<String>)> {
         let (mut calls, mut tables) = match &self.db {
             Some(db) => db.lock().unwrap().changes_between(from, to)?,
             None => (0, vec![]),
@@ -491,7 +493,7 @@ impl Proxy {
     /// Undoes every call after `to`, newest first: declared tools through their undo calls,
     /// SQL through its undo rows (one transaction for each run of SQL calls). When a step fails
     /// it stops there; what was undone before stays undone, and the position says so.
-    pub fn compensate(self: &Arc<Self>, to: u64) -> Result<u64, String> {
+    pub fn compensate(self: &Arc<Self>, to: u64) -> Result<u64> {
         let _guard = self.lock.lock().unwrap();
         // (the positions are not held across the server's calls: a pass on a client's reader
         // takes them; the proxy lock keeps every other change out)
@@ -500,12 +502,9 @@ impl Proxy {
             pos.check_reachable(to)?;
             pos.current
         };
-        let sql = |down_to: u64| -> Result<u64, String> {
+        let sql = |down_to: u64| -> Result<u64> {
             match &self.db {
-                Some(db) => db.lock().unwrap().compensate_to(down_to).map_err(|e| match e {
-                    CompensateError::Conflict(s) => format!("conflict: {s}"),
-                    CompensateError::Other(s) => s,
-                }),
+                Some(db) => db.lock().unwrap().compensate_to(down_to),
                 None => Ok(0),
             }
         };
@@ -513,7 +512,7 @@ impl Proxy {
         let mut undone = 0;
         // Where the remote state is: every call after `reached` is undone.
         let mut reached = current;
-        let mut run = || -> Result<(), String> {
+        let mut run = || -> Result<()> {
             for e in &entries {
                 undone += sql(e.position)?;
                 reached = reached.min(e.position);
@@ -536,10 +535,10 @@ impl Proxy {
                 }
                 Ok(undone)
             }
-            (Err(err), _) | (Ok(()), Err(err)) if reached < current => Err(format!(
+            (Err(err), _) | (Ok(()), Err(err)) if reached < current => Err(Error::Refused(format!(
                 "partly undone: the calls after position {reached} were undone, then: {}",
-                err.replace('\n', " ")
-            )),
+                err.to_string().replace('\n', " ")
+            ))),
             (Err(err), _) | (Ok(()), Err(err)) => Err(err),
         }
     }
@@ -549,24 +548,24 @@ impl Proxy {
     /// copy's name. Refused when the position can no longer be reached here, when the database
     /// is larger than BRANCH_MAX_BYTES (a logical copy takes time in proportion), or when this
     /// proxy's role cannot create databases.
-    pub fn branch(&self, position: u64, container: &str) -> Result<String, String> {
+    pub fn branch(&self, position: u64, container: &str) -> Result<String> {
         self.positions.lock().unwrap().check_reachable(position)?;
         if self.db.is_none() {
-            return Err("this service has no database to copy for a fork".into());
+            return Err(Error::Refused("this service has no database to copy for a fork".into()));
         }
         if self.journal.lock().unwrap().max_position() > 0 || self.opts.specs.iter().any(|s| !s.tools.is_empty()) {
-            return Err(
+            return Err(Error::Refused(
                 "this service's tools change state that cannot be copied for a fork: the fork's calls are refused"
                     .into(),
-            );
+            ));
         }
         let (current, size, major) = self.db().describe()?;
         if size > BRANCH_MAX_BYTES {
-            return Err(format!(
+            return Err(Error::Refused(format!(
                 "the database {current} holds {} MiB; a fork gets its own copy only up to {} MiB (a logical copy)",
                 size >> 20,
                 BRANCH_MAX_BYTES >> 20
-            ));
+            )));
         }
         let name = branch_name(&current, container);
         self.db().create_database(&name)?;
@@ -576,22 +575,19 @@ impl Proxy {
         let made = (|| {
             crate::db::copy_database(&from, &to, major)?;
             let mut copy = Db::connect(&to)?;
-            copy.compensate_to(position).map_err(|e| match e {
-                CompensateError::Conflict(s) => format!("conflict: {s}"),
-                CompensateError::Other(s) => s,
-            })?;
+            copy.compensate_to(position)?;
             copy.mark_branch(position)
         })();
         if let Err(e) = made {
             let _ = self.db().drop_database(&name);
-            return Err(format!("cannot branch the database {current}: {e}"));
+            return Err(Error::Refused(format!("cannot branch the database {current}: {e}")));
         }
         Ok(name)
     }
 
     /// Drops the branch made for the fork `container` (a fork that failed after it was made);
     /// returns its name. Nothing when there is none.
-    pub fn unbranch(&self, container: &str) -> Result<String, String> {
+    pub fn unbranch(&self, container: &str) -> Result<String> {
         if self.db.is_none() {
             return Ok(String::new());
         }

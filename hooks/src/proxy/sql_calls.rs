@@ -2,6 +2,7 @@
 //! numbered and rewritten to record their undo rows when they write.
 
 use super::{Conn, Proxy, Server, Via};
+use crate::error::{Error, Result};
 use crate::sql::{classify, split, Class, Ddl, CATALOG_CHANGED};
 use planarian_contracts::jsonrpc;
 use serde_json::{json, Value};
@@ -58,11 +59,13 @@ impl Proxy {
 
     /// A statement that changes the database may call these functions: none is volatile with
     /// effects of its own.
-    fn writes_may_call(&self, functions: &[String]) -> Result<(), String> {
+    fn writes_may_call(&self, functions: &[String]) -> Result<()> {
         match self.db().unsafe_functions(functions) {
             Ok(bad) if bad.is_empty() => Ok(()),
-            Ok(bad) => Err(format!("the statement calls {}, whose effects cannot be undone", bad.join(", "))),
-            Err(e) => Err(format!("cannot check the statement: {e}")),
+            Ok(bad) => {
+                Err(Error::Refused(format!("the statement calls {}, whose effects cannot be undone", bad.join(", "))))
+            }
+            Err(e) => Err(Error::Refused(format!("cannot check the statement: {e}"))),
         }
     }
 
@@ -79,7 +82,7 @@ impl Proxy {
             (Server::Dbhub, Via::Own) => match split(&sql) {
                 Ok(t) if !t.is_empty() => t,
                 Ok(_) => vec![sql.clone()],
-                Err(e) => return refuse(e),
+                Err(e) => return refuse(e.to_string()),
             },
             _ => vec![sql.clone()],
         };
@@ -110,11 +113,11 @@ impl Proxy {
         }
         let _sandbox = match self.sandbox_lock() {
             Ok(l) => l,
-            Err(e) => return refuse(e),
+            Err(e) => return refuse(e.to_string()),
         };
         let _guard = self.lock.lock().unwrap();
         if let Err(e) = self.writes_may_call(&functions) {
-            return refuse(e);
+            return refuse(e.to_string());
         }
         // Rewritten from the catalog answers the proxy keeps; if the catalog moved on since, the
         // statement fails changing nothing, and is rewritten from fresh answers and sent again.
@@ -131,17 +134,17 @@ impl Proxy {
                         match db.table_info(&part.table_name()) {
                             Ok(t) => infos.push(t),
                             // Unknown tables and the like: the server gives its own error, nothing changes.
-                            Err(e) if e.ends_with("does not exist") => {
+                            Err(Error::Refused(e)) if e.ends_with("does not exist") => {
                                 drop(db);
                                 return self.forward_request(msg, conn);
                             }
-                            Err(e) => return refuse(e),
+                            Err(e) => return refuse(e.to_string()),
                         }
                     }
                     // A statement that cannot be rewritten is refused without taking a position.
                     match d.rewrite(&infos, 0, 0, false) {
                         Ok(_) => tables.push(infos),
-                        Err(e) => return refuse(e),
+                        Err(e) => return refuse(e.to_string()),
                     }
                 }
             }
@@ -152,7 +155,7 @@ impl Proxy {
             for ((i, d), t) in writes.iter().zip(&tables) {
                 match d.rewrite(t, position, *i, count_rows) {
                     Ok(r) => sent[*i] = r,
-                    Err(e) => return refuse(e),
+                    Err(e) => return refuse(e.to_string()),
                 }
             }
             let mut call = msg["params"].clone();
@@ -176,7 +179,7 @@ impl Proxy {
                     resp["id"] = id;
                     conn.send(&resp);
                 }
-                Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e),
+                Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e.to_string()),
             }
             return;
         }
@@ -189,20 +192,20 @@ impl Proxy {
         let refuse = |why: String| Self::refuse(conn, &id, &why);
         let _sandbox = match self.sandbox_lock() {
             Ok(l) => l,
-            Err(e) => return refuse(e),
+            Err(e) => return refuse(e.to_string()),
         };
         let _guard = self.lock.lock().unwrap();
         // CREATE TABLE … AS runs its query: what it calls must not change the database.
         if let Some(functions) = &d.fills {
             if let Err(e) = self.writes_may_call(functions) {
-                return refuse(e);
+                return refuse(e.to_string());
             }
         }
         let inverse = match self.db().ddl_inverse(&d) {
             Ok(Some(inv)) => inv,
             // Creates nothing: pass through, no position.
             Ok(None) => return self.forward_request(msg, conn),
-            Err(e) => return refuse(e),
+            Err(e) => return refuse(e.to_string()),
         };
         self.db().catalog_changed();
         let position = self.positions.lock().unwrap().next();
@@ -221,7 +224,7 @@ impl Proxy {
                 resp["id"] = id;
                 conn.send(&resp);
             }
-            Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e),
+            Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e.to_string()),
         }
     }
 }

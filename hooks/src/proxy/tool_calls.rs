@@ -8,6 +8,7 @@
 //! with). A tool nobody classified is refused, saying how to declare it.
 
 use super::{Conn, Proxy, Via};
+use crate::error::{Error, Result};
 use crate::journal::Entry;
 use crate::spec::{answer, failed, holds, render, same_answer, Call, Scope, ToolSpec};
 use crate::toolbox::{self, Tool};
@@ -45,7 +46,7 @@ fn mentions_result(calls: &[Call]) -> bool {
 impl Proxy {
     /// The server's tools and their annotations (`tools/list`, every page), asked once and again
     /// after the server says its list changed.
-    fn annotations(self: &Arc<Self>) -> Result<HashMap<String, Value>, String> {
+    fn annotations(self: &Arc<Self>) -> Result<HashMap<String, Value>> {
         if let Some(t) = self.tools.lock().unwrap().clone() {
             return Ok(t);
         }
@@ -58,7 +59,7 @@ impl Proxy {
             };
             let resp = self.call_upstream("tools/list", params)?;
             if resp.get("error").is_some() {
-                return Err(format!("the server's tools/list failed: {}", failure_text(&resp)));
+                return Err(Error::Refused(format!("the server's tools/list failed: {}", failure_text(&resp))));
             }
             for t in resp["result"]["tools"].as_array().into_iter().flatten() {
                 if let Some(n) = t["name"].as_str() {
@@ -214,7 +215,7 @@ impl Proxy {
             }
             Policy::Pass => {
                 if let Err(e) = self.positions.lock().unwrap().passed(&name) {
-                    return refuse(e);
+                    return refuse(e.to_string());
                 }
                 self.forward_request(msg, conn)
             }
@@ -234,11 +235,11 @@ impl Proxy {
     }
 
     /// A call of the server's tool `call`, templated from `scope`: its answer.
-    fn own_call(self: &Arc<Self>, call: &Call, scope: &Scope) -> Result<Value, String> {
+    fn own_call(self: &Arc<Self>, call: &Call, scope: &Scope) -> Result<Value> {
         let args = render(&call.arguments, scope)?;
         let resp = self.call_upstream("tools/call", json!({"name": call.call, "arguments": args}))?;
         if failed(&resp) {
-            return Err(format!("{} failed: {}", call.call, failure_text(&resp)));
+            return Err(Error::Refused(format!("{} failed: {}", call.call, failure_text(&resp))));
         }
         Ok(answer(&resp["result"]))
     }
@@ -255,12 +256,12 @@ impl Proxy {
             match holds(r, &scope) {
                 Ok(true) => return self.forward_request(msg, conn),
                 Ok(false) => {}
-                Err(e) => return refuse(e),
+                Err(e) => return refuse(e.to_string()),
             }
         }
         let _sandbox = match self.sandbox_lock() {
             Ok(l) => l,
-            Err(e) => return refuse(e),
+            Err(e) => return refuse(e.to_string()),
         };
         let _guard = self.lock.lock().unwrap();
         if let Some(c) = &spec.capture {
@@ -301,7 +302,7 @@ impl Proxy {
                     let post = spec
                         .check
                         .as_ref()
-                        .map(|c| self.own_call(c, &scope).unwrap_or_else(|e| json!({"check-failed": e})));
+                        .map(|c| self.own_call(c, &scope).unwrap_or_else(|e| json!({"check-failed": e.to_string()})));
                     self.journal.lock().unwrap().answered(position, scope.result.clone(), post)
                 };
                 if let Err(e) = noted {
@@ -311,27 +312,27 @@ impl Proxy {
                 conn.send(&resp);
             }
             // (the entry stays: whether the call took effect is not known)
-            Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e),
+            Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e.to_string()),
         }
     }
 
     /// Undoes one recorded call of a declared tool: first checks that what it left is still
     /// there, then runs its undo calls.
-    pub(super) fn undo_entry(self: &Arc<Self>, e: &Entry) -> Result<(), String> {
+    pub(super) fn undo_entry(self: &Arc<Self>, e: &Entry) -> Result<()> {
         let at = format!("position {} ({})", e.position, e.tool);
         if e.scope.result.is_null() && mentions_result(&e.undo) {
-            return Err(format!(
+            return Err(Error::Refused(format!(
                 "{at}: the proxy stopped before the call's answer came, and its undo needs that answer"
-            ));
+            )));
         }
         if let (Some(c), Some(post)) = (&e.check, &e.post) {
-            let now = self.own_call(c, &e.scope).unwrap_or_else(|err| json!({"check-failed": err}));
+            let now = self.own_call(c, &e.scope).unwrap_or_else(|err| json!({"check-failed": err.to_string()}));
             if !same_answer(&now, post, c.unordered) {
-                return Err(format!("conflict: {at}: what the call left was changed since by something other than this proxy ({} answers differently)", c.call));
+                return Err(Error::Conflict(format!("{at}: what the call left was changed since by something other than this proxy ({} answers differently)", c.call)));
             }
         }
         for u in &e.undo {
-            self.own_call(u, &e.scope).map_err(|err| format!("{at}: its undo {err}"))?;
+            self.own_call(u, &e.scope).map_err(|err| err.context(format!("{at}: its undo")))?;
         }
         Ok(())
     }

@@ -11,6 +11,7 @@
 //! only when the call is done hears a cancellation of it only then.)
 
 use super::{Pending, Proxy};
+use crate::error::{Error, Result};
 use crate::http;
 use planarian_contracts::jsonrpc;
 use serde_json::{json, Value};
@@ -69,7 +70,7 @@ impl HttpUpstream {
     }
 
     /// One request; returns once the response's head has arrived.
-    fn request(&self, method: &str, headers: &[(&str, &str)], body: &[u8]) -> Result<Response, String> {
+    fn request(&self, method: &str, headers: &[(&str, &str)], body: &[u8]) -> Result<Response> {
         let resp = match method {
             "POST" => {
                 let mut r = self.agent.post(&self.url);
@@ -86,7 +87,7 @@ impl HttpUpstream {
                 r.call()
             }
         }
-        .map_err(|e| format!("cannot reach the upstream MCP server at {}: {e}", self.url))?;
+        .map_err(|e| Error::Upstream(format!("cannot reach the upstream MCP server at {}: {e}", self.url)))?;
         let header = |n: &str| resp.headers().get(n).and_then(|v| v.to_str().ok()).map(String::from);
         let events = header("content-type").is_some_and(|t| t.to_ascii_lowercase().starts_with("text/event-stream"));
         Ok(Response {
@@ -99,7 +100,7 @@ impl HttpUpstream {
 }
 
 impl Proxy {
-    pub(super) fn start_upstream(self: &Arc<Self>) -> Result<(), String> {
+    pub(super) fn start_upstream(self: &Arc<Self>) -> Result<()> {
         if let Some(url) = &self.opts.upstream_url {
             let (tx, rx) = channel();
             let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
@@ -116,7 +117,8 @@ impl Proxy {
             std::thread::spawn(move || me.http_sender(h, rx));
             return Ok(());
         }
-        let (prog, args) = self.opts.upstream.split_first().ok_or("no upstream MCP server command")?;
+        let (prog, args) =
+            self.opts.upstream.split_first().ok_or_else(|| Error::Upstream("no upstream MCP server command".into()))?;
         let mut cmd = Command::new(prog);
         // The server dies with the proxy, however the proxy ends.
         // SAFETY: only prctl(2), async-signal-safe, runs between fork and exec.
@@ -139,7 +141,7 @@ impl Proxy {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .map_err(|e| format!("cannot start the upstream MCP server {prog}: {e}"))?;
+            .map_err(|e| Error::Upstream(format!("cannot start the upstream MCP server {prog}: {e}")))?;
         let stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
         *self.upstream.lock().unwrap() = Some(Upstream::Stdio(child, stdin));
@@ -153,24 +155,24 @@ impl Proxy {
         Ok(())
     }
 
-    pub(super) fn send_upstream(self: &Arc<Self>, msg: &Value) -> Result<(), String> {
+    pub(super) fn send_upstream(self: &Arc<Self>, msg: &Value) -> Result<()> {
         let mut up = self.upstream.lock().unwrap();
         match up.as_mut() {
-            None => Err("the upstream MCP server is not running".into()),
+            None => Err(Error::Upstream("the upstream MCP server is not running".into())),
             Some(Upstream::Stdio(_, stdin)) => {
-                let mut line = serde_json::to_vec(msg).map_err(|e| e.to_string())?;
+                let mut line = serde_json::to_vec(msg).map_err(|e| Error::Upstream(e.to_string()))?;
                 line.push(b'\n');
                 stdin
                     .write_all(&line)
                     .and_then(|_| stdin.flush())
-                    .map_err(|e| format!("the upstream MCP server is gone: {e}"))
+                    .map_err(|e| Error::Upstream(format!("the upstream MCP server is gone: {e}")))
             }
             Some(Upstream::Http(h)) => h
                 .outbox
                 .lock()
                 .unwrap()
                 .send(msg.clone())
-                .map_err(|_| "the upstream MCP connection is closed".to_string()),
+                .map_err(|_| Error::Upstream("the upstream MCP connection is closed".into())),
         }
     }
 
@@ -187,21 +189,24 @@ impl Proxy {
     }
 
     /// A message that could not be delivered: a request gets the error as its response.
-    fn http_failed(&self, msg: &Value, e: String) {
+    fn http_failed(&self, msg: &Value, e: Error) {
         match (msg.get("method").is_some(), msg.get("id").filter(|i| !i.is_null())) {
-            (true, Some(id)) => self.on_upstream_message(jsonrpc::error(id.clone(), jsonrpc::INTERNAL_ERROR, e)),
+            (true, Some(id)) => {
+                self.on_upstream_message(jsonrpc::error(id.clone(), jsonrpc::INTERNAL_ERROR, e.to_string()))
+            }
             _ => eprintln!("planarian-mcp-proxy: {e}"),
         }
     }
 
     /// Reads the messages of a response (one JSON body, or an event stream) and hands each to
     /// `f`; an event stream is left once the response to `until` has arrived.
-    fn each_message(resp: Response, until: Option<&Value>, mut f: impl FnMut(Value)) -> Result<(), String> {
+    fn each_message(resp: Response, until: Option<&Value>, mut f: impl FnMut(Value)) -> Result<()> {
         let done = |m: &Value| until.is_some_and(|id| m.get("method").is_none() && m.get("id") == Some(id));
         if resp.events {
             let mut events = http::Events::new(resp.body);
-            while let Some(data) =
-                events.next_data().map_err(|e| format!("the upstream MCP server's event stream broke: {e}"))?
+            while let Some(data) = events
+                .next_data()
+                .map_err(|e| Error::Upstream(format!("the upstream MCP server's event stream broke: {e}")))?
             {
                 let msgs = match serde_json::from_str::<Value>(&data) {
                     Ok(Value::Array(a)) => a,
@@ -219,11 +224,12 @@ impl Proxy {
             }
             return Ok(());
         }
-        let text = resp.text().map_err(|e| format!("cannot read the upstream MCP server's response: {e}"))?;
+        let text =
+            resp.text().map_err(|e| Error::Upstream(format!("cannot read the upstream MCP server's response: {e}")))?;
         match serde_json::from_str::<Value>(&text) {
             Ok(Value::Array(a)) => a.into_iter().for_each(f),
             Ok(m) => f(m),
-            Err(e) => return Err(format!("the upstream MCP server's response is not JSON: {e}")),
+            Err(e) => return Err(Error::Upstream(format!("the upstream MCP server's response is not JSON: {e}"))),
         }
         Ok(())
     }
@@ -257,8 +263,8 @@ impl Proxy {
     /// One message to an HTTP upstream: returns once the server took it. What the response
     /// carries is read on a thread of its own (the answer to `initialize`, here: nothing may be
     /// sent in the session before it).
-    fn http_exchange(self: &Arc<Self>, h: &Arc<HttpUpstream>, msg: &Value) -> Result<(), String> {
-        let body = serde_json::to_vec(msg).map_err(|e| e.to_string())?;
+    fn http_exchange(self: &Arc<Self>, h: &Arc<HttpUpstream>, msg: &Value) -> Result<()> {
+        let body = serde_json::to_vec(msg).map_err(|e| Error::Upstream(e.to_string()))?;
         let is_init = msg["method"] == "initialize";
         let request_id = msg.get("method").and(msg.get("id")).filter(|i| !i.is_null()).cloned();
         for attempt in 0..2 {
@@ -301,15 +307,15 @@ impl Proxy {
                 status => {
                     let text = resp.text().unwrap_or_default();
                     let text: String = text.trim().chars().take(300).collect();
-                    return Err(format!("the upstream MCP server answered HTTP {status}: {text}"));
+                    return Err(Error::Upstream(format!("the upstream MCP server answered HTTP {status}: {text}")));
                 }
             }
         }
-        Err("the upstream MCP server lost the session again right after it was re-established".into())
+        Err(Error::Upstream("the upstream MCP server lost the session again right after it was re-established".into()))
     }
 
     /// A new upstream session, initialized with the harness's own parameters.
-    fn reestablish(self: &Arc<Self>, h: &Arc<HttpUpstream>, lost: &Option<String>) -> Result<(), String> {
+    fn reestablish(self: &Arc<Self>, h: &Arc<HttpUpstream>, lost: &Option<String>) -> Result<()> {
         let _one = h.reinit.lock().unwrap();
         if *h.session.lock().unwrap() != *lost {
             return Ok(()); // another call did it meanwhile
@@ -319,11 +325,11 @@ impl Proxy {
         eprintln!("planarian-mcp-proxy: the upstream MCP server lost the session; starting a new one");
         let id = json!(self.next_id.fetch_add(1, Ordering::SeqCst));
         let init = jsonrpc::request(id.clone(), "initialize", params);
-        let fail = |e: String| format!("cannot re-establish the upstream MCP session: {e}");
+        let fail = |e: Error| e.context("cannot re-establish the upstream MCP session");
         let resp =
             h.request("POST", &HttpUpstream::headers(&None, &None), init.to_string().as_bytes()).map_err(fail)?;
         if resp.status != 200 {
-            return Err(fail(format!("HTTP {}", resp.status)));
+            return Err(fail(Error::Upstream(format!("HTTP {}", resp.status))));
         }
         let session = resp.session.clone();
         let mut version = None;
