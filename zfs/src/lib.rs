@@ -54,6 +54,17 @@ fn classify(stderr: &str) -> Kind {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// Which ZFS the `zfs` program drives: what a pool of version 23 forced on planarian is lifted
+/// where OpenZFS allows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavour {
+    /// OpenZFS's kernel module (`zfs version` answers).
+    OpenZfs,
+    /// zfs-fuse (no `version` command): a rename remounts the clones of the renamed dataset's
+    /// snapshots, and fails while one is in use.
+    ZfsFuse,
+}
+
 /// The `zfs` program, found by absolute path by the caller.
 #[derive(Debug, Clone)]
 pub struct Zfs {
@@ -90,6 +101,15 @@ impl Zfs {
             return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
         }
         Err(failure(args, &out.stderr))
+    }
+
+    /// Which ZFS this is (asked once per call: only operations that can be refused ask).
+    pub fn flavour(&self) -> Flavour {
+        let out = Command::new(&self.bin).arg("version").env("LC_ALL", "C").output();
+        match out {
+            Ok(o) if o.status.success() => Flavour::OpenZfs,
+            _ => Flavour::ZfsFuse,
+        }
     }
 
     pub fn exists(&self, name: &str) -> Result<bool> {
@@ -265,7 +285,7 @@ impl Zfs {
     }
 
     /// Where objects of snapshot `snap` (a file system's) are in its tree, read with
-    /// `zdb -dddd SNAP OBJECT...` (beside `zfs`), which follows each object's parent pointers in
+    /// `zdb -dddd SNAP OBJECT...` (beside `zfs`; `-ddddd` on OpenZFS), which follows each object's parent pointers in
     /// the snapshot. Every object asked for must exist in `snap` (zdb stops at one that does
     /// not, which is an error here).
     ///
@@ -277,10 +297,15 @@ impl Zfs {
     pub fn object_paths(&self, snap: &str, objects: &[u64]) -> Result<Vec<ObjectInfo>> {
         use std::io::BufRead;
         let zdb = self.beside("zdb");
-        let mut args = vec!["-dddd".to_string(), snap.to_string()];
+        // (OpenZFS's zdb prints an object's path from five `d`s on, zfs-fuse's from four)
+        let detail = match self.flavour() {
+            Flavour::OpenZfs => "-ddddd",
+            Flavour::ZfsFuse => "-dddd",
+        };
+        let mut args = vec![detail.to_string(), snap.to_string()];
         args.extend(objects.iter().map(u64::to_string));
         let failed = |found: usize, err: &str| Error::Command {
-            args: format!("zdb -dddd {snap} ({} objects)", objects.len()),
+            args: format!("zdb {detail} {snap} ({} objects)", objects.len()),
             stderr: format!("{found} of {} objects read; {}", objects.len(), err.trim()),
             kind: Kind::Other,
         };
@@ -408,8 +433,10 @@ pub fn parse_zdb_objects(text: &str) -> Vec<ObjectInfo> {
             header = false;
             let mut words = line.split_whitespace();
             if let Some(object) = words.next().and_then(|w| w.parse().ok()) {
-                // number, then lvl, iblk, dblk, dsize, lsize, %full, then the type's words.
-                let kind = words.skip(6).collect::<Vec<_>>().join(" ");
+                // number, then its sizes and %full (six columns, or seven with OpenZFS's dnsize:
+                // each begins with a digit), then the type's words.
+                let kind =
+                    words.skip_while(|w| w.starts_with(|c: char| c.is_ascii_digit())).collect::<Vec<_>>().join(" ");
                 out.push(ObjectInfo { object, kind, path: None, links: None, root: None });
             }
             continue;
@@ -511,6 +538,52 @@ Dataset tp/ds@s3 [ZPL], ID 37, cr_txg 23, 1000K, 210 objects, rootbp DVA[0]=<0:1
 \tpath\t???<object#19>
 \tlinks\t0
 ";
+
+    /// OpenZFS 2.3's `zdb -ddddd` (a dnsize column, block pointers after each object).
+    const ZDB_OPENZFS: &str = "\
+    Object  lvl   iblk   dblk  dsize  dnsize  lsize   %full  type
+         1    1   128K    512     1K     512    512  100.00  ZFS master node
+\tdnode flags: USED_BYTES USERUSED_ACCOUNTED USEROBJUSED_ACCOUNTED 
+\tmicrozap: 512 bytes, 7 entries
+
+\t\tVERSION = 5 
+\t\tROOT = 34 
+Indirect blocks:
+               0 L0 0:12800:200 200L/200P F=1 B=9/9 cksum=00000006af39cf97
+
+    Object  lvl   iblk   dblk  dsize  dnsize  lsize   %full  type
+         4    1   128K    512      0     512    512  100.00  ZFS plain file
+                                               176   bonus  System attributes
+\tdnode flags: USED_BYTES USERUSED_ACCOUNTED USEROBJUSED_ACCOUNTED 
+\tpath\t/hard
+\tuid     0
+\tparent\t34
+\tlinks\t2
+Indirect blocks:
+               0 L0 EMBEDDED et=0 200L/13P B=10
+
+    Object  lvl   iblk   dblk  dsize  dnsize  lsize   %full  type
+         2    1   128K    512      0     512    512  100.00  ZFS directory
+                                               176   bonus  System attributes
+\tpath\t/x1
+\tlinks\t3
+\t\tx2 = 3 (type: Directory)
+";
+
+    #[test]
+    fn openzfs_zdb_objects_give_their_paths_too() {
+        let o = parse_zdb_objects(ZDB_OPENZFS);
+        let view: Vec<_> = o.iter().map(|o| (o.object, o.kind.as_str(), o.path.as_deref(), o.links)).collect();
+        assert_eq!(o[0].root, Some(34));
+        assert_eq!(
+            view,
+            [
+                (1, "ZFS master node", None, None),
+                (4, "ZFS plain file", Some("/hard"), Some(2)),
+                (2, "ZFS directory", Some("/x1"), Some(3)),
+            ]
+        );
+    }
 
     #[test]
     fn zdb_objects_give_their_paths() {

@@ -121,12 +121,16 @@ fn locate(cfg: &Config, store: &ContainerStore, local: &LocalState) -> Result<Op
 }
 
 /// Checks, before anything changes, that the container's files can go back to statepoint
-/// `local`: its snapshot is there, and no other container runs on a clone of a snapshot the
-/// rollback would rename. Going back swaps datasets by `zfs rename`, which remounts the clones of
-/// the renamed dataset's snapshots — a fork of this container, or a container imported with
-/// `--since` on top of it — and fails while one is in use, half-way through.
+/// `local`: its snapshot is there, and, on zfs-fuse, no other container runs on a clone of a
+/// snapshot the rollback would rename. Going back swaps datasets by `zfs rename`, which on
+/// zfs-fuse remounts the clones of the renamed dataset's snapshots — a fork of this container,
+/// or a container imported with `--since` on top of it — and fails while one is in use,
+/// half-way through. OpenZFS renames such a dataset and leaves its clones mounted where they are.
 pub fn check_rollback(cfg: &Config, store: &ContainerStore, local: &LocalState) -> Result<()> {
     let Some((zfs, map, snap)) = locate(cfg, store, local)? else { return Ok(()) };
+    if zfs.flavour() == zfs::Flavour::OpenZfs {
+        return Ok(());
+    }
     let home = zfs::dataset_of(&snap);
     let d = &map.dataset;
     let in_family = |fs: &str| fs == d || fs.starts_with(&format!("{d}.planarian-")) || fs == home;
