@@ -260,7 +260,13 @@ pub struct CheckpointArgs {
     pub container_id: String,
 }
 
-/// `restore`, as conmon calls it.
+/// The arguments with the long flags containerd's runc shim writes with one dash (`-no-subreaper`,
+/// which runc's parser takes as the long flag) written with two.
+pub fn single_dash_long(args: &[OsString]) -> Vec<OsString> {
+    args.iter().map(|a| if a == "-no-subreaper" { "--no-subreaper".into() } else { a.clone() }).collect()
+}
+
+/// `restore`, as conmon and containerd's runc shim call it.
 #[derive(clap::Parser, Debug)]
 #[command(name = "planarian restore", about = "Restore a container from a statepoint", args_override_self = true)]
 pub struct RestoreArgs {
@@ -278,6 +284,10 @@ pub struct RestoreArgs {
     pub no_pivot: bool,
     #[arg(long)]
     pub no_new_keyring: bool,
+    /// runc's: the runtime does not stay as the restored tree's subreaper. Neither crun nor
+    /// planarian ever does (the restore returns once the tree runs): accepted, nothing to do.
+    #[arg(long)]
+    pub no_subreaper: bool,
     #[arg(long)]
     pub preserve_fds: Option<u32>,
     #[command(flatten)]
@@ -597,6 +607,27 @@ mod tests {
         Invocation::parse(args.iter().map(OsString::from).collect())
     }
 
+    #[test]
+    fn restore_takes_containerds_arguments() {
+        let argv = [
+            "--image-path",
+            "/r/ctrd-restore/checkpoint",
+            "--work-path",
+            "/s/k8s.io/abc/work",
+            "--detach",
+            "--pid-file",
+            "/s/k8s.io/abc/init.pid",
+            "-no-subreaper",
+            "--bundle",
+            "/s/k8s.io/abc",
+            "abc",
+        ];
+        let args: Vec<OsString> = argv.iter().map(OsString::from).collect();
+        let a: RestoreArgs = parse_verb("restore", &single_dash_long(&args)).expect("parses");
+        assert!(a.detach && a.no_subreaper);
+        assert_eq!(a.container_id, "abc");
+        assert_eq!(a.image_path.as_deref(), Some(std::path::Path::new("/r/ctrd-restore/checkpoint")));
+    }
     #[test]
     fn conmon_create_line_is_read_and_kept() {
         let line = [

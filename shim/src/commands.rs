@@ -76,9 +76,9 @@ pub fn checkpoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     }
 }
 
-/// `restore` (conmon).
+/// `restore` (conmon, and containerd's runc shim).
 pub fn restore(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
-    let a: cli::RestoreArgs = parse!("restore", args);
+    let a: cli::RestoreArgs = parse!("restore", &cli::single_dash_long(args));
     let req = RestoreRequest {
         container_id: a.container_id,
         bundle: a.bundle,

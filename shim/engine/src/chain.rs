@@ -363,6 +363,81 @@ pub fn hand_out(images: &Path, out: &Path) -> Result<usize> {
     Ok(chain.len())
 }
 
+/// What separates the parts of a path in a flat handed-out directory's file names.
+const FLAT_SEP: char = '%';
+
+/// Lays a handed-out directory `dir` ([`hand_out`], with planarian's part in `part`) out flat,
+/// for a caller that keeps only its top level's regular files: containerd unpacks a
+/// checkpoint's directory entry by entry as plain files (a subdirectory becomes an empty file
+/// and its files are lost; a link becomes an empty file). Each file of a subdirectory `a/b/f`
+/// becomes `a%b%f`; the `parent` links go ([`unflatten`] makes them again).
+pub fn flatten(dir: &Path, part: &str) -> Result<()> {
+    let _ = std::fs::remove_file(dir.join("parent"));
+    for sub in [HANDED_OUT_CHAIN, part] {
+        let top = dir.join(sub);
+        if !top.is_dir() {
+            continue;
+        }
+        let mut stack = vec![PathBuf::from(sub)];
+        while let Some(rel) = stack.pop() {
+            let here = dir.join(&rel);
+            for e in std::fs::read_dir(&here).at("read", &here)?.filter_map(std::result::Result::ok) {
+                let t = e.file_type().at("read", e.path())?;
+                let child = rel.join(e.file_name());
+                if t.is_dir() {
+                    stack.push(child);
+                } else if t.is_file() {
+                    let flat: Vec<String> = child.iter().map(|c| c.to_string_lossy().into_owned()).collect();
+                    let to = dir.join(flat.join(&FLAT_SEP.to_string()));
+                    std::fs::rename(e.path(), &to).at("rename", e.path())?;
+                }
+                // (a `parent` link: made again by unflatten)
+            }
+        }
+        std::fs::remove_dir_all(&top).at("remove", &top)?;
+    }
+    Ok(())
+}
+
+/// Puts a directory [`flatten`] laid out back as [`hand_out`] made it (its subdirectories and
+/// `parent` links); nothing when it is not flat. A name that would lead out of `dir` is refused.
+pub fn unflatten(dir: &Path, part: &str) -> Result<()> {
+    let flat: Vec<(String, PathBuf)> = std::fs::read_dir(dir)
+        .at("read", dir)?
+        .filter_map(std::result::Result::ok)
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| e.file_name().to_str().map(String::from))
+        .filter(|n| [HANDED_OUT_CHAIN, part].iter().any(|p| n.starts_with(&format!("{p}{FLAT_SEP}"))))
+        .map(|n| {
+            let rel: PathBuf = n.split(FLAT_SEP).collect();
+            (n, rel)
+        })
+        .collect();
+    if flat.is_empty() {
+        return Ok(());
+    }
+    for (name, rel) in &flat {
+        if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+            return Err(Error::Broken { images: dir.to_path_buf(), at: dir.join(name) });
+        }
+        let to = dir.join(rel);
+        let parent = to.parent().unwrap_or(dir);
+        std::fs::create_dir_all(parent).at("create", parent)?;
+        std::fs::rename(dir.join(name), &to).at("rename", dir.join(name))?;
+    }
+    // Each level's parent is the next one: planarian-chain/1 for the top, N+1 for N.
+    let level = |i: usize| if i == 0 { dir.to_path_buf() } else { dir.join(HANDED_OUT_CHAIN).join(i.to_string()) };
+    let mut i = 0;
+    while level(i + 1).join("inventory.img").is_file() {
+        let link = level(i).join("parent");
+        if std::fs::symlink_metadata(&link).is_err() {
+            std::os::unix::fs::symlink(relative(&level(i), &level(i + 1)), &link).at("link parent in", level(i))?;
+        }
+        i += 1;
+    }
+    Ok(())
+}
+
 /// Hard links (copies across file systems) of the regular files of `src` in `dest`, which is
 /// created; files already in `dest` are replaced.
 pub fn link_files(src: &Path, dest: &Path) -> Result<()> {
@@ -556,6 +631,23 @@ mod tests {
             chain.iter().map(|d| std::fs::read_to_string(d.join("pages-1.img")).unwrap()).collect();
         assert_eq!(pages, ["sp3", "sp2", "sp1"]);
         complete(&out).unwrap();
+        // Handed out flat (containerd keeps only the top level's regular files) and laid out
+        // again: the same chain.
+        std::fs::create_dir_all(out.join("planarian")).unwrap();
+        std::fs::write(out.join("planarian/manifest.json"), "{}").unwrap();
+        flatten(&out, "planarian").unwrap();
+        for e in std::fs::read_dir(&out).unwrap().flatten() {
+            assert!(e.file_type().unwrap().is_file(), "{:?} is not a plain file", e.path());
+        }
+        assert!(out.join("planarian%manifest.json").is_file() && out.join("planarian-chain%2%pages-1.img").is_file());
+        unflatten(&out, "planarian").unwrap();
+        let again: Vec<String> =
+            chain_of(&out).iter().map(|d| std::fs::read_to_string(d.join("pages-1.img")).unwrap()).collect();
+        assert_eq!(again, ["sp3", "sp2", "sp1"]);
+        assert_eq!(std::fs::read_to_string(out.join("planarian/manifest.json")).unwrap(), "{}");
+        complete(&out).unwrap();
+        unflatten(&out, "planarian").unwrap();
+        std::fs::remove_dir_all(out.join("planarian")).unwrap();
         // Imported: the newest level a statepoint of the new store, the older ones its bases.
         let f = tmp("handout-dst");
         let into = f.statepoint_dir("sp1").join("criu");

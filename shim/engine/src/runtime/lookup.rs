@@ -102,19 +102,59 @@ pub fn storage_id(name: &str) -> Option<String> {
 }
 
 /// Whether the container whose init process is `pid` runs under planarian: its parent is the
-/// conmon Podman started with `-r RUNTIME` (after a restore too: CRIU restores the tree as
-/// conmon's child). `None` when that cannot be read.
+/// conmon Podman (or CRI-O) started with `-r RUNTIME` (after a restore too: CRIU restores the
+/// tree as conmon's child), or containerd's runc shim whose `BinaryName` is planarian. `None`
+/// when that cannot be read.
 pub fn runtime_is_planarian(pid: i32) -> Option<bool> {
     let ppid = sys::proc::parent_pid(pid)?;
     let cmdline = std::fs::read(format!("/proc/{ppid}/cmdline")).ok()?;
     let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-    if !args.first().is_some_and(|a| a.ends_with(b"conmon")) {
+    use std::os::unix::ffi::OsStrExt;
+    let runtime = if args.first().is_some_and(|a| a.ends_with(b"conmon")) {
+        let r = args.windows(2).find(|w| w[0] == b"-r" || w[0] == b"--runtime").map(|w| w[1])?;
+        PathBuf::from(std::ffi::OsStr::from_bytes(r))
+    } else if args.first().is_some_and(|a| a.ends_with(SHIM.as_bytes())) {
+        // (the shim runs in the task's bundle, where it keeps the runtime it was given)
+        let bundle = std::fs::read_link(format!("/proc/{ppid}/cwd")).ok()?;
+        match std::fs::read_to_string(bundle.join("runtime")) {
+            Ok(r) if !r.trim().is_empty() => PathBuf::from(r.trim()),
+            _ => PathBuf::from(shim_options(&bundle)?.0),
+        }
+    } else {
+        return None;
+    };
+    Some(runtime.file_name().is_some_and(|n| n == "planarian") || same_file(&runtime, &std::env::current_exe().ok()?))
+}
+
+/// containerd's runc shim (`io.containerd.runc.v2`).
+const SHIM: &str = "containerd-shim-runc-v2";
+
+/// Where containerd's runc shim keeps its runtime's state (`Root` in the handler's options),
+/// one directory per containerd namespace (`k8s.io` for the CRI).
+const CONTAINERD_RUNC_ROOT: &str = "/run/containerd/runc";
+
+/// The runtime binary (`BinaryName`) of the runc shim serving the task whose bundle is
+/// `bundle`, as the shim keeps its options there (`options.json`); runc when it names none.
+fn shim_options(bundle: &Path) -> Option<(String,)> {
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(bundle.join("options.json")).ok()?).ok()?;
+    let binary = v["binary_name"].as_str().or(v["BinaryName"].as_str()).filter(|b| !b.is_empty()).unwrap_or("runc");
+    Some((binary.to_string(),))
+}
+
+/// A container no Podman knows that a CRI engine runs through planarian — containerd's runc
+/// shim, whose runtime state lives under `/run/containerd/runc/NAMESPACE` — found by its full
+/// ID: its ID and the `--root` its runtime was given. (CRI-O's containers are named by their
+/// ID with the handler's `runtime_root` as `--root`.)
+pub fn cri_container(name: &str) -> Option<(String, PathBuf)> {
+    if name.len() != 64 || !name.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
-    let runtime = args.windows(2).find(|w| w[0] == b"-r" || w[0] == b"--runtime").map(|w| w[1])?;
-    use std::os::unix::ffi::OsStrExt;
-    let runtime = Path::new(std::ffi::OsStr::from_bytes(runtime));
-    Some(runtime.file_name().is_some_and(|n| n == "planarian") || same_file(runtime, &std::env::current_exe().ok()?))
+    let namespaces = std::fs::read_dir(CONTAINERD_RUNC_ROOT).ok()?;
+    namespaces
+        .flatten()
+        .map(|ns| ns.path())
+        .find(|root| root.join(name).join("status").is_file())
+        .map(|root| (name.to_string(), root))
 }
 
 fn same_file(a: &Path, b: &Path) -> bool {

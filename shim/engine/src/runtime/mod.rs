@@ -57,6 +57,18 @@ pub struct Globals {
 }
 
 impl Globals {
+    /// These globals for container `id` — or, when none names a root and crun's default root
+    /// does not hold it, the `--root` of the CRI engine that runs it through planarian
+    /// (containerd's, [`lookup::cri_container`]): what a user's `planarian rollback ID` needs.
+    pub fn for_container(&self, id: &str) -> Globals {
+        if self.root.is_none() && !std::path::Path::new(CRUN_ROOT).join(id).exists() {
+            if let Some((_, root)) = lookup::cri_container(id) {
+                return Globals { root: Some(root), ..self.clone() };
+            }
+        }
+        self.clone()
+    }
+
     /// `--root DIR` for crun, when one was given.
     pub fn crun_args(&self) -> Vec<std::ffi::OsString> {
         match &self.root {

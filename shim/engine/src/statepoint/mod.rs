@@ -124,6 +124,7 @@ pub struct Ctx {
 impl Ctx {
     /// The container crun knows by full ID `id`, with its configuration (annotations applied).
     pub fn load(globals: &Globals, id: &str) -> Result<Ctx> {
+        let globals = &globals.for_container(id);
         let cfg = Config::load()?;
         let crun = runtime::crun(&cfg)?;
         let criu = runtime::criu(&cfg)?;
@@ -159,11 +160,23 @@ impl Ctx {
                 }
             }
         }
+        if let Some(ctx) = Ctx::of_cri(globals, name) {
+            return Ok(ctx);
+        }
         let pc = podman::planarian_container(name)?;
         if !matches!(pc.status.as_str(), "running" | "paused") {
             return Err(Error::NotRunning { name: name.to_string(), status: pc.status });
         }
         Ctx::load(globals, &pc.id)
+    }
+
+    /// A running container a CRI engine runs through planarian, which no Podman knows
+    /// (containerd's, named by its full ID): with the `--root` its runtime was given.
+    fn of_cri(globals: &Globals, name: &str) -> Option<Ctx> {
+        let (id, root) = lookup::cri_container(name)?;
+        let ctx = Ctx::load(&Globals { root: Some(root), ..globals.clone() }, &id).ok()?;
+        let pid = ctx.ctr.running_pid().ok()?;
+        (lookup::runtime_is_planarian(pid) == Some(true)).then_some(ctx)
     }
 
     /// Undoes what a crashed planarian may have left: a rollback half-way (finished or undone,
@@ -247,7 +260,25 @@ pub fn planarian_container(globals: &Globals, name: &str) -> Result<podman::Podm
             annotations: ctx.ctr.spec.annotations.into_iter().map(|(k, v)| (k, serde_json::Value::String(v))).collect(),
         })
     };
-    match found() {
+    // A CRI engine's (containerd's) container, running and not frozen.
+    let cri = || -> Option<podman::PodmanContainer> {
+        let ctx = Ctx::of_cri(globals, name)?;
+        let pid = ctx.ctr.running_pid().ok()?;
+        if local::freezer::Freezer::of_pid(pid).ok()?.is_frozen() {
+            return None;
+        }
+        let upperdir = runtime::container::overlay_upperdir_of(pid).ok().flatten();
+        Some(podman::PodmanContainer {
+            id: ctx.ctr.id.clone(),
+            name: ctx.ctr.id.clone(),
+            status: "running".into(),
+            runtime: "planarian".into(),
+            bundle: ctx.ctr.bundle,
+            upperdir,
+            annotations: ctx.ctr.spec.annotations.into_iter().map(|(k, v)| (k, serde_json::Value::String(v))).collect(),
+        })
+    };
+    match found().or_else(cri) {
         Some(pc) => Ok(pc),
         None => Ok(podman::planarian_container(name)?),
     }

@@ -36,6 +36,9 @@ pub fn leave_for_podman(
     match to {
         Destination::Leaves(cfg, store) => {
             super::travel::hand_out(cfg, store, m, image_path, None)?;
+            if super::travel::kept_flat() {
+                crate::chain::flatten(image_path, super::travel::PART)?;
+            }
         }
         Destination::Stays => {
             std::fs::copy(images.join("inventory.img"), image_path.join("inventory.img"))

@@ -24,6 +24,7 @@ use crate::runtime::Bundle;
 use crate::store::{read_manifest, ContainerStore, LocalState, Manifest, Status};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use sys::Context;
 
@@ -52,6 +53,18 @@ pub fn leaves() -> bool {
         }
         Err(_) => true,
     }
+}
+
+/// Whether the caller of `checkpoint` keeps only the top level of its directory, as regular
+/// files: containerd's runc shim (containerd unpacks the directory into a checkpoint archive
+/// entry by entry as plain files). The statepoint is then handed out flat
+/// ([`crate::chain::flatten`]); a restore puts it back ([`HandedOut::read`]).
+pub fn kept_flat() -> bool {
+    let ppid = nix::unistd::getppid();
+    std::fs::read(format!("/proc/{ppid}/cmdline")).is_ok_and(|c| {
+        let prog = c.split(|b| *b == 0).next().unwrap_or_default();
+        Path::new(std::ffi::OsStr::from_bytes(prog)).file_name().is_some_and(|n| n == "containerd-shim-runc-v2")
+    })
 }
 
 /// `podman [global flags] container checkpoint [flags] CTR…` without a flag that exports.
@@ -112,6 +125,8 @@ pub struct HandedOut {
 impl HandedOut {
     /// The handed-out statepoint in `image_path`, if the directory is one.
     pub fn read(image_path: &Path) -> Result<Option<HandedOut>> {
+        // (handed out flat to containerd: laid out again first)
+        crate::chain::unflatten(image_path, PART)?;
         let p = image_path.join(PART).join("manifest.json");
         if std::fs::symlink_metadata(image_path.join(PART)).is_err() {
             return Ok(None);
