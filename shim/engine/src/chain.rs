@@ -417,9 +417,20 @@ pub fn unflatten(dir: &Path, part: &str) -> Result<()> {
         return Ok(());
     }
     for (name, rel) in &flat {
-        if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+        // Only plain names, and no directory on the way that is anything but a directory of
+        // `dir` (a link there would lead the file out of it).
+        let mut on_the_way = dir.to_path_buf();
+        let parents = rel.parent().map(|p| p.components().collect::<Vec<_>>()).unwrap_or_default();
+        let astray = rel.components().any(|c| !matches!(c, Component::Normal(_)))
+            || parents.iter().any(|c| {
+                on_the_way.push(c);
+                std::fs::symlink_metadata(&on_the_way).is_ok_and(|m| !m.file_type().is_dir())
+            });
+        if astray {
             return Err(Error::Broken { images: dir.to_path_buf(), at: dir.join(name) });
         }
+    }
+    for (name, rel) in &flat {
         let to = dir.join(rel);
         let parent = to.parent().unwrap_or(dir);
         std::fs::create_dir_all(parent).at("create", parent)?;
@@ -648,6 +659,18 @@ mod tests {
         complete(&out).unwrap();
         unflatten(&out, "planarian").unwrap();
         std::fs::remove_dir_all(out.join("planarian")).unwrap();
+        // A crafted one: a name that climbs out, a link on the way out; refused, nothing moved.
+        let away = s.dir.parent().unwrap().join("handout-away");
+        std::fs::create_dir_all(&away).unwrap();
+        std::fs::write(out.join("planarian%..%..%x"), "x").unwrap();
+        assert!(unflatten(&out, "planarian").is_err());
+        std::fs::remove_file(out.join("planarian%..%..%x")).unwrap();
+        std::os::unix::fs::symlink(&away, out.join("planarian")).unwrap();
+        std::fs::write(out.join("planarian%passwd"), "x").unwrap();
+        assert!(unflatten(&out, "planarian").is_err());
+        assert!(!away.join("passwd").exists() && out.join("planarian%passwd").exists());
+        std::fs::remove_file(out.join("planarian%passwd")).unwrap();
+        std::fs::remove_file(out.join("planarian")).unwrap();
         // Imported: the newest level a statepoint of the new store, the older ones its bases.
         let f = tmp("handout-dst");
         let into = f.statepoint_dir("sp1").join("criu");
