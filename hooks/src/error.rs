@@ -48,14 +48,20 @@ impl Error {
 
     /// The same error with `context` (what was being done) before its words, of the same kind.
     pub fn context(self, context: impl std::fmt::Display) -> Error {
+        self.reworded(|s| format!("{context}: {s}"))
+    }
+
+    /// The same error, of the same kind, with its words made by `words` from its own. (A file's
+    /// or the sidecar's error, whose words are made of its parts, becomes a refusal.)
+    pub fn reworded(self, words: impl FnOnce(String) -> String) -> Error {
         match self {
-            Error::File(_) | Error::Sidecar(_) => Error::Invalid(format!("{context}: {self}")),
-            Error::Invalid(s) => Error::Invalid(format!("{context}: {s}")),
-            Error::Sql(s) => Error::Sql(format!("{context}: {s}")),
-            Error::Postgres(s) => Error::Postgres(format!("{context}: {s}")),
-            Error::Upstream(s) => Error::Upstream(format!("{context}: {s}")),
-            Error::Refused(s) => Error::Refused(format!("{context}: {s}")),
-            Error::Conflict(s) => Error::Conflict(format!("{context}: {s}")),
+            Error::File(_) | Error::Sidecar(_) => Error::Refused(words(self.to_string())),
+            Error::Invalid(s) => Error::Invalid(words(s)),
+            Error::Sql(s) => Error::Sql(words(s)),
+            Error::Postgres(s) => Error::Postgres(words(s)),
+            Error::Upstream(s) => Error::Upstream(words(s)),
+            Error::Refused(s) => Error::Refused(words(s)),
+            Error::Conflict(s) => Error::Conflict(words(s)),
         }
     }
 }

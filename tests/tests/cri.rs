@@ -423,9 +423,19 @@ fn a_pods_container_checkpointed_through_containerds_cri_restores_exactly_in_a_n
     // A statepoint of b, and back to it: planarian's own operations on a CRI container.
     planarian(&["snapshot", &b, "--name", "in-b"]).ok();
     e.send(&b, 5, "dirty 0 65536");
-    planarian(&["rollback", &b, "in-b"]).ok();
+    let r = planarian(&["rollback", &b, "in-b", "--json"]);
+    r.ok();
+    let how: serde_json::Value = serde_json::from_str::<serde_json::Value>(&r.stdout).unwrap()["how"].clone();
+    assert_eq!(how["path"], "in-place", "{how}");
     let back = e.state_at(&b, 4);
     assert_eq!((back.counter, &back.checksum), (at.counter + 1, &at.checksum));
+    // What goes through Podman is refused in one line, changing nothing: a fork is a Podman
+    // container cloned from its source.
+    let fork = planarian(&["fork", &b, "in-b"]);
+    assert_ne!(fork.code, Some(0));
+    assert!(fork.stderr.contains("is run by a CRI engine (containerd), not by Podman"), "{}", fork.stderr);
+    assert_eq!(e.status(&b), cri::ContainerState::ContainerRunning as i32);
+    assert_eq!(e.state_at(&b, 4).checksum, at.checksum);
 
     let argv = std::fs::read_to_string(&e.argv).unwrap();
     let mut shown: Vec<&str> = argv.lines().collect();

@@ -332,7 +332,7 @@ impl Proxy {
             }
         }
         for u in &e.undo {
-            self.own_call(u, &e.scope).map_err(|err| err.context(format!("{at}: its undo")))?;
+            self.own_call(u, &e.scope).map_err(|err| err.reworded(|s| format!("{at}: its undo {s}")))?;
         }
         Ok(())
     }

@@ -402,31 +402,19 @@ pub fn flatten(dir: &Path, part: &str) -> Result<()> {
 /// Puts a directory [`flatten`] laid out back as [`hand_out`] made it (its subdirectories and
 /// `parent` links); nothing when it is not flat. A name that would lead out of `dir` is refused.
 pub fn unflatten(dir: &Path, part: &str) -> Result<()> {
-    let flat: Vec<(String, PathBuf)> = std::fs::read_dir(dir)
-        .at("read", dir)?
-        .filter_map(std::result::Result::ok)
-        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
-        .filter_map(|e| e.file_name().to_str().map(String::from))
-        .filter(|n| [HANDED_OUT_CHAIN, part].iter().any(|p| n.starts_with(&format!("{p}{FLAT_SEP}"))))
-        .map(|n| {
-            let rel: PathBuf = n.split(FLAT_SEP).collect();
-            (n, rel)
-        })
-        .collect();
+    let flat = flat_names(dir, part)?;
     if flat.is_empty() {
         return Ok(());
     }
+    // (a flat directory has neither: what is there would be written into, or through)
+    for sub in [HANDED_OUT_CHAIN, part] {
+        if std::fs::symlink_metadata(dir.join(sub)).is_ok() {
+            return Err(Error::Broken { images: dir.to_path_buf(), at: dir.join(sub) });
+        }
+    }
     for (name, rel) in &flat {
-        // Only plain names, and no directory on the way that is anything but a directory of
-        // `dir` (a link there would lead the file out of it).
-        let mut on_the_way = dir.to_path_buf();
-        let parents = rel.parent().map(|p| p.components().collect::<Vec<_>>()).unwrap_or_default();
-        let astray = rel.components().any(|c| !matches!(c, Component::Normal(_)))
-            || parents.iter().any(|c| {
-                on_the_way.push(c);
-                std::fs::symlink_metadata(&on_the_way).is_ok_and(|m| !m.file_type().is_dir())
-            });
-        if astray {
+        // Only plain names.
+        if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
             return Err(Error::Broken { images: dir.to_path_buf(), at: dir.join(name) });
         }
     }
@@ -434,6 +422,9 @@ pub fn unflatten(dir: &Path, part: &str) -> Result<()> {
         let to = dir.join(rel);
         let parent = to.parent().unwrap_or(dir);
         std::fs::create_dir_all(parent).at("create", parent)?;
+        if std::fs::symlink_metadata(&to).is_ok() {
+            return Err(Error::Broken { images: dir.to_path_buf(), at: dir.join(name) });
+        }
         std::fs::rename(dir.join(name), &to).at("rename", dir.join(name))?;
     }
     // Each level's parent is the next one: planarian-chain/1 for the top, N+1 for N.
@@ -447,6 +438,26 @@ pub fn unflatten(dir: &Path, part: &str) -> Result<()> {
         i += 1;
     }
     Ok(())
+}
+
+/// Whether `dir` is a handed-out directory laid out flat ([`flatten`]).
+pub fn is_flat(dir: &Path, part: &str) -> bool {
+    flat_names(dir, part).is_ok_and(|f| !f.is_empty())
+}
+
+/// The flat names of `dir` ([`flatten`]), each with the path it stands for.
+fn flat_names(dir: &Path, part: &str) -> Result<Vec<(String, PathBuf)>> {
+    Ok(std::fs::read_dir(dir)
+        .at("read", dir)?
+        .filter_map(std::result::Result::ok)
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| e.file_name().to_str().map(String::from))
+        .filter(|n| [HANDED_OUT_CHAIN, part].iter().any(|p| n.starts_with(&format!("{p}{FLAT_SEP}"))))
+        .map(|n| {
+            let rel: PathBuf = n.split(FLAT_SEP).collect();
+            (n, rel)
+        })
+        .collect())
 }
 
 /// Hard links (copies across file systems) of the regular files of `src` in `dest`, which is

@@ -16,6 +16,9 @@ pub struct PodmanContainer {
     pub bundle: PathBuf,
     pub upperdir: Option<PathBuf>,
     pub annotations: serde_json::Map<String, serde_json::Value>,
+    /// Run by a CRI engine (containerd), not by Podman: what goes through Podman (a stop and
+    /// restore, a fork's clone) cannot be done to it.
+    pub cri: bool,
 }
 
 pub fn podman() -> Result<PathBuf> {
@@ -45,6 +48,7 @@ pub fn inspect(name: &str) -> Result<PodmanContainer> {
         bundle: PathBuf::from(s(&c["StaticDir"])),
         upperdir: c["GraphDriver"]["Data"]["UpperDir"].as_str().map(PathBuf::from),
         annotations: c["Config"]["Annotations"].as_object().cloned().unwrap_or_default(),
+        cri: false,
     })
 }
 

@@ -48,6 +48,12 @@ impl Fork {
     /// first free `CTR-fork-SP-K`.
     pub fn begin(globals: &Globals, container: &str, statepoint: &str, new_name: Option<&str>) -> Result<Fork> {
         let source = super::planarian_container(globals, container)?;
+        if source.cri {
+            return Err(Error::NotPodmans {
+                name: source.id,
+                what: "a fork is a Podman container cloned from it (snapshots and rollbacks in place work)".into(),
+            });
+        }
         let cfg = Config::load()?;
         let src_store = ContainerStore::new(&cfg.store.path, &source.id);
         let target = src_store.find(statepoint)?;

@@ -95,6 +95,9 @@ pub enum Error {
     NotRolledBack { first: Box<Error>, then: Box<Error> },
     #[error("{0}")]
     Worker(String),
+    /// What goes through Podman, asked of a container a CRI engine runs.
+    #[error("{name} is run by a CRI engine (containerd), not by Podman: {what}")]
+    NotPodmans { name: String, what: String },
     #[error("fork failed, nothing was created: {0}")]
     ForkFailed(Box<Error>),
     #[error("{} is not a statepoint file: {why}", file.display())]
@@ -258,6 +261,7 @@ pub fn planarian_container(globals: &Globals, name: &str) -> Result<podman::Podm
             bundle: ctx.ctr.bundle,
             upperdir: e.upperdir,
             annotations: ctx.ctr.spec.annotations.into_iter().map(|(k, v)| (k, serde_json::Value::String(v))).collect(),
+            cri: false,
         })
     };
     // A CRI engine's (containerd's) container, running and not frozen.
@@ -276,6 +280,7 @@ pub fn planarian_container(globals: &Globals, name: &str) -> Result<podman::Podm
             bundle: ctx.ctr.bundle,
             upperdir,
             annotations: ctx.ctr.spec.annotations.into_iter().map(|(k, v)| (k, serde_json::Value::String(v))).collect(),
+            cri: true,
         })
     };
     match found().or_else(cri) {

@@ -267,6 +267,18 @@ fn rollback(
         },
         _ => (None, None),
     };
+    if pc.cri {
+        // (nothing was changed: a refusal in place comes before any write, and the safety
+        // statepoint it took is gone with the error)
+        if let Some(s) = &taken {
+            let _ = super::remove(cfg, store, &s.statepoint_id);
+        }
+        let why = not_in_place.unwrap_or_default();
+        return Err(Error::NotPodmans {
+            name: pc.id.clone(),
+            what: format!("it cannot be rolled back in place ({why}), and {NOT_BY_RESTORE}; nothing was changed"),
+        });
+    }
     if taken.is_none() {
         full_path.into_inner()?;
     }
@@ -290,6 +302,9 @@ fn rollback(
         (Err(e), None) => Err(rolled_back(e)),
     }
 }
+
+/// Why a container a CRI engine runs is not rolled back by stopping and restoring it.
+const NOT_BY_RESTORE: &str = "a rollback that stops and restores goes through Podman, which does not run it";
 
 /// One rollback's parts, shared by its phases.
 struct Parts<'a> {
@@ -354,7 +369,8 @@ fn try_in_place(
     if !ctx.cfg.checkpoint.rollback_in_place {
         return Ok(InPlace::Refused { why: "turned off (checkpoint.rollback_in_place = false)".into(), safety: None });
     }
-    let mut blocked = || full_path.get().as_ref().err().map(|e| e.to_string());
+    let pod = rb.pc.cri.then(|| NOT_BY_RESTORE.to_string());
+    let mut blocked = || pod.clone().or_else(|| full_path.get().as_ref().err().map(|e| e.to_string()));
     let r = in_place(&ctx, rb, safety_id, &mut blocked, progress)?;
     if let InPlace::Refused { why, .. } = &r {
         progress.phase(&format!("not in place: {why}"));

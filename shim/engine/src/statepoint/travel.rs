@@ -125,8 +125,12 @@ pub struct HandedOut {
 impl HandedOut {
     /// The handed-out statepoint in `image_path`, if the directory is one.
     pub fn read(image_path: &Path) -> Result<Option<HandedOut>> {
-        // (handed out flat to containerd: laid out again first)
-        crate::chain::unflatten(image_path, PART)?;
+        // Handed out flat (to containerd): laid out again first, once nothing in it leads out.
+        if crate::chain::is_flat(image_path, PART) {
+            let hostile = |why: String| super::Error::Hostile { dir: image_path.to_path_buf(), why };
+            confined(image_path, Path::new("")).map_err(hostile)?;
+            crate::chain::unflatten(image_path, PART).map_err(|e| hostile(e.to_string()))?;
+        }
         let p = image_path.join(PART).join("manifest.json");
         if std::fs::symlink_metadata(image_path.join(PART)).is_err() {
             return Ok(None);

@@ -6,9 +6,15 @@
 //! Dropping a [`Tracee`] detaches it: the thread goes on from wherever its registers say.
 
 use nix::libc;
+use nix::sys::ptrace;
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
 use std::io;
 use std::time::{Duration, Instant};
 
+// What `nix::sys::ptrace` does not cover — the XSAVE area (`PTRACE_GETREGSET` of
+// `NT_X86_XSTATE`, whose size the kernel decides) and the signal mask — is asked of
+// `libc::ptrace` directly.
 const NT_X86_XSTATE: libc::c_int = 0x202;
 const PTRACE_GETSIGMASK: libc::c_uint = 0x420a;
 const PTRACE_SETSIGMASK: libc::c_uint = 0x420b;
@@ -19,6 +25,14 @@ fn check(r: libc::c_long, what: &str, tid: i32) -> io::Result<libc::c_long> {
         Err(io::Error::new(e.kind(), format!("{what} of thread {tid}: {e}")))
     } else {
         Ok(r)
+    }
+}
+
+/// A failed request of `nix::sys::ptrace`, named with its thread.
+fn failed(what: &'static str, tid: i32) -> impl FnOnce(nix::errno::Errno) -> io::Error {
+    move |e| {
+        let e = io::Error::from(e);
+        io::Error::new(e.kind(), format!("{what} of thread {tid}: {e}"))
     }
 }
 
@@ -35,37 +49,33 @@ impl Tracee {
     /// signals blocked — must not run on as if nothing happened. The statepoints, the safety
     /// statepoint among them, are intact.
     pub fn seize(tid: i32) -> io::Result<Tracee> {
-        // SAFETY: ptrace requests on a thread id, no memory of ours is handed over.
-        check(
-            unsafe { libc::ptrace(libc::PTRACE_SEIZE, tid, 0, libc::PTRACE_O_EXITKILL as libc::c_long) },
-            "PTRACE_SEIZE",
-            tid,
-        )?;
+        ptrace::seize(Pid::from_raw(tid), ptrace::Options::PTRACE_O_EXITKILL).map_err(failed("PTRACE_SEIZE", tid))?;
         let t = Tracee { tid };
-        check(unsafe { libc::ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0) }, "PTRACE_INTERRUPT", tid)?;
+        ptrace::interrupt(t.pid()).map_err(failed("PTRACE_INTERRUPT", tid))?;
         t.wait_stop()?;
         Ok(t)
     }
 
-    /// The status of the thread's next stop.
+    fn pid(&self) -> Pid {
+        Pid::from_raw(self.tid)
+    }
+
+    /// The signal of the thread's next stop (a ptrace event stop is SIGTRAP's).
     fn wait_stop(&self) -> io::Result<i32> {
         let end = Instant::now() + Duration::from_secs(10);
         loop {
-            let mut status = 0;
-            // SAFETY: waitpid writes the status into our own integer.
-            let r = unsafe { libc::waitpid(self.tid, &mut status, libc::__WALL | libc::WNOHANG) };
-            if r == self.tid {
-                if libc::WIFSTOPPED(status) {
-                    return Ok(status);
+            match waitpid(self.pid(), Some(WaitPidFlag::__WALL | WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Stopped(_, sig)) => return Ok(sig as i32),
+                Ok(WaitStatus::PtraceEvent(_, sig, _)) => return Ok(sig as i32),
+                Ok(WaitStatus::StillAlive) => {}
+                Ok(other) => {
+                    return Err(io::Error::other(format!("thread {} ended while held ({other:?})", self.tid)));
                 }
-                return Err(io::Error::other(format!("thread {} ended while held (status {status:#x})", self.tid)));
-            }
-            if r == -1 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => {
+                    let e = io::Error::from(e);
+                    return Err(io::Error::new(e.kind(), format!("waiting for thread {}: {e}", self.tid)));
                 }
-                return Err(io::Error::new(e.kind(), format!("waiting for thread {}: {e}", self.tid)));
             }
             if Instant::now() > end {
                 return Err(io::Error::new(
@@ -80,19 +90,11 @@ impl Tracee {
     }
 
     pub fn regs(&self) -> io::Result<libc::user_regs_struct> {
-        // SAFETY: all-zero is a valid user_regs_struct; the kernel fills it.
-        let mut r: libc::user_regs_struct = unsafe { std::mem::zeroed() };
-        check(
-            unsafe { libc::ptrace(libc::PTRACE_GETREGS, self.tid, 0, &mut r as *mut _) },
-            "PTRACE_GETREGS",
-            self.tid,
-        )?;
-        Ok(r)
+        ptrace::getregs(self.pid()).map_err(failed("PTRACE_GETREGS", self.tid))
     }
 
     pub fn set_regs(&self, r: &libc::user_regs_struct) -> io::Result<()> {
-        check(unsafe { libc::ptrace(libc::PTRACE_SETREGS, self.tid, 0, r as *const _) }, "PTRACE_SETREGS", self.tid)
-            .map(drop)
+        ptrace::setregs(self.pid(), *r).map_err(failed("PTRACE_SETREGS", self.tid))
     }
 
     /// The thread's XSAVE area (its first 512 bytes are FXSAVE's layout).
@@ -100,6 +102,7 @@ impl Tracee {
         let mut buf = vec![0u8; 64 << 10];
         let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
         check(
+            // SAFETY: the kernel writes at most iov_len bytes into our buffer, and says how many.
             unsafe { libc::ptrace(libc::PTRACE_GETREGSET, self.tid, NT_X86_XSTATE, &mut iov as *mut _) },
             "PTRACE_GETREGSET",
             self.tid,
@@ -166,13 +169,12 @@ impl Tracee {
         }
         self.set_regs(&r)?;
         let stepped = (|| {
-            check(unsafe { libc::ptrace(libc::PTRACE_SINGLESTEP, self.tid, 0, 0) }, "PTRACE_SINGLESTEP", self.tid)?;
-            let status = self.wait_stop()?;
-            if libc::WSTOPSIG(status) != libc::SIGTRAP {
+            ptrace::step(self.pid(), None).map_err(failed("PTRACE_SINGLESTEP", self.tid))?;
+            let sig = self.wait_stop()?;
+            if sig != libc::SIGTRAP {
                 return Err(io::Error::other(format!(
-                    "thread {} stopped with signal {} instead of after the system call",
-                    self.tid,
-                    libc::WSTOPSIG(status)
+                    "thread {} stopped with signal {sig} instead of after the system call",
+                    self.tid
                 )));
             }
             let after = self.regs()?;
@@ -191,8 +193,7 @@ impl Tracee {
 
 impl Drop for Tracee {
     fn drop(&mut self) {
-        // SAFETY: as above.
-        unsafe { libc::ptrace(libc::PTRACE_DETACH, self.tid, 0, 0) };
+        let _ = ptrace::detach(self.pid(), None);
     }
 }
 
