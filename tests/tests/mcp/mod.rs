@@ -22,7 +22,14 @@ pub struct Pg {
     pub port: u16,
 }
 
-pub const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
+/// The server binaries of the newest PostgreSQL installed (Debian 12 has 15, Debian 13 17).
+pub fn pg_bin() -> String {
+    let mut versions: Vec<u32> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|d| d.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default();
+    versions.sort_unstable();
+    format!("/usr/lib/postgresql/{}/bin", versions.last().copied().unwrap_or(15))
+}
 
 impl Pg {
     pub fn start() -> Pg {
@@ -38,7 +45,7 @@ impl Pg {
                 "-u",
                 "postgres",
                 "--",
-                &format!("{PG_BIN}/initdb"),
+                &format!("{}/initdb", pg_bin()),
                 "-D",
                 &format!("{d}/data"),
                 "-A",
@@ -55,7 +62,7 @@ impl Pg {
                 "-u",
                 "postgres",
                 "--",
-                &format!("{PG_BIN}/pg_ctl"),
+                &format!("{}/pg_ctl", pg_bin()),
                 "-D",
                 &format!("{d}/data"),
                 "-w",
@@ -91,7 +98,7 @@ impl Drop for Pg {
                 "-u",
                 "postgres",
                 "--",
-                &format!("{PG_BIN}/pg_ctl"),
+                &format!("{}/pg_ctl", pg_bin()),
                 "-D",
                 &format!("{d}/data"),
                 "-m",
