@@ -118,7 +118,7 @@ pub fn runtime_is_planarian(pid: i32) -> Option<bool> {
         let bundle = std::fs::read_link(format!("/proc/{ppid}/cwd")).ok()?;
         match std::fs::read_to_string(bundle.join("runtime")) {
             Ok(r) if !r.trim().is_empty() => PathBuf::from(r.trim()),
-            _ => PathBuf::from(shim_options(&bundle)?.0),
+            _ => PathBuf::from(shim_binary(&bundle)?),
         }
     } else {
         return None;
@@ -127,7 +127,7 @@ pub fn runtime_is_planarian(pid: i32) -> Option<bool> {
 }
 
 /// containerd's runc shim (`io.containerd.runc.v2`).
-const SHIM: &str = "containerd-shim-runc-v2";
+pub const SHIM: &str = "containerd-shim-runc-v2";
 
 /// Where containerd's runc shim keeps its runtime's state (`Root` in the handler's options),
 /// one directory per containerd namespace (`k8s.io` for the CRI).
@@ -135,26 +135,22 @@ const CONTAINERD_RUNC_ROOT: &str = "/run/containerd/runc";
 
 /// The runtime binary (`BinaryName`) of the runc shim serving the task whose bundle is
 /// `bundle`, as the shim keeps its options there (`options.json`); runc when it names none.
-fn shim_options(bundle: &Path) -> Option<(String,)> {
+fn shim_binary(bundle: &Path) -> Option<String> {
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(bundle.join("options.json")).ok()?).ok()?;
     let binary = v["binary_name"].as_str().or(v["BinaryName"].as_str()).filter(|b| !b.is_empty()).unwrap_or("runc");
-    Some((binary.to_string(),))
+    Some(binary.to_string())
 }
 
 /// A container no Podman knows that a CRI engine runs through planarian — containerd's runc
 /// shim, whose runtime state lives under `/run/containerd/runc/NAMESPACE` — found by its full
-/// ID: its ID and the `--root` its runtime was given. (CRI-O's containers are named by their
-/// ID with the handler's `runtime_root` as `--root`.)
-pub fn cri_container(name: &str) -> Option<(String, PathBuf)> {
+/// ID: the `--root` its runtime was given. (CRI-O's containers are named by their ID with the
+/// handler's `runtime_root` as `--root`.)
+pub fn cri_root(name: &str) -> Option<PathBuf> {
     if name.len() != 64 || !name.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     let namespaces = std::fs::read_dir(CONTAINERD_RUNC_ROOT).ok()?;
-    namespaces
-        .flatten()
-        .map(|ns| ns.path())
-        .find(|root| root.join(name).join("status").is_file())
-        .map(|root| (name.to_string(), root))
+    namespaces.flatten().map(|ns| ns.path()).find(|root| root.join(name).join("status").is_file())
 }
 
 fn same_file(a: &Path, b: &Path) -> bool {

@@ -59,10 +59,10 @@ pub struct Globals {
 impl Globals {
     /// These globals for container `id` — or, when none names a root and crun's default root
     /// does not hold it, the `--root` of the CRI engine that runs it through planarian
-    /// (containerd's, [`lookup::cri_container`]): what a user's `planarian rollback ID` needs.
+    /// (containerd's, [`lookup::cri_root`]): what a user's `planarian rollback ID` needs.
     pub fn for_container(&self, id: &str) -> Globals {
         if self.root.is_none() && !std::path::Path::new(CRUN_ROOT).join(id).exists() {
-            if let Some((_, root)) = lookup::cri_container(id) {
+            if let Some(root) = lookup::cri_root(id) {
                 return Globals { root: Some(root), ..self.clone() };
             }
         }

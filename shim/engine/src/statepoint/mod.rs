@@ -176,8 +176,8 @@ impl Ctx {
     /// A running container a CRI engine runs through planarian, which no Podman knows
     /// (containerd's, named by its full ID): with the `--root` its runtime was given.
     fn of_cri(globals: &Globals, name: &str) -> Option<Ctx> {
-        let (id, root) = lookup::cri_container(name)?;
-        let ctx = Ctx::load(&Globals { root: Some(root), ..globals.clone() }, &id).ok()?;
+        let root = lookup::cri_root(name)?;
+        let ctx = Ctx::load(&Globals { root: Some(root), ..globals.clone() }, name).ok()?;
         let pid = ctx.ctr.running_pid().ok()?;
         (lookup::runtime_is_planarian(pid) == Some(true)).then_some(ctx)
     }
@@ -253,16 +253,7 @@ pub fn planarian_container(globals: &Globals, name: &str) -> Result<podman::Podm
         if lookup::runtime_is_planarian(pid) != Some(true) || local::freezer::Freezer::of_pid(pid).ok()?.is_frozen() {
             return None;
         }
-        Some(podman::PodmanContainer {
-            id: e.id,
-            name: e.name,
-            status: "running".into(),
-            runtime: "planarian".into(),
-            bundle: ctx.ctr.bundle,
-            upperdir: e.upperdir,
-            annotations: ctx.ctr.spec.annotations.into_iter().map(|(k, v)| (k, serde_json::Value::String(v))).collect(),
-            cri: false,
-        })
+        Some(running(ctx, e.name, e.upperdir, false))
     };
     // A CRI engine's (containerd's) container, running and not frozen.
     let cri = || -> Option<podman::PodmanContainer> {
@@ -272,20 +263,26 @@ pub fn planarian_container(globals: &Globals, name: &str) -> Result<podman::Podm
             return None;
         }
         let upperdir = runtime::container::overlay_upperdir_of(pid).ok().flatten();
-        Some(podman::PodmanContainer {
-            id: ctx.ctr.id.clone(),
-            name: ctx.ctr.id.clone(),
-            status: "running".into(),
-            runtime: "planarian".into(),
-            bundle: ctx.ctr.bundle,
-            upperdir,
-            annotations: ctx.ctr.spec.annotations.into_iter().map(|(k, v)| (k, serde_json::Value::String(v))).collect(),
-            cri: true,
-        })
+        let name = ctx.ctr.id.clone();
+        Some(running(ctx, name, upperdir, true))
     };
     match found().or_else(cri) {
         Some(pc) => Ok(pc),
         None => Ok(podman::planarian_container(name)?),
+    }
+}
+
+/// A running planarian container found without Podman, as `podman inspect` would describe it.
+fn running(ctx: Ctx, name: String, upperdir: Option<std::path::PathBuf>, cri: bool) -> podman::PodmanContainer {
+    podman::PodmanContainer {
+        id: ctx.ctr.id,
+        name,
+        status: "running".into(),
+        runtime: "planarian".into(),
+        bundle: ctx.ctr.bundle,
+        upperdir,
+        annotations: ctx.ctr.spec.annotations.into_iter().map(|(k, v)| (k, serde_json::Value::String(v))).collect(),
+        cri,
     }
 }
 

@@ -63,7 +63,7 @@ pub fn kept_flat() -> bool {
     let ppid = nix::unistd::getppid();
     std::fs::read(format!("/proc/{ppid}/cmdline")).is_ok_and(|c| {
         let prog = c.split(|b| *b == 0).next().unwrap_or_default();
-        Path::new(std::ffi::OsStr::from_bytes(prog)).file_name().is_some_and(|n| n == "containerd-shim-runc-v2")
+        Path::new(std::ffi::OsStr::from_bytes(prog)).file_name().is_some_and(|n| n == crate::runtime::lookup::SHIM)
     })
 }
 
