@@ -50,7 +50,9 @@ finally:
 #[test]
 fn mini_swe_agent_rolls_back_its_own_mistake_through_the_unmodified_loop() {
     require_stack!();
-    let pylib = repo().join("target/pylib");
+    // (fetched by tests/run for each machine's Python)
+    let version = cmd("/usr/bin/python3", ["-c", "import sys; print('%d.%d' % sys.version_info[:2])"]).ok().out();
+    let pylib = repo().join("target/pylib").join(version);
     if !pylib.join("minisweagent").exists() {
         assert!(
             std::env::var_os("PLANARIAN_REQUIRE_SYSTEM").is_none(),
