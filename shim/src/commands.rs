@@ -220,7 +220,7 @@ pub fn spare(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let pool = statepoint::spares::pool(&inv.globals(), &a.container, &a.statepoint)?;
     let mut progress =
         StderrProgress::start(&format!("keeping {} spare(s) of {} at {}", a.count, a.container, pool.sp));
-    let spares = statepoint::spares::fill(pool, a.count, &mut progress)?;
+    let spares = statepoint::fork::keep_spares(pool, a.count, &mut progress)?;
     progress.finish();
     for s in spares {
         println!("{} ({}, frozen)", s.name, statepoint::short(&s.id));

@@ -102,7 +102,7 @@ fn mend(cfg: &Config, store: &ContainerStore) {
         crate::local::freezer::FreezeGuard::recover(&marker);
     }
     if let Ok(src) = crate::runtime::podman::inspect(&store.container_id()) {
-        crate::statepoint::forking::recover(&crate::runtime::Globals::default(), cfg, &src, store);
+        crate::statepoint::fork::recover(&crate::runtime::Globals::default(), cfg, &src, store);
     }
     crate::statepoint::discard_stale(cfg, store);
     crate::statepoint::finish_compensation(store, &store.container_id());

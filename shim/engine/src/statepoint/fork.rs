@@ -19,14 +19,15 @@
 //! Any failure removes NEW and its store; CTR is never changed. A spare of the statepoint made
 //! beforehand ([`super::spares`]) replaces all four steps with a thaw (and a rename).
 
-use super::forking::{Kind, Record};
-use super::podman_dir::{leave_for_podman, Destination};
+use super::forking::{self, discard, free_record, src_config, taken, Kind, Record};
+use super::podman_dir::leave_for_podman;
+use super::spares;
 use super::{describe, Error, Result};
 use crate::config::Config;
 use crate::context::{self, RestoreContext, Restored};
 use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
-use crate::runtime::{lookup, Bundle, Globals};
+use crate::runtime::{Bundle, Globals};
 use crate::store::{Actor, ContainerStore, Manifest, Outcome, OutcomeStatus, Status};
 use std::time::Duration;
 use sys::Context;
@@ -61,7 +62,7 @@ impl Fork {
             return Err(Error::Unreachable { statepoint: target.statepoint_id.clone(), why: why.clone() });
         }
         // (a fork a killed planarian left is finished or removed first: its name may be this one)
-        super::forking::recover(globals, &cfg, &source, &src_store);
+        recover(globals, &cfg, &source, &src_store);
         if let Some(n) = new_name {
             super::check_container_name(n)?;
         }
@@ -141,7 +142,7 @@ impl Fork {
                 Ok(j) => jobs.push(j),
                 Err(e) => {
                     for j in jobs {
-                        j.spare.iter().for_each(|s| super::spares::unclaim(&self.src_store, sp, s));
+                        j.spare.iter().for_each(|s| spares::unclaim(&self.src_store, sp, s));
                     }
                     return Err(e);
                 }
@@ -155,13 +156,13 @@ impl Fork {
     /// first `CTR-fork-SP-K` that is free and none of `others` has.
     fn job(&self, name: Option<&str>, others: &[Job]) -> Result<Job> {
         let (store, sp) = (&self.src_store, self.target.statepoint_id.as_str());
-        let claim = |record: &mut Record, s: &super::spares::Spare| -> Result<bool> {
+        let claim = |record: &mut Record, s: &spares::Spare| -> Result<bool> {
             record.set(Kind::Claimed, &s.id)?;
-            Ok(super::spares::unregister(store, sp, s))
+            Ok(spares::unregister(store, sp, s))
         };
         if let Some(n) = name {
             let mut record = Record::begin(store, n, sp, Kind::Fork, None)?;
-            for s in super::spares::registered(store, sp) {
+            for s in spares::registered(store, sp) {
                 if claim(&mut record, &s)? {
                     return Ok(Job { name: n.to_string(), spare: Some(s), record });
                 }
@@ -169,7 +170,7 @@ impl Fork {
             record.fork_anew()?;
             return Ok(Job { name: n.to_string(), spare: None, record });
         }
-        for s in super::spares::registered(store, sp) {
+        for s in spares::registered(store, sp) {
             // (a spare another fork is claiming has its record: the next one)
             let Ok(mut record) = Record::begin(store, &s.name, sp, Kind::Fork, None) else { continue };
             if claim(&mut record, &s)? {
@@ -195,7 +196,7 @@ impl Fork {
                 } else {
                     "a spare of the statepoint (podman rename, thawed)"
                 });
-                match super::spares::hand_out(&self.globals, &self.cfg, &self.source, &spare, name) {
+                match spares::hand_out(&self.globals, &self.cfg, &self.source, &spare, name) {
                     Ok(x) => Some(x),
                     Err(e) => {
                         progress.done(&format!("spare {} not usable ({e}): forking anew", spare.name));
@@ -282,72 +283,110 @@ pub type Forked = (PodmanContainer, RestoreContext);
 /// One fork of [`Fork::run_many`]: its name, the spare claimed for it, and its record.
 struct Job {
     name: String,
-    spare: Option<super::spares::Spare>,
+    spare: Option<spares::Spare>,
     record: Record,
 }
 
-/// Whether a container already has name `n`: Podman is asked only when containers/storage's
-/// records cannot be read.
-fn taken(n: &str) -> bool {
-    lookup::name_taken(n).unwrap_or_else(|| podman::inspect(n).is_ok())
+/// How recovery left an interrupted fork.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Recovered {
+    /// It runs.
+    Finished(String),
+    /// Nothing of it is left.
+    Undone(String),
 }
 
-/// The record of a fork (`kind`) of statepoint `sp` under the first `STEM-K` (K = 1, 2, …) that
-/// no container has, `chosen` has not, and no other fork under way is taking.
-pub(super) fn free_record(
-    store: &ContainerStore,
-    stem: &str,
-    sp: &str,
-    kind: Kind,
-    chosen: &dyn Fn(&str) -> bool,
-) -> Result<Record> {
-    for k in 1.. {
-        let n = format!("{stem}-{k}");
-        if chosen(&n) || taken(&n) {
-            continue;
-        }
-        match Record::begin(store, &n, sp, kind.clone(), None) {
-            Err(Error::ForkUnderWay(_)) => continue,
-            r => return r,
+impl std::fmt::Display for Recovered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Recovered::Finished(n) => write!(f, "an interrupted fork into {n} was finished: it runs"),
+            Recovered::Undone(n) => write!(f, "an interrupted fork into {n} was undone: nothing of it is left"),
         }
     }
-    unreachable!("some K is free")
+}
+
+/// Finishes or undoes every fork of `src` a killed planarian left (see [`super::forking`]'s table),
+/// saying which on stderr. Calls Podman: never from a verb Podman runs.
+pub fn recover(globals: &Globals, cfg: &Config, src: &PodmanContainer, store: &ContainerStore) -> Vec<Recovered> {
+    let mut out = Vec::new();
+    for r in forking::interrupted(store) {
+        let done = resolve(globals, cfg, src, store, &r);
+        let _ = std::fs::remove_file(&r.path);
+        eprintln!("planarian: {done}");
+        out.push(done);
+    }
+    out
+}
+
+fn resolve(
+    globals: &Globals,
+    cfg: &Config,
+    src: &PodmanContainer,
+    store: &ContainerStore,
+    r: &forking::Interrupted,
+) -> Recovered {
+    forking::wait_for_orphans(cfg, r, Duration::from_secs(300));
+    let undone = Recovered::Undone(r.name.clone());
+    let registered = |id: &str| spares::registered(store, &r.statepoint).iter().any(|s| s.id == id);
+    if r.kind == Kind::Claimed {
+        // Claimed, not begun: back in the registry, as it was.
+        if let Some(id) = r.id.as_deref().filter(|id| !registered(id)) {
+            spares::unclaim_id(cfg, store, &r.statepoint, id);
+        }
+        return undone;
+    }
+    let Some(new) = forking::found(cfg, r) else {
+        // (Podman made none; what the record knew of is removed all the same)
+        if let (Some(id), Kind::Fork | Kind::Spare) = (&r.id, &r.kind) {
+            forking::discard_id(cfg, src, id);
+        }
+        return undone;
+    };
+    match r.kind {
+        Kind::Fork if new.status == "running" => {
+            let new_store = ContainerStore::new(&cfg.store.path, &new.id);
+            if crate::context::RestoreContext::last(&new_store).is_none() {
+                if let Ok(target) = store.find(&r.statepoint) {
+                    let _ = context(src, &target, &r.name).save(&new_store);
+                }
+            }
+            Recovered::Finished(r.name.clone())
+        }
+        Kind::HandOut => match spares::finish_hand_out(globals, cfg, src, &new, &r.name) {
+            Ok(()) => Recovered::Finished(r.name.clone()),
+            Err(_) => undone,
+        },
+        // Registered: whole, and maybe being handed out by another fork already.
+        Kind::Spare if registered(&new.id) => Recovered::Finished(r.name.clone()),
+        Kind::Spare => {
+            spares::remove_id(cfg, src, &new.id);
+            undone
+        }
+        Kind::Fork | Kind::Claimed => {
+            forking::discard_id(cfg, src, &new.id);
+            undone
+        }
+    }
+}
+
+/// Keeps `count` spares of the pool's statepoint ([`spares::fill`]), each made as a fork.
+pub fn keep_spares(pool: spares::Pool, count: usize, progress: &mut dyn Progress) -> Result<Vec<spares::Spare>> {
+    spares::fill(
+        pool,
+        count,
+        &mut |pool, name, record, progress| {
+            let fork = Fork::begin(&pool.globals, &pool.source.id, &pool.sp, Some(name))?;
+            progress.phase(&format!("spare {name}: {}", fork.title()));
+            Ok(fork.make(name, record, progress)?.0.id)
+        },
+        progress,
+    )
 }
 
 /// How many forks run at once: as many as the machine has CPUs, at least two (a fork waits on
 /// Podman and CRIU as much as it computes), at most `count`.
 pub fn parallelism(count: usize) -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get()).max(2).min(count.max(1))
-}
-
-/// Removes fork `name` of `src` and everything it was given: the container, its store, its
-/// dataset, its database.
-pub(super) fn discard(cfg: &Config, src: &PodmanContainer, name: &str) {
-    match podman::inspect(name) {
-        Ok(c) => discard_id(cfg, src, &c.id),
-        Err(_) => drop(podman::run(&["rm", "-f", "-t", "0", name])),
-    }
-}
-
-/// [`discard`], of the fork whose container ID is (or was) `id`.
-pub(super) fn discard_id(cfg: &Config, src: &PodmanContainer, id: &str) {
-    let _ = podman::run(&["rm", "-f", "-t", "0", id]);
-    let store = ContainerStore::new(&cfg.store.path, id);
-    let _ = crate::local::zfs::remove_container(cfg, &store);
-    let _ = std::fs::remove_dir_all(store.dir);
-    unbranch(cfg, src, id);
-}
-
-/// Drops the database a failed fork `new_id` may have been given (nothing when it has none).
-fn unbranch(cfg: &Config, src: &PodmanContainer, new_id: &str) {
-    let Ok(src_cfg) = src_config(cfg, src) else { return };
-    if let (Ok(Some((_, svc))), Ok(proxy)) =
-        (crate::remote::sidecar::service(&src_cfg), crate::remote::sidecar::proxy_path(&src_cfg))
-    {
-        if src_cfg.mcp.disabled.is_none() && crate::remote::sidecar::can_branch(svc) {
-            let _ = crate::remote::hooks::unbranch(&proxy, &src.id, new_id);
-        }
-    }
 }
 
 fn fork_into(
@@ -396,13 +435,7 @@ fn fork_into(
         }
         m
     };
-    leave_for_podman(
-        &m,
-        &store.statepoint_dir(&m.statepoint_id),
-        &new.bundle.join("checkpoint"),
-        None,
-        Destination::Stays,
-    )?;
+    leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None)?;
     crate::fault::point("fork.linked")?;
     progress.phase("processes (podman container restore)");
     let mut args = vec!["container", "restore", "--print-stats"];
@@ -414,12 +447,6 @@ fn fork_into(
         progress.done(&stats.breakdown());
     }
     Ok(())
-}
-
-/// The configuration the source container runs with (its `io.planarian.*` annotations applied).
-fn src_config(cfg: &Config, src: &PodmanContainer) -> Result<Config> {
-    let a = src.annotations.iter().filter_map(|(k, v)| Some((k.as_str(), v.as_str()?)));
-    Ok(cfg.with_annotations_of(a, None)?)
 }
 
 /// `podman container clone` does not copy annotations: the fork gets the source's

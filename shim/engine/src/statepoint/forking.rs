@@ -27,8 +27,8 @@
 
 use super::{Error, Result};
 use crate::config::Config;
+use crate::runtime::lookup;
 use crate::runtime::podman::{self, PodmanContainer};
-use crate::runtime::Globals;
 use crate::store::ContainerStore;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -151,9 +151,9 @@ impl Drop for Record {
 pub struct Interrupted {
     pub name: String,
     pub statepoint: String,
-    kind: Kind,
-    id: Option<String>,
-    path: PathBuf,
+    pub(super) kind: Kind,
+    pub(super) id: Option<String>,
+    pub(super) path: PathBuf,
     _file: File,
 }
 
@@ -190,92 +190,10 @@ pub fn interrupted(store: &ContainerStore) -> Vec<Interrupted> {
     out
 }
 
-/// How recovery left an interrupted fork.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Recovered {
-    /// It runs.
-    Finished(String),
-    /// Nothing of it is left.
-    Undone(String),
-}
-
-impl std::fmt::Display for Recovered {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Recovered::Finished(n) => write!(f, "an interrupted fork into {n} was finished: it runs"),
-            Recovered::Undone(n) => write!(f, "an interrupted fork into {n} was undone: nothing of it is left"),
-        }
-    }
-}
-
-/// Finishes or undoes every fork of `src` a killed planarian left (see the module's table),
-/// saying which on stderr. Calls Podman: never from a verb Podman runs.
-pub fn recover(globals: &Globals, cfg: &Config, src: &PodmanContainer, store: &ContainerStore) -> Vec<Recovered> {
-    let mut out = Vec::new();
-    for r in interrupted(store) {
-        let done = resolve(globals, cfg, src, store, &r);
-        let _ = std::fs::remove_file(&r.path);
-        eprintln!("planarian: {done}");
-        out.push(done);
-    }
-    out
-}
-
-fn resolve(
-    globals: &Globals,
-    cfg: &Config,
-    src: &PodmanContainer,
-    store: &ContainerStore,
-    r: &Interrupted,
-) -> Recovered {
-    wait_for_orphans(cfg, r, Duration::from_secs(300));
-    let undone = Recovered::Undone(r.name.clone());
-    let registered = |id: &str| super::spares::registered(store, &r.statepoint).iter().any(|s| s.id == id);
-    if r.kind == Kind::Claimed {
-        // Claimed, not begun: back in the registry, as it was.
-        if let Some(id) = r.id.as_deref().filter(|id| !registered(id)) {
-            super::spares::unclaim_id(cfg, store, &r.statepoint, id);
-        }
-        return undone;
-    }
-    let Some(new) = found(cfg, r) else {
-        // (Podman made none; what the record knew of is removed all the same)
-        if let (Some(id), Kind::Fork | Kind::Spare) = (&r.id, &r.kind) {
-            super::fork::discard_id(cfg, src, id);
-        }
-        return undone;
-    };
-    match r.kind {
-        Kind::Fork if new.status == "running" => {
-            let new_store = ContainerStore::new(&cfg.store.path, &new.id);
-            if crate::context::RestoreContext::last(&new_store).is_none() {
-                if let Ok(target) = store.find(&r.statepoint) {
-                    let _ = super::fork::context(src, &target, &r.name).save(&new_store);
-                }
-            }
-            Recovered::Finished(r.name.clone())
-        }
-        Kind::HandOut => match super::spares::finish_hand_out(globals, cfg, src, &new, &r.name) {
-            Ok(()) => Recovered::Finished(r.name.clone()),
-            Err(_) => undone,
-        },
-        // Registered: whole, and maybe being handed out by another fork already.
-        Kind::Spare if registered(&new.id) => Recovered::Finished(r.name.clone()),
-        Kind::Spare => {
-            super::spares::remove_id(cfg, src, &new.id);
-            undone
-        }
-        Kind::Fork | Kind::Claimed => {
-            super::fork::discard_id(cfg, src, &new.id);
-            undone
-        }
-    }
-}
-
 /// The container the record speaks of: by its ID, or (killed before it was known, during the
 /// clone) the container of the record's name that never ran, made within five minutes after
 /// the record, and that no live record of another source claims.
-fn found(cfg: &Config, r: &Interrupted) -> Option<PodmanContainer> {
+pub(super) fn found(cfg: &Config, r: &Interrupted) -> Option<PodmanContainer> {
     if let Some(id) = &r.id {
         return podman::inspect(id).ok();
     }
@@ -303,7 +221,7 @@ fn claimed_elsewhere(cfg: &Config, ours: &Path, name: &str) -> bool {
 /// Waits (at most `max`) for what the killed planarian started against the new container: a
 /// Podman command of a fork's (clone, init, stop, rename, restore, rm) naming it, a CRIU with
 /// its store open.
-fn wait_for_orphans(cfg: &Config, r: &Interrupted, max: Duration) {
+pub(super) fn wait_for_orphans(cfg: &Config, r: &Interrupted, max: Duration) {
     let mut names = vec![r.name.clone()];
     names.extend(r.id.clone());
     let stores: Vec<PathBuf> = r.id.iter().map(|id| ContainerStore::new(&cfg.store.path, id).dir).collect();
@@ -314,6 +232,70 @@ fn wait_for_orphans(cfg: &Config, r: &Interrupted, max: Duration) {
     while super::journal::orphans(&stores, &forks) && std::time::Instant::now() < end {
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// Whether a container already has name `n`: Podman is asked only when containers/storage's
+/// records cannot be read.
+pub(super) fn taken(n: &str) -> bool {
+    lookup::name_taken(n).unwrap_or_else(|| podman::inspect(n).is_ok())
+}
+
+/// The record of a fork (`kind`) of statepoint `sp` under the first `STEM-K` (K = 1, 2, …) that
+/// no container has, `chosen` has not, and no other fork under way is taking.
+pub(super) fn free_record(
+    store: &ContainerStore,
+    stem: &str,
+    sp: &str,
+    kind: Kind,
+    chosen: &dyn Fn(&str) -> bool,
+) -> Result<Record> {
+    for k in 1.. {
+        let n = format!("{stem}-{k}");
+        if chosen(&n) || taken(&n) {
+            continue;
+        }
+        match Record::begin(store, &n, sp, kind.clone(), None) {
+            Err(Error::ForkUnderWay(_)) => continue,
+            r => return r,
+        }
+    }
+    unreachable!("some K is free")
+}
+
+/// Removes fork `name` of `src` and everything it was given: the container, its store, its
+/// dataset, its database.
+pub(super) fn discard(cfg: &Config, src: &PodmanContainer, name: &str) {
+    match podman::inspect(name) {
+        Ok(c) => discard_id(cfg, src, &c.id),
+        Err(_) => drop(podman::run(&["rm", "-f", "-t", "0", name])),
+    }
+}
+
+/// [`discard`], of the fork whose container ID is (or was) `id`.
+pub(super) fn discard_id(cfg: &Config, src: &PodmanContainer, id: &str) {
+    let _ = podman::run(&["rm", "-f", "-t", "0", id]);
+    let store = ContainerStore::new(&cfg.store.path, id);
+    let _ = crate::local::zfs::remove_container(cfg, &store);
+    let _ = std::fs::remove_dir_all(store.dir);
+    unbranch(cfg, src, id);
+}
+
+/// Drops the database a failed fork `new_id` may have been given (nothing when it has none).
+fn unbranch(cfg: &Config, src: &PodmanContainer, new_id: &str) {
+    let Ok(src_cfg) = src_config(cfg, src) else { return };
+    if let (Ok(Some((_, svc))), Ok(proxy)) =
+        (crate::remote::sidecar::service(&src_cfg), crate::remote::sidecar::proxy_path(&src_cfg))
+    {
+        if src_cfg.mcp.disabled.is_none() && crate::remote::sidecar::can_branch(svc) {
+            let _ = crate::remote::hooks::unbranch(&proxy, &src.id, new_id);
+        }
+    }
+}
+
+/// The configuration the source container runs with (its `io.planarian.*` annotations applied).
+pub(super) fn src_config(cfg: &Config, src: &PodmanContainer) -> Result<Config> {
+    let a = src.annotations.iter().filter_map(|(k, v)| Some((k.as_str(), v.as_str()?)));
+    Ok(cfg.with_annotations_of(a, None)?)
 }
 
 #[cfg(test)]

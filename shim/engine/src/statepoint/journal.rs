@@ -330,7 +330,7 @@ fn back_to_safety(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &
     podman::wait_stopped(id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
     let rootfs = crate::local::rootfs_for(cfg, store, id, pc.upperdir.clone())?;
     let files = rootfs.restore(&store.statepoint_dir(&e.safety), &safety.local_state)?;
-    super::rollback::podman_restore(store, &pc, &safety)?;
+    super::podman_dir::podman_restore(store, &pc, &safety)?;
     files.commit();
     // (the head first: a kill between the two leaves a head that names no statepoint, which
     // fsck clears, rather than a journal whose safety statepoint is gone)

@@ -1,12 +1,13 @@
 //! The checkpoint directory Podman and conmon hand to the runtime (`--image-path`, `--work-path`),
-//! and the handoff of the container's lock from a rollback to the restore it starts through
-//! Podman.
+//! and a restore through Podman ([`podman_restore`]) to which a rollback hands the container's
+//! lock. The lowest layer of the protocols that go through Podman: it calls none of them.
 //!
 //! A checkpoint leaves what Podman checks and reads there (`inventory.img`, CRIU's log and stats)
 //! and a marker naming the statepoint in planarian's store; a restore reads the marker. A
 //! directory that leaves the machine carries the statepoint itself ([`super::travel`]).
 
 use super::{Error, Result};
+use crate::runtime::podman::{self, PodmanContainer};
 use crate::store::{ContainerStore, Manifest};
 use std::path::Path;
 use sys::Context;
@@ -14,45 +15,54 @@ use sys::Context;
 /// The marker planarian leaves in Podman's checkpoint directory: which statepoint it is.
 pub const MARKER: &str = "planarian-statepoint.json";
 
-/// Where a checkpoint directory goes after the checkpoint: it stays beside the store (a plain
-/// Podman checkpoint, a rollback's own restore), or it leaves and must restore on its own.
-pub enum Destination<'a> {
-    Stays,
-    Leaves(&'a crate::config::Config, &'a ContainerStore),
-}
-
-/// Leaves what Podman and CRI-O expect after a checkpoint: `inventory.img` at the image path
-/// (both check it before a restore), our marker, the CRIU log and stats in the work path; and,
-/// for a directory that leaves, the statepoint itself ([`super::travel::hand_out`]).
-pub fn leave_for_podman(
-    m: &Manifest,
-    sp_dir: &Path,
-    image_path: &Path,
-    work_path: Option<&Path>,
-    to: Destination,
-) -> Result<()> {
+/// Leaves what Podman and CRI-O expect after a checkpoint whose directory stays beside the store
+/// (a plain Podman checkpoint, a rollback's own restore): `inventory.img` at the image path (both
+/// check it before a restore), and [`mark`]. A directory that leaves the machine carries the
+/// statepoint itself instead of `inventory.img` ([`super::travel::leave_for_podman`]).
+pub fn leave_for_podman(m: &Manifest, sp_dir: &Path, image_path: &Path, work_path: Option<&Path>) -> Result<()> {
     std::fs::create_dir_all(image_path).at("create", image_path)?;
     let images = sp_dir.join(&m.local_state.criu_checkpoint_path);
-    match to {
-        Destination::Leaves(cfg, store) => {
-            super::travel::hand_out(cfg, store, m, image_path, None)?;
-            if super::travel::kept_flat() {
-                crate::chain::flatten(image_path, super::travel::PART)?;
-            }
-        }
-        Destination::Stays => {
-            std::fs::copy(images.join("inventory.img"), image_path.join("inventory.img"))
-                .at("copy inventory.img to", image_path)?;
-        }
-    }
+    std::fs::copy(images.join("inventory.img"), image_path.join("inventory.img"))
+        .at("copy inventory.img to", image_path)?;
+    mark(m, sp_dir, image_path, work_path)
+}
+
+/// What every checkpoint directory gets: our marker at the image path, the CRIU log and stats of
+/// statepoint `m` (in `sp_dir`) in the work path.
+pub fn mark(m: &Manifest, sp_dir: &Path, image_path: &Path, work_path: Option<&Path>) -> Result<()> {
     let marker = serde_json::json!({ "container-id": m.container_id, "statepoint-id": m.statepoint_id });
     sys::write_atomic(&image_path.join(MARKER), marker.to_string().as_bytes(), 0o644)?;
     if let Some(w) = work_path {
+        let images = sp_dir.join(&m.local_state.criu_checkpoint_path);
         for f in ["stats-dump", "dump.log"] {
             let _ = std::fs::copy(images.join(f), w.join(f));
         }
     }
     Ok(())
+}
+
+/// Asks Podman to restore the container from statepoint `m`, handing our lock to the restore;
+/// what Podman says of the restore's time, when it says.
+pub(super) fn podman_restore(
+    store: &ContainerStore,
+    pc: &PodmanContainer,
+    m: &Manifest,
+) -> Result<Option<podman::RestoreStats>> {
+    let image_path = pc.bundle.join("checkpoint");
+    let _ = std::fs::remove_dir_all(&image_path);
+    leave_for_podman(m, &store.statepoint_dir(&m.statepoint_id), &image_path, None)?;
+    let handoff = Handoff::give(store, &pc.id)?;
+    let mut args = vec!["container", "restore", "--print-stats"];
+    if m.options.tcp_established {
+        args.push("--tcp-established");
+    }
+    args.push(&pc.id);
+    let r = podman::output(&args);
+    drop(handoff);
+    if r.is_err() {
+        let _ = std::fs::remove_dir_all(&image_path);
+    }
+    Ok(podman::RestoreStats::parse(&r?))
 }
 
 /// Which statepoint a Podman checkpoint directory stands for: (container ID, statepoint ID).

@@ -10,7 +10,7 @@
 //! of PostgreSQL; one that undid some declared tools' calls before failing says how far).
 
 use super::journal::{Journal, Phase};
-use super::podman_dir::{leave_for_podman, Destination, Handoff};
+use super::podman_dir::podman_restore;
 use super::snapshot::{self, SnapshotRequest};
 use super::{describe, Ctx, Error, Result};
 use crate::config::Config;
@@ -817,30 +817,6 @@ fn stdio_pairs(sp_dir: &Path, pid: i32) -> Vec<(String, String)> {
             (t, std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default())
         })
         .collect()
-}
-
-/// Asks Podman to restore the container from statepoint `m`, handing our lock to the restore;
-/// what Podman says of the restore's time, when it says.
-pub(super) fn podman_restore(
-    store: &ContainerStore,
-    pc: &PodmanContainer,
-    m: &Manifest,
-) -> Result<Option<podman::RestoreStats>> {
-    let image_path = pc.bundle.join("checkpoint");
-    let _ = std::fs::remove_dir_all(&image_path);
-    leave_for_podman(m, &store.statepoint_dir(&m.statepoint_id), &image_path, None, Destination::Stays)?;
-    let handoff = Handoff::give(store, &pc.id)?;
-    let mut args = vec!["container", "restore", "--print-stats"];
-    if m.options.tcp_established {
-        args.push("--tcp-established");
-    }
-    args.push(&pc.id);
-    let r = podman::output(&args);
-    drop(handoff);
-    if r.is_err() {
-        let _ = std::fs::remove_dir_all(&image_path);
-    }
-    Ok(podman::RestoreStats::parse(&r?))
 }
 
 /// A question asked on a thread of its own beside the rollback, waited for only where its

@@ -523,9 +523,12 @@ pub fn checkpoint(
     // (a full disk during a hand-out), the checkpoint fails and the container runs on.
     take_then(&ctx, req, |m| {
         let Some(ip) = image_path else { return Ok(()) };
-        use super::podman_dir::{leave_for_podman, Destination};
-        let to = if super::travel::leaves() { Destination::Leaves(&ctx.cfg, &ctx.store) } else { Destination::Stays };
-        leave_for_podman(m, &ctx.store.statepoint_dir(&m.statepoint_id), ip, work_path, to)?;
+        use super::podman_dir::leave_for_podman;
+        if super::travel::leaves() {
+            super::travel::leave_for_podman(&ctx.cfg, &ctx.store, m, ip, work_path)?;
+        } else {
+            leave_for_podman(m, &ctx.store.statepoint_dir(&m.statepoint_id), ip, work_path)?;
+        }
         Ok(crate::fault::point("checkpoint.handed-out")?)
     })
 }

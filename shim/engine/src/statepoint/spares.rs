@@ -20,8 +20,7 @@
 //! to `podman rm -f` (`podman stop` waits for its timeout: a frozen process does not act on
 //! SIGTERM).
 
-use super::fork::Fork;
-use super::forking::Kind;
+use super::forking::{self, Kind, Record};
 use super::{Error, Result};
 use crate::config::Config;
 use crate::context::RestoreContext;
@@ -115,12 +114,12 @@ fn remove(cfg: &Config, src: &PodmanContainer, s: &Spare) {
 
 /// The spares of one committed statepoint of a planarian container.
 pub struct Pool {
-    source: PodmanContainer,
+    pub(super) source: PodmanContainer,
     cfg: Config,
     store: ContainerStore,
     /// The statepoint's ID.
     pub sp: String,
-    globals: Globals,
+    pub(super) globals: Globals,
 }
 
 /// The pool of statepoint `statepoint` of `container`, or the error that says why there is none
@@ -133,37 +132,39 @@ pub fn pool(globals: &Globals, container: &str, statepoint: &str) -> Result<Pool
     Ok(Pool { source, cfg, store, sp, globals: globals.clone() })
 }
 
-/// Keeps `count` spares of the pool's statepoint: makes the missing ones, removes the extra ones
-/// and any that is no longer a container planarian holds frozen. Returns them.
-pub fn fill(pool: Pool, count: usize, progress: &mut dyn Progress) -> Result<Vec<Spare>> {
-    let Pool { source, cfg, store, sp, globals } = pool;
+/// How a spare is made: a fork (named, under its record) of the pool's statepoint, by
+/// [`super::fork::keep_spares`]; the new container's ID.
+pub type MakeSpare<'a> = dyn FnMut(&Pool, &str, &mut Record, &mut dyn Progress) -> Result<String> + 'a;
+
+/// Keeps `count` spares of the pool's statepoint: makes the missing ones (`make`), removes the
+/// extra ones and any that is no longer a container planarian holds frozen. Returns them.
+pub fn fill(pool: Pool, count: usize, make: &mut MakeSpare, progress: &mut dyn Progress) -> Result<Vec<Spare>> {
+    let Pool { source, cfg, store, sp, globals } = &pool;
     let mut have = Vec::new();
-    for s in registered(&store, &sp) {
-        if usable(&cfg, &s) {
+    for s in registered(store, sp) {
+        if usable(cfg, &s) {
             have.push(s);
-        } else if unregister(&store, &sp, &s) {
-            remove(&cfg, &source, &s);
+        } else if unregister(store, sp, &s) {
+            remove(cfg, source, &s);
         }
     }
     while have.len() > count {
         let s = have.pop().expect("more than count");
-        if unregister(&store, &sp, &s) {
+        if unregister(store, sp, &s) {
             progress.phase(&format!("removing spare {}", s.name));
-            remove(&cfg, &source, &s);
+            remove(cfg, source, &s);
         }
     }
     while have.len() < count {
         // (until it is registered: a spare a killed planarian was making is removed)
         let stem = format!("{}-spare-{sp}", source.name);
-        let mut record = super::fork::free_record(&store, &stem, &sp, Kind::Spare, &|_| false)?;
+        let mut record = forking::free_record(store, &stem, sp, Kind::Spare, &|_| false)?;
         let name = record.name().to_string();
-        let fork = Fork::begin(&globals, &source.id, &sp, Some(&name))?;
-        progress.phase(&format!("spare {name}: {}", fork.title()));
-        let (new, _) = fork.make(&name, &mut record, progress)?;
+        let id = make(&pool, &name, &mut record, progress)?;
         progress.phase(&format!("spare {name}: frozen"));
-        let spare = Spare { id: new.id, name };
-        if let Err(e) = freeze(&globals, &cfg, &spare.id).and_then(|()| register(&store, &sp, &spare)) {
-            remove(&cfg, &source, &spare);
+        let spare = Spare { id, name };
+        if let Err(e) = freeze(globals, cfg, &spare.id).and_then(|()| register(store, sp, &spare)) {
+            remove(cfg, source, &spare);
             return Err(Error::ForkFailed(Box::new(e)));
         }
         drop(record);
@@ -260,5 +261,5 @@ fn finish(
 /// Removes spare `id` (thawed first).
 pub(super) fn remove_id(cfg: &Config, src: &PodmanContainer, id: &str) {
     let _ = thaw(cfg, id);
-    super::fork::discard_id(cfg, src, id);
+    forking::discard_id(cfg, src, id);
 }

@@ -15,7 +15,7 @@
 //! restored container, its files are received (ZFS) or copied from the layer the caller
 //! prepared, and the next dump is incremental against the imported images.
 
-use super::Result;
+use super::{podman_dir, Result};
 use crate::config::Config;
 use crate::local::copy::CopyRootfs;
 use crate::local::files::Rootfs;
@@ -86,6 +86,24 @@ fn plain_podman_checkpoint(args: &[String]) -> bool {
 
 /// How the files travel, beside [`FILES_STREAM`]: the snapshot an incremental stream starts from.
 const FILES_META: &str = "files.json";
+
+/// Leaves what Podman and CRI-O expect after a checkpoint whose directory leaves the machine
+/// (an export, CRI-O's or containerd's checkpoint archive): the statepoint itself ([`hand_out`];
+/// flat for containerd's shim, [`kept_flat`]) and [`podman_dir::mark`].
+pub fn leave_for_podman(
+    cfg: &Config,
+    store: &ContainerStore,
+    m: &Manifest,
+    image_path: &Path,
+    work_path: Option<&Path>,
+) -> Result<()> {
+    std::fs::create_dir_all(image_path).at("create", image_path)?;
+    hand_out(cfg, store, m, image_path, None)?;
+    if kept_flat() {
+        crate::chain::flatten(image_path, PART)?;
+    }
+    podman_dir::mark(m, &store.statepoint_dir(&m.statepoint_id), image_path, work_path)
+}
 
 /// Lays statepoint `m` of `store` out in `image_path` so that it restores anywhere (see the
 /// module text); files on ZFS as a whole stream, or one incremental from statepoint `since`'s
@@ -463,8 +481,7 @@ pub fn export(
     let staging = Staging::new(store.dir.join(format!("export-{}", std::process::id())))?;
     let dir = staging.0.join("checkpoint");
     let levels = hand_out(cfg, store, m, &dir, since)?;
-    let marker = serde_json::json!({ "container-id": m.container_id, "statepoint-id": m.statepoint_id });
-    sys::write_atomic(&dir.join(super::podman_dir::MARKER), marker.to_string().as_bytes(), 0o644)?;
+    podman_dir::mark(m, &store.statepoint_dir(&m.statepoint_id), &dir, None)?;
     let files = match (&m.local_state.zfs_snapshot, &m.local_state.rootfs_copy_path) {
         (Some(_), _) => match since {
             Some(s) => format!("an incremental ZFS stream (since {})", s.statepoint_id),
@@ -548,12 +565,11 @@ pub fn import_file(
             let _lock = store.lock(true)?;
             let (m, imported) = import(&cfg, &store, &from, &new.id, &bundle, new.upperdir.as_deref())?;
             store.set_head(Some(&m.statepoint_id))?;
-            super::podman_dir::leave_for_podman(
+            podman_dir::leave_for_podman(
                 &m,
                 &store.statepoint_dir(&m.statepoint_id),
                 &new.bundle.join("checkpoint"),
                 None,
-                super::podman_dir::Destination::Stays,
             )?;
             imported.keep();
             m
