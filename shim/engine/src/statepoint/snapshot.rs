@@ -47,268 +47,357 @@ pub fn take_then(
     req: &SnapshotRequest,
     before_release: impl FnOnce(&Manifest) -> Result<()>,
 ) -> Result<Manifest> {
-    let t0 = Instant::now();
-    // Where its time goes, one line of planarian's log (not for a rollback's safety statepoint:
-    // the rollback's own line has it).
-    let mark = |what| {
-        if !req.internal {
-            crate::log::mark(what)
-        }
-    };
     if !req.internal {
         crate::log::start_marks();
     }
-    let pid = ctx.ctr.running_pid()?;
-    if let Some(n) = &req.name {
-        super::check_name(n)?;
-        if ctx.store.find(n).is_ok() {
-            return Err(Error::NameTaken(n.to_string()));
-        }
-    }
-    let rootfs = crate::local::rootfs_for(
-        &ctx.cfg,
-        &ctx.store,
-        &ctx.ctr.id,
-        crate::runtime::container::overlay_upperdir_of(pid)?,
-    )?;
-    let freezer = Freezer::of_pid(pid)?;
-
-    let id = req.id.clone().unwrap_or_else(|| ctx.store.next_id());
-    let dir = ctx.store.statepoint_dir(&id);
-    let init_start = sys::proc::start_time(pid).unwrap_or(0);
-    let plan = crate::chain::plan(&ctx.store, &id, init_start, ctx.cfg.checkpoint.full_dump_interval);
-    let images = dir.join("criu");
-    std::fs::create_dir_all(&images).at("create", &images)?;
-    let mut m = Manifest {
-        statepoint_id: id.clone(),
-        parent_statepoint_id: ctx.store.head(),
-        branch_id: ctx.ctr.id.clone(),
-        container_id: ctx.ctr.id.clone(),
-        timestamp: crate::log::rfc3339(std::time::SystemTime::now()),
-        name: req.name.clone(),
-        state_evidence: store::Evidence {
-            state_description: req.description.clone().unwrap_or_default(),
-            state: req.state.clone(),
-            prior_outcomes: vec![],
-        },
-        local_state: store::LocalState { criu_checkpoint_path: "criu".into(), ..Default::default() },
-        remote_state: vec![],
-        status: Status::Pending,
-        internal: req.internal,
-        options: store::Options {
-            tcp_established: req.tcp_established,
-            file_locks: req.file_locks,
-            leave_running: req.leave_running,
-        },
-        measurements: store::Measurements::default(),
-        chain: store::Chain {
-            prev_images_dir: plan.prev_images_dir.clone(),
-            depth: plan.depth,
-            full_reason: plan.full_reason.clone(),
-            same_as: None,
-        },
-        imported_from: None,
-        rollbacks: vec![],
-        unreachable: None,
-    };
-    rootfs.plan(&id, &mut m.local_state);
+    let t = Taking::begin(ctx, req)?;
+    let mut m = t.manifest();
     // Until the manifest is committed, the statepoint's directory is removed on any way out.
     let pending = PendingStatepoint {
-        dir: &dir,
-        dump_log: images.join("dump.log"),
+        dir: &t.dir,
+        dump_log: t.images.join("dump.log"),
         failed_log: ctx.store.dir.join("failed-dump.log"),
         committed: false,
     };
     ctx.store.write_manifest(&m)?;
-    record_descriptors(pid, &dir)?;
+    record_descriptors(t.pid, &t.dir)?;
     crate::fault::point("snapshot.before-freeze")?;
 
     // Stop the world for the whole window: thawed when `frozen` is dropped, whatever happens.
     let tf = Instant::now();
-    let frozen = FreezeGuard::freeze(&freezer, ctx.store.dir.join(crate::local::freezer::MARKER))?;
+    let frozen = FreezeGuard::freeze(&t.freezer, ctx.store.dir.join(crate::local::freezer::MARKER))?;
     m.measurements.freeze_ms = ms(tf);
-    mark("frozen");
+    t.mark("frozen");
     crate::fault::point("snapshot.frozen")?;
-
-    let DumpSetting { masked_dirs, netns, dev } = DumpSetting::of(ctx, pid)?;
-    // The frozen tree's fingerprint: kept beside a dump's images, compared with the last dump's.
-    // (only where it can serve: a plain snapshot left running, whose dump becomes the base)
+    let setting = DumpSetting::of(ctx, t.pid)?;
     // (its processes, frozen: the same through the dump)
-    let pids = crate::local::inplace::cgroup_pids(freezer.dir());
-    rootfs.processes(&pids);
-    let print = match ctx.cfg.checkpoint.skip_unchanged && req.leave_running && !req.internal {
-        true => crate::local::unchanged::fingerprint(&pids, pid),
-        false => Err(crate::local::unchanged::Unfit("not a plain snapshot left running".into())),
-    };
-    mark("fingerprint");
-    let same_as = match unchanged_since_base(ctx, req, init_start, &print, &pids) {
-        Ok(base) => Some(base),
-        Err(why) => {
-            if ctx.cfg.checkpoint.skip_unchanged && !req.internal {
-                crate::log::own_log("info", &format!("statepoint {id}: a memory dump ({why})"));
-            }
-            None
-        }
-    };
-    mark(if same_as.is_some() { "unchanged" } else { "changed" });
+    let pids = crate::local::inplace::cgroup_pids(t.freezer.dir());
+    t.rootfs.processes(&pids);
+    let unchanged = t.unchanged(&pids);
     let network_lock =
-        criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, netns.is_some(), req.tcp_established);
+        criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, setting.netns.is_some(), req.tcp_established);
     // A CRIU that dies while the namespace is locked leaves its lock behind: removed on failure.
-    let lock_guard = StaleNetworkLock { pid, armed: network_lock == Some("nftables") && netns.is_none() };
+    let lock_guard =
+        StaleNetworkLock { pid: t.pid, armed: network_lock == Some("nftables") && setting.netns.is_none() };
     // From CRIU's first dump on, a failure must make the next dump full.
-    let dumping = crate::chain::DumpInProgress::start(&ctx.store, init_start);
-    let result = std::thread::scope(|scope| -> Result<()> {
-        // The files beside the memory: the container is frozen, and CRIU only reads its files.
-        let (local, rootfs, dir, dev, files_taken, id) =
-            (m.local_state.clone(), &rootfs, &dir, &dev, req.files_taken.as_ref(), &id);
-        let files = scope.spawn(move || {
-            let t = Instant::now();
-            if let Some(dev) = dev {
-                crate::local::devfs::save(pid, dev, dir)?;
-            }
-            let taken = files_taken.filter(|t| local.zfs_snapshot.as_deref() == Some(t.name()));
-            match taken.map(|t| t.adopt()) {
-                Some(Ok(())) => Ok(ms(t)),
-                adopted => {
-                    if let Some(Err(why)) = adopted {
-                        crate::log::own_log(
-                            "info",
-                            &format!(
-                                "statepoint {id}: the files captured beside it were not made ({why}): captured now"
-                            ),
-                        );
-                    }
-                    rootfs.snapshot(dir, &local).map(|()| ms(t))
-                }
-            }
-        });
-        let memory = (|| -> Result<()> {
-            let td = Instant::now();
-            if let Some(base) = &same_as {
-                // Nothing ran: the last dump's images are this statepoint's (hard links).
-                let from = ctx.store.statepoint_dir(&base.statepoint_id).join(&base.local_state.criu_checkpoint_path);
-                link_dump(&from, &images)?;
-                m.chain = store::Chain { same_as: Some(base.statepoint_id.clone()), ..base.chain.clone() };
-                m.measurements.criu_dump_ms = ms(td);
-                if !frozen.holds() {
-                    return Err(Error::Thawed);
-                }
-                crate::fault::point("snapshot.dumped")?;
-                return Ok(());
-            }
-            let incremental = criu::DumpPlan {
-                pid,
-                images_dir: &images,
-                spec: &ctx.ctr.spec,
-                freeze_cgroup: Some(freezer.dir()),
-                prev_images_dir: plan.prev_images_dir.as_deref(),
-                tcp_established: req.tcp_established,
-                file_locks: req.file_locks,
-                masked_dirs: &masked_dirs,
-                network_lock,
-                dev_external: dev.is_some(),
-                join_netns: netns.as_ref().map(|f| f.as_raw_fd()),
-            };
-            let dump = |p: &criu::DumpPlan| {
-                if ctx.ctr.spec.terminal {
-                    // The terminal's slave needs orphan_pts_master, which only CRIU's RPC has.
-                    criu::rpc::dump(&ctx.criu, p)
-                } else {
-                    criu::run(&ctx.criu, &criu::dump_args(p), &images.join("dump.log"), false, &[], p.join_netns)
-                }
-            };
-            if let Err(e) = dump(&incremental) {
-                // Only a dump CRIU itself refused over its parent images is retried: after a killed
-                // or crashed CRIU the tasks are left alone (the error goes back, nothing committed).
-                if plan.prev_images_dir.is_none() || !criu::refused_parent(&images.join("dump.log")) {
-                    return Err(e.into());
-                }
-                // An incremental dump CRIU refused is retried in full, still frozen: slower, never
-                // wrong. Its log stays beside the images, and the manifest says why.
-                let _ = std::fs::rename(images.join("dump.log"), dir.join("dump-incremental-failed.log"));
-                let _ = std::fs::remove_dir_all(&images);
-                std::fs::create_dir_all(&images).at("create", &images)?;
-                dump(&criu::DumpPlan { prev_images_dir: None, ..incremental })?;
-                m.chain = store::Chain {
-                    prev_images_dir: None,
-                    depth: 0,
-                    full_reason: Some(format!("the incremental dump failed ({e}); dumped in full")),
-                    same_as: None,
-                };
-            }
-            if !images.join("inventory.img").exists() {
-                return Err(Error::NoImages(images.clone()));
-            }
-            m.measurements.criu_dump_ms = ms(td);
-            if let Some(st) = crate::chain::dump_stats(&images) {
-                m.measurements.pages_written = st.pages_written;
-                m.measurements.pages_skipped_parent = st.pages_skipped_parent;
-            }
-            if let Ok(fp) = &print {
-                // (the threads' user time once CRIU's parasite has run in them: any later is theirs)
-                let cpu = crate::local::unchanged::user_times(&pids);
-                let text = serde_json::json!({ "fingerprint": fp.to_string(), "user-time": cpu }).to_string();
-                sys::write_atomic(&images.join(crate::local::unchanged::FILE), text.as_bytes(), 0o644)?;
-            }
-            if !frozen.holds() {
-                return Err(Error::Thawed);
-            }
-            crate::fault::point("snapshot.dumped")?;
-            Ok(())
-        })();
-        mark("memory");
-        let files = files.join().map_err(|_| Error::FilesPanicked).and_then(|r| r.map_err(Error::from));
-        mark("files");
-        match (memory, files) {
-            (Ok(()), Ok(rootfs_ms)) => m.measurements.rootfs_ms = rootfs_ms,
-            (Err(e), files) => {
-                if files.is_ok() {
-                    rootfs.discard(dir, &m.local_state);
-                }
-                return Err(e);
-            }
-            (Ok(()), Err(e)) => return Err(e),
-        }
-        let rest = (|| {
-            // Remote positions, with the sandbox still frozen: consistent with files and processes.
-            let parent = m
-                .parent_statepoint_id
-                .as_deref()
-                .and_then(|p| ctx.store.find(p).ok())
-                .map(|p| p.remote_state)
-                .unwrap_or_default();
-            m.remote_state =
-                crate::remote::hooks::capture(&crate::remote::sidecar::remote_hooks(&ctx.cfg)?, &ctx.ctr.id, &parent)?;
-            mark("remote");
-            crate::fault::point("snapshot.before-commit")?;
-            m.measurements.criu_bytes = store::du(&images);
-            m.measurements.rootfs_bytes =
-                m.local_state.rootfs_copy_path.as_ref().map_or(0, |c| store::du_unshared(&dir.join(c)));
-            m.measurements.frozen_ms = ms(tf);
-            m.measurements.total_ms = ms(t0);
-            m.status = Status::Committed;
-            Ok(ctx.store.write_manifest(&m)?)
-        })();
-        if rest.is_err() {
-            rootfs.discard(dir, &m.local_state);
-        }
-        rest
-    });
-    result?;
-    mark("committed");
+    let dumping = crate::chain::DumpInProgress::start(&ctx.store, t.init_start);
+    let window = Window { frozen: &frozen, setting: &setting, network_lock, unchanged: &unchanged, pids: &pids };
+    m.measurements.rootfs_ms = t.capture(&mut m, &window)?;
+    if let Err(e) = t.commit(&mut m, tf) {
+        t.rootfs.discard(&t.dir, &m.local_state);
+        return Err(e);
+    }
+    t.mark("committed");
     pending.committed();
     // The next dump builds on this one (a tree killed below is restored with a base of its own).
-    crate::chain::after_dump(&ctx.store, &m, init_start)?;
+    crate::chain::after_dump(&ctx.store, &m, t.init_start)?;
     dumping.committed();
     lock_guard.disarm();
-    // A sandbox left running thaws first; one to be killed waits, frozen, for `before_release`.
-    let released = if req.leave_running {
-        drop(frozen);
-        before_release(&m)
-    } else {
-        let released = before_release(&m);
+    let released = t.release(&m, frozen, before_release);
+    t.mark("thawed");
+    if !req.internal {
+        ctx.store.set_head(Some(&t.id))?;
+        super::enforce_retention(&ctx.cfg, &ctx.store);
+        crate::log::log_marks(&format!("snapshot {} of {} timeline (ms)", t.id, super::short(&ctx.ctr.id)));
+    }
+    released.map(|()| m)
+}
+
+/// A snapshot under way ([`take_then`]'s phases): what it was asked, and what it found before
+/// the freeze.
+struct Taking<'a> {
+    ctx: &'a Ctx,
+    req: &'a SnapshotRequest,
+    t0: Instant,
+    pid: i32,
+    id: String,
+    dir: PathBuf,
+    images: PathBuf,
+    init_start: u64,
+    plan: crate::chain::DumpChain,
+    rootfs: Box<dyn crate::local::files::Rootfs>,
+    freezer: Freezer,
+}
+
+/// Whether the frozen tree did nothing since the last dump: its fingerprint (kept beside a dump's
+/// images, compared with the last dump's), and the statepoint whose dump is this one's when so.
+struct Unchanged {
+    print: std::result::Result<u64, crate::local::unchanged::Unfit>,
+    same_as: Option<Manifest>,
+}
+
+/// What the capture of a frozen tree works with.
+struct Window<'w> {
+    frozen: &'w FreezeGuard<'w>,
+    setting: &'w DumpSetting,
+    network_lock: Option<&'static str>,
+    unchanged: &'w Unchanged,
+    /// The tree's processes, frozen: the same through the dump.
+    pids: &'w [i32],
+}
+
+impl<'a> Taking<'a> {
+    /// Checks the request and finds the container's files, freezer and dump chain (nothing made
+    /// but the statepoint's directory).
+    fn begin(ctx: &'a Ctx, req: &'a SnapshotRequest) -> Result<Taking<'a>> {
+        let t0 = Instant::now();
+        let pid = ctx.ctr.running_pid()?;
+        if let Some(n) = &req.name {
+            super::check_name(n)?;
+            if ctx.store.find(n).is_ok() {
+                return Err(Error::NameTaken(n.to_string()));
+            }
+        }
+        let upperdir = crate::runtime::container::overlay_upperdir_of(pid)?;
+        let rootfs = crate::local::rootfs_for(&ctx.cfg, &ctx.store, &ctx.ctr.id, upperdir)?;
+        let freezer = Freezer::of_pid(pid)?;
+        let id = req.id.clone().unwrap_or_else(|| ctx.store.next_id());
+        let dir = ctx.store.statepoint_dir(&id);
+        let init_start = sys::proc::start_time(pid).unwrap_or(0);
+        let plan = crate::chain::plan(&ctx.store, &id, init_start, ctx.cfg.checkpoint.full_dump_interval);
+        let images = dir.join("criu");
+        std::fs::create_dir_all(&images).at("create", &images)?;
+        Ok(Taking { ctx, req, t0, pid, id, dir, images, init_start, plan, rootfs, freezer })
+    }
+
+    /// Where its time goes, one line of planarian's log (not for a rollback's safety statepoint:
+    /// the rollback's own line has it).
+    fn mark(&self, what: &'static str) {
+        if !self.req.internal {
+            crate::log::mark(what)
+        }
+    }
+
+    /// The statepoint's manifest, pending.
+    fn manifest(&self) -> Manifest {
+        let (ctx, req) = (self.ctx, self.req);
+        let mut m = Manifest {
+            statepoint_id: self.id.clone(),
+            parent_statepoint_id: ctx.store.head(),
+            branch_id: ctx.ctr.id.clone(),
+            container_id: ctx.ctr.id.clone(),
+            timestamp: crate::log::rfc3339(std::time::SystemTime::now()),
+            name: req.name.clone(),
+            state_evidence: store::Evidence {
+                state_description: req.description.clone().unwrap_or_default(),
+                state: req.state.clone(),
+                prior_outcomes: vec![],
+            },
+            local_state: store::LocalState { criu_checkpoint_path: "criu".into(), ..Default::default() },
+            remote_state: vec![],
+            status: Status::Pending,
+            internal: req.internal,
+            options: store::Options {
+                tcp_established: req.tcp_established,
+                file_locks: req.file_locks,
+                leave_running: req.leave_running,
+            },
+            measurements: store::Measurements::default(),
+            chain: store::Chain {
+                prev_images_dir: self.plan.prev_images_dir.clone(),
+                depth: self.plan.depth,
+                full_reason: self.plan.full_reason.clone(),
+                same_as: None,
+            },
+            imported_from: None,
+            rollbacks: vec![],
+            unreachable: None,
+        };
+        self.rootfs.plan(&self.id, &mut m.local_state);
+        m
+    }
+
+    /// The frozen tree's fingerprint (only where it can serve: a plain snapshot left running,
+    /// whose dump becomes the base), and the base it is unchanged since, if any.
+    fn unchanged(&self, pids: &[i32]) -> Unchanged {
+        let (ctx, req) = (self.ctx, self.req);
+        let print = match ctx.cfg.checkpoint.skip_unchanged && req.leave_running && !req.internal {
+            true => crate::local::unchanged::fingerprint(pids, self.pid),
+            false => Err(crate::local::unchanged::Unfit("not a plain snapshot left running".into())),
+        };
+        self.mark("fingerprint");
+        let same_as = match unchanged_since_base(ctx, req, self.init_start, &print, pids) {
+            Ok(base) => Some(base),
+            Err(why) => {
+                if ctx.cfg.checkpoint.skip_unchanged && !req.internal {
+                    crate::log::own_log("info", &format!("statepoint {}: a memory dump ({why})", self.id));
+                }
+                None
+            }
+        };
+        self.mark(if same_as.is_some() { "unchanged" } else { "changed" });
+        Unchanged { print, same_as }
+    }
+
+    /// Memory and files, side by side, the container frozen: the files' time. On failure
+    /// neither is left.
+    fn capture(&self, m: &mut Manifest, w: &Window) -> Result<f64> {
+        std::thread::scope(|scope| -> Result<f64> {
+            // The files beside the memory: the container is frozen, and CRIU only reads its files.
+            let local = m.local_state.clone();
+            let files = scope.spawn(move || self.save_files(&local, w.setting.dev.as_ref()));
+            let memory = self.dump_memory(m, w);
+            self.mark("memory");
+            let files = files.join().map_err(|_| Error::FilesPanicked).and_then(|r| r);
+            self.mark("files");
+            match (memory, files) {
+                (Ok(()), Ok(rootfs_ms)) => Ok(rootfs_ms),
+                (Err(e), files) => {
+                    if files.is_ok() {
+                        self.rootfs.discard(&self.dir, &m.local_state);
+                    }
+                    Err(e)
+                }
+                (Ok(()), Err(e)) => Err(e),
+            }
+        })
+    }
+
+    /// The files (and `/dev`, when planarian keeps it): adopted when this very freeze captured
+    /// them already, else captured now. Their time.
+    fn save_files(&self, local: &store::LocalState, dev: Option<&crate::local::devfs::DevMount>) -> Result<f64> {
+        let t = Instant::now();
+        if let Some(dev) = dev {
+            crate::local::devfs::save(self.pid, dev, &self.dir)?;
+        }
+        let taken = self.req.files_taken.as_ref().filter(|t| local.zfs_snapshot.as_deref() == Some(t.name()));
+        match taken.map(|t| t.adopt()) {
+            Some(Ok(())) => Ok(ms(t)),
+            adopted => {
+                if let Some(Err(why)) = adopted {
+                    let id = &self.id;
+                    crate::log::own_log(
+                        "info",
+                        &format!("statepoint {id}: the files captured beside it were not made ({why}): captured now"),
+                    );
+                }
+                self.rootfs.snapshot(&self.dir, local)?;
+                Ok(ms(t))
+            }
+        }
+    }
+
+    /// The memory: the last dump's images when nothing ran since it, else a CRIU dump
+    /// (incremental on the chain's last; retried in full when CRIU refuses its parent).
+    fn dump_memory(&self, m: &mut Manifest, w: &Window) -> Result<()> {
+        let (ctx, req, images) = (self.ctx, self.req, &self.images);
+        let td = Instant::now();
+        if let Some(base) = &w.unchanged.same_as {
+            // Nothing ran: the last dump's images are this statepoint's (hard links).
+            let from = ctx.store.statepoint_dir(&base.statepoint_id).join(&base.local_state.criu_checkpoint_path);
+            link_dump(&from, images)?;
+            m.chain = store::Chain { same_as: Some(base.statepoint_id.clone()), ..base.chain.clone() };
+            m.measurements.criu_dump_ms = ms(td);
+            return self.still_frozen(w.frozen);
+        }
+        let incremental = criu::DumpPlan {
+            pid: self.pid,
+            images_dir: images,
+            spec: &ctx.ctr.spec,
+            freeze_cgroup: Some(self.freezer.dir()),
+            prev_images_dir: self.plan.prev_images_dir.as_deref(),
+            tcp_established: req.tcp_established,
+            file_locks: req.file_locks,
+            masked_dirs: &w.setting.masked_dirs,
+            network_lock: w.network_lock,
+            dev_external: w.setting.dev.is_some(),
+            join_netns: w.setting.netns.as_ref().map(|f| f.as_raw_fd()),
+        };
+        if let Err(e) = self.dump(&incremental) {
+            // Only a dump CRIU itself refused over its parent images is retried: after a killed
+            // or crashed CRIU the tasks are left alone (the error goes back, nothing committed).
+            if self.plan.prev_images_dir.is_none() || !criu::refused_parent(&images.join("dump.log")) {
+                return Err(e);
+            }
+            // An incremental dump CRIU refused is retried in full, still frozen: slower, never
+            // wrong. Its log stays beside the images, and the manifest says why.
+            let _ = std::fs::rename(images.join("dump.log"), self.dir.join("dump-incremental-failed.log"));
+            let _ = std::fs::remove_dir_all(images);
+            std::fs::create_dir_all(images).at("create", images)?;
+            self.dump(&criu::DumpPlan { prev_images_dir: None, ..incremental })?;
+            m.chain = store::Chain {
+                prev_images_dir: None,
+                depth: 0,
+                full_reason: Some(format!("the incremental dump failed ({e}); dumped in full")),
+                same_as: None,
+            };
+        }
+        if !images.join("inventory.img").exists() {
+            return Err(Error::NoImages(images.clone()));
+        }
+        m.measurements.criu_dump_ms = ms(td);
+        if let Some(st) = crate::chain::dump_stats(images) {
+            m.measurements.pages_written = st.pages_written;
+            m.measurements.pages_skipped_parent = st.pages_skipped_parent;
+        }
+        if let Ok(fp) = &w.unchanged.print {
+            // (the threads' user time once CRIU's parasite has run in them: any later is theirs)
+            let cpu = crate::local::unchanged::user_times(w.pids);
+            let text = serde_json::json!({ "fingerprint": fp.to_string(), "user-time": cpu }).to_string();
+            sys::write_atomic(&images.join(crate::local::unchanged::FILE), text.as_bytes(), 0o644)?;
+        }
+        self.still_frozen(w.frozen)
+    }
+
+    /// One CRIU dump of the tree.
+    fn dump(&self, p: &criu::DumpPlan) -> Result<()> {
+        let ctx = self.ctx;
+        if ctx.ctr.spec.terminal {
+            // The terminal's slave needs orphan_pts_master, which only CRIU's RPC has.
+            Ok(criu::rpc::dump(&ctx.criu, p)?)
+        } else {
+            Ok(criu::run(&ctx.criu, &criu::dump_args(p), &self.images.join("dump.log"), false, &[], p.join_netns)?)
+        }
+    }
+
+    /// The memory is this statepoint's only if the tree stayed frozen through its capture.
+    fn still_frozen(&self, frozen: &FreezeGuard) -> Result<()> {
+        if !frozen.holds() {
+            return Err(Error::Thawed);
+        }
+        crate::fault::point("snapshot.dumped")?;
+        Ok(())
+    }
+
+    /// Remote positions, the sandbox still frozen (consistent with files and processes), then
+    /// the manifest committed.
+    fn commit(&self, m: &mut Manifest, tf: Instant) -> Result<()> {
+        let ctx = self.ctx;
+        let parent = m
+            .parent_statepoint_id
+            .as_deref()
+            .and_then(|p| ctx.store.find(p).ok())
+            .map(|p| p.remote_state)
+            .unwrap_or_default();
+        m.remote_state =
+            crate::remote::hooks::capture(&crate::remote::sidecar::remote_hooks(&ctx.cfg)?, &ctx.ctr.id, &parent)?;
+        self.mark("remote");
+        crate::fault::point("snapshot.before-commit")?;
+        m.measurements.criu_bytes = store::du(&self.images);
+        m.measurements.rootfs_bytes =
+            m.local_state.rootfs_copy_path.as_ref().map_or(0, |c| store::du_unshared(&self.dir.join(c)));
+        m.measurements.frozen_ms = ms(tf);
+        m.measurements.total_ms = ms(self.t0);
+        m.status = Status::Committed;
+        Ok(self.ctx.store.write_manifest(m)?)
+    }
+
+    /// The statepoint committed: a sandbox left running thaws first; one to be killed waits,
+    /// frozen, for `before_release`, then is killed while still frozen, so nothing runs past the
+    /// statepoint.
+    fn release(
+        &self,
+        m: &Manifest,
+        frozen: FreezeGuard,
+        before_release: impl FnOnce(&Manifest) -> Result<()>,
+    ) -> Result<()> {
+        if self.req.leave_running {
+            drop(frozen);
+            return before_release(m);
+        }
+        let released = before_release(m);
         if released.is_ok() {
-            // Kill while still frozen, so nothing runs past the statepoint.
+            let ctx = self.ctx;
             let _ = std::process::Command::new(&ctx.crun)
                 .args(ctx.globals.crun_args())
                 .args(["kill", &ctx.ctr.id, "KILL"])
@@ -316,14 +405,7 @@ pub fn take_then(
         }
         drop(frozen);
         released
-    };
-    mark("thawed");
-    if !req.internal {
-        ctx.store.set_head(Some(&id))?;
-        super::enforce_retention(&ctx.cfg, &ctx.store);
-        crate::log::log_marks(&format!("snapshot {id} of {} timeline (ms)", super::short(&ctx.ctr.id)));
     }
-    released.map(|()| m)
 }
 
 /// The statepoint whose dump is the base of the next one, when the frozen tree did nothing since
