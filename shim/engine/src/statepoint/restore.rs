@@ -46,42 +46,18 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
         None => std::env::current_dir().at("read", ".")?,
     };
     let image_path = a.image_path.clone().unwrap_or_else(|| bundle.join("checkpoint"));
-    let (marker_ctr, marker_sp) = read_marker(&image_path)?;
     let mut b = Bundle::load(&bundle)?;
     let cfg = b.spec.configure(&cfg)?;
-    // A directory handed out by another store (another machine, a wiped store, Podman's
-    // `--import --name` copy) is imported into this container's store; one this store holds is
-    // read from here.
-    let handed = travel::HandedOut::read(&image_path)?;
-    let marker_store = ContainerStore::new(&cfg.store.path, &marker_ctr);
-    let import = handed.filter(|h| marker_ctr != a.container_id || !h.held_by(&cfg, &marker_store, &marker_sp));
-    if import.is_none() && marker_ctr != a.container_id {
-        // Only a directory this container's own checkpoint left is read from the store without
-        // an import: a marker alone must not reach another container's statepoints.
-        return Err(Error::ForeignMarker { statepoint: marker_sp, container: marker_ctr });
-    }
-    let store = if import.is_some() { ContainerStore::new(&cfg.store.path, &a.container_id) } else { marker_store };
-    // A rollback that started this restore holds the lock and has handed it over. Waited for
-    // either: a rollback killed meanwhile is recovered by the next operation, which hands the
-    // lock over in turn and lets this restore end before it decides.
-    let _lock = loop {
-        if Handoff::taken(&store, &a.container_id) {
-            break None;
-        }
-        if let Some(l) = store.try_lock(true)? {
-            break Some(l);
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let Marked { store, import, marker_ctr, marker_sp } = marked(&cfg, a, &image_path)?;
+    let _lock = lock_or_handoff(&store, &a.container_id)?;
     let (m, imported) = match &import {
         Some(from) => {
             let (m, guard) = travel::import(&cfg, &store, from, &a.container_id, &b, None)?;
             (m, Some(guard))
         }
         None => {
-            let m = read_manifest(&store.statepoint_dir(&marker_sp).join("manifest.json")).map_err(|_| {
-                Error::UnknownStatepoint { statepoint: marker_sp.clone(), container: marker_ctr.clone() }
-            })?;
+            let m = read_manifest(&store.statepoint_dir(&marker_sp).join("manifest.json"))
+                .map_err(|_| Error::UnknownStatepoint { statepoint: marker_sp.clone(), container: marker_ctr })?;
             (super::committed(m)?, None)
         }
     };
@@ -114,30 +90,10 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
         Some(p) => Some(open_inheritable(p)?),
         None => None,
     };
-    let descriptors: Vec<String> = std::fs::read(sp_dir.join("descriptors.json"))
-        .ok()
-        .and_then(|d| serde_json::from_slice(&d).ok())
-        .unwrap_or_default();
-    let inherit_fds = descriptors
-        .iter()
-        .enumerate()
-        .filter(|(_, t)| t.starts_with("pipe:"))
-        .map(|(i, t)| (i as i32, t.clone()))
-        .collect();
     // The pre-resume hook of Algorithm 1; without it the restore works and the next dump is full.
     let epoch_file = restore_work.join("epoch");
     let _ = std::fs::remove_file(&epoch_file);
-    // (Through CRIU's RPC, for a terminal, the same step runs in-process: no binary needed.)
-    let hooks = if !cfg.checkpoint.pre_resume_hook {
-        PreResume::Off("the pre-resume hook is off (checkpoint.pre_resume_hook)".to_string())
-    } else if spec.terminal {
-        PreResume::InProcess
-    } else {
-        match runtime::criu_hooks(&cfg) {
-            Ok(p) => PreResume::Script(p),
-            Err(e) => PreResume::Off(e.to_string()),
-        }
-    };
+    let hooks = PreResume::of(&cfg, spec.terminal);
     let empty_dir = criu::empty_dir()?;
     let join_netns = !criu::has_netns_image(&images);
     // A /dev planarian kept: a fresh tmpfs for CRIU to bind, detached once the restore is done.
@@ -157,7 +113,7 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
         // an older one that recorded the namespace as external gets it as that external.
         netns_fd: netns.as_ref().filter(|_| !join_netns).map(|f| f.as_raw_fd()),
         join_netns: netns.as_ref().filter(|_| join_netns).map(|f| f.as_raw_fd()),
-        inherit_fds,
+        inherit_fds: inherited_pipes(&sp_dir),
         action_scripts: match &hooks {
             PreResume::Script(p) => vec![p.clone()],
             _ => vec![],
@@ -181,28 +137,7 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
         let _ = nix::sys::prctl::set_thp_disable(true);
     }
     crate::fault::point("restore.before-criu")?;
-    let pid: i32 = if spec.terminal {
-        restore_terminal(
-            &criu_bin,
-            &plan,
-            a.console_socket.as_deref().ok_or(Error::TerminalNeedsConsole)?,
-            !matches!(hooks, PreResume::Off(_)),
-            &epoch_file,
-        )?
-    } else {
-        criu::run(
-            &criu_bin,
-            &criu::restore_args(&plan),
-            &restore_work.join("restore.log"),
-            true,
-            &[("PLANARIAN_EPOCH_FILE", &epoch_file)],
-            plan.join_netns,
-        )?;
-        std::fs::read_to_string(&criu_pid_file)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .ok_or_else(|| criu::Error::NoPid(criu_pid_file.clone()))?
-    };
+    let pid = run_criu(&criu_bin, &plan, a, &hooks, &epoch_file)?;
     // Where Podman looks for them (`podman container restore --print-stats` reads the stats).
     for f in ["stats-restore", "restore.log"] {
         let _ = std::fs::copy(restore_work.join(f), work.join(f));
@@ -240,6 +175,80 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     Ok(Restored { pid, warnings })
 }
 
+/// Where the statepoint a checkpoint directory names is: a directory handed out by another store
+/// (another machine, a wiped store, Podman's `--import --name` copy) is imported into this
+/// container's store; one this store holds is read from here.
+struct Marked {
+    store: ContainerStore,
+    import: Option<travel::HandedOut>,
+    marker_ctr: String,
+    marker_sp: String,
+}
+
+fn marked(cfg: &Config, a: &RestoreRequest, image_path: &Path) -> Result<Marked> {
+    let (marker_ctr, marker_sp) = read_marker(image_path)?;
+    let handed = travel::HandedOut::read(image_path)?;
+    let marker_store = ContainerStore::new(&cfg.store.path, &marker_ctr);
+    let import = handed.filter(|h| marker_ctr != a.container_id || !h.held_by(cfg, &marker_store, &marker_sp));
+    if import.is_none() && marker_ctr != a.container_id {
+        // Only a directory this container's own checkpoint left is read from the store without
+        // an import: a marker alone must not reach another container's statepoints.
+        return Err(Error::ForeignMarker { statepoint: marker_sp, container: marker_ctr });
+    }
+    let store = if import.is_some() { ContainerStore::new(&cfg.store.path, &a.container_id) } else { marker_store };
+    Ok(Marked { store, import, marker_ctr, marker_sp })
+}
+
+/// The container's lock, or none when a rollback that started this restore holds it and has
+/// handed it over. Waited for either: a rollback killed meanwhile is recovered by the next
+/// operation, which hands the lock over in turn and lets this restore end before it decides.
+fn lock_or_handoff(store: &ContainerStore, id: &str) -> Result<Option<std::fs::File>> {
+    loop {
+        if Handoff::taken(store, id) {
+            return Ok(None);
+        }
+        if let Some(l) = store.try_lock(true)? {
+            return Ok(Some(l));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// The descriptors of the statepoint's tree that were pipes (recorded at the dump), which CRIU
+/// is handed as inherited.
+fn inherited_pipes(sp_dir: &Path) -> Vec<(i32, String)> {
+    let descriptors: Vec<String> = std::fs::read(sp_dir.join("descriptors.json"))
+        .ok()
+        .and_then(|d| serde_json::from_slice(&d).ok())
+        .unwrap_or_default();
+    descriptors.iter().enumerate().filter(|(_, t)| t.starts_with("pipe:")).map(|(i, t)| (i as i32, t.clone())).collect()
+}
+
+/// CRIU's restore of `plan`: through CRIU's RPC for a terminal, its binary otherwise. The
+/// restored init's PID.
+fn run_criu(
+    criu_bin: &Path,
+    plan: &criu::RestorePlan,
+    a: &RestoreRequest,
+    hooks: &PreResume,
+    epoch_file: &Path,
+) -> Result<i32> {
+    if plan.spec.terminal {
+        let console = a.console_socket.as_deref().ok_or(Error::TerminalNeedsConsole)?;
+        return restore_terminal(criu_bin, plan, console, !matches!(hooks, PreResume::Off(_)), epoch_file);
+    }
+    criu::run(
+        criu_bin,
+        &criu::restore_args(plan),
+        &plan.work_dir.join("restore.log"),
+        true,
+        &[("PLANARIAN_EPOCH_FILE", epoch_file)],
+        plan.join_netns,
+    )?;
+    let pid = std::fs::read_to_string(plan.pid_file).ok().and_then(|s| s.trim().parse().ok());
+    Ok(pid.ok_or_else(|| criu::Error::NoPid(plan.pid_file.to_path_buf()))?)
+}
+
 /// How the pre-resume step of Algorithm 1 runs for this restore: CRIU's action script, in
 /// this process (CRIU's RPC, for a terminal), or not at all, and why (the restore still works;
 /// the next dump is full).
@@ -247,6 +256,22 @@ enum PreResume {
     Script(PathBuf),
     InProcess,
     Off(String),
+}
+
+impl PreResume {
+    /// (Through CRIU's RPC, for a terminal, the step runs in this process: no binary needed.)
+    fn of(cfg: &Config, terminal: bool) -> PreResume {
+        if !cfg.checkpoint.pre_resume_hook {
+            PreResume::Off("the pre-resume hook is off (checkpoint.pre_resume_hook)".to_string())
+        } else if terminal {
+            PreResume::InProcess
+        } else {
+            match runtime::criu_hooks(cfg) {
+                Ok(p) => PreResume::Script(p),
+                Err(e) => PreResume::Off(e.to_string()),
+            }
+        }
+    }
 }
 
 /// A restored process tree that is killed (its init, and with it its PID namespace) when this is
