@@ -10,7 +10,7 @@ use crate::chain::Epoch;
 use crate::config::Config;
 use crate::local::criu;
 use crate::runtime::{self, container, Bundle, Globals};
-use crate::store::{read_manifest, ContainerStore};
+use crate::store::{read_manifest, ContainerStore, Manifest};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use sys::Context;
@@ -40,7 +40,6 @@ pub struct Restored {
 /// Restores the statepoint named by the marker in the checkpoint directory.
 pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     let cfg = Config::load()?;
-    let criu_bin = runtime::criu(&cfg)?;
     let bundle = match &a.bundle {
         Some(b) => b.clone(),
         None => std::env::current_dir().at("read", ".")?,
@@ -69,8 +68,45 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
         return Err(Error::TerminalNeedsConsole);
     }
 
+    let (mut restored, epoch) = run_restore(&cfg, a, &bundle, &m, &sp_dir, &spec)?;
+    let pid = restored.pid;
+    // (the one conmon reads)
     let pid_file = a.pid_file.clone().unwrap_or_else(|| bundle.join("pidfile"));
-    let work = a.work_path.clone().unwrap_or_else(|| bundle.clone());
+    sys::write_atomic(&pid_file, pid.to_string().as_bytes(), 0o644)?;
+    container::register_with_crun(globals, &a.container_id, pid, &bundle, &spec)?;
+    // The base first, then the head: a base recorded for a tree that is then killed is never
+    // used (the next dump checks the init's start time), while a head moved before a failure
+    // would name a statepoint the container is not at.
+    crate::chain::after_restore(&store, &m, epoch, sys::proc::start_time(pid).unwrap_or(0))?;
+    store.set_head(Some(&sp_id))?;
+    restored.keep = true;
+    if let Some(i) = imported {
+        i.keep();
+    }
+    // The sandbox runs again; so does its MCP sidecar (stopped when Podman deleted the container
+    // after a checkpoint). Without it, database calls and the next snapshot fail with its error.
+    let mut warnings = Vec::new();
+    if let Err(e) = crate::remote::sidecar::start(&cfg, &a.container_id) {
+        warnings.push(e.to_string());
+    }
+    Ok(Restored { pid, warnings })
+}
+
+/// CRIU's restore of statepoint `m` (in `sp_dir`) into the bundle Podman prepared, as a
+/// sibling: the tree runs (killed again when dropped before it is kept), with what the
+/// pre-resume step of Algorithm 1 recorded. (Long: what CRIU's run borrows — the root's bind
+/// mount, the network namespace, the empty directory, `/dev`'s tmpfs — is held from its making
+/// to the run's end, each a guard undone however this ends.)
+fn run_restore(
+    cfg: &Config,
+    a: &RestoreRequest,
+    bundle: &Path,
+    m: &Manifest,
+    sp_dir: &Path,
+    spec: &crate::runtime::Spec,
+) -> Result<(RestoredTree, Epoch)> {
+    let criu_bin = runtime::criu(cfg)?;
+    let work = a.work_path.clone().unwrap_or_else(|| bundle.to_path_buf());
     let images = sp_dir.join(&m.local_state.criu_checkpoint_path);
     crate::chain::complete(&images)?;
     let restore_work = work.join("planarian-restore");
@@ -82,7 +118,7 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
 
     // A rootfs prepared elsewhere (an import: the caller applied only the files diff) may lack
     // the points the container's mounts go on.
-    ensure_mount_points(&spec)?;
+    ensure_mount_points(spec)?;
     // CRIU's root must be a mount point: bind the rootfs Podman mounted.
     let criu_root = bundle.join("criu-root");
     let _root_mount = BindMount::new(&spec.root, &criu_root)?;
@@ -93,12 +129,12 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     // The pre-resume hook of Algorithm 1; without it the restore works and the next dump is full.
     let epoch_file = restore_work.join("epoch");
     let _ = std::fs::remove_file(&epoch_file);
-    let hooks = PreResume::of(&cfg, spec.terminal);
+    let hooks = PreResume::of(cfg, spec.terminal);
     let empty_dir = criu::empty_dir()?;
     let join_netns = !criu::has_netns_image(&images);
     // A /dev planarian kept: a fresh tmpfs for CRIU to bind, detached once the restore is done.
-    let dev = if crate::local::devfs::saved(&sp_dir) {
-        Some(crate::local::devfs::Restored::mount(&sp_dir, &restore_work.join("dev"))?)
+    let dev = if crate::local::devfs::saved(sp_dir) {
+        Some(crate::local::devfs::Restored::mount(sp_dir, &restore_work.join("dev"))?)
     } else {
         None
     };
@@ -106,14 +142,14 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
         images_dir: &images,
         work_dir: &restore_work,
         root: &criu_root,
-        spec: &spec,
+        spec,
         pid_file: &criu_pid_file,
         cgroup_root: spec.cgroup_relpath(),
         // A dump taken inside the container's network namespace is restored inside its new one;
         // an older one that recorded the namespace as external gets it as that external.
         netns_fd: netns.as_ref().filter(|_| !join_netns).map(|f| f.as_raw_fd()),
         join_netns: netns.as_ref().filter(|_| join_netns).map(|f| f.as_raw_fd()),
-        inherit_fds: inherited_pipes(&sp_dir),
+        inherit_fds: inherited_pipes(sp_dir),
         action_scripts: match &hooks {
             PreResume::Script(p) => vec![p.clone()],
             _ => vec![],
@@ -144,35 +180,18 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     }
     // The tasks run: until every record of them is written, a failure kills them again, so that a
     // failed restore leaves no container running that neither conmon nor crun knows.
-    let mut restored = RestoredTree { pid, keep: false };
+    let restored = RestoredTree { pid, keep: false };
     if !join_netns {
         criu::remove_restored_network_locks(pid);
     }
     drop(netns);
     drop(dev);
-    crate::fault::point("restore.restored")?;
-    sys::write_atomic(&pid_file, pid.to_string().as_bytes(), 0o644)?;
-    container::register_with_crun(globals, &a.container_id, pid, &bundle, &spec)?;
     let epoch = match hooks {
         PreResume::Off(why) => Epoch::Missing(why),
         _ => read_epoch(&epoch_file, &restore_work),
     };
-    // The base first, then the head: a base recorded for a tree that is then killed is never
-    // used (the next dump checks the init's start time), while a head moved before a failure
-    // would name a statepoint the container is not at.
-    crate::chain::after_restore(&store, &m, epoch, sys::proc::start_time(pid).unwrap_or(0))?;
-    store.set_head(Some(&sp_id))?;
-    restored.keep = true;
-    if let Some(i) = imported {
-        i.keep();
-    }
-    // The sandbox runs again; so does its MCP sidecar (stopped when Podman deleted the container
-    // after a checkpoint). Without it, database calls and the next snapshot fail with its error.
-    let mut warnings = Vec::new();
-    if let Err(e) = crate::remote::sidecar::start(&cfg, &a.container_id) {
-        warnings.push(e.to_string());
-    }
-    Ok(Restored { pid, warnings })
+    crate::fault::point("restore.restored")?;
+    Ok((restored, epoch))
 }
 
 /// Where the statepoint a checkpoint directory names is: a directory handed out by another store
