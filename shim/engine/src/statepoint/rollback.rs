@@ -86,36 +86,12 @@ impl Rollback {
         let left = context::left_behind(&store.manifests(), store.head().as_deref(), &target.statepoint_id);
         let done = rollback(globals, &self.cfg, &self.container, store, target, progress)?;
         crate::log::mark("rolled back");
-        let compensated: Vec<Compensated> = target
-            .remote_state
-            .iter()
-            .filter_map(|r| {
-                let from =
-                    done.safety_positions.iter().find(|s| s.hook_path == r.hook_path).and_then(|s| s.mcp_call_position);
-                Some(Compensated {
-                    endpoint: r.external_endpoint.clone(),
-                    from_position: from,
-                    to_position: r.mcp_call_position?,
-                })
-            })
-            .collect();
+        let compensated = compensated(target, &done);
         let calls: u64 = compensated.iter().filter_map(|c| Some(c.from_position?.saturating_sub(c.to_position))).sum();
         // Statepoints holding remote calls that the compensation undid can no longer be restored.
         let gone = context::mark_unreachable(store, target);
         let (left, unreachable): (Vec<String>, Vec<String>) = left.into_iter().partition(|id| !gone.contains(id));
-        let mut what = vec![match &done.from {
-            Some(from) => format!("rolled back here from the state after {from}"),
-            None => "rolled back here".to_string(),
-        }];
-        if !left.is_empty() {
-            what.push(format!("left {}", left.join(", ")));
-        }
-        if calls > 0 {
-            what.push(format!("undid {calls} MCP call{}", if calls == 1 { "" } else { "s" }));
-        }
-        if let Some(r) = reason {
-            what.push(format!("reason: {r}"));
-        }
+        let what = what_happened(&done, &left, calls, reason);
         let ctx = RestoreContext {
             operation: "rollback".into(),
             container: self.container.name.clone(),
@@ -126,13 +102,7 @@ impl Rollback {
                 state: target.state_evidence.state.clone(),
                 source: None,
             },
-            restored: match done.how.pages_written {
-                Some(p) => vec![
-                    format!("processes and memory (in place: {p} pages written)"),
-                    format!("files ({}, in place)", done.files_backend),
-                ],
-                None => vec!["processes and memory (CRIU restore)".into(), format!("files ({})", done.files_backend)],
-            },
+            restored: restored_parts(&done),
             compensated,
             discarded_statepoints: left,
             unreachable_statepoints: unreachable,
@@ -146,7 +116,7 @@ impl Rollback {
         let _ = context::append_outcome(
             store,
             &target.statepoint_id,
-            Outcome::now(what.join("; "), OutcomeStatus::Abandoned, by, None),
+            Outcome::now(what, OutcomeStatus::Abandoned, by, None),
         );
         crate::log::mark("outcome");
         // Which path it took, in the manifest (the outcome is what a model reads: kept to what
@@ -167,6 +137,54 @@ impl Rollback {
         // Every caller's rollback (the CLI, the MCP tools) logs where its time went.
         crate::log::log_marks("rollback timeline (ms)");
         Ok(ctx)
+    }
+}
+
+/// The remote state a rollback compensated: each endpoint, from where it was (the safety
+/// statepoint's position) to the target's.
+fn compensated(target: &Manifest, done: &Done) -> Vec<Compensated> {
+    target
+        .remote_state
+        .iter()
+        .filter_map(|r| {
+            let from =
+                done.safety_positions.iter().find(|s| s.hook_path == r.hook_path).and_then(|s| s.mcp_call_position);
+            Some(Compensated {
+                endpoint: r.external_endpoint.clone(),
+                from_position: from,
+                to_position: r.mcp_call_position?,
+            })
+        })
+        .collect()
+}
+
+/// The target's `abandoned` outcome: where the rollback came from, what it left, how many MCP
+/// calls it undid, and why.
+fn what_happened(done: &Done, left: &[String], calls: u64, reason: Option<&str>) -> String {
+    let mut what = vec![match &done.from {
+        Some(from) => format!("rolled back here from the state after {from}"),
+        None => "rolled back here".to_string(),
+    }];
+    if !left.is_empty() {
+        what.push(format!("left {}", left.join(", ")));
+    }
+    if calls > 0 {
+        what.push(format!("undid {calls} MCP call{}", if calls == 1 { "" } else { "s" }));
+    }
+    if let Some(r) = reason {
+        what.push(format!("reason: {r}"));
+    }
+    what.join("; ")
+}
+
+/// What the rollback put back, as the restore context says it.
+fn restored_parts(done: &Done) -> Vec<String> {
+    match done.how.pages_written {
+        Some(p) => vec![
+            format!("processes and memory (in place: {p} pages written)"),
+            format!("files ({}, in place)", done.files_backend),
+        ],
+        None => vec!["processes and memory (CRIU restore)".into(), format!("files ({})", done.files_backend)],
     }
 }
 

@@ -279,50 +279,11 @@ pub fn import<'a>(
     let sp_dir = store.statepoint_dir(&sp);
     std::fs::create_dir_all(&sp_dir).at("create", &sp_dir)?;
     let mut guard = Imported { cfg, store, sp_dir: sp_dir.clone(), dataset: false, keep: false };
-    let mut local = LocalState { criu_checkpoint_path: "criu".into(), ..Default::default() };
     let part = from.dir.join(PART);
-    let stream = part.join(FILES_STREAM);
-    if stream.exists() {
-        let parent = cfg.zfs.parent_dataset.clone().ok_or(local::Error::NeedsZfs)?;
-        let meta: serde_json::Value =
-            std::fs::read(part.join(FILES_META)).ok().and_then(|d| serde_json::from_slice(&d).ok()).unwrap_or_default();
-        guard.dataset = true;
-        let snap = zfs::receive_statepoint(
-            cfg,
-            store,
-            id,
-            &parent,
-            zfs::Incoming { stream: &stream, from_guid: meta["from-guid"].as_str() },
-            &zfs::snapshot_name(id, &sp),
-            &bundle.dir,
-        )?;
-        local.rootfs_backend = "zfs".into();
-        local.zfs_snapshot = Some(snap);
-    } else {
-        let upper = match upper {
-            Some(u) => u.to_path_buf(),
-            None => {
-                let mounts = sys::proc::own_mounts().at("read", "/proc/self/mountinfo")?;
-                zfs::layers::overlay_layers(&mounts, &bundle.spec.root)
-                    .ok_or_else(|| local::Error::NoFilesBackend(id.to_string()))?
-                    .upper
-            }
-        };
-        let copy = CopyRootfs::new(upper, None);
-        copy.plan(&sp, &mut local);
-        let carried = part.join(CARRIED_ROOTFS);
-        if carried.is_dir() {
-            crate::local::copy::cp(
-                &["--reflink=auto"],
-                &carried,
-                &sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs")),
-            )?;
-            copy.restore(&sp_dir, &local)?.commit();
-        } else {
-            // The caller applied the statepoint's rootfs-diff.tar to the layer it prepared.
-            copy.snapshot(&sp_dir, &local)?;
-        }
-    }
+    let local = match part.join(FILES_STREAM) {
+        stream if stream.exists() => import_zfs_files(&mut guard, id, &part, &stream, bundle, &sp)?,
+        _ => import_copied_files(id, &part, bundle, upper, &sp, &sp_dir)?,
+    };
     let prev = crate::chain::link_chain(&from.dir, store, &sp_dir.join("criu"))?;
     for e in std::fs::read_dir(&part).at("read", &part)?.filter_map(|e| e.ok()) {
         let name = e.file_name();
@@ -348,6 +309,72 @@ pub fn import<'a>(
     store.write_manifest(&m)?;
     crate::fault::point("restore.imported")?;
     Ok((m, guard))
+}
+
+/// [`import`]'s files from a ZFS stream: received as the container's dataset (which `guard`
+/// destroys unless the import is kept).
+fn import_zfs_files(
+    guard: &mut Imported,
+    id: &str,
+    part: &Path,
+    stream: &Path,
+    bundle: &Bundle,
+    sp: &str,
+) -> Result<LocalState> {
+    let (cfg, store) = (guard.cfg, guard.store);
+    let parent = cfg.zfs.parent_dataset.clone().ok_or(local::Error::NeedsZfs)?;
+    let meta: serde_json::Value =
+        std::fs::read(part.join(FILES_META)).ok().and_then(|d| serde_json::from_slice(&d).ok()).unwrap_or_default();
+    guard.dataset = true;
+    let snap = zfs::receive_statepoint(
+        cfg,
+        store,
+        id,
+        &parent,
+        zfs::Incoming { stream, from_guid: meta["from-guid"].as_str() },
+        &zfs::snapshot_name(id, sp),
+        &bundle.dir,
+    )?;
+    Ok(LocalState {
+        criu_checkpoint_path: "criu".into(),
+        rootfs_backend: "zfs".into(),
+        zfs_snapshot: Some(snap),
+        ..Default::default()
+    })
+}
+
+/// [`import`]'s files on the copy path: carried in the directory and put in place, or what the
+/// caller applied to the container's writable layer (`upper`, or the overlay at its rootfs).
+fn import_copied_files(
+    id: &str,
+    part: &Path,
+    bundle: &Bundle,
+    upper: Option<&Path>,
+    sp: &str,
+    sp_dir: &Path,
+) -> Result<LocalState> {
+    let mut local = LocalState { criu_checkpoint_path: "criu".into(), ..Default::default() };
+    let upper = match upper {
+        Some(u) => u.to_path_buf(),
+        None => {
+            let mounts = sys::proc::own_mounts().at("read", "/proc/self/mountinfo")?;
+            zfs::layers::overlay_layers(&mounts, &bundle.spec.root)
+                .ok_or_else(|| local::Error::NoFilesBackend(id.to_string()))?
+                .upper
+        }
+    };
+    let copy = CopyRootfs::new(upper, None);
+    copy.plan(sp, &mut local);
+    let carried = part.join(CARRIED_ROOTFS);
+    if carried.is_dir() {
+        let into = sp_dir.join(local.rootfs_copy_path.as_deref().unwrap_or("rootfs"));
+        crate::local::copy::cp(&["--reflink=auto"], &carried, &into)?;
+        copy.restore(sp_dir, &local)?.commit();
+    } else {
+        // The caller applied the statepoint's rootfs-diff.tar to the layer it prepared.
+        copy.snapshot(sp_dir, &local)?;
+    }
+    Ok(local)
 }
 
 // ---------------------------------------------------------------------------------------------
