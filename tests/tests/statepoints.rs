@@ -74,10 +74,14 @@ fn rollback_restores_dev_and_masked_directories_exactly() {
     let mountinfo = "awk '{for (i = 7; i <= NF && $i != \"-\"; i++); print $5, $6, $(i + 1)}' /proc/self/mountinfo";
     let dev_mounts = |sb: &Sandbox| {
         let all = sb.exec(mountinfo).stdout;
-        all.lines()
+        // (sorted, each kept: a mount restored twice is not the statepoint's)
+        let mut mounts: Vec<String> = all
+            .lines()
             .filter(|l| ["/dev ", "/dev/", "/proc/acpi ", "/sys/firmware "].iter().any(|p| l.starts_with(p)))
             .map(String::from)
-            .collect::<std::collections::BTreeSet<String>>()
+            .collect();
+        mounts.sort();
+        mounts
     };
     let mounts_at_sp = dev_mounts(&sb);
     for want in ["/dev rw,nosuid", "/dev/pts ", "/dev/mqueue ", "/dev/shm ", "/proc/acpi ro,", "/sys/firmware ro,"] {

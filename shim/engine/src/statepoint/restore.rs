@@ -40,6 +40,8 @@ pub struct Restored {
 /// Restores the statepoint named by the marker in the checkpoint directory.
 pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     let cfg = Config::load()?;
+    // (first: without CRIU nothing below is worth starting)
+    let criu_bin = runtime::criu(&cfg)?;
     let bundle = match &a.bundle {
         Some(b) => b.clone(),
         None => std::env::current_dir().at("read", ".")?,
@@ -68,7 +70,7 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
         return Err(Error::TerminalNeedsConsole);
     }
 
-    let (mut restored, epoch) = run_restore(&cfg, a, &bundle, &m, &sp_dir, &spec)?;
+    let (mut restored, epoch) = run_restore(&cfg, &criu_bin, a, &bundle, &m, &sp_dir, &spec)?;
     let pid = restored.pid;
     // (the one conmon reads)
     let pid_file = a.pid_file.clone().unwrap_or_else(|| bundle.join("pidfile"));
@@ -99,13 +101,13 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
 /// to the run's end, each a guard undone however this ends.)
 fn run_restore(
     cfg: &Config,
+    criu_bin: &Path,
     a: &RestoreRequest,
     bundle: &Path,
     m: &Manifest,
     sp_dir: &Path,
     spec: &crate::runtime::Spec,
 ) -> Result<(RestoredTree, Epoch)> {
-    let criu_bin = runtime::criu(cfg)?;
     let work = a.work_path.clone().unwrap_or_else(|| bundle.to_path_buf());
     let images = sp_dir.join(&m.local_state.criu_checkpoint_path);
     crate::chain::complete(&images)?;
@@ -158,7 +160,7 @@ fn run_restore(
         file_locks: a.file_locks || m.options.file_locks,
         empty_dir: Some(&empty_dir),
         network_lock: criu::network_lock(
-            &criu_bin,
+            criu_bin,
             cfg.checkpoint.network_lock,
             join_netns,
             a.tcp_established || m.options.tcp_established,
@@ -173,7 +175,7 @@ fn run_restore(
         let _ = nix::sys::prctl::set_thp_disable(true);
     }
     crate::fault::point("restore.before-criu")?;
-    let pid = run_criu(&criu_bin, &plan, a, &hooks, &epoch_file)?;
+    let pid = run_criu(criu_bin, &plan, a, &hooks, &epoch_file)?;
     // Where Podman looks for them (`podman container restore --print-stats` reads the stats).
     for f in ["stats-restore", "restore.log"] {
         let _ = std::fs::copy(restore_work.join(f), work.join(f));
