@@ -140,6 +140,7 @@ fn run_restore(
     } else {
         None
     };
+    let tcp_established = a.tcp_established || m.options.tcp_established;
     let plan = criu::RestorePlan {
         images_dir: &images,
         work_dir: &restore_work,
@@ -156,15 +157,10 @@ fn run_restore(
             PreResume::Script(p) => vec![p.clone()],
             _ => vec![],
         },
-        tcp_established: a.tcp_established || m.options.tcp_established,
+        tcp_established,
         file_locks: a.file_locks || m.options.file_locks,
         empty_dir: Some(&empty_dir),
-        network_lock: criu::network_lock(
-            criu_bin,
-            cfg.checkpoint.network_lock,
-            join_netns,
-            a.tcp_established || m.options.tcp_established,
-        ),
+        network_lock: criu::network_lock(criu_bin, cfg.checkpoint.network_lock, join_netns, tcp_established),
         dev_tmpfs: dev.as_ref().map(|d| d.path.as_path()),
     };
     if !matches!(hooks, PreResume::Off(_)) {
