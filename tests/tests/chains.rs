@@ -221,6 +221,13 @@ fn image_inodes(ctr: &str, sp: &str) -> Vec<(String, u64)> {
     v
 }
 
+/// Why planarian's log says statepoint `sp` took a memory dump.
+fn why_dumped(sp: &str) -> String {
+    let log = std::fs::read_to_string("/var/log/planarian.log").unwrap_or_default();
+    let key = format!("statepoint {sp}: a memory dump");
+    log.lines().filter(|l| l.contains(&key)).collect::<Vec<_>>().join(" / ")
+}
+
 #[test]
 fn a_statepoint_of_a_sandbox_that_did_nothing_takes_no_dump() {
     require_stack!();
@@ -247,7 +254,7 @@ fn a_statepoint_of_a_sandbox_that_did_nothing_takes_no_dump() {
     assert_eq!(manifest_of(&n, &a)["chain"]["same-as"], serde_json::Value::Null);
     let b = snap(&n, "b");
     let mb = manifest_of(&n, &b);
-    assert_eq!(mb["chain"]["same-as"], a.as_str(), "nothing ran: no dump ({mb})");
+    assert_eq!(mb["chain"]["same-as"], a.as_str(), "nothing ran: no dump ({}; {mb})", why_dumped(&b));
     assert_eq!(image_inodes(&n, &b), image_inodes(&n, &a), "b's memory images are a's (hard links)");
     assert!(!image_inodes(&n, &a).is_empty());
 
@@ -256,7 +263,11 @@ fn a_statepoint_of_a_sandbox_that_did_nothing_takes_no_dump() {
     podman("planarian", &["exec", &n, "sh", "-c", "echo one > /f"]).ok();
     let c = snap(&n, "c");
     let mc = manifest_of(&n, &c);
-    assert!([a.as_str(), b.as_str()].contains(&mc["chain"]["same-as"].as_str().unwrap_or("-")), "{mc}");
+    assert!(
+        [a.as_str(), b.as_str()].contains(&mc["chain"]["same-as"].as_str().unwrap_or("-")),
+        "{}; {mc}",
+        why_dumped(&c)
+    );
 
     // One that writes to the process's own output (a pipe it holds): that is a change, dumped.
     podman("planarian", &["exec", &n, "sh", "-c", "echo to-the-log > /proc/1/fd/1"]).ok();

@@ -183,16 +183,25 @@ fn queued(pid: i32, fd: u32) -> Result<i32, Unfit> {
     Ok(n)
 }
 
-/// The user time (clock ticks) of every thread of `pids`: a thread that ran since, even without
-/// writing memory (a loop in registers), has more.
+/// The time every process of `pids` spent in user mode (ns, all its threads): a process that
+/// ran since, even without writing memory (a loop in registers), has more. It is the kernel's own
+/// count, sampled at each tick in user mode, read through the process's CPU clock
+/// (`CPUCLOCK_VIRT`). Not `/proc`'s user time: that one is the process's whole run time scaled by
+/// the share of user ticks, so a thaw (the system call the freeze interrupted, restarted in the
+/// kernel) could move it with no instruction run in user mode.
 pub fn user_times(pids: &[i32]) -> std::collections::BTreeMap<String, u64> {
+    use nix::libc;
     let mut out = std::collections::BTreeMap::new();
     for &pid in pids {
-        for e in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
-            let tid = e.file_name().to_string_lossy().into_owned();
-            let t = sys::proc::stat_file_field(&e.path().join("stat"), 14).and_then(|v| v.parse().ok());
-            out.insert(tid, t.unwrap_or(u64::MAX));
-        }
+        // MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_VIRT) of the kernel's posix-timers.h
+        let clock = (!pid << 3) | 1;
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime writes one timespec through the pointer, which points at `ts`.
+        let t = match unsafe { libc::clock_gettime(clock, &mut ts) } {
+            0 => ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64,
+            _ => u64::MAX,
+        };
+        out.insert(pid.to_string(), t);
     }
     out
 }
@@ -451,6 +460,23 @@ mod tests {
         assert!(written, "the process ran: its pages are written");
         let _ = child.kill();
         let _ = child.wait();
+    }
+
+    /// A process's user time is readable by another, and moves when it runs in user mode.
+    #[test]
+    fn a_process_that_runs_in_user_mode_has_more_user_time() {
+        let mut busy = std::process::Command::new("sh").args(["-c", "while :; do :; done"]).spawn().unwrap();
+        let pid = busy.id() as i32;
+        let at = || user_times(&[pid])[&pid.to_string()];
+        let first = at();
+        assert_ne!(first, u64::MAX, "the clock of process {pid} is read");
+        let t = std::time::Instant::now();
+        while at() == first && t.elapsed() < std::time::Duration::from_secs(60) {
+            std::thread::yield_now();
+        }
+        assert!(at() > first, "a loop in user mode counts");
+        let _ = busy.kill();
+        let _ = busy.wait();
     }
 
     #[test]
