@@ -197,6 +197,11 @@ impl Invocation {
         engine::runtime::Globals { root: self.root.clone(), systemd_cgroup: self.has_global_flag("--systemd-cgroup") }
     }
 
+    /// The engine this invocation works with: the configuration read, these global flags.
+    pub fn engine(&self) -> Result<engine::Engine, engine::config::ConfigError> {
+        engine::Engine::load(self.globals())
+    }
+
     /// Whether a global flag (before the verb) was given, e.g. `--version`.
     pub fn has_global_flag(&self, flag: &str) -> bool {
         self.global_args().iter().any(|a| a == flag)

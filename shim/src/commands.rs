@@ -3,7 +3,6 @@
 
 use crate::cli::{self, Invocation};
 use crate::Failure;
-use engine::config::Config;
 use engine::context::{Ledger, RestoreContext};
 use engine::log::{LineProgress, Progress, StderrProgress};
 use engine::runtime::podman;
@@ -28,10 +27,10 @@ macro_rules! parse {
 /// to planarian's own log, and to `--log` when asked.
 pub fn checkpoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::CheckpointArgs = parse!("checkpoint", args);
-    let globals = inv.globals();
+    let engine = inv.engine()?;
     let result = if a.pre_dump {
         let image_path = a.image_path.as_deref().ok_or(statepoint::Error::PreDumpNeedsImagePath)?;
-        statepoint::snapshot::pre_dump(&globals, &a.container_id, image_path).map(|()| None)
+        statepoint::snapshot::pre_dump(&engine, &a.container_id, image_path).map(|()| None)
     } else {
         let req = SnapshotRequest {
             tcp_established: a.criu.tcp_established,
@@ -45,7 +44,7 @@ pub fn checkpoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             files_taken: None,
         };
         statepoint::snapshot::checkpoint(
-            &globals,
+            &engine,
             &a.container_id,
             &req,
             a.image_path.as_deref(),
@@ -89,7 +88,7 @@ pub fn restore(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
         file_locks: a.criu.file_locks,
         console_socket: a.console_socket,
     };
-    let restored = statepoint::restore::restore(&inv.globals(), &req)?;
+    let restored = statepoint::restore::restore(&inv.engine()?, &req)?;
     for w in &restored.warnings {
         inv.sink().warn(w);
     }
@@ -100,6 +99,7 @@ pub fn restore(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::SnapshotArgs = parse!("snapshot", args);
     let state = a.state.as_deref().map(read_state).transpose()?;
+    let engine = inv.engine()?;
     if a.r#async {
         let req = SnapshotRequest {
             tcp_established: a.tcp_established,
@@ -110,11 +110,11 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             state,
             ..Default::default()
         };
-        let id = async_snapshot::start(&inv.globals(), &a.container, &req, &std::env::current_exe()?)?;
+        let id = async_snapshot::start(&engine, &a.container, &req, &std::env::current_exe()?)?;
         println!("{id}");
         return Ok(0);
     }
-    let mut ctx = Ctx::running(&inv.globals(), &a.container)?;
+    let mut ctx = Ctx::running(&engine, &a.container)?;
     let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
         eprintln!("waiting for what is in flight in {} ({what})", a.container)
     })?;
@@ -140,10 +140,10 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 /// `planarian rollback CTR SP`: phases on stderr, the result on stdout.
 pub fn rollback(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::RollbackArgs = parse!("rollback", args);
-    let r = Rollback::begin(&inv.globals(), &a.container, &a.statepoint, true)?;
+    let r = Rollback::begin(&inv.engine()?, &a.container, &a.statepoint, true)?;
     let name = r.container.name.clone();
     let mut progress = StderrProgress::start(&r.title());
-    let ctx = r.run(&inv.globals(), &mut progress, a.reason.as_deref(), a.by.into())?;
+    let ctx = r.run(&mut progress, a.reason.as_deref(), a.by.into())?;
     progress.finish();
     if a.json {
         println!("{}", context_json(&ctx)?);
@@ -165,7 +165,7 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     // One fork, asked as always: its phases as one block, its context as one object.
     let single = a.count.is_none() && count == 1;
     let first = names[0].as_deref().filter(|_| single);
-    let f = Fork::begin(&inv.globals(), &a.container, &a.statepoint, first)?;
+    let f = Fork::begin(&inv.engine()?, &a.container, &a.statepoint, first)?;
     let (source, sp) = (f.source.name.clone(), f.target.statepoint_id.clone());
     if single {
         let mut progress = StderrProgress::start(&f.title());
@@ -217,7 +217,7 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 /// `planarian spare CTR SP [--count N]`: the spares' names, a line each.
 pub fn spare(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::SpareArgs = parse!("spare", args);
-    let pool = statepoint::spares::pool(&inv.globals(), &a.container, &a.statepoint)?;
+    let pool = statepoint::spares::pool(&inv.engine()?, &a.container, &a.statepoint)?;
     let mut progress =
         StderrProgress::start(&format!("keeping {} spare(s) of {} at {}", a.count, a.container, pool.sp));
     let spares = statepoint::fork::keep_spares(pool, a.count, &mut progress)?;
@@ -229,12 +229,13 @@ pub fn spare(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 }
 
 /// `planarian statepoint list|show|set|rm`.
-pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
+pub fn statepoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::StatepointArgs = parse!("statepoint", args);
-    let cfg = Config::load()?;
+    let engine = inv.engine()?;
+    let cfg = engine.config();
     match a.command {
         cli::StatepointCommand::List { container, json } => {
-            let store = statepoint::store_of(&cfg, &container)?;
+            let store = statepoint::store_of(cfg, &container)?;
             let list = store.committed();
             if json {
                 println!("{}", serde_json::to_string_pretty(&list)?);
@@ -243,21 +244,21 @@ pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
             }
         }
         cli::StatepointCommand::Show { container, statepoint } => {
-            let store = statepoint::store_of(&cfg, &container)?;
+            let store = statepoint::store_of(cfg, &container)?;
             println!("{}", serde_json::to_string_pretty(&store.find(&statepoint)?)?);
         }
         cli::StatepointCommand::Set { container, statepoint, name, description, outcome, status, by, reward } => {
-            let store = statepoint::store_of(&cfg, &container)?;
+            let store = statepoint::store_of(cfg, &container)?;
             let outcomes = outcome.into_iter().map(|t| Outcome::now(t, status.into(), by.into(), reward)).collect();
             statepoint::annotate(&store, &statepoint, name.as_deref(), description.as_deref(), outcomes)?;
         }
         cli::StatepointCommand::Wait { container, statepoint } => {
-            let store = statepoint::store_of(&cfg, &container)?;
+            let store = statepoint::store_of(cfg, &container)?;
             let o = async_snapshot::wait(&store, &statepoint)?;
             println!("{} {}", o.statepoint, o.status);
         }
         cli::StatepointCommand::Context { container, json } => {
-            let store = statepoint::store_of(&cfg, &container)?;
+            let store = statepoint::store_of(cfg, &container)?;
             let ctx = RestoreContext::last(&store)
                 .ok_or_else(|| format!("container {container} was never rolled back or forked into"))?;
             if json {
@@ -267,14 +268,14 @@ pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
             }
         }
         cli::StatepointCommand::Export { container, statepoint, file, since } => {
-            let store = statepoint::store_of(&cfg, &container)?;
+            let store = statepoint::store_of(cfg, &container)?;
             let _lock = store.lock(false)?;
             let m = store.find(&statepoint)?;
             let since = since.map(|s| store.find(&s)).transpose()?;
             let inspect = podman::output(&["container", "inspect", &store.container_id()])?;
             let c: serde_json::Value = serde_json::from_str(&inspect)?;
             let recipe = travel::Recipe::of(&c[0]);
-            let e = travel::export(&cfg, &store, &m, since.as_ref(), &recipe, &file)?;
+            let e = travel::export(cfg, &store, &m, since.as_ref(), &recipe, &file)?;
             println!(
                 "exported {} of {container} to {}: {} ({} of memory images, files as {})",
                 m.statepoint_id,
@@ -285,18 +286,18 @@ pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
             );
         }
         cli::StatepointCommand::Import { file, name, parent_dataset } => {
-            let c = travel::import_file(&cfg, &file, name.as_deref(), parent_dataset.as_deref())?;
+            let c = travel::import_file(cfg, &file, name.as_deref(), parent_dataset.as_deref())?;
             println!("{} imported from {} at {} ({})", c.name, file.display(), c.statepoint, c.id);
         }
         cli::StatepointCommand::Rm { container, statepoints } => {
-            let store = statepoint::store_of(&cfg, &container)?;
+            let store = statepoint::store_of(cfg, &container)?;
             let _lock = store.lock(true)?;
             // Check them all first: a bad name changes nothing.
             let found: Vec<Manifest> = statepoints.iter().map(|s| store.find(s)).collect::<Result<_, _>>()?;
             for m in found {
-                statepoint::remove(&cfg, &store, &m.statepoint_id)?;
+                statepoint::remove(cfg, &store, &m.statepoint_id)?;
                 // (its spares, forks of it made ahead, go with it)
-                let _ = statepoint::spares::remove_all(&container, &m.statepoint_id);
+                let _ = statepoint::spares::remove_all(&engine, &container, &m.statepoint_id);
                 println!("{}", m.statepoint_id);
             }
         }
@@ -305,9 +306,9 @@ pub fn statepoint(args: &[OsString]) -> Result<i32, Failure> {
 }
 
 /// `planarian ledger CTR`: the statepoints as a tree, with their evidence.
-pub fn ledger(args: &[OsString]) -> Result<i32, Failure> {
+pub fn ledger(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::LedgerArgs = parse!("ledger", args);
-    let store = statepoint::store_of(&Config::load()?, &a.container)?;
+    let store = statepoint::store_of(inv.engine()?.config(), &a.container)?;
     let ledger = Ledger::of(&store, &a.container);
     if a.json {
         println!("{}", serde_json::to_string_pretty(&ledger)?);
@@ -347,22 +348,23 @@ pub fn mcp(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 }
 
 /// `planarian gc [--wait ID]`.
-pub fn gc(args: &[OsString]) -> Result<i32, Failure> {
+pub fn gc(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::GcArgs = parse!("gc", args);
-    engine::local::zfs::gc(&Config::load()?, a.wait.as_deref())?;
+    engine::local::zfs::gc(inv.engine()?.config(), a.wait.as_deref())?;
     Ok(0)
 }
 
 /// `planarian fsck [CONTAINER...] [--repair] [--json]`: exit code 1 while something is wrong.
-pub fn fsck(args: &[OsString]) -> Result<i32, Failure> {
+pub fn fsck(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::FsckArgs = parse!("fsck", args);
-    let cfg = Config::load()?;
+    let engine = inv.engine()?;
+    let cfg = engine.config();
     let ids: Vec<String> = if a.containers.is_empty() {
-        engine::fsck::containers(&cfg)
+        engine::fsck::containers(cfg)
     } else {
         let mut ids = Vec::new();
         for c in &a.containers {
-            let store = statepoint::store_of(&cfg, c)?;
+            let store = statepoint::store_of(cfg, c)?;
             if !store.dir.is_dir() {
                 return Err(format!("{c}: planarian keeps no statepoints of it").into());
             }
@@ -372,7 +374,7 @@ pub fn fsck(args: &[OsString]) -> Result<i32, Failure> {
     };
     let reports: Vec<engine::fsck::Report> = ids
         .iter()
-        .map(|id| engine::fsck::check_container(&cfg, id, a.repair, cfg.checkpoint.in_flight_wait()))
+        .map(|id| engine::fsck::check_container(&engine, id, a.repair, cfg.checkpoint.in_flight_wait()))
         .collect();
     let bad = reports.iter().filter(|r| r.busy || !r.findings.is_empty()).count();
     if a.json {
@@ -422,9 +424,10 @@ fn fsck_table(reports: &[engine::fsck::Report]) -> String {
 }
 
 /// `planarian zfs-base IMAGE [--parent-dataset DS]`.
-pub fn zfs_base(args: &[OsString]) -> Result<i32, Failure> {
+pub fn zfs_base(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::ZfsBaseArgs = parse!("zfs-base", args);
-    let cfg = Config::load()?;
+    let engine = inv.engine()?;
+    let cfg = engine.config();
     let Some(parent) = a.parent_dataset.or(cfg.zfs.parent_dataset.clone()) else {
         return Err("no parent dataset: give --parent-dataset, or set zfs.parent_dataset in the configuration"
             .to_string()
@@ -432,7 +435,7 @@ pub fn zfs_base(args: &[OsString]) -> Result<i32, Failure> {
     };
     let layers = podman::image_layers(&a.image)?;
     let started = std::time::Instant::now();
-    let (base, made) = engine::local::zfs::create::prepare_image_base(&cfg, &parent, &layers)?;
+    let (base, made) = engine::local::zfs::create::prepare_image_base(cfg, &parent, &layers)?;
     if made {
         println!("{base}: {} copied ({} layers) in {:.1} s", a.image, layers.len(), started.elapsed().as_secs_f64());
     } else {
@@ -476,17 +479,17 @@ fn human(b: u64) -> String {
 /// The background half of `snapshot --async` (not for people: started by planarian itself with
 /// the container's locked file).
 /// `planarian __rollback-cleanup FD SPEC`: what a rollback in place leaves, removed.
-pub fn cleanup_worker(args: &[OsString]) -> Result<i32, Failure> {
+pub fn cleanup_worker(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let [fd, spec] = args else { return Err("usage: planarian __rollback-cleanup FD SPEC".into()) };
     let fd: i32 = fd.to_str().and_then(|f| f.parse().ok()).ok_or("__rollback-cleanup: FD is a number")?;
-    statepoint::rollback::cleanup_worker(fd, &spec.to_string_lossy())?;
+    statepoint::rollback::cleanup_worker(&inv.engine()?, fd, &spec.to_string_lossy())?;
     Ok(0)
 }
 
-pub fn snapshot_worker(args: &[OsString]) -> Result<i32, Failure> {
+pub fn snapshot_worker(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let [fd, spec] = args else { return Err("usage: planarian __snapshot-worker FD SPEC".into()) };
     let fd: i32 = fd.to_str().and_then(|f| f.parse().ok()).ok_or("__snapshot-worker: FD is a number")?;
-    async_snapshot::work(fd, &spec.to_string_lossy())?;
+    async_snapshot::work(&inv.engine()?, fd, &spec.to_string_lossy())?;
     Ok(0)
 }
 
@@ -503,8 +506,9 @@ mod tests {
     #[test]
     fn bad_input_is_a_usage_error_not_a_panic() {
         let os = |v: &[&str]| v.iter().map(OsString::from).collect::<Vec<_>>();
-        assert_eq!(statepoint(&os(&["frobnicate", "c"])).unwrap(), 2);
-        assert_eq!(rollback(&Invocation::parse(vec![]), &os(&["only-one"])).unwrap(), 2);
-        assert_eq!(gc(&os(&["--help"])).unwrap(), 0);
+        let none = Invocation::parse(vec![]);
+        assert_eq!(statepoint(&none, &os(&["frobnicate", "c"])).unwrap(), 2);
+        assert_eq!(rollback(&none, &os(&["only-one"])).unwrap(), 2);
+        assert_eq!(gc(&none, &os(&["--help"])).unwrap(), 0);
     }
 }

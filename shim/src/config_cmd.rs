@@ -3,7 +3,7 @@
 
 use crate::cli::{ConfigArgs, Invocation};
 use crate::Failure;
-use engine::config::{self, Config};
+use engine::config;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::Command;
@@ -14,12 +14,12 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
         Err(code) => return Ok(code),
     };
     let container = a.container.as_deref();
-    let base = Config::load()?;
+    let engine = inv.engine()?;
     let cfg = match container {
-        None => base,
+        None => engine.config().clone(),
         Some(id) => {
-            let spec = container_spec(inv, &base, id)?;
-            spec.configure(&base).map_err(|e| format!("container {id}: {e}"))?
+            let spec = container_spec(&engine, id)?;
+            spec.configure(engine.config()).map_err(|e| format!("container {id}: {e}"))?
         }
     };
     let files: Vec<PathBuf> = config::config_files().into_iter().filter(|p| p.exists()).collect();
@@ -39,10 +39,10 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 }
 
 /// A container's OCI config, read from the bundle crun recorded for it.
-fn container_spec(inv: &Invocation, cfg: &Config, id: &str) -> Result<engine::runtime::Spec, Failure> {
-    let crun = engine::runtime::crun(cfg)?;
-    let out = Command::new(&crun)
-        .args(inv.globals().crun_args())
+fn container_spec(engine: &engine::Engine, id: &str) -> Result<engine::runtime::Spec, Failure> {
+    let crun = engine.crun()?;
+    let out = Command::new(crun)
+        .args(engine.globals().crun_args())
         .args(["state", id])
         .output()
         .map_err(|e| format!("cannot run {}: {e}", crun.display()))?;

@@ -13,7 +13,6 @@ mod install;
 mod mcp;
 
 use cli::Invocation;
-use engine::config::Config;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 
@@ -39,7 +38,7 @@ fn main() {
 fn run(inv: &Invocation) -> Result<i32, Failure> {
     let args = inv.verb_args();
     match inv.verb() {
-        None if inv.has_global_flag("--version") || inv.has_global_flag("-v") => Ok(version()),
+        None if inv.has_global_flag("--version") || inv.has_global_flag("-v") => Ok(version(inv)),
         None if inv.args.is_empty() || inv.has_global_flag("--help") || inv.has_global_flag("-h") => {
             print!("{}", HELP);
             Ok(0)
@@ -54,14 +53,14 @@ fn run(inv: &Invocation) -> Result<i32, Failure> {
         Some("fork") => commands::fork(inv, args),
         Some("spare") => commands::spare(inv, args),
         Some("snapshot") => commands::snapshot(inv, args),
-        Some("statepoint") => commands::statepoint(args),
-        Some("ledger") => commands::ledger(args),
+        Some("statepoint") => commands::statepoint(inv, args),
+        Some("ledger") => commands::ledger(inv, args),
         Some("mcp") => commands::mcp(inv, args),
-        Some("__snapshot-worker") => commands::snapshot_worker(args),
-        Some("__rollback-cleanup") => commands::cleanup_worker(args),
-        Some("gc") => commands::gc(args),
-        Some("fsck") => commands::fsck(args),
-        Some("zfs-base") => commands::zfs_base(args),
+        Some("__snapshot-worker") => commands::snapshot_worker(inv, args),
+        Some("__rollback-cleanup") => commands::cleanup_worker(inv, args),
+        Some("gc") => commands::gc(inv, args),
+        Some("fsck") => commands::fsck(inv, args),
+        Some("zfs-base") => commands::zfs_base(inv, args),
         Some("doctor") => doctor::main(args),
         Some("install") => install::main(args),
         Some("config") => config_cmd::main(inv, args),
@@ -71,12 +70,12 @@ fn run(inv: &Invocation) -> Result<i32, Failure> {
 
 /// Replaces this process by crun with the same arguments. Returns only on failure.
 fn passthrough(inv: &Invocation) -> Failure {
-    let cfg = match Config::load() {
-        Ok(c) => c,
+    let engine = match inv.engine() {
+        Ok(e) => e,
         Err(e) => return e.into(),
     };
-    let crun = match engine::runtime::crun(&cfg) {
-        Ok(p) => p,
+    let crun = match engine.crun() {
+        Ok(p) => p.to_path_buf(),
         Err(e) => return e.into(),
     };
     // A container on a ZFS dataset runs on it (create points its config there), and one that
@@ -87,10 +86,7 @@ fn passthrough(inv: &Invocation) -> Failure {
             if let (bundle, Some(id)) = cli::create_args(inv.verb_args()) {
                 // An unreadable bundle is crun's to report, in crun's words.
                 if let Ok(mut b) = engine::runtime::Bundle::load(&bundle) {
-                    if let Err(e) = engine::local::zfs::create::on_create(&cfg, &id, &mut b) {
-                        return e.into();
-                    }
-                    if let Err(e) = engine::remote::sidecar::on_create(&cfg, &id, &b.spec) {
+                    if let Err(e) = engine.on_create(&id, &mut b) {
                         return e.into();
                     }
                 }
@@ -98,82 +94,51 @@ fn passthrough(inv: &Invocation) -> Failure {
         }
         Some("delete") => {
             if let Some(id) = cli::delete_container_id(inv.verb_args()) {
-                engine::remote::sidecar::on_delete(&cfg, id);
-                engine::local::zfs::on_delete(&cfg, id);
+                engine.on_delete(id);
             }
         }
         _ => {}
     }
-    // A tool call (exec) takes the container's shared lock, so it cannot start while a snapshot
-    // or rollback holds the exclusive one. crun inherits the locked fd and holds it until it exits.
     let exec_id = inv.verb().filter(|v| *v == "exec").and_then(|_| cli::exec_container_id(inv.verb_args()));
-    let _lock = match exec_id {
-        Some(id) => match shared_tool_lock(&cfg, id) {
-            Ok(l) => l,
-            Err(e) => return e,
-        },
-        None => None,
+    let lock = match exec_id.map(|id| engine.tool_call_lock(id)).transpose() {
+        Ok(l) => l.flatten(),
+        Err(e) => return e.into(),
     };
-    // What the tool call leaves running must be in a session CRIU can dump (runtime/exec.rs).
     if let (Some(id), Some(file)) = (exec_id, cli::exec_process_file(inv.verb_args())) {
-        if engine::runtime::exec::runtime_gives_exec_a_session(&crun) {
-            // (crun 1.20 and later: already its own session)
-        } else if let Ok(pid) =
-            engine::runtime::Container::load(&crun, &inv.globals(), id).and_then(|c| c.running_pid())
-        {
-            engine::runtime::exec::rewrite_process_file(&file, pid);
-        }
+        engine.prepare_exec(id, &file);
     }
-    // conmon's `exec --detach`: crun returns once the command started; the lock is left with a
-    // holder that lets go when the command exits (runtime/inflight.rs), so a snapshot waits for
-    // it. crun's exit status is this process's.
-    if let (Some(_), Some(id), Some(pid_file)) = (&_lock, exec_id, cli::exec_detached_pid_file(inv.verb_args())) {
-        let lock = _lock.expect("matched");
-        let status = match Command::new(&crun).args(&inv.args).status() {
-            Ok(s) => s,
-            Err(e) => return format!("cannot execute {}: {e}", crun.display()).into(),
-        };
-        if status.success() {
-            if let Some(pid) = std::fs::read_to_string(&pid_file).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
-                let store = engine::store::ContainerStore::new(&cfg.store.path, id);
-                let what = cli::exec_process_file(inv.verb_args())
-                    .map(|f| engine::runtime::exec::command_line(&f))
-                    .unwrap_or_default();
-                // (what crun printed is all this prints: a holder that cannot start leaves the
-                // command unwaited for, as before)
-                let _ = engine::runtime::inflight::hold_until_exit(
-                    lock,
-                    pid,
-                    &store.dir,
-                    &what,
-                    cfg.checkpoint.in_flight_wait(),
-                );
+    // conmon's `exec --detach`: crun returns once the command started, and the tool call's lock
+    // is held until the command exits. crun's exit status is this process's.
+    let detached = exec_id.zip(cli::exec_detached_pid_file(inv.verb_args()));
+    let (Some(_), Some((id, pid_file))) = (&lock, detached) else {
+        // (crun inherits the tool call's lock, if any, and holds it until it exits)
+        let err = Command::new(&crun).args(&inv.args).exec();
+        return format!("cannot execute {}: {err}", crun.display()).into();
+    };
+    let status = match Command::new(&crun).args(&inv.args).status() {
+        Ok(s) => s,
+        Err(e) => return format!("cannot execute {}: {e}", crun.display()).into(),
+    };
+    if status.success() {
+        if let Some(pid) = std::fs::read_to_string(&pid_file).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
+            let what = cli::exec_process_file(inv.verb_args())
+                .map(|f| engine::runtime::exec::command_line(&f))
+                .unwrap_or_default();
+            // (what crun printed is all this prints: a holder that cannot start leaves the
+            // command unwaited for, as before)
+            if let Some(lock) = lock {
+                let _ = engine.hold_tool_call(lock, id, pid, &what);
             }
         }
-        use std::os::unix::process::ExitStatusExt;
-        std::process::exit(status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0)));
     }
-    let err = Command::new(&crun).args(&inv.args).exec();
-    format!("cannot execute {}: {err}", crun.display()).into()
+    use std::os::unix::process::ExitStatusExt;
+    std::process::exit(status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0)));
 }
 
-/// The shared lock of a container that has statepoints, as an fd crun will inherit.
-fn shared_tool_lock(cfg: &Config, id: &str) -> Result<Option<std::fs::File>, Failure> {
-    let store = engine::store::ContainerStore::new(&cfg.store.path, id);
-    if !store.dir.exists() {
-        return Ok(None);
-    }
-    let f = store.lock(false)?;
-    use std::os::fd::AsRawFd;
-    nix::fcntl::fcntl(&f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()))
-        .map_err(|e| format!("cannot pass the container lock to crun (fd {}): {e}", f.as_raw_fd()))?;
-    Ok(Some(f))
-}
-
-fn version() -> i32 {
+fn version(inv: &Invocation) -> i32 {
     println!("planarian version {VERSION}");
     println!("spec: {SPEC_VERSION}");
-    match Config::load().map_err(Failure::from).and_then(|c| Ok(engine::runtime::crun(&c)?)) {
+    match inv.engine().map_err(Failure::from).and_then(|e| Ok(e.crun()?.to_path_buf())) {
         Ok(crun) => {
             let out = Command::new(&crun).arg("--version").output();
             let first = out

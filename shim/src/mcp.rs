@@ -8,12 +8,12 @@
 //! harness allows them (`--allow fork,run`), `statepoint_fork` and `run`.
 
 use crate::Failure;
-use engine::config::Config;
 use engine::context::Ledger;
 use engine::log::Silent;
 use engine::runtime::{podman, Globals};
 use engine::statepoint::{self, async_snapshot, fork::Fork, rollback::Rollback, snapshot::SnapshotRequest};
 use engine::store::{Actor, ContainerStore, Outcome, OutcomeStatus};
+use engine::Engine;
 use planarian_contracts::jsonrpc;
 use serde_json::{json, Value};
 use std::io::{BufRead, Write};
@@ -227,8 +227,14 @@ impl Server {
         }
     }
 
+    /// The engine of one tool call: the configuration as it is now (the server runs as long as
+    /// the agent's session; a change an operator made in between applies to the next call).
+    fn engine(&self) -> Result<Engine, Failure> {
+        Ok(Engine::load(self.globals.clone())?)
+    }
+
     fn store(&self) -> Result<ContainerStore, Failure> {
-        Ok(ContainerStore::new(&Config::load()?.store.path, &self.id))
+        Ok(self.engine()?.store(&self.id))
     }
 
     fn ledger(&self, args: &Value) -> Result<String, Failure> {
@@ -246,7 +252,7 @@ impl Server {
             state: args.get("state").filter(|s| s.is_object()).cloned(),
             ..Default::default()
         };
-        let id = async_snapshot::start(&self.globals, &self.id, &req, &std::env::current_exe()?)?;
+        let id = async_snapshot::start(&self.engine()?, &self.id, &req, &std::env::current_exe()?)?;
         Ok(format!(
             "Saving statepoint {id}{} of {} in the background; your next command runs once it is saved. You can roll back to it with statepoint_rollback.",
             req.name.as_ref().map(|n| format!(" \"{n}\"")).unwrap_or_default(),
@@ -277,8 +283,8 @@ impl Server {
     fn rollback(&self, args: &Value) -> Result<String, Failure> {
         let sp = required(args, "statepoint")?;
         let reason = required(args, "reason")?;
-        let r = Rollback::begin(&self.globals, &self.id, &sp, false)?;
-        let ctx = r.run(&self.globals, &mut Silent, Some(&reason), Actor::Agent)?;
+        let r = Rollback::begin(&self.engine()?, &self.id, &sp, false)?;
+        let ctx = r.run(&mut Silent, Some(&reason), Actor::Agent)?;
         Ok(ctx.text())
     }
 
@@ -292,12 +298,12 @@ impl Server {
             }
         };
         let Some(count) = count else {
-            let f = Fork::begin(&self.globals, &self.id, &sp, Some(&name))?;
+            let f = Fork::begin(&self.engine()?, &self.id, &sp, Some(&name))?;
             let (_, ctx) = f.run(&mut Silent, Actor::Agent)?;
             return Ok(format!("{}The sandbox {} continues unchanged; the fork is {name}.", ctx.text(), self.name));
         };
         let names: Vec<Option<String>> = (1..=count).map(|k| Some(format!("{name}-{k}"))).collect();
-        let f = Fork::begin(&self.globals, &self.id, &sp, None)?;
+        let f = Fork::begin(&self.engine()?, &self.id, &sp, None)?;
         let sp = statepoint::describe(&f.target);
         let silent = |_: &str| -> Box<dyn engine::log::Progress + Send> { Box::new(Silent) };
         let mut made = Vec::new();

@@ -93,7 +93,8 @@ fn podman_free_lookup_agrees(n: &str, status: &str) {
     let podman = engine::runtime::podman::inspect(n).unwrap();
     assert_eq!(podman.status, status);
     for key in [n.to_string(), podman.id[..12].to_string()] {
-        let found = engine::statepoint::planarian_container(&engine::runtime::Globals::default(), &key).unwrap();
+        let found =
+            engine::statepoint::planarian_container(&engine::Engine::load(Default::default()).unwrap(), &key).unwrap();
         let fields = |c: &engine::runtime::podman::PodmanContainer| {
             (c.id.clone(), c.name.clone(), c.status.clone(), c.runtime.clone(), c.bundle.clone(), c.upperdir.clone())
         };

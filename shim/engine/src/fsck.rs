@@ -66,7 +66,8 @@ pub fn containers(cfg: &Config) -> Vec<String> {
 
 /// Checks container `id`'s store, repairing first when asked. An operation that holds the
 /// container's lock is waited for as a statepoint operation waits (`wait`, none when zero).
-pub fn check_container(cfg: &Config, id: &str, repair: bool, wait: std::time::Duration) -> Report {
+pub fn check_container(engine: &crate::Engine, id: &str, repair: bool, wait: std::time::Duration) -> Report {
+    let cfg = engine.config();
     let store = ContainerStore::new(&cfg.store.path, id);
     let lock = match store.try_lock(true) {
         Ok(Some(l)) => Some(l),
@@ -80,7 +81,7 @@ pub fn check_container(cfg: &Config, id: &str, repair: bool, wait: std::time::Du
     if repair {
         let before = findings(cfg, &store);
         if before.iter().any(|f| f.repairable) {
-            mend(cfg, &store);
+            mend(engine, &store);
             let after = findings(cfg, &store);
             repaired = before.into_iter().filter(|f| f.repairable && !after.contains(f)).collect();
         }
@@ -90,11 +91,10 @@ pub fn check_container(cfg: &Config, id: &str, repair: bool, wait: std::time::Du
 }
 
 /// The safe repairs, with the lock held.
-fn mend(cfg: &Config, store: &ContainerStore) {
+fn mend(engine: &crate::Engine, store: &ContainerStore) {
+    let cfg = engine.config();
     // (first: a half-written sandbox must not be thawed before it is stopped)
-    if let Err(e) =
-        crate::statepoint::journal::recover(&crate::runtime::Globals::default(), cfg, store, &store.container_id())
-    {
+    if let Err(e) = crate::statepoint::journal::recover(engine.globals(), cfg, store, &store.container_id()) {
         eprintln!("planarian: {e}");
     }
     let marker = store.dir.join(crate::local::freezer::MARKER);
@@ -102,7 +102,7 @@ fn mend(cfg: &Config, store: &ContainerStore) {
         crate::local::freezer::FreezeGuard::recover(&marker);
     }
     if let Ok(src) = crate::runtime::podman::inspect(&store.container_id()) {
-        crate::statepoint::fork::recover(&crate::runtime::Globals::default(), cfg, &src, store);
+        crate::statepoint::fork::recover(engine, &src, store);
     }
     crate::statepoint::discard_stale(cfg, store);
     crate::statepoint::finish_compensation(store, &store.container_id());
@@ -320,7 +320,8 @@ mod tests {
         make(&s, "sp1", Some("a"), None);
         make(&s, "sp2", Some("b"), Some("sp1"));
         s.set_head(Some("sp2")).unwrap();
-        let r = check_container(&cfg, "c", false, Duration::ZERO);
+        let r =
+            check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", false, Duration::ZERO);
         assert_eq!((r.statepoints, r.busy, r.findings), (2, false, vec![]));
         std::fs::remove_dir_all(&cfg.store.path).unwrap();
     }
@@ -346,7 +347,8 @@ mod tests {
         ];
         assert_eq!(checks(&findings(&cfg, &s)), want);
         // Nothing of it is the repair's: every part stays as it was.
-        let r = check_container(&cfg, "c", true, Duration::ZERO);
+        let r =
+            check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", true, Duration::ZERO);
         assert!(r.repaired.is_empty(), "{:?}", r.repaired);
         assert_eq!(checks(&r.findings), want);
         for sp in ["sp1", "sp2", "sp3", "sp4"] {
@@ -367,7 +369,8 @@ mod tests {
         std::fs::create_dir_all(s.statepoint_dir("sp4").join("criu")).unwrap();
         s.set_head(Some("sp9")).unwrap();
         std::fs::write(s.dir.join("base"), b"garbage").unwrap();
-        let found = check_container(&cfg, "c", false, Duration::ZERO);
+        let found =
+            check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", false, Duration::ZERO);
         assert_eq!(
             checks(&found.findings),
             vec![(Some("sp4"), "manifest"), (Some("sp3"), "pending"), (None, "head"), (None, "base")]
@@ -375,7 +378,8 @@ mod tests {
         assert!(found.findings.iter().all(|f| f.repairable));
         assert!(s.statepoint_dir("sp3").exists(), "a check alone changes nothing");
 
-        let r = check_container(&cfg, "c", true, Duration::ZERO);
+        let r =
+            check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", true, Duration::ZERO);
         assert_eq!(checks(&r.repaired).len(), 4, "{:?}", r.repaired);
         assert!(r.findings.is_empty(), "{:?}", r.findings);
         assert!(!s.statepoint_dir("sp3").exists() && !s.statepoint_dir("sp4").exists());
@@ -407,7 +411,8 @@ mod tests {
         let (cfg, s) = setup("busy");
         std::fs::create_dir_all(s.statepoint_dir("sp1")).unwrap();
         let _held = s.lock(true).unwrap();
-        let r = check_container(&cfg, "c", true, Duration::ZERO);
+        let r =
+            check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", true, Duration::ZERO);
         assert!(r.busy && r.findings.is_empty());
         assert!(s.statepoint_dir("sp1").exists());
         std::fs::remove_dir_all(&cfg.store.path).unwrap();

@@ -1,9 +1,14 @@
 //! The statepoint engine: everything planarian does to a sandbox, as a library that the
 //! `planarian` runtime binary (and, next, an MCP server and a harness SDK) call.
 //!
+//! Every front-end (the runtime binary's verbs and commands, its MCP server, its background
+//! workers) makes one [`Engine`] — the configuration read once, the runtime's global flags, the
+//! tools found once — and hands it to the operations.
+//!
 //! Layers, each using only the ones below it:
 //!
 //! ```text
+//!  engine       the front door: configuration, global flags, tools; create/delete/exec hooks
 //!  statepoint   snapshot · restore · rollback · fork as operations; Ctx; the checkpoint
 //!               directory handed to Podman; removal, retention, recovery
 //!  local        criu (command line and RPC from one option list) · freezer · devfs · files:
@@ -19,6 +24,7 @@
 //! user reads and the runc-style JSON line Podman reads.
 
 pub mod config;
+pub mod engine;
 pub mod fault;
 pub mod fsck;
 pub mod log;
@@ -32,6 +38,7 @@ pub mod runtime;
 pub mod statepoint;
 pub mod store;
 
+pub use engine::Engine;
 pub use sys::{Context, IoError};
 
 /// The version of the runtime, as `planarian --version` prints it.

@@ -8,6 +8,7 @@
 
 use super::snapshot::{self, SnapshotRequest};
 use super::{Ctx, Error, Result};
+use crate::engine::Engine;
 use crate::runtime::Globals;
 use crate::store::ContainerStore;
 use serde::{Deserialize, Serialize};
@@ -67,11 +68,11 @@ fn record(store: &ContainerStore, o: &AsyncOutcome) -> Result<()> {
 /// Starts a snapshot of the running container `name` in the background; returns its id once
 /// the worker holds the lock. `worker` is the program to run as the worker (this binary), which
 /// must call [`work`] when started with the arguments given.
-pub fn start(globals: &Globals, name: &str, req: &SnapshotRequest, worker: &std::path::Path) -> Result<String> {
+pub fn start(engine: &Engine, name: &str, req: &SnapshotRequest, worker: &std::path::Path) -> Result<String> {
     if let Some(n) = &req.name {
         super::check_name(n)?;
     }
-    let mut ctx = Ctx::running(globals, name)?;
+    let mut ctx = Ctx::running(engine, name)?;
     let lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
         eprintln!("waiting for what is in flight in {name} ({what})")
     })?;
@@ -88,7 +89,7 @@ pub fn start(globals: &Globals, name: &str, req: &SnapshotRequest, worker: &std:
         },
     )?;
     let spec = serde_json::json!({
-        "container": ctx.ctr.id, "statepoint": id, "root": globals.root, "systemd-cgroup": globals.systemd_cgroup,
+        "container": ctx.ctr.id, "statepoint": id, "root": engine.globals().root, "systemd-cgroup": engine.globals().systemd_cgroup,
         "name": req.name, "description": req.description, "state": req.state,
         "tcp-established": req.tcp_established, "file-locks": req.file_locks,
     });
@@ -102,7 +103,7 @@ pub fn start(globals: &Globals, name: &str, req: &SnapshotRequest, worker: &std:
 
 /// The worker: holds the lock it inherited (fd `lock_fd`) until the statepoint is committed or
 /// discarded, and records which.
-pub fn work(lock_fd: i32, spec: &str) -> Result<()> {
+pub fn work(engine: &Engine, lock_fd: i32, spec: &str) -> Result<()> {
     // SAFETY: the fd was inherited locked from `start`; owning it keeps the lock until we exit.
     let _lock: File = unsafe { std::os::fd::FromRawFd::from_raw_fd(lock_fd) };
     let v: serde_json::Value =
@@ -121,9 +122,9 @@ pub fn work(lock_fd: i32, spec: &str) -> Result<()> {
         id: Some(sp.clone()),
         files_taken: None,
     };
-    let taken = Ctx::load(&globals, &container).and_then(|ctx| snapshot::take(&ctx, &req).map(|m| (ctx, m)));
-    let cfg = crate::config::Config::load()?;
-    let store = ContainerStore::new(&cfg.store.path, &container);
+    let engine = &engine.with_globals(globals);
+    let taken = Ctx::load(engine, &container).and_then(|ctx| snapshot::take(&ctx, &req).map(|m| (ctx, m)));
+    let store = engine.store(&container);
     match taken {
         Ok((_, m)) => record(
             &store,

@@ -25,9 +25,10 @@ use super::spares;
 use super::{describe, Error, Result};
 use crate::config::Config;
 use crate::context::{self, RestoreContext, Restored};
+use crate::engine::Engine;
 use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
-use crate::runtime::{Bundle, Globals};
+use crate::runtime::Bundle;
 use crate::store::{Actor, ContainerStore, Manifest, Outcome, OutcomeStatus, Status};
 use std::time::Duration;
 use sys::Context;
@@ -39,37 +40,35 @@ pub struct Fork {
     /// The new container's name, when one was asked for.
     pub name: Option<String>,
     pub(super) src_store: ContainerStore,
-    pub(super) cfg: Config,
-    pub(super) globals: Globals,
+    pub(super) engine: Engine,
 }
 
 impl Fork {
     /// Finds container `name`'s committed statepoint `statepoint`; refuses a new name taken.
     /// Without `new_name`, the fork takes a spare under the spare's own name, or is made as the
     /// first free `CTR-fork-SP-K`.
-    pub fn begin(globals: &Globals, container: &str, statepoint: &str, new_name: Option<&str>) -> Result<Fork> {
-        let source = super::planarian_container(globals, container)?;
+    pub fn begin(engine: &Engine, container: &str, statepoint: &str, new_name: Option<&str>) -> Result<Fork> {
+        let source = super::planarian_container(engine, container)?;
         if source.cri {
             return Err(Error::NotPodmans {
                 name: source.id,
                 what: "a fork is a Podman container cloned from it (snapshots and rollbacks in place work)".into(),
             });
         }
-        let cfg = Config::load()?;
-        let src_store = ContainerStore::new(&cfg.store.path, &source.id);
+        let src_store = engine.store(&source.id);
         let target = src_store.find(statepoint)?;
         if let Some(why) = &target.unreachable {
             return Err(Error::Unreachable { statepoint: target.statepoint_id.clone(), why: why.clone() });
         }
         // (a fork a killed planarian left is finished or removed first: its name may be this one)
-        recover(globals, &cfg, &source, &src_store);
+        recover(engine, &source, &src_store);
         if let Some(n) = new_name {
             super::check_container_name(n)?;
         }
         if let Some(new_name) = new_name.filter(|n| taken(n)) {
             return Err(Error::ContainerExists(new_name.to_string()));
         }
-        Ok(Fork { source, target, name: new_name.map(String::from), src_store, cfg, globals: globals.clone() })
+        Ok(Fork { source, target, name: new_name.map(String::from), src_store, engine: engine.clone() })
     }
 
     /// `forking agent at sp3 (deps-installed) into agent-b`.
@@ -196,7 +195,7 @@ impl Fork {
                 } else {
                     "a spare of the statepoint (podman rename, thawed)"
                 });
-                match spares::hand_out(&self.globals, &self.cfg, &self.source, &spare, name) {
+                match spares::hand_out(&self.engine, &self.source, &spare, name) {
                     Ok(x) => Some(x),
                     Err(e) => {
                         progress.done(&format!("spare {} not usable ({e}): forking anew", spare.name));
@@ -230,7 +229,7 @@ impl Fork {
         record: &mut Record,
         progress: &mut dyn Progress,
     ) -> Result<(PodmanContainer, RestoreContext)> {
-        let (src, cfg) = (&self.source, &self.cfg);
+        let (src, cfg) = (&self.source, self.engine.config());
         // A clone gets the engine's default runtime unless told: the fork must run on planarian too.
         progress.phase("new container (podman container clone)");
         podman::run(&["--runtime", &src.runtime, "container", "clone", &src.id, name])?;
@@ -307,10 +306,10 @@ impl std::fmt::Display for Recovered {
 
 /// Finishes or undoes every fork of `src` a killed planarian left (see [`super::forking`]'s table),
 /// saying which on stderr. Calls Podman: never from a verb Podman runs.
-pub fn recover(globals: &Globals, cfg: &Config, src: &PodmanContainer, store: &ContainerStore) -> Vec<Recovered> {
+pub fn recover(engine: &Engine, src: &PodmanContainer, store: &ContainerStore) -> Vec<Recovered> {
     let mut out = Vec::new();
     for r in forking::interrupted(store) {
-        let done = resolve(globals, cfg, src, store, &r);
+        let done = resolve(engine, src, store, &r);
         let _ = std::fs::remove_file(&r.path);
         eprintln!("planarian: {done}");
         out.push(done);
@@ -318,13 +317,8 @@ pub fn recover(globals: &Globals, cfg: &Config, src: &PodmanContainer, store: &C
     out
 }
 
-fn resolve(
-    globals: &Globals,
-    cfg: &Config,
-    src: &PodmanContainer,
-    store: &ContainerStore,
-    r: &forking::Interrupted,
-) -> Recovered {
+fn resolve(engine: &Engine, src: &PodmanContainer, store: &ContainerStore, r: &forking::Interrupted) -> Recovered {
+    let cfg = engine.config();
     forking::wait_for_orphans(cfg, r, Duration::from_secs(300));
     let undone = Recovered::Undone(r.name.clone());
     let registered = |id: &str| spares::registered(store, &r.statepoint).iter().any(|s| s.id == id);
@@ -352,7 +346,7 @@ fn resolve(
             }
             Recovered::Finished(r.name.clone())
         }
-        Kind::HandOut => match spares::finish_hand_out(globals, cfg, src, &new, &r.name) {
+        Kind::HandOut => match spares::finish_hand_out(engine, src, &new, &r.name) {
             Ok(()) => Recovered::Finished(r.name.clone()),
             Err(_) => undone,
         },
@@ -375,7 +369,7 @@ pub fn keep_spares(pool: spares::Pool, count: usize, progress: &mut dyn Progress
         pool,
         count,
         &mut |pool, name, record, progress| {
-            let fork = Fork::begin(&pool.globals, &pool.source.id, &pool.sp, Some(name))?;
+            let fork = Fork::begin(&pool.engine, &pool.source.id, &pool.sp, Some(name))?;
             progress.phase(&format!("spare {name}: {}", fork.title()));
             Ok(fork.make(name, record, progress)?.0.id)
         },

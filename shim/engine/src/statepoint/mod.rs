@@ -15,6 +15,7 @@ pub mod spares;
 pub mod travel;
 
 use crate::config::Config;
+use crate::engine::Engine;
 use crate::local::{self, criu, freezer::FreezeGuard};
 use crate::runtime::{self, lookup, podman, Container, Globals};
 use crate::store::{self, ContainerStore, Manifest, Status};
@@ -126,13 +127,12 @@ pub struct Ctx {
 
 impl Ctx {
     /// The container crun knows by full ID `id`, with its configuration (annotations applied).
-    pub fn load(globals: &Globals, id: &str) -> Result<Ctx> {
-        let globals = &globals.for_container(id);
-        let cfg = Config::load()?;
-        let crun = runtime::crun(&cfg)?;
-        let criu = runtime::criu(&cfg)?;
+    pub fn load(engine: &Engine, id: &str) -> Result<Ctx> {
+        let globals = &engine.globals().for_container(id);
+        let crun = engine.crun()?.to_path_buf();
+        let criu = engine.criu()?.to_path_buf();
         let ctr = Container::load(&crun, globals, id)?;
-        let cfg = ctr.spec.configure(&cfg)?;
+        let cfg = ctr.spec.configure(engine.config())?;
         let store = ContainerStore::new(&cfg.store.path, &ctr.id);
         Ok(Ctx { cfg, crun, criu, ctr, store, globals: globals.clone() })
     }
@@ -143,19 +143,19 @@ impl Ctx {
     /// planarian's, no such container).
     ///
     /// A container an interrupted rollback left stopped is first put back (see [`journal`]).
-    pub fn running(globals: &Globals, name: &str) -> Result<Ctx> {
-        match Ctx::running_now(globals, name) {
-            Err(e @ Error::NotRunning { .. }) => match recover_stopped(globals, name)? {
-                true => Ctx::running_now(globals, name),
+    pub fn running(engine: &Engine, name: &str) -> Result<Ctx> {
+        match Ctx::running_now(engine, name) {
+            Err(e @ Error::NotRunning { .. }) => match recover_stopped(engine, name)? {
+                true => Ctx::running_now(engine, name),
                 false => Err(e),
             },
             r => r,
         }
     }
 
-    fn running_now(globals: &Globals, name: &str) -> Result<Ctx> {
+    fn running_now(engine: &Engine, name: &str) -> Result<Ctx> {
         if let Some(id) = lookup::storage_id(name) {
-            if let Ok(ctx) = Ctx::load(globals, &id) {
+            if let Ok(ctx) = Ctx::load(engine, &id) {
                 if let Ok(pid) = ctx.ctr.running_pid() {
                     if lookup::runtime_is_planarian(pid) == Some(true) {
                         return Ok(ctx);
@@ -163,21 +163,22 @@ impl Ctx {
                 }
             }
         }
-        if let Some(ctx) = Ctx::of_cri(globals, name) {
+        if let Some(ctx) = Ctx::of_cri(engine, name) {
             return Ok(ctx);
         }
         let pc = podman::planarian_container(name)?;
         if !matches!(pc.status.as_str(), "running" | "paused") {
             return Err(Error::NotRunning { name: name.to_string(), status: pc.status });
         }
-        Ctx::load(globals, &pc.id)
+        Ctx::load(engine, &pc.id)
     }
 
     /// A running container a CRI engine runs through planarian, which no Podman knows
     /// (containerd's, named by its full ID): with the `--root` its runtime was given.
-    fn of_cri(globals: &Globals, name: &str) -> Option<Ctx> {
+    fn of_cri(engine: &Engine, name: &str) -> Option<Ctx> {
         let root = lookup::cri_root(name)?;
-        let ctx = Ctx::load(&Globals { root: Some(root), ..globals.clone() }, name).ok()?;
+        let ctx =
+            Ctx::load(&engine.with_globals(Globals { root: Some(root), ..engine.globals().clone() }), name).ok()?;
         let pid = ctx.ctr.running_pid().ok()?;
         (lookup::runtime_is_planarian(pid) == Some(true)).then_some(ctx)
     }
@@ -207,14 +208,14 @@ impl Ctx {
 
 /// Puts back a container an interrupted rollback left stopped, under its exclusive lock:
 /// whether there was one to put back.
-fn recover_stopped(globals: &Globals, name: &str) -> Result<bool> {
-    let cfg = Config::load()?;
-    let Ok(store) = store_of(&cfg, name) else { return Ok(false) };
+fn recover_stopped(engine: &Engine, name: &str) -> Result<bool> {
+    let cfg = engine.config();
+    let Ok(store) = store_of(cfg, name) else { return Ok(false) };
     if !journal::interrupted(&store) {
         return Ok(false);
     }
     let _lock = store.lock(true)?;
-    Ok(journal::recover(globals, &cfg, &store, &store.container_id())?.is_some())
+    Ok(journal::recover(engine.globals(), cfg, &store, &store.container_id())?.is_some())
 }
 
 /// A rollback whose planarian was killed after it restored the sandbox, before its
@@ -245,10 +246,10 @@ fn said_compensated(target: &str) {
 /// crun and its conmon tell ([`lookup`]): Podman's inspect costs half a second and more, on
 /// the path of every rollback and fork. Anything else — frozen (paused, or inside a snapshot),
 /// stopped, not found — is asked of Podman, whose answer also makes the clearer error.
-pub fn planarian_container(globals: &Globals, name: &str) -> Result<podman::PodmanContainer> {
+pub fn planarian_container(engine: &Engine, name: &str) -> Result<podman::PodmanContainer> {
     let found = || -> Option<podman::PodmanContainer> {
         let e = lookup::storage_entry(name)?;
-        let ctx = Ctx::load(globals, &e.id).ok()?;
+        let ctx = Ctx::load(engine, &e.id).ok()?;
         let pid = ctx.ctr.running_pid().ok()?;
         if lookup::runtime_is_planarian(pid) != Some(true) || local::freezer::Freezer::of_pid(pid).ok()?.is_frozen() {
             return None;
@@ -257,7 +258,7 @@ pub fn planarian_container(globals: &Globals, name: &str) -> Result<podman::Podm
     };
     // A CRI engine's (containerd's) container, running and not frozen.
     let cri = || -> Option<podman::PodmanContainer> {
-        let ctx = Ctx::of_cri(globals, name)?;
+        let ctx = Ctx::of_cri(engine, name)?;
         let pid = ctx.ctr.running_pid().ok()?;
         if local::freezer::Freezer::of_pid(pid).ok()?.is_frozen() {
             return None;

@@ -8,8 +8,9 @@ use super::travel;
 use super::{Error, Result};
 use crate::chain::Epoch;
 use crate::config::Config;
+use crate::engine::Engine;
 use crate::local::criu;
-use crate::runtime::{self, container, Bundle, Globals};
+use crate::runtime::{self, container, Bundle};
 use crate::store::{read_manifest, ContainerStore, Manifest};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -38,17 +39,16 @@ pub struct Restored {
 }
 
 /// Restores the statepoint named by the marker in the checkpoint directory.
-pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
-    let cfg = Config::load()?;
+pub fn restore(engine: &Engine, a: &RestoreRequest) -> Result<Restored> {
     // (first: without CRIU nothing below is worth starting)
-    let criu_bin = runtime::criu(&cfg)?;
+    let criu_bin = engine.criu()?.to_path_buf();
     let bundle = match &a.bundle {
         Some(b) => b.clone(),
         None => std::env::current_dir().at("read", ".")?,
     };
     let image_path = a.image_path.clone().unwrap_or_else(|| bundle.join("checkpoint"));
     let mut b = Bundle::load(&bundle)?;
-    let cfg = b.spec.configure(&cfg)?;
+    let cfg = b.spec.configure(engine.config())?;
     let Marked { store, import, marker_ctr, marker_sp } = marked(&cfg, a, &image_path)?;
     let _lock = lock_or_handoff(&store, &a.container_id)?;
     let (m, imported) = match &import {
@@ -75,7 +75,7 @@ pub fn restore(globals: &Globals, a: &RestoreRequest) -> Result<Restored> {
     // (the one conmon reads)
     let pid_file = a.pid_file.clone().unwrap_or_else(|| bundle.join("pidfile"));
     sys::write_atomic(&pid_file, pid.to_string().as_bytes(), 0o644)?;
-    container::register_with_crun(globals, &a.container_id, pid, &bundle, &spec)?;
+    container::register_with_crun(engine.globals(), &a.container_id, pid, &bundle, &spec)?;
     // The base first, then the head: a base recorded for a tree that is then killed is never
     // used (the next dump checks the init's start time), while a head moved before a failure
     // would name a statepoint the container is not at.

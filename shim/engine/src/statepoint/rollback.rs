@@ -15,12 +15,12 @@ use super::snapshot::{self, SnapshotRequest};
 use super::{describe, Ctx, Error, Result};
 use crate::config::Config;
 use crate::context::{self, Compensated, How, RestoreContext, Restored};
+use crate::engine::Engine;
 use crate::local::files::{InPlaceAt, Rootfs};
 use crate::local::freezer::{FreezeGuard, Freezer};
 use crate::local::inplace;
 use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
-use crate::runtime::Globals;
 use crate::store::{Actor, ContainerStore, Manifest, Outcome, OutcomeStatus};
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -32,7 +32,7 @@ pub struct Rollback {
     pub container: PodmanContainer,
     pub target: Manifest,
     store: ContainerStore,
-    cfg: Config,
+    engine: Engine,
     _lock: File,
 }
 
@@ -40,12 +40,12 @@ impl Rollback {
     /// Finds container `name` and its committed statepoint `statepoint` (id or name), and takes
     /// the container's exclusive lock: waiting for it, or, with `wait` false, refusing when
     /// another operation (a snapshot, a rollback, a tool call) holds it.
-    pub fn begin(globals: &Globals, name: &str, statepoint: &str, wait: bool) -> Result<Rollback> {
+    pub fn begin(engine: &Engine, name: &str, statepoint: &str, wait: bool) -> Result<Rollback> {
         crate::log::start_marks();
-        let container = super::planarian_container(globals, name)?;
+        let container = super::planarian_container(engine, name)?;
         crate::log::mark("found");
-        let cfg = Config::load()?;
-        let store = ContainerStore::new(&cfg.store.path, &container.id);
+        let cfg = engine.config();
+        let store = engine.store(&container.id);
         let lock = match wait {
             true => store.lock_for_statepoint(cfg.checkpoint.in_flight_wait(), &mut |what| {
                 eprintln!("waiting for what is in flight in {} ({what})", container.name)
@@ -54,7 +54,7 @@ impl Rollback {
         };
         crate::log::mark("locked");
         // (a rollback killed half-way is finished or undone first, whatever the state)
-        let container = match super::journal::recover(globals, &cfg, &store, &container.id)? {
+        let container = match super::journal::recover(engine.globals(), cfg, &store, &container.id)? {
             Some(_) => podman::planarian_container(&container.id)?,
             None => container,
         };
@@ -64,7 +64,7 @@ impl Rollback {
             return Err(Error::Unreachable { statepoint: target.statepoint_id.clone(), why: why.clone() });
         }
         crate::log::mark("statepoint");
-        Ok(Rollback { container, target, store, cfg, _lock: lock })
+        Ok(Rollback { container, target, store, engine: engine.clone(), _lock: lock })
     }
 
     /// `rolling agent back to sp3 (deps-installed)`.
@@ -75,16 +75,10 @@ impl Rollback {
     /// Runs it, reporting each phase to `progress`. The target gets an `abandoned` outcome
     /// naming what was left (by `by`, for `reason`), and the restore context is kept in the
     /// store and returned.
-    pub fn run(
-        self,
-        globals: &Globals,
-        progress: &mut dyn Progress,
-        reason: Option<&str>,
-        by: Actor,
-    ) -> Result<RestoreContext> {
+    pub fn run(self, progress: &mut dyn Progress, reason: Option<&str>, by: Actor) -> Result<RestoreContext> {
         let (store, target) = (&self.store, &self.target);
         let left = context::left_behind(&store.manifests(), store.head().as_deref(), &target.statepoint_id);
-        let done = rollback(globals, &self.cfg, &self.container, store, target, progress)?;
+        let done = rollback(&self.engine, &self.container, store, target, progress)?;
         crate::log::mark("rolled back");
         let compensated = compensated(target, &done);
         let calls: u64 = compensated.iter().filter_map(|c| Some(c.from_position?.saturating_sub(c.to_position))).sum();
@@ -131,7 +125,7 @@ impl Rollback {
             progress.phase(
                 "in place: the safety statepoint and the comparison removed in the background (the sandbox runs)",
             );
-            l.remove_after(&self.cfg, store, &self._lock);
+            l.remove_after(self.engine.config(), store, &self._lock);
             crate::log::mark("worker");
         }
         // Every caller's rollback (the CLI, the MCP tools) logs where its time went.
@@ -238,34 +232,34 @@ impl Leftover {
 
 /// The worker of [`Leftover::remove_after`]: holds the lock it inherited (fd `lock_fd`), shared,
 /// until the leftovers are removed.
-pub fn cleanup_worker(lock_fd: i32, spec: &str) -> Result<()> {
+pub fn cleanup_worker(engine: &Engine, lock_fd: i32, spec: &str) -> Result<()> {
     // SAFETY: the fd was inherited locked from `remove_after`; owning it keeps the lock until we exit.
     let lock: File = unsafe { std::os::fd::FromRawFd::from_raw_fd(lock_fd) };
     let _ = lock.lock_shared();
     let v: serde_json::Value =
         serde_json::from_str(spec).map_err(|e| Error::Worker(format!("bad worker spec: {e}")))?;
     let s = |k: &str| v[k].as_str().map(String::from);
-    let cfg = Config::load()?;
-    let store = ContainerStore::new(&cfg.store.path, &s("container").unwrap_or_default());
+    let cfg = engine.config();
+    let store = engine.store(&s("container").unwrap_or_default());
     let zfs = v["zfs"]
         .as_array()
         .map(|a| a.iter().filter_map(|m| m.as_str().map(String::from)).collect())
         .unwrap_or_default();
-    Leftover { safety: s("safety").unwrap_or_default(), zfs }.remove_now(&cfg, &store);
+    Leftover { safety: s("safety").unwrap_or_default(), zfs }.remove_now(cfg, &store);
     Ok(())
 }
 
 fn rollback(
-    globals: &Globals,
-    cfg: &Config,
+    engine: &Engine,
     pc: &PodmanContainer,
     store: &ContainerStore,
     target: &Manifest,
     progress: &mut dyn Progress,
 ) -> Result<Done> {
+    let cfg = engine.config();
     let from = store.head();
     let (rootfs, mut full_path) = checked(cfg, pc, store, target)?;
-    let mut rb = Parts { globals, cfg, pc, store, target, rootfs, journal: None };
+    let mut rb = Parts { engine, cfg, pc, store, target, rootfs, journal: None };
     // The sidecar outlives the stop and restore of a rollback: the agent's MCP connection stays
     // up, and compensation needs it.
     let _rolling = crate::remote::sidecar::RollbackMarker::set(store);
@@ -326,7 +320,7 @@ const NOT_BY_RESTORE: &str = "a rollback that stops and restores goes through Po
 
 /// One rollback's parts, shared by its phases.
 struct Parts<'a> {
-    globals: &'a Globals,
+    engine: &'a Engine,
     cfg: &'a Config,
     pc: &'a PodmanContainer,
     store: &'a ContainerStore,
@@ -380,7 +374,7 @@ fn try_in_place(
     full_path: &mut FullPath,
     progress: &mut dyn Progress,
 ) -> Result<InPlace> {
-    let mut ctx = Ctx::load(rb.globals, &rb.pc.id)?;
+    let mut ctx = Ctx::load(rb.engine, &rb.pc.id)?;
     ctx.recover()?;
     crate::log::mark("ctx");
     rb.journal = Some(Journal::begin(rb.store, &rb.target.statepoint_id, safety_id, ctx.ctr.running_pid()?)?);
@@ -410,7 +404,7 @@ fn take_safety(rb: &Parts, safety_id: &str, progress: &mut dyn Progress) -> Resu
         _ => return Ok(None),
     };
     progress.phase("safety statepoint of the current state");
-    let mut ctx = Ctx::load(rb.globals, &pc.id)?;
+    let mut ctx = Ctx::load(rb.engine, &pc.id)?;
     ctx.recover()?;
     let freezer = Freezer::of_pid(ctx.ctr.running_pid()?)?;
     let frozen = match running {

@@ -584,13 +584,13 @@ fn record_descriptors(pid: i32, dir: &Path) -> Result<()> {
 /// The `checkpoint` verb (Podman's `podman container checkpoint`): a statepoint of running
 /// container `id`, and what Podman expects in `image_path`/`work_path`.
 pub fn checkpoint(
-    globals: &crate::runtime::Globals,
+    engine: &crate::Engine,
     id: &str,
     req: &SnapshotRequest,
     image_path: Option<&Path>,
     work_path: Option<&Path>,
 ) -> Result<Manifest> {
-    let mut ctx = Ctx::load(globals, id)?;
+    let mut ctx = Ctx::load(engine, id)?;
     ctx.ctr.running_pid()?;
     let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |_| {})?;
     // (Podman runs this verb holding the container's lock: a recovery, which calls Podman, would
@@ -617,8 +617,8 @@ pub fn checkpoint(
 
 /// Podman's `--pre-checkpoint`: a memory pre-dump of container `id` into `image_path`, no
 /// statepoint.
-pub fn pre_dump(globals: &crate::runtime::Globals, id: &str, image_path: &Path) -> Result<()> {
-    let ctx = Ctx::load(globals, id)?;
+pub fn pre_dump(engine: &crate::Engine, id: &str, image_path: &Path) -> Result<()> {
+    let ctx = Ctx::load(engine, id)?;
     let pid = ctx.ctr.running_pid()?;
     std::fs::create_dir_all(image_path).map_err(|e| sys::IoError::new("create", image_path, e))?;
     // CRIU's --track-mem clears the soft-dirty bits: the pages written since the base are then

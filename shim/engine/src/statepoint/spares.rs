@@ -24,10 +24,10 @@ use super::forking::{self, Kind, Record};
 use super::{Error, Result};
 use crate::config::Config;
 use crate::context::RestoreContext;
+use crate::engine::Engine;
 use crate::local::freezer::Freezer;
 use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
-use crate::runtime::Globals;
 use crate::store::{ContainerStore, How};
 use std::path::PathBuf;
 use sys::Context;
@@ -79,10 +79,10 @@ fn marker(cfg: &Config, id: &str) -> PathBuf {
 }
 
 /// Freezes the running spare `id` and marks it held.
-fn freeze(globals: &Globals, cfg: &Config, id: &str) -> Result<()> {
-    let ctx = super::Ctx::load(globals, id)?;
+fn freeze(engine: &Engine, id: &str) -> Result<()> {
+    let ctx = super::Ctx::load(engine, id)?;
     let freezer = Freezer::of_pid(ctx.ctr.running_pid()?)?;
-    let m = marker(cfg, id);
+    let m = marker(engine.config(), id);
     std::fs::write(&m, freezer.dir().display().to_string()).at("write", &m)?;
     Ok(freezer.freeze()?)
 }
@@ -115,21 +115,19 @@ fn remove(cfg: &Config, src: &PodmanContainer, s: &Spare) {
 /// The spares of one committed statepoint of a planarian container.
 pub struct Pool {
     pub(super) source: PodmanContainer,
-    cfg: Config,
+    pub(super) engine: Engine,
     store: ContainerStore,
     /// The statepoint's ID.
     pub sp: String,
-    pub(super) globals: Globals,
 }
 
 /// The pool of statepoint `statepoint` of `container`, or the error that says why there is none
 /// (before anything is done).
-pub fn pool(globals: &Globals, container: &str, statepoint: &str) -> Result<Pool> {
-    let source = super::planarian_container(globals, container)?;
-    let cfg = Config::load()?;
-    let store = ContainerStore::new(&cfg.store.path, &source.id);
+pub fn pool(engine: &Engine, container: &str, statepoint: &str) -> Result<Pool> {
+    let source = super::planarian_container(engine, container)?;
+    let store = engine.store(&source.id);
     let sp = super::committed(store.find(statepoint)?)?.statepoint_id;
-    Ok(Pool { source, cfg, store, sp, globals: globals.clone() })
+    Ok(Pool { source, engine: engine.clone(), store, sp })
 }
 
 /// How a spare is made: a fork (named, under its record) of the pool's statepoint, by
@@ -139,7 +137,8 @@ pub type MakeSpare<'a> = dyn FnMut(&Pool, &str, &mut Record, &mut dyn Progress) 
 /// Keeps `count` spares of the pool's statepoint: makes the missing ones (`make`), removes the
 /// extra ones and any that is no longer a container planarian holds frozen. Returns them.
 pub fn fill(pool: Pool, count: usize, make: &mut MakeSpare, progress: &mut dyn Progress) -> Result<Vec<Spare>> {
-    let Pool { source, cfg, store, sp, globals } = &pool;
+    let Pool { source, engine, store, sp } = &pool;
+    let cfg = engine.config();
     let mut have = Vec::new();
     for s in registered(store, sp) {
         if usable(cfg, &s) {
@@ -163,7 +162,7 @@ pub fn fill(pool: Pool, count: usize, make: &mut MakeSpare, progress: &mut dyn P
         let id = make(&pool, &name, &mut record, progress)?;
         progress.phase(&format!("spare {name}: frozen"));
         let spare = Spare { id, name };
-        if let Err(e) = freeze(globals, cfg, &spare.id).and_then(|()| register(store, sp, &spare)) {
+        if let Err(e) = freeze(engine, &spare.id).and_then(|()| register(store, sp, &spare)) {
             remove(cfg, source, &spare);
             return Err(Error::ForkFailed(Box::new(e)));
         }
@@ -174,14 +173,14 @@ pub fn fill(pool: Pool, count: usize, make: &mut MakeSpare, progress: &mut dyn P
 }
 
 /// Removes every spare of statepoint `sp` of `container` (its statepoint removed).
-pub fn remove_all(container: &str, sp: &str) -> Result<usize> {
+pub fn remove_all(engine: &Engine, container: &str, sp: &str) -> Result<usize> {
     let source = podman::inspect(container)?;
-    let cfg = Config::load()?;
-    let store = ContainerStore::new(&cfg.store.path, &source.id);
+    let cfg = engine.config();
+    let store = engine.store(&source.id);
     let mut n = 0;
     for s in registered(&store, sp) {
         if unregister(&store, sp, &s) {
-            remove(&cfg, &source, &s);
+            remove(cfg, &source, &s);
             n += 1;
         }
     }
@@ -206,48 +205,41 @@ pub(super) fn unclaim_id(cfg: &Config, store: &ContainerStore, sp: &str, id: &st
 /// Hands claimed spare `s` out as `name`: renamed (unless that is its name) and thawed, its
 /// restore context saying so. On failure the spare is removed (the caller forks anew).
 pub fn hand_out(
-    globals: &Globals,
-    cfg: &Config,
+    engine: &Engine,
     src: &PodmanContainer,
     s: &Spare,
     name: &str,
 ) -> Result<(PodmanContainer, RestoreContext)> {
-    let out = finish(globals, cfg, &s.id, &s.name, name, false);
+    let out = finish(engine, &s.id, &s.name, name, false);
     if out.is_err() {
-        remove(cfg, src, s);
+        remove(engine.config(), src, s);
     }
     out
 }
 
 /// A hand-out a killed planarian left, of spare `new`, finished as `name` (it may have been
 /// renamed and thawed already); the spare removed when it cannot be.
-pub(super) fn finish_hand_out(
-    globals: &Globals,
-    cfg: &Config,
-    src: &PodmanContainer,
-    new: &PodmanContainer,
-    name: &str,
-) -> Result<()> {
-    finish(globals, cfg, &new.id, &new.name, name, true).map(drop).inspect_err(|_| remove_id(cfg, src, &new.id))
+pub(super) fn finish_hand_out(engine: &Engine, src: &PodmanContainer, new: &PodmanContainer, name: &str) -> Result<()> {
+    finish(engine, &new.id, &new.name, name, true).map(drop).inspect_err(|_| remove_id(engine.config(), src, &new.id))
 }
 
 /// Spare `id`, named `now`, renamed `name` (unless so named) and thawed (`recovering`: unless
 /// a hand-out already thawed it), its restore context saying so.
 fn finish(
-    globals: &Globals,
-    cfg: &Config,
+    engine: &Engine,
     id: &str,
     now: &str,
     name: &str,
     recovering: bool,
 ) -> Result<(PodmanContainer, RestoreContext)> {
+    let cfg = engine.config();
     if name != now {
         podman::run(&["rename", id, name])?;
     }
     if !recovering || held(cfg, id).is_some() {
         thaw(cfg, id)?;
     }
-    let new = super::planarian_container(globals, id)?;
+    let new = super::planarian_container(engine, id)?;
     let store = ContainerStore::new(&cfg.store.path, &new.id);
     let mut ctx =
         RestoreContext::last(&store).ok_or_else(|| Error::Worker(format!("spare {now} has no restore context")))?;
