@@ -6,7 +6,9 @@
 //!   connection — asked by the proxy's hook verbs and its `control` command;
 //! * [`jsonrpc`]: the JSON-RPC 2.0 envelopes MCP travels in — built by the proxy, the `planarian
 //!   mcp` server and the benchmarks' clients;
-//! * [`paths`]: where a container's sidecar sockets live.
+//! * [`paths`]: where a container's sidecar sockets live;
+//! * [`worker`]: what planarian hands the background workers it starts (an asynchronous
+//!   snapshot, a rollback's clean-up).
 //!
 //! Each type's serde form is the wire form: field names, their case and which are omitted are
 //! part of the contract (an older peer's lines must still parse), so the tests below pin them.
@@ -15,6 +17,7 @@ pub mod control;
 pub mod hook;
 pub mod jsonrpc;
 pub mod paths;
+pub mod worker;
 
 use serde::{Deserialize, Serialize};
 

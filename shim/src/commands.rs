@@ -272,9 +272,7 @@ pub fn statepoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             let _lock = store.lock(false)?;
             let m = store.find(&statepoint)?;
             let since = since.map(|s| store.find(&s)).transpose()?;
-            let inspect = podman::output(&["container", "inspect", &store.container_id()])?;
-            let c: serde_json::Value = serde_json::from_str(&inspect)?;
-            let recipe = travel::Recipe::of(&c[0]);
+            let recipe = travel::Recipe::of(&podman::inspect_json(&store.container_id())?);
             let e = travel::export(cfg, &store, &m, since.as_ref(), &recipe, &file)?;
             println!(
                 "exported {} of {container} to {}: {} ({} of memory images, files as {})",

@@ -6,7 +6,6 @@ use crate::Failure;
 use engine::config;
 use std::ffi::OsString;
 use std::path::PathBuf;
-use std::process::Command;
 
 pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: ConfigArgs = match crate::cli::parse_verb("config", args) {
@@ -40,17 +39,10 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 
 /// A container's OCI config, read from the bundle crun recorded for it.
 fn container_spec(engine: &engine::Engine, id: &str) -> Result<engine::runtime::Spec, Failure> {
-    let crun = engine.crun()?;
-    let out = Command::new(crun)
-        .args(engine.globals().crun_args())
-        .args(["state", id])
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", crun.display()))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        return Err(format!("unknown container {id}: {}", err.lines().last().unwrap_or("").trim()).into());
-    }
-    let state: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("crun state {id}: {e}"))?;
-    let bundle = state["bundle"].as_str().ok_or_else(|| format!("crun state {id} has no bundle"))?;
-    Ok(engine::runtime::Bundle::load(&PathBuf::from(bundle))?.spec)
+    let crun = engine::runtime::crun::Crun { bin: engine.crun()?, globals: engine.globals() };
+    let state = match crun.state(id) {
+        Err(engine::runtime::Error::NotKnownToCrun(_)) => return Err(format!("unknown container {id}").into()),
+        r => r?,
+    };
+    Ok(engine::runtime::Bundle::load(&state.bundle)?.spec)
 }

@@ -5,7 +5,6 @@
 use super::{Bundle, Error, Globals, Result, Spec};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use sys::Context;
 
 /// crun's state directory when Podman passes no `--root`.
@@ -28,26 +27,9 @@ impl Container {
         if let Some(c) = Self::load_running(root.unwrap_or(Path::new(CRUN_ROOT)), id) {
             return Ok(c);
         }
-        let out = Command::new(crun)
-            .args(globals.crun_args())
-            .args(["state", id])
-            .output()
-            .map_err(|source| Error::Run { tool: crun.to_path_buf(), source })?;
-        if !out.status.success() {
-            return Err(Error::NotKnownToCrun(id.to_string()));
-        }
-        let st: Value =
-            serde_json::from_slice(&out.stdout).map_err(|e| Error::CrunState { id: id.into(), why: e.to_string() })?;
-        let bundle = PathBuf::from(
-            st["bundle"].as_str().ok_or_else(|| Error::CrunState { id: id.into(), why: "no bundle".into() })?,
-        );
-        Ok(Container {
-            id: id.to_string(),
-            status: st["status"].as_str().unwrap_or("unknown").to_string(),
-            pid: st["pid"].as_i64().filter(|p| *p > 0).map(|p| p as i32),
-            spec: Bundle::load(&bundle)?.spec,
-            bundle,
-        })
+        let st = super::crun::Crun { bin: crun, globals }.state(id)?;
+        let bundle = st.bundle;
+        Ok(Container { id: id.to_string(), status: st.status, pid: st.pid, spec: Bundle::load(&bundle)?.spec, bundle })
     }
 
     /// A started container whose init still runs, read from crun's own record the way `crun

@@ -2,6 +2,7 @@
 //! it ([`container`]), and what Podman says ([`podman`], [`lookup`]).
 
 pub mod container;
+pub mod crun;
 pub mod exec;
 pub mod inflight;
 pub mod lookup;

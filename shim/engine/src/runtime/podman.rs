@@ -1,5 +1,7 @@
-//! The few things planarian asks Podman: which container a name means, where its files are, and
-//! to restore it (so that Podman, conmon and the network stay in charge of the container).
+//! The few things planarian asks Podman — which container a name means, where its files are, to
+//! clone, create, restore, rename, kill and remove one (so that Podman, conmon and the network
+//! stay in charge of the container) — each a typed function; no caller builds a Podman command
+//! line. The error of a failed command is Podman's own last line, with the command named.
 
 use super::{Error, Result};
 use std::path::{Path, PathBuf};
@@ -79,13 +81,67 @@ fn layers_in(v: &serde_json::Value, image: &str) -> Result<Vec<PathBuf>> {
     Ok(layers)
 }
 
+/// `podman --runtime RUNTIME container clone SRC NAME`: a new container configured as `src`,
+/// not started.
+pub fn clone_container(runtime: &str, src: &str, name: &str) -> Result<()> {
+    run(&["--runtime", runtime, "container", "clone", src, name])
+}
+
+/// `podman --runtime RUNTIME create ARGS…` (a recipe's arguments, the image last).
+pub fn create(runtime: &str, args: &[String]) -> Result<()> {
+    let mut all = vec!["--runtime", runtime, "create"];
+    all.extend(args.iter().map(String::as_str));
+    run(&all)
+}
+
+/// Container `name` initialised and stopped: its storage, network and bundle made, no process —
+/// what `podman container restore` restores into.
+pub fn init_stopped(name: &str) -> Result<()> {
+    run(&["container", "init", name])?;
+    run(&["container", "stop", "-t", "0", name])
+}
+
+/// `podman container restore [--tcp-established] ID` of the checkpoint in the container's
+/// bundle: what Podman says of the restore's time, when it says.
+pub fn restore(id: &str, tcp_established: bool) -> Result<Option<RestoreStats>> {
+    let mut args = vec!["container", "restore", "--print-stats"];
+    if tcp_established {
+        args.push("--tcp-established");
+    }
+    args.push(id);
+    Ok(RestoreStats::parse(&output(&args)?))
+}
+
+/// `podman rename ID NAME`.
+pub fn rename(id: &str, name: &str) -> Result<()> {
+    run(&["rename", id, name])
+}
+
+/// `podman kill ID`: its processes killed (SIGKILL), Podman cleans up after them.
+pub fn kill(id: &str) -> Result<()> {
+    run(&["kill", id])
+}
+
+/// `podman rm -f -t 0 NAME`: the container removed, running or not, at once.
+pub fn remove(name: &str) -> Result<()> {
+    run(&["rm", "-f", "-t", "0", name])
+}
+
+/// What `podman container inspect` says of container `name`, whole (a recipe reads it).
+pub fn inspect_json(name: &str) -> Result<serde_json::Value> {
+    let out = output(&["container", "inspect", name])?;
+    let v: serde_json::Value =
+        serde_json::from_str(&out).map_err(|source| Error::Json { what: format!("podman inspect {name}"), source })?;
+    Ok(v[0].clone())
+}
+
 /// Runs a podman command; the error is Podman's own last line.
-pub fn run(args: &[&str]) -> Result<()> {
+fn run(args: &[&str]) -> Result<()> {
     output(args).map(drop)
 }
 
 /// Runs a podman command; its standard output, or the error of [`run`].
-pub fn output(args: &[&str]) -> Result<String> {
+fn output(args: &[&str]) -> Result<String> {
     let out = run_podman(args)?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())

@@ -11,6 +11,7 @@ use super::{Ctx, Error, Result};
 use crate::engine::Engine;
 use crate::runtime::Globals;
 use crate::store::ContainerStore;
+use planarian_contracts::worker;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -88,12 +89,19 @@ pub fn start(engine: &Engine, name: &str, req: &SnapshotRequest, worker: &std::p
             name: req.name.clone(),
         },
     )?;
-    let spec = serde_json::json!({
-        "container": ctx.ctr.id, "statepoint": id, "root": engine.globals().root, "systemd-cgroup": engine.globals().systemd_cgroup,
-        "name": req.name, "description": req.description, "state": req.state,
-        "tcp-established": req.tcp_established, "file-locks": req.file_locks,
-    });
-    let spawned = spawn_worker(worker, "__snapshot-worker", &lock, &spec.to_string());
+    let spec = worker::Snapshot {
+        container: ctx.ctr.id.clone(),
+        statepoint: id.clone(),
+        root: engine.globals().root.as_ref().map(|r| r.display().to_string()),
+        systemd_cgroup: engine.globals().systemd_cgroup,
+        name: req.name.clone(),
+        description: req.description.clone(),
+        state: req.state.clone(),
+        tcp_established: req.tcp_established,
+        file_locks: req.file_locks,
+    };
+    let spec = serde_json::to_string(&spec).expect("a worker spec serialises");
+    let spawned = spawn_worker(worker, "__snapshot-worker", &lock, &spec);
     if let Err(e) = spawned {
         let _ = std::fs::remove_file(record_path(&ctx.store, &id));
         return Err(e);
@@ -106,19 +114,17 @@ pub fn start(engine: &Engine, name: &str, req: &SnapshotRequest, worker: &std::p
 pub fn work(engine: &Engine, lock_fd: i32, spec: &str) -> Result<()> {
     // SAFETY: the fd was inherited locked from `start`; owning it keeps the lock until we exit.
     let _lock: File = unsafe { std::os::fd::FromRawFd::from_raw_fd(lock_fd) };
-    let v: serde_json::Value =
-        serde_json::from_str(spec).map_err(|e| Error::Worker(format!("bad worker spec: {e}")))?;
-    let s = |k: &str| v[k].as_str().map(String::from);
-    let globals = Globals { root: s("root").map(PathBuf::from), systemd_cgroup: v["systemd-cgroup"] == true };
-    let (container, sp) = (s("container").unwrap_or_default(), s("statepoint").unwrap_or_default());
+    let spec: worker::Snapshot = worker::parse(spec).map_err(Error::Worker)?;
+    let globals = Globals { root: spec.root.as_ref().map(PathBuf::from), systemd_cgroup: spec.systemd_cgroup };
+    let (container, sp) = (spec.container.clone(), spec.statepoint.clone());
     let req = SnapshotRequest {
-        tcp_established: v["tcp-established"] == true,
-        file_locks: v["file-locks"] == true,
+        tcp_established: spec.tcp_established,
+        file_locks: spec.file_locks,
         leave_running: true,
         internal: false,
-        name: s("name"),
-        description: s("description"),
-        state: v.get("state").filter(|x| !x.is_null()).cloned(),
+        name: spec.name.clone(),
+        description: spec.description.clone(),
+        state: spec.state.clone(),
         id: Some(sp.clone()),
         files_taken: None,
     };
@@ -133,7 +139,7 @@ pub fn work(engine: &Engine, lock_fd: i32, spec: &str) -> Result<()> {
                 status: "committed".into(),
                 error: None,
                 total_ms: Some(m.measurements.total_ms),
-                name: s("name"),
+                name: spec.name.clone(),
             },
         ),
         Err(e) => {
@@ -144,7 +150,7 @@ pub fn work(engine: &Engine, lock_fd: i32, spec: &str) -> Result<()> {
                     status: "failed".into(),
                     error: Some(e.to_string()),
                     total_ms: None,
-                    name: s("name"),
+                    name: spec.name.clone(),
                 },
             )?;
             Err(e)

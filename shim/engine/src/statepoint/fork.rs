@@ -232,7 +232,7 @@ impl Fork {
         let (src, cfg) = (&self.source, self.engine.config());
         // A clone gets the engine's default runtime unless told: the fork must run on planarian too.
         progress.phase("new container (podman container clone)");
-        podman::run(&["--runtime", &src.runtime, "container", "clone", &src.id, name])?;
+        podman::clone_container(&src.runtime, &src.id, name)?;
         let made = podman::inspect(name).map_err(Error::from).and_then(|new| record.made(&new.id));
         if let Err(e) = made.and_then(|()| fork_into(cfg, src, &self.src_store, &self.target, name, progress)) {
             discard(cfg, src, name);
@@ -404,8 +404,7 @@ fn fork_into(
     }
     crate::fault::point("fork.cloned")?;
     progress.phase("its OCI bundle (podman container init)");
-    podman::run(&["container", "init", name])?;
-    podman::run(&["container", "stop", "-t", "0", name])?;
+    podman::init_stopped(name)?;
     let new = podman::inspect(name)?;
     progress.phase("its settings (and its own database, where the service can branch)");
     let remote = carry_settings(src, &src_cfg, target, &new)?;
@@ -432,12 +431,7 @@ fn fork_into(
     leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None)?;
     crate::fault::point("fork.linked")?;
     progress.phase("processes (podman container restore)");
-    let mut args = vec!["container", "restore", "--print-stats"];
-    if m.options.tcp_established {
-        args.push("--tcp-established");
-    }
-    args.push(&new.id);
-    if let Some(stats) = podman::RestoreStats::parse(&podman::output(&args)?) {
+    if let Some(stats) = podman::restore(&new.id, m.options.tcp_established)? {
         progress.done(&stats.breakdown());
     }
     Ok(())

@@ -267,13 +267,13 @@ pub(super) fn free_record(
 pub(super) fn discard(cfg: &Config, src: &PodmanContainer, name: &str) {
     match podman::inspect(name) {
         Ok(c) => discard_id(cfg, src, &c.id),
-        Err(_) => drop(podman::run(&["rm", "-f", "-t", "0", name])),
+        Err(_) => drop(podman::remove(name)),
     }
 }
 
 /// [`discard`], of the fork whose container ID is (or was) `id`.
 pub(super) fn discard_id(cfg: &Config, src: &PodmanContainer, id: &str) {
-    let _ = podman::run(&["rm", "-f", "-t", "0", id]);
+    let _ = podman::remove(id);
     let store = ContainerStore::new(&cfg.store.path, id);
     let _ = crate::local::zfs::remove_container(cfg, &store);
     let _ = std::fs::remove_dir_all(store.dir);

@@ -321,11 +321,7 @@ fn back_to_safety(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &
     };
     // (whatever runs: the statepoint's processes, or ones half-written; killed while frozen)
     let crun = runtime::crun(cfg)?;
-    let _ = std::process::Command::new(&crun)
-        .args(globals.crun_args())
-        .args(["kill", id, "KILL"])
-        .stderr(std::process::Stdio::null())
-        .status();
+    runtime::crun::Crun { bin: &crun, globals }.kill(id);
     FreezeGuard::recover(&store.dir.join(MARKER));
     podman::wait_stopped(id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
     let rootfs = crate::local::rootfs_for(cfg, store, id, pc.upperdir.clone())?;

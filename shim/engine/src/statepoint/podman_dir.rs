@@ -52,17 +52,12 @@ pub(super) fn podman_restore(
     let _ = std::fs::remove_dir_all(&image_path);
     leave_for_podman(m, &store.statepoint_dir(&m.statepoint_id), &image_path, None)?;
     let handoff = Handoff::give(store, &pc.id)?;
-    let mut args = vec!["container", "restore", "--print-stats"];
-    if m.options.tcp_established {
-        args.push("--tcp-established");
-    }
-    args.push(&pc.id);
-    let r = podman::output(&args);
+    let r = podman::restore(&pc.id, m.options.tcp_established);
     drop(handoff);
     if r.is_err() {
         let _ = std::fs::remove_dir_all(&image_path);
     }
-    Ok(podman::RestoreStats::parse(&r?))
+    Ok(r?)
 }
 
 /// Which statepoint a Podman checkpoint directory stands for: (container ID, statepoint ID).

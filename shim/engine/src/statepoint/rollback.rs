@@ -22,6 +22,7 @@ use crate::local::inplace;
 use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
 use crate::store::{Actor, ContainerStore, Manifest, Outcome, OutcomeStatus};
+use planarian_contracts::worker;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -209,10 +210,12 @@ impl Leftover {
     /// Hands the removal to a worker (`planarian __rollback-cleanup`) that inherits `lock`; done
     /// here when no worker starts.
     fn remove_after(self, cfg: &Config, store: &ContainerStore, lock: &File) {
-        let spec = serde_json::json!({ "container": store.container_id(), "safety": self.safety, "zfs": self.zfs });
+        let spec =
+            worker::Cleanup { container: store.container_id(), safety: self.safety.clone(), zfs: self.zfs.clone() };
+        let spec = serde_json::to_string(&spec).expect("a worker spec serialises");
         let started = std::env::current_exe()
             .map_err(|e| Error::Worker(e.to_string()))
-            .and_then(|exe| super::async_snapshot::spawn_worker(&exe, "__rollback-cleanup", lock, &spec.to_string()));
+            .and_then(|exe| super::async_snapshot::spawn_worker(&exe, "__rollback-cleanup", lock, &spec));
         if started.is_err() {
             self.remove_now(cfg, store);
         }
@@ -236,16 +239,9 @@ pub fn cleanup_worker(engine: &Engine, lock_fd: i32, spec: &str) -> Result<()> {
     // SAFETY: the fd was inherited locked from `remove_after`; owning it keeps the lock until we exit.
     let lock: File = unsafe { std::os::fd::FromRawFd::from_raw_fd(lock_fd) };
     let _ = lock.lock_shared();
-    let v: serde_json::Value =
-        serde_json::from_str(spec).map_err(|e| Error::Worker(format!("bad worker spec: {e}")))?;
-    let s = |k: &str| v[k].as_str().map(String::from);
-    let cfg = engine.config();
-    let store = engine.store(&s("container").unwrap_or_default());
-    let zfs = v["zfs"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|m| m.as_str().map(String::from)).collect())
-        .unwrap_or_default();
-    Leftover { safety: s("safety").unwrap_or_default(), zfs }.remove_now(cfg, &store);
+    let spec: worker::Cleanup = worker::parse(spec).map_err(Error::Worker)?;
+    let store = engine.store(&spec.container);
+    Leftover { safety: spec.safety, zfs: spec.zfs }.remove_now(engine.config(), &store);
     Ok(())
 }
 
@@ -488,7 +484,7 @@ fn restore_target(rb: &mut Parts, progress: &mut dyn Progress) -> Result<()> {
     };
     // The target's processes run on the target's files: stopped, and the previous files put
     // back (the safety statepoint's processes follow).
-    let back = podman::run(&["kill", &pc.id])
+    let back = podman::kill(&pc.id)
         .and_then(|()| podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60)))
         .map_err(Error::from)
         .and_then(|()| files.undo().map_err(Error::from));
@@ -540,10 +536,7 @@ enum InPlace {
 
 /// Kills the (frozen) container and waits until Podman sees it stopped, thawing it between.
 fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<()> {
-    let _ = std::process::Command::new(&ctx.crun)
-        .args(ctx.globals.crun_args())
-        .args(["kill", &ctx.ctr.id, "KILL"])
-        .status();
+    crate::runtime::crun::Crun { bin: &ctx.crun, globals: &ctx.globals }.kill(&ctx.ctr.id);
     drop(frozen);
     Ok(podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?)
 }

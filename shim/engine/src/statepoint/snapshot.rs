@@ -398,10 +398,7 @@ impl<'a> Taking<'a> {
         let released = before_release(m);
         if released.is_ok() {
             let ctx = self.ctx;
-            let _ = std::process::Command::new(&ctx.crun)
-                .args(ctx.globals.crun_args())
-                .args(["kill", &ctx.ctr.id, "KILL"])
-                .status();
+            crate::runtime::crun::Crun { bin: &ctx.crun, globals: &ctx.globals }.kill(&ctx.ctr.id);
         }
         drop(frozen);
         released

@@ -234,7 +234,7 @@ fn finish(
 ) -> Result<(PodmanContainer, RestoreContext)> {
     let cfg = engine.config();
     if name != now {
-        podman::run(&["rename", id, name])?;
+        podman::rename(id, name)?;
     }
     if !recovering || held(cfg, id).is_some() {
         thaw(cfg, id)?;

@@ -432,11 +432,11 @@ impl Recipe {
         }
     }
 
-    /// `podman create` arguments for container `name` on planarian. The ZFS parent the source
-    /// used (a dataset of its machine) is left out: an import gives the container its dataset.
+    /// `podman create` arguments for container `name` (on planarian: [`podman::create`]'s
+    /// runtime). The ZFS parent the source used (a dataset of its machine) is left out: an
+    /// import gives the container its dataset.
     pub fn create_args(&self, name: &str) -> Vec<String> {
-        let mut a: Vec<String> =
-            ["--runtime", "planarian", "create", "--name", name].iter().map(|s| s.to_string()).collect();
+        let mut a: Vec<String> = vec!["--name".into(), name.into()];
         if !self.network.is_empty() && self.network != "default" {
             a.extend(["--network".into(), self.network.clone()]);
         }
@@ -579,10 +579,9 @@ pub fn import_file(
         Some(p) => cfg.with_annotations_of([(ZFS_PARENT, p)], Some("zfs"))?,
         None => cfg.clone(),
     };
-    podman::run(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
+    podman::create("planarian", &args)?;
     let made = (|| -> Result<ImportedContainer> {
-        podman::run(&["container", "init", &name])?;
-        podman::run(&["container", "stop", "-t", "0", &name])?;
+        podman::init_stopped(&name)?;
         let new = podman::inspect(&name)?;
         podman::wait_stopped(&new.id, new.upperdir.as_deref(), std::time::Duration::from_secs(60))?;
         let bundle = Bundle::load(&new.bundle)?;
@@ -602,12 +601,12 @@ pub fn import_file(
             m
         };
         crate::fault::point("import.before-restore")?;
-        podman::run(&["container", "restore", &new.id])?;
+        podman::restore(&new.id, false)?;
         Ok(ImportedContainer { name: name.clone(), id: new.id, statepoint: m.statepoint_id })
     })();
     made.map_err(|e| {
         if let Ok(c) = podman::inspect(&name) {
-            let _ = podman::run(&["rm", "-f", &name]);
+            let _ = podman::remove(&name);
             let store = ContainerStore::new(&cfg.store.path, &c.id);
             let _ = zfs::remove_container(cfg, &store);
             let _ = std::fs::remove_dir_all(store.dir);
@@ -637,7 +636,7 @@ mod tests {
         assert_eq!(r.env, ["PATH=/bin"]);
         assert_eq!(
             r.create_args("agent-2").join(" "),
-            "--runtime planarian create --name agent-2 --network none --workdir /work --env PATH=/bin \
+            "--name agent-2 --network none --workdir /work --env PATH=/bin \
              --annotation io.planarian.store.retention=3 localhost/img:1 python3 -c print(1)"
                 .split_whitespace()
                 .collect::<Vec<_>>()
