@@ -35,11 +35,17 @@
 //! No-snapshot, Planarian (a statepoint after every call, asynchronous) and Full-snapshot; see
 //! bench/src/e2e.rs.
 //!
+//!   planarian-bench lazy [--mem MiB,MiB,...]
+//!
+//! `lazy`: CRIU's lazy restore against its full one, and whether lazily installed pages are
+//! soft-dirty (see bench/src/lazy.rs).
+//!
 //! `passthrough`: the cost of planarian's pass-through path, `planarian state ID` against
 //! `crun state ID` on the same running container (started through Podman), interleaved so
 //! that drift affects both alike. Needs the real stack (run it with bench/run).
 
 mod e2e;
+mod lazy;
 mod mcp;
 
 use std::process::{Command, Stdio};
@@ -57,6 +63,8 @@ fn main() {
         Some("mcp") => mcp::main(&args[1..]),
         Some("e2e") => e2e::main(&args[1..]),
         Some("calibrate") => e2e::calibrate(),
+        Some("lazy") => lazy::main(&args[1..]),
+        Some("__hold") => lazy::hold(&args[1..]),
         _ => {
             eprintln!("usage: planarian-bench passthrough [--iterations N] [--planarian PATH] [--crun PATH]");
             eprintln!("       planarian-bench statepoint [--mem MiB] [--files MiB] [--iterations N]");
@@ -67,6 +75,7 @@ fn main() {
             eprintln!("       planarian-bench mcp [--iterations N] [--proxy PATH]");
             eprintln!("       planarian-bench e2e [--scales 1,0.5,0.25|native] [--traces NAME,...]");
             eprintln!("       planarian-bench calibrate");
+            eprintln!("       planarian-bench lazy [--mem MiB,MiB,...]");
             2
         }
     };

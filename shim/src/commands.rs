@@ -11,6 +11,7 @@ use engine::statepoint::{
     Ctx,
 };
 use engine::store::{Manifest, Outcome};
+use engine::Engine;
 use std::ffi::OsString;
 
 /// Parses a verb's arguments; `--help` and usage errors are printed by clap, with its exit code.
@@ -27,31 +28,9 @@ macro_rules! parse {
 /// to planarian's own log, and to `--log` when asked.
 pub fn checkpoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::CheckpointArgs = parse!("checkpoint", args);
-    let engine = inv.engine()?;
-    let result = if a.pre_dump {
-        let image_path = a.image_path.as_deref().ok_or(statepoint::Error::PreDumpNeedsImagePath)?;
-        statepoint::snapshot::pre_dump(&engine, &a.container_id, image_path).map(|()| None)
-    } else {
-        let req = SnapshotRequest {
-            tcp_established: a.criu.tcp_established,
-            file_locks: a.criu.file_locks,
-            leave_running: a.leave_running,
-            internal: false,
-            name: a.name.clone(),
-            description: a.description.clone(),
-            state: None,
-            id: None,
-            files_taken: None,
-        };
-        statepoint::snapshot::checkpoint(
-            &engine,
-            &a.container_id,
-            &req,
-            a.image_path.as_deref(),
-            a.work_path.as_deref(),
-        )
-        .map(Some)
-    };
+    // (a configuration that cannot be read is told in dump.log too, like any failure)
+    let engine = inv.engine().map_err(statepoint::Error::from);
+    let result = engine.and_then(|engine| checkpoint_with(&engine, &a));
     match result {
         Ok(Some(m)) => {
             inv.sink().info(&format!(
@@ -72,6 +51,29 @@ pub fn checkpoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             }
             Err(e.into())
         }
+    }
+}
+
+/// A checkpoint of container `a.container_id` (or Podman's `--pre-checkpoint`: a memory
+/// pre-dump, no statepoint).
+fn checkpoint_with(engine: &Engine, a: &cli::CheckpointArgs) -> Result<Option<Manifest>, statepoint::Error> {
+    if a.pre_dump {
+        let image_path = a.image_path.as_deref().ok_or(statepoint::Error::PreDumpNeedsImagePath)?;
+        statepoint::snapshot::pre_dump(engine, &a.container_id, image_path).map(|()| None)
+    } else {
+        let req = SnapshotRequest {
+            tcp_established: a.criu.tcp_established,
+            file_locks: a.criu.file_locks,
+            leave_running: a.leave_running,
+            internal: false,
+            name: a.name.clone(),
+            description: a.description.clone(),
+            state: None,
+            id: None,
+            files_taken: None,
+        };
+        statepoint::snapshot::checkpoint(engine, &a.container_id, &req, a.image_path.as_deref(), a.work_path.as_deref())
+            .map(Some)
     }
 }
 

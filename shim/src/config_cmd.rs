@@ -40,9 +40,6 @@ pub fn main(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 /// A container's OCI config, read from the bundle crun recorded for it.
 fn container_spec(engine: &engine::Engine, id: &str) -> Result<engine::runtime::Spec, Failure> {
     let crun = engine::runtime::crun::Crun { bin: engine.crun()?, globals: engine.globals() };
-    let state = match crun.state(id) {
-        Err(engine::runtime::Error::NotKnownToCrun(_)) => return Err(format!("unknown container {id}").into()),
-        r => r?,
-    };
+    let state = crun.state(id)?;
     Ok(engine::runtime::Bundle::load(&state.bundle)?.spec)
 }

@@ -189,7 +189,7 @@ fn queued(pid: i32, fd: u32) -> Result<i32, Unfit> {
 /// (`CPUCLOCK_VIRT`). Not `/proc`'s user time: that one is the process's whole run time scaled by
 /// the share of user ticks, so a thaw (the system call the freeze interrupted, restarted in the
 /// kernel) could move it with no instruction run in user mode.
-pub fn user_times(pids: &[i32]) -> std::collections::BTreeMap<String, u64> {
+pub fn user_times(pids: &[i32]) -> Result<std::collections::BTreeMap<String, u64>, Unfit> {
     use nix::libc;
     let mut out = std::collections::BTreeMap::new();
     for &pid in pids {
@@ -197,13 +197,12 @@ pub fn user_times(pids: &[i32]) -> std::collections::BTreeMap<String, u64> {
         let clock = (!pid << 3) | 1;
         let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
         // SAFETY: clock_gettime writes one timespec through the pointer, which points at `ts`.
-        let t = match unsafe { libc::clock_gettime(clock, &mut ts) } {
-            0 => ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64,
-            _ => u64::MAX,
-        };
-        out.insert(pid.to_string(), t);
+        if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
+            return Err(Unfit(format!("the user time of process {pid}: {}", std::io::Error::last_os_error())));
+        }
+        out.insert(pid.to_string(), ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64);
     }
-    out
+    Ok(out)
 }
 
 /// The container's SysV IPC objects and host name, read from inside its namespaces.
@@ -465,18 +464,24 @@ mod tests {
     /// A process's user time is readable by another, and moves when it runs in user mode.
     #[test]
     fn a_process_that_runs_in_user_mode_has_more_user_time() {
-        let mut busy = std::process::Command::new("sh").args(["-c", "while :; do :; done"]).spawn().unwrap();
-        let pid = busy.id() as i32;
-        let at = || user_times(&[pid])[&pid.to_string()];
+        struct Busy(std::process::Child);
+        impl Drop for Busy {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let busy = Busy(std::process::Command::new("sh").args(["-c", "while :; do :; done"]).spawn().unwrap());
+        let pid = busy.0.id() as i32;
+        let at = || user_times(&[pid]).unwrap()[&pid.to_string()];
         let first = at();
-        assert_ne!(first, u64::MAX, "the clock of process {pid} is read");
+        // (above the largest pid_max, 2^22: no such process)
+        assert!(user_times(&[(1 << 22) + 1]).is_err(), "no such process: no time");
         let t = std::time::Instant::now();
         while at() == first && t.elapsed() < std::time::Duration::from_secs(60) {
             std::thread::yield_now();
         }
         assert!(at() > first, "a loop in user mode counts");
-        let _ = busy.kill();
-        let _ = busy.wait();
     }
 
     #[test]

@@ -27,7 +27,10 @@ impl Container {
         if let Some(c) = Self::load_running(root.unwrap_or(Path::new(CRUN_ROOT)), id) {
             return Ok(c);
         }
-        let st = super::crun::Crun { bin: crun, globals }.state(id)?;
+        let st = match (super::crun::Crun { bin: crun, globals }.state(id)) {
+            Err(Error::CrunStateFailed { .. }) => return Err(Error::NotKnownToCrun(id.to_string())),
+            r => r?,
+        };
         let bundle = st.bundle;
         Ok(Container { id: id.to_string(), status: st.status, pid: st.pid, spec: Bundle::load(&bundle)?.spec, bundle })
     }

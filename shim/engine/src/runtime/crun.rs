@@ -36,15 +36,25 @@ impl Crun<'_> {
             .output()
             .map_err(|source| Error::Run { tool: self.bin.to_path_buf(), source })?;
         if !out.status.success() {
-            return Err(Error::NotKnownToCrun(id.to_string()));
+            let err = String::from_utf8_lossy(&out.stderr);
+            return Err(Error::CrunStateFailed {
+                id: id.to_string(),
+                why: err.lines().last().unwrap_or("").trim().into(),
+            });
         }
         parse_state(id, &out.stdout)
     }
 
     /// `crun kill ID KILL`: every process of the container killed. Best effort (a container
-    /// already gone is no error); whether crun said it did.
-    pub fn kill(&self, id: &str) -> bool {
-        self.command().args(["kill", id, "KILL"]).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    /// already gone is no error); whether crun said it did. What crun says goes to this
+    /// process's standard error, unless `quiet`.
+    pub fn kill(&self, id: &str, quiet: bool) -> bool {
+        let mut c = self.command();
+        c.args(["kill", id, "KILL"]);
+        if quiet {
+            c.stderr(Stdio::null());
+        }
+        c.status().is_ok_and(|s| s.success())
     }
 }
 

@@ -30,6 +30,9 @@ pub enum Error {
     Run { tool: PathBuf, source: std::io::Error },
     #[error("container {0} is not known to crun (is it running?)")]
     NotKnownToCrun(String),
+    /// `crun state` failed: crun's own reason.
+    #[error("unknown container {id}: {why}")]
+    CrunStateFailed { id: String, why: String },
     #[error("crun state {id}: {why}")]
     CrunState { id: String, why: String },
     #[error("container {id} is not running (it is {status})")]

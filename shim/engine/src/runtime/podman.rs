@@ -102,9 +102,12 @@ pub fn init_stopped(name: &str) -> Result<()> {
 }
 
 /// `podman container restore [--tcp-established] ID` of the checkpoint in the container's
-/// bundle: what Podman says of the restore's time, when it says.
-pub fn restore(id: &str, tcp_established: bool) -> Result<Option<RestoreStats>> {
-    let mut args = vec!["container", "restore", "--print-stats"];
+/// bundle; with `stats`, what Podman says of the restore's time (`--print-stats`), when it says.
+pub fn restore(id: &str, tcp_established: bool, stats: bool) -> Result<Option<RestoreStats>> {
+    let mut args = vec!["container", "restore"];
+    if stats {
+        args.push("--print-stats");
+    }
     if tcp_established {
         args.push("--tcp-established");
     }

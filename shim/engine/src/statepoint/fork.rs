@@ -431,7 +431,7 @@ fn fork_into(
     leave_for_podman(&m, &store.statepoint_dir(&m.statepoint_id), &new.bundle.join("checkpoint"), None)?;
     crate::fault::point("fork.linked")?;
     progress.phase("processes (podman container restore)");
-    if let Some(stats) = podman::restore(&new.id, m.options.tcp_established)? {
+    if let Some(stats) = podman::restore(&new.id, m.options.tcp_established, true)? {
         progress.done(&stats.breakdown());
     }
     Ok(())

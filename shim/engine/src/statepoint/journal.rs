@@ -321,7 +321,7 @@ fn back_to_safety(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &
     };
     // (whatever runs: the statepoint's processes, or ones half-written; killed while frozen)
     let crun = runtime::crun(cfg)?;
-    runtime::crun::Crun { bin: &crun, globals }.kill(id);
+    runtime::crun::Crun { bin: &crun, globals }.kill(id, true);
     FreezeGuard::recover(&store.dir.join(MARKER));
     podman::wait_stopped(id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
     let rootfs = crate::local::rootfs_for(cfg, store, id, pc.upperdir.clone())?;

@@ -52,7 +52,7 @@ pub(super) fn podman_restore(
     let _ = std::fs::remove_dir_all(&image_path);
     leave_for_podman(m, &store.statepoint_dir(&m.statepoint_id), &image_path, None)?;
     let handoff = Handoff::give(store, &pc.id)?;
-    let r = podman::restore(&pc.id, m.options.tcp_established);
+    let r = podman::restore(&pc.id, m.options.tcp_established, true);
     drop(handoff);
     if r.is_err() {
         let _ = std::fs::remove_dir_all(&image_path);

@@ -332,7 +332,8 @@ impl<'a> Taking<'a> {
         }
         if let Ok(fp) = &w.unchanged.print {
             // (the threads' user time once CRIU's parasite has run in them: any later is theirs)
-            let cpu = crate::local::unchanged::user_times(w.pids);
+            // (none read: recorded as none, which nothing later equals)
+            let cpu = crate::local::unchanged::user_times(w.pids).ok();
             let text = serde_json::json!({ "fingerprint": fp.to_string(), "user-time": cpu }).to_string();
             sys::write_atomic(&images.join(crate::local::unchanged::FILE), text.as_bytes(), 0o644)?;
         }
@@ -398,7 +399,7 @@ impl<'a> Taking<'a> {
         let released = before_release(m);
         if released.is_ok() {
             let ctx = self.ctx;
-            crate::runtime::crun::Crun { bin: &ctx.crun, globals: &ctx.globals }.kill(&ctx.ctr.id);
+            crate::runtime::crun::Crun { bin: &ctx.crun, globals: &ctx.globals }.kill(&ctx.ctr.id, false);
         }
         drop(frozen);
         released
@@ -440,7 +441,7 @@ fn unchanged_since_base(
     if recorded["fingerprint"].as_str() != Some(print.to_string().as_str()) {
         return Err(format!("the processes changed since {sp}"));
     }
-    if recorded["user-time"] != serde_json::json!(unchanged::user_times(pids)) {
+    if recorded["user-time"] != serde_json::json!(unchanged::user_times(pids).map_err(|u| u.0)?) {
         return Err(format!("a thread ran since {sp}"));
     }
     if unchanged::timers_armed(&dir).map_err(|u| u.0)? {

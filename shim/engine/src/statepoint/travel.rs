@@ -601,7 +601,7 @@ pub fn import_file(
             m
         };
         crate::fault::point("import.before-restore")?;
-        podman::restore(&new.id, false)?;
+        podman::restore(&new.id, false, false)?;
         Ok(ImportedContainer { name: name.clone(), id: new.id, statepoint: m.statepoint_id })
     })();
     made.map_err(|e| {
