@@ -22,18 +22,27 @@
 //!
 //! Every library error is a typed enum (`thiserror`); the binaries turn them into the one line a
 //! user reads and the runc-style JSON line Podman reads.
+//!
+//! The public API is what the front-ends use: [`Engine`]; the operations in [`statepoint`]
+//! (snapshot, checkpoint, restore, rollback, fork, spares, travel, the asynchronous snapshot);
+//! the registry ([`store`]) and what a model reads of it ([`context`]); [`config`], [`log`],
+//! [`fsck`], [`tools`]; of [`runtime`], Podman's and crun's typed calls and the OCI bundle; of
+//! [`local`], the ZFS commands (`gc`, `zfs-base`) and the CRIU and freezer types the operations
+//! name. The rest — Algorithm 1's chains, the rollback in place, the unchanged check, the copy
+//! path, the remote-state hooks, a fork's record, the rollback journal, fault points — is
+//! `pub(crate)`.
 
 pub mod config;
 pub mod engine;
-pub mod fault;
+pub(crate) mod fault;
 pub mod fsck;
 pub mod log;
 pub mod tools;
 
-pub mod chain;
+pub(crate) mod chain;
 pub mod context;
 pub mod local;
-pub mod remote;
+pub(crate) mod remote;
 pub mod runtime;
 pub mod statepoint;
 pub mod store;

@@ -2,14 +2,14 @@
 //! freezer, the container's `/dev` ([`devfs`]), and the files ([`files`]: the interface, with a
 //! copy backend that works everywhere and a ZFS one, [`zfs`]).
 
-pub mod copy;
+pub(crate) mod copy;
 pub mod criu;
-pub mod devfs;
+pub(crate) mod devfs;
 pub mod files;
 pub mod freezer;
-pub mod inplace;
-pub mod treesync;
-pub mod unchanged;
+pub(crate) mod inplace;
+pub(crate) mod treesync;
+pub(crate) mod unchanged;
 pub mod zfs;
 
 use crate::config::Config;

@@ -4,8 +4,8 @@
 pub mod container;
 pub mod crun;
 pub mod exec;
-pub mod inflight;
-pub mod lookup;
+pub(crate) mod inflight;
+pub(crate) mod lookup;
 pub mod podman;
 pub mod spec;
 

@@ -5,9 +5,9 @@
 
 pub mod async_snapshot;
 pub mod fork;
-pub mod forking;
-pub mod journal;
-pub mod podman_dir;
+pub(crate) mod forking;
+pub(crate) mod journal;
+pub(crate) mod podman_dir;
 pub mod restore;
 pub mod rollback;
 pub mod snapshot;

@@ -609,7 +609,6 @@ pub struct Plan {
     shape: Shape,
     pages: Vec<Pages>,
     pub pages_written: u64,
-    pub pages_dropped: u64,
 }
 
 fn pages_of(runs: &[PageRun]) -> u64 {
@@ -670,7 +669,7 @@ impl Shape {
     /// tree as it is now (`now_images`, the safety statepoint).
     pub fn plan(self, now_images: &Path) -> Result<Plan> {
         let mut pages = Vec::new();
-        let (mut written, mut dropped) = (0, 0);
+        let mut written = 0;
         for p in &self.procs {
             let special = merge(p.special.clone());
             let outside = |runs: Vec<PageRun>| -> Vec<PageRun> {
@@ -681,11 +680,10 @@ impl Shape {
             let (write, drop) = differ(&target, &now);
             let drop = subtract(&drop, &p.layout.gone);
             written += pages_of(&write);
-            dropped += drop.iter().map(|d| (d.1 - d.0) / PAGE_SIZE).sum::<u64>();
             let had = merge(target.iter().map(|r| (r.vaddr, r.end())).collect());
             pages.push(Pages { write, drop, had });
         }
-        Ok(Plan { shape: self, pages, pages_written: written, pages_dropped: dropped })
+        Ok(Plan { shape: self, pages, pages_written: written })
     }
 }
 

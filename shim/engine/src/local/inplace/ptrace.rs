@@ -13,9 +13,10 @@ use std::io;
 use std::time::{Duration, Instant};
 
 // What `nix::sys::ptrace` does not cover — the XSAVE area (`PTRACE_GETREGSET` of
-// `NT_X86_XSTATE`, whose size the kernel decides) and the signal mask — is asked of
+// `NT_X86_XSTATE`, whose size the kernel decides) and setting the signal mask — is asked of
 // `libc::ptrace` directly.
 const NT_X86_XSTATE: libc::c_int = 0x202;
+#[cfg(test)]
 const PTRACE_GETSIGMASK: libc::c_uint = 0x420a;
 const PTRACE_SETSIGMASK: libc::c_uint = 0x420b;
 
@@ -121,6 +122,8 @@ impl Tracee {
         .map(drop)
     }
 
+    /// (what the tests read back)
+    #[cfg(test)]
     pub fn sigmask(&self) -> io::Result<u64> {
         let mut m = 0u64;
         check(
