@@ -3,13 +3,10 @@
 
 use crate::cli::{self, Invocation};
 use crate::Failure;
-use engine::context::{Ledger, RestoreContext};
+use engine::context::RestoreContext;
 use engine::log::{LineProgress, Progress, StderrProgress};
 use engine::runtime::podman;
-use engine::statepoint::{
-    self, async_snapshot, fork::Fork, restore::RestoreRequest, rollback::Rollback, snapshot::SnapshotRequest, travel,
-    Ctx,
-};
+use engine::statepoint::{self, async_snapshot, restore::RestoreRequest, snapshot::SnapshotRequest};
 use engine::store::{Manifest, Outcome};
 use engine::Engine;
 use std::ffi::OsString;
@@ -59,7 +56,7 @@ pub fn checkpoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 fn checkpoint_with(engine: &Engine, a: &cli::CheckpointArgs) -> Result<Option<Manifest>, statepoint::Error> {
     if a.pre_dump {
         let image_path = a.image_path.as_deref().ok_or(statepoint::Error::PreDumpNeedsImagePath)?;
-        statepoint::snapshot::pre_dump(engine, &a.container_id, image_path).map(|()| None)
+        engine.pre_dump(&a.container_id, image_path).map(|()| None)
     } else {
         let req = SnapshotRequest {
             tcp_established: a.criu.tcp_established,
@@ -72,8 +69,7 @@ fn checkpoint_with(engine: &Engine, a: &cli::CheckpointArgs) -> Result<Option<Ma
             id: None,
             files_taken: None,
         };
-        statepoint::snapshot::checkpoint(engine, &a.container_id, &req, a.image_path.as_deref(), a.work_path.as_deref())
-            .map(Some)
+        engine.checkpoint(&a.container_id, &req, a.image_path.as_deref(), a.work_path.as_deref()).map(Some)
     }
 }
 
@@ -90,7 +86,7 @@ pub fn restore(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
         file_locks: a.criu.file_locks,
         console_socket: a.console_socket,
     };
-    let restored = statepoint::restore::restore(&inv.engine()?, &req)?;
+    let restored = inv.engine()?.restore(&req)?;
     for w in &restored.warnings {
         inv.sink().warn(w);
     }
@@ -112,17 +108,12 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             state,
             ..Default::default()
         };
-        let id = async_snapshot::start(&engine, &a.container, &req, &std::env::current_exe()?)?;
+        let id = engine.snapshot_async(&a.container, &req, &std::env::current_exe()?)?;
         println!("{id}");
         return Ok(0);
     }
-    let mut ctx = Ctx::running(&engine, &a.container)?;
-    let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
-        eprintln!("waiting for what is in flight in {} ({what})", a.container)
-    })?;
-    ctx.recover()?;
-    let m = statepoint::snapshot::take(
-        &ctx,
+    let m = engine.snapshot(
+        &a.container,
         &SnapshotRequest {
             tcp_established: a.tcp_established,
             file_locks: a.file_locks,
@@ -142,7 +133,7 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 /// `planarian rollback CTR SP`: phases on stderr, the result on stdout.
 pub fn rollback(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::RollbackArgs = parse!("rollback", args);
-    let r = Rollback::begin(&inv.engine()?, &a.container, &a.statepoint, true)?;
+    let r = inv.engine()?.rollback(&a.container, &a.statepoint, true)?;
     let name = r.container.name.clone();
     let mut progress = StderrProgress::start(&r.title());
     let ctx = r.run(&mut progress, a.reason.as_deref(), a.by.into())?;
@@ -167,7 +158,7 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     // One fork, asked as always: its phases as one block, its context as one object.
     let single = a.count.is_none() && count == 1;
     let first = names[0].as_deref().filter(|_| single);
-    let f = Fork::begin(&inv.engine()?, &a.container, &a.statepoint, first)?;
+    let f = inv.engine()?.fork(&a.container, &a.statepoint, first)?;
     let (source, sp) = (f.source.name.clone(), f.target.statepoint_id.clone());
     if single {
         let mut progress = StderrProgress::start(&f.title());
@@ -219,10 +210,11 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 /// `planarian spare CTR SP [--count N]`: the spares' names, a line each.
 pub fn spare(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::SpareArgs = parse!("spare", args);
-    let pool = statepoint::spares::pool(&inv.engine()?, &a.container, &a.statepoint)?;
+    let engine = inv.engine()?;
+    let pool = engine.spares(&a.container, &a.statepoint)?;
     let mut progress =
         StderrProgress::start(&format!("keeping {} spare(s) of {} at {}", a.count, a.container, pool.sp));
-    let spares = statepoint::fork::keep_spares(pool, a.count, &mut progress)?;
+    let spares = engine.keep_spares(pool, a.count, &mut progress)?;
     progress.finish();
     for s in spares {
         println!("{} ({}, frozen)", s.name, statepoint::short(&s.id));
@@ -234,10 +226,9 @@ pub fn spare(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 pub fn statepoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::StatepointArgs = parse!("statepoint", args);
     let engine = inv.engine()?;
-    let cfg = engine.config();
     match a.command {
         cli::StatepointCommand::List { container, json } => {
-            let store = statepoint::store_of(cfg, &container)?;
+            let store = engine.store_of(&container)?;
             let list = store.committed();
             if json {
                 println!("{}", serde_json::to_string_pretty(&list)?);
@@ -246,21 +237,19 @@ pub fn statepoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             }
         }
         cli::StatepointCommand::Show { container, statepoint } => {
-            let store = statepoint::store_of(cfg, &container)?;
+            let store = engine.store_of(&container)?;
             println!("{}", serde_json::to_string_pretty(&store.find(&statepoint)?)?);
         }
         cli::StatepointCommand::Set { container, statepoint, name, description, outcome, status, by, reward } => {
-            let store = statepoint::store_of(cfg, &container)?;
             let outcomes = outcome.into_iter().map(|t| Outcome::now(t, status.into(), by.into(), reward)).collect();
-            statepoint::annotate(&store, &statepoint, name.as_deref(), description.as_deref(), outcomes)?;
+            engine.annotate(&container, &statepoint, name.as_deref(), description.as_deref(), outcomes)?;
         }
         cli::StatepointCommand::Wait { container, statepoint } => {
-            let store = statepoint::store_of(cfg, &container)?;
-            let o = async_snapshot::wait(&store, &statepoint)?;
+            let o = engine.wait(&container, &statepoint)?;
             println!("{} {}", o.statepoint, o.status);
         }
         cli::StatepointCommand::Context { container, json } => {
-            let store = statepoint::store_of(cfg, &container)?;
+            let store = engine.store_of(&container)?;
             let ctx = RestoreContext::last(&store)
                 .ok_or_else(|| format!("container {container} was never rolled back or forked into"))?;
             if json {
@@ -270,12 +259,7 @@ pub fn statepoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             }
         }
         cli::StatepointCommand::Export { container, statepoint, file, since } => {
-            let store = statepoint::store_of(cfg, &container)?;
-            let _lock = store.lock(false)?;
-            let m = store.find(&statepoint)?;
-            let since = since.map(|s| store.find(&s)).transpose()?;
-            let recipe = travel::Recipe::of(&podman::inspect_json(&store.container_id())?);
-            let e = travel::export(cfg, &store, &m, since.as_ref(), &recipe, &file)?;
+            let (m, e) = engine.export(&container, &statepoint, since.as_deref(), &file)?;
             println!(
                 "exported {} of {container} to {}: {} ({} of memory images, files as {})",
                 m.statepoint_id,
@@ -286,20 +270,12 @@ pub fn statepoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             );
         }
         cli::StatepointCommand::Import { file, name, parent_dataset } => {
-            let c = travel::import_file(cfg, &file, name.as_deref(), parent_dataset.as_deref())?;
+            let c = engine.import(&file, name.as_deref(), parent_dataset.as_deref())?;
             println!("{} imported from {} at {} ({})", c.name, file.display(), c.statepoint, c.id);
         }
         cli::StatepointCommand::Rm { container, statepoints } => {
-            let store = statepoint::store_of(cfg, &container)?;
-            let _lock = store.lock(true)?;
-            // Check them all first: a bad name changes nothing.
-            let found: Vec<Manifest> = statepoints.iter().map(|s| store.find(s)).collect::<Result<_, _>>()?;
-            for m in found {
-                statepoint::remove(cfg, &store, &m.statepoint_id)?;
-                // (its spares, forks of it made ahead, go with it)
-                let _ = statepoint::spares::remove_all(&engine, &container, &m.statepoint_id);
-                println!("{}", m.statepoint_id);
-            }
+            // (all found first: a bad name changes nothing)
+            engine.remove(&container, &statepoints, &mut |id| println!("{id}"))?;
         }
     }
     Ok(0)
@@ -308,8 +284,7 @@ pub fn statepoint(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 /// `planarian ledger CTR`: the statepoints as a tree, with their evidence.
 pub fn ledger(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let a: cli::LedgerArgs = parse!("ledger", args);
-    let store = statepoint::store_of(inv.engine()?.config(), &a.container)?;
-    let ledger = Ledger::of(&store, &a.container);
+    let ledger = inv.engine()?.ledger(&a.container)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&ledger)?);
     } else {

@@ -11,7 +11,7 @@ use crate::Failure;
 use engine::context::Ledger;
 use engine::log::Silent;
 use engine::runtime::{podman, Globals};
-use engine::statepoint::{self, async_snapshot, fork::Fork, rollback::Rollback, snapshot::SnapshotRequest};
+use engine::statepoint::{self, snapshot::SnapshotRequest};
 use engine::store::{Actor, ContainerStore, Outcome, OutcomeStatus};
 use engine::Engine;
 use planarian_contracts::jsonrpc;
@@ -252,7 +252,7 @@ impl Server {
             state: args.get("state").filter(|s| s.is_object()).cloned(),
             ..Default::default()
         };
-        let id = async_snapshot::start(&self.engine()?, &self.id, &req, &std::env::current_exe()?)?;
+        let id = self.engine()?.snapshot_async(&self.id, &req, &std::env::current_exe()?)?;
         Ok(format!(
             "Saving statepoint {id}{} of {} in the background; your next command runs once it is saved. You can roll back to it with statepoint_rollback.",
             req.name.as_ref().map(|n| format!(" \"{n}\"")).unwrap_or_default(),
@@ -283,7 +283,7 @@ impl Server {
     fn rollback(&self, args: &Value) -> Result<String, Failure> {
         let sp = required(args, "statepoint")?;
         let reason = required(args, "reason")?;
-        let r = Rollback::begin(&self.engine()?, &self.id, &sp, false)?;
+        let r = self.engine()?.rollback(&self.id, &sp, false)?;
         let ctx = r.run(&mut Silent, Some(&reason), Actor::Agent)?;
         Ok(ctx.text())
     }
@@ -298,12 +298,12 @@ impl Server {
             }
         };
         let Some(count) = count else {
-            let f = Fork::begin(&self.engine()?, &self.id, &sp, Some(&name))?;
+            let f = self.engine()?.fork(&self.id, &sp, Some(&name))?;
             let (_, ctx) = f.run(&mut Silent, Actor::Agent)?;
             return Ok(format!("{}The sandbox {} continues unchanged; the fork is {name}.", ctx.text(), self.name));
         };
         let names: Vec<Option<String>> = (1..=count).map(|k| Some(format!("{name}-{k}"))).collect();
-        let f = Fork::begin(&self.engine()?, &self.id, &sp, None)?;
+        let f = self.engine()?.fork(&self.id, &sp, None)?;
         let sp = statepoint::describe(&f.target);
         let silent = |_: &str| -> Box<dyn engine::log::Progress + Send> { Box::new(Silent) };
         let mut made = Vec::new();

@@ -7,9 +7,14 @@
 //! once, on first use — so a verb crun answers alone (`state`, `list`) never looks for CRIU.
 
 use crate::config::{Config, ConfigError};
+use crate::context::Ledger;
 use crate::runtime::{self, Bundle, Globals};
-use crate::statepoint;
+use crate::statepoint::{
+    self, fork::Fork, restore::RestoreRequest, restore::Restored, rollback::Rollback, snapshot::SnapshotRequest,
+    spares::Pool, travel, travel::Exported, travel::ImportedContainer,
+};
 use crate::store::ContainerStore;
+use crate::store::Manifest;
 use crate::tools::NotFound;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -63,6 +68,153 @@ impl Engine {
     /// The statepoint registry of the container with full ID `id` (which may have none yet).
     pub fn store(&self, id: &str) -> ContainerStore {
         ContainerStore::new(&self.cfg.store.path, id)
+    }
+
+    // The operations, one shape: `engine.verb(…)`, the long ones (rollback, fork, spares)
+    // returning the operation begun — found, checked, locked — whose `run` does it with progress.
+
+    /// The registry of the container a user names (a name, an ID or a prefix).
+    pub fn store_of(&self, container: &str) -> statepoint::Result<ContainerStore> {
+        statepoint::store_of(&self.cfg, container)
+    }
+
+    /// A statepoint of running container `container`, taken now (the container's exclusive
+    /// lock waited for, what is in flight in it said on stderr while waited for).
+    pub fn snapshot(&self, container: &str, req: &SnapshotRequest) -> statepoint::Result<Manifest> {
+        let mut ctx = statepoint::Ctx::running(self, container)?;
+        let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
+            eprintln!("waiting for what is in flight in {container} ({what})")
+        })?;
+        ctx.recover()?;
+        statepoint::snapshot::take(&ctx, req)
+    }
+
+    /// A statepoint of `container` taken in the background by `worker` (this binary): its ID, once
+    /// the worker holds the lock ([`statepoint::async_snapshot`]).
+    pub fn snapshot_async(&self, container: &str, req: &SnapshotRequest, worker: &Path) -> statepoint::Result<String> {
+        statepoint::async_snapshot::start(self, container, req, worker)
+    }
+
+    /// Podman's `container checkpoint` of container `id` (full ID), into Podman's directories.
+    pub fn checkpoint(
+        &self,
+        id: &str,
+        req: &SnapshotRequest,
+        image_path: Option<&Path>,
+        work_path: Option<&Path>,
+    ) -> statepoint::Result<Manifest> {
+        statepoint::snapshot::checkpoint(self, id, req, image_path, work_path)
+    }
+
+    /// Podman's `--pre-checkpoint`: a memory pre-dump of container `id` into `image_path`.
+    pub fn pre_dump(&self, id: &str, image_path: &Path) -> statepoint::Result<()> {
+        statepoint::snapshot::pre_dump(self, id, image_path)
+    }
+
+    /// The runtime's `restore` verb (conmon, containerd's shim).
+    pub fn restore(&self, req: &RestoreRequest) -> statepoint::Result<Restored> {
+        statepoint::restore::restore(self, req)
+    }
+
+    /// A rollback of `container` to `statepoint` begun: with `wait` false, refused when
+    /// another operation holds the container.
+    pub fn rollback(&self, container: &str, statepoint: &str, wait: bool) -> statepoint::Result<Rollback> {
+        Rollback::begin(self, container, statepoint, wait)
+    }
+
+    /// A fork of `container` at `statepoint` begun (into `name`, or a spare's, or the first free
+    /// `CTR-fork-SP-K`); `run` makes one, `run_many` several side by side.
+    pub fn fork(&self, container: &str, statepoint: &str, name: Option<&str>) -> statepoint::Result<Fork> {
+        Fork::begin(self, container, statepoint, name)
+    }
+
+    /// The spares of `container`'s `statepoint` ([`statepoint::fork::keep_spares`] fills it).
+    pub fn spares(&self, container: &str, statepoint: &str) -> statepoint::Result<Pool> {
+        statepoint::spares::pool(self, container, statepoint)
+    }
+
+    /// Statepoint `statepoint` of `container` written into `file`, incremental since `since`.
+    pub fn export(
+        &self,
+        container: &str,
+        statepoint: &str,
+        since: Option<&str>,
+        file: &Path,
+    ) -> statepoint::Result<(Manifest, Exported)> {
+        let store = self.store_of(container)?;
+        let _lock = store.lock(false)?;
+        let m = store.find(statepoint)?;
+        let since = since.map(|s| store.find(s)).transpose()?;
+        let recipe = travel::Recipe::of(&runtime::podman::inspect_json(&store.container_id())?);
+        let e = travel::export(&self.cfg, &store, &m, since.as_ref(), &recipe, file)?;
+        Ok((m, e))
+    }
+
+    /// A statepoint file made into a new container (named `name`, or as the source was), its
+    /// files under `parent_dataset` when on ZFS, restored and running.
+    pub fn import(
+        &self,
+        file: &Path,
+        name: Option<&str>,
+        parent_dataset: Option<&str>,
+    ) -> statepoint::Result<ImportedContainer> {
+        travel::import_file(&self.cfg, file, name, parent_dataset)
+    }
+
+    /// Statepoints `statepoints` of `container` removed, each with its spares, `removed` told
+    /// each one's ID as it goes; all found first (a bad name removes nothing).
+    pub fn remove(
+        &self,
+        container: &str,
+        statepoints: &[String],
+        removed: &mut dyn FnMut(&str),
+    ) -> statepoint::Result<()> {
+        let store = self.store_of(container)?;
+        let _lock = store.lock(true)?;
+        let found: Vec<Manifest> = statepoints.iter().map(|s| store.find(s)).collect::<Result<_, _>>()?;
+        for m in found {
+            statepoint::remove(&self.cfg, &store, &m.statepoint_id)?;
+            // (its spares, forks of it made ahead, go with it)
+            let _ = statepoint::spares::remove_all(self, container, &m.statepoint_id);
+            removed(&m.statepoint_id);
+        }
+        Ok(())
+    }
+
+    /// Statepoint `statepoint` of `container` renamed, described, or given outcomes.
+    pub fn annotate(
+        &self,
+        container: &str,
+        statepoint: &str,
+        name: Option<&str>,
+        description: Option<&str>,
+        outcomes: Vec<crate::store::Outcome>,
+    ) -> statepoint::Result<Manifest> {
+        statepoint::annotate(&self.store_of(container)?, statepoint, name, description, outcomes)
+    }
+
+    /// Waits until `container`'s asynchronous snapshot `statepoint` has ended, and says how.
+    pub fn wait(
+        &self,
+        container: &str,
+        statepoint: &str,
+    ) -> statepoint::Result<statepoint::async_snapshot::AsyncOutcome> {
+        statepoint::async_snapshot::wait(&self.store_of(container)?, statepoint)
+    }
+
+    /// Keeps `count` spares of `pool`'s statepoint (made, or removed), reporting to `progress`.
+    pub fn keep_spares(
+        &self,
+        pool: Pool,
+        count: usize,
+        progress: &mut dyn crate::log::Progress,
+    ) -> statepoint::Result<Vec<statepoint::spares::Spare>> {
+        statepoint::fork::keep_spares(pool, count, progress)
+    }
+
+    /// The ledger of `container`: its statepoints as a tree, with their evidence.
+    pub fn ledger(&self, container: &str) -> statepoint::Result<Ledger> {
+        Ok(Ledger::of(&self.store_of(container)?, container))
     }
 
     /// `create`: what planarian adds before crun creates container `id` from `bundle` — its
