@@ -81,11 +81,7 @@ impl Engine {
     /// A statepoint of running container `container`, taken now (the container's exclusive
     /// lock waited for, what is in flight in it said on stderr while waited for).
     pub fn snapshot(&self, container: &str, req: &SnapshotRequest) -> statepoint::Result<Manifest> {
-        let mut ctx = statepoint::Ctx::running(self, container)?;
-        let _lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
-            eprintln!("waiting for what is in flight in {container} ({what})")
-        })?;
-        ctx.recover()?;
+        let (ctx, _lock) = statepoint::Ctx::running_locked(self, container)?;
         statepoint::snapshot::take(&ctx, req)
     }
 

@@ -310,6 +310,11 @@ mod tests {
         (cfg, s)
     }
 
+    /// [`check_container`] of container "c", repairing when asked, waiting for no lock.
+    fn check(cfg: &Config, repair: bool) -> Report {
+        check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", repair, Duration::ZERO)
+    }
+
     fn checks(f: &[Finding]) -> Vec<(Option<&str>, &str)> {
         f.iter().map(|f| (f.statepoint.as_deref(), f.check)).collect()
     }
@@ -320,8 +325,7 @@ mod tests {
         make(&s, "sp1", Some("a"), None);
         make(&s, "sp2", Some("b"), Some("sp1"));
         s.set_head(Some("sp2")).unwrap();
-        let r =
-            check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", false, Duration::ZERO);
+        let r = check(&cfg, false);
         assert_eq!((r.statepoints, r.busy, r.findings), (2, false, vec![]));
         std::fs::remove_dir_all(&cfg.store.path).unwrap();
     }
@@ -347,8 +351,7 @@ mod tests {
         ];
         assert_eq!(checks(&findings(&cfg, &s)), want);
         // Nothing of it is the repair's: every part stays as it was.
-        let r =
-            check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", true, Duration::ZERO);
+        let r = check(&cfg, true);
         assert!(r.repaired.is_empty(), "{:?}", r.repaired);
         assert_eq!(checks(&r.findings), want);
         for sp in ["sp1", "sp2", "sp3", "sp4"] {
@@ -369,8 +372,7 @@ mod tests {
         std::fs::create_dir_all(s.statepoint_dir("sp4").join("criu")).unwrap();
         s.set_head(Some("sp9")).unwrap();
         std::fs::write(s.dir.join("base"), b"garbage").unwrap();
-        let found =
-            check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", false, Duration::ZERO);
+        let found = check(&cfg, false);
         assert_eq!(
             checks(&found.findings),
             vec![(Some("sp4"), "manifest"), (Some("sp3"), "pending"), (None, "head"), (None, "base")]
@@ -378,8 +380,7 @@ mod tests {
         assert!(found.findings.iter().all(|f| f.repairable));
         assert!(s.statepoint_dir("sp3").exists(), "a check alone changes nothing");
 
-        let r =
-            check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", true, Duration::ZERO);
+        let r = check(&cfg, true);
         assert_eq!(checks(&r.repaired).len(), 4, "{:?}", r.repaired);
         assert!(r.findings.is_empty(), "{:?}", r.findings);
         assert!(!s.statepoint_dir("sp3").exists() && !s.statepoint_dir("sp4").exists());
@@ -411,8 +412,7 @@ mod tests {
         let (cfg, s) = setup("busy");
         std::fs::create_dir_all(s.statepoint_dir("sp1")).unwrap();
         let _held = s.lock(true).unwrap();
-        let r =
-            check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", true, Duration::ZERO);
+        let r = check(&cfg, true);
         assert!(r.busy && r.findings.is_empty());
         assert!(s.statepoint_dir("sp1").exists());
         std::fs::remove_dir_all(&cfg.store.path).unwrap();

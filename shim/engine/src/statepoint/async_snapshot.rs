@@ -73,11 +73,7 @@ pub fn start(engine: &Engine, name: &str, req: &SnapshotRequest, worker: &std::p
     if let Some(n) = &req.name {
         super::check_name(n)?;
     }
-    let mut ctx = Ctx::running(engine, name)?;
-    let lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
-        eprintln!("waiting for what is in flight in {name} ({what})")
-    })?;
-    ctx.recover()?;
+    let (ctx, lock) = Ctx::running_locked(engine, name)?;
     let id = ctx.store.next_id();
     record(
         &ctx.store,

@@ -218,8 +218,9 @@ pub(super) fn orphans(stores: &[PathBuf], podman: &dyn Fn(&[&[u8]]) -> bool) -> 
 fn resolve(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &str, e: &Entry) -> Result<Recovered> {
     let marker = store.dir.join(MARKER);
     // A compensation under way: the sandbox was at the target before it began.
-    let crun = runtime::crun(cfg)?;
-    let init = Container::load(&crun, globals, id)
+    let bin = runtime::crun(cfg)?;
+    let crun = runtime::crun::Crun { bin: &bin, globals };
+    let init = Container::load(crun.bin, crun.globals, id)
         .ok()
         .and_then(|c| c.running_pid().ok())
         .and_then(|pid| Some((pid, sys::proc::start_time(pid)?)));
@@ -243,7 +244,7 @@ fn resolve(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &str, e:
             let _ = store.set_head(e.from.as_deref());
             Ok(Recovered::AsBefore(e.target.clone()))
         }
-        Action::BackToSafety => back_to_safety(globals, cfg, store, id, e),
+        Action::BackToSafety => back_to_safety(&crun, cfg, store, id, e),
     }
 }
 
@@ -306,7 +307,13 @@ fn forget_safety(cfg: &Config, store: &ContainerStore, e: &Entry) {
 
 /// Stops the sandbox (killed while frozen: nothing half-written runs) and restores the safety
 /// statepoint: files, then processes through Podman.
-fn back_to_safety(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &str, e: &Entry) -> Result<Recovered> {
+fn back_to_safety(
+    crun: &runtime::crun::Crun,
+    cfg: &Config,
+    store: &ContainerStore,
+    id: &str,
+    e: &Entry,
+) -> Result<Recovered> {
     let pc = podman::planarian_container(id)?;
     let Some(safety) = committed_safety(store, e) else {
         // Never committed: the processes still run as they were (frozen: thawed), or a dump that
@@ -320,8 +327,7 @@ fn back_to_safety(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &
         return Ok(Recovered::Stopped(e.target.clone()));
     };
     // (whatever runs: the statepoint's processes, or ones half-written; killed while frozen)
-    let crun = runtime::crun(cfg)?;
-    runtime::crun::Crun { bin: &crun, globals }.kill(id, true);
+    crun.kill(id, true);
     FreezeGuard::recover(&store.dir.join(MARKER));
     podman::wait_stopped(id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
     let rootfs = crate::local::rootfs_for(cfg, store, id, pc.upperdir.clone())?;

@@ -153,6 +153,23 @@ impl Ctx {
         }
     }
 
+    /// [`Ctx::running`], with the container's exclusive lock taken for a statepoint (what is in
+    /// flight in it waited for, and said on stderr meanwhile) and what a killed planarian left
+    /// recovered: where a snapshot starts.
+    pub fn running_locked(engine: &Engine, name: &str) -> Result<(Ctx, std::fs::File)> {
+        let mut ctx = Ctx::running(engine, name)?;
+        let lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
+            eprintln!("waiting for what is in flight in {name} ({what})")
+        })?;
+        ctx.recover()?;
+        Ok((ctx, lock))
+    }
+
+    /// crun, as this operation calls it (its path and the container's global flags).
+    pub fn crun(&self) -> runtime::crun::Crun<'_> {
+        runtime::crun::Crun { bin: &self.crun, globals: &self.globals }
+    }
+
     fn running_now(engine: &Engine, name: &str) -> Result<Ctx> {
         if let Some(id) = lookup::storage_id(name) {
             if let Ok(ctx) = Ctx::load(engine, &id) {

@@ -536,7 +536,7 @@ enum InPlace {
 
 /// Kills the (frozen) container and waits until Podman sees it stopped, thawing it between.
 fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<()> {
-    crate::runtime::crun::Crun { bin: &ctx.crun, globals: &ctx.globals }.kill(&ctx.ctr.id, false);
+    ctx.crun().kill(&ctx.ctr.id, false);
     drop(frozen);
     Ok(podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?)
 }

@@ -399,7 +399,7 @@ impl<'a> Taking<'a> {
         let released = before_release(m);
         if released.is_ok() {
             let ctx = self.ctx;
-            crate::runtime::crun::Crun { bin: &ctx.crun, globals: &ctx.globals }.kill(&ctx.ctr.id, false);
+            ctx.crun().kill(&ctx.ctr.id, false);
         }
         drop(frozen);
         released
