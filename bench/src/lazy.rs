@@ -79,32 +79,31 @@ fn ask_sum(dir: &Path) -> Result<u64, String> {
 
 /// Present and soft-dirty pages of process `pid`'s private writable anonymous mappings.
 fn soft_dirty(pid: u32) -> Result<(u64, u64), String> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|e| e.to_string())?;
-    let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap")).map_err(|e| e.to_string())?;
+    use sys::proc::pagemap::{scan, PRESENT, SOFT_DIRTY};
+    use sys::proc::{PROT_READ, PROT_WRITE};
+    let me = sys::proc::Proc::of(pid as i32);
+    let pagemap = me.open("pagemap").map_err(|e| e.to_string())?;
     let (mut present, mut dirty) = (0, 0);
-    for l in maps.lines() {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        if f.len() > 5 || !f[1].starts_with("rw") || !f[1].ends_with('p') {
+    let rw = PROT_READ | PROT_WRITE;
+    for m in me.maps().map_err(|e| e.to_string())? {
+        if !m.path.is_empty() || m.prot & rw != rw || m.shared {
             continue;
         }
-        let Some((a, b)) = f[0].split_once('-') else { continue };
-        let (a, b) = (u64::from_str_radix(a, 16).unwrap_or(0), u64::from_str_radix(b, 16).unwrap_or(0));
-        let mut buf = vec![0u8; ((b - a) / 4096 * 8) as usize];
-        use std::os::unix::fs::FileExt;
-        pagemap.read_exact_at(&mut buf, a / 4096 * 8).map_err(|e| e.to_string())?;
-        for e in buf.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))) {
-            if e >> 63 & 1 == 1 {
+        let _ = scan(&pagemap, m.start, m.end, |_, e| {
+            if e & PRESENT != 0 {
                 present += 1;
-                dirty += e >> 55 & 1;
+                dirty += u64::from(e & SOFT_DIRTY != 0);
             }
-        }
+            std::ops::ControlFlow::Continue(())
+        })
+        .map_err(|e| e.to_string())?;
     }
     Ok((present, dirty))
 }
 
 fn kill(pid: u32) {
     let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-    until(Duration::from_secs(60), || !Path::new(&format!("/proc/{pid}")).exists());
+    until(Duration::from_secs(60), || !sys::proc::Proc::of(pid as i32).dir().exists());
 }
 
 fn criu(args: &[&str]) -> Result<(), String> {
@@ -145,7 +144,7 @@ fn one(mib: usize, base: &Path) -> Result<Row, String> {
     let (pid, want): (u32, u64) = (pid.parse().map_err(|_| "pid")?, want.trim().parse().map_err(|_| "sum")?);
     let i = img.to_str().unwrap_or_default();
     criu(&["dump", "-t", &pid.to_string(), "-D", i, "-o", "dump.log"])?;
-    until(Duration::from_secs(60), || !Path::new(&format!("/proc/{pid}")).exists());
+    until(Duration::from_secs(60), || !sys::proc::Proc::of(pid as i32).dir().exists());
 
     // Fully: every page copied before the process runs.
     let pidfile = dir.join("pid");
@@ -175,7 +174,7 @@ fn one(mib: usize, base: &Path) -> Result<Row, String> {
         return Err(e);
     }
     // (what the pre-resume hook does, as soon as it runs)
-    let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "4");
+    let _ = sys::proc::Proc::of(pid as i32).clear_soft_dirty();
     let _ = daemon.wait();
     let all_in = t.elapsed();
     let (present, dirty) = soft_dirty(pid)?;

@@ -5,10 +5,9 @@
 //! * [`restored_tree`], [`epoch`] and [`clear_soft_dirty`] are the pieces of the pre-resume hook.
 
 pub mod images;
-pub mod pagemap;
 
-use std::io;
 use std::path::Path;
+use sys::proc::Proc;
 
 pub const INVENTORY_MAGIC: u32 = 0x5831_3116;
 const DUMP_UPTIME_FIELD: u64 = 8;
@@ -222,17 +221,17 @@ pub fn ticks_to_usec(ticks: u64, clk_tck: u64) -> u64 {
 }
 
 /// The restored process tree under `root` (the init pid CRIU reports), zombies skipped.
-pub fn restored_tree(proc: &Path, root: i32) -> Vec<i32> {
+pub fn restored_tree(root: i32) -> Vec<i32> {
     let mut out = Vec::new();
     let mut todo = vec![root];
     while let Some(pid) = todo.pop() {
-        let pdir = proc.join(pid.to_string());
-        match sys::proc::state_and_start(&pdir.join("stat")) {
+        let p = Proc::of(pid);
+        match sys::proc::state_and_start(&p.path("stat")) {
             Some(('Z', _)) | None => continue,
             Some(_) => out.push(pid),
         }
-        for task in std::fs::read_dir(pdir.join("task")).into_iter().flatten().flatten() {
-            if let Ok(children) = std::fs::read_to_string(task.path().join("children")) {
+        for tid in p.threads().unwrap_or_default() {
+            if let Ok(children) = p.task(tid).read("children") {
                 todo.extend(children.split_whitespace().filter_map(|c| c.parse::<i32>().ok()));
             }
         }
@@ -241,11 +240,12 @@ pub fn restored_tree(proc: &Path, root: i32) -> Vec<i32> {
 }
 
 /// E = 1 + the latest start time (ticks) of every thread of the given processes.
-pub fn epoch(proc: &Path, pids: &[i32]) -> Result<u64, HookError> {
+pub fn epoch(pids: &[i32]) -> Result<u64, HookError> {
     let mut latest = None::<u64>;
-    for pid in pids {
-        for task in std::fs::read_dir(proc.join(pid.to_string()).join("task")).into_iter().flatten().flatten() {
-            if let Some((_, start)) = sys::proc::state_and_start(&task.path().join("stat")) {
+    for &pid in pids {
+        let p = Proc::of(pid);
+        for tid in p.threads().unwrap_or_default() {
+            if let Some((_, start)) = sys::proc::state_and_start(&p.task(tid).path("stat")) {
                 latest = Some(latest.map_or(start, |l| l.max(start)));
             }
         }
@@ -253,15 +253,10 @@ pub fn epoch(proc: &Path, pids: &[i32]) -> Result<u64, HookError> {
     latest.map(|l| l + 1).ok_or(HookError::NoStartTime)
 }
 
-/// Clears the soft-dirty bits of a process (`echo 4 > /proc/PID/clear_refs`).
-pub fn clear_soft_dirty(proc: &Path, pid: i32) -> io::Result<()> {
-    std::fs::write(proc.join(pid.to_string()).join("clear_refs"), "4")
-}
-
 /// System uptime in clock ticks.
-pub fn uptime_ticks(proc: &Path, clk_tck: u64) -> Result<u64, HookError> {
+pub fn uptime_ticks(clk_tck: u64) -> Result<u64, HookError> {
     let parse = || -> Option<u64> {
-        let s = std::fs::read_to_string(proc.join("uptime")).ok()?;
+        let s = sys::proc::system("uptime").ok()?;
         let secs = s.split_whitespace().next()?;
         let (whole, frac) = secs.split_once('.').unwrap_or((secs, "0"));
         let hundredths: u64 = format!("{frac:0<2}")[..2].parse().ok()?;
@@ -275,20 +270,18 @@ pub fn uptime_ticks(proc: &Path, clk_tck: u64) -> Result<u64, HookError> {
 /// reaches E, then record "E CLK_TCK" in `out` (temp file + rename: present only on success).
 pub fn pre_resume(init: i32, out: &Path) -> Result<(), HookError> {
     use std::time::{Duration, Instant};
-    let proc = Path::new("/proc");
     let clk =
         nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten().ok_or(HookError::ClockTicks)? as u64;
-    let tree = restored_tree(proc, init);
+    let tree = restored_tree(init);
     if tree.is_empty() {
         return Err(HookError::NoTree(init));
     }
     for pid in &tree {
-        clear_soft_dirty(proc, *pid)
-            .map_err(|e| sys::IoError::new("write", proc.join(pid.to_string()).join("clear_refs"), e))?;
+        Proc::of(*pid).clear_soft_dirty()?;
     }
-    let e = epoch(proc, &tree)?;
+    let e = epoch(&tree)?;
     let deadline = Instant::now() + Duration::from_secs(5);
-    while uptime_ticks(proc, clk)? < e {
+    while uptime_ticks(clk)? < e {
         if Instant::now() > deadline {
             return Err(HookError::Deadline(e));
         }
@@ -385,16 +378,15 @@ mod tests {
 
     #[test]
     fn tree_and_epoch_of_this_process() {
-        let proc = Path::new("/proc");
         let me = std::process::id() as i32;
         let mut child = std::process::Command::new("sleep").arg("5").spawn().unwrap();
-        let tree = restored_tree(proc, me);
+        let tree = restored_tree(me);
         assert!(tree.contains(&me) && tree.contains(&(child.id() as i32)), "{tree:?}");
-        let e = epoch(proc, &tree).unwrap();
-        let (_, child_start) = sys::proc::state_and_start(&proc.join(child.id().to_string()).join("stat")).unwrap();
+        let e = epoch(&tree).unwrap();
+        let (_, child_start) = sys::proc::state_and_start(&Proc::of(child.id() as i32).path("stat")).unwrap();
         assert!(e > child_start, "E must be after the latest start time");
         let clk = 100;
-        assert!(uptime_ticks(proc, clk).unwrap() + 1 >= e - 1);
+        assert!(uptime_ticks(clk).unwrap() + 1 >= e - 1);
         child.kill().unwrap();
         let _ = child.wait();
     }

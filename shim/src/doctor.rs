@@ -234,7 +234,7 @@ fn check_cgroup() -> Check {
     };
     if magic == CGROUP2_SUPER_MAGIC {
         // The freezer of cgroup v2 is cgroup.freeze in every non-root cgroup (Linux 5.2+).
-        let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+        let own = sys::proc::Proc::own().read("cgroup").unwrap_or_default();
         let rel = own.lines().find_map(|l| l.strip_prefix("0::")).unwrap_or("/").trim_start_matches('/');
         let probe = if rel.is_empty() { None } else { Some(root.join(rel).join("cgroup.freeze")) };
         let has_freeze =
@@ -325,10 +325,10 @@ fn check_zfs(cfg: &Config) -> Check {
 }
 
 fn process_running(comm: &str) -> bool {
-    std::fs::read_dir("/proc").is_ok_and(|rd| {
-        rd.filter_map(Result::ok)
-            .any(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim_end() == comm))
-    })
+    sys::proc::processes()
+        .unwrap_or_default()
+        .into_iter()
+        .any(|p| sys::proc::Proc::of(p).read("comm").is_ok_and(|c| c.trim_end() == comm))
 }
 
 fn check_store(cfg: &Config) -> Check {

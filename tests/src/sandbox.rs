@@ -231,7 +231,7 @@ impl Ctr {
     /// under emulation an exec costs a second or more, and a test sends hundreds of commands.
     /// Its PID is looked up again when a restore gave the container another one.
     pub fn root(&self) -> Option<std::path::PathBuf> {
-        Some(format!("/proc/{}/root", self.pid()?).into())
+        Some(sys::proc::Proc::of(self.pid()? as i32).root())
     }
 
     /// The host PID of the container's first process, while it runs and is not frozen.
@@ -239,10 +239,9 @@ impl Ctr {
         // (its cgroup, while PID is the container's first process: PID 1 in its namespace; a
         // restore gives that process another host PID, which another of its processes may reuse)
         let cgroup = |id: &str, pid: u32| {
-            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-            let nspid = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
-            (nspid.split_whitespace().last()? == "1").then_some(())?;
-            let c = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+            let p = sys::proc::Proc::of(pid as i32);
+            (p.status().ok()?.number("NSpid")? == 1).then_some(())?;
+            let c = p.read("cgroup").ok()?;
             let path = c.lines().find_map(|l| l.strip_prefix("0::"))?.to_string();
             path.contains(id).then_some(path)
         };

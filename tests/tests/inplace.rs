@@ -300,8 +300,8 @@ fn assert_dump_equals(target: &Path, dump: &Path) {
 
 /// Pages of process `pid` in `[lo, hi)` (present, not the zero page).
 fn present(pid: u32, lo: u64, hi: u64) -> u64 {
-    let zero = criu_hooks::pagemap::zero_pfn();
-    criu_hooks::pagemap::pages(pid as i32, lo, hi, zero).unwrap().iter().map(|r| (r.1 - r.0) / images::PAGE_SIZE).sum()
+    let zero = sys::proc::pagemap::zero_pfn();
+    sys::proc::pagemap::pages(pid as i32, lo, hi, zero).unwrap().iter().map(|r| (r.1 - r.0) / images::PAGE_SIZE).sum()
 }
 
 /// Rolls back with `--json`, paused after the safety statepoint (the sandbox frozen and dumped)

@@ -155,8 +155,8 @@ pub struct Clock {
 impl Clock {
     pub fn now() -> Option<Clock> {
         let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?.as_secs();
-        let uptime = std::fs::read_to_string("/proc/uptime").ok()?.split_whitespace().next()?.parse().ok()?;
-        let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?.trim().to_string();
+        let uptime = sys::proc::system("uptime").ok()?.split_whitespace().next()?.parse().ok()?;
+        let boot_id = sys::proc::system("sys/kernel/random/boot_id").ok()?.trim().to_string();
         Some(Clock { wall, uptime, boot_id })
     }
 

@@ -1,6 +1,299 @@
-//! `/proc`, read in one place: the mount table of a process and the fields of its `stat`.
+//! `/proc`, read in one place: a process's or a thread's files ([`Proc`]), its mount table, its
+//! memory map, the fields of its `stat` and `status`, and its page map ([`pagemap`]).
 
+pub mod pagemap;
+
+use crate::{Context, IoError};
 use std::path::{Path, PathBuf};
+
+/// The size of a page on the machines planarian runs on (x86-64).
+pub const PAGE_SIZE: u64 = 4096;
+
+/// A process, or one thread of it, as `/proc` shows it. Every read names the file in its error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Proc {
+    pid: i32,
+    tid: Option<i32>,
+}
+
+impl Proc {
+    /// Process `pid` (its main thread for per-thread files).
+    pub fn of(pid: i32) -> Proc {
+        Proc { pid, tid: None }
+    }
+
+    /// This process.
+    pub fn own() -> Proc {
+        Proc::of(std::process::id() as i32)
+    }
+
+    /// Thread `tid` of this process (`/proc/PID/task/TID`).
+    pub fn task(self, tid: i32) -> Proc {
+        Proc { pid: self.pid, tid: Some(tid) }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// This process's directory in `/proc`.
+    pub fn dir(&self) -> PathBuf {
+        match self.tid {
+            None => PathBuf::from(format!("/proc/{}", self.pid)),
+            Some(t) => PathBuf::from(format!("/proc/{}/task/{t}", self.pid)),
+        }
+    }
+
+    /// One of its files: `/proc/PID/NAME` (`NAME` may be a path: `ns/net`, `fdinfo/3`).
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir().join(name)
+    }
+
+    /// A file's text.
+    pub fn read(&self, name: &str) -> Result<String, IoError> {
+        let p = self.path(name);
+        std::fs::read_to_string(&p).at("read", p)
+    }
+
+    /// A file's bytes (`cmdline`, `environ`: NUL-separated).
+    pub fn read_bytes(&self, name: &str) -> Result<Vec<u8>, IoError> {
+        let p = self.path(name);
+        std::fs::read(&p).at("read", p)
+    }
+
+    /// Opens a file to read (`mem`, `pagemap`, `ns/*`).
+    pub fn open(&self, name: &str) -> Result<std::fs::File, IoError> {
+        let p = self.path(name);
+        std::fs::File::open(&p).at("open", p)
+    }
+
+    /// Opens `mem` to read and write: writes reach even read-only private mappings.
+    pub fn open_mem_rw(&self) -> Result<std::fs::File, IoError> {
+        let p = self.path("mem");
+        std::fs::OpenOptions::new().read(true).write(true).open(&p).at("open", p)
+    }
+
+    /// Writes a control file (`clear_refs`, `oom_score_adj`).
+    pub fn write(&self, name: &str, value: &str) -> Result<(), IoError> {
+        let p = self.path(name);
+        std::fs::write(&p, value).at("write", p)
+    }
+
+    /// Where a symbolic link of it points (`fd/N`, `cwd`, `ns/mnt`).
+    pub fn link(&self, name: &str) -> Result<PathBuf, IoError> {
+        let p = self.path(name);
+        std::fs::read_link(&p).at("read the link", p)
+    }
+
+    /// The process's view of the file system: `/proc/PID/root`.
+    pub fn root(&self) -> PathBuf {
+        self.path("root")
+    }
+
+    /// The numbered entries of one of its directories (`task`, `fd`), in order.
+    pub fn numbered(&self, name: &str) -> Result<Vec<i32>, IoError> {
+        let p = self.path(name);
+        let mut out: Vec<i32> = std::fs::read_dir(&p)
+            .at("read", &p)?
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .collect();
+        out.sort_unstable();
+        Ok(out)
+    }
+
+    /// Its threads' IDs, in order (`/proc/PID/task`).
+    pub fn threads(&self) -> Result<Vec<i32>, IoError> {
+        Proc::of(self.pid).numbered("task")
+    }
+
+    /// Its open descriptors, in order (`/proc/PID/fd`).
+    pub fn fds(&self) -> Result<Vec<i32>, IoError> {
+        self.numbered("fd")
+    }
+
+    /// Where descriptor `fd` points (`pipe:[123]`, a path), empty when it cannot be read.
+    pub fn fd_target(&self, fd: i32) -> String {
+        self.link(&format!("fd/{fd}")).map(|p| p.display().to_string()).unwrap_or_default()
+    }
+
+    /// Descriptor `fd`'s `fdinfo` text.
+    pub fn fdinfo(&self, fd: i32) -> Result<String, IoError> {
+        self.read(&format!("fdinfo/{fd}"))
+    }
+
+    /// Its memory map (`/proc/PID/maps`).
+    pub fn maps(&self) -> Result<Vec<MapLine>, IoError> {
+        self.read("maps").map(|t| parse_maps(&t))
+    }
+
+    /// Its `status` file.
+    pub fn status(&self) -> Result<Status, IoError> {
+        self.read("status").map(Status)
+    }
+
+    /// Its `stat` file.
+    pub fn stat(&self) -> Result<Stat, IoError> {
+        self.read("stat").map(Stat)
+    }
+
+    /// Its command line's arguments (`/proc/PID/cmdline`).
+    pub fn cmdline(&self) -> Result<Vec<String>, IoError> {
+        let b = self.read_bytes("cmdline")?;
+        Ok(b.split(|c| *c == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect())
+    }
+
+    /// Its mount table.
+    pub fn mounts(&self) -> Result<Vec<Mount>, IoError> {
+        self.read("mountinfo").map(|t| parse_mountinfo(&t))
+    }
+
+    /// Clears its soft-dirty bits (`clear_refs` 4, as CRIU's `--track-mem` does).
+    pub fn clear_soft_dirty(&self) -> Result<(), IoError> {
+        self.write("clear_refs", "4")
+    }
+}
+
+/// The processes there are now (the numbered entries of `/proc`), in order.
+pub fn processes() -> Result<Vec<i32>, IoError> {
+    let mut out: Vec<i32> = std::fs::read_dir("/proc")
+        .at("read", "/proc")?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    out.sort_unstable();
+    Ok(out)
+}
+
+/// A file of `/proc` itself, not of a process (`uptime`, `sys/kernel/random/boot_id`,
+/// `sysvipc/shm`: the last as the reading thread's IPC namespace sees it).
+pub fn system(name: &str) -> Result<String, IoError> {
+    let p = Path::new("/proc").join(name);
+    std::fs::read_to_string(&p).at("read", p)
+}
+
+/// A `status` file's text (proc(5)): `Key:\tvalue` lines.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Status(pub String);
+
+impl Status {
+    /// A key's value; for the `NS*` keys (one value per PID namespace), the innermost one.
+    pub fn field(&self, key: &str) -> Option<String> {
+        status_field(&self.0, key)
+    }
+
+    /// A key's value as a number (see [`Status::field`]).
+    pub fn number(&self, key: &str) -> Option<u64> {
+        self.field(key)?.parse().ok()
+    }
+
+    /// A key's whole value, as written (`Uid:`'s four IDs).
+    pub fn raw(&self, key: &str) -> Option<&str> {
+        self.0.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(':')).map(str::trim)
+    }
+
+    /// The state letter (`State:`), `?` when absent.
+    pub fn state(&self) -> char {
+        self.raw("State").and_then(|s| s.chars().next()).unwrap_or('?')
+    }
+
+    pub fn text(&self) -> &str {
+        &self.0
+    }
+}
+
+/// `Key:\tvalue` of a status text; for the `NS*` keys, the innermost namespace's value.
+pub fn status_field(status: &str, key: &str) -> Option<String> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .map(|v| v.split_whitespace().last().unwrap_or("").to_string())
+}
+
+/// A `stat` file's text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stat(pub String);
+
+impl Stat {
+    /// Field `n`, numbered as in proc(5) (see [`stat_text_field`]).
+    pub fn field(&self, n: usize) -> Option<&str> {
+        stat_text_field(&self.0, n)
+    }
+
+    /// The state letter (field 3).
+    pub fn state(&self) -> Option<char> {
+        self.field(3)?.chars().next()
+    }
+}
+
+pub const PROT_READ: u32 = 1;
+pub const PROT_WRITE: u32 = 2;
+pub const PROT_EXEC: u32 = 4;
+
+/// One line of `/proc/PID/maps`: the range, protection, shared or private, offset, inode and
+/// name (a path, `[heap]`, `[stack]`, `[anon:…]`, or empty).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapLine {
+    pub start: u64,
+    pub end: u64,
+    pub prot: u32,
+    pub shared: bool,
+    pub offset: u64,
+    /// The file's device (major, minor).
+    pub dev: (u64, u64),
+    pub inode: u64,
+    pub path: String,
+}
+
+impl MapLine {
+    /// Its name in `/proc/PID/map_files` (the range, in unpadded hex).
+    pub fn range_name(&self) -> String {
+        format!("{:x}-{:x}", self.start, self.end)
+    }
+
+    /// A kernel-provided mapping: the vDSO, its data, the legacy vsyscall page.
+    pub fn is_special(&self) -> bool {
+        matches!(self.path.as_str(), "[vdso]" | "[vvar]" | "[vsyscall]" | "[vvar_vclock]")
+    }
+
+    /// Private anonymous memory (the heap, the stack, unnamed or named anonymous mappings).
+    pub fn is_anon_private(&self) -> bool {
+        self.inode == 0
+            && !self.shared
+            && !self.is_special()
+            && (self.path.is_empty()
+                || self.path == "[heap]"
+                || self.path == "[stack]"
+                || self.path.starts_with("[anon:"))
+    }
+}
+
+/// The lines of a `maps` text that parse.
+pub fn parse_maps(text: &str) -> Vec<MapLine> {
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.splitn(6, ' ');
+            let (range, perms, offset, dev, inode) = (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
+            let path = f.next().unwrap_or("").trim_start().to_string();
+            let (s, e) = range.split_once('-')?;
+            let (major, minor) = dev.split_once(':')?;
+            let p = perms.as_bytes();
+            let prot = (if p.first() == Some(&b'r') { PROT_READ } else { 0 })
+                | (if p.get(1) == Some(&b'w') { PROT_WRITE } else { 0 })
+                | (if p.get(2) == Some(&b'x') { PROT_EXEC } else { 0 });
+            Some(MapLine {
+                start: u64::from_str_radix(s, 16).ok()?,
+                end: u64::from_str_radix(e, 16).ok()?,
+                prot,
+                shared: p.get(3) == Some(&b's'),
+                offset: u64::from_str_radix(offset, 16).ok()?,
+                dev: (u64::from_str_radix(major, 16).ok()?, u64::from_str_radix(minor, 16).ok()?),
+                inode: inode.parse().ok()?,
+                path,
+            })
+        })
+        .collect()
+}
 
 /// One line of `/proc/PID/mountinfo` (proc(5)): mount point (unescaped), per-mount options,
 /// filesystem type, source (unescaped) and the filesystem's own (superblock) options.
@@ -148,6 +441,39 @@ mod tests {
         assert_eq!(unescape("/a\\040b\\134c"), "/a b\\c");
         assert_eq!(unescape("/ü\\011x"), "/ü\tx");
         assert_eq!(unescape("/end\\04"), "/end\\04");
+    }
+
+    #[test]
+    fn maps_lines_parse_and_classify() {
+        let m = parse_maps(
+            "55d0c0a00000-55d0c0a21000 rw-p 00000000 00:00 0                          [heap]\n\
+             7f00000000-7f00001000 r-xp 00002000 fd:01 1234                       /usr/lib/libc.so.6\n\
+             7ffd0000-7ffd1000 rw-p 00000000 00:00 0 \n\
+             7fff0000-7fff2000 r-xp 00000000 00:00 0                          [vdso]\n",
+        );
+        assert_eq!(m.len(), 4);
+        assert!(m[0].is_anon_private() && !m[1].is_anon_private() && m[2].is_anon_private() && !m[3].is_anon_private());
+        assert!(m[3].is_special() && !m[0].is_special());
+        assert_eq!((m[1].prot, m[1].offset, m[1].path.as_str()), (PROT_READ | PROT_EXEC, 0x2000, "/usr/lib/libc.so.6"));
+        assert_eq!((m[1].dev, m[1].inode, m[1].shared), ((0xfd, 1), 1234, false));
+        assert_eq!(m[2].range_name(), "7ffd0000-7ffd1000");
+        assert_eq!(status_field("NSpid:\t4242\t7\nPPid:\t1\n", "NSpid").as_deref(), Some("7"));
+        let st = Status("State:\tS (sleeping)\nNSpid:\t4242\t7\nUid:\t0\t0\t0\t0\n".into());
+        assert_eq!((st.state(), st.number("NSpid"), st.raw("Uid")), ('S', Some(7), Some("0\t0\t0\t0")));
+    }
+
+    #[test]
+    fn a_process_read_through_its_handle() {
+        let me = Proc::of(std::process::id() as i32);
+        assert!(me.maps().unwrap().iter().any(|m| m.path == "[stack]"));
+        assert_eq!(me.status().unwrap().number("Pid"), Some(u64::from(std::process::id())));
+        let tids = me.threads().unwrap();
+        assert!(tids.contains(&me.pid()));
+        assert_eq!(me.task(me.pid()).status().unwrap().number("Pid"), Some(u64::from(std::process::id())));
+        assert!(!me.fds().unwrap().is_empty());
+        assert!(me.cmdline().unwrap()[0].contains("sys"));
+        let e = Proc::of(-1).read("maps").unwrap_err();
+        assert!(e.to_string().starts_with("cannot read /proc/-1/maps: "), "{e}");
     }
 
     #[test]

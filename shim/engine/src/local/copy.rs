@@ -25,6 +25,7 @@ use super::{Error, Result};
 use crate::store::LocalState;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use sys::proc::Proc;
 
 pub struct CopyRootfs {
     pub upperdir: PathBuf,
@@ -264,20 +265,14 @@ fn is_mapped(md: &std::fs::Metadata, mapped: &Mapped) -> bool {
 fn shared_writable(pids: &[i32]) -> Mapped {
     let mut out = Mapped::new();
     for pid in pids {
-        let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else { continue };
-        for line in maps.lines() {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            let (Some(range), Some(perms), Some(dev), Some(ino)) = (f.first(), f.get(1), f.get(3), f.get(4)) else {
-                continue;
-            };
-            let (b, p) = (perms.as_bytes(), ino.parse::<u64>().unwrap_or(0));
-            if b.len() < 4 || b[1] != b'w' || b[3] != b's' || p == 0 {
+        let proc = Proc::of(*pid);
+        let Ok(maps) = proc.maps() else { continue };
+        for m in maps {
+            if m.prot & sys::proc::PROT_WRITE == 0 || !m.shared || m.inode == 0 {
                 continue;
             }
-            let Some((maj, min)) = dev.split_once(':') else { continue };
-            let (Ok(maj), Ok(min)) = (u64::from_str_radix(maj, 16), u64::from_str_radix(min, 16)) else { continue };
-            if out.insert((maj, min, p)) {
-                if let Ok(file) = std::fs::File::open(format!("/proc/{pid}/map_files/{range}")) {
+            if out.insert((m.dev.0, m.dev.1, m.inode)) {
+                if let Ok(file) = proc.open(&format!("map_files/{}", m.range_name())) {
                     let _ = file.sync_data();
                 }
             }

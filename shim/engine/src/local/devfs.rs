@@ -95,7 +95,7 @@ pub fn dev_mount(mounts: &[Mount]) -> Option<DevMount> {
 /// Records the tmpfs at `/proc/PID/root/dev` into `dir` (`dev.json`, `dev.data`). The container
 /// is frozen. Files are written then renamed into place, so a half-written archive never counts.
 pub fn save(pid: i32, dev: &DevMount, dir: &Path) -> Result<()> {
-    save_from(&PathBuf::from(format!("/proc/{pid}/root/dev")), dev, dir)
+    save_from(&sys::proc::Proc::of(pid).root().join("dev"), dev, dir)
 }
 
 fn save_from(root: &Path, dev: &DevMount, dir: &Path) -> Result<()> {

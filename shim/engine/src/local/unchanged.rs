@@ -20,9 +20,9 @@
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
-use std::io::Read;
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
 use std::path::Path;
+use sys::proc::Proc;
 
 /// The file beside a dump's images that holds its fingerprint.
 pub const FILE: &str = "unchanged.json";
@@ -34,6 +34,12 @@ const MAX_PAGES: u64 = 1 << 24;
 #[derive(Debug, PartialEq)]
 pub struct Unfit(pub String);
 
+impl From<sys::IoError> for Unfit {
+    fn from(e: sys::IoError) -> Unfit {
+        Unfit(e.to_string())
+    }
+}
+
 /// The fingerprint of the frozen tree of the container whose processes are `pids` and whose
 /// first process is `init`.
 pub fn fingerprint(pids: &[i32], init: i32) -> Result<u64, Unfit> {
@@ -42,7 +48,7 @@ pub fn fingerprint(pids: &[i32], init: i32) -> Result<u64, Unfit> {
         return Err(Unfit("no process".into()));
     }
     pids.hash(&mut h);
-    let mnt = |pid: i32| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
+    let mnt = |pid: i32| Proc::of(pid).link("ns/mnt").ok();
     for &pid in pids {
         // (the mounts compared are init's: a process in a mount namespace of its own is a doubt)
         if mnt(pid) != mnt(init) {
@@ -50,44 +56,29 @@ pub fn fingerprint(pids: &[i32], init: i32) -> Result<u64, Unfit> {
         }
         process(pid, &mut h)?;
     }
-    let mounts = read(&format!("/proc/{init}/mountinfo"))?;
+    let mounts = Proc::of(init).read("mountinfo")?;
     mounts.hash(&mut h);
     namespaces(init, &mut h)?;
     for m in sys::proc::parse_mountinfo(&mounts) {
         // What CRIU archives of the container's own file systems (planarian keeps /dev).
         if matches!(m.fstype.as_str(), "tmpfs" | "mqueue") && m.point != "/dev" {
-            tree(&Path::new(&format!("/proc/{init}/root")).join(m.point.trim_start_matches('/')), &mut h)?;
+            tree(&Proc::of(init).root().join(m.point.trim_start_matches('/')), &mut h)?;
         }
     }
     Ok(h.finish())
 }
 
-/// The numbered entries of a `/proc` directory (threads, descriptors), in order.
-fn numbered(dir: &str) -> Result<Vec<u32>, Unfit> {
-    let mut v: Vec<u32> = std::fs::read_dir(dir)
-        .map_err(|e| Unfit(format!("{dir}: {e}")))?
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse().ok())
-        .collect();
-    v.sort_unstable();
-    Ok(v)
-}
-
-fn read(path: &str) -> Result<String, Unfit> {
-    std::fs::read_to_string(path).map_err(|e| Unfit(format!("{path}: {e}")))
-}
-
 /// One process and its threads.
 fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
-    let proc = format!("/proc/{pid}");
-    for tid in numbered(&format!("{proc}/task"))? {
-        let task = format!("{proc}/task/{tid}");
+    let proc = Proc::of(pid);
+    for tid in proc.threads()? {
+        let task = proc.task(tid);
         // State, priority and nice, start time, real-time priority and policy (not the counters).
-        let stat = read(&format!("{task}/stat"))?;
+        let stat = task.read("stat")?;
         let fields: Vec<Option<&str>> =
             [3, 18, 19, 22, 40, 41].into_iter().map(|n| sys::proc::stat_text_field(&stat, n)).collect();
         (tid, fields).hash(h);
-        let status = read(&format!("{task}/status"))?;
+        let status = task.read("status")?;
         let kept = [
             "Name:",
             "Umask:",
@@ -109,12 +100,12 @@ fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
             l.hash(h);
         }
         // The system call it waits in, with its arguments, stack and instruction pointers.
-        read(&format!("{task}/syscall"))?.hash(h);
+        task.read("syscall")?.hash(h);
     }
-    if !read(&format!("{proc}/timers")).unwrap_or_default().trim().is_empty() {
+    if !proc.read("timers").unwrap_or_default().trim().is_empty() {
         return Err(Unfit(format!("process {pid} has POSIX timers")));
     }
-    let maps = read(&format!("{proc}/maps"))?;
+    let maps = proc.read("maps")?;
     for l in maps.lines() {
         let perms = l.split_whitespace().nth(1).unwrap_or("");
         // Shared writable memory another process may write (its page tables, not these, would
@@ -127,14 +118,14 @@ fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
     }
     maps.hash(h);
     for f in ["limits", "oom_score_adj", "timerslack_ns"] {
-        read(&format!("{proc}/{f}")).ok().hash(h);
+        proc.read(f).ok().hash(h);
     }
     for link in ["cwd", "root", "exe", "ns/ipc", "ns/uts", "ns/pid", "ns/net", "ns/cgroup", "ns/user"] {
-        std::fs::read_link(format!("{proc}/{link}")).ok().hash(h);
+        proc.link(link).ok().hash(h);
     }
-    for fd in numbered(&format!("{proc}/fd"))? {
-        let path = format!("{proc}/fd/{fd}");
-        let target = std::fs::read_link(&path).map_err(|e| Unfit(format!("{path}: {e}")))?;
+    for fd in proc.fds()? {
+        let path = proc.path(&format!("fd/{fd}"));
+        let target = proc.link(&format!("fd/{fd}"))?;
         let t = target.to_string_lossy();
         // What the kernel holds for these is in fdinfo (an eventfd's count, a timerfd's ticks and
         // time left, a signalfd's mask, an epoll's watches); a socket's queues, an inotify's
@@ -146,12 +137,12 @@ fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
         }
         (fd, &t).hash(h);
         // Offset, flags, and for an epoll the descriptors it watches.
-        read(&format!("{proc}/fdinfo/{fd}"))?.hash(h);
+        proc.fdinfo(fd)?.hash(h);
         if let Ok(md) = std::fs::metadata(&path) {
             (md.dev(), md.ino(), md.size(), md.mtime(), md.mtime_nsec(), md.ctime(), md.ctime_nsec()).hash(h);
             if md.file_type().is_fifo() {
                 // What a pipe holds: a write moves its times, a read only the bytes queued.
-                queued(pid, fd)?.hash(h);
+                queued(pid, fd as u32)?.hash(h);
             }
         }
     }
@@ -211,16 +202,12 @@ fn namespaces(init: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
         s.spawn(|| -> Result<(Vec<String>, String), String> {
             use nix::sched::{setns, CloneFlags};
             for (ns, flag) in [("ipc", CloneFlags::CLONE_NEWIPC), ("uts", CloneFlags::CLONE_NEWUTS)] {
-                let f = std::fs::File::open(format!("/proc/{init}/ns/{ns}")).map_err(|e| e.to_string())?;
+                let f = Proc::of(init).open(&format!("ns/{ns}")).map_err(|e| e.to_string())?;
                 setns(f, flag).map_err(|e| format!("setns {ns}: {e}"))?;
             }
             let mut ipc = Vec::new();
             for f in ["shm", "msg", "sem"] {
-                let mut text = String::new();
-                std::fs::File::open(format!("/proc/sysvipc/{f}"))
-                    .and_then(|mut r| r.read_to_string(&mut text))
-                    .map_err(|e| e.to_string())?;
-                ipc.push(text);
+                ipc.push(sys::proc::system(&format!("sysvipc/{f}")).map_err(|e| e.to_string())?);
             }
             let u = nix::sys::utsname::uname().map_err(|e| e.to_string())?;
             Ok((ipc, format!("{:?} {:?}", u.nodename(), u.domainname())))
@@ -293,14 +280,13 @@ pub fn memory_differs(pids: &[i32], base: &Path) -> Result<Option<String>, Unfit
         let vpid = virtual_pid(pid)?;
         let runs = criu_hooks::images::memory(base, vpid).map_err(|e| Unfit(e.to_string()))?;
         let cpu_fields = rseq_cpu_fields(base, vpid)?;
-        let mem =
-            std::fs::File::open(format!("/proc/{pid}/mem")).map_err(|e| Unfit(format!("/proc/{pid}/mem: {e}")))?;
+        let mem = Proc::of(pid).open("mem")?;
         let (mut now, mut then) = (vec![0u8; PAGE as usize], vec![0u8; PAGE as usize]);
         for (addr, present) in dirty {
             let i = runs.partition_point(|r| r.end() <= addr);
             let run = runs.get(i).filter(|r| r.vaddr <= addr);
             let mapping = || {
-                let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+                let maps = Proc::of(pid).read("maps").unwrap_or_default();
                 maps.lines().find(|l| range(l).is_some_and(|(a, b)| a <= addr && addr < b)).unwrap_or("").to_string()
             };
             match (present, run) {
@@ -377,12 +363,11 @@ const PAGE: u64 = 4096;
 /// The soft-dirty pages of process `pid` (address, present or swapped), or `None` when there
 /// are more than are compared or its map is larger than is scanned.
 fn soft_dirty_pages(pid: i32) -> Result<Option<Vec<(u64, bool)>>, Unfit> {
-    use criu_hooks::pagemap::{scan, PRESENT, SOFT_DIRTY, SWAPPED};
+    use sys::proc::pagemap::{scan, PRESENT, SOFT_DIRTY, SWAPPED};
     let mut budget = MAX_PAGES;
     let mut out = Vec::new();
-    let maps = read(&format!("/proc/{pid}/maps"))?;
-    let pagemap =
-        std::fs::File::open(format!("/proc/{pid}/pagemap")).map_err(|e| Unfit(format!("/proc/{pid}/pagemap: {e}")))?;
+    let maps = Proc::of(pid).read("maps")?;
+    let pagemap = Proc::of(pid).open("pagemap")?;
     for (lo, hi) in maps.lines().filter(|l| !l.ends_with("[vsyscall]")).filter_map(range) {
         let Some(left) = budget.checked_sub((hi - lo) / PAGE) else { return Ok(None) };
         budget = left;
@@ -412,11 +397,10 @@ fn range(line: &str) -> Option<(u64, u64)> {
 
 /// Process `pid` as its own PID namespace numbers it (CRIU's images do).
 fn virtual_pid(pid: i32) -> Result<u32, Unfit> {
-    let status = read(&format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("NSpid:"))
-        .and_then(|v| v.split_whitespace().last()?.parse().ok())
+    Proc::of(pid)
+        .status()?
+        .number("NSpid")
+        .and_then(|v| u32::try_from(v).ok())
         .ok_or_else(|| Unfit(format!("process {pid}: no NSpid")))
 }
 
@@ -429,7 +413,7 @@ mod tests {
     /// some once it has read one.
     #[test]
     fn a_waiting_process_is_untouched_and_one_that_ran_is_written() {
-        if !criu_hooks::pagemap::soft_dirty_kept() {
+        if !sys::proc::pagemap::soft_dirty_kept() {
             eprintln!("SKIPPED: this kernel keeps no soft-dirty bits");
             return;
         }

@@ -81,9 +81,7 @@ pub fn upperdir_mounted(upper: &Path) -> bool {
 /// Writes crun's record of a running container (`<root>/<id>/status` and the config), as crun
 /// itself does after a restore, so later crun verbs know it.
 pub fn register_with_crun(globals: &Globals, id: &str, pid: i32, bundle: &Path, spec: &Spec) -> Result<()> {
-    let descriptors: Vec<String> = (0..3)
-        .map(|i| std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default())
-        .collect();
+    let descriptors: Vec<String> = (0..3).map(|i| sys::proc::Proc::of(pid).fd_target(i)).collect();
     let root = globals.root.clone().unwrap_or_else(|| PathBuf::from(CRUN_ROOT));
     let dir = root.join(id);
     std::fs::create_dir_all(&dir).at("create", &dir)?;

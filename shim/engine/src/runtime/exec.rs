@@ -49,7 +49,7 @@ pub fn in_own_session(process: &Value, init_pid: i32) -> Option<Vec<Value>> {
         path_var.split(':').filter(|d| !d.is_empty()).map(|d| Path::new(d).join(command)).collect()
     };
     let cwd = process["cwd"].as_str().unwrap_or("/");
-    let setsid = resolve_in(Path::new(&format!("/proc/{init_pid}/root")), cwd, &candidates)?;
+    let setsid = resolve_in(&sys::proc::Proc::of(init_pid).root(), cwd, &candidates)?;
     let mut out = vec![Value::from(setsid)];
     out.extend(args.iter().cloned());
     Some(out)

@@ -43,9 +43,7 @@ pub fn hold_until_exit(lock: File, pid: i32, store_dir: &Path, what: &str, max: 
     std::fs::create_dir_all(dir(store_dir)).map_err(|e| format!("cannot create {}: {e}", dir(store_dir).display()))?;
     std::fs::write(&note, what).map_err(|e| format!("cannot write {}: {e}", note.display()))?;
     let keep = [lock.as_raw_fd(), pidfd.as_raw_fd()];
-    let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
-        .map(|d| d.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
-        .unwrap_or_default();
+    let fds: Vec<i32> = sys::proc::Proc::own().fds().unwrap_or_default();
     let note_c = std::ffi::CString::new(note.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
     let devnull = c"/dev/null";
     // SAFETY: the runtime is single-threaded here; the child only makes system calls on values
@@ -88,7 +86,8 @@ pub fn list(store_dir: &Path) -> Vec<String> {
         .filter_map(|e| {
             let pid: i32 = e.file_name().to_str()?.parse().ok()?;
             // (a note left by a holder that was killed names no live process)
-            Path::new(&format!("/proc/{pid}"))
+            sys::proc::Proc::of(pid)
+                .dir()
                 .exists()
                 .then(|| format!("pid {pid}: {}", std::fs::read_to_string(e.path()).unwrap_or_default().trim()))
         })

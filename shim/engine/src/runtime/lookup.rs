@@ -107,7 +107,7 @@ pub fn storage_id(name: &str) -> Option<String> {
 /// when that cannot be read.
 pub fn runtime_is_planarian(pid: i32) -> Option<bool> {
     let ppid = sys::proc::parent_pid(pid)?;
-    let cmdline = std::fs::read(format!("/proc/{ppid}/cmdline")).ok()?;
+    let cmdline = sys::proc::Proc::of(ppid).read_bytes("cmdline").ok()?;
     let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
     use std::os::unix::ffi::OsStrExt;
     let runtime = if args.first().is_some_and(|a| a.ends_with(b"conmon")) {
@@ -115,7 +115,7 @@ pub fn runtime_is_planarian(pid: i32) -> Option<bool> {
         PathBuf::from(std::ffi::OsStr::from_bytes(r))
     } else if args.first().is_some_and(|a| a.ends_with(SHIM.as_bytes())) {
         // (the shim runs in the task's bundle, where it keeps the runtime it was given)
-        let bundle = std::fs::read_link(format!("/proc/{ppid}/cwd")).ok()?;
+        let bundle = sys::proc::Proc::of(ppid).link("cwd").ok()?;
         match std::fs::read_to_string(bundle.join("runtime")) {
             Ok(r) if !r.trim().is_empty() => PathBuf::from(r.trim()),
             _ => PathBuf::from(shim_binary(&bundle)?),

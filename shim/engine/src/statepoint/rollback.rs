@@ -736,7 +736,7 @@ fn in_place(
 /// statepoint whose files' capture of this freeze it is.
 fn files_at(pid: i32, mounts: &[sys::proc::Mount], store: &ContainerStore, safety_id: &str) -> InPlaceAt {
     InPlaceAt {
-        root: PathBuf::from(format!("/proc/{pid}/root")),
+        root: sys::proc::Proc::of(pid).root(),
         lowers: crate::local::zfs::layers::overlay_layers(mounts, Path::new("/")).map(|l| l.lower).unwrap_or_default(),
         mounted: mounts
             .iter()
@@ -762,7 +762,7 @@ fn dev_unchanged(
     };
     let then =
         crate::local::devfs::Restored::mount(sp_dir, &store.dir.join("in-place-dev")).map_err(|e| e.to_string())?;
-    let live = PathBuf::from(format!("/proc/{pid}/root/dev"));
+    let live = sys::proc::Proc::of(pid).root().join("dev");
     let children: Vec<PathBuf> = dev.children.iter().map(PathBuf::from).collect();
     let differs =
         crate::local::treesync::plan(&then.path, &live, &live, &[], false, &children).map_err(|e| e.to_string())?;
@@ -778,7 +778,7 @@ fn dev_unchanged(
 /// the next dump full.
 fn record_base(store: &ContainerStore, target: &Manifest, pid: i32, pids: &[i32]) {
     let init_start = sys::proc::start_time(pid).unwrap_or(0);
-    let epoch = criu_hooks::epoch(Path::new("/proc"), pids)
+    let epoch = criu_hooks::epoch(pids)
         .ok()
         .zip(nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten())
         .map(|(e, clk)| crate::chain::Epoch::Recorded(criu_hooks::ticks_to_usec(e, clk as u64)))
@@ -816,12 +816,7 @@ fn stdio_pairs(sp_dir: &Path, pid: i32) -> Vec<(String, String)> {
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default();
-    then.into_iter()
-        .enumerate()
-        .map(|(i, t)| {
-            (t, std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default())
-        })
-        .collect()
+    then.into_iter().enumerate().map(|(i, t)| (t, sys::proc::Proc::of(pid).fd_target(i as i32))).collect()
 }
 
 /// A question asked on a thread of its own beside the rollback, waited for only where its

@@ -447,7 +447,7 @@ fn unchanged_since_base(
     if unchanged::timers_armed(&dir).map_err(|u| u.0)? {
         return Err(format!("a timer was armed at {sp}"));
     }
-    if !criu_hooks::pagemap::soft_dirty_kept() {
+    if !sys::proc::pagemap::soft_dirty_kept() {
         return Err("this kernel keeps no soft-dirty bits".into());
     }
     match unchanged::memory_differs(pids, &dir) {
@@ -562,8 +562,7 @@ impl DumpSetting {
 
 /// The network namespace process `pid` is in.
 fn open_netns(pid: i32) -> Result<std::os::fd::OwnedFd> {
-    let p = format!("/proc/{pid}/ns/net");
-    Ok(std::fs::File::open(&p).map(std::os::fd::OwnedFd::from).at("open", &p)?)
+    Ok(sys::proc::Proc::of(pid).open("ns/net").map(std::os::fd::OwnedFd::from)?)
 }
 
 fn ms(t: Instant) -> f64 {
@@ -572,9 +571,7 @@ fn ms(t: Instant) -> f64 {
 
 /// Where the container's fds 0–2 pointed (pipes to conmon, /dev/null, a tty), for restore.
 fn record_descriptors(pid: i32, dir: &Path) -> Result<()> {
-    let fds: Vec<String> = (0..3)
-        .map(|i| std::fs::read_link(format!("/proc/{pid}/fd/{i}")).map(|p| p.display().to_string()).unwrap_or_default())
-        .collect();
+    let fds: Vec<String> = (0..3).map(|i| sys::proc::Proc::of(pid).fd_target(i)).collect();
     let text = serde_json::to_string(&fds).expect("strings serialise");
     Ok(sys::write_atomic(&dir.join("descriptors.json"), text.as_bytes(), 0o644)?)
 }

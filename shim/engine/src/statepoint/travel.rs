@@ -42,15 +42,8 @@ const CARRIED_ROOTFS: &str = "rootfs";
 /// that restores on its own.
 pub fn leaves() -> bool {
     let ppid = nix::unistd::getppid();
-    match std::fs::read(format!("/proc/{ppid}/cmdline")) {
-        Ok(cmdline) => {
-            let args: Vec<String> = cmdline
-                .split(|b| *b == 0)
-                .filter(|a| !a.is_empty())
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect();
-            !plain_podman_checkpoint(&args)
-        }
+    match sys::proc::Proc::of(ppid.as_raw()).cmdline() {
+        Ok(args) => !plain_podman_checkpoint(&args),
         Err(_) => true,
     }
 }
@@ -61,7 +54,7 @@ pub fn leaves() -> bool {
 /// ([`crate::chain::flatten`]); a restore puts it back ([`HandedOut::read`]).
 pub fn kept_flat() -> bool {
     let ppid = nix::unistd::getppid();
-    std::fs::read(format!("/proc/{ppid}/cmdline")).is_ok_and(|c| {
+    sys::proc::Proc::of(ppid.as_raw()).read_bytes("cmdline").is_ok_and(|c| {
         let prog = c.split(|b| *b == 0).next().unwrap_or_default();
         Path::new(std::ffi::OsStr::from_bytes(prog)).file_name().is_some_and(|n| n == crate::runtime::lookup::SHIM)
     })

@@ -259,7 +259,8 @@ pub fn masked_dirs(pid: i32, spec: &Spec, mounts: &[sys::proc::Mount]) -> Vec<St
             m.fstype == "tmpfs"
                 && m.options.split(',').any(|o| o == "ro")
                 && !mounts.iter().any(|o| o.point.starts_with(&below))
-                && std::fs::read_dir(format!("/proc/{pid}/root{p}")).is_ok_and(|mut d| d.next().is_none())
+                && std::fs::read_dir(format!("{}{p}", sys::proc::Proc::of(pid).root().display()))
+                    .is_ok_and(|mut d| d.next().is_none())
         })
         .cloned()
         .collect()
@@ -356,7 +357,7 @@ pub fn in_netns(cmd: &mut Command, netns: Option<RawFd>) {
 /// Quietly does nothing when there is no such table, or no `nft` to remove it with.
 pub fn remove_stale_network_lock(pid: i32) {
     let Ok(nft) = crate::tools::locate("nft", None, "PATH") else { return };
-    let Ok(ns) = std::fs::File::open(format!("/proc/{pid}/ns/net")) else { return };
+    let Ok(ns) = sys::proc::Proc::of(pid).open("ns/net") else { return };
     let mut cmd = Command::new(nft);
     cmd.args(["delete", "table", "inet", &format!("CRIU-{pid}")])
         .stdin(Stdio::null())
@@ -374,7 +375,7 @@ pub fn remove_stale_network_lock(pid: i32) {
 /// then.) Run once the restore is done: any such table is stale.
 pub fn remove_restored_network_locks(pid: i32) {
     let Ok(nft) = crate::tools::locate("nft", None, "PATH") else { return };
-    let Ok(ns) = std::fs::File::open(format!("/proc/{pid}/ns/net")) else { return };
+    let Ok(ns) = sys::proc::Proc::of(pid).open("ns/net") else { return };
     let netns = Some(std::os::fd::AsRawFd::as_raw_fd(&ns));
     let mut list = Command::new(&nft);
     list.args(["list", "tables"]).stdin(Stdio::null()).stderr(Stdio::null());

@@ -14,11 +14,12 @@
 //! them.
 
 use super::signals::Held;
-use super::{io, refuse, status_field, Error, Result, Thread};
+use super::{io, refuse, Error, Result, Thread};
 use criu_hooks::images::{self, Core};
 use nix::libc;
 use std::collections::HashMap;
 use std::os::unix::fs::{FileExt, MetadataExt};
+use sys::proc::{status_field, Proc};
 
 /// What goes back on one process.
 #[derive(Debug, Default)]
@@ -48,9 +49,8 @@ pub(super) fn check(
         .map(|(_, c)| c)
         .ok_or_else(|| Error::Failed(format!("process {vpid}: no leader among its threads")))?;
     let mut a = Attrs { subreaper: leader.child_subreaper, ..Attrs::default() };
-    let personality = std::fs::read_to_string(format!("/proc/{host}/personality"))
-        .ok()
-        .and_then(|p| u32::from_str_radix(p.trim(), 16).ok());
+    let me = Proc::of(host);
+    let personality = me.read("personality").ok().and_then(|p| u32::from_str_radix(p.trim(), 16).ok());
     if personality.is_some_and(|p| p != leader.personality) {
         return refuse(format!("process {vpid}: its personality changed since the statepoint"));
     }
@@ -65,17 +65,15 @@ pub(super) fn check(
         }
     }
     if let Some(adj) = leader.oom_score_adj {
-        let path = format!("/proc/{host}/oom_score_adj");
-        let now: Option<i32> = std::fs::read_to_string(&path).ok().and_then(|v| v.trim().parse().ok());
+        let now: Option<i32> = me.read("oom_score_adj").ok().and_then(|v| v.trim().parse().ok());
         if now != Some(adj) {
             a.oom_score_adj = Some(adj);
         }
     }
     let fs = images::fs(images, vpid)?;
-    let status =
-        std::fs::read_to_string(format!("/proc/{host}/status")).map_err(io(format!("read /proc/{host}/status")))?;
+    let status = me.status()?;
     if let Some(umask) = fs.umask {
-        if status_field(&status, "Umask").and_then(|u| u32::from_str_radix(&u, 8).ok()) != Some(umask) {
+        if status.field("Umask").and_then(|u| u32::from_str_radix(&u, 8).ok()) != Some(umask) {
             a.umask = Some(umask);
         }
     }
@@ -86,14 +84,13 @@ pub(super) fn check(
     let maps = IdMaps::of(host);
     for (t, core) in threads {
         let what = format!("thread {} of process {vpid}", t.vtid);
-        let path = format!("/proc/{host}/task/{}/status", t.host);
-        let st = std::fs::read_to_string(&path).map_err(io(format!("read {path}")))?;
+        let st = me.task(t.host).status()?;
         if let Some(then) = &core.creds {
-            if let Some(why) = creds_differ(&st, then, &maps) {
+            if let Some(why) = creds_differ(st.text(), then, &maps) {
                 return refuse(format!("{what}: its {why} changed since the statepoint"));
             }
         }
-        let seccomp = status_field(&st, "Seccomp").and_then(|s| s.parse::<u32>().ok());
+        let seccomp = st.field("Seccomp").and_then(|s| s.parse::<u32>().ok());
         if let (Some(now), Some(then)) = (seccomp, core.seccomp_mode) {
             if now != then {
                 return refuse(format!("{what}: its seccomp mode is {now}, {then} at the statepoint"));
@@ -118,14 +115,12 @@ pub(super) fn check(
 
 /// (nice, real-time priority, policy) of a thread, from `/proc/PID/task/TID/stat`.
 fn sched_of(host: i32, tid: i32) -> Result<(i32, u32, u32)> {
-    let path = format!("/proc/{host}/task/{tid}/stat");
-    let text = std::fs::read_to_string(&path).map_err(io(format!("read {path}")))?;
-    // (fields after the command's closing parenthesis: the 3rd on)
-    let rest: Vec<&str> = text.rsplit_once(')').map(|(_, r)| r.split_whitespace().collect()).unwrap_or_default();
-    let field = |n: usize| rest.get(n - 3).and_then(|v| v.parse::<i64>().ok());
+    let task = Proc::of(host).task(tid);
+    let stat = task.stat()?;
+    let field = |n: usize| stat.field(n).and_then(|v| v.parse::<i64>().ok());
     match (field(19), field(40), field(41)) {
         (Some(nice), Some(prio), Some(policy)) => Ok((nice as i32, prio as u32, policy as u32)),
-        _ => Err(Error::Failed(format!("{path}: unreadable"))),
+        _ => Err(Error::Failed(format!("{}: unreadable", task.path("stat").display()))),
     }
 }
 
@@ -139,7 +134,8 @@ struct IdMaps {
 impl IdMaps {
     fn of(host: i32) -> IdMaps {
         let read = |f: &str| -> Vec<(u64, u64, u64)> {
-            std::fs::read_to_string(format!("/proc/{host}/{f}"))
+            Proc::of(host)
+                .read(f)
                 .unwrap_or_default()
                 .lines()
                 .filter_map(|l| {
@@ -209,8 +205,7 @@ impl Attrs {
             }
         }
         if let Some(adj) = self.oom_score_adj {
-            let path = format!("/proc/{host}/oom_score_adj");
-            std::fs::write(&path, adj.to_string()).map_err(io(format!("write {path}")))?;
+            Proc::of(host).write("oom_score_adj", &adj.to_string())?;
         }
         for &(tid, nice) in &self.nice {
             // SAFETY: sets the nice value of one thread.
@@ -245,8 +240,9 @@ impl Attrs {
 
 /// Whether process `host`'s working directory is the directory named `name` in its root now.
 fn same_dir(host: i32, name: &str) -> bool {
-    let now = std::fs::metadata(format!("/proc/{host}/cwd"));
-    let then = std::fs::metadata(format!("/proc/{host}/root{name}"));
+    let me = Proc::of(host);
+    let now = std::fs::metadata(me.path("cwd"));
+    let then = std::fs::metadata(format!("{}{name}", me.root().display()));
     matches!((now, then), (Ok(a), Ok(b)) if (a.dev(), a.ino()) == (b.dev(), b.ino()))
 }
 

@@ -24,6 +24,7 @@ use nix::libc;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
+use sys::proc::Proc;
 
 fn fdinfo_field(text: &str, key: &str) -> Option<String> {
     text.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(':')).map(|v| v.trim().to_string())
@@ -119,7 +120,7 @@ const TCP_LISTEN: u32 = 10;
 /// The sockets of the network namespace process `host` is in (its `/proc/PID/net`).
 fn live_sockets(host: i32) -> HashMap<u64, LiveSocket> {
     let mut out = HashMap::new();
-    let read = |f: &str| std::fs::read_to_string(format!("/proc/{host}/net/{f}")).unwrap_or_default();
+    let read = |f: &str| Proc::of(host).read(&format!("net/{f}")).unwrap_or_default();
     // Num RefCount Protocol Flags Type St Inode [Path]
     for l in read("unix").lines().skip(1) {
         let f: Vec<&str> = l.split_whitespace().collect();
@@ -196,13 +197,8 @@ pub(super) fn compare(
     objects: &mut Objects,
 ) -> Result<Vec<Fix>> {
     let then = images::fdinfo(images, files_id)?;
-    let dir = format!("/proc/{host}/fd");
-    let mut now: Vec<u32> = std::fs::read_dir(&dir)
-        .map_err(io(format!("read {dir}")))?
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse().ok())
-        .collect();
-    now.sort_unstable();
+    let me = Proc::of(host);
+    let now: Vec<u32> = me.fds()?.into_iter().map(|fd| fd as u32).collect();
     let mut was: Vec<u32> = then.iter().map(|f| f.fd).collect();
     was.sort_unstable();
     if now != was {
@@ -210,8 +206,8 @@ pub(super) fn compare(
     }
     let mut fixes = Vec::new();
     for f in &then {
-        let link = std::fs::read_link(format!("{dir}/{}", f.fd)).map(|p| p.display().to_string()).unwrap_or_default();
-        let info = std::fs::read_to_string(format!("/proc/{host}/fdinfo/{}", f.fd)).unwrap_or_default();
+        let link = me.fd_target(f.fd as i32);
+        let info = me.fdinfo(f.fd as i32).unwrap_or_default();
         let flags = fdinfo_field(&info, "flags").and_then(|v| u32::from_str_radix(&v, 8).ok()).unwrap_or(0);
         let cloexec_now = flags & libc::O_CLOEXEC as u32 != 0;
         if cloexec_now != (f.flags & libc::FD_CLOEXEC as u32 != 0) {
@@ -220,7 +216,7 @@ pub(super) fn compare(
         let d = Desc { vpid, fd: f.fd, link: &link, flags };
         match files.get(&f.id) {
             Some(images::File::Regular { flags: then_flags, pos, name }) => {
-                if !super::same_file(&link, name) {
+                if !super::shape::same_file(&link, name) {
                     return refuse(format!("process {vpid}: descriptor {} is {link} now, {name} at the statepoint", f.fd));
                 }
                 d.same_flags(*then_flags, name)?;
@@ -394,7 +390,7 @@ pub(super) fn apply(host: i32, vpid: u32, fixes: &[Fix]) -> Result<()> {
             Fix::EventCount { fd, count } => {
                 let d = dup(host, vpid, fd)?;
                 let count_now = || {
-                    let info = std::fs::read_to_string(format!("/proc/{host}/fdinfo/{fd}")).unwrap_or_default();
+                    let info = Proc::of(host).fdinfo(fd as i32).unwrap_or_default();
                     fdinfo_field(&info, "eventfd-count").and_then(|v| u64::from_str_radix(&v, 16).ok())
                 };
                 // A read takes the whole count (a semaphore's: one; CRIU does not record the

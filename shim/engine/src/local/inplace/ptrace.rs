@@ -11,6 +11,7 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use std::io;
 use std::time::{Duration, Instant};
+use sys::proc::Proc;
 
 // What `nix::sys::ptrace` does not cover — the XSAVE area (`PTRACE_GETREGSET` of
 // `NT_X86_XSTATE`, whose size the kernel decides) and setting the signal mask — is asked of
@@ -210,22 +211,23 @@ pub fn call(t: &Tracee, insn: u64, name: &str, nr: libc::c_long, args: &[u64]) -
     Ok(r)
 }
 
+/// A `/proc` error as an I/O error that keeps its one line (the file it names).
+fn into_io(e: sys::IoError) -> io::Error {
+    io::Error::new(e.kind(), e.to_string())
+}
+
 /// The address of a `syscall` instruction (0f 05) in process `pid`'s vDSO.
 pub fn syscall_instruction(pid: i32) -> io::Result<u64> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
-    let line = maps
-        .lines()
-        .find(|l| l.ends_with("[vdso]"))
+    let me = Proc::of(pid);
+    let vdso = me
+        .maps()
+        .map_err(into_io)?
+        .into_iter()
+        .find(|m| m.path == "[vdso]")
         .ok_or_else(|| io::Error::other(format!("process {pid} has no vDSO")))?;
-    let (s, e) = line
-        .split_whitespace()
-        .next()
-        .and_then(|r| r.split_once('-'))
-        .ok_or_else(|| io::Error::other("unreadable maps line"))?;
-    let (s, e) =
-        (u64::from_str_radix(s, 16).map_err(io::Error::other)?, u64::from_str_radix(e, 16).map_err(io::Error::other)?);
+    let (s, e) = (vdso.start, vdso.end);
     let mut buf = vec![0u8; (e - s) as usize];
-    let mem = std::fs::File::open(format!("/proc/{pid}/mem"))?;
+    let mem = me.open("mem").map_err(into_io)?;
     std::os::unix::fs::FileExt::read_exact_at(&mem, &mut buf, s)?;
     buf.windows(2)
         .position(|w| w == [0x0f, 0x05])

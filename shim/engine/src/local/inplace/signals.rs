@@ -27,6 +27,7 @@ use super::{io, ptrace, refuse, Error, Result, Thread};
 use criu_hooks::images::{Core, ITimer, PosixTimer, SigAction};
 use nix::libc;
 use std::os::unix::fs::FileExt;
+use sys::proc::Proc;
 
 /// What one process's signals and timers are put back to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,8 +141,7 @@ pub(super) fn check(vpid: u32, host: i32, threads: &[(Thread, Core)]) -> Result<
     let Some(itimers) = leader.itimers else {
         return refuse(format!("process {vpid}: no timers in the statepoint"));
     };
-    let path = format!("/proc/{host}/timers");
-    let live = parse_timers(&std::fs::read_to_string(&path).map_err(io(format!("read {path}")))?);
+    let live = parse_timers(&Proc::of(host).read("timers")?);
     let mut then = leader.posix_timers.clone();
     then.sort_by_key(|t| t.id);
     let host_of = |vtid: i32| threads.iter().find(|(t, _)| t.vtid as i32 == vtid).map(|(t, _)| t.host);
@@ -213,8 +213,7 @@ impl Held<'_> {
         size: u64,
         f: impl FnOnce(&mut Held, &std::fs::File, u64) -> Result<T>,
     ) -> Result<T> {
-        let mem_path = format!("/proc/{}/mem", self.host);
-        let mem = std::fs::OpenOptions::new().write(true).open(&mem_path).map_err(io(format!("open {mem_path}")))?;
+        let mem = Proc::of(self.host).open_mem_rw()?;
         let prot = (libc::PROT_READ | libc::PROT_WRITE) as u64;
         let flags = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64;
         let base = self.call(t, "mmap", libc::SYS_mmap, &[0, size, prot, flags, u64::MAX, 0])? as u64;
@@ -287,9 +286,8 @@ impl Signals {
             *h.calls += 1;
         }
         for &(t, vtid) in &h.threads {
-            let path = format!("/proc/{}/task/{}/status", h.host, t.tid);
-            let st = std::fs::read_to_string(&path).map_err(io(format!("read {path}")))?;
-            let pending = |k: &str| super::status_field(&st, k).is_some_and(|v| !v.trim_start_matches('0').is_empty());
+            let st = Proc::of(h.host).task(t.tid).status()?;
+            let pending = |k: &str| st.field(k).is_some_and(|v| !v.trim_start_matches('0').is_empty());
             if pending("SigPnd") || pending("ShdPnd") {
                 return Err(Error::Failed(format!(
                     "thread {vtid}: a signal is still queued after the queues were emptied"
@@ -363,6 +361,7 @@ impl Signals {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sys::proc::status_field;
 
     /// A siginfo as `sigqueue` makes it: signal, `SI_QUEUE`, sender, value.
     fn queued(sig: i32, pid: i32, value: u64) -> Vec<u8> {
@@ -376,7 +375,7 @@ mod tests {
 
     fn status_mask(pid: i32, key: &str) -> u64 {
         let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-        u64::from_str_radix(&super::super::status_field(&st, key).unwrap(), 16).unwrap()
+        u64::from_str_radix(&status_field(&st, key).unwrap(), 16).unwrap()
     }
 
     /// The real path, on a child of the test: a queued signal of its own is taken away, the

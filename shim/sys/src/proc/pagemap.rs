@@ -6,7 +6,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use crate::images::PAGE_SIZE;
+use super::PAGE_SIZE;
 pub const PRESENT: u64 = 1 << 63;
 pub const SWAPPED: u64 = 1 << 62;
 /// Written since the bits were last cleared (`clear_refs` 4, as CRIU's `--track-mem` does).

@@ -1,0 +1,246 @@
+//! The pages of a rollback in place: which of the statepoint's pages differ from the current
+//! state's (a dump of it, the safety statepoint), which the process has that the statepoint
+//! has not, and writing them through `/proc/PID/mem`.
+
+use super::shape::Shape;
+use super::{io, Result};
+use criu_hooks::images::{self, PageRun, PAGE_SIZE};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use sys::proc::Proc;
+
+pub(super) fn merge(mut v: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    v.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for x in v {
+        match out.last_mut() {
+            Some(l) if l.1 >= x.0 => l.1 = l.1.max(x.1),
+            _ => out.push(x),
+        }
+    }
+    out
+}
+
+/// `set` minus `minus`, both merged and sorted; in one pass over each (a heap's pages run in
+/// thousands of pieces).
+pub(super) fn subtract(set: &[(u64, u64)], minus: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut j = 0;
+    for &(mut s, e) in set {
+        // (what ends before this range ends before every later one)
+        while j < minus.len() && minus[j].1 <= s {
+            j += 1;
+        }
+        for &(ms, me) in minus[j..].iter().take_while(|m| m.0 < e) {
+            if ms > s {
+                out.push((s, ms));
+            }
+            s = s.max(me);
+        }
+        if s < e {
+            out.push((s, e));
+        }
+    }
+    out
+}
+
+/// What one process gets: pages written from the statepoint's images, pages dropped.
+#[derive(Debug)]
+pub(super) struct Pages {
+    pub(super) write: Vec<PageRun>,
+    pub(super) drop: Vec<(u64, u64)>,
+    /// Where the statepoint has pages: any other page present after the writes is dropped.
+    pub(super) had: Vec<(u64, u64)>,
+}
+
+/// The plan of a rollback in place: the shape, and the pages of each process.
+#[derive(Debug)]
+pub struct Plan {
+    pub(super) shape: Shape,
+    pub(super) pages: Vec<Pages>,
+    pub pages_written: u64,
+}
+
+fn pages_of(runs: &[PageRun]) -> u64 {
+    runs.iter().map(|r| r.nr_pages).sum()
+}
+
+fn cut(r: &PageRun, s: u64, e: u64) -> PageRun {
+    PageRun {
+        vaddr: s,
+        nr_pages: (e - s) / PAGE_SIZE,
+        file: r.file.clone(),
+        loc: images::Location { offset: r.loc.offset + (s - r.vaddr), ..r.loc },
+    }
+}
+
+/// The parts of `target`'s runs whose content differs from `now`'s (another image location,
+/// or no page now), and the ranges `now` has pages in and `target` does not.
+fn differ(target: &[PageRun], now: &[PageRun]) -> (Vec<PageRun>, Vec<(u64, u64)>) {
+    let mut write = Vec::new();
+    let mut j = 0;
+    for t in target {
+        while j < now.len() && now[j].end() <= t.vaddr {
+            j += 1;
+        }
+        let mut at = t.vaddr;
+        let mut k = j;
+        while at < t.end() {
+            match now.get(k) {
+                Some(n) if n.vaddr < t.end() => {
+                    if n.vaddr > at {
+                        write.push(cut(t, at, n.vaddr));
+                        at = n.vaddr;
+                    }
+                    let e = n.end().min(t.end());
+                    let same = n.loc.dev == t.loc.dev
+                        && n.loc.ino == t.loc.ino
+                        && n.loc.offset as i128 - n.vaddr as i128 == t.loc.offset as i128 - t.vaddr as i128;
+                    if !same {
+                        write.push(cut(t, at, e));
+                    }
+                    at = e;
+                    k += 1;
+                }
+                _ => {
+                    write.push(cut(t, at, t.end()));
+                    at = t.end();
+                }
+            }
+        }
+    }
+    let had = merge(target.iter().map(|r| (r.vaddr, r.end())).collect());
+    let has = merge(now.iter().map(|r| (r.vaddr, r.end())).collect());
+    (write, subtract(&has, &had))
+}
+
+impl Shape {
+    /// The pages to write and drop, from the statepoint's images and those of a dump of the
+    /// tree as it is now (`now_images`, the safety statepoint).
+    pub fn plan(self, now_images: &Path) -> Result<Plan> {
+        let mut pages = Vec::new();
+        let mut written = 0;
+        for p in &self.procs {
+            let special = merge(p.special.clone());
+            let outside = |runs: Vec<PageRun>| -> Vec<PageRun> {
+                runs.into_iter().filter(|r| !special.iter().any(|s| r.vaddr < s.1 && r.end() > s.0)).collect()
+            };
+            let target = outside(images::memory(&self.images, p.vpid)?);
+            let now = outside(images::memory(now_images, p.vpid)?);
+            let (write, drop) = differ(&target, &now);
+            let drop = subtract(&drop, &p.layout.gone);
+            written += pages_of(&write);
+            let had = merge(target.iter().map(|r| (r.vaddr, r.end())).collect());
+            pages.push(Pages { write, drop, had });
+        }
+        Ok(Plan { shape: self, pages, pages_written: written })
+    }
+}
+
+/// Writes the statepoint's pages into process `pid`; how many.
+pub(super) fn write_pages(pid: i32, runs: &[PageRun]) -> Result<u64> {
+    let mem = Proc::of(pid).open_mem_rw()?;
+    let mut buf = vec![0u8; 4 << 20];
+    let mut open: Option<(PathBuf, std::fs::File)> = None;
+    let mut n = 0;
+    for r in runs {
+        if open.as_ref().is_none_or(|(p, _)| *p != r.file) {
+            let f = std::fs::File::open(&r.file).map_err(io(format!("open {}", r.file.display())))?;
+            open = Some((r.file.clone(), f));
+        }
+        let src = &open.as_ref().unwrap().1;
+        let total = r.nr_pages * PAGE_SIZE;
+        let mut done = 0;
+        while done < total {
+            let len = (total - done).min(buf.len() as u64) as usize;
+            src.read_exact_at(&mut buf[..len], r.loc.offset + done)
+                .map_err(io(format!("read {}", r.file.display())))?;
+            mem.write_all_at(&buf[..len], r.vaddr + done)
+                .map_err(io(format!("write process {pid}'s memory at {:#x}", r.vaddr + done)))?;
+            done += len as u64;
+        }
+        n += r.nr_pages;
+    }
+    Ok(n)
+}
+
+/// The ranges of private anonymous memory of process `pid` where it has pages (present or
+/// swapped out, not the zero page) outside `had` (merged, sorted).
+pub(super) fn strays(pid: i32, had: &[(u64, u64)]) -> Result<Vec<(u64, u64)>> {
+    let zero = sys::proc::pagemap::zero_pfn();
+    let mut has = Vec::new();
+    for m in Proc::of(pid).maps()?.iter().filter(|m| m.is_anon_private()) {
+        has.extend(
+            sys::proc::pagemap::pages(pid, m.start, m.end, zero).map_err(io(format!("read /proc/{pid}/pagemap")))?,
+        );
+    }
+    Ok(subtract(&merge(has), had))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    fn run(v: u64, n: u64, ino: u64, off: u64) -> PageRun {
+        PageRun {
+            vaddr: v,
+            nr_pages: n,
+            file: PathBuf::from(format!("p{ino}")),
+            loc: images::Location { dev: 1, ino, offset: off },
+        }
+    }
+
+    #[test]
+    fn differ_writes_what_moved_and_drops_what_is_new() {
+        let p = PAGE_SIZE;
+        // Target: 4 pages from image 1; a page from image 2.
+        let target = vec![run(0x10000, 4, 1, 0), run(0x20000, 1, 2, 0)];
+        // Now: page 2 rewritten (image 3), page 4 gone, an extra page at 0x30000.
+        let now = vec![
+            run(0x10000, 1, 1, 0),
+            run(0x11000, 1, 3, 0),
+            run(0x12000, 1, 1, 2 * p),
+            run(0x20000, 1, 2, 0),
+            run(0x30000, 2, 3, p),
+        ];
+        let (write, drop) = differ(&target, &now);
+        let w: Vec<(u64, u64, u64)> = write.iter().map(|r| (r.vaddr, r.nr_pages, r.loc.offset)).collect();
+        assert_eq!(w, vec![(0x11000, 1, p), (0x13000, 1, 3 * p)]);
+        assert_eq!(drop, vec![(0x30000, 0x32000)]);
+        // Same content at another offset of the same image is a write too.
+        let (write, _) = differ(&[run(0x10000, 1, 1, 0)], &[run(0x10000, 1, 1, p)]);
+        assert_eq!(write.len(), 1);
+    }
+
+    #[test]
+    fn ranges_subtract_and_merge() {
+        assert_eq!(subtract(&[(0, 100)], &[(10, 20), (50, 60)]), vec![(0, 10), (20, 50), (60, 100)]);
+        assert_eq!(subtract(&[(0, 100)], &[(0, 100)]), vec![]);
+        // Against the same done page by page, for ranges of every relative position.
+        let mut seed = 7u64;
+        let mut rnd = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        for _ in 0..500 {
+            let mut ranges = |k: u64| {
+                merge(
+                    (0..rnd(k))
+                        .map(|_| {
+                            let s = rnd(60);
+                            (s, s + 1 + rnd(8))
+                        })
+                        .collect(),
+                )
+            };
+            let (a, b) = (ranges(8), ranges(8));
+            let pages = |v: &[(u64, u64)]| v.iter().flat_map(|r| r.0..r.1).collect::<BTreeSet<u64>>();
+            let want: BTreeSet<u64> = pages(&a).difference(&pages(&b)).copied().collect();
+            let got = subtract(&a, &b);
+            assert_eq!(pages(&got), want, "{a:?} - {b:?} = {got:?}");
+            assert!(got.windows(2).all(|w| w[0].1 <= w[1].0) && got.iter().all(|r| r.0 < r.1), "{got:?}");
+        }
+        assert_eq!(merge(vec![(5, 10), (0, 5), (20, 30)]), vec![(0, 10), (20, 30)]);
+    }
+}
