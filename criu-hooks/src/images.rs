@@ -351,6 +351,9 @@ pub struct SigAction {
     pub compat: bool,
 }
 
+/// Thread `tid`'s `core-TID.img`: what a rollback in place reads of it. (Long: one decoding
+/// step per field of CRIU's `CoreEntry` it uses, in the order of the protobuf; cut apart, each
+/// piece would be a few lines taking the same decoded messages.)
 pub fn core(dir: &Path, tid: u32) -> Result<Core> {
     let path = dir.join(format!("core-{tid}.img"));
     let e = required(&path, CORE_MAGIC)?;
@@ -686,6 +689,8 @@ pub enum File {
     Other(u32),
 }
 
+/// `files.img`: every file object of the dump by its ID. (Long: one arm per kind of file CRIU
+/// records that a rollback in place compares.)
 pub fn files(dir: &Path) -> Result<HashMap<u32, File>> {
     let path = dir.join("files.img");
     let mut out = HashMap::new();

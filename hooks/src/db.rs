@@ -150,6 +150,41 @@ fn descendant(v: &serde_json::Value) -> Descendant {
     }
 }
 
+/// What the proxy needs to know of a table to rewrite a write on it (`$1`: its name; `$2`:
+/// whether the catalog's generation is watched): its qualified name, kind, rules, columns,
+/// primary key, triggers, the foreign keys that cascade to it, its OID, its descendants (of
+/// inheritance or partitioning) with the same facts, and the catalog's generation.
+const TABLE_INFO: &str = "WITH RECURSIVE d(oid) AS (
+                           SELECT inhrelid FROM pg_inherits WHERE inhparent = to_regclass($1)
+                           UNION SELECT i.inhrelid FROM pg_inherits i JOIN d ON i.inhparent = d.oid)
+                         SELECT format('%I.%I', n.nspname, c.relname), c.relkind::text, c.relhasrules,
+                           ARRAY(SELECT attname::text FROM pg_attribute
+                                 WHERE attrelid = c.oid AND attnum > 0 AND NOT attisdropped ORDER BY attnum),
+                           ARRAY(SELECT a.attname::text FROM pg_index i
+                                 CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+                                 JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                                 WHERE i.indrelid = c.oid AND i.indisprimary ORDER BY k.ord),
+                           ARRAY(SELECT tgname::text FROM pg_trigger WHERE tgrelid = c.oid AND NOT tgisinternal ORDER BY tgname),
+                           ARRAY(SELECT format('foreign key %s of %s', conname, conrelid::regclass) FROM pg_constraint
+                                 WHERE contype = 'f' AND confrelid = c.oid
+                                   AND (confdeltype IN ('c','n','d') OR confupdtype IN ('c','n','d')) ORDER BY conname),
+                           c.oid::bigint,
+                           (SELECT coalesce(jsonb_agg(jsonb_build_object(
+                              'oid', dc.oid::bigint, 'name', format('%I.%I', dn.nspname, dc.relname), 'kind', dc.relkind::text,
+                              'rules', dc.relhasrules,
+                              'key', ARRAY(SELECT a.attname::text FROM pg_index i
+                                           CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+                                           JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                                           WHERE i.indrelid = dc.oid AND i.indisprimary ORDER BY k.ord),
+                              'triggers', ARRAY(SELECT tgname::text FROM pg_trigger WHERE tgrelid = dc.oid AND NOT tgisinternal ORDER BY tgname),
+                              'fks', ARRAY(SELECT format('foreign key %s of %s', conname, conrelid::regclass) FROM pg_constraint
+                                           WHERE contype = 'f' AND confrelid = dc.oid
+                                             AND (confdeltype IN ('c','n','d') OR confupdtype IN ('c','n','d')) ORDER BY conname))
+                              ORDER BY dc.oid), '[]'::jsonb)
+                            FROM d JOIN pg_class dc ON dc.oid = d.oid JOIN pg_namespace dn ON dn.oid = dc.relnamespace)
+                         , (SELECT max(generation) FROM planarian.catalog WHERE $2)
+                         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)";
+
 impl Db {
     pub fn connect(config: &postgres::Config) -> Result<Db> {
         let client =
@@ -396,41 +431,7 @@ impl Db {
         let stmt = match &self.table_info {
             Some(s) => s.clone(),
             None => {
-                let s = self
-                    .client
-                    .prepare(
-                        "WITH RECURSIVE d(oid) AS (
-                           SELECT inhrelid FROM pg_inherits WHERE inhparent = to_regclass($1)
-                           UNION SELECT i.inhrelid FROM pg_inherits i JOIN d ON i.inhparent = d.oid)
-                         SELECT format('%I.%I', n.nspname, c.relname), c.relkind::text, c.relhasrules,
-                           ARRAY(SELECT attname::text FROM pg_attribute
-                                 WHERE attrelid = c.oid AND attnum > 0 AND NOT attisdropped ORDER BY attnum),
-                           ARRAY(SELECT a.attname::text FROM pg_index i
-                                 CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
-                                 JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-                                 WHERE i.indrelid = c.oid AND i.indisprimary ORDER BY k.ord),
-                           ARRAY(SELECT tgname::text FROM pg_trigger WHERE tgrelid = c.oid AND NOT tgisinternal ORDER BY tgname),
-                           ARRAY(SELECT format('foreign key %s of %s', conname, conrelid::regclass) FROM pg_constraint
-                                 WHERE contype = 'f' AND confrelid = c.oid
-                                   AND (confdeltype IN ('c','n','d') OR confupdtype IN ('c','n','d')) ORDER BY conname),
-                           c.oid::bigint,
-                           (SELECT coalesce(jsonb_agg(jsonb_build_object(
-                              'oid', dc.oid::bigint, 'name', format('%I.%I', dn.nspname, dc.relname), 'kind', dc.relkind::text,
-                              'rules', dc.relhasrules,
-                              'key', ARRAY(SELECT a.attname::text FROM pg_index i
-                                           CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
-                                           JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-                                           WHERE i.indrelid = dc.oid AND i.indisprimary ORDER BY k.ord),
-                              'triggers', ARRAY(SELECT tgname::text FROM pg_trigger WHERE tgrelid = dc.oid AND NOT tgisinternal ORDER BY tgname),
-                              'fks', ARRAY(SELECT format('foreign key %s of %s', conname, conrelid::regclass) FROM pg_constraint
-                                           WHERE contype = 'f' AND confrelid = dc.oid
-                                             AND (confdeltype IN ('c','n','d') OR confupdtype IN ('c','n','d')) ORDER BY conname))
-                              ORDER BY dc.oid), '[]'::jsonb)
-                            FROM d JOIN pg_class dc ON dc.oid = d.oid JOIN pg_namespace dn ON dn.oid = dc.relnamespace)
-                         , (SELECT max(generation) FROM planarian.catalog WHERE $2)
-                         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)",
-                    )
-                    ?;
+                let s = self.client.prepare(TABLE_INFO)?;
                 self.table_info = Some(s.clone());
                 s
             }

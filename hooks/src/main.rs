@@ -37,7 +37,8 @@ mod toolbox;
 use crate::error::{Error, Result};
 use planarian_contracts::control::{self as contract, Request};
 use planarian_contracts::{hook, paths};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// One JSON line on stdout: what planarian reads of a hook verb.
 fn print_line<T: serde::Serialize>(t: &T) {
@@ -265,29 +266,7 @@ fn serve(a: Serve) -> Result<()> {
         ServerKind::Toolbox => proxy::Server::Toolbox,
         ServerKind::Dbhub => proxy::Server::Dbhub,
     };
-    let mut names = a.specs.clone();
-    // Toolbox's prebuilt PostgreSQL set: the reads it does not annotate (hooks/specs).
-    let prebuilt = upstream.windows(2).any(|w| w[0] == "--prebuilt" && w[1].contains("postgres"))
-        || upstream.iter().any(|a| a.starts_with("--prebuilt=") && a.contains("postgres"));
-    if prebuilt && !names.iter().any(|n| n == "toolbox-postgres") {
-        names.push("toolbox-postgres".into());
-    }
-    let specs = names.iter().map(|s| spec::Spec::load(s)).collect::<Result<Vec<_>, _>>()?;
-    // Toolbox's own tools: from its command line (which then gets the hidden execute tools) or
-    // from --toolbox-config.
-    let found = toolbox::config_args(upstream.get(1..).unwrap_or_default());
-    let toolbox = if !a.toolbox_config.is_empty() {
-        Some(toolbox::Config::load(&a.toolbox_config)?)
-    } else if let Some((_, _, files)) = found.first() {
-        let config = toolbox::Config::load(files)?;
-        let extra = state_file.with_extension("toolbox.yaml");
-        let args = toolbox::with_hidden_tools(&upstream[1..], &config, &extra)?;
-        upstream.truncate(1);
-        upstream.extend(args);
-        Some(config)
-    } else {
-        None
-    };
+    let (specs, toolbox) = tools_of(&a.specs, &a.toolbox_config, &mut upstream, &state_file)?;
     let mut opts = proxy::Options {
         upstream,
         upstream_url: None,
@@ -315,7 +294,52 @@ fn serve(a: Serve) -> Result<()> {
     if let Some(path) = &control {
         control::listen(path, proxy.clone())?;
     }
-    let url_file = container.as_deref().map(paths::url_file);
+    serve_clients(&proxy, container.as_deref(), control.as_deref(), listen.as_deref(), http_listener)
+}
+
+/// The specs named (Toolbox's prebuilt PostgreSQL set's added when the upstream is one) and
+/// Toolbox's own tools: from `toolbox_config`, or from its command line in `upstream` (which
+/// then gets the hidden execute tools, their file beside `state_file`).
+fn tools_of(
+    specs: &[String],
+    toolbox_config: &[PathBuf],
+    upstream: &mut Vec<String>,
+    state_file: &Path,
+) -> Result<(Vec<spec::Spec>, Option<toolbox::Config>)> {
+    let mut names = specs.to_vec();
+    // Toolbox's prebuilt PostgreSQL set: the reads it does not annotate (hooks/specs).
+    let prebuilt = upstream.windows(2).any(|w| w[0] == "--prebuilt" && w[1].contains("postgres"))
+        || upstream.iter().any(|a| a.starts_with("--prebuilt=") && a.contains("postgres"));
+    if prebuilt && !names.iter().any(|n| n == "toolbox-postgres") {
+        names.push("toolbox-postgres".into());
+    }
+    let specs = names.iter().map(|s| spec::Spec::load(s)).collect::<Result<Vec<_>, _>>()?;
+    let found = toolbox::config_args(upstream.get(1..).unwrap_or_default());
+    let toolbox = if !toolbox_config.is_empty() {
+        Some(toolbox::Config::load(toolbox_config)?)
+    } else if let Some((_, _, files)) = found.first() {
+        let config = toolbox::Config::load(files)?;
+        let extra = state_file.with_extension("toolbox.yaml");
+        let args = toolbox::with_hidden_tools(&upstream[1..], &config, &extra)?;
+        upstream.truncate(1);
+        upstream.extend(args);
+        Some(config)
+    } else {
+        None
+    };
+    Ok((specs, toolbox))
+}
+
+/// Serves the proxy's clients: on the HTTP listener, if any (alone when there is no
+/// container), on the clients' socket of a sidecar, or on stdin and stdout; then shuts down.
+fn serve_clients(
+    proxy: &Arc<proxy::Proxy>,
+    container: Option<&str>,
+    control: Option<&Path>,
+    listen: Option<&Path>,
+    http_listener: Option<std::net::TcpListener>,
+) -> Result<()> {
+    let url_file = container.map(paths::url_file);
     if let Some(listener) = http_listener {
         let url = format!(
             "http://{}/mcp",
@@ -347,7 +371,7 @@ fn serve(a: Serve) -> Result<()> {
         _ => proxy.serve(std::io::stdin().lock(), proxy::Conn::new(Box::new(std::io::stdout()))),
     }
     proxy.shutdown();
-    for f in control.iter().chain(&url_file) {
+    for f in control.into_iter().chain(url_file.as_deref()) {
         let _ = std::fs::remove_file(f);
     }
     Ok(())

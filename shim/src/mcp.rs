@@ -135,6 +135,7 @@ impl Server {
         })
     }
 
+    /// The tools and their input schemas. (Long: a table, one entry per tool.)
     fn tools(&self) -> Vec<Value> {
         let mut tools = vec![
             tool(

@@ -3,7 +3,7 @@
 
 use super::{Conn, Proxy, Server, Via};
 use crate::error::{Error, Result};
-use crate::sql::{classify, split, Class, Ddl, CATALOG_CHANGED};
+use crate::sql::{classify, split, Class, Ddl, Statement, TableInfo, CATALOG_CHANGED};
 use planarian_contracts::jsonrpc;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -86,21 +86,11 @@ impl Proxy {
             },
             _ => vec![sql.clone()],
         };
-        let mut functions = Vec::new();
-        let mut writes = Vec::new();
-        for (i, text) in texts.iter().enumerate() {
-            match classify(text) {
-                Class::Ddl(d) if texts.len() == 1 => return self.ddl_call(msg, conn, d),
-                Class::Ddl(_) => return refuse(format!("statement {} ({text}): send DDL as a call of its own", i + 1)),
-                Class::Reject(why) if texts.len() > 1 => return refuse(format!("statement {} ({text}): {why}", i + 1)),
-                Class::Reject(why) => return refuse(why),
-                Class::ReadOnly { functions: f } => functions.extend(f),
-                Class::Write(d) => {
-                    functions.extend(d.functions.iter().cloned());
-                    writes.push((i, d));
-                }
-            }
-        }
+        let (functions, writes) = match sort_statements(&texts) {
+            Sorted::Ddl(d) => return self.ddl_call(msg, conn, d),
+            Sorted::Refused(why) => return refuse(why),
+            Sorted::Dml { functions, writes } => (functions, writes),
+        };
         if writes.is_empty() {
             return match self.db().unsafe_functions(&functions) {
                 Ok(bad) if bad.is_empty() => self.forward_request(msg, conn),
@@ -122,67 +112,98 @@ impl Proxy {
         // Rewritten from the catalog answers the proxy keeps; if the catalog moved on since, the
         // statement fails changing nothing, and is rewritten from fresh answers and sent again.
         for attempt in 0..2 {
-            let mut tables = Vec::new();
-            {
-                let mut db = self.db();
-                if attempt > 0 {
-                    db.catalog_changed();
-                }
-                for (_, d) in &writes {
-                    let mut infos = Vec::new();
-                    for part in d.dmls() {
-                        match db.table_info(&part.table_name()) {
-                            Ok(t) => infos.push(t),
-                            // Unknown tables and the like: the server gives its own error, nothing changes.
-                            Err(Error::Refused(e)) if e.ends_with("does not exist") => {
-                                drop(db);
-                                return self.forward_request(msg, conn);
-                            }
-                            Err(e) => return refuse(e.to_string()),
-                        }
-                    }
-                    // A statement that cannot be rewritten is refused without taking a position.
-                    match d.rewrite(&infos, 0, 0, false) {
-                        Ok(_) => tables.push(infos),
-                        Err(e) => return refuse(e.to_string()),
-                    }
-                }
+            let tables = match self.tables_of(&writes, attempt > 0) {
+                Ok(Some(t)) => t,
+                // Unknown tables and the like: the server gives its own error, nothing changes.
+                Ok(None) => return self.forward_request(msg, conn),
+                Err(why) => return refuse(why),
+            };
+            if !self.send_writes(&msg, conn, &via, &texts, &writes, &tables, attempt == 0) {
+                return;
             }
-            let position = self.positions.lock().unwrap().next();
-            let dbhub = self.opts.server == Server::Dbhub && matches!(via, Via::Own);
-            let count_rows = dbhub;
-            let mut sent = texts.clone();
-            for ((i, d), t) in writes.iter().zip(&tables) {
-                match d.rewrite(t, position, *i, count_rows) {
-                    Ok(r) => sent[*i] = r,
-                    Err(e) => return refuse(e.to_string()),
-                }
-            }
-            let mut call = msg["params"].clone();
-            match &via {
-                Via::Own => call["arguments"][&self.opts.sql_arg] = json!(sent.join(";\n")),
-                Via::Hidden(tool) => {
-                    call["name"] = json!(tool);
-                    call["arguments"] = json!({"sql": sent.join(";\n")});
-                }
-            }
-            match self.call_upstream("tools/call", call) {
-                Ok(resp) if attempt == 0 && failed_on_changed_catalog(&resp) => continue,
-                Ok(mut resp) => {
-                    if dbhub {
-                        let no_returning: Vec<usize> =
-                            writes.iter().filter(|(_, d)| !d.has_returning()).map(|(i, _)| *i).collect();
-                        if let Some(result) = resp.get_mut("result") {
-                            dbhub_as_original(result, &texts, &no_returning);
-                        }
-                    }
-                    resp["id"] = id;
-                    conn.send(&resp);
-                }
-                Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e.to_string()),
-            }
-            return;
         }
+    }
+
+    /// The writes rewritten for a new position and sent `via` the tool; the answer goes to the
+    /// agent, unless the statement failed on a catalog that changed and this is the `first`
+    /// attempt: then `true`, to try again.
+    #[allow(clippy::too_many_arguments)]
+    fn send_writes(
+        self: &Arc<Self>,
+        msg: &Value,
+        conn: &Arc<Conn>,
+        via: &Via,
+        texts: &[String],
+        writes: &[(usize, Statement)],
+        tables: &[Vec<TableInfo>],
+        first: bool,
+    ) -> bool {
+        let id = msg["id"].clone();
+        let position = self.positions.lock().unwrap().next();
+        let dbhub = self.opts.server == Server::Dbhub && matches!(via, Via::Own);
+        let mut sent = texts.to_vec();
+        for ((i, d), t) in writes.iter().zip(tables) {
+            match d.rewrite(t, position, *i, dbhub) {
+                Ok(r) => sent[*i] = r,
+                Err(e) => {
+                    Self::refuse(conn, &id, &e.to_string());
+                    return false;
+                }
+            }
+        }
+        let mut call = msg["params"].clone();
+        match via {
+            Via::Own => call["arguments"][&self.opts.sql_arg] = json!(sent.join(";\n")),
+            Via::Hidden(tool) => {
+                call["name"] = json!(tool);
+                call["arguments"] = json!({"sql": sent.join(";\n")});
+            }
+        }
+        match self.call_upstream("tools/call", call) {
+            Ok(resp) if first && failed_on_changed_catalog(&resp) => return true,
+            Ok(mut resp) => {
+                if dbhub {
+                    let no_returning: Vec<usize> =
+                        writes.iter().filter(|(_, d)| !d.has_returning()).map(|(i, _)| *i).collect();
+                    if let Some(result) = resp.get_mut("result") {
+                        dbhub_as_original(result, texts, &no_returning);
+                    }
+                }
+                resp["id"] = id;
+                conn.send(&resp);
+            }
+            Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e.to_string()),
+        }
+        false
+    }
+
+    /// The tables each write touches, as the catalog says (asked again when `fresh`); `None`
+    /// when one does not exist (the server's own error is then the answer), `Err` with the
+    /// reason to refuse when a statement cannot be rewritten.
+    fn tables_of(
+        &self,
+        writes: &[(usize, Statement)],
+        fresh: bool,
+    ) -> std::result::Result<Option<Vec<Vec<TableInfo>>>, String> {
+        let mut db = self.db();
+        if fresh {
+            db.catalog_changed();
+        }
+        let mut tables = Vec::new();
+        for (_, d) in writes {
+            let mut infos = Vec::new();
+            for part in d.dmls() {
+                match db.table_info(&part.table_name()) {
+                    Ok(t) => infos.push(t),
+                    Err(Error::Refused(e)) if e.ends_with("does not exist") => return Ok(None),
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+            // A statement that cannot be rewritten is refused without taking a position.
+            d.rewrite(&infos, 0, 0, false).map_err(|e| e.to_string())?;
+            tables.push(infos);
+        }
+        Ok(Some(tables))
     }
 
     /// DDL: its inverse is recorded (its own transaction) before it runs, and forgotten if it
@@ -227,4 +248,35 @@ impl Proxy {
             Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e.to_string()),
         }
     }
+}
+
+/// The statements of one call, sorted: one DDL statement alone, a refusal, or reads and writes
+/// (the functions they call, and each write with its index).
+enum Sorted {
+    Ddl(Ddl),
+    Refused(String),
+    Dml { functions: Vec<String>, writes: Vec<(usize, Statement)> },
+}
+
+fn sort_statements(texts: &[String]) -> Sorted {
+    let mut functions = Vec::new();
+    let mut writes = Vec::new();
+    for (i, text) in texts.iter().enumerate() {
+        match classify(text) {
+            Class::Ddl(d) if texts.len() == 1 => return Sorted::Ddl(d),
+            Class::Ddl(_) => {
+                return Sorted::Refused(format!("statement {} ({text}): send DDL as a call of its own", i + 1))
+            }
+            Class::Reject(why) if texts.len() > 1 => {
+                return Sorted::Refused(format!("statement {} ({text}): {why}", i + 1))
+            }
+            Class::Reject(why) => return Sorted::Refused(why),
+            Class::ReadOnly { functions: f } => functions.extend(f),
+            Class::Write(d) => {
+                functions.extend(d.functions.iter().cloned());
+                writes.push((i, d));
+            }
+        }
+    }
+    Sorted::Dml { functions, writes }
 }

@@ -102,48 +102,8 @@ impl Proxy {
         if name == self.opts.sql_tool {
             return Some(if self.db.is_some() { Policy::Sql } else { no_db() });
         }
-        if let Some(tb) = &self.opts.toolbox {
-            let elsewhere = |source: &str| {
-                let (dbname, port) = self
-                    .opts
-                    .pg_config()
-                    .map(|c| (c.get_dbname().map(String::from), c.get_ports().first().copied()))
-                    .unwrap_or((None, None));
-                let dbname = dbname.or_else(|| self.opts.effective_dbname().ok()).unwrap_or_default();
-                tb.elsewhere(source, &dbname, port).map(|why| {
-                    Policy::Refuse(format!("the Toolbox tool {name}: {why}: its changes could not be undone"))
-                })
-            };
-            match tb.tools.get(name) {
-                Some(Tool::ExecuteSql { source }) => {
-                    if self.db.is_none() {
-                        return Some(no_db());
-                    }
-                    return Some(elsewhere(source).unwrap_or(Policy::Sql));
-                }
-                Some(Tool::Sql { source, statement, params, templated }) => {
-                    if let Some(p) = elsewhere(source) {
-                        return Some(p);
-                    }
-                    if *templated {
-                        return Some(Policy::Refuse(format!(
-                            "the Toolbox tool {name} has templateParameters (text put into its statement), which planarian cannot classify; declare it in a spec if it only reads"
-                        )));
-                    }
-                    if !tb.is_postgres(source) {
-                        return Some(Policy::Refuse(format!("the Toolbox tool {name} uses the source {source}, which is not PostgreSQL: planarian cannot undo its statement")));
-                    }
-                    if self.db.is_none() {
-                        return Some(no_db());
-                    }
-                    return Some(Policy::ToolboxSql {
-                        statement: statement.clone(),
-                        params: params.clone(),
-                        source: source.clone(),
-                    });
-                }
-                _ => {}
-            }
+        if let Some(p) = self.opts.toolbox.as_ref().and_then(|tb| self.toolbox_policy(tb, name)) {
+            return Some(p);
         }
         for spec in &self.opts.specs {
             if let Some(why) = spec.refuse.get(name) {
@@ -163,6 +123,56 @@ impl Proxy {
             return Some(Policy::Pass);
         }
         None
+    }
+
+    /// What a Toolbox configuration says of `name`: its SQL tools, run on this database or
+    /// refused (`None`: not one of them).
+    fn toolbox_policy(&self, tb: &toolbox::Config, name: &str) -> Option<Policy> {
+        let no_db = || {
+            Policy::Refuse(format!(
+                "the tool {name} runs SQL, and this proxy was started without --database (where its undo is recorded)"
+            ))
+        };
+        let elsewhere = |source: &str| {
+            let (dbname, port) = self
+                .opts
+                .pg_config()
+                .map(|c| (c.get_dbname().map(String::from), c.get_ports().first().copied()))
+                .unwrap_or((None, None));
+            let dbname = dbname.or_else(|| self.opts.effective_dbname().ok()).unwrap_or_default();
+            tb.elsewhere(source, &dbname, port)
+                .map(|why| Policy::Refuse(format!("the Toolbox tool {name}: {why}: its changes could not be undone")))
+        };
+        match tb.tools.get(name) {
+            Some(Tool::ExecuteSql { source }) => {
+                if self.db.is_none() {
+                    return Some(no_db());
+                }
+                Some(elsewhere(source).unwrap_or(Policy::Sql))
+            }
+            Some(Tool::Sql { source, statement, params, templated }) => {
+                if let Some(p) = elsewhere(source) {
+                    return Some(p);
+                }
+                if *templated {
+                    return Some(Policy::Refuse(format!(
+                        "the Toolbox tool {name} has templateParameters (text put into its statement), which planarian cannot classify; declare it in a spec if it only reads"
+                    )));
+                }
+                if !tb.is_postgres(source) {
+                    return Some(Policy::Refuse(format!("the Toolbox tool {name} uses the source {source}, which is not PostgreSQL: planarian cannot undo its statement")));
+                }
+                if self.db.is_none() {
+                    return Some(no_db());
+                }
+                Some(Policy::ToolboxSql {
+                    statement: statement.clone(),
+                    params: params.clone(),
+                    source: source.clone(),
+                })
+            }
+            _ => None,
+        }
     }
 
     fn policy_by_annotations(self: &Arc<Self>, name: &str) -> Policy {
@@ -264,21 +274,8 @@ impl Proxy {
             Err(e) => return refuse(e.to_string()),
         };
         let _guard = self.lock.lock().unwrap();
-        if let Some(c) = &spec.capture {
-            match self.own_call(c, &scope) {
-                Ok(pre) => scope.pre = pre,
-                Err(e) => {
-                    return refuse(match &spec.refuse_when_capture_fails {
-                        Some(why) => format!("{name}: {why} ({e})"),
-                        None => format!("{name}: cannot read what it would change: {e}"),
-                    })
-                }
-            }
-            if let Some((needle, why)) = &spec.refuse_when_pre_contains {
-                if scope.pre.to_string().contains(needle.as_str()) {
-                    return refuse(format!("{name}: {why}"));
-                }
-            }
+        if let Err(why) = self.capture_before(&name, spec, &mut scope) {
+            return refuse(why);
         }
         let position = self.positions.lock().unwrap().next();
         let entry = Entry {
@@ -313,6 +310,30 @@ impl Proxy {
             }
             // (the entry stays: whether the call took effect is not known)
             Err(e) => Self::reply_error(conn, &id, jsonrpc::INTERNAL_ERROR, &e.to_string()),
+        }
+    }
+
+    /// What a declared tool would change, read before it runs (its spec's `capture`, into
+    /// `scope.pre`); `Err` with the reason to refuse the call.
+    fn capture_before(
+        self: &Arc<Self>,
+        name: &str,
+        spec: &ToolSpec,
+        scope: &mut Scope,
+    ) -> std::result::Result<(), String> {
+        let Some(c) = &spec.capture else { return Ok(()) };
+        match self.own_call(c, scope) {
+            Ok(pre) => scope.pre = pre,
+            Err(e) => {
+                return Err(match &spec.refuse_when_capture_fails {
+                    Some(why) => format!("{name}: {why} ({e})"),
+                    None => format!("{name}: cannot read what it would change: {e}"),
+                })
+            }
+        }
+        match &spec.refuse_when_pre_contains {
+            Some((needle, why)) if scope.pre.to_string().contains(needle.as_str()) => Err(format!("{name}: {why}")),
+            _ => Ok(()),
         }
     }
 

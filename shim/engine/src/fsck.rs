@@ -118,7 +118,8 @@ fn mend(engine: &crate::Engine, store: &ContainerStore) {
     crate::chain::collect(store);
 }
 
-/// What is wrong in `store` now.
+/// What is wrong in `store` now. (Long: one list of independent checks, each a few lines, in the
+/// order a report shows them; cut apart, each piece would take the same five arguments.)
 pub fn findings(cfg: &Config, store: &ContainerStore) -> Vec<Finding> {
     let mut out = Vec::new();
     let mut add = |sp: Option<&str>, check: &'static str, detail: String, repairable: bool| {

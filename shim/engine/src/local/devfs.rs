@@ -98,6 +98,44 @@ pub fn save(pid: i32, dev: &DevMount, dir: &Path) -> Result<()> {
     save_from(&sys::proc::Proc::of(pid).root().join("dev"), dev, dir)
 }
 
+/// The kind an entry is kept as; `None` for a socket. What a child mount covers is an empty
+/// placeholder file.
+fn kind_of(ft: std::fs::FileType, covered: bool) -> Option<Kind> {
+    Some(if ft.is_dir() {
+        Kind::Dir
+    } else if covered || ft.is_file() {
+        Kind::File
+    } else if ft.is_symlink() {
+        Kind::Symlink
+    } else if ft.is_char_device() {
+        Kind::Char
+    } else if ft.is_block_device() {
+        Kind::Block
+    } else if ft.is_fifo() {
+        Kind::Fifo
+    } else {
+        return None;
+    })
+}
+
+impl Entry {
+    /// The entry of `path`, of kind `kind`, with its metadata `md` (no target, data or link yet).
+    fn of(path: String, kind: Kind, md: &std::fs::Metadata) -> Entry {
+        Entry {
+            path,
+            kind,
+            mode: md.mode() & 0o7777,
+            uid: md.uid(),
+            gid: md.gid(),
+            mtime: (md.mtime(), md.mtime_nsec()),
+            rdev: if matches!(kind, Kind::Char | Kind::Block) { md.rdev() } else { 0 },
+            target: None,
+            data: None,
+            link: None,
+        }
+    }
+}
+
 fn save_from(root: &Path, dev: &DevMount, dir: &Path) -> Result<()> {
     let tmp_data = dir.join(format!("{DATA}.tmp"));
     let mut data = std::io::BufWriter::new(std::fs::File::create(&tmp_data).at("create", &tmp_data)?);
@@ -109,35 +147,9 @@ fn save_from(root: &Path, dev: &DevMount, dir: &Path) -> Result<()> {
         let path = if rel.is_empty() { root.to_path_buf() } else { root.join(&rel) };
         let md = std::fs::symlink_metadata(&path).at("read", &path)?;
         let covered = dev.children.iter().any(|c| c == &rel);
-        let ft = md.file_type();
-        let kind = if ft.is_dir() {
-            Kind::Dir
-        } else if covered || ft.is_file() {
-            // What a child mount covers is an empty placeholder of its kind.
-            Kind::File
-        } else if ft.is_symlink() {
-            Kind::Symlink
-        } else if ft.is_char_device() {
-            Kind::Char
-        } else if ft.is_block_device() {
-            Kind::Block
-        } else if ft.is_fifo() {
-            Kind::Fifo
-        } else {
-            continue; // a socket: nothing to keep, as with tar
-        };
-        let mut e = Entry {
-            path: rel.clone(),
-            kind,
-            mode: md.mode() & 0o7777,
-            uid: md.uid(),
-            gid: md.gid(),
-            mtime: (md.mtime(), md.mtime_nsec()),
-            rdev: if matches!(kind, Kind::Char | Kind::Block) { md.rdev() } else { 0 },
-            target: None,
-            data: None,
-            link: None,
-        };
+        // (a socket: nothing to keep, as with tar)
+        let Some(kind) = kind_of(md.file_type(), covered) else { continue };
+        let mut e = Entry::of(rel.clone(), kind, &md);
         if !covered && kind != Kind::Dir && md.nlink() > 1 {
             if let Some(first) = seen.get(&(md.dev(), md.ino())) {
                 e.link = Some(first.clone());

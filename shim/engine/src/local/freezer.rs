@@ -18,7 +18,7 @@ pub struct Freezer {
 impl Freezer {
     /// The freezer of the cgroup `pid` lives in.
     pub fn of_pid(pid: i32) -> Result<Freezer> {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).at("read", format!("/proc/{pid}/cgroup"))?;
+        let text = sys::proc::Proc::of(pid).read("cgroup")?;
         if let Some(rel) = text.lines().find_map(|l| l.strip_prefix("0::")) {
             let dir = Path::new("/sys/fs/cgroup").join(rel.trim().trim_start_matches('/'));
             if dir.join("cgroup.freeze").exists() {

@@ -68,7 +68,8 @@ pub fn fingerprint(pids: &[i32], init: i32) -> Result<u64, Unfit> {
     Ok(h.finish())
 }
 
-/// One process and its threads.
+/// One process and its threads. (Long: one list of what is hashed, in the order it is hashed;
+/// cut apart, the pieces would only pass the hasher around.)
 fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
     let proc = Proc::of(pid);
     for tid in proc.threads()? {

@@ -56,7 +56,7 @@ pub fn can_branch(svc: &McpService) -> bool {
 
 fn running(store: &ContainerStore) -> Option<i32> {
     let pid: i32 = std::fs::read_to_string(store.dir.join(PID_FILE)).ok()?.trim().parse().ok()?;
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let cmdline = sys::proc::Proc::of(pid).read_bytes("cmdline").ok()?;
     String::from_utf8_lossy(&cmdline).contains("planarian-mcp-proxy").then_some(pid)
 }
 
@@ -74,7 +74,42 @@ pub fn start(cfg: &Config, id: &str) -> Result<()> {
     std::fs::create_dir_all(&store.dir).at("create", &store.dir)?;
     let log_path = store.dir.join(LOG_FILE);
     let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path).at("open", &log_path)?;
-    let mut cmd = std::process::Command::new(&proxy);
+    let mut cmd = proxy_command(cfg, svc, &proxy, id, &store);
+    cmd.stdin(std::process::Stdio::null()).stdout(log.try_clone().at("open", &log_path)?).stderr(log);
+    crate::tools::detach(&mut cmd);
+    let mut child = cmd.spawn().map_err(|source| Error::Start { proxy: proxy.clone(), source })?;
+    sys::write_atomic(&store.dir.join(PID_FILE), child.id().to_string().as_bytes(), 0o644)?;
+    let socket = planarian_contracts::paths::control_socket(id);
+    // A sidecar that ends says why at once; one that runs may start its upstream server first
+    // (a Node.js server takes tens of seconds on a loaded machine): it is given two minutes.
+    let end = Instant::now() + Duration::from_secs(120);
+    loop {
+        if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let last = log.lines().rev().find(|l| l.starts_with("planarian-mcp-proxy:")).unwrap_or("no message");
+            let _ = std::fs::remove_file(store.dir.join(PID_FILE));
+            return Err(Error::Exited { service: name.to_string(), status, last: last.to_string() });
+        }
+        if Instant::now() > end {
+            stop(cfg, id);
+            return Err(Error::NotUp { service: name.to_string(), log: log_path });
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The sidecar's command line: the proxy serving container `id` for service `svc`.
+fn proxy_command(
+    cfg: &Config,
+    svc: &crate::config::McpService,
+    proxy: &std::path::Path,
+    id: &str,
+    store: &ContainerStore,
+) -> std::process::Command {
+    let mut cmd = std::process::Command::new(proxy);
     cmd.args(["serve", "--container", id]);
     if !svc.database.is_empty() {
         cmd.args(["--database", &svc.database]);
@@ -111,30 +146,7 @@ pub fn start(cfg: &Config, id: &str) -> Result<()> {
     } else {
         cmd.args(["--upstream-url", &svc.url]);
     }
-    cmd.stdin(std::process::Stdio::null()).stdout(log.try_clone().at("open", &log_path)?).stderr(log);
-    crate::tools::detach(&mut cmd);
-    let mut child = cmd.spawn().map_err(|source| Error::Start { proxy: proxy.clone(), source })?;
-    sys::write_atomic(&store.dir.join(PID_FILE), child.id().to_string().as_bytes(), 0o644)?;
-    let socket = planarian_contracts::paths::control_socket(id);
-    // A sidecar that ends says why at once; one that runs may start its upstream server first
-    // (a Node.js server takes tens of seconds on a loaded machine): it is given two minutes.
-    let end = Instant::now() + Duration::from_secs(120);
-    loop {
-        if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
-            return Ok(());
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            let last = log.lines().rev().find(|l| l.starts_with("planarian-mcp-proxy:")).unwrap_or("no message");
-            let _ = std::fs::remove_file(store.dir.join(PID_FILE));
-            return Err(Error::Exited { service: name.to_string(), status, last: last.to_string() });
-        }
-        if Instant::now() > end {
-            stop(cfg, id);
-            return Err(Error::NotUp { service: name.to_string(), log: log_path });
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    cmd
 }
 
 /// Stops the container's sidecar, if it runs.

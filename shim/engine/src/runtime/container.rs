@@ -69,7 +69,7 @@ impl Container {
 
 /// The upper (writable) directory of the overlay mounted as a process's root, if it is one.
 pub fn overlay_upperdir_of(pid: i32) -> Result<Option<PathBuf>> {
-    let mounts = sys::proc::mounts(pid).at("read", format!("/proc/{pid}/mountinfo"))?;
+    let mounts = sys::proc::Proc::of(pid).mounts()?;
     Ok(sys::proc::overlay_root_upperdir(&mounts))
 }
 

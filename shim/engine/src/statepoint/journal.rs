@@ -193,20 +193,17 @@ fn wait_for_orphans(store: &ContainerStore, id: &str, max: Duration) {
 /// Whether a process other than this one is a CRIU with a file under one of `stores` open, or a
 /// Podman whose arguments `podman` matches: what a killed planarian started and left running.
 pub(super) fn orphans(stores: &[PathBuf], podman: &dyn Fn(&[&[u8]]) -> bool) -> bool {
-    let me = std::process::id().to_string();
-    let Ok(rd) = std::fs::read_dir("/proc") else { return false };
-    rd.flatten().any(|p| {
-        let pid = p.file_name().to_string_lossy().into_owned();
-        if pid == me || !pid.bytes().all(|b| b.is_ascii_digit()) {
-            return false;
-        }
-        match std::fs::read_to_string(p.path().join("comm")).unwrap_or_default().trim() {
-            "criu" => std::fs::read_dir(p.path().join("fd")).is_ok_and(|fds| {
-                fds.flatten()
-                    .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| stores.iter().any(|s| l.starts_with(s))))
+    let me = sys::proc::Proc::own();
+    let Ok(pids) = sys::proc::processes() else { return false };
+    pids.into_iter().filter(|&pid| pid != me.pid()).any(|pid| {
+        let p = sys::proc::Proc::of(pid);
+        match p.read("comm").unwrap_or_default().trim() {
+            "criu" => p.fds().is_ok_and(|fds| {
+                fds.into_iter()
+                    .any(|fd| p.link(&format!("fd/{fd}")).is_ok_and(|l| stores.iter().any(|s| l.starts_with(s))))
             }),
             "podman" => {
-                let cmd = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+                let cmd = p.read_bytes("cmdline").unwrap_or_default();
                 let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
                 podman(&args)
             }

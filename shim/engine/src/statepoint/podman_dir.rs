@@ -86,7 +86,9 @@ impl<'a> Handoff<'a> {
     pub fn taken(store: &ContainerStore, ctr_id: &str) -> bool {
         let Ok(text) = std::fs::read_to_string(store.dir.join("handoff")) else { return false };
         let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-        let holder_alive = v["pid"].as_i64().is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+        let holder_alive = v["pid"]
+            .as_i64()
+            .is_some_and(|pid| i32::try_from(pid).is_ok_and(|pid| sys::proc::Proc::of(pid).dir().exists()));
         holder_alive && v["container-id"].as_str() == Some(ctr_id)
     }
 }

@@ -547,8 +547,9 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 /// any doubt refuses (and the stop-and-restore path runs, with the safety statepoint when there
 /// is one); after it, a failure restores the safety statepoint. `blocked`: why the
 /// stop-and-restore path cannot run, if it cannot; `safety_id`: the safety statepoint's
-/// reserved ID. (One function, long: everything in it happens inside one freeze, whose guard
-/// it holds from the first line to the thaw; its steps are the comments' and the progress's.)
+/// reserved ID. (Its later phases are functions of their own: [`write_in_place`],
+/// [`done_in_place`], [`in_place_back_to_safety`]. This one, a little longer than the others,
+/// holds the freeze's guard from its first line and hands it on.)
 fn in_place(
     ctx: &Ctx,
     rb: &mut Parts,
@@ -577,26 +578,8 @@ fn in_place(
     let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at);
     let files_taken = started.as_ref().and_then(|s| s.files_taken.clone());
     crate::log::mark("files started");
-    progress.phase("safety statepoint of the current state");
-    let safety = snapshot::take(
-        ctx,
-        &SnapshotRequest {
-            tcp_established: target.options.tcp_established,
-            file_locks: target.options.file_locks,
-            leave_running: true,
-            internal: true,
-            description: Some(format!("before rollback to {}", target.statepoint_id)),
-            id: at.safety.clone(),
-            files_taken,
-            ..SnapshotRequest::default()
-        },
-    )?;
-    crate::log::mark("safety");
-    progress.done(&safety.statepoint_id);
+    let safety = safety_in_place(ctx, target, at.safety.clone(), files_taken, progress)?;
     let safety_dir = store.statepoint_dir(&safety.statepoint_id);
-    let forget_safety = || {
-        let _ = super::remove(&ctx.cfg, store, &safety.statepoint_id);
-    };
     progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
     let prepared = std::thread::scope(|scope| -> std::result::Result<_, String> {
         // The page plan (the images read) beside the files' comparison.
@@ -613,7 +596,7 @@ fn in_place(
         Ok(p) => p,
         Err(why) => {
             if let Some(b) = blocked() {
-                forget_safety();
+                let _ = super::remove(&ctx.cfg, store, &safety.statepoint_id);
                 return Err(Error::Worker(format!(
                     "cannot roll back in place ({why}), nor by stopping and restoring ({b}); nothing was changed"
                 )));
@@ -627,106 +610,178 @@ fn in_place(
         files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
     progress.done(&format!("{} pages, {} files{examined}", plan.pages_written, files.sync.len()));
     progress.phase("in place: files and memory written");
-    let journal = rb.journal.as_mut().expect("begun before a rollback in place");
-    let applied = (|| -> Result<(inplace::Applied, usize)> {
-        journal.phase(Phase::Writing)?;
-        crate::fault::point("rollback.in-place.files")?;
-        let n = files.apply()?;
-        let a = plan.apply(&freezer).map_err(|e| Error::Worker(e.to_string()))?;
-        crate::log::mark("written");
-        // The remote state last, the sandbox still frozen: compensation cannot be taken back,
-        // so every local step that can fail comes before it.
-        if !target.remote_state.is_empty() {
-            progress.phase("remote state compensated");
-            // Killed during the compensation, the next dump must not build on the safety
-            // statepoint's images (the pages just written were cleared as clean): full, until
-            // the chain's base is the statepoint's below.
-            let init_start = sys::proc::start_time(pid).unwrap_or(0);
-            crate::chain::write_base(
-                store,
-                &crate::chain::Base {
-                    images: None,
-                    depth: 0,
-                    init_start_time: init_start,
-                    full_reason: Some(
-                        "a rollback in place was interrupted while it compensated the remote state".into(),
-                    ),
-                },
-            )?;
-        }
-        let _intent = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)?;
-        crate::fault::point("rollback.in-place.written")?;
-        crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
-        // (before the intent goes: a kill between them leaves a rollback done; past the
-        // compensation, nothing fails the rollback any more)
-        journal.done();
-        Ok((a, n))
-    })();
+    let written = write_in_place(rb, &plan, &files, &freezer, pid, progress);
     crate::log::mark("remote");
-    match applied {
-        Ok((a, n)) => {
-            if let Some(dir) = crate::fault::oracle_dir() {
-                if let Err(e) = snapshot::raw_dump(ctx, pid, &freezer, &dir) {
-                    progress.phase(&format!("oracle dump failed: {e}"));
-                }
-            }
-            record_base(store, target, pid, plan.pids());
-            store.set_head(Some(&target.statepoint_id))?;
-            crate::log::mark("chain");
-            let positions = safety.remote_state.clone();
-            // The sandbox runs again; what is left is planarian's own cleanup: the safety
-            // statepoint, discarded now, and what it and the files' comparison hold, removed
-            // once the caller has its answer ([`Leftover`]).
-            drop(frozen);
-            crate::log::mark("thawed");
-            progress.done(&format!(
-                "{} pages written, {} dropped, {} system calls, {n} files",
-                a.pages_written, a.pages_dropped, a.system_calls
-            ));
-            let (places_examined, places_from) = (files.sync.places, files.sync.located_by);
-            let leftover = match store.mark_discarded(&safety.statepoint_id) {
-                Ok(_) => Some(Leftover { safety: safety.statepoint_id.clone(), zfs: files.hand_off() }),
-                Err(_) => {
-                    forget_safety();
-                    drop(files);
-                    None
-                }
-            };
-            crate::log::mark("discarded");
-            let how = How {
-                path: "in-place".into(),
-                pages_written: Some(a.pages_written),
-                pages_dropped: Some(a.pages_dropped),
-                files_changed: Some(n as u64),
-                places_examined: places_examined.map(|p| p as u64),
-                places_from: places_from.map(String::from),
-                not_in_place: None,
-            };
-            Ok(InPlace::Done { how, safety_positions: positions, leftover })
-        }
+    match written {
+        Ok((a, n)) => done_in_place(ctx, rb, &plan, files, frozen, &freezer, pid, safety, a, n, progress),
         Err(e) => {
             drop(files);
-            progress.phase(&format!("back to the safety statepoint {}", safety.statepoint_id));
-            let _ = journal.phase(Phase::RestoringSafety);
-            let back = stop_frozen(ctx, pc, frozen).and_then(|()| {
-                let files = rootfs.restore(&safety_dir, &safety.local_state)?;
-                podman_restore(store, pc, &safety)?;
-                files.commit();
-                Ok(())
-            });
-            match back {
-                Ok(()) => {
-                    forget_safety();
-                    Err(rolled_back(e))
-                }
-                // (the safety statepoint and the journal stay: the next operation tries again)
-                Err(b) => {
-                    if let Some(j) = rb.journal.take() {
-                        j.keep();
-                    }
-                    Err(Error::NotRolledBack { first: Box::new(e), then: Box::new(b) })
-                }
+            Err(in_place_back_to_safety(ctx, rb, frozen, &safety, e, progress))
+        }
+    }
+}
+
+/// The safety statepoint of a rollback in place: an incremental statepoint of the frozen
+/// sandbox, left frozen, under the ID reserved for it (`id`) and with the files' capture of this
+/// freeze (`files_taken`).
+fn safety_in_place(
+    ctx: &Ctx,
+    target: &Manifest,
+    id: Option<String>,
+    files_taken: Option<crate::local::files::TakenFiles>,
+    progress: &mut dyn Progress,
+) -> Result<Manifest> {
+    progress.phase("safety statepoint of the current state");
+    let safety = snapshot::take(
+        ctx,
+        &SnapshotRequest {
+            tcp_established: target.options.tcp_established,
+            file_locks: target.options.file_locks,
+            leave_running: true,
+            internal: true,
+            description: Some(format!("before rollback to {}", target.statepoint_id)),
+            id,
+            files_taken,
+            ..SnapshotRequest::default()
+        },
+    )?;
+    crate::log::mark("safety");
+    progress.done(&safety.statepoint_id);
+    Ok(safety)
+}
+
+/// The writing phase of a rollback in place, the sandbox frozen: files, then memory and
+/// processes, then the remote state (compensation cannot be taken back, so every local step
+/// that can fail comes before it). Returns what was applied and how many files changed.
+fn write_in_place(
+    rb: &mut Parts,
+    plan: &inplace::Plan,
+    files: &crate::local::files::InPlaceFiles,
+    freezer: &Freezer,
+    pid: i32,
+    progress: &mut dyn Progress,
+) -> Result<(inplace::Applied, usize)> {
+    let (pc, store, target) = (rb.pc, rb.store, rb.target);
+    let journal = rb.journal.as_mut().expect("begun before a rollback in place");
+    journal.phase(Phase::Writing)?;
+    crate::fault::point("rollback.in-place.files")?;
+    let n = files.apply()?;
+    let a = plan.apply(freezer).map_err(|e| Error::Worker(e.to_string()))?;
+    crate::log::mark("written");
+    if !target.remote_state.is_empty() {
+        progress.phase("remote state compensated");
+        // Killed during the compensation, the next dump must not build on the safety
+        // statepoint's images (the pages just written were cleared as clean): full, until
+        // the chain's base is the statepoint's below.
+        let init_start = sys::proc::start_time(pid).unwrap_or(0);
+        crate::chain::write_base(
+            store,
+            &crate::chain::Base {
+                images: None,
+                depth: 0,
+                init_start_time: init_start,
+                full_reason: Some("a rollback in place was interrupted while it compensated the remote state".into()),
+            },
+        )?;
+    }
+    let _intent = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)?;
+    crate::fault::point("rollback.in-place.written")?;
+    crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
+    // (before the intent goes: a kill between them leaves a rollback done; past the
+    // compensation, nothing fails the rollback any more)
+    journal.done();
+    Ok((a, n))
+}
+
+/// A rollback in place written: the chain's base is the target's images, the head the target;
+/// the sandbox thaws; the safety statepoint is discarded, and what it and the files'
+/// comparison hold is removed once the caller has its answer ([`Leftover`]).
+#[allow(clippy::too_many_arguments)]
+fn done_in_place(
+    ctx: &Ctx,
+    rb: &Parts,
+    plan: &inplace::Plan,
+    files: crate::local::files::InPlaceFiles,
+    frozen: FreezeGuard,
+    freezer: &Freezer,
+    pid: i32,
+    safety: Manifest,
+    a: inplace::Applied,
+    n: usize,
+    progress: &mut dyn Progress,
+) -> Result<InPlace> {
+    let (store, target) = (rb.store, rb.target);
+    if let Some(dir) = crate::fault::oracle_dir() {
+        if let Err(e) = snapshot::raw_dump(ctx, pid, freezer, &dir) {
+            progress.phase(&format!("oracle dump failed: {e}"));
+        }
+    }
+    record_base(store, target, pid, plan.pids());
+    store.set_head(Some(&target.statepoint_id))?;
+    crate::log::mark("chain");
+    let positions = safety.remote_state.clone();
+    drop(frozen);
+    crate::log::mark("thawed");
+    progress.done(&format!(
+        "{} pages written, {} dropped, {} system calls, {n} files",
+        a.pages_written, a.pages_dropped, a.system_calls
+    ));
+    let (places_examined, places_from) = (files.sync.places, files.sync.located_by);
+    let leftover = match store.mark_discarded(&safety.statepoint_id) {
+        Ok(_) => Some(Leftover { safety: safety.statepoint_id.clone(), zfs: files.hand_off() }),
+        Err(_) => {
+            let _ = super::remove(&ctx.cfg, store, &safety.statepoint_id);
+            drop(files);
+            None
+        }
+    };
+    crate::log::mark("discarded");
+    let how = How {
+        path: "in-place".into(),
+        pages_written: Some(a.pages_written),
+        pages_dropped: Some(a.pages_dropped),
+        files_changed: Some(n as u64),
+        places_examined: places_examined.map(|p| p as u64),
+        places_from: places_from.map(String::from),
+        not_in_place: None,
+    };
+    Ok(InPlace::Done { how, safety_positions: positions, leftover })
+}
+
+/// A rollback in place that failed after its first write goes back to the safety statepoint
+/// (stop, files, restore). Returns the error to report: the first one when that worked; both,
+/// with the safety statepoint and the journal kept for the next operation, when it did not.
+fn in_place_back_to_safety(
+    ctx: &Ctx,
+    rb: &mut Parts,
+    frozen: FreezeGuard,
+    safety: &Manifest,
+    e: Error,
+    progress: &mut dyn Progress,
+) -> Error {
+    let (pc, store, rootfs) = (rb.pc, rb.store, rb.rootfs.as_ref());
+    progress.phase(&format!("back to the safety statepoint {}", safety.statepoint_id));
+    if let Some(j) = rb.journal.as_mut() {
+        let _ = j.phase(Phase::RestoringSafety);
+    }
+    let safety_dir = store.statepoint_dir(&safety.statepoint_id);
+    let back = stop_frozen(ctx, pc, frozen).and_then(|()| {
+        let files = rootfs.restore(&safety_dir, &safety.local_state)?;
+        podman_restore(store, pc, safety)?;
+        files.commit();
+        Ok(())
+    });
+    match back {
+        Ok(()) => {
+            let _ = super::remove(&ctx.cfg, store, &safety.statepoint_id);
+            rolled_back(e)
+        }
+        // (the safety statepoint and the journal stay: the next operation tries again)
+        Err(b) => {
+            if let Some(j) = rb.journal.take() {
+                j.keep();
             }
+            Error::NotRolledBack { first: Box::new(e), then: Box::new(b) }
         }
     }
 }

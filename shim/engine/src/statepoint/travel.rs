@@ -350,7 +350,7 @@ fn import_copied_files(
     let upper = match upper {
         Some(u) => u.to_path_buf(),
         None => {
-            let mounts = sys::proc::own_mounts().at("read", "/proc/self/mountinfo")?;
+            let mounts = sys::proc::Proc::own().mounts()?;
             zfs::layers::overlay_layers(&mounts, &bundle.spec.root)
                 .ok_or_else(|| local::Error::NoFilesBackend(id.to_string()))?
                 .upper

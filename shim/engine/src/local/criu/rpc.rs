@@ -253,54 +253,68 @@ fn call(
     drop(theirs);
     let mut req = Msg::default();
     req.varint(1, kind).msg(2, opts);
-    let result = (|| -> Result<Option<i32>> {
-        nix::sys::socket::send(ours.as_raw_fd(), &req.0, MsgFlags::empty())
-            .map_err(|e| Error::Rpc(format!("cannot talk to criu: {e}")))?;
-        let mut buf = vec![0u8; 64 << 10];
-        loop {
-            let mut cmsg = nix::cmsg_space!([RawFd; 4]);
-            let (n, fds) = {
-                let mut iov = [IoSliceMut::new(&mut buf)];
-                let msg = recvmsg::<()>(ours.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)
-                    .map_err(|e| Error::Rpc(format!("cannot read criu's answer: {e}")))?;
-                let mut fds = Vec::new();
-                for c in msg.cmsgs().map_err(|e| Error::Rpc(format!("cannot read criu's answer: {e}")))? {
-                    if let ControlMessageOwned::ScmRights(v) = c {
-                        fds.extend(v.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
-                    }
-                }
-                (msg.bytes, fds)
-            };
-            if n == 0 {
-                return Err(Error::Rpc("criu exited without an answer".into()));
-            }
-            let r = decode(&buf[..n])?;
-            if r.kind == REQ_NOTIFY {
-                let script = r.script.clone().unwrap_or_default();
-                let outcome =
-                    on_notify(Notify { script: script.clone(), pid: r.notify_pid, fd: fds.into_iter().next() });
-                let mut ack = Msg::default();
-                ack.varint(1, REQ_NOTIFY).flag(3, outcome.is_ok());
-                nix::sys::socket::send(ours.as_raw_fd(), &ack.0, MsgFlags::empty())
-                    .map_err(|e| Error::Rpc(format!("cannot talk to criu: {e}")))?;
-                outcome.map_err(|e| Error::Notify { script, why: e.to_string() })?;
-                continue;
-            }
-            if !r.success {
-                let why = r
-                    .errmsg
-                    .filter(|m| !m.is_empty())
-                    .or_else(|| super::first_error(log))
-                    .unwrap_or_else(|| format!("errno {}", r.errno.unwrap_or(0)));
-                let verb = if kind == REQ_DUMP { "dump" } else { "restore" };
-                return Err(Error::Failed { verb, why, log: log.to_path_buf() });
-            }
-            return Ok(r.restored_pid);
-        }
-    })();
+    let result = converse(&ours, kind, &req, log, &mut on_notify);
     drop(ours);
     let _ = child.wait();
     result
+}
+
+/// The conversation with `criu swrk` over `ours`: the request, then each notification answered
+/// with `on_notify`, until the answer (the restored root's pid for a restore).
+fn converse(
+    ours: &OwnedFd,
+    kind: u64,
+    req: &Msg,
+    log: &Path,
+    on_notify: &mut impl FnMut(Notify) -> Result<()>,
+) -> Result<Option<i32>> {
+    nix::sys::socket::send(ours.as_raw_fd(), &req.0, MsgFlags::empty())
+        .map_err(|e| Error::Rpc(format!("cannot talk to criu: {e}")))?;
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let (n, fds) = receive(ours, &mut buf)?;
+        if n == 0 {
+            return Err(Error::Rpc("criu exited without an answer".into()));
+        }
+        let r = decode(&buf[..n])?;
+        if r.kind == REQ_NOTIFY {
+            let script = r.script.clone().unwrap_or_default();
+            let outcome = on_notify(Notify { script: script.clone(), pid: r.notify_pid, fd: fds.into_iter().next() });
+            let mut ack = Msg::default();
+            ack.varint(1, REQ_NOTIFY).flag(3, outcome.is_ok());
+            nix::sys::socket::send(ours.as_raw_fd(), &ack.0, MsgFlags::empty())
+                .map_err(|e| Error::Rpc(format!("cannot talk to criu: {e}")))?;
+            outcome.map_err(|e| Error::Notify { script, why: e.to_string() })?;
+            continue;
+        }
+        if !r.success {
+            let why = r
+                .errmsg
+                .filter(|m| !m.is_empty())
+                .or_else(|| super::first_error(log))
+                .unwrap_or_else(|| format!("errno {}", r.errno.unwrap_or(0)));
+            let verb = if kind == REQ_DUMP { "dump" } else { "restore" };
+            return Err(Error::Failed { verb, why, log: log.to_path_buf() });
+        }
+        return Ok(r.restored_pid);
+    }
+}
+
+/// One message from criu into `buf`: its length (0: criu is gone) and the descriptors it
+/// passed.
+fn receive(ours: &OwnedFd, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> {
+    let mut cmsg = nix::cmsg_space!([RawFd; 4]);
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(ours.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)
+        .map_err(|e| Error::Rpc(format!("cannot read criu's answer: {e}")))?;
+    let mut fds = Vec::new();
+    for c in msg.cmsgs().map_err(|e| Error::Rpc(format!("cannot read criu's answer: {e}")))? {
+        if let ControlMessageOwned::ScmRights(v) = c {
+            // SAFETY: SCM_RIGHTS descriptors are new ones of this process, owned by no one else.
+            fds.extend(v.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+        }
+    }
+    Ok((msg.bytes, fds))
 }
 
 pub fn dump(criu: &Path, p: &DumpPlan) -> Result<()> {

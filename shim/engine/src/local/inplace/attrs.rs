@@ -83,34 +83,37 @@ pub(super) fn check(
     }
     let maps = IdMaps::of(host);
     for (t, core) in threads {
-        let what = format!("thread {} of process {vpid}", t.vtid);
-        let st = me.task(t.host).status()?;
-        if let Some(then) = &core.creds {
-            if let Some(why) = creds_differ(st.text(), then, &maps) {
-                return refuse(format!("{what}: its {why} changed since the statepoint"));
-            }
-        }
-        let seccomp = st.field("Seccomp").and_then(|s| s.parse::<u32>().ok());
-        if let (Some(now), Some(then)) = (seccomp, core.seccomp_mode) {
-            if now != then {
-                return refuse(format!("{what}: its seccomp mode is {now}, {then} at the statepoint"));
-            }
-        }
-        if let Some((nice, policy, prio)) = core.sched {
-            // (CRIU records the policy with SCHED_RESET_ON_FORK, /proc without it)
-            let policy = policy & !(libc::SCHED_RESET_ON_FORK as u32);
-            let (now_nice, now_prio, now_policy) = sched_of(host, t.host)?;
-            if (now_policy, now_prio) != (policy, prio) {
-                return refuse(format!(
-                    "{what}: its scheduling policy or real-time priority changed since the statepoint"
-                ));
-            }
-            if now_nice != nice {
-                a.nice.push((t.host, nice));
-            }
+        if let Some(nice) = check_thread(host, vpid, t, core, &maps)? {
+            a.nice.push((t.host, nice));
         }
     }
     Ok(a)
+}
+
+/// One thread's credentials, seccomp mode and scheduling policy against the statepoint's (a
+/// change refuses); the nice value to put back, when it changed.
+fn check_thread(host: i32, vpid: u32, t: &Thread, core: &Core, maps: &IdMaps) -> Result<Option<i32>> {
+    let what = format!("thread {} of process {vpid}", t.vtid);
+    let st = Proc::of(host).task(t.host).status()?;
+    if let Some(then) = &core.creds {
+        if let Some(why) = creds_differ(st.text(), then, maps) {
+            return refuse(format!("{what}: its {why} changed since the statepoint"));
+        }
+    }
+    let seccomp = st.field("Seccomp").and_then(|s| s.parse::<u32>().ok());
+    if let (Some(now), Some(then)) = (seccomp, core.seccomp_mode) {
+        if now != then {
+            return refuse(format!("{what}: its seccomp mode is {now}, {then} at the statepoint"));
+        }
+    }
+    let Some((nice, policy, prio)) = core.sched else { return Ok(None) };
+    // (CRIU records the policy with SCHED_RESET_ON_FORK, /proc without it)
+    let policy = policy & !(libc::SCHED_RESET_ON_FORK as u32);
+    let (now_nice, now_prio, now_policy) = sched_of(host, t.host)?;
+    if (now_policy, now_prio) != (policy, prio) {
+        return refuse(format!("{what}: its scheduling policy or real-time priority changed since the statepoint"));
+    }
+    Ok((now_nice != nice).then_some(nice))
 }
 
 /// (nice, real-time priority, policy) of a thread, from `/proc/PID/task/TID/stat`.

@@ -213,117 +213,11 @@ pub(super) fn compare(
         if cloexec_now != (f.flags & libc::FD_CLOEXEC as u32 != 0) {
             return refuse(format!("process {vpid}: close-on-exec of descriptor {} changed", f.fd));
         }
-        let d = Desc { vpid, fd: f.fd, link: &link, flags };
-        match files.get(&f.id) {
-            Some(images::File::Regular { flags: then_flags, pos, name }) => {
-                if !super::shape::same_file(&link, name) {
-                    return refuse(format!("process {vpid}: descriptor {} is {link} now, {name} at the statepoint", f.fd));
-                }
-                d.same_flags(*then_flags, name)?;
-                let now_pos = fdinfo_field(&info, "pos").and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-                if now_pos != *pos {
-                    fixes.push(Fix::Seek { fd: f.fd, pos: *pos });
-                }
-            }
-            Some(images::File::Pipe { inode, flags: then_flags }) => {
-                let then = format!("pipe:[{inode}]");
-                // (a pipe's two ends have one name: the access mode tells them apart)
-                d.same_flags(*then_flags, "pipe")?;
-                if !objects.matches(&then, &link) {
-                    return refuse(format!("process {vpid}: descriptor {} is {link} now, {then} at the statepoint", f.fd));
-                }
-                if objects.pipe_data.contains(&u64::from(*inode)) {
-                    return refuse(format!("process {vpid}: pipe descriptor {} held data at the statepoint", f.fd));
-                }
-                if queued(&dup(host, vpid, f.fd)?, false) != 0 {
-                    return refuse(format!("process {vpid}: pipe descriptor {} holds data now", f.fd));
-                }
-            }
-            Some(images::File::Socket { id, ino, family, kind, state, flags: then_flags, port }) => {
-                let then = format!("socket:[{ino}]");
-                if !objects.matches(&then, &link) {
-                    return refuse(format!("process {vpid}: descriptor {} is {link} now, {then} at the statepoint", f.fd));
-                }
-                d.same_flags(*then_flags, "socket")?;
-                if objects.socket_data.contains(id) || images::tcp_queued(images, *ino)? {
-                    return refuse(format!("process {vpid}: socket descriptor {} held data at the statepoint", f.fd));
-                }
-                let live_ino: u64 = link.trim_start_matches("socket:[").trim_end_matches(']').parse().unwrap_or(0);
-                let sockets = objects.sockets.get_or_insert_with(|| live_sockets(host));
-                let then_sk = LiveSocket { family: *family, kind: *kind, state: *state, port: *port };
-                match sockets.get(&live_ino) {
-                    Some(s) if *s == then_sk => {}
-                    other => {
-                        return refuse(format!(
-                            "process {vpid}: socket descriptor {} is {other:?} now, {then_sk:?} at the statepoint",
-                            f.fd
-                        ))
-                    }
-                }
-                let live = dup(host, vpid, f.fd)?;
-                if queued(&live, true) != 0 || (*kind == libc::SOCK_DGRAM as u32 && empty_datagram_waiting(&live)) {
-                    return refuse(format!("process {vpid}: socket descriptor {} holds data now", f.fd));
-                }
-            }
-            Some(images::File::EventFd { flags: then_flags, counter }) => {
-                d.anon("[eventfd]")?;
-                d.same_flags(*then_flags, "eventfd")?;
-                // (a semaphore's count is read one by one: a large one is refused; kernels
-                // before 6.5 do not show the mode, see `apply`)
-                let semaphore = fdinfo_field(&info, "eventfd-semaphore").is_some_and(|v| v == "1");
-                let now_count = fdinfo_field(&info, "eventfd-count").and_then(|v| u64::from_str_radix(&v, 16).ok());
-                match now_count {
-                    Some(n) if n == *counter => {}
-                    Some(n) if semaphore && n > 1 << 16 => {
-                        return refuse(format!("process {vpid}: semaphore eventfd {} counts {n} now", f.fd));
-                    }
-                    Some(_) => fixes.push(Fix::EventCount { fd: f.fd, count: *counter }),
-                    None => return refuse(format!("process {vpid}: eventfd {}: no count in its fdinfo", f.fd)),
-                }
-            }
-            Some(images::File::TimerFd { flags: then_flags, clock, ticks, settime_flags, value, interval }) => {
-                d.anon("[timerfd]")?;
-                d.same_flags(*then_flags, "timerfd")?;
-                if fdinfo_field(&info, "clockid").and_then(|v| v.parse::<u32>().ok()) != Some(*clock) {
-                    return refuse(format!("process {vpid}: timerfd {} has another clock now", f.fd));
-                }
-                if *ticks != 0 {
-                    return refuse(format!("process {vpid}: timerfd {} had {ticks} expirations unread at the statepoint", f.fd));
-                }
-                fixes.push(Fix::Timer {
-                    fd: f.fd,
-                    clock: *clock,
-                    flags: *settime_flags,
-                    value: *value,
-                    interval: *interval,
-                });
-            }
-            Some(images::File::SignalFd { flags: then_flags, mask }) => {
-                d.anon("[signalfd]")?;
-                d.same_flags(*then_flags, "signalfd")?;
-                if fdinfo_field(&info, "sigmask").and_then(|v| u64::from_str_radix(&v, 16).ok()) != Some(*mask) {
-                    fixes.push(Fix::SignalMask { fd: f.fd, mask: *mask });
-                }
-            }
-            Some(images::File::EventPoll { flags: then_flags, targets }) => {
-                d.anon("[eventpoll]")?;
-                d.same_flags(*then_flags, "epoll")?;
-                let mut now = epoll_targets(&info);
-                let mut was = targets.clone();
-                now.sort_unstable();
-                was.sort_unstable();
-                if now != was {
-                    return refuse(format!(
-                        "process {vpid}: epoll {}: interest list {now:?} now, {was:?} at the statepoint",
-                        f.fd
-                    ));
-                }
-            }
-            Some(images::File::Other(kind)) => {
-                return refuse(format!("process {vpid}: descriptor {} ({link}) is of a kind a rollback in place does not restore (CRIU file type {kind})", f.fd))
-            }
-            None => return refuse(format!("process {vpid}: descriptor {} is not in the statepoint's files", f.fd)),
-        }
+        let d = Desc { vpid, fd: f.fd, link: &link, flags, info: &info, host };
+        let Some(file) = files.get(&f.id) else {
+            return refuse(format!("process {vpid}: descriptor {} is not in the statepoint's files", f.fd));
+        };
+        fixes.extend(d.compare(file, images, objects)?);
     }
     Ok(fixes)
 }
@@ -334,9 +228,144 @@ struct Desc<'a> {
     fd: u32,
     link: &'a str,
     flags: u32,
+    /// Its `fdinfo` text.
+    info: &'a str,
+    /// The process's host PID.
+    host: i32,
 }
 
 impl Desc<'_> {
+    /// This descriptor against the statepoint's `file`: what to put back, if anything.
+    fn compare(&self, file: &images::File, images: &Path, objects: &mut Objects) -> Result<Option<Fix>> {
+        let (vpid, fd, link, info) = (self.vpid, self.fd, self.link, self.info);
+        match file {
+            images::File::Regular { flags: then_flags, pos, name } => {
+                if !super::shape::same_file(link, name) {
+                    return refuse(format!("process {vpid}: descriptor {fd} is {link} now, {name} at the statepoint"));
+                }
+                self.same_flags(*then_flags, name)?;
+                let now_pos = fdinfo_field(info, "pos").and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+                Ok((now_pos != *pos).then_some(Fix::Seek { fd, pos: *pos }))
+            }
+            images::File::Pipe { inode, flags: then_flags } => self.pipe(*inode, *then_flags, objects).map(|()| None),
+            images::File::Socket { id, ino, family, kind, state, flags: then_flags, port } => {
+                self.same_socket_object(*ino, *then_flags, objects)?;
+                if objects.socket_data.contains(id) || images::tcp_queued(images, *ino)? {
+                    return refuse(format!("process {vpid}: socket descriptor {fd} held data at the statepoint"));
+                }
+                let then = LiveSocket { family: *family, kind: *kind, state: *state, port: *port };
+                self.socket(then, objects).map(|()| None)
+            }
+            images::File::EventFd { flags: then_flags, counter } => self.eventfd(*then_flags, *counter),
+            images::File::TimerFd { flags: then_flags, clock, ticks, settime_flags, value, interval } => {
+                self.anon("[timerfd]")?;
+                self.same_flags(*then_flags, "timerfd")?;
+                if fdinfo_field(info, "clockid").and_then(|v| v.parse::<u32>().ok()) != Some(*clock) {
+                    return refuse(format!("process {vpid}: timerfd {fd} has another clock now"));
+                }
+                if *ticks != 0 {
+                    return refuse(format!("process {vpid}: timerfd {fd} had {ticks} expirations unread at the statepoint"));
+                }
+                let (clock, flags, value, interval) = (*clock, *settime_flags, *value, *interval);
+                Ok(Some(Fix::Timer { fd, clock, flags, value, interval }))
+            }
+            images::File::SignalFd { flags: then_flags, mask } => {
+                self.anon("[signalfd]")?;
+                self.same_flags(*then_flags, "signalfd")?;
+                let now = fdinfo_field(info, "sigmask").and_then(|v| u64::from_str_radix(&v, 16).ok());
+                Ok((now != Some(*mask)).then_some(Fix::SignalMask { fd, mask: *mask }))
+            }
+            images::File::EventPoll { flags: then_flags, targets } => {
+                self.anon("[eventpoll]")?;
+                self.same_flags(*then_flags, "epoll")?;
+                let mut now = epoll_targets(info);
+                let mut was = targets.clone();
+                now.sort_unstable();
+                was.sort_unstable();
+                if now != was {
+                    return refuse(format!(
+                        "process {vpid}: epoll {fd}: interest list {now:?} now, {was:?} at the statepoint"
+                    ));
+                }
+                Ok(None)
+            }
+            images::File::Other(kind) => refuse(format!(
+                "process {vpid}: descriptor {fd} ({link}) is of a kind a rollback in place does not restore (CRIU file type {kind})"
+            )),
+        }
+    }
+
+    /// A pipe end: the same pipe (by the statepoint's and the live objects' pairing), empty then
+    /// and now.
+    fn pipe(&self, inode: u32, then_flags: u32, objects: &mut Objects) -> Result<()> {
+        let (vpid, fd, link) = (self.vpid, self.fd, self.link);
+        let then = format!("pipe:[{inode}]");
+        // (a pipe's two ends have one name: the access mode tells them apart)
+        self.same_flags(then_flags, "pipe")?;
+        if !objects.matches(&then, link) {
+            return refuse(format!("process {vpid}: descriptor {fd} is {link} now, {then} at the statepoint"));
+        }
+        if objects.pipe_data.contains(&u64::from(inode)) {
+            return refuse(format!("process {vpid}: pipe descriptor {fd} held data at the statepoint"));
+        }
+        if queued(&dup(self.host, vpid, fd)?, false) != 0 {
+            return refuse(format!("process {vpid}: pipe descriptor {fd} holds data now"));
+        }
+        Ok(())
+    }
+
+    /// A socket is the statepoint's socket `ino` (by the objects' pairing) with its open flags.
+    fn same_socket_object(&self, ino: u32, then_flags: u32, objects: &mut Objects) -> Result<()> {
+        let then = format!("socket:[{ino}]");
+        if !objects.matches(&then, self.link) {
+            return refuse(format!(
+                "process {}: descriptor {} is {} now, {then} at the statepoint",
+                self.vpid, self.fd, self.link
+            ));
+        }
+        self.same_flags(then_flags, "socket")
+    }
+
+    /// A socket as the network namespace shows it (family, type, state, port) is `then`, and
+    /// holds no data now.
+    fn socket(&self, then: LiveSocket, objects: &mut Objects) -> Result<()> {
+        let (vpid, fd) = (self.vpid, self.fd);
+        let live_ino: u64 = self.link.trim_start_matches("socket:[").trim_end_matches(']').parse().unwrap_or(0);
+        let sockets = objects.sockets.get_or_insert_with(|| live_sockets(self.host));
+        match sockets.get(&live_ino) {
+            Some(s) if *s == then => {}
+            other => {
+                return refuse(format!(
+                    "process {vpid}: socket descriptor {fd} is {other:?} now, {then:?} at the statepoint"
+                ))
+            }
+        }
+        let live = dup(self.host, vpid, fd)?;
+        if queued(&live, true) != 0 || (then.kind == libc::SOCK_DGRAM as u32 && empty_datagram_waiting(&live)) {
+            return refuse(format!("process {vpid}: socket descriptor {fd} holds data now"));
+        }
+        Ok(())
+    }
+
+    /// An eventfd: its count put back, unless it is a semaphore's too large to read down.
+    fn eventfd(&self, then_flags: u32, counter: u64) -> Result<Option<Fix>> {
+        let (vpid, fd) = (self.vpid, self.fd);
+        self.anon("[eventfd]")?;
+        self.same_flags(then_flags, "eventfd")?;
+        // (a semaphore's count is read one by one: a large one is refused; kernels
+        // before 6.5 do not show the mode, see `apply`)
+        let semaphore = fdinfo_field(self.info, "eventfd-semaphore").is_some_and(|v| v == "1");
+        let now_count = fdinfo_field(self.info, "eventfd-count").and_then(|v| u64::from_str_radix(&v, 16).ok());
+        match now_count {
+            Some(n) if n == counter => Ok(None),
+            Some(n) if semaphore && n > 1 << 16 => {
+                refuse(format!("process {vpid}: semaphore eventfd {fd} counts {n} now"))
+            }
+            Some(_) => Ok(Some(Fix::EventCount { fd, count: counter })),
+            None => refuse(format!("process {vpid}: eventfd {fd}: no count in its fdinfo")),
+        }
+    }
+
     fn anon(&self, what: &str) -> Result<()> {
         if self.link != format!("anon_inode:{what}") {
             return refuse(format!(
@@ -374,7 +403,8 @@ fn epoll_targets(info: &str) -> Vec<(u32, u32, u64)> {
         .collect()
 }
 
-/// Puts back what `fixes` says on process `vpid`'s descriptors (host PID `host`).
+/// Puts back what `fixes` says on process `vpid`'s descriptors (host PID `host`). (Long: one
+/// arm per kind of fix, each a system call or two on a duplicate of the descriptor.)
 pub(super) fn apply(host: i32, vpid: u32, fixes: &[Fix]) -> Result<()> {
     for fix in fixes {
         let fail = |what: &str, fd: u32| io(format!("{what} of descriptor {fd} of process {vpid}"));

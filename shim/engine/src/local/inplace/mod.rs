@@ -47,6 +47,7 @@ mod shape;
 mod signals;
 
 pub use apply::Applied;
+pub use pages::Plan;
 pub use shape::check;
 
 use criu_hooks::images;

@@ -256,58 +256,47 @@ impl Signals {
     }
 
     fn apply_with(&self, h: &mut Held, leader: usize, mem: &std::fs::File, base: u64) -> Result<()> {
-        let vpid = h.vpid;
-        let put = |off: u64, b: &[u8]| -> Result<()> {
-            mem.write_all_at(b, base + off).map_err(io(format!("write process {vpid}'s memory")))
-        };
-        // 1. No timer fires into the queues while they are emptied.
-        put(AT_POSIX, &[0u8; 32])?;
+        let page = Scratch { mem, base, vpid: h.vpid };
+        self.stop_timers(h, leader, &page)?;
+        empty_queues(h, &page)?;
+        self.dispositions(h, leader, &page)?;
+        self.queue_again(h, leader, &page)?;
+        self.alternate_stacks(h, &page)?;
+        self.arm_timers(h, leader, &page)
+    }
+
+    /// 1. No timer fires into the queues while they are emptied.
+    fn stop_timers(&self, h: &mut Held, leader: usize, page: &Scratch) -> Result<()> {
+        page.put(AT_POSIX, &[0u8; 32])?;
         for which in 0..3u64 {
-            h.call(leader, "setitimer", libc::SYS_setitimer, &[which, base + AT_POSIX, 0])?;
+            h.call(leader, "setitimer", libc::SYS_setitimer, &[which, page.at(AT_POSIX), 0])?;
         }
         for t in &self.posix {
-            h.call(leader, "timer_settime", libc::SYS_timer_settime, &[u64::from(t.id), 0, base + AT_POSIX, 0])?;
+            h.call(leader, "timer_settime", libc::SYS_timer_settime, &[u64::from(t.id), 0, page.at(AT_POSIX), 0])?;
         }
-        // 2. Every queue emptied, each thread taking its own and the process's.
-        put(AT_SET, &u64::MAX.to_le_bytes())?;
-        put(AT_ZERO_TIME, &[0u8; 16])?;
-        for t in 0..h.threads.len() {
-            let mut taken = 0;
-            loop {
-                let args = [base + AT_SET, 0, base + AT_ZERO_TIME, 8];
-                match ptrace::call(h.threads[t].0, h.insn, "rt_sigtimedwait", libc::SYS_rt_sigtimedwait, &args) {
-                    Ok(_) if taken < 100_000 => taken += 1,
-                    Ok(_) => return Err(Error::Failed(format!("process {vpid}: signals keep arriving"))),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(e) => return Err(io(format!("process {vpid}"))(e)),
-                }
-                *h.calls += 1;
-            }
-            *h.calls += 1;
-        }
-        for &(t, vtid) in &h.threads {
-            let st = Proc::of(h.host).task(t.tid).status()?;
-            let pending = |k: &str| st.field(k).is_some_and(|v| !v.trim_start_matches('0').is_empty());
-            if pending("SigPnd") || pending("ShdPnd") {
-                return Err(Error::Failed(format!(
-                    "thread {vtid}: a signal is still queued after the queues were emptied"
-                )));
-            }
-        }
-        // 3. Dispositions: signals 1 to 64 without SIGKILL and SIGSTOP, in CRIU's order.
+        Ok(())
+    }
+
+    /// 3. Dispositions: signals 1 to 64 without SIGKILL and SIGSTOP, in CRIU's order.
+    fn dispositions(&self, h: &mut Held, leader: usize, page: &Scratch) -> Result<()> {
         let signals = (1..=64u64).filter(|&s| s != libc::SIGKILL as u64 && s != libc::SIGSTOP as u64);
         for (sig, a) in signals.zip(&self.sigactions) {
             let mut b = [0u8; 32];
             for (i, w) in [a.handler, a.flags, a.restorer, a.mask].iter().enumerate() {
                 b[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
             }
-            put(AT_ACTION, &b)?;
-            h.call(leader, "rt_sigaction", libc::SYS_rt_sigaction, &[sig, base + AT_ACTION, 0, 8])?;
+            page.put(AT_ACTION, &b)?;
+            h.call(leader, "rt_sigaction", libc::SYS_rt_sigaction, &[sig, page.at(AT_ACTION), 0, 8])?;
         }
-        // 4. The statepoint's queues, in their order: the process's, then each thread's.
+        Ok(())
+    }
+
+    /// 4. The statepoint's queues, in their order: the process's, then each thread's.
+    fn queue_again(&self, h: &mut Held, leader: usize, page: &Scratch) -> Result<()> {
+        let vpid = h.vpid;
         for info in &self.shared {
-            put(AT_INFO, info)?;
-            let args = [u64::from(vpid), signo(info) as u64, base + AT_INFO];
+            page.put(AT_INFO, info)?;
+            let args = [u64::from(vpid), signo(info) as u64, page.at(AT_INFO)];
             h.call(leader, "rt_sigqueueinfo", libc::SYS_rt_sigqueueinfo, &args)?;
         }
         // (each thread queues its own: the kernel takes a siginfo saying "sent by a process"
@@ -315,12 +304,16 @@ impl Signals {
         for (t, (queue, _)) in self.threads.iter().enumerate() {
             let vtid = h.threads[t].1;
             for info in queue {
-                put(AT_INFO, info)?;
-                let args = [u64::from(vpid), u64::from(vtid), signo(info) as u64, base + AT_INFO];
+                page.put(AT_INFO, info)?;
+                let args = [u64::from(vpid), u64::from(vtid), signo(info) as u64, page.at(AT_INFO)];
                 h.call(t, "rt_tgsigqueueinfo", libc::SYS_rt_tgsigqueueinfo, &args)?;
             }
         }
-        // 5. Alternate stacks, each set by its own thread standing on our page.
+        Ok(())
+    }
+
+    /// 5. Alternate stacks, each set by its own thread standing on our page.
+    fn alternate_stacks(&self, h: &mut Held, page: &Scratch) -> Result<()> {
         for (t, (_, stack)) in self.threads.iter().enumerate() {
             let Some((sp, size, flags)) = *stack else { continue };
             let flags = flags & !SS_ONSTACK;
@@ -329,11 +322,11 @@ impl Signals {
             b[..8].copy_from_slice(&sp.to_le_bytes());
             b[8..12].copy_from_slice(&flags.to_le_bytes());
             b[16..].copy_from_slice(&size.to_le_bytes());
-            put(AT_STACK, &b)?;
+            page.put(AT_STACK, &b)?;
             *h.calls += 1;
             h.threads[t]
                 .0
-                .syscall_on(h.insn, base + SCRATCH - 64, libc::SYS_sigaltstack, &[base + AT_STACK, 0])
+                .syscall_on(h.insn, page.at(SCRATCH - 64), libc::SYS_sigaltstack, &[page.at(AT_STACK), 0])
                 .and_then(|r| {
                     if (-4095..0).contains(&r) {
                         Err(std::io::Error::from_raw_os_error(-r as i32))
@@ -343,19 +336,73 @@ impl Signals {
                 })
                 .map_err(io(format!("sigaltstack of thread {}", h.threads[t].1)))?;
         }
-        // 6. The timers, with the time they had left.
+        Ok(())
+    }
+
+    /// 6. The timers, with the time they had left.
+    fn arm_timers(&self, h: &mut Held, leader: usize, page: &Scratch) -> Result<()> {
         for (which, it) in self.itimers.iter().enumerate() {
             if it.armed() {
-                put(AT_ITIMER, &arming(it.interval, it.value))?;
-                h.call(leader, "setitimer", libc::SYS_setitimer, &[which as u64, base + AT_ITIMER, 0])?;
+                page.put(AT_ITIMER, &arming(it.interval, it.value))?;
+                h.call(leader, "setitimer", libc::SYS_setitimer, &[which as u64, page.at(AT_ITIMER), 0])?;
             }
         }
         for t in self.posix.iter().filter(|t| t.value != (0, 0) || t.interval != (0, 0)) {
-            put(AT_POSIX, &arming(t.interval, t.value))?;
-            h.call(leader, "timer_settime", libc::SYS_timer_settime, &[u64::from(t.id), 0, base + AT_POSIX, 0])?;
+            page.put(AT_POSIX, &arming(t.interval, t.value))?;
+            h.call(leader, "timer_settime", libc::SYS_timer_settime, &[u64::from(t.id), 0, page.at(AT_POSIX), 0])?;
         }
         Ok(())
     }
+}
+
+/// The scratch page mapped in the process for the system calls' arguments.
+struct Scratch<'a> {
+    mem: &'a std::fs::File,
+    base: u64,
+    vpid: u32,
+}
+
+impl Scratch<'_> {
+    /// The address of offset `off` of the page in the process.
+    fn at(&self, off: u64) -> u64 {
+        self.base + off
+    }
+
+    /// Writes `b` at offset `off` of the page.
+    fn put(&self, off: u64, b: &[u8]) -> Result<()> {
+        self.mem.write_all_at(b, self.base + off).map_err(io(format!("write process {}'s memory", self.vpid)))
+    }
+}
+
+/// 2. Every queue emptied, each thread taking its own and the process's.
+fn empty_queues(h: &mut Held, page: &Scratch) -> Result<()> {
+    let vpid = h.vpid;
+    page.put(AT_SET, &u64::MAX.to_le_bytes())?;
+    page.put(AT_ZERO_TIME, &[0u8; 16])?;
+    for t in 0..h.threads.len() {
+        let mut taken = 0;
+        loop {
+            let args = [page.at(AT_SET), 0, page.at(AT_ZERO_TIME), 8];
+            match ptrace::call(h.threads[t].0, h.insn, "rt_sigtimedwait", libc::SYS_rt_sigtimedwait, &args) {
+                Ok(_) if taken < 100_000 => taken += 1,
+                Ok(_) => return Err(Error::Failed(format!("process {vpid}: signals keep arriving"))),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(io(format!("process {vpid}"))(e)),
+            }
+            *h.calls += 1;
+        }
+        *h.calls += 1;
+    }
+    for &(t, vtid) in &h.threads {
+        let st = Proc::of(h.host).task(t.tid).status()?;
+        let pending = |k: &str| st.field(k).is_some_and(|v| !v.trim_start_matches('0').is_empty());
+        if pending("SigPnd") || pending("ShdPnd") {
+            return Err(Error::Failed(format!(
+                "thread {vtid}: a signal is still queued after the queues were emptied"
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

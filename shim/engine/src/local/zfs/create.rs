@@ -30,7 +30,7 @@ pub fn on_create(cfg: &Config, id: &str, bundle: &mut Bundle) -> Result<()> {
         return prepare_bundle(cfg, id, bundle);
     }
     let root = bundle.spec.root.clone();
-    let mounts = sys::proc::own_mounts().at("read", "/proc/self/mountinfo")?;
+    let mounts = sys::proc::Proc::own().mounts()?;
     let dir = std::fs::canonicalize(&bundle.dir).unwrap_or(bundle.dir.clone());
     if let Some(ds) = zfs::dataset_mounted_at(&mounts, &root) {
         return save_mapping(&store, &Mapping { dataset: ds, owned: false, bundle: dir, image_base: None });

@@ -190,58 +190,22 @@ impl ZfsRootfs {
         }
         let mp = zfs.get(&d, "mountpoint")?;
         zfs.clone_snapshot(&snap, &new, &[("mountpoint", "none")])?;
-        let drop_new = || {
-            let _ = zfs.destroy(&new, true);
-        };
         if let Err(e) = zfs.promote(&new) {
-            drop_new();
+            let _ = zfs.destroy(&new, true);
             return Err(e.into());
         }
-        let unpromote = || {
-            let _ = zfs.promote(&origin_ds);
-            drop_new();
-        };
         if let Err(e) = zfs.unmount(&d) {
-            unpromote();
+            let _ = zfs.promote(&origin_ds);
+            let _ = zfs.destroy(&new, true);
             return Err(match e.kind() {
                 Kind::Busy => Error::FilesBusy(mp.value.clone()),
                 _ => e.into(),
             });
         }
         let old = (1..).map(|n| format!("{d}.planarian-old-{n}")).find(|o| !zfs.exists(o).unwrap_or(true)).unwrap();
-        let swap = || -> Result<(), zfs::Error> {
-            zfs.set(&d, "mountpoint", "none")?;
-            zfs.rename(&d, &old)?;
-            zfs.rename(&new, &d)?;
-            zfs.restore_property(&d, "mountpoint", &mp)?;
-            if zfs.get(&d, "mounted")?.value != "yes" {
-                zfs.mount(&d)?;
-            }
-            Ok(())
-        };
-        // Puts the previous dataset back under its name and mount point (any step may be done).
-        let undo = {
-            let (zfs, d, old, new, mp, origin_ds) =
-                (zfs.clone(), d.clone(), old.clone(), new.clone(), mp.clone(), origin_ds.clone());
-            move || -> Result<()> {
-                if zfs.exists(&old)? {
-                    if zfs.exists(&d)? {
-                        let _ = zfs.unmount(&d);
-                        zfs.set(&d, "mountpoint", "none")?;
-                        zfs.rename(&d, &new)?;
-                    }
-                    zfs.rename(&old, &d)?;
-                }
-                zfs.restore_property(&d, "mountpoint", &mp)?;
-                if zfs.get(&d, "mounted")?.value != "yes" {
-                    zfs.mount(&d)?;
-                }
-                zfs.promote(&origin_ds)?;
-                Ok(zfs.destroy(&new, true)?)
-            }
-        };
-        if let Err(e) = swap() {
-            return Err(match undo() {
+        let swap = Swap { zfs: zfs.clone(), d, old, new, mp, origin_ds };
+        if let Err(e) = swap.swap() {
+            return Err(match swap.undo() {
                 Ok(()) => e.into(),
                 Err(u) => Error::UndoFailed {
                     first: Box::new(e.into()),
@@ -251,10 +215,54 @@ impl ZfsRootfs {
             });
         }
         let commit = {
-            let (zfs, d) = (zfs.clone(), d.clone());
+            let (zfs, d) = (zfs.clone(), swap.d.clone());
             move || collect(&zfs, &d)
         };
-        Ok(RestoreGuard::new(Box::new(undo), Box::new(commit)))
+        Ok(RestoreGuard::new(Box::new(move || swap.undo()), Box::new(commit)))
+    }
+}
+
+/// A restore's exchange of datasets: the promoted clone `new` takes the container's dataset's
+/// name `d` and mount point `mp`; the previous one becomes `old`; `origin_ds` held the snapshot.
+struct Swap {
+    zfs: Zfs,
+    d: String,
+    old: String,
+    new: String,
+    mp: zfs::Property,
+    origin_ds: String,
+}
+
+impl Swap {
+    fn swap(&self) -> Result<(), zfs::Error> {
+        let (zfs, d) = (&self.zfs, &self.d);
+        zfs.set(d, "mountpoint", "none")?;
+        zfs.rename(d, &self.old)?;
+        zfs.rename(&self.new, d)?;
+        zfs.restore_property(d, "mountpoint", &self.mp)?;
+        if zfs.get(d, "mounted")?.value != "yes" {
+            zfs.mount(d)?;
+        }
+        Ok(())
+    }
+
+    /// Puts the previous dataset back under its name and mount point (any step may be done).
+    fn undo(&self) -> Result<()> {
+        let (zfs, d) = (&self.zfs, &self.d);
+        if zfs.exists(&self.old)? {
+            if zfs.exists(d)? {
+                let _ = zfs.unmount(d);
+                zfs.set(d, "mountpoint", "none")?;
+                zfs.rename(d, &self.new)?;
+            }
+            zfs.rename(&self.old, d)?;
+        }
+        zfs.restore_property(d, "mountpoint", &self.mp)?;
+        if zfs.get(d, "mounted")?.value != "yes" {
+            zfs.mount(d)?;
+        }
+        zfs.promote(&self.origin_ds)?;
+        Ok(zfs.destroy(&self.new, true)?)
     }
 }
 
@@ -419,6 +427,9 @@ struct Found {
     times: String,
 }
 
+/// What changed since the statepoint (the stream between its snapshot and a snapshot of the
+/// frozen state) and where, found beside a read-only clone of the statepoint's snapshot (the
+/// view the files are copied back from): the two at once.
 fn find_in_place(
     zfs: &Zfs,
     d: &str,
@@ -427,94 +438,26 @@ fn find_in_place(
     taken: &TakenFiles,
     unchanged_before: Option<u64>,
 ) -> Result<Found> {
-    let now = taken.name();
     let started = std::time::Instant::now();
-    let ms = |t: std::time::Duration| t.as_millis();
     let name = recorded.rsplit('@').next().unwrap_or(recorded);
     // The statepoint's snapshot is usually on the dataset; a rollback that swapped datasets may
     // have left it on a retired one: looked for only when it is not there (and whatever the
     // first try met in the way, removed).
-    let snap = format!("{d}@{name}");
-    let located = || -> Result<String> { find_snapshot(zfs, d, name)?.ok_or_else(|| missing(name, d)) };
+    let at = Snap { zfs, d, name, snap: format!("{d}@{name}") };
     let mounted = sys::proc::own_mounts().map(|ms| zfs::mounts_of(&ms, d)).unwrap_or_default();
     let live = match &mounted[..] {
         [one] => one.clone(),
         _ => mountpoint(zfs, d)?,
     };
     let view = format!("{d}.planarian-inplace");
-    type Changes = (Option<std::collections::HashSet<u64>>, Option<(Vec<PathBuf>, Vec<PathBuf>, &'static str)>);
     let (made, (changes, times)) = std::thread::scope(|s| {
-        let finding = s.spawn(|| -> Result<(Changes, String)> {
-            let t = std::time::Instant::now();
-            // The frozen state's snapshot (one a crashed rollback left is replaced), said to
-            // the statepoint that adopts it.
-            let capturing = taken.capturing();
-            let snapshot = || -> Result<()> {
-                syncfs(&live)?;
-                if zfs.snapshot(now).is_err() {
-                    let _ = zfs.destroy_snapshot(now);
-                    zfs.snapshot(now)?;
-                }
-                Ok(())
-            };
-            let snapshot = snapshot();
-            capturing.made(snapshot.as_ref().map(drop).map_err(|e| e.to_string()));
-            snapshot?;
-            let snapped = t.elapsed();
-            let changes = zfs.changes(&snap, now).or_else(|_| Ok::<_, Error>(zfs.changes(&located()?, now)?));
-            let changes = match changes {
-                Ok(c) => c,
-                Err(e) => return Ok(((None, None), format!("no stream: {e}"))),
-            };
-            let streamed = t.elapsed();
-            let mut changes = changes;
-            let carried = changes.objects.len();
-            if let Some(before) = unchanged_before {
-                changes.objects.retain(|_, o| !matches!(o, zfs::stream::Object::File(z) if z.ctime < before));
-            }
-            let changed: std::collections::HashSet<u64> = changes.objects.keys().copied().collect();
-            // Where they are: from their znodes and the live tree's listings, else from zdb.
-            // What this learns of directories' places is kept for the next rollback.
-            let cache = scratch.with_file_name("zfs-dirs.json");
-            let known = places::load_known(&cache);
-            let (places, how) = match places::places(&changes, &live, &[], &known) {
-                Ok(p) => {
-                    places::save_known(&cache, &known, &p.dirs);
-                    (Some((p.single, p.named, "stream")), format!("{} directories read", p.read))
-                }
-                Err(why) => {
-                    let found = places(zfs, now, &changed, &live);
-                    if let Some((single, _)) = &found {
-                        places::save_known(&cache, &known, &places::dirs_of(&live, single));
-                    }
-                    (found.map(|(single, named)| (single, named, "zdb")), format!("zdb: from the stream, {why}"))
-                }
-            };
-            let times = format!("snapshot {} ms, stream {} ms ({carried} objects, {} changed since the statepoint), places {} ms ({how})", ms(snapped), ms(streamed - snapped), changed.len(), ms(t.elapsed() - streamed));
-            Ok(((Some(changed), places), times))
-        });
-        let made = (|| -> Result<()> {
-            std::fs::create_dir_all(scratch).at("create", scratch)?;
-            let mp = scratch.display().to_string();
-            let props = [("mountpoint", mp.as_str()), ("readonly", "on")];
-            if zfs.clone_snapshot(&snap, &view, &props).is_err() {
-                if zfs.exists(&view)? {
-                    zfs.destroy(&view, true)?;
-                }
-                zfs.clone_snapshot(&located()?, &view, &props)?;
-            }
-            Ok(())
-        })()
-        .map(|()| started.elapsed());
-        (
-            made,
-            finding
-                .join()
-                .unwrap_or_else(|p| std::panic::resume_unwind(p))
-                .unwrap_or_else(|e| ((None, None), format!("not found: {e}"))),
-        )
+        let finding = s.spawn(|| changes_since(&at, &live, scratch, taken, unchanged_before));
+        let made = statepoint_view(&at, &view, scratch).map(|()| started.elapsed());
+        let found = finding.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        (made, found.unwrap_or_else(|e| ((None, None), format!("not found: {e}"))))
     });
     let cloned = made?;
+    let ms = |t: std::time::Duration| t.as_millis();
     Ok(Found {
         live,
         view,
@@ -522,6 +465,107 @@ fn find_in_place(
         places: changes.1,
         times: format!("clone {} ms; {times}; {} ms in all", ms(cloned), ms(started.elapsed())),
     })
+}
+
+/// The statepoint's snapshot: where it should be (`snap`, on dataset `d`), and its name to look
+/// for elsewhere.
+struct Snap<'a> {
+    zfs: &'a Zfs,
+    d: &'a str,
+    name: &'a str,
+    snap: String,
+}
+
+impl Snap<'_> {
+    /// Where the snapshot is, when it is not on the dataset.
+    fn located(&self) -> Result<String> {
+        find_snapshot(self.zfs, self.d, self.name)?.ok_or_else(|| missing(self.name, self.d))
+    }
+}
+
+/// What changed, and where: the changed objects and their places, or `None` when they cannot be
+/// known (the files are then compared whole).
+type Changes = (Option<std::collections::HashSet<u64>>, Option<(Vec<PathBuf>, Vec<PathBuf>, &'static str)>);
+
+/// The frozen state's snapshot (`taken`'s, said to the statepoint that adopts it), the objects
+/// changed since the statepoint's (those older than `unchanged_before` aside), and their places
+/// in the live tree `live` (from the stream and the listings, else from zdb); with the times.
+fn changes_since(
+    at: &Snap,
+    live: &Path,
+    scratch: &Path,
+    taken: &TakenFiles,
+    unchanged_before: Option<u64>,
+) -> Result<(Changes, String)> {
+    let (zfs, now) = (at.zfs, taken.name());
+    let ms = |t: std::time::Duration| t.as_millis();
+    let t = std::time::Instant::now();
+    // The frozen state's snapshot (one a crashed rollback left is replaced), said to
+    // the statepoint that adopts it.
+    let capturing = taken.capturing();
+    let snapshot = || -> Result<()> {
+        syncfs(live)?;
+        if zfs.snapshot(now).is_err() {
+            let _ = zfs.destroy_snapshot(now);
+            zfs.snapshot(now)?;
+        }
+        Ok(())
+    };
+    let snapshot = snapshot();
+    capturing.made(snapshot.as_ref().map(drop).map_err(|e| e.to_string()));
+    snapshot?;
+    let snapped = t.elapsed();
+    let changes = zfs.changes(&at.snap, now).or_else(|_| Ok::<_, Error>(zfs.changes(&at.located()?, now)?));
+    let mut changes = match changes {
+        Ok(c) => c,
+        Err(e) => return Ok(((None, None), format!("no stream: {e}"))),
+    };
+    let streamed = t.elapsed();
+    let carried = changes.objects.len();
+    if let Some(before) = unchanged_before {
+        changes.objects.retain(|_, o| !matches!(o, zfs::stream::Object::File(z) if z.ctime < before));
+    }
+    let changed: std::collections::HashSet<u64> = changes.objects.keys().copied().collect();
+    // Where they are: from their znodes and the live tree's listings, else from zdb.
+    // What this learns of directories' places is kept for the next rollback.
+    let cache = scratch.with_file_name("zfs-dirs.json");
+    let known = places::load_known(&cache);
+    let (places, how) = match places::places(&changes, live, &[], &known) {
+        Ok(p) => {
+            places::save_known(&cache, &known, &p.dirs);
+            (Some((p.single, p.named, "stream")), format!("{} directories read", p.read))
+        }
+        Err(why) => {
+            let found = places(zfs, now, &changed, live);
+            if let Some((single, _)) = &found {
+                places::save_known(&cache, &known, &places::dirs_of(live, single));
+            }
+            (found.map(|(single, named)| (single, named, "zdb")), format!("zdb: from the stream, {why}"))
+        }
+    };
+    let times = format!(
+        "snapshot {} ms, stream {} ms ({carried} objects, {} changed since the statepoint), places {} ms ({how})",
+        ms(snapped),
+        ms(streamed - snapped),
+        changed.len(),
+        ms(t.elapsed() - streamed)
+    );
+    Ok(((Some(changed), places), times))
+}
+
+/// A read-only clone of the statepoint's snapshot, mounted at `scratch`, named `view` (one a
+/// crashed rollback left is replaced).
+fn statepoint_view(at: &Snap, view: &str, scratch: &Path) -> Result<()> {
+    std::fs::create_dir_all(scratch).at("create", scratch)?;
+    let mp = scratch.display().to_string();
+    let props = [("mountpoint", mp.as_str()), ("readonly", "on")];
+    if at.zfs.clone_snapshot(&at.snap, view, &props).is_err() {
+        if at.zfs.exists(view)? {
+            at.zfs.destroy(view, true)?;
+        }
+        at.zfs.clone_snapshot(&at.located()?, view, &props)?;
+    }
+    Ok(())
 }
 
 /// An early start's thread, and what it makes: destroyed, unless taken by [`ZfsRootfs::in_place`],
