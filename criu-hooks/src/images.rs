@@ -921,16 +921,17 @@ pub(crate) mod tests {
         Enc::default().int(1, vaddr).int(2, n).int(4, u64::from(flags)).0
     }
 
-    fn tmp(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("planarian-images-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
+    /// A scratch directory (removed when the first is dropped) and a directory made in it.
+    fn tmp(tag: &str) -> (tempfile::TempDir, PathBuf) {
+        let scratch = tempfile::tempdir().unwrap();
+        let d = scratch.path().join(tag);
         std::fs::create_dir_all(&d).unwrap();
-        d
+        (scratch, d)
     }
 
     #[test]
     fn memory_follows_parents_and_splits_runs() {
-        let d = tmp("chain");
+        let (_scratch, d) = tmp("chain");
         let (p, c) = (d.join("p"), d.join("c"));
         std::fs::create_dir_all(&p).unwrap();
         std::fs::create_dir_all(&c).unwrap();
@@ -966,7 +967,7 @@ pub(crate) mod tests {
 
     #[test]
     fn core_mm_pstree_and_files_decode() {
-        let d = tmp("decode");
+        let (_scratch, d) = tmp("decode");
         let regs: Vec<u64> = (1..=27).map(|i| i * 0x100).collect();
         let mut g = Enc::default();
         for (i, r) in regs.iter().enumerate() {

@@ -369,11 +369,11 @@ mod tests {
 
     #[test]
     fn rewrite_in_place_is_atomic_and_exact() {
-        let p = std::env::temp_dir().join(format!("planarian-inv-{}.img", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let p = scratch.path().join("inv.img");
         std::fs::write(&p, REAL).unwrap();
         rewrite_dump_uptime(&p, 5_000_000).unwrap();
         assert_eq!(dump_uptime(&std::fs::read(&p).unwrap()).unwrap(), Some(5_000_000));
-        std::fs::remove_file(&p).unwrap();
     }
 
     #[test]

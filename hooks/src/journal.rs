@@ -157,8 +157,8 @@ mod tests {
 
     #[test]
     fn entries_survive_a_restart_and_a_torn_last_line() {
-        let path = std::env::temp_dir().join(format!("planarian-journal-{}", std::process::id()));
-        let _ = std::fs::remove_file(&path);
+        let scratch = tempfile::tempdir().unwrap();
+        let path = scratch.path().join("journal");
         let mut j = Journal::load(&path).unwrap();
         let entry = |p: u64| Entry {
             position: p,
@@ -186,6 +186,5 @@ mod tests {
         let k = Journal::load(&path).unwrap();
         assert_eq!(k.entries, j.entries);
         assert_eq!(k.max_position(), 3);
-        std::fs::remove_file(&path).unwrap();
     }
 }

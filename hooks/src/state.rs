@@ -124,8 +124,8 @@ mod tests {
 
     #[test]
     fn positions_survive_restart_and_undone_ranges_are_unreachable() {
-        let path = std::env::temp_dir().join(format!("planarian-positions-{}.json", std::process::id()));
-        let _ = std::fs::remove_file(&path);
+        let scratch = tempfile::tempdir().unwrap();
+        let path = scratch.path().join("positions.json");
         let mut p = Positions::load(&path, 0).unwrap();
         for want in 1..=10 {
             assert_eq!(p.next(), want);
@@ -154,6 +154,5 @@ mod tests {
         p.passed("raw").unwrap();
         let p = Positions::load(&path, 0).unwrap();
         assert_eq!(p.passed, vec![(14, 15, "raw".to_string())]);
-        std::fs::remove_file(&path).unwrap();
     }
 }

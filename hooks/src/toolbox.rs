@@ -391,7 +391,8 @@ mod tests {
             "t".into(),
             Tool::Sql { source: "pg".into(), statement: "SELECT 1".into(), params: vec![], templated: false },
         );
-        let extra = std::env::temp_dir().join(format!("planarian-hidden-{}.yaml", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let extra = scratch.path().join("hidden.yaml");
         let out = with_hidden_tools(&args, &c, &extra).unwrap();
         assert_eq!(out, vec!["--configs".to_string(), format!("/a.yaml,{}", extra.display()), "--stdio".to_string()]);
         std::fs::remove_file(extra).unwrap();

@@ -76,16 +76,20 @@ struct Proxied {
     mcp: Mcp,
     control: PathBuf,
     state: PathBuf,
+    _scratch: tempfile::TempDir,
 }
 
 fn proxy(srv: &Srv, pg: &Pg, tag: &str) -> Proxied {
-    let (c, control, state) = proxy_cmd(srv, pg, tag);
-    Proxied { mcp: Mcp::spawn(c), control, state }
+    let (c, control, state, scratch) = proxy_cmd(srv, pg, tag);
+    Proxied { mcp: Mcp::spawn(c), control, state, _scratch: scratch }
 }
 
-fn proxy_cmd(srv: &Srv, pg: &Pg, tag: &str) -> (Command, PathBuf, PathBuf) {
+/// The proxy's command in front of `srv`, its control socket and positions file, in a scratch
+/// directory removed when the last is dropped.
+fn proxy_cmd(srv: &Srv, pg: &Pg, tag: &str) -> (Command, PathBuf, PathBuf, tempfile::TempDir) {
     let kind = if matches!(srv, Srv::Dbhub(_)) { "dbhub" } else { "toolbox" };
-    let dir = std::env::temp_dir().join(format!("planarian-proxy-{tag}-{kind}-{}", std::process::id()));
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().join(format!("{tag}-{kind}"));
     std::fs::create_dir_all(&dir).unwrap();
     let (control, state) = (dir.join("control.sock"), dir.join("positions.json"));
     let tbc = server_cmd(srv, pg);
@@ -100,7 +104,7 @@ fn proxy_cmd(srv: &Srv, pg: &Pg, tag: &str) -> (Command, PathBuf, PathBuf) {
     for (k, v) in tbc.get_envs() {
         c.env(k, v.unwrap());
     }
-    (c, control, state)
+    (c, control, state, scratch)
 }
 
 /// Every user table, whole, in key order: what the tests compare.
@@ -442,7 +446,7 @@ fn ddl_behind(bin: &Path, srv: &Srv, as_user: Option<&str>) {
                  GRANT ALL ON ALL TABLES IN SCHEMA public TO {user}; ALTER DEFAULT PRIVILEGES IN SCHEMA public GRANT ALL ON TABLES TO {user}"
             ))
             .unwrap();
-            let (mut c, control, state) = proxy_cmd(srv, &pg, "behind-user");
+            let (mut c, control, state, scratch) = proxy_cmd(srv, &pg, "behind-user");
             let args: Vec<String> =
                 c.get_args().map(|a| a.to_string_lossy().replace("user=postgres", &format!("user={user}"))).collect();
             let mut c2 = Command::new(c.get_program());
@@ -451,7 +455,7 @@ fn ddl_behind(bin: &Path, srv: &Srv, as_user: Option<&str>) {
                 c2.env(k, v.unwrap());
             }
             c = c2;
-            Proxied { mcp: Mcp::spawn(c), control, state }
+            Proxied { mcp: Mcp::spawn(c), control, state, _scratch: scratch }
         }
     };
     let counted: bool = db
@@ -494,7 +498,8 @@ fn a_branch_is_a_copy_of_the_database_at_a_position_that_the_source_never_sees()
     schema(&mut db);
     // The upstream names its database as {dbname}: each proxy's own.
     let proxy_on = |tag: &str, dbname: Option<&str>| {
-        let dir = std::env::temp_dir().join(format!("planarian-proxy-{tag}-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join(tag);
         std::fs::create_dir_all(&dir).unwrap();
         let (control, state) = (dir.join("control.sock"), dir.join("positions.json"));
         let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
@@ -512,7 +517,7 @@ fn a_branch_is_a_copy_of_the_database_at_a_position_that_the_source_never_sees()
             .env("POSTGRES_USER", "postgres")
             .env("POSTGRES_PASSWORD", "unused")
             .stderr(Stdio::null());
-        Proxied { mcp: Mcp::spawn(c), control, state }
+        Proxied { mcp: Mcp::spawn(c), control, state, _scratch: scratch }
     };
     let mut src = proxy_on("branch-src", None);
     src.mcp.sql("INSERT INTO accounts VALUES (4, 'dee', 10, NULL, NULL)");
@@ -826,7 +831,8 @@ fn streamable_http_on_both_sides_with_the_official_sdk_client() {
         let before = dump(&mut db);
         let port = free_port();
         let mut upstream = http_server(srv, &pg, port);
-        let dir = std::env::temp_dir().join(format!("planarian-proxy-http-{kind}-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join(kind);
         std::fs::create_dir_all(&dir).unwrap();
         let control_path = dir.join("control.sock");
         let _ = std::fs::remove_file(&control_path);
@@ -936,8 +942,9 @@ fn sdk_server(modules: &Path, port: u16, pg: &Pg) -> Child {
 }
 
 /// A proxy in front of the SDK server, for a harness on stdio.
-fn proxy_to_url(pg: &Pg, url: &str, tag: &str) -> (Mcp, PathBuf) {
-    let dir = std::env::temp_dir().join(format!("planarian-proxy-{tag}-{}", std::process::id()));
+fn proxy_to_url(pg: &Pg, url: &str, tag: &str) -> (Mcp, PathBuf, tempfile::TempDir) {
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().join(tag);
     std::fs::create_dir_all(&dir).unwrap();
     let control_path = dir.join("control.sock");
     let _ = std::fs::remove_file(&control_path);
@@ -947,7 +954,7 @@ fn proxy_to_url(pg: &Pg, url: &str, tag: &str) -> (Mcp, PathBuf) {
         .arg("--state")
         .arg(dir.join("positions.json"))
         .args(["--upstream-url", url]);
-    (Mcp::spawn(c), control_path)
+    (Mcp::spawn(c), control_path, scratch)
 }
 
 /// Progress notifications come back through the proxy, and a cancellation reaches the server
@@ -964,7 +971,7 @@ fn progress_and_cancellation_pass_through() {
     let mut db = pg.client();
     let port = free_port();
     let mut upstream = sdk_server(&modules, port, &pg);
-    let (mut mcp, _control) = proxy_to_url(&pg, &format!("http://127.0.0.1:{port}/mcp"), "cancel");
+    let (mut mcp, _control, _scratch) = proxy_to_url(&pg, &format!("http://127.0.0.1:{port}/mcp"), "cancel");
     mcp.send(&json!({"jsonrpc": "2.0", "id": "slow", "method": "tools/call",
         "params": {"name": "sleep", "arguments": {"ms": 20000}, "_meta": {"progressToken": "tok-1"}}}));
     let p = mcp.recv();
@@ -993,11 +1000,14 @@ fn every_protocol_version_gets_the_servers_own_answer() {
         let init = json!({"protocolVersion": version, "capabilities": {}, "clientInfo": {"name": "planarian-test", "version": "1"}});
         let mut answers = Vec::new();
         for proxied in [false, true] {
-            let mut m = Mcp::start(if proxied {
-                proxy_cmd(&servers[0], &pg, &format!("v{version}")).0
+            // (the proxy's scratch directory lives as long as the proxy)
+            let (cmd, _scratch) = if proxied {
+                let (c, _, _, scratch) = proxy_cmd(&servers[0], &pg, &format!("v{version}"));
+                (c, Some(scratch))
             } else {
-                server_cmd(&servers[0], &pg)
-            });
+                (server_cmd(&servers[0], &pg), None)
+            };
+            let mut m = Mcp::start(cmd);
             let r = m.request("initialize", init.clone());
             m.send(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
             let q = m.sql("SELECT owner FROM accounts WHERE id = 1");
@@ -1027,8 +1037,8 @@ fn a_lost_upstream_session_is_reestablished() {
     let port = free_port();
     let sdk_server = || sdk_server(&modules, port, &pg);
     let mut upstream = sdk_server();
-    let dir = std::env::temp_dir().join(format!("planarian-proxy-session-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().to_path_buf();
     let control_path = dir.join("control.sock");
     let _ = std::fs::remove_file(&control_path);
     let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
@@ -1150,8 +1160,8 @@ fn messages_to_an_http_upstream_arrive_in_order_one_after_another() {
     let (bin, _) = require!();
     let pg = Pg::start(&bin, "order");
     let up = OrderRecorder::start();
-    let dir = std::env::temp_dir().join(format!("planarian-proxy-order-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().to_path_buf();
     let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
     // (a tool the server does not list, let through: this test is about the order of messages)
     c.args(["serve", "--database", &pg.dsn(), "--upstream-url", &up.url, "--pass", "anything", "--state"])
@@ -1179,5 +1189,4 @@ fn messages_to_an_http_upstream_arrive_in_order_one_after_another() {
         "a message was sent before the previous one was answered: {log:?}"
     );
     drop(m);
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -36,11 +36,12 @@ macro_rules! require_bin {
     };
 }
 
-fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("planarian-tools-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
+/// A scratch directory (removed when the first is dropped) and a directory `tag` made in it.
+fn scratch(tag: &str) -> (tempfile::TempDir, PathBuf) {
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path().join(tag);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    (t, d)
 }
 
 struct Proxied {
@@ -143,7 +144,7 @@ fn graph(file: &Path) -> String {
 #[test]
 fn the_knowledge_graph_is_put_back_at_every_position() {
     require_bin!("mcp-server-memory");
-    let dir = scratch("memory");
+    let (_scratch, dir) = scratch("memory");
     let file = dir.join("memory.jsonl");
     let mut p = Proxied::start(&dir, &["--spec", "memory"], memory_server(&file));
     let state = || graph(&file);
@@ -207,7 +208,6 @@ fn the_knowledge_graph_is_put_back_at_every_position() {
     let p = Proxied::start(&dir, &["--spec", "memory"], memory_server(&file));
     control(&p.control, &["compensate", &base.to_string()]).unwrap();
     assert_eq!(state(), at[0].1);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 // --- the filesystem ---------------------------------------------------------------------------
@@ -238,7 +238,7 @@ fn tree(dir: &Path) -> String {
 #[test]
 fn files_outside_the_sandbox_are_put_back_and_what_cannot_be_undone_is_refused() {
     require_bin!("mcp-server-filesystem");
-    let dir = scratch("fs");
+    let (_scratch, dir) = scratch("fs");
     let data = dir.join("data");
     std::fs::create_dir_all(data.join("sub")).unwrap();
     std::fs::write(data.join("a.txt"), "one\ntwo\nthree\n").unwrap();
@@ -287,7 +287,6 @@ fn files_outside_the_sandbox_are_put_back_and_what_cannot_be_undone_is_refused()
     assert_eq!(state(), at.last().unwrap().1, "refused calls change nothing");
     assert_eq!(p.position(), last);
     back_through(&p, &at, &state);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 // --- what nobody classified, and the explicit pass -------------------------------------------
@@ -295,7 +294,7 @@ fn files_outside_the_sandbox_are_put_back_and_what_cannot_be_undone_is_refused()
 #[test]
 fn a_tool_nobody_classified_is_refused_and_a_pass_marks_the_service_uncovered() {
     require_bin!("mcp-server-memory");
-    let dir = scratch("unclassified");
+    let (_scratch, dir) = scratch("unclassified");
     let file = dir.join("memory.jsonl");
     let mut p = Proxied::start(&dir, &[], memory_server(&file));
     let r = p.call("create_entities", json!({"entities": [{"name": "x", "entityType": "t", "observations": []}]}));
@@ -335,14 +334,13 @@ fn a_tool_nobody_classified_is_refused_and_a_pass_marks_the_service_uncovered() 
     let p = Proxied::start(&dir, &[], memory_server(&file));
     let pos = control(&p.control, &["position"]).unwrap();
     assert_eq!(pos["uncovered"], json!({"since": 0, "last": 0, "tools": ["create_entities"]}), "{pos}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 // --- a fork's proxy reaches nothing ------------------------------------------------------------
 
 #[test]
 fn a_disabled_proxy_starts_no_upstream_and_refuses_every_call() {
-    let dir = scratch("disabled");
+    let (_scratch, dir) = scratch("disabled");
     let marker = dir.join("started");
     let mut upstream = Command::new("/bin/sh");
     upstream.args(["-c", &format!("touch {}; exec cat", marker.display())]);
@@ -353,7 +351,6 @@ fn a_disabled_proxy_starts_no_upstream_and_refuses_every_call() {
         assert!(is_error(&r) && text(&r) == "planarian: not executed: this fork has no copy of the service", "{r}");
     }
     assert!(!marker.exists(), "no upstream was started");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 // --- MCP Toolbox with tools of its own -----------------------------------------------------------
@@ -444,7 +441,7 @@ fn toolbox_custom_sql_tools_are_classified_and_undone_like_sql() {
              INSERT INTO notes (body, owner, prio) VALUES ('first', 'ann', 1), ('second', 'bob', 2);",
         )
         .unwrap();
-        let dir = scratch(if flat { "tbflat" } else { "tbmap" });
+        let (_scratch, dir) = scratch(if flat { "tbflat" } else { "tbmap" });
         let config = dir.join("tools.yaml");
         std::fs::write(&config, toolbox_config(&pg, flat)).unwrap();
         let mut server = Command::new(&tb);
@@ -492,7 +489,6 @@ fn toolbox_custom_sql_tools_are_classified_and_undone_like_sql() {
         assert!(is_error(&r) && text(&r).contains("templateParameters"), "{r}");
         assert_eq!(p.position(), before);
         back_through(&p, &at, &state);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
 
@@ -507,7 +503,7 @@ fn toolbox_prebuilt_tools_are_reads_sql_or_refused() {
     };
     let pg = Pg::start(&pgb, "prebuilt");
     pg.client().batch_execute("CREATE TABLE t (id int PRIMARY KEY)").unwrap();
-    let dir = scratch("prebuilt");
+    let (_scratch, dir) = scratch("prebuilt");
     let mut server = Command::new(&tb);
     server.args(["--prebuilt", "postgres", "--stdio", "--disable-version-check"]);
     for (k, v) in [
@@ -535,5 +531,4 @@ fn toolbox_prebuilt_tools_are_reads_sql_or_refused() {
     assert!(is_error(&r) && text(&r).contains("may change state that planarian cannot undo"), "{r}");
     control(&p.control, &["compensate", "0"]).unwrap();
     assert_eq!(pg.client().query_one("SELECT count(*) FROM t", &[]).unwrap().get::<_, i64>(0), 0);
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -107,8 +107,8 @@ mod tests {
 
     #[test]
     fn install_writes_binary_dropin_and_keeps_existing_config() {
-        let dir = std::env::temp_dir().join(format!("planarian-install-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("install-test");
         std::fs::create_dir_all(dir.join("etc/planarian")).unwrap();
         std::fs::write(dir.join("etc/planarian/planarian.conf"), "[store]\nretention = 1\n").unwrap();
         let a = |s: &str| OsString::from(s);
@@ -131,6 +131,5 @@ mod tests {
             std::fs::read_to_string(dir.join("etc/planarian/planarian.conf")).unwrap(),
             "[store]\nretention = 1\n"
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

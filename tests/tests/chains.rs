@@ -128,7 +128,8 @@ fn a_failed_pre_resume_hook_makes_the_next_dump_full_not_corrupt() {
     // The hook runs on a restore: this sandbox's rollbacks stop and restore.
     let mut sb = Sandbox::start("hookfail", MIB, &["--annotation", "io.planarian.checkpoint.rollback_in_place=false"]);
     let sp1 = sb.snapshot("h1");
-    let script = std::env::temp_dir().join(format!("pltest-hook-{}", std::process::id()));
+    let scratch = tempfile::tempdir().unwrap();
+    let script = scratch.path().join("hook");
     std::fs::write(&script, "#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = pre-resume ] && exit 1\nexit 0\n").unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -146,7 +147,6 @@ fn a_failed_pre_resume_hook_makes_the_next_dump_full_not_corrupt() {
     sb.send("dirty 4194304 65536");
     let sp3 = sb.snapshot("h3");
     assert_incremental(&sb, &sp3, 1);
-    let _ = std::fs::remove_file(script);
 }
 
 #[test]

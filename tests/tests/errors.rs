@@ -52,13 +52,13 @@ fn missing_crun_is_one_clear_line_that_podman_shows() {
     }
     let _rm = Rm(dropin);
 
-    let log = std::env::temp_dir().join(format!("pltest-oci-log-{}", std::process::id()));
+    let scratch = tempfile::tempdir().unwrap();
+    let log = scratch.path().join("oci-log");
     let r = planarian(&["--log-format=json", "--log", log.to_str().unwrap(), "state", "x"]);
     assert_eq!(r.code, Some(1));
     assert_eq!(r.stderr.lines().count(), 1, "{r:?}");
     assert!(r.stderr.starts_with("planarian: crun not found (looked in /opt/no-such/crun)"), "{r:?}");
     let line = std::fs::read_to_string(&log).unwrap();
-    let _ = std::fs::remove_file(&log);
     let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
     assert_eq!(v["level"], "error");
     assert!(v["msg"].as_str().unwrap().contains("/opt/no-such/crun"));
@@ -74,15 +74,13 @@ fn missing_crun_is_one_clear_line_that_podman_shows() {
 #[test]
 fn bad_configuration_names_the_file() {
     require_stack!();
-    let dir = std::env::temp_dir().join(format!("pltest-conf-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let f = dir.join("planarian.conf");
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("planarian.conf");
     std::fs::write(&f, "[runtime]\ncrun = \"/usr/bin/crun\"\n").unwrap();
     let r = Command::new(planarian_bin()).env("PLANARIAN_CONFIG", &f).arg("list").output().unwrap();
     let r = Run::from(r);
     assert_eq!(r.code, Some(1));
     assert!(r.stderr.contains(f.to_str().unwrap()) && r.stderr.contains("crun"), "{r:?}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 use std::process::Command;

@@ -62,8 +62,8 @@ fn mini_swe_agent_rolls_back_its_own_mistake_through_the_unmodified_loop() {
         eprintln!("SKIPPED: mini-swe-agent missing ({})", pylib.display());
         return;
     }
-    let home = std::env::temp_dir().join(format!("pltest-mswea-{}", std::process::id()));
-    std::fs::create_dir_all(&home).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let home = scratch.path().to_path_buf();
     let r = std::process::Command::new("/usr/bin/python3")
         .args(["-c", RUN, BUSYBOX])
         .env("PYTHONPATH", format!("{}:{}", installed_sdk().display(), pylib.display()))
@@ -96,5 +96,4 @@ fn mini_swe_agent_rolls_back_its_own_mistake_through_the_unmodified_loop() {
     eprintln!(
         "--- in mini-swe-agent's conversation, the ledger:\n{ledger}\n--- and after the rollback:\n{context}\n---"
     );
-    let _ = std::fs::remove_dir_all(&home);
 }

@@ -301,26 +301,26 @@ fn bad_input_is_a_clear_error_and_changes_nothing() {
 /// hangs so that planarian itself can be killed mid-checkpoint. Restores the config on drop.
 struct CriuWrapper {
     dropin: &'static Path,
-    script: std::path::PathBuf,
+    _scratch: tempfile::TempDir,
 }
 
 impl CriuWrapper {
     fn new(body: &str) -> CriuWrapper {
-        let script = std::env::temp_dir().join(format!("pltest-criu-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let script = scratch.path().join("criu");
         std::fs::write(&script, format!("#!/bin/bash\n{body}\n")).unwrap();
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
         let dropin = Path::new("/etc/planarian/planarian.conf.d/zz-test-criu.conf");
         std::fs::create_dir_all(dropin.parent().unwrap()).unwrap();
         std::fs::write(dropin, format!("[runtime]\ncriu_path = \"{}\"\n", script.display())).unwrap();
-        CriuWrapper { dropin, script }
+        CriuWrapper { dropin, _scratch: scratch }
     }
 }
 
 impl Drop for CriuWrapper {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(self.dropin);
-        let _ = std::fs::remove_file(&self.script);
     }
 }
 
@@ -526,12 +526,13 @@ fn concurrent_checkpoints_serialise() {
 struct Hook {
     dropin: &'static Path,
     dir: std::path::PathBuf,
+    _scratch: tempfile::TempDir,
 }
 
 impl Hook {
     fn new(fail_capture: bool) -> Hook {
-        let dir = std::env::temp_dir().join(format!("pltest-hook-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         std::fs::write(dir.join("position"), "0").unwrap();
         let d = dir.display();
         let capture = if fail_capture {
@@ -549,7 +550,7 @@ impl Hook {
         let dropin = Path::new("/etc/planarian/planarian.conf.d/zz-test-hook.conf");
         std::fs::create_dir_all(dropin.parent().unwrap()).unwrap();
         std::fs::write(dropin, format!("[hooks]\nremote = [\"{}\"]\n", hook.display())).unwrap();
-        Hook { dropin, dir }
+        Hook { dropin, dir, _scratch: scratch }
     }
 
     fn set_position(&self, p: u64) {
@@ -572,7 +573,6 @@ impl Hook {
 impl Drop for Hook {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(self.dropin);
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -748,7 +748,8 @@ fn a_rollback_tells_the_agent_what_is_now_true_and_what_was_tried() {
     let pl = pl.to_str().unwrap();
     sb.sh("echo v1 > /tmp/app.conf").ok();
     let at_sp1 = sb.send("tick");
-    let state_file = std::env::temp_dir().join(format!("planarian-state-{}.json", std::process::id()));
+    let scratch = tempfile::tempdir().unwrap();
+    let state_file = scratch.path().join("state.json");
     std::fs::write(&state_file, r#"{"task": "fix the build", "step": 3}"#).unwrap();
     let sp1 = cmd(
         pl,
@@ -764,7 +765,6 @@ fn a_rollback_tells_the_agent_what_is_now_true_and_what_was_tried() {
         ],
     )
     .out();
-    let _ = std::fs::remove_file(&state_file);
 
     let dirtied = sb.send("dirty 0 65536");
     assert_ne!(dirtied.checksum, at_sp1.checksum);

@@ -287,8 +287,12 @@ impl Drop for Pods {
 #[test]
 fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
     require_stack!();
-    let base = std::env::temp_dir().join(format!("planarian-crio-{}", std::process::id()));
-    std::fs::create_dir_all(&base).unwrap();
+    // (readable by all, as a directory of /tmp would be: the runtimes and the containers' users
+    // go through it)
+    let scratch = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let base = scratch.path().to_path_buf();
     let handler = Handler::new(&base);
     let pods =
         Pods(vec![format!("planarian-poda-{}", std::process::id()), format!("planarian-podb-{}", std::process::id())]);
@@ -465,7 +469,6 @@ fn crio_call_sequence_replayed_through_conmon_restores_in_another_pod() {
         "{argv}"
     );
     assert!(argv.lines().any(|l| l.contains(" restore ") && l.contains("--image-path")), "{argv}");
-    let _ = std::fs::remove_dir_all(&base);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ pub struct Pg {
     pub dir: PathBuf,
     pub bin: PathBuf,
     pub port: u16,
+    _scratch: tempfile::TempDir,
 }
 
 pub fn as_postgres(cmd: &mut Command) -> &mut Command {
@@ -60,8 +61,11 @@ pub fn user_id(name: &str) -> Option<(u32, u32)> {
 
 impl Pg {
     pub fn start(bin: &Path, tag: &str) -> Pg {
-        let dir = std::env::temp_dir().join(format!("planarian-pg-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        // (the server runs as postgres: the scratch directory is open to it, its data is its own)
+        let scratch = tempfile::tempdir().unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let dir = scratch.path().join(tag);
         std::fs::create_dir_all(&dir).unwrap();
         if nix_is_root() {
             let (u, g) = user_id("postgres").unwrap();
@@ -95,7 +99,7 @@ impl Pg {
         .status()
         .unwrap();
         assert!(ok.success(), "pg_ctl start failed: {}", std::fs::read_to_string(dir.join("log")).unwrap_or_default());
-        Pg { dir, bin: bin.to_path_buf(), port }
+        Pg { dir, bin: bin.to_path_buf(), port, _scratch: scratch }
     }
 
     pub fn dsn(&self) -> String {
@@ -116,7 +120,6 @@ impl Drop for Pg {
         ]))
         .stdout(Stdio::null())
         .status();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -509,17 +509,17 @@ mod tests {
     use super::*;
     use crate::store::tests::manifest;
 
-    fn tmp(tag: &str) -> ContainerStore {
-        let d = std::env::temp_dir().join(format!("planarian-chain-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        let s = ContainerStore::new(&d, "c");
+    /// A container's store in a scratch directory (removed when the first is dropped).
+    fn tmp(tag: &str) -> (tempfile::TempDir, ContainerStore) {
+        let scratch = tempfile::tempdir().unwrap();
+        let s = ContainerStore::new(&scratch.path().join(tag), "c");
         std::fs::create_dir_all(&s.dir).unwrap();
-        s
+        (scratch, s)
     }
 
     #[test]
     fn a_dump_not_committed_makes_the_next_one_full_and_a_committed_one_does_not() {
-        let s = tmp("inprogress");
+        let (_scratch, s) = tmp("inprogress");
         let m = dump(&s, "sp1", None, 0);
         after_dump(&s, &m, 42).unwrap();
         assert!(plan(&s, "sp2", 42, 8).prev_images_dir.is_some());
@@ -572,7 +572,7 @@ mod tests {
 
     #[test]
     fn plans_full_then_incremental_until_k() {
-        let s = tmp("plan");
+        let (_scratch, s) = tmp("plan");
         assert_eq!(plan(&s, "sp1", 7, 3).full_reason.as_deref(), Some("first statepoint of this process tree"));
         let m1 = dump(&s, "sp1", None, 0);
         after_dump(&s, &m1, 7).unwrap();
@@ -586,12 +586,11 @@ mod tests {
         assert!(p3.prev_images_dir.is_none() && p3.full_reason.unwrap().contains("interval"), "k = 2: sp3 is full");
         // Another process tree (restarted container) never builds on this base.
         assert!(plan(&s, "sp3", 8, 100).full_reason.unwrap().contains("restarted"));
-        std::fs::remove_dir_all(s.dir.parent().unwrap().parent().unwrap()).unwrap();
     }
 
     #[test]
     fn a_restore_gets_its_own_base_and_leaves_the_statepoint_untouched() {
-        let s = tmp("base");
+        let (_scratch, s) = tmp("base");
         let m1 = dump(&s, "sp1", None, 0);
         let m2 = dump(&s, "sp2", Some("../../sp1/criu"), 1);
         after_restore(&s, &m2, Epoch::Recorded(99_000_000), 42).unwrap();
@@ -615,30 +614,27 @@ mod tests {
         assert_eq!(p.full_reason.as_deref(), Some("the pre-resume hook recorded no epoch"));
         // b1 is no longer the base and nothing links to it: collected.
         assert!(!base.exists());
-        std::fs::remove_dir_all(s.dir.parent().unwrap().parent().unwrap()).unwrap();
     }
 
     #[test]
     fn a_linked_chain_survives_removing_the_source() {
-        let s = tmp("fork-src");
+        let (_scratch, s) = tmp("fork-src");
         dump(&s, "sp1", None, 0);
         dump(&s, "sp2", Some("../../sp1/criu"), 1);
-        let f = tmp("fork-dst");
+        let (_scratch_f, f) = tmp("fork-dst");
         let into = f.statepoint_dir("sp1").join("criu");
         let prev = link_chain(&s.statepoint_dir("sp2").join("criu"), &f, &into).unwrap();
         assert_eq!(prev.as_deref(), Some("../../../bases/b1"));
-        std::fs::remove_dir_all(s.dir.parent().unwrap().parent().unwrap()).unwrap();
         let chain = chain_of(&into);
         assert_eq!(chain.len(), 2);
         assert_eq!(std::fs::read_to_string(into.join("pages-1.img")).unwrap(), "sp2");
         assert_eq!(std::fs::read_to_string(chain[1].join("pages-1.img")).unwrap(), "sp1");
         complete(&into).unwrap();
-        std::fs::remove_dir_all(f.dir.parent().unwrap().parent().unwrap()).unwrap();
     }
 
     #[test]
     fn a_handed_out_chain_is_whole_inside_its_directory_and_imports_into_another_store() {
-        let s = tmp("handout-src");
+        let (_scratch, s) = tmp("handout-src");
         dump(&s, "sp1", None, 0);
         dump(&s, "sp2", Some("../../sp1/criu"), 1);
         dump(&s, "sp3", Some("../../sp2/criu"), 2);
@@ -683,7 +679,7 @@ mod tests {
         std::fs::remove_file(out.join("planarian%passwd")).unwrap();
         std::fs::remove_file(out.join("planarian")).unwrap();
         // Imported: the newest level a statepoint of the new store, the older ones its bases.
-        let f = tmp("handout-dst");
+        let (_scratch_f, f) = tmp("handout-dst");
         let into = f.statepoint_dir("sp1").join("criu");
         link_chain(&out, &f, &into).unwrap();
         std::fs::remove_dir_all(&out).unwrap();
@@ -691,13 +687,11 @@ mod tests {
             chain_of(&into).iter().map(|d| std::fs::read_to_string(d.join("pages-1.img")).unwrap()).collect();
         assert_eq!(pages, ["sp3", "sp2", "sp1"]);
         complete(&into).unwrap();
-        std::fs::remove_dir_all(f.dir.parent().unwrap().parent().unwrap()).unwrap();
-        let _ = std::fs::remove_dir_all(s.dir.parent().unwrap().parent().unwrap());
     }
 
     #[test]
     fn removing_a_middle_statepoint_keeps_the_chain_restorable() {
-        let s = tmp("gc");
+        let (_scratch, s) = tmp("gc");
         dump(&s, "sp1", None, 0);
         dump(&s, "sp2", Some("../../sp1/criu"), 1);
         let m3 = dump(&s, "sp3", Some("../../sp2/criu"), 2);
@@ -724,6 +718,5 @@ mod tests {
         assert!(!s.statepoint_dir("sp2").exists() && !s.statepoint_dir("sp3").exists());
         assert!(s.statepoint_dir("sp1").join("criu/pages-1.img").exists());
         let _ = m3;
-        std::fs::remove_dir_all(s.dir.parent().unwrap().parent().unwrap()).unwrap();
     }
 }

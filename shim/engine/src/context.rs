@@ -604,8 +604,8 @@ mod tests {
     /// cover is said.
     #[test]
     fn statepoints_whose_calls_a_rollback_undid_are_marked_and_shown() {
-        let dir = std::env::temp_dir().join(format!("planarian-unreachable-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("unreachable");
         let store = ContainerStore::new(&dir, "c");
         let mut list = tree();
         list[3].remote_state[0].uncovered =
@@ -648,7 +648,6 @@ mod tests {
         assert!(not_undone(&list[1], &before)[0]
             .contains("raw_write let through unrecorded (by the service's configuration) after position 3"));
         assert!(not_undone(&list[3], &list[0].remote_state).is_empty(), "no pass before the rollback");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -67,7 +67,8 @@ mod tests {
 
     #[test]
     fn fires_once_at_the_named_point_only() {
-        let dir = std::env::temp_dir().join(format!("planarian-fault-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("fault");
         std::fs::create_dir_all(&dir).unwrap();
         let f = dir.join("fault");
         let paused = dir.join("paused");
@@ -76,12 +77,12 @@ mod tests {
         assert_eq!(at(&f, &paused, "snapshot.dumped"), Ok(()));
         assert_eq!(at(&f, &paused, "snapshot.frozen").unwrap_err().to_string(), "injected fault at snapshot.frozen");
         assert_eq!(at(&f, &paused, "snapshot.frozen"), Ok(()));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn a_pause_waits_until_the_paused_file_is_removed_once() {
-        let dir = std::env::temp_dir().join(format!("planarian-pause-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("pause");
         std::fs::create_dir_all(&dir).unwrap();
         let (f, paused) = (dir.join("fault"), dir.join("paused"));
         std::fs::write(&f, "pause:rollback.in-place.files\n").unwrap();
@@ -102,6 +103,5 @@ mod tests {
         assert!(!f.exists());
         // Once: the next time the point does not wait.
         assert_eq!(at(&f, &paused, "rollback.in-place.files"), Ok(()));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

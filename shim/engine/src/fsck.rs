@@ -301,14 +301,16 @@ mod tests {
         s.write_manifest(&manifest(id, Status::Committed, name)).unwrap();
     }
 
-    fn setup(tag: &str) -> (Config, ContainerStore) {
-        let root = std::env::temp_dir().join(format!("planarian-fsck-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
+    /// A configuration whose store is in a scratch directory (removed when the first is
+    /// dropped), and container "c"'s store there.
+    fn setup(tag: &str) -> (tempfile::TempDir, Config, ContainerStore) {
+        let scratch = tempfile::tempdir().unwrap();
+        let root = scratch.path().join(tag);
         let mut cfg = Config::default();
         cfg.store.path = root.clone();
         let s = ContainerStore::new(&root, "c");
         std::fs::create_dir_all(s.dir.join("statepoints")).unwrap();
-        (cfg, s)
+        (scratch, cfg, s)
     }
 
     /// [`check_container`] of container "c", repairing when asked, waiting for no lock.
@@ -322,18 +324,17 @@ mod tests {
 
     #[test]
     fn a_sound_store_has_no_findings() {
-        let (cfg, s) = setup("sound");
+        let (_scratch, cfg, s) = setup("sound");
         make(&s, "sp1", Some("a"), None);
         make(&s, "sp2", Some("b"), Some("sp1"));
         s.set_head(Some("sp2")).unwrap();
         let r = check(&cfg, false);
         assert_eq!((r.statepoints, r.busy, r.findings), (2, false, vec![]));
-        std::fs::remove_dir_all(&cfg.store.path).unwrap();
     }
 
     #[test]
     fn lost_parts_are_found_and_never_repaired_away() {
-        let (cfg, s) = setup("lost");
+        let (_scratch, cfg, s) = setup("lost");
         make(&s, "sp1", Some("same"), None);
         make(&s, "sp2", Some("same"), Some("sp1"));
         make(&s, "sp3", None, None);
@@ -358,12 +359,11 @@ mod tests {
         for sp in ["sp1", "sp2", "sp3", "sp4"] {
             assert!(s.statepoint_dir(sp).join("manifest.json").exists(), "{sp}");
         }
-        std::fs::remove_dir_all(&cfg.store.path).unwrap();
     }
 
     #[test]
     fn what_a_dead_planarian_left_is_repaired_and_nothing_committed_is_touched() {
-        let (cfg, s) = setup("dead");
+        let (_scratch, cfg, s) = setup("dead");
         make(&s, "sp1", None, None);
         make(&s, "sp2", None, Some("sp1"));
         // A snapshot killed half-way (pending, its images begun), one killed before its
@@ -392,12 +392,11 @@ mod tests {
             store::read_manifest(&s.statepoint_dir("sp2").join("manifest.json")).unwrap().status,
             Status::Committed
         );
-        std::fs::remove_dir_all(&cfg.store.path).unwrap();
     }
 
     #[test]
     fn an_interrupted_rollback_is_found() {
-        let (cfg, s) = setup("rollback");
+        let (_scratch, cfg, s) = setup("rollback");
         make(&s, "sp1", None, None);
         // As a planarian killed mid-rollback leaves its journal.
         let journal = r#"{"pid":4294967295,"target":"sp1","safety":"sp2","from":null,"init":[1,0],"phase":"writing"}"#;
@@ -405,17 +404,15 @@ mod tests {
         let f = findings(&cfg, &s);
         assert_eq!(checks(&f), vec![(None, "rollback")]);
         assert!(f[0].repairable && f[0].detail.contains("sp1"), "{f:?}");
-        std::fs::remove_dir_all(&cfg.store.path).unwrap();
     }
 
     #[test]
     fn a_container_in_an_operation_is_left_alone() {
-        let (cfg, s) = setup("busy");
+        let (_scratch, cfg, s) = setup("busy");
         std::fs::create_dir_all(s.statepoint_dir("sp1")).unwrap();
         let _held = s.lock(true).unwrap();
         let r = check(&cfg, true);
         assert!(r.busy && r.findings.is_empty());
         assert!(s.statepoint_dir("sp1").exists());
-        std::fs::remove_dir_all(&cfg.store.path).unwrap();
     }
 }

@@ -504,10 +504,11 @@ pub(crate) mod tests {
         assert!(!then.kept_time_to(&at(1100, 150.0, "b"), 2.0), "another boot");
     }
 
-    fn tmp(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("planarian-store-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        d
+    /// A scratch directory (removed when the first is dropped) and a path in it, not made.
+    fn tmp(tag: &str) -> (tempfile::TempDir, PathBuf) {
+        let scratch = tempfile::tempdir().unwrap();
+        let d = scratch.path().join(tag);
+        (scratch, d)
     }
 
     pub(crate) fn manifest(id: &str, status: Status) -> Manifest {
@@ -534,7 +535,7 @@ pub(crate) mod tests {
 
     #[test]
     fn ids_are_sequential_and_never_reused() {
-        let root = tmp("ids");
+        let (_scratch, root) = tmp("ids");
         let s = ContainerStore::new(&root, "c");
         std::fs::create_dir_all(&s.dir).unwrap();
         assert_eq!(s.next_id(), "sp1");
@@ -543,12 +544,11 @@ pub(crate) mod tests {
         s.mark_discarded("sp1").unwrap();
         std::fs::remove_dir_all(s.statepoint_dir("sp1")).unwrap();
         assert_eq!(s.next_id(), "sp3");
-        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
     fn stale_are_pending_statepoints_and_directories_without_a_manifest() {
-        let root = tmp("stale");
+        let (_scratch, root) = tmp("stale");
         let s = ContainerStore::new(&root, "c");
         s.write_manifest(&manifest("sp1", Status::Committed)).unwrap();
         s.write_manifest(&manifest("sp2", Status::Pending)).unwrap();
@@ -556,12 +556,11 @@ pub(crate) mod tests {
         let (pending, orphans) = s.stale();
         assert_eq!(pending.iter().map(|m| m.statepoint_id.as_str()).collect::<Vec<_>>(), ["sp2"]);
         assert_eq!(orphans, [s.statepoint_dir("sp3")]);
-        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
     fn find_by_id_or_name_only_committed() {
-        let root = tmp("find");
+        let (_scratch, root) = tmp("find");
         let s = ContainerStore::new(&root, "c");
         let mut m = manifest("sp1", Status::Committed);
         m.name = Some("deps-installed".into());
@@ -571,7 +570,6 @@ pub(crate) mod tests {
         assert_eq!(s.find("sp1").unwrap().statepoint_id, "sp1");
         let e = s.find("sp2").unwrap_err().to_string();
         assert!(e.starts_with("unknown statepoint sp2"), "{e}");
-        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
@@ -613,7 +611,7 @@ pub(crate) mod tests {
 
     #[test]
     fn exclusive_lock_excludes() {
-        let root = tmp("lock");
+        let (_scratch, root) = tmp("lock");
         let s = ContainerStore::new(&root, "c");
         let held = s.lock(true).unwrap();
         let f = File::options().write(true).open(s.dir.join("lock")).unwrap();
@@ -626,6 +624,5 @@ pub(crate) mod tests {
             assert!(std::time::Instant::now() < end, "the lock was never released");
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        std::fs::remove_dir_all(&root).unwrap();
     }
 }

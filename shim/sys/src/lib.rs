@@ -77,8 +77,8 @@ mod tests {
 
     #[test]
     fn atomic_write_replaces_whole_and_names_the_file_on_failure() {
-        let dir = std::env::temp_dir().join(format!("planarian-sys-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("sys");
         let f = dir.join("a/b.json");
         write_atomic(&f, b"one", 0o600).unwrap();
         write_atomic(&f, b"two", 0o644).unwrap();
@@ -89,7 +89,6 @@ mod tests {
         std::fs::create_dir_all(dir.join("a/dir")).unwrap();
         let e = write_atomic(&dir.join("a/dir"), b"x", 0o644).unwrap_err();
         assert!(e.to_string().starts_with(&format!("cannot write {}", dir.join("a/dir").display())), "{e}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -471,8 +471,8 @@ mod tests {
 
     #[test]
     fn a_copy_links_what_did_not_change_and_equals_a_whole_one() {
-        let base = std::env::temp_dir().join(format!("planarian-incremental-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&base);
+        let scratch = tempfile::tempdir().unwrap();
+        let base = scratch.path().join("incremental");
         let upper = base.join("diff");
         std::fs::create_dir_all(upper.join("a/deep")).unwrap();
         std::fs::write(upper.join("a/f1"), "one").unwrap();
@@ -535,13 +535,12 @@ mod tests {
         assert_eq!(ino(sp4.join("a/f1")), ino(sp3.join("a/f1")));
         // SAFETY: the mapping made above, of that length.
         assert_eq!(unsafe { libc::munmap(map, 4) }, 0);
-        std::fs::remove_dir_all(&base).unwrap();
     }
 
     #[test]
     fn copy_snapshot_and_restore_are_exact_and_undoable() {
-        let base = std::env::temp_dir().join(format!("planarian-rootfs-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&base);
+        let scratch = tempfile::tempdir().unwrap();
+        let base = scratch.path().join("rootfs");
         let upper = base.join("diff");
         std::fs::create_dir_all(upper.join("etc")).unwrap();
         std::fs::write(upper.join("etc/app.conf"), "v1").unwrap();
@@ -575,6 +574,5 @@ mod tests {
         assert_eq!(std::fs::read_to_string(upper.join("etc/app.conf")).unwrap(), "v1");
         guard.undo().unwrap();
         assert_eq!(std::fs::read_to_string(upper.join("etc/app.conf")).unwrap(), "v3", "the old copy was the truth");
-        std::fs::remove_dir_all(&base).unwrap();
     }
 }

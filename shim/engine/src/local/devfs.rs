@@ -295,8 +295,8 @@ mod tests {
     /// in for them), recorded and recreated entry for entry.
     #[test]
     fn records_and_recreates_a_tree() {
-        let base = std::env::temp_dir().join(format!("planarian-devfs-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&base);
+        let scratch = tempfile::tempdir().unwrap();
+        let base = scratch.path().join("devfs");
         let (src, out) = (base.join("proc/root/dev"), base.join("out"));
         std::fs::create_dir_all(src.join("shm")).unwrap();
         std::fs::create_dir_all(src.join("pts")).unwrap();
@@ -341,6 +341,5 @@ mod tests {
         // The mount point of a child mount is a placeholder: its contents are the mount's.
         assert!(std::fs::symlink_metadata(out.join("pts")).unwrap().is_dir());
         assert_eq!(std::fs::read_dir(out.join("pts")).unwrap().count(), 0);
-        std::fs::remove_dir_all(&base).unwrap();
     }
 }

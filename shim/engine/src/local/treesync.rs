@@ -480,11 +480,12 @@ impl Sync {
 mod tests {
     use super::*;
 
-    fn tmp(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("planarian-treesync-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
+    /// A scratch directory (removed when the first is dropped) and a directory made in it.
+    fn tmp(tag: &str) -> (tempfile::TempDir, PathBuf) {
+        let scratch = tempfile::tempdir().unwrap();
+        let d = scratch.path().join(tag);
         std::fs::create_dir_all(&d).unwrap();
-        d
+        (scratch, d)
     }
 
     fn tree(root: &Path) -> Vec<(String, String)> {
@@ -514,7 +515,7 @@ mod tests {
     /// open keep their inode.
     #[test]
     fn plain_trees_become_the_statepoints() {
-        let d = tmp("plain");
+        let (_scratch, d) = tmp("plain");
         let (t, c) = (d.join("t"), d.join("c"));
         for x in [&t, &c] {
             std::fs::create_dir_all(x.join("etc/sub")).unwrap();
@@ -544,7 +545,7 @@ mod tests {
     /// is found only through the changed set.
     #[test]
     fn changed_inodes_are_the_only_files_looked_at() {
-        let d = tmp("changed");
+        let (_scratch, d) = tmp("changed");
         let c = d.join("c");
         std::fs::create_dir_all(c.join("dir")).unwrap();
         std::fs::write(c.join("dir/f"), "now").unwrap();
@@ -566,7 +567,7 @@ mod tests {
     /// layer's version again; whiteouts of the statepoint delete.
     #[test]
     fn overlay_layers_put_the_image_back() {
-        let d = tmp("overlay");
+        let (_scratch, d) = tmp("overlay");
         let (t, c, lower, merged) = (d.join("t"), d.join("c"), d.join("lower"), d.join("merged"));
         for x in [&t, &c, &lower, &merged] {
             std::fs::create_dir_all(x).unwrap();

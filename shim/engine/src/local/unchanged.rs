@@ -471,8 +471,8 @@ mod tests {
 
     #[test]
     fn a_tree_fingerprint_moves_with_any_entry() {
-        let d = std::env::temp_dir().join(format!("planarian-unchanged-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
+        let scratch = tempfile::tempdir().unwrap();
+        let d = scratch.path().join("unchanged");
         std::fs::create_dir_all(d.join("a")).unwrap();
         std::fs::write(d.join("a/f"), "x").unwrap();
         let fp = |d: &Path| {
@@ -487,6 +487,5 @@ mod tests {
         assert_ne!(second, first, "a write of the same size");
         std::fs::write(d.join("a/g"), "").unwrap();
         assert_ne!(fp(&d), second, "a new entry");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 }

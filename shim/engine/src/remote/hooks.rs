@@ -193,9 +193,9 @@ mod tests {
     /// An executable script, written by another process: a file this (multi-threaded) test
     /// process held open for writing could be inherited by a child another test forks, and
     /// executing it then fails with ETXTBSY ("Text file busy").
-    fn script(tag: &str, body: &str) -> PathBuf {
+    fn script(dir: &Path, tag: &str, body: &str) -> PathBuf {
         use std::io::Write;
-        let p = std::env::temp_dir().join(format!("planarian-hook-{tag}-{}", std::process::id()));
+        let p = dir.join(format!("hook-{tag}"));
         let mut sh = Command::new("/bin/sh")
             .args(["-c", "cat > \"$0\" && chmod 755 \"$0\""])
             .arg(&p)
@@ -209,29 +209,26 @@ mod tests {
 
     #[test]
     fn capture_and_compensate_in_reverse_order() {
-        let log = std::env::temp_dir().join(format!("planarian-hook-log-{}", std::process::id()));
-        let _ = std::fs::remove_file(&log);
+        let scratch = tempfile::tempdir().unwrap();
+        let log = scratch.path().join("hook-log");
         let body = |n: u32| {
             format!(
                 "case $1 in capture) echo '{{\"external-endpoint\": \"db{n}\", \"mcp-call-position\": {n}}}';; compensate) echo \"{n} $2 $3\" >> {};; esac",
                 log.display()
             )
         };
-        let hooks = vec![script("a", &body(1)), script("b", &body(2))];
+        let hooks = vec![script(scratch.path(), "a", &body(1)), script(scratch.path(), "b", &body(2))];
         let st = capture(&hooks, "ctr", &[]).unwrap();
         assert_eq!(st[0].mcp_call_position, Some(1));
         assert_eq!(st[1].external_endpoint.as_deref(), Some("db2"));
         compensate(&st, "ctr").unwrap();
         assert_eq!(std::fs::read_to_string(&log).unwrap(), "2 ctr 2\n1 ctr 1\n");
-        for h in hooks {
-            std::fs::remove_file(h).unwrap();
-        }
-        std::fs::remove_file(log).unwrap();
     }
 
     #[test]
     fn branch_gives_the_fork_its_own_endpoint_at_the_same_position() {
-        let h = script("branch", "[ \"$1 $2 $3 $4\" = 'branch src 7 new' ] && echo '{\"external-endpoint\": \"db-new\", \"database\": \"app_new\"}'");
+        let scratch = tempfile::tempdir().unwrap();
+        let h = script(scratch.path(), "branch", "[ \"$1 $2 $3 $4\" = 'branch src 7 new' ] && echo '{\"external-endpoint\": \"db-new\", \"database\": \"app_new\"}'");
         let st =
             RemoteState { hook_path: Some(h.display().to_string()), mcp_call_position: Some(7), ..Default::default() };
         let (b, db) = branch(&st, "src", "new").unwrap();
@@ -239,7 +236,7 @@ mod tests {
             (b.external_endpoint.as_deref(), b.mcp_call_position, db.as_str()),
             (Some("db-new"), Some(7), "app_new")
         );
-        let bad = script("nobranch", "echo 'the database holds 2048 MiB' >&2; exit 1");
+        let bad = script(scratch.path(), "nobranch", "echo 'the database holds 2048 MiB' >&2; exit 1");
         let st = RemoteState {
             hook_path: Some(bad.display().to_string()),
             mcp_call_position: Some(7),
@@ -247,18 +244,15 @@ mod tests {
         };
         let e = branch(&st, "src", "new").unwrap_err().to_string();
         assert!(e.ends_with("branch failed: the database holds 2048 MiB"), "{e}");
-        std::fs::remove_file(h).unwrap();
-        std::fs::remove_file(bad).unwrap();
     }
 
     #[test]
     fn failures_are_one_clear_line() {
-        let h = script("bad", "echo 'connection refused' >&2; exit 3");
+        let scratch = tempfile::tempdir().unwrap();
+        let h = script(scratch.path(), "bad", "echo 'connection refused' >&2; exit 3");
         let e = capture(std::slice::from_ref(&h), "c", &[]).unwrap_err().to_string();
         assert!(e.ends_with("capture failed: connection refused"), "{e}");
-        let garbage = script("garbage", "echo not-json");
+        let garbage = script(scratch.path(), "garbage", "echo not-json");
         assert!(capture(std::slice::from_ref(&garbage), "c", &[]).unwrap_err().to_string().contains("no JSON"));
-        std::fs::remove_file(h).unwrap();
-        std::fs::remove_file(garbage).unwrap();
     }
 }

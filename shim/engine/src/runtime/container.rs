@@ -110,7 +110,8 @@ mod tests {
 
     #[test]
     fn a_running_container_from_cruns_record() {
-        let root = std::env::temp_dir().join(format!("planarian-crunroot-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let root = scratch.path().join("crunroot");
         let (id, bundle) = ("c0ffee", root.join("bundle"));
         std::fs::create_dir_all(root.join(id)).unwrap();
         std::fs::create_dir_all(&bundle).unwrap();
@@ -134,7 +135,6 @@ mod tests {
         assert!(Container::load_running(&root, id).is_none());
         assert!(Container::load_running(&root, "../c0ffee").is_none());
         assert!(Container::load_running(&root, "missing").is_none());
-        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

@@ -167,7 +167,8 @@ mod tests {
 
     #[test]
     fn names_ids_and_prefixes_from_containers_json() {
-        let root = std::env::temp_dir().join(format!("planarian-lookup-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let root = scratch.path().join("lookup");
         let dir = root.join("overlay-containers");
         std::fs::create_dir_all(&dir).unwrap();
         let (a, b) = ("ab12".repeat(16), "ab13".repeat(16));
@@ -192,7 +193,6 @@ mod tests {
         let other = storage_entry_in(&root, "other").unwrap();
         assert_eq!((other.name.as_str(), other.upperdir), ("agent-b", None));
         assert_eq!(storage_entry_in(&root, "agent").unwrap().upperdir, Some(root.join("overlay/x/diff")));
-        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

@@ -253,7 +253,8 @@ mod tests {
 
     #[test]
     fn rewrites_keep_every_field_and_their_order() {
-        let dir = std::env::temp_dir().join(format!("planarian-bundle-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("bundle");
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("config.json"), podman_like_spec().to_string()).unwrap();
         let mut b = Bundle::load(&dir).unwrap();
@@ -268,6 +269,5 @@ mod tests {
         assert_eq!(keys, ["ociVersion", "root", "process", "mounts", "linux", "annotations"]);
         let again = Bundle::load(&dir).unwrap();
         assert_eq!(again.spec.root, Path::new("/tank/ctr"));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

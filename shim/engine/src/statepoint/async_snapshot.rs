@@ -220,8 +220,8 @@ mod tests {
     /// while no manifest bears it yet.
     #[test]
     fn wait_finds_an_async_snapshot_by_its_name() {
-        let dir = std::env::temp_dir().join(format!("planarian-async-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("async");
         let store = ContainerStore::new(&dir, "c");
         std::fs::create_dir_all(store.dir.join("async")).unwrap();
         for (id, status) in [("sp3", "failed"), ("sp7", "committed")] {
@@ -240,6 +240,5 @@ mod tests {
         assert_eq!(wait(&store, "tests-pass").unwrap().statepoint, "sp7", "the newest of that name");
         assert!(wait(&store, "sp3").is_err());
         assert!(wait(&store, "no-such").is_err());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

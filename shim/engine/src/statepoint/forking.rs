@@ -304,7 +304,8 @@ mod tests {
 
     #[test]
     fn a_record_is_its_makers_until_it_ends_and_a_dead_makers_is_found() {
-        let dir = std::env::temp_dir().join(format!("planarian-forking-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("forking");
         let store = ContainerStore::new(&dir, "c");
         std::fs::create_dir_all(&store.dir).unwrap();
         for bad in ["/etc/passwd", "../lock", "a/b", ".hidden"] {
@@ -352,6 +353,5 @@ mod tests {
         drop(r);
         let left: Vec<_> = std::fs::read_dir(store.dir.join(DIR)).unwrap().flatten().map(|e| e.file_name()).collect();
         assert!(left.is_empty(), "removed when the fork ends: {left:?}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

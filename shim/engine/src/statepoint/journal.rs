@@ -376,7 +376,8 @@ mod tests {
 
     #[test]
     fn a_journal_is_its_writers_until_it_ends_and_an_interrupted_one_is_found() {
-        let dir = std::env::temp_dir().join(format!("planarian-journal-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("journal");
         let store = ContainerStore::new(&dir, "c");
         std::fs::create_dir_all(&store.dir).unwrap();
         let me = std::process::id() as i32;
@@ -394,6 +395,5 @@ mod tests {
         let j = Journal::begin(&store, "sp3", "sp6", me).unwrap();
         drop(j);
         assert!(read(&store).is_none(), "removed when the rollback ends");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -496,8 +496,8 @@ mod tests {
 
     #[test]
     fn waiting_for_a_key_that_is_a_path_reads_nothing_outside_the_store() {
-        let dir = std::env::temp_dir().join(format!("planarian-key-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("key");
         let store = ContainerStore::new(&dir, "c");
         std::fs::create_dir_all(store.dir.join("async")).unwrap();
         // A committed-looking record outside the container's records.
@@ -505,6 +505,5 @@ mod tests {
         std::fs::write(&outside, r#"{"statepoint":"sp1","status":"committed"}"#).unwrap();
         assert!(async_snapshot::wait(&store, "../../evil").is_err());
         assert!(store.find("../../evil").is_err());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

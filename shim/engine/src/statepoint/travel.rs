@@ -663,8 +663,8 @@ mod tests {
     #[test]
     fn only_what_planarian_hands_out_is_read() {
         use std::os::unix::fs::symlink;
-        let d = std::env::temp_dir().join(format!("planarian-confined-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
+        let scratch = tempfile::tempdir().unwrap();
+        let d = scratch.path().join("confined");
         let chain = d.join(crate::chain::HANDED_OUT_CHAIN);
         std::fs::create_dir_all(chain.join("1")).unwrap();
         std::fs::create_dir_all(d.join(PART).join(CARRIED_ROOTFS).join("etc")).unwrap();
@@ -707,6 +707,5 @@ mod tests {
             nix::unistd::mkfifo(&p, nix::sys::stat::Mode::S_IRWXU).unwrap();
             refused(&p, "neither a file nor a directory");
         }
-        std::fs::remove_dir_all(&d).unwrap();
     }
 }

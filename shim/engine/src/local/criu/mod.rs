@@ -454,20 +454,19 @@ pub fn refused_parent(log: &Path) -> bool {
 mod tests {
     use super::*;
 
-    /// A spec whose masked paths are a regular file (on the host) and a missing path.
-    fn spec() -> Spec {
-        let file = std::env::temp_dir().join(format!("planarian-masked-{}", std::process::id()));
+    /// A spec whose masked paths are a regular file (on the host, in a scratch directory removed
+    /// when the first is dropped) and a missing path.
+    fn spec() -> (tempfile::TempDir, Spec) {
+        let scratch = tempfile::tempdir().unwrap();
+        let file = scratch.path().join("masked");
         std::fs::write(&file, "").unwrap();
-        Spec {
+        let spec = Spec {
             root: "/merged".into(),
             binds: vec![("/etc/hosts".into(), "/run/ud/hosts".into())],
             masked_paths: vec![file.display().to_string(), "/nonexistent/firmware".into()],
             ..Default::default()
-        }
-    }
-
-    fn masked_file() -> String {
-        std::env::temp_dir().join(format!("planarian-masked-{}", std::process::id())).display().to_string()
+        };
+        (scratch, spec)
     }
 
     fn s(v: &[OsString]) -> String {
@@ -476,7 +475,7 @@ mod tests {
 
     #[test]
     fn dump_options_for_a_podman_container() {
-        let sp = spec();
+        let (_scratch, sp) = spec();
         let a = s(&dump_args(&DumpPlan {
             pid: 42,
             images_dir: Path::new("/st/sp1/criu"),
@@ -505,7 +504,7 @@ mod tests {
             assert!(a.contains(want), "{want} missing from {a}");
         }
         // A masked regular file is an external mount; a path missing on the host is not.
-        let f = masked_file();
+        let f = &sp.masked_paths[0];
         assert!(a.contains(&format!("--ext-mount-map {f}:{f}")), "{a}");
         assert!(!a.contains("/nonexistent/firmware"), "{a}");
         assert!(!a.contains("--file-locks") && !a.contains("--prev-images-dir"), "{a}");
@@ -515,7 +514,8 @@ mod tests {
 
     #[test]
     fn only_a_refusal_over_the_parent_is_retried() {
-        let log = std::env::temp_dir().join(format!("planarian-dumplog-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let log = scratch.path().join("dumplog");
         std::fs::write(&log, "(00.1) Error (criu/page-xfer.c:284): page-xfer: Missing 7f00 in parent pagemap\n(00.2) Error (criu/cr-dump.c:2053): Dumping FAILED.\n").unwrap();
         assert!(refused_parent(&log));
         // CRIU killed mid-dump: no "Dumping FAILED".
@@ -528,12 +528,11 @@ mod tests {
         )
         .unwrap();
         assert!(!refused_parent(&log));
-        std::fs::remove_file(&log).unwrap();
     }
 
     #[test]
     fn restore_maps_mounts_netns_and_stdio() {
-        let sp = spec();
+        let (_scratch, sp) = spec();
         let a = s(&restore_args(&RestorePlan {
             images_dir: Path::new("/st/sp1/criu"),
             work_dir: Path::new("/w"),
@@ -567,7 +566,7 @@ mod tests {
             assert!(a.contains(want), "{want} missing from {a}");
         }
         assert!(!a.contains("--network-lock"), "{a}");
-        assert!(a.contains(&format!("--ext-mount-map {}:/dev/null", masked_file())), "{a}");
+        assert!(a.contains(&format!("--ext-mount-map {}:/dev/null", sp.masked_paths[0])), "{a}");
     }
 
     #[test]

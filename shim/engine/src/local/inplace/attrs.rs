@@ -279,7 +279,8 @@ mod tests {
     /// value and subreaper flag go back.
     #[test]
     fn a_child_gets_its_umask_directory_limits_and_nice_value_back() {
-        let dir = std::env::temp_dir().join(format!("planarian-attrs-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("attrs");
         std::fs::create_dir_all(&dir).unwrap();
         let cdir = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
         // SAFETY: the child changes only its own attributes and waits; it is killed at the end.
@@ -343,6 +344,5 @@ mod tests {
             "no scratch page left"
         );
         drop(t);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -114,8 +114,8 @@ mod tests {
 
     #[test]
     fn layers_apply_with_whiteouts_and_opaque_directories() {
-        let base = std::env::temp_dir().join(format!("planarian-layer-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&base);
+        let scratch = tempfile::tempdir().unwrap();
+        let base = scratch.path().join("layer");
         let (lower, dest) = (base.join("lower"), base.join("dest"));
         std::fs::create_dir_all(lower.join("etc/old")).unwrap();
         std::fs::write(lower.join("etc/passwd"), "root").unwrap();
@@ -148,6 +148,5 @@ mod tests {
                 "the whiteout deleted the file and left no device"
             );
         }
-        std::fs::remove_dir_all(&base).unwrap();
     }
 }

@@ -246,11 +246,12 @@ mod tests {
     use std::os::unix::fs::MetadataExt;
     use zfs::stream::Znode;
 
-    fn tmp(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("planarian-places-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
+    /// A scratch directory (removed when the first is dropped) and a directory made in it.
+    fn tmp(name: &str) -> (tempfile::TempDir, PathBuf) {
+        let scratch = tempfile::tempdir().unwrap();
+        let d = scratch.path().join(name);
         std::fs::create_dir_all(&d).unwrap();
-        d
+        (scratch, d)
     }
 
     fn ino(p: &Path) -> u64 {
@@ -270,7 +271,7 @@ mod tests {
 
     #[test]
     fn files_are_found_through_their_directories() {
-        let d = tmp("found");
+        let (_scratch, d) = tmp("found");
         for dir in ["data", "usr/lib/deep/er", "tmp/new/sub", "etc"] {
             std::fs::create_dir_all(d.join(dir)).unwrap();
         }
@@ -309,7 +310,7 @@ mod tests {
     /// moved is searched for (first below the directories already found).
     #[test]
     fn known_places_are_checked_then_used() {
-        let d = tmp("known");
+        let (_scratch, d) = tmp("known");
         std::fs::create_dir_all(d.join("w/a/b")).unwrap();
         std::fs::write(d.join("w/a/b/f"), "x").unwrap();
         let mut c = Changes::default();
@@ -342,7 +343,7 @@ mod tests {
     /// neighbours a stream carries) does not keep the search from the root's own directories.
     #[test]
     fn a_wide_found_directory_does_not_use_up_the_search() {
-        let d = tmp("wide");
+        let (_scratch, d) = tmp("wide");
         for i in 0..300 {
             std::fs::create_dir_all(d.join(format!("wide/d{i}"))).unwrap();
         }
@@ -360,7 +361,7 @@ mod tests {
 
     #[test]
     fn what_does_not_add_up_gives_no_answer() {
-        let d = tmp("doubt");
+        let (_scratch, d) = tmp("doubt");
         std::fs::create_dir_all(d.join("a/b")).unwrap();
         std::fs::write(d.join("a/b/f"), "x").unwrap();
         let mut c = Changes::default();
