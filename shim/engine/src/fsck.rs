@@ -94,7 +94,9 @@ pub fn check_container(engine: &crate::Engine, id: &str, repair: bool, wait: std
 fn mend(engine: &crate::Engine, store: &ContainerStore) {
     let cfg = engine.config();
     // (first: a half-written sandbox must not be thawed before it is stopped)
-    if let Err(e) = crate::statepoint::journal::recover(engine.globals(), cfg, store, &store.container_id()) {
+    if let Err(e) =
+        crate::statepoint::journal::recover(engine.crun(), engine.globals(), cfg, store, &store.container_id())
+    {
         eprintln!("planarian: {e}");
     }
     let marker = store.dir.join(crate::local::freezer::MARKER);

@@ -1,6 +1,8 @@
 //! The facts every planarian crate reads from the host, each read in one place:
 //!
-//! * [`proc`]: `/proc/PID/mountinfo` (escaped mount points unescaped) and `/proc/PID/stat`;
+//! * [`proc`]: `/proc`, through a handle for a process or a thread ([`proc::Proc`]: its maps,
+//!   status, stat, descriptors, links, command line, mounts (escaped mount points unescaped),
+//!   and its page map), every read naming its file in its error;
 //! * [`write_atomic`]: a file replaced whole (temporary file, fsync, rename, directory fsync), so
 //!   that a reader, or a crash, never sees half of it;
 //! * [`IoError`]: an I/O failure that names what was done to which file, the one line a user

@@ -24,8 +24,9 @@ use crate::config::Config;
 use crate::local::freezer::{FreezeGuard, MARKER};
 use crate::runtime::{self, podman, Container, Globals};
 use crate::store::{read_manifest, ContainerStore, Manifest, Status};
+use crate::tools::NotFound;
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 const JOURNAL: &str = "rolling-back.json";
@@ -150,11 +151,18 @@ pub enum Recovered {
 /// is an error: the operation that asked must not go on (it would build on a sandbox half
 /// rolled back); the next one tries again. Call with the container's exclusive lock held, before
 /// anything else of the recovery (a half-written sandbox must not be thawed first), and never
-/// from a verb Podman runs (recovery calls Podman).
-pub fn recover(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &str) -> Result<Option<Recovered>> {
+/// from a verb Podman runs (recovery calls Podman). `crun`: as the caller found it (the
+/// Engine's, or the operation's), needed only when there is a journal.
+pub fn recover(
+    crun: std::result::Result<&Path, NotFound>,
+    globals: &Globals,
+    cfg: &Config,
+    store: &ContainerStore,
+    id: &str,
+) -> Result<Option<Recovered>> {
     let Some(e) = read(store).filter(|e| e.pid != std::process::id()) else { return Ok(None) };
     wait_for_orphans(store, id, Duration::from_secs(300));
-    let r = resolve(globals, cfg, store, id, &e).map_err(|err| {
+    let r = resolve(crun, globals, cfg, store, id, &e).map_err(|err| {
         Error::Worker(format!(
             "an interrupted rollback to {} could not be finished or undone (tried again by the next operation, or `planarian fsck --repair`): {err}",
             e.target
@@ -212,11 +220,17 @@ pub(super) fn orphans(stores: &[PathBuf], podman: &dyn Fn(&[&[u8]]) -> bool) -> 
     })
 }
 
-fn resolve(globals: &Globals, cfg: &Config, store: &ContainerStore, id: &str, e: &Entry) -> Result<Recovered> {
+fn resolve(
+    crun: std::result::Result<&Path, NotFound>,
+    globals: &Globals,
+    cfg: &Config,
+    store: &ContainerStore,
+    id: &str,
+    e: &Entry,
+) -> Result<Recovered> {
     let marker = store.dir.join(MARKER);
     // A compensation under way: the sandbox was at the target before it began.
-    let bin = runtime::crun(cfg)?;
-    let crun = runtime::crun::Crun { bin: &bin, globals };
+    let crun = runtime::crun::Crun { bin: crun?, globals };
     let init = Container::load(crun.bin, crun.globals, id)
         .ok()
         .and_then(|c| c.running_pid().ok())

@@ -206,7 +206,7 @@ impl Ctx {
     /// that cannot be recovered now is an error (nothing may build on a sandbox half rolled
     /// back).
     pub fn recover(&mut self) -> Result<()> {
-        if journal::recover(&self.globals, &self.cfg, &self.store, &self.ctr.id)?.is_some() {
+        if journal::recover(Ok(&self.crun), &self.globals, &self.cfg, &self.store, &self.ctr.id)?.is_some() {
             // (the container may run new processes now)
             self.ctr = Container::load(&self.crun, &self.globals, &self.ctr.id)?;
         }
@@ -232,7 +232,7 @@ fn recover_stopped(engine: &Engine, name: &str) -> Result<bool> {
         return Ok(false);
     }
     let _lock = store.lock(true)?;
-    Ok(journal::recover(engine.globals(), cfg, &store, &store.container_id())?.is_some())
+    Ok(journal::recover(engine.crun(), engine.globals(), cfg, &store, &store.container_id())?.is_some())
 }
 
 /// A rollback whose planarian was killed after it restored the sandbox, before its

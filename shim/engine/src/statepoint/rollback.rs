@@ -55,7 +55,7 @@ impl Rollback {
         };
         crate::log::mark("locked");
         // (a rollback killed half-way is finished or undone first, whatever the state)
-        let container = match super::journal::recover(engine.globals(), cfg, &store, &container.id)? {
+        let container = match super::journal::recover(engine.crun(), engine.globals(), cfg, &store, &container.id)? {
             Some(_) => podman::planarian_container(&container.id)?,
             None => container,
         };
