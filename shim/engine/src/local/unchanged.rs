@@ -24,8 +24,18 @@ use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
 use std::path::Path;
 use sys::proc::Proc;
 
-/// The file beside a dump's images that holds its fingerprint.
+/// The file beside a dump's images that holds its fingerprint ([`Record`]).
 pub const FILE: &str = "unchanged.json";
+
+/// What [`FILE`] holds: the tree's fingerprint when it was dumped, and its threads' user-mode
+/// times once the dump's parasite had run (none when they could not be read: nothing later
+/// equals it). Read by a later snapshot, another planarian process.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct Record {
+    pub fingerprint: String,
+    pub user_time: Option<std::collections::BTreeMap<String, u64>>,
+}
 
 /// The most pages scanned for soft-dirty bits (64 GiB of address space); a larger tree dumps.
 const MAX_PAGES: u64 = 1 << 24;

@@ -72,11 +72,22 @@ const INTENT: &str = "compensating.json";
 /// target before compensation began, so finishing brings both to the target.
 pub struct Intent(std::path::PathBuf);
 
+/// What an [`Intent`] file holds: the rollback's process, its target, the positions it
+/// compensates to. Read by the next planarian process that finds it.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case", default)]
+struct IntentNote {
+    pid: u32,
+    target: Option<String>,
+    remote_state: Vec<RemoteState>,
+}
+
 impl Intent {
     pub fn write(store_dir: &Path, target: &str, states: &[RemoteState]) -> Result<Intent> {
         let p = store_dir.join(INTENT);
-        let v = serde_json::json!({"pid": std::process::id(), "target": target, "remote-state": states});
-        sys::write_atomic(&p, v.to_string().as_bytes(), 0o600).map_err(|e| Error::Intent(e.to_string()))?;
+        let note = IntentNote { pid: std::process::id(), target: Some(target.into()), remote_state: states.to_vec() };
+        let text = serde_json::to_string(&note).map_err(|e| Error::Intent(e.to_string()))?;
+        sys::write_atomic(&p, text.as_bytes(), 0o600).map_err(|e| Error::Intent(e.to_string()))?;
         Ok(Intent(p))
     }
 }
@@ -94,10 +105,9 @@ pub fn finish_interrupted(store_dir: &Path, container_id: &str) -> Result<Option
     let p = store_dir.join(INTENT);
     let Ok(text) = std::fs::read_to_string(&p) else { return Ok(None) };
     // (called under the container's exclusive lock: the rollback that wrote it is over)
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-    let states: Vec<RemoteState> = serde_json::from_value(v["remote-state"].clone()).unwrap_or_default();
-    let target = v["target"].as_str().unwrap_or("its target").to_string();
-    compensate(&states, container_id)?;
+    let note: IntentNote = serde_json::from_str(&text).unwrap_or_default();
+    let target = note.target.unwrap_or_else(|| "its target".into());
+    compensate(&note.remote_state, container_id)?;
     let _ = std::fs::remove_file(&p);
     Ok(Some(target))
 }
@@ -189,6 +199,14 @@ fn run(hook: &Path, args: &[&str], since: Option<u64>) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_intent_keeps_its_wire_form_and_a_torn_one_reads_as_nothing_to_do() {
+        let note = IntentNote { pid: 7, target: Some("sp1".into()), remote_state: vec![] };
+        assert_eq!(serde_json::to_string(&note).unwrap(), r#"{"pid":7,"target":"sp1","remote-state":[]}"#);
+        let torn: IntentNote = serde_json::from_str(r#"{"pid":7,"tar"#).unwrap_or_default();
+        assert!(torn.target.is_none() && torn.remote_state.is_empty());
+    }
 
     /// An executable script, written by another process: a file this (multi-threaded) test
     /// process held open for writing could be inherited by a child another test forks, and

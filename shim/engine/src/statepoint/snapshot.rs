@@ -334,7 +334,8 @@ impl<'a> Taking<'a> {
             // (the threads' user time once CRIU's parasite has run in them: any later is theirs)
             // (none read: recorded as none, which nothing later equals)
             let cpu = crate::local::unchanged::user_times(w.pids).ok();
-            let text = serde_json::json!({ "fingerprint": fp.to_string(), "user-time": cpu }).to_string();
+            let record = crate::local::unchanged::Record { fingerprint: fp.to_string(), user_time: cpu };
+            let text = serde_json::to_string(&record).expect("strings and numbers encode");
             sys::write_atomic(&images.join(crate::local::unchanged::FILE), text.as_bytes(), 0o644)?;
         }
         self.still_frozen(w.frozen)
@@ -434,14 +435,14 @@ fn unchanged_since_base(
         return Err("other dump options".into());
     }
     let dir = ctx.store.statepoint_dir(sp).join(&m.local_state.criu_checkpoint_path);
-    let recorded: serde_json::Value = std::fs::read(dir.join(unchanged::FILE))
+    let recorded: unchanged::Record = std::fs::read(dir.join(unchanged::FILE))
         .ok()
         .and_then(|d| serde_json::from_slice(&d).ok())
         .ok_or_else(|| format!("{sp} recorded no fingerprint"))?;
-    if recorded["fingerprint"].as_str() != Some(print.to_string().as_str()) {
+    if recorded.fingerprint != print.to_string() {
         return Err(format!("the processes changed since {sp}"));
     }
-    if recorded["user-time"] != serde_json::json!(unchanged::user_times(pids).map_err(|u| u.0)?) {
+    if recorded.user_time != Some(unchanged::user_times(pids).map_err(|u| u.0)?) {
         return Err(format!("a thread ran since {sp}"));
     }
     if unchanged::timers_armed(&dir).map_err(|u| u.0)? {

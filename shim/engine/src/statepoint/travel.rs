@@ -80,6 +80,17 @@ fn plain_podman_checkpoint(args: &[String]) -> bool {
 /// How the files travel, beside [`FILES_STREAM`]: the snapshot an incremental stream starts from.
 const FILES_META: &str = "files.json";
 
+/// What [`FILES_META`] holds: the stream's file name and the GUID of the snapshot it is
+/// incremental on (none: a whole stream). Read by the import, on another machine perhaps.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+struct FilesMeta {
+    #[serde(default)]
+    stream: String,
+    #[serde(default)]
+    from_guid: Option<String>,
+}
+
 /// Leaves what Podman and CRI-O expect after a checkpoint whose directory leaves the machine
 /// (an export, CRI-O's or containerd's checkpoint archive): the statepoint itself ([`hand_out`];
 /// flat for containerd's shim, [`kept_flat`]) and [`podman_dir::mark`].
@@ -121,8 +132,9 @@ pub fn hand_out(
     if let Some(snap) = &m.local_state.zfs_snapshot {
         let since = since.and_then(|s| s.local_state.zfs_snapshot.as_deref());
         let from_guid = zfs::send_statepoint(cfg, store, snap, since, &part.join(FILES_STREAM))?;
-        let meta = serde_json::json!({ "stream": FILES_STREAM, "from-guid": from_guid });
-        sys::write_atomic(&part.join(FILES_META), meta.to_string().as_bytes(), 0o644)?;
+        let meta = FilesMeta { stream: FILES_STREAM.into(), from_guid };
+        let text = serde_json::to_string(&meta).expect("strings encode");
+        sys::write_atomic(&part.join(FILES_META), text.as_bytes(), 0o644)?;
     }
     Ok(levels)
 }
@@ -316,7 +328,7 @@ fn import_zfs_files(
 ) -> Result<LocalState> {
     let (cfg, store) = (guard.cfg, guard.store);
     let parent = cfg.zfs.parent_dataset.clone().ok_or(local::Error::NeedsZfs)?;
-    let meta: serde_json::Value =
+    let meta: FilesMeta =
         std::fs::read(part.join(FILES_META)).ok().and_then(|d| serde_json::from_slice(&d).ok()).unwrap_or_default();
     guard.dataset = true;
     let snap = zfs::receive_statepoint(
@@ -324,7 +336,7 @@ fn import_zfs_files(
         store,
         id,
         &parent,
-        zfs::Incoming { stream, from_guid: meta["from-guid"].as_str() },
+        zfs::Incoming { stream, from_guid: meta.from_guid.as_deref() },
         &zfs::snapshot_name(id, sp),
         &bundle.dir,
     )?;
