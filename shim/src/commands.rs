@@ -165,9 +165,7 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
         let (new, ctx) = f.run(&mut progress, a.by.into())?;
         progress.finish();
         if a.json {
-            let mut v = context_value(&ctx)?;
-            v["container-id"] = serde_json::json!(new.id);
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            println!("{}", serde_json::to_string_pretty(&ContextOut::of(&ctx, Some(&new.id)))?);
         } else {
             println!("{} forked from {source} at {sp} ({})", ctx.container, new.id);
         }
@@ -187,17 +185,14 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     for (name, r) in results {
         match r {
             Ok((new, ctx)) => {
-                // (made: it is in the answer whatever else happens)
-                let mut v = context_value(&ctx).unwrap_or_else(|_| serde_json::json!({ "container": name }));
-                v["container-id"] = serde_json::json!(new.id);
-                out.push(v);
                 if !a.json {
                     println!("{} forked from {source} at {sp} ({})", ctx.container, new.id);
                 }
+                out.push(ForkOut::Made(Box::new(ContextOut::owned(ctx, new.id))));
             }
             Err(e) => {
                 eprintln!("planarian: fork into {name} failed: {e}");
-                out.push(serde_json::json!({ "container": name, "error": e.to_string() }));
+                out.push(ForkOut::Failed { container: name, error: e.to_string() });
             }
         }
     }
@@ -295,14 +290,40 @@ pub fn ledger(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 
 /// A restore context as JSON, with the text a harness appends to the conversation beside it.
 fn context_json(ctx: &RestoreContext) -> Result<String, Failure> {
-    Ok(serde_json::to_string_pretty(&context_value(ctx)?)?)
+    Ok(serde_json::to_string_pretty(&ContextOut::of(ctx, None))?)
 }
 
-/// A restore context as a program reads it: its fields and the text a model reads.
-fn context_value(ctx: &RestoreContext) -> Result<serde_json::Value, Failure> {
-    let mut v = serde_json::to_value(ctx)?;
-    v["text"] = serde_json::json!(ctx.text());
-    Ok(v)
+/// A restore context as a program reads it (`--json`, read by the SDK): its fields, the text a
+/// model reads, and for a fork the new container's ID.
+#[derive(serde::Serialize)]
+struct ContextOut<'a> {
+    #[serde(flatten)]
+    ctx: std::borrow::Cow<'a, RestoreContext>,
+    text: String,
+    #[serde(rename = "container-id", skip_serializing_if = "Option::is_none")]
+    container_id: Option<String>,
+}
+
+impl<'a> ContextOut<'a> {
+    fn of(ctx: &'a RestoreContext, container_id: Option<&str>) -> ContextOut<'a> {
+        ContextOut {
+            text: ctx.text(),
+            ctx: std::borrow::Cow::Borrowed(ctx),
+            container_id: container_id.map(String::from),
+        }
+    }
+
+    fn owned(ctx: RestoreContext, container_id: String) -> ContextOut<'static> {
+        ContextOut { text: ctx.text(), ctx: std::borrow::Cow::Owned(ctx), container_id: Some(container_id) }
+    }
+}
+
+/// One fork of `fork --count N --json`: its context, or why it failed.
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum ForkOut {
+    Made(Box<ContextOut<'static>>),
+    Failed { container: String, error: String },
 }
 
 /// A statepoint's structured state: JSON from a file, or from stdin for `-`.
@@ -353,7 +374,12 @@ pub fn fsck(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
         .collect();
     let bad = reports.iter().filter(|r| r.busy || !r.findings.is_empty()).count();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "ok": bad == 0, "containers": reports }))?);
+        #[derive(serde::Serialize)]
+        struct FsckOut {
+            ok: bool,
+            containers: Vec<engine::fsck::Report>,
+        }
+        println!("{}", serde_json::to_string_pretty(&FsckOut { ok: bad == 0, containers: reports })?);
     } else {
         print!("{}", fsck_table(&reports));
     }
