@@ -618,13 +618,16 @@ mod tests {
 
     #[test]
     fn a_linked_chain_survives_removing_the_source() {
-        let (_scratch, s) = tmp("fork-src");
+        let (source, s) = tmp("fork-src");
         dump(&s, "sp1", None, 0);
         dump(&s, "sp2", Some("../../sp1/criu"), 1);
         let (_scratch_f, f) = tmp("fork-dst");
         let into = f.statepoint_dir("sp1").join("criu");
         let prev = link_chain(&s.statepoint_dir("sp2").join("criu"), &f, &into).unwrap();
         assert_eq!(prev.as_deref(), Some("../../../bases/b1"));
+        // (the source store removed whole)
+        drop(source);
+        assert!(!s.dir.exists());
         let chain = chain_of(&into);
         assert_eq!(chain.len(), 2);
         assert_eq!(std::fs::read_to_string(into.join("pages-1.img")).unwrap(), "sp2");

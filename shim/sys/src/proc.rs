@@ -14,22 +14,24 @@ pub const PAGE_SIZE: u64 = 4096;
 pub struct Proc {
     pid: i32,
     tid: Option<i32>,
+    /// This process, read through `/proc/self` (right whichever PID namespace `/proc` is of).
+    own: bool,
 }
 
 impl Proc {
     /// Process `pid` (its main thread for per-thread files).
     pub fn of(pid: i32) -> Proc {
-        Proc { pid, tid: None }
+        Proc { pid, tid: None, own: false }
     }
 
     /// This process.
     pub fn own() -> Proc {
-        Proc::of(std::process::id() as i32)
+        Proc { pid: std::process::id() as i32, tid: None, own: true }
     }
 
     /// Thread `tid` of this process (`/proc/PID/task/TID`).
     pub fn task(self, tid: i32) -> Proc {
-        Proc { pid: self.pid, tid: Some(tid) }
+        Proc { pid: self.pid, tid: Some(tid), own: self.own }
     }
 
     pub fn pid(&self) -> i32 {
@@ -38,9 +40,10 @@ impl Proc {
 
     /// This process's directory in `/proc`.
     pub fn dir(&self) -> PathBuf {
+        let p = if self.own { "self".to_string() } else { self.pid.to_string() };
         match self.tid {
-            None => PathBuf::from(format!("/proc/{}", self.pid)),
-            Some(t) => PathBuf::from(format!("/proc/{}/task/{t}", self.pid)),
+            None => PathBuf::from(format!("/proc/{p}")),
+            Some(t) => PathBuf::from(format!("/proc/{p}/task/{t}")),
         }
     }
 
@@ -104,7 +107,7 @@ impl Proc {
 
     /// Its threads' IDs, in order (`/proc/PID/task`).
     pub fn threads(&self) -> Result<Vec<i32>, IoError> {
-        Proc::of(self.pid).numbered("task")
+        Proc { tid: None, ..*self }.numbered("task")
     }
 
     /// Its open descriptors, in order (`/proc/PID/fd`).
@@ -472,6 +475,10 @@ mod tests {
         assert_eq!(me.task(me.pid()).status().unwrap().number("Pid"), Some(u64::from(std::process::id())));
         assert!(!me.fds().unwrap().is_empty());
         assert!(me.cmdline().unwrap()[0].contains("sys"));
+        let own = Proc::own();
+        assert_eq!((own.dir(), own.pid()), (PathBuf::from("/proc/self"), me.pid()));
+        assert_eq!(own.threads().unwrap(), tids);
+        assert_eq!(own.task(me.pid()).dir(), PathBuf::from(format!("/proc/self/task/{}", me.pid())));
         let e = Proc::of(-1).read("maps").unwrap_err();
         assert!(e.to_string().starts_with("cannot read /proc/-1/maps: "), "{e}");
     }

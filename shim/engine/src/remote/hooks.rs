@@ -77,6 +77,8 @@ pub struct Intent(std::path::PathBuf);
 #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case", default)]
 struct IntentNote {
+    /// (written for a reader's eyes; the recovery does not need it)
+    #[serde(skip_deserializing)]
     pid: u32,
     target: Option<String>,
     remote_state: Vec<RemoteState>,

@@ -717,7 +717,12 @@ fn done_in_place(
         }
     }
     record_base(store, target, pid, plan.pids());
-    store.set_head(Some(&target.statepoint_id))?;
+    if let Err(e) = store.set_head(Some(&target.statepoint_id)) {
+        // (the files' leftovers go before the thaw, as everywhere else)
+        drop(files);
+        drop(frozen);
+        return Err(e.into());
+    }
     crate::log::mark("chain");
     let positions = safety.remote_state.clone();
     drop(frozen);
