@@ -91,6 +91,13 @@ fn proxy_cmd(srv: &Srv, pg: &Pg, tag: &str) -> (Command, PathBuf, PathBuf, tempf
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path().join(format!("{tag}-{kind}"));
     std::fs::create_dir_all(&dir).unwrap();
+    let (c, control, state) = proxy_cmd_in(srv, pg, &dir);
+    (c, control, state, scratch)
+}
+
+/// The proxy's command in front of `srv`, its control socket and positions file in `dir`.
+fn proxy_cmd_in(srv: &Srv, pg: &Pg, dir: &Path) -> (Command, PathBuf, PathBuf) {
+    let kind = if matches!(srv, Srv::Dbhub(_)) { "dbhub" } else { "toolbox" };
     let (control, state) = (dir.join("control.sock"), dir.join("positions.json"));
     let tbc = server_cmd(srv, pg);
     let mut c = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"));
@@ -104,7 +111,7 @@ fn proxy_cmd(srv: &Srv, pg: &Pg, tag: &str) -> (Command, PathBuf, PathBuf, tempf
     for (k, v) in tbc.get_envs() {
         c.env(k, v.unwrap());
     }
-    (c, control, state, scratch)
+    (c, control, state)
 }
 
 /// Every user table, whole, in key order: what the tests compare.
@@ -690,13 +697,15 @@ fn the_undo_log_and_positions_survive_a_killed_proxy_and_a_restarted_upstream() 
     wait_until(60, "the call did not reach the database within 60 s", || balance(&mut db) != was);
     p.mcp.child.kill().unwrap();
     p.mcp.child.wait().unwrap();
-    let (control_path, state) = (p.control.clone(), p.state.clone());
-    drop(p);
+    // (its scratch directory kept for the next one)
+    let Proxied { mcp, control: control_path, state, _scratch: scratch } = p;
+    drop(mcp);
     assert!(state.exists());
     // A new proxy on the same state: the change that reached the database is undoable.
     let dir = control_path.parent().unwrap().to_path_buf();
     let _ = std::fs::remove_file(&control_path);
-    let mut p2 = proxy(tb, &pg, "crash");
+    let (c, control_path, state) = proxy_cmd_in(tb, &pg, &dir);
+    let mut p2 = Proxied { mcp: Mcp::spawn(c), control: control_path, state, _scratch: scratch };
     assert_eq!(p2.control, dir.join("control.sock"));
     let pos = control(&p2.control, &["position"]).unwrap()["position"].as_u64().unwrap();
     assert!(pos > start, "the killed call's position is known after the restart: {pos}");
