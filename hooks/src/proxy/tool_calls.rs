@@ -274,8 +274,8 @@ impl Proxy {
             Err(e) => return refuse(e.to_string()),
         };
         let _guard = self.lock.lock().unwrap();
-        if let Err(why) = self.capture_before(&name, spec, &mut scope) {
-            return refuse(why);
+        if let Err(e) = self.capture_before(&name, spec, &mut scope) {
+            return refuse(e.to_string());
         }
         let position = self.positions.lock().unwrap().next();
         let entry = Entry {
@@ -314,25 +314,22 @@ impl Proxy {
     }
 
     /// What a declared tool would change, read before it runs (its spec's `capture`, into
-    /// `scope.pre`); `Err` with the reason to refuse the call.
-    fn capture_before(
-        self: &Arc<Self>,
-        name: &str,
-        spec: &ToolSpec,
-        scope: &mut Scope,
-    ) -> std::result::Result<(), String> {
+    /// `scope.pre`); [`Error::Refused`] with the reason to refuse the call.
+    fn capture_before(self: &Arc<Self>, name: &str, spec: &ToolSpec, scope: &mut Scope) -> Result<()> {
         let Some(c) = &spec.capture else { return Ok(()) };
         match self.own_call(c, scope) {
             Ok(pre) => scope.pre = pre,
             Err(e) => {
-                return Err(match &spec.refuse_when_capture_fails {
+                return Err(Error::Refused(match &spec.refuse_when_capture_fails {
                     Some(why) => format!("{name}: {why} ({e})"),
                     None => format!("{name}: cannot read what it would change: {e}"),
-                })
+                }))
             }
         }
         match &spec.refuse_when_pre_contains {
-            Some((needle, why)) if scope.pre.to_string().contains(needle.as_str()) => Err(format!("{name}: {why}")),
+            Some((needle, why)) if scope.pre.to_string().contains(needle.as_str()) => {
+                Err(Error::Refused(format!("{name}: {why}")))
+            }
             _ => Ok(()),
         }
     }
