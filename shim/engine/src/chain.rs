@@ -56,6 +56,13 @@ pub struct Base {
     pub full_reason: Option<String>,
 }
 
+impl Base {
+    /// No base: the next dump is full, for reason `why`.
+    pub fn full(init_start_time: u64, why: impl Into<String>) -> Base {
+        Base { images: None, depth: 0, init_start_time, full_reason: Some(why.into()) }
+    }
+}
+
 /// How the next dump relates to its parent.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DumpChain {
@@ -159,10 +166,7 @@ impl Drop for DumpInProgress<'_> {
 /// The next dump of the tree is full, for the reason given: something cleared the soft-dirty
 /// bits (a dump that did not commit, a pre-dump), so no base says what changed.
 pub fn invalidate_base(store: &ContainerStore, init_start: u64, why: &str) {
-    let _ = write_base(
-        store,
-        &Base { images: None, depth: 0, init_start_time: init_start, full_reason: Some(why.to_string()) },
-    );
+    let _ = write_base(store, &Base::full(init_start, why));
 }
 
 /// After a restore of statepoint `m`: a base of the container's own, with `dump_uptime` = E (µs),
@@ -174,7 +178,7 @@ pub fn after_restore(store: &ContainerStore, m: &Manifest, epoch_usec: Epoch, in
             let name = new_base_dir(store, &images, e)?;
             Base { images: Some(name), depth: m.chain.depth, init_start_time: init_start, full_reason: None }
         }
-        Epoch::Missing(why) => Base { images: None, depth: 0, init_start_time: init_start, full_reason: Some(why) },
+        Epoch::Missing(why) => Base::full(init_start, why),
     };
     write_base(store, &base)?;
     collect(store);

@@ -287,15 +287,8 @@ fn decide(phase: Phase, now: Option<(i32, u64)>, then: (i32, u64), head_is_safet
 /// The sandbox is at the target. Its next dump is full: a rollback in place killed before it
 /// recorded its base leaves the soft-dirty bits of pages it wrote cleared against another base.
 fn at_target(cfg: &Config, store: &ContainerStore, e: &Entry, init: Option<(i32, u64)>) -> Result<Recovered> {
-    crate::chain::write_base(
-        store,
-        &crate::chain::Base {
-            images: None,
-            depth: 0,
-            init_start_time: init.map_or(0, |(_, start)| start),
-            full_reason: Some(format!("an interrupted rollback to {} was finished", e.target)),
-        },
-    )?;
+    let why = format!("an interrupted rollback to {} was finished", e.target);
+    crate::chain::write_base(store, &crate::chain::Base::full(init.map_or(0, |(_, start)| start), why))?;
     forget_safety(cfg, store, e);
     store.set_head(Some(&e.target))?;
     if let Ok(m) = store.find(&e.target) {

@@ -674,15 +674,8 @@ fn write_in_place(
         // statepoint's images (the pages just written were cleared as clean): full, until
         // the chain's base is the statepoint's below.
         let init_start = sys::proc::start_time(pid).unwrap_or(0);
-        crate::chain::write_base(
-            store,
-            &crate::chain::Base {
-                images: None,
-                depth: 0,
-                init_start_time: init_start,
-                full_reason: Some("a rollback in place was interrupted while it compensated the remote state".into()),
-            },
-        )?;
+        let why = "a rollback in place was interrupted while it compensated the remote state";
+        crate::chain::write_base(store, &crate::chain::Base::full(init_start, why))?;
     }
     let _intent = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)?;
     crate::fault::point("rollback.in-place.written")?;
@@ -844,15 +837,8 @@ fn record_base(store: &ContainerStore, target: &Manifest, pid: i32, pids: &[i32]
         .map(|(e, clk)| crate::chain::Epoch::Recorded(criu_hooks::ticks_to_usec(e, clk as u64)))
         .unwrap_or_else(|| crate::chain::Epoch::Missing("no start time of the rolled-back threads".into()));
     if crate::chain::after_restore(store, target, epoch, init_start).is_err() {
-        let _ = crate::chain::write_base(
-            store,
-            &crate::chain::Base {
-                images: None,
-                depth: 0,
-                init_start_time: init_start,
-                full_reason: Some("the rollback in place could not record its base".into()),
-            },
-        );
+        let why = "the rollback in place could not record its base";
+        let _ = crate::chain::write_base(store, &crate::chain::Base::full(init_start, why));
     }
 }
 

@@ -239,6 +239,12 @@ impl Swap {
         zfs.set(d, "mountpoint", "none")?;
         zfs.rename(d, &self.old)?;
         zfs.rename(&self.new, d)?;
+        self.mounted_where_it_was()
+    }
+
+    /// The dataset under the name `d` gets the mount point it had, and is mounted there.
+    fn mounted_where_it_was(&self) -> Result<(), zfs::Error> {
+        let (zfs, d) = (&self.zfs, &self.d);
         zfs.restore_property(d, "mountpoint", &self.mp)?;
         if zfs.get(d, "mounted")?.value != "yes" {
             zfs.mount(d)?;
@@ -257,10 +263,7 @@ impl Swap {
             }
             zfs.rename(&self.old, d)?;
         }
-        zfs.restore_property(d, "mountpoint", &self.mp)?;
-        if zfs.get(d, "mounted")?.value != "yes" {
-            zfs.mount(d)?;
-        }
+        self.mounted_where_it_was()?;
         zfs.promote(&self.origin_ds)?;
         Ok(zfs.destroy(&self.new, true)?)
     }
