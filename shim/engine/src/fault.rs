@@ -38,7 +38,8 @@ fn at(file: &Path, paused: &Path, name: &str) -> Result<(), Injected> {
             Ok(())
         }
         Ok(text) if text.trim().strip_prefix("pause:") == Some(name) && std::fs::remove_file(file).is_ok() => {
-            if std::fs::write(paused, name).is_ok() {
+            // (whole or not at all: a test that sees the file reads the point's name in it)
+            if sys::write_atomic(paused, name.as_bytes(), 0o644).is_ok() {
                 let since = std::time::Instant::now();
                 while paused.exists() && since.elapsed() < PAUSE_LIMIT {
                     std::thread::sleep(std::time::Duration::from_millis(20));

@@ -315,9 +315,15 @@ mod tests {
         (scratch, cfg, s)
     }
 
-    /// [`check_container`] of container "c", repairing when asked, waiting for no lock.
+    /// [`check_container`] of container "c", repairing when asked, waiting for the lock as an
+    /// operation does (a child another test forks holds a copy of every descriptor of this
+    /// process, this test's lock among them, until it execs).
     fn check(cfg: &Config, repair: bool) -> Report {
-        check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", repair, Duration::ZERO)
+        check_waiting(cfg, repair, Duration::from_secs(30))
+    }
+
+    fn check_waiting(cfg: &Config, repair: bool, wait: Duration) -> Report {
+        check_container(&crate::Engine::with_config(cfg.clone(), Default::default()), "c", repair, wait)
     }
 
     fn checks(f: &[Finding]) -> Vec<(Option<&str>, &str)> {
@@ -413,7 +419,7 @@ mod tests {
         let (_scratch, cfg, s) = setup("busy");
         std::fs::create_dir_all(s.statepoint_dir("sp1")).unwrap();
         let _held = s.lock(true).unwrap();
-        let r = check(&cfg, true);
+        let r = check_waiting(&cfg, true, Duration::ZERO);
         assert!(r.busy && r.findings.is_empty());
         assert!(s.statepoint_dir("sp1").exists());
     }

@@ -43,17 +43,26 @@ pub fn hold_until_exit(lock: File, pid: i32, store_dir: &Path, what: &str, max: 
     std::fs::create_dir_all(dir(store_dir)).map_err(|e| format!("cannot create {}: {e}", dir(store_dir).display()))?;
     std::fs::write(&note, what).map_err(|e| format!("cannot write {}: {e}", note.display()))?;
     let keep = [lock.as_raw_fd(), pidfd.as_raw_fd()];
-    let fds: Vec<i32> = sys::proc::Proc::own().fds().unwrap_or_default();
+    // (every other descriptor is closed in the child, whenever it was opened: one another
+    // thread opens between a listing and the fork, a lock of another container, must not stay
+    // held by the holder)
+    let mut kept = keep;
+    kept.sort_unstable();
     let note_c = std::ffi::CString::new(note.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
     let devnull = c"/dev/null";
-    // SAFETY: the runtime is single-threaded here; the child only makes system calls on values
-    // made before the fork, and leaves by _exit.
+    // SAFETY: the child only makes system calls on values made before the fork, and leaves by
+    // _exit.
     match unsafe { nix::unistd::fork() } {
         Ok(nix::unistd::ForkResult::Child) => unsafe {
             libc::setsid();
-            for fd in fds.iter().copied().filter(|fd| !keep.contains(fd)) {
-                libc::close(fd);
+            let mut from = 3u32;
+            for fd in kept.iter().map(|&fd| fd as u32).filter(|&fd| fd >= 3) {
+                if fd > from {
+                    libc::syscall(libc::SYS_close_range, from, fd - 1, 0u32);
+                }
+                from = fd + 1;
             }
+            libc::syscall(libc::SYS_close_range, from, u32::MAX, 0u32);
             // Nothing of the caller's: conmon reads the runtime's output until it is closed.
             let null = libc::open(devnull.as_ptr(), libc::O_RDWR);
             for fd in 0..3 {

@@ -286,6 +286,7 @@ mod tests {
         // SAFETY: the child changes only its own attributes and waits; it is killed at the end.
         let child = unsafe { libc::fork() };
         if child == 0 {
+            super::super::close_inherited();
             unsafe {
                 libc::umask(0o077);
                 libc::chdir(cdir.as_ptr());
@@ -324,7 +325,7 @@ mod tests {
             cwd: Some("/".into()),
             subreaper: Some(false),
         };
-        let maps_before = std::fs::read_to_string(format!("/proc/{child}/maps")).unwrap();
+        let maps_before = super::super::maps_for_comparison(child);
         let mut calls = 0;
         let insn = ptrace::syscall_instruction(child).unwrap();
         let mut h =
@@ -338,11 +339,7 @@ mod tests {
         unsafe { libc::prlimit64(child, libc::RLIMIT_NOFILE, std::ptr::null(), &mut l) };
         assert_eq!((l.rlim_cur, l.rlim_max), (100, 120));
         assert_eq!(sched_of(child, child).unwrap().0, 7);
-        assert_eq!(
-            std::fs::read_to_string(format!("/proc/{child}/maps")).unwrap(),
-            maps_before,
-            "no scratch page left"
-        );
+        assert_eq!(super::super::maps_for_comparison(child), maps_before, "no scratch page left");
         drop(t);
     }
 }

@@ -86,6 +86,22 @@ struct Thread {
     vtid: u32,
 }
 
+/// For the tests that fork a child which does not exec: the child closes every descriptor it
+/// inherited beyond 0–2 at once. Otherwise it would keep the flocks other tests, running beside
+/// it in this process, take and release (a store's lock, a fork's record), until it is killed.
+#[cfg(test)]
+fn close_inherited() {
+    // SAFETY: closes descriptors of this (forked, single-threaded) child only.
+    unsafe { nix::libc::syscall(nix::libc::SYS_close_range, 3u32, u32::MAX, 0u32) };
+}
+
+/// A process's memory map as a test compares it: a file another test removed meanwhile (the
+/// child inherited its mapping at the fork) is the same mapping.
+#[cfg(test)]
+fn maps_for_comparison(pid: i32) -> String {
+    sys::proc::Proc::of(pid).read("maps").unwrap().replace(" (deleted)", "")
+}
+
 /// The processes of a cgroup and its children (host PIDs).
 pub fn cgroup_pids(dir: &Path) -> Vec<i32> {
     let mut out: Vec<i32> = std::fs::read_to_string(dir.join("cgroup.procs"))

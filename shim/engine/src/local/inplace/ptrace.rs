@@ -262,6 +262,7 @@ pub(super) mod tests {
         // SAFETY: the child only loops; it is killed at the end.
         let child = unsafe { libc::fork() };
         if child == 0 {
+            super::super::close_inherited();
             loop {
                 unsafe { libc::pause() };
             }
@@ -319,6 +320,7 @@ pub(super) mod tests {
         // SAFETY: the child only waits; it is reaped below.
         let child = unsafe { libc::fork() };
         if child == 0 {
+            super::super::close_inherited();
             loop {
                 unsafe { libc::pause() };
             }

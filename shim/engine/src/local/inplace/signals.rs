@@ -432,6 +432,7 @@ mod tests {
         // SAFETY: the child only blocks two signals and waits; it is killed at the end.
         let child = unsafe { libc::fork() };
         if child == 0 {
+            super::super::close_inherited();
             unsafe {
                 let mut set: libc::sigset_t = std::mem::zeroed();
                 libc::sigemptyset(&mut set);
@@ -470,7 +471,7 @@ mod tests {
             posix: Vec::new(),
             threads: vec![(vec![queued(libc::SIGUSR1, child, 5)], None)],
         };
-        let maps_before = std::fs::read_to_string(format!("/proc/{child}/maps")).unwrap();
+        let maps_before = super::super::maps_for_comparison(child);
         block_all(std::slice::from_ref(&t)).unwrap();
         let mut calls = 0;
         let insn = ptrace::syscall_instruction(child).unwrap();
@@ -495,7 +496,7 @@ mod tests {
         assert_eq!(n, 1);
         assert_eq!(&info[..32], &queued(rt, child, 0xfeed)[..32]);
         // The scratch page is gone: the memory layout is as it was.
-        assert_eq!(std::fs::read_to_string(format!("/proc/{child}/maps")).unwrap(), maps_before);
+        assert_eq!(super::super::maps_for_comparison(child), maps_before);
         drop(t);
     }
 
