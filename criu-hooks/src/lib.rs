@@ -226,7 +226,7 @@ pub fn restored_tree(root: i32) -> Vec<i32> {
     let mut todo = vec![root];
     while let Some(pid) = todo.pop() {
         let p = Proc::of(pid);
-        match sys::proc::state_and_start(&p.path("stat")) {
+        match p.state_and_start() {
             Some(('Z', _)) | None => continue,
             Some(_) => out.push(pid),
         }
@@ -245,7 +245,7 @@ pub fn epoch(pids: &[i32]) -> Result<u64, HookError> {
     for &pid in pids {
         let p = Proc::of(pid);
         for tid in p.threads().unwrap_or_default() {
-            if let Some((_, start)) = sys::proc::state_and_start(&p.task(tid).path("stat")) {
+            if let Some((_, start)) = p.task(tid).state_and_start() {
                 latest = Some(latest.map_or(start, |l| l.max(start)));
             }
         }
@@ -383,7 +383,7 @@ mod tests {
         let tree = restored_tree(me);
         assert!(tree.contains(&me) && tree.contains(&(child.id() as i32)), "{tree:?}");
         let e = epoch(&tree).unwrap();
-        let (_, child_start) = sys::proc::state_and_start(&Proc::of(child.id() as i32).path("stat")).unwrap();
+        let (_, child_start) = Proc::of(child.id() as i32).state_and_start().unwrap();
         assert!(e > child_start, "E must be after the latest start time");
         let clk = 100;
         assert!(uptime_ticks(clk).unwrap() + 1 >= e - 1);

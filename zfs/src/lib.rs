@@ -480,7 +480,7 @@ fn zfs_mounts(mounts: &[Mount]) -> impl DoubleEndedIterator<Item = &Mount> {
     mounts.iter().filter(|m| m.fstype == "zfs" || m.fstype == "fuse.zfs")
 }
 
-/// The ZFS dataset mounted exactly at `path`, from a mount table ([`sys::proc::own_mounts`], or
+/// The ZFS dataset mounted exactly at `path`, from a mount table ([`sys::proc::Proc::mounts`], or
 /// a process's).
 pub fn dataset_mounted_at(mounts: &[Mount], path: &Path) -> Option<String> {
     let want = path.to_str()?.trim_end_matches('/');

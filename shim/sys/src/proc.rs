@@ -95,14 +95,7 @@ impl Proc {
 
     /// The numbered entries of one of its directories (`task`, `fd`), in order.
     pub fn numbered(&self, name: &str) -> Result<Vec<i32>, IoError> {
-        let p = self.path(name);
-        let mut out: Vec<i32> = std::fs::read_dir(&p)
-            .at("read", &p)?
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse().ok())
-            .collect();
-        out.sort_unstable();
-        Ok(out)
+        numbered_entries(&self.path(name))
     }
 
     /// Its threads' IDs, in order (`/proc/PID/task`).
@@ -151,6 +144,13 @@ impl Proc {
         self.read("mountinfo").map(|t| parse_mountinfo(&t))
     }
 
+    /// The state letter (field 3 of `stat`) and the start time in clock ticks since boot (field
+    /// 22).
+    pub fn state_and_start(&self) -> Option<(char, u64)> {
+        let stat = self.stat().ok()?;
+        Some((stat.state()?, stat.field(22)?.parse().ok()?))
+    }
+
     /// Clears its soft-dirty bits (`clear_refs` 4, as CRIU's `--track-mem` does).
     pub fn clear_soft_dirty(&self) -> Result<(), IoError> {
         self.write("clear_refs", "4")
@@ -159,8 +159,13 @@ impl Proc {
 
 /// The processes there are now (the numbered entries of `/proc`), in order.
 pub fn processes() -> Result<Vec<i32>, IoError> {
-    let mut out: Vec<i32> = std::fs::read_dir("/proc")
-        .at("read", "/proc")?
+    numbered_entries(Path::new("/proc"))
+}
+
+/// The entries of directory `dir` whose names are numbers, in order.
+fn numbered_entries(dir: &Path) -> Result<Vec<i32>, IoError> {
+    let mut out: Vec<i32> = std::fs::read_dir(dir)
+        .at("read", dir)?
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse().ok())
         .collect();
@@ -336,16 +341,6 @@ pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
     text.lines().filter_map(Mount::parse).collect()
 }
 
-/// The mount table of process `pid`'s mount namespace, as that process sees it.
-pub fn mounts(pid: i32) -> std::io::Result<Vec<Mount>> {
-    std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).map(|t| parse_mountinfo(&t))
-}
-
-/// This process's mount table.
-pub fn own_mounts() -> std::io::Result<Vec<Mount>> {
-    std::fs::read_to_string("/proc/self/mountinfo").map(|t| parse_mountinfo(&t))
-}
-
 /// The upper (writable) directory of the overlay mounted as `/` in `mounts`, if it is one.
 pub fn overlay_root_upperdir(mounts: &[Mount]) -> Option<PathBuf> {
     mounts
@@ -387,20 +382,7 @@ pub fn stat_text_field(text: &str, n: usize) -> Option<&str> {
 
 /// Field `n` of `/proc/PID/stat` as a number (see [`stat_text_field`]).
 pub fn stat_field(pid: i32, n: usize) -> Option<u64> {
-    stat_file_field(Path::new(&format!("/proc/{pid}/stat")), n)?.parse().ok()
-}
-
-/// Field `n` of a `stat` file (a process's or a thread's: `/proc/PID/task/TID/stat`).
-pub fn stat_file_field(path: &Path, n: usize) -> Option<String> {
-    let text = std::fs::read_to_string(path).ok()?;
-    stat_text_field(&text, n).map(str::to_owned)
-}
-
-/// The state letter (field 3) and start time in clock ticks since boot (field 22) of a `stat` file.
-pub fn state_and_start(path: &Path) -> Option<(char, u64)> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let state = stat_text_field(&text, 3)?.chars().next()?;
-    Some((state, stat_text_field(&text, 22)?.parse().ok()?))
+    Proc::of(pid).stat().ok()?.field(n)?.parse().ok()
 }
 
 /// Field 22 of /proc/PID/stat: the start time in clock ticks since boot.
@@ -490,7 +472,7 @@ mod tests {
         assert!(start_time(me).is_some());
         assert_eq!(stat_field(me, 2), None);
         assert_eq!(stat_text_field("1 (a) b) S 0 1", 3), Some("S"));
-        let (state, start) = state_and_start(Path::new(&format!("/proc/{me}/stat"))).unwrap();
+        let (state, start) = Proc::of(me).state_and_start().unwrap();
         assert!(state.is_ascii_uppercase() && Some(start) == start_time(me));
     }
 }

@@ -81,7 +81,7 @@ pub struct DevMount {
     pub children: Vec<String>,
 }
 
-/// From the container's mount table ([`sys::proc::mounts`]).
+/// From the container's mount table ([`sys::proc::Proc::mounts`]).
 pub fn dev_mount(mounts: &[Mount]) -> Option<DevMount> {
     let [dev] = &mounts.iter().filter(|m| m.point == "/dev").collect::<Vec<_>>()[..] else { return None };
     if dev.fstype != "tmpfs" {

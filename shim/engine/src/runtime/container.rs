@@ -75,7 +75,7 @@ pub fn overlay_upperdir_of(pid: i32) -> Result<Option<PathBuf>> {
 
 /// Whether any overlay on this host currently uses `upper` as its upper directory.
 pub fn upperdir_mounted(upper: &Path) -> bool {
-    sys::proc::own_mounts().is_ok_and(|ms| sys::proc::upperdir_in_use(&ms, upper))
+    sys::proc::Proc::own().mounts().is_ok_and(|ms| sys::proc::upperdir_in_use(&ms, upper))
 }
 
 /// Writes crun's record of a running container (`<root>/<id>/status` and the config), as crun

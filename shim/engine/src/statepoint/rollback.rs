@@ -572,7 +572,7 @@ fn in_place(
     };
     // What the files need (ZFS: a snapshot of the frozen state, what changed, where) is found
     // beside the safety statepoint and the page plan.
-    let mounts = sys::proc::mounts(pid).unwrap_or_default();
+    let mounts = sys::proc::Proc::of(pid).mounts().unwrap_or_default();
     let at = files_at(pid, &mounts, store, safety_id);
     crate::log::mark("shape");
     let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at);

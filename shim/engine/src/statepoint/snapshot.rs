@@ -548,7 +548,7 @@ struct DumpSetting {
 
 impl DumpSetting {
     fn of(ctx: &Ctx, pid: i32) -> Result<DumpSetting> {
-        let mounts = sys::proc::mounts(pid).unwrap_or_default();
+        let mounts = sys::proc::Proc::of(pid).mounts().unwrap_or_default();
         let netns = match &ctx.ctr.spec.netns_path {
             Some(_) => Some(open_netns(pid)?),
             None => None,

@@ -576,7 +576,7 @@ mod tests {
         let spec =
             Spec { masked_paths: vec!["/proc/acpi".into(), "/nonexistent".into(), "/".into()], ..Default::default() };
         let me = std::process::id() as i32;
-        let got = masked_dirs(me, &spec, &sys::proc::mounts(me).unwrap());
+        let got = masked_dirs(me, &spec, &sys::proc::Proc::of(me).mounts().unwrap());
         assert!(!got.contains(&"/".to_string()) && !got.contains(&"/nonexistent".to_string()), "{got:?}");
     }
 }

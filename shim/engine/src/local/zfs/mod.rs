@@ -287,7 +287,8 @@ impl Rootfs for ZfsRootfs {
         let snap = local.zfs_snapshot.as_deref().ok_or(Error::NoZfsSnapshot)?;
         // Where it is mounted, from this host's mount table when that is unambiguous (`zfs get`
         // twice otherwise: a fixed cost of every snapshot).
-        let mounted = sys::proc::own_mounts().map(|ms| zfs::mounts_of(&ms, &self.map.dataset)).unwrap_or_default();
+        let mounted =
+            sys::proc::Proc::own().mounts().map(|ms| zfs::mounts_of(&ms, &self.map.dataset)).unwrap_or_default();
         let mp = match &mounted[..] {
             [one] => one.clone(),
             _ => mountpoint(&self.zfs, &self.map.dataset)?,
@@ -394,7 +395,7 @@ impl Rootfs for ZfsRootfs {
 /// one where [`find_in_place`] says they can differ: the plan, and how long each part took.
 fn compare(zfs: &Zfs, found: &Found, at: &InPlaceAt) -> Result<(super::treesync::Sync, String)> {
     let (live, view) = (&found.live, &found.view);
-    let mounted = sys::proc::own_mounts().ok().and_then(|m| zfs::dataset_mounted_at(&m, &at.scratch));
+    let mounted = sys::proc::Proc::own().mounts().ok().and_then(|m| zfs::dataset_mounted_at(&m, &at.scratch));
     if mounted.as_deref() != Some(view.as_str()) {
         zfs.mount(view)?;
     }
@@ -447,7 +448,7 @@ fn find_in_place(
     // have left it on a retired one: looked for only when it is not there (and whatever the
     // first try met in the way, removed).
     let at = Snap { zfs, d, name, snap: format!("{d}@{name}") };
-    let mounted = sys::proc::own_mounts().map(|ms| zfs::mounts_of(&ms, d)).unwrap_or_default();
+    let mounted = sys::proc::Proc::own().mounts().map(|ms| zfs::mounts_of(&ms, d)).unwrap_or_default();
     let live = match &mounted[..] {
         [one] => one.clone(),
         _ => mountpoint(zfs, d)?,
