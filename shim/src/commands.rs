@@ -182,13 +182,13 @@ pub fn fork(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     eprintln!("  {:<65} {:>7.2} s", "total", started.elapsed().as_secs_f64());
     let failed = results.iter().filter(|(_, r)| r.is_err()).count();
     let mut out = Vec::new();
-    for (name, r) in results {
+    for (name, r) in &results {
         match r {
             Ok((new, ctx)) => {
                 if !a.json {
                     println!("{} forked from {source} at {sp} ({})", ctx.container, new.id);
                 }
-                out.push(ForkOut::Made(Box::new(ContextOut::owned(ctx, new.id))));
+                out.push(ForkOut::Made(ContextOut::of(ctx, Some(&new.id))));
             }
             Err(e) => {
                 eprintln!("planarian: fork into {name} failed: {e}");
@@ -298,32 +298,24 @@ fn context_json(ctx: &RestoreContext) -> Result<String, Failure> {
 #[derive(serde::Serialize)]
 struct ContextOut<'a> {
     #[serde(flatten)]
-    ctx: std::borrow::Cow<'a, RestoreContext>,
+    ctx: &'a RestoreContext,
     text: String,
     #[serde(rename = "container-id", skip_serializing_if = "Option::is_none")]
-    container_id: Option<String>,
+    container_id: Option<&'a str>,
 }
 
 impl<'a> ContextOut<'a> {
-    fn of(ctx: &'a RestoreContext, container_id: Option<&str>) -> ContextOut<'a> {
-        ContextOut {
-            text: ctx.text(),
-            ctx: std::borrow::Cow::Borrowed(ctx),
-            container_id: container_id.map(String::from),
-        }
-    }
-
-    fn owned(ctx: RestoreContext, container_id: String) -> ContextOut<'static> {
-        ContextOut { text: ctx.text(), ctx: std::borrow::Cow::Owned(ctx), container_id: Some(container_id) }
+    fn of(ctx: &'a RestoreContext, container_id: Option<&'a str>) -> ContextOut<'a> {
+        ContextOut { text: ctx.text(), ctx, container_id }
     }
 }
 
 /// One fork of `fork --count N --json`: its context, or why it failed.
 #[derive(serde::Serialize)]
 #[serde(untagged)]
-enum ForkOut {
-    Made(Box<ContextOut<'static>>),
-    Failed { container: String, error: String },
+enum ForkOut<'a> {
+    Made(ContextOut<'a>),
+    Failed { container: &'a str, error: String },
 }
 
 /// A statepoint's structured state: JSON from a file, or from stdin for `-`.
