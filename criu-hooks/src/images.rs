@@ -28,6 +28,8 @@ pub const PAGE_SIZE: u64 = 4096;
 /// `pagemap_entry.flags`.
 pub const PE_PARENT: u32 = 1;
 pub const PE_PRESENT: u32 = 4;
+/// The pages may be restored on demand (CRIU's `--lazy-pages`).
+pub const PE_LAZY: u32 = 2;
 
 /// `vma_entry.status` bits (CRIU's `criu/include/image.h`).
 pub const VMA_AREA_REGULAR: u32 = 1;
@@ -588,6 +590,30 @@ pub fn mm(dir: &Path, pid: u32) -> Result<Mm> {
     Ok(Mm { brk: m.u(7), start_brk: m.u(6), vmas })
 }
 
+/// Writes a `pagemap-PID.img` at `path`: its pages image's id, then `entries` (each with its
+/// flags and page count in the fields CRIU reads: 4 and 5; and the count again in field 2, which
+/// proto2 requires).
+pub fn write_pagemap(path: &Path, pages_id: u32, entries: &[PagemapEntry]) -> std::io::Result<()> {
+    let mut out = Vec::with_capacity(16 + entries.len() * 20);
+    out.extend_from_slice(&COMMON_MAGIC.to_le_bytes());
+    out.extend_from_slice(&PAGEMAP_MAGIC.to_le_bytes());
+    let mut body = Vec::new();
+    let mut entry = |fields: &[(u64, u64)]| {
+        body.clear();
+        for &(f, v) in fields {
+            crate::write_varint(&mut body, f << 3);
+            crate::write_varint(&mut body, v);
+        }
+        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        out.extend_from_slice(&body);
+    };
+    entry(&[(1, pages_id as u64)]);
+    for e in entries {
+        entry(&[(1, e.vaddr), (2, e.nr_pages as u32 as u64), (4, e.flags as u64), (5, e.nr_pages)]);
+    }
+    std::fs::write(path, out)
+}
+
 /// One entry of a `pagemap-PID.img`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PagemapEntry {
@@ -814,6 +840,9 @@ pub struct PageRun {
     pub nr_pages: u64,
     pub file: PathBuf,
     pub loc: Location,
+    /// CRIU marked these pages lazily restorable where they were dumped (`PE_LAZY`: a private
+    /// anonymous mapping, not a thread's stack page).
+    pub lazy: bool,
 }
 
 impl PageRun {
@@ -856,6 +885,7 @@ pub fn memory(dir: &Path, pid: u32) -> Result<Vec<PageRun>> {
                     nr_pages: (t - s) / PAGE_SIZE,
                     file: r.file.clone(),
                     loc: Location { offset: r.loc.offset + (s - r.vaddr), ..r.loc },
+                    lazy: r.lazy,
                 });
                 covered = t;
             }
@@ -875,6 +905,7 @@ pub fn memory(dir: &Path, pid: u32) -> Result<Vec<PageRun>> {
                 nr_pages: e.nr_pages,
                 file: file.clone(),
                 loc: Location { dev: md.dev(), ino: md.ino(), offset },
+                lazy: e.flags & PE_LAZY != 0,
             });
             offset += e.nr_pages * PAGE_SIZE;
         }
@@ -927,6 +958,17 @@ pub(crate) mod tests {
         let d = scratch.path().join(tag);
         std::fs::create_dir_all(&d).unwrap();
         (scratch, d)
+    }
+
+    #[test]
+    fn a_written_page_map_reads_back_with_its_flags() {
+        let d = tempfile::tempdir().unwrap();
+        let entries = [
+            PagemapEntry { vaddr: 0x10000, nr_pages: 3, flags: PE_PARENT | PE_LAZY },
+            PagemapEntry { vaddr: 0x7fff_0000_0000, nr_pages: 1, flags: PE_PRESENT },
+        ];
+        write_pagemap(&d.path().join("pagemap-7.img"), 9, &entries).unwrap();
+        assert_eq!(pagemap(d.path(), 7).unwrap(), (9, entries.to_vec()));
     }
 
     #[test]

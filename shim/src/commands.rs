@@ -479,6 +479,24 @@ pub fn cleanup_worker(inv: &Invocation, args: &[OsString]) -> Result<i32, Failur
     Ok(0)
 }
 
+/// `planarian __lazy-pages READY GO STORE IMAGES VIEW WORK`: the page server of a lazy restore
+/// (not for people: started by the `restore` verb with its two pipes).
+pub fn lazy_pages(args: &[OsString]) -> Result<i32, Failure> {
+    use std::os::fd::FromRawFd;
+    let [ready, go, store, images, view, work] = args else {
+        return Err("usage: planarian __lazy-pages READY GO STORE IMAGES VIEW WORK".into());
+    };
+    let fd =
+        |a: &OsString| a.to_str().and_then(|f| f.parse::<i32>().ok()).ok_or("__lazy-pages: READY and GO are numbers");
+    let (ready, go) = (fd(ready)?, fd(go)?);
+    // SAFETY: the two pipe ends the restore verb left this process, owned by nothing else here.
+    let (ready, go) = unsafe { (std::os::fd::OwnedFd::from_raw_fd(ready), std::os::fd::OwnedFd::from_raw_fd(go)) };
+    let p = |a: &OsString| std::path::PathBuf::from(a);
+    engine::local::lazy::work(ready, go, &p(store), &p(images), &p(view), &p(work))
+        .map_err(|e| Failure::from(e.to_string()))?;
+    Ok(0)
+}
+
 pub fn snapshot_worker(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
     let [fd, spec] = args else { return Err("usage: planarian __snapshot-worker FD SPEC".into()) };
     let fd: i32 = fd.to_str().and_then(|f| f.parse().ok()).ok_or("__snapshot-worker: FD is a number")?;

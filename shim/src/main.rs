@@ -57,6 +57,7 @@ fn run(inv: &Invocation) -> Result<i32, Failure> {
         Some("ledger") => commands::ledger(inv, args),
         Some("mcp") => commands::mcp(inv, args),
         Some("__snapshot-worker") => commands::snapshot_worker(inv, args),
+        Some("__lazy-pages") => commands::lazy_pages(args),
         Some("__rollback-cleanup") => commands::cleanup_worker(inv, args),
         Some("gc") => commands::gc(inv, args),
         Some("fsck") => commands::fsck(inv, args),

@@ -25,6 +25,7 @@ pub const ANNOTATION_KEYS: &[&str] = &[
     "checkpoint.network_lock",
     "checkpoint.rollback_in_place",
     "checkpoint.skip_unchanged",
+    "checkpoint.lazy_pages",
     "zfs.parent_dataset",
     "store.retention",
     "mcp.service",
@@ -150,6 +151,10 @@ pub struct CheckpointConfig {
     /// processes, memory, descriptors, signals; no page written) takes the last dump's memory
     /// images instead of a new CRIU dump (see local::unchanged); its files are captured as always.
     pub skip_unchanged: bool,
+    /// Restore memory on demand: a restored or forked sandbox runs before its memory is all
+    /// there; planarian's page server installs each page when it is first touched and the rest in
+    /// the background (CRIU's `--lazy-pages` over userfaultfd; see local::lazy).
+    pub lazy_pages: bool,
     /// How long a snapshot or rollback waits for tool calls in flight (a `podman exec` still
     /// running, an MCP call that changes something) before it fails, changing nothing.
     pub in_flight_wait_seconds: u64,
@@ -196,6 +201,7 @@ impl Default for CheckpointConfig {
             network_lock: NetworkLock::Auto,
             rollback_in_place: true,
             skip_unchanged: true,
+            lazy_pages: false,
             in_flight_wait_seconds: 120,
         }
     }

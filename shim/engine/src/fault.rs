@@ -3,6 +3,8 @@
 //! fail once (the file is removed as it fires, so the recovery that follows runs for real).
 //! `pause:NAME` instead makes that step wait, once, for as long as `/run/planarian/paused`
 //! (written as it pauses) exists: a test does there what the machine might do at that moment.
+//! `hold:NAME` asks a step that does work in the background (a page server's transfer) to hold
+//! that work, not the rest, as long as the paused file exists ([`hold`]).
 //! A file rather than an environment variable: `restore` runs under conmon, which Podman starts
 //! with an environment of its own. Only statepoint operations look; pass-through verbs never do.
 
@@ -51,6 +53,21 @@ fn at(file: &Path, paused: &Path, name: &str) -> Result<(), Injected> {
     }
 }
 
+/// Whether the fault file says `hold:NAME` (taken, once): then the paused file is written and
+/// returned, and the caller holds its background work for as long as it exists.
+pub fn hold(name: &str) -> Option<std::path::PathBuf> {
+    hold_at(Path::new(FILE), Path::new(PAUSED), name)
+}
+
+fn hold_at(file: &Path, paused: &Path, name: &str) -> Option<std::path::PathBuf> {
+    let text = std::fs::read_to_string(file).ok()?;
+    if text.trim().strip_prefix("hold:") != Some(name) || std::fs::remove_file(file).is_err() {
+        return None;
+    }
+    sys::write_atomic(paused, name.as_bytes(), 0o644).ok()?;
+    Some(paused.to_path_buf())
+}
+
 const ORACLE: &str = "/run/planarian/oracle";
 
 /// For the tests of a rollback in place: a directory named by `/run/planarian/oracle` (removed
@@ -78,6 +95,18 @@ mod tests {
         assert_eq!(at(&f, &paused, "snapshot.dumped"), Ok(()));
         assert_eq!(at(&f, &paused, "snapshot.frozen").unwrap_err().to_string(), "injected fault at snapshot.frozen");
         assert_eq!(at(&f, &paused, "snapshot.frozen"), Ok(()));
+    }
+
+    #[test]
+    fn a_hold_is_taken_once_by_its_point_and_lasts_while_the_paused_file_does() {
+        let scratch = tempfile::tempdir().unwrap();
+        let (f, paused) = (scratch.path().join("fault"), scratch.path().join("paused"));
+        std::fs::write(&f, "hold:lazy.background\n").unwrap();
+        assert_eq!(hold_at(&f, &paused, "lazy.other"), None);
+        assert_eq!(hold_at(&f, &paused, "lazy.background"), Some(paused.clone()));
+        assert_eq!(std::fs::read_to_string(&paused).unwrap(), "lazy.background");
+        assert!(!f.exists());
+        assert_eq!(hold_at(&f, &paused, "lazy.background"), None);
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub(crate) mod devfs;
 pub mod files;
 pub mod freezer;
 pub(crate) mod inplace;
+pub mod lazy;
 pub(crate) mod treesync;
 pub(crate) mod unchanged;
 pub mod zfs;
@@ -31,6 +32,8 @@ pub enum Error {
     Runtime(#[from] crate::runtime::Error),
     #[error(transparent)]
     Zfs(#[from] ::zfs::Error),
+    #[error(transparent)]
+    Lazy(Box<lazy::Error>),
     #[error(transparent)]
     Store(#[from] crate::store::Error),
     #[error("cannot run {tool}: {source}")]
@@ -82,6 +85,15 @@ pub enum Error {
     /// An undo that failed after the step it undoes failed: both are told.
     #[error("{first}; and {undoing} failed: {then}")]
     UndoFailed { first: Box<Error>, undoing: &'static str, then: Box<Error> },
+}
+
+impl From<lazy::Error> for Error {
+    fn from(e: lazy::Error) -> Error {
+        match e {
+            lazy::Error::Local(l) => *l,
+            e => Error::Lazy(Box::new(e)),
+        }
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -185,7 +185,13 @@ impl Ctx {
         }
         let pc = podman::planarian_container(name)?;
         if !matches!(pc.status.as_str(), "running" | "paused") {
-            return Err(Error::NotRunning { name: name.to_string(), status: pc.status });
+            // (stopped by planarian because its memory, restored on demand, was lost: said so)
+            let store = ContainerStore::new(&engine.config().store.path, &pc.id);
+            let status = match crate::local::lazy::lost(&store) {
+                Some(why) => format!("{}: its memory was being restored on demand and was lost: {why}", pc.status),
+                None => pc.status,
+            };
+            return Err(Error::NotRunning { name: name.to_string(), status });
         }
         Ctx::load(engine, &pc.id)
     }

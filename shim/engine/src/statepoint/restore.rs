@@ -63,14 +63,13 @@ pub fn restore(engine: &Engine, a: &RestoreRequest) -> Result<Restored> {
         }
     };
     let sp_id = m.statepoint_id.clone();
-    let sp_dir = store.statepoint_dir(&sp_id);
     crate::local::zfs::create::prepare_bundle(&cfg, &a.container_id, &mut b)?;
     let spec = b.spec;
     if spec.terminal && a.console_socket.is_none() {
         return Err(Error::TerminalNeedsConsole);
     }
 
-    let (mut restored, epoch) = run_restore(&cfg, &criu_bin, a, &bundle, &m, &sp_dir, &spec)?;
+    let (mut restored, epoch) = run_restore(&cfg, &criu_bin, a, &bundle, &m, &store, &spec)?;
     let pid = restored.pid;
     // (the one conmon reads)
     let pid_file = a.pid_file.clone().unwrap_or_else(|| bundle.join("pidfile"));
@@ -87,7 +86,7 @@ pub fn restore(engine: &Engine, a: &RestoreRequest) -> Result<Restored> {
     }
     // The sandbox runs again; so does its MCP sidecar (stopped when Podman deleted the container
     // after a checkpoint). Without it, database calls and the next snapshot fail with its error.
-    let mut warnings = Vec::new();
+    let mut warnings: Vec<String> = restored.eager_because.take().into_iter().collect();
     if let Err(e) = crate::remote::sidecar::start(&cfg, &a.container_id) {
         warnings.push(e.to_string());
     }
@@ -105,10 +104,11 @@ fn run_restore(
     a: &RestoreRequest,
     bundle: &Path,
     m: &Manifest,
-    sp_dir: &Path,
+    store: &ContainerStore,
     spec: &crate::runtime::Spec,
 ) -> Result<(RestoredTree, Epoch)> {
     let work = a.work_path.clone().unwrap_or_else(|| bundle.to_path_buf());
+    let sp_dir = &store.statepoint_dir(&m.statepoint_id);
     let images = sp_dir.join(&m.local_state.criu_checkpoint_path);
     crate::chain::complete(&images)?;
     let restore_work = work.join("planarian-restore");
@@ -141,6 +141,7 @@ fn run_restore(
         None
     };
     let tcp_established = a.tcp_established || m.options.tcp_established;
+    let mut memory = Memory::of(cfg, store, &images, &restore_work);
     let plan = criu::RestorePlan {
         images_dir: &images,
         work_dir: &restore_work,
@@ -162,6 +163,7 @@ fn run_restore(
         empty_dir: Some(&empty_dir),
         network_lock: criu::network_lock(criu_bin, cfg.checkpoint.network_lock, join_netns, tcp_established),
         dev_tmpfs: dev.as_ref().map(|d| d.path.as_path()),
+        lazy_pages: false,
     };
     if !matches!(hooks, PreResume::Off(_)) {
         // The restored tasks inherit this (CRIU keeps it): without it, writing a restored page into
@@ -171,14 +173,15 @@ fn run_restore(
         let _ = nix::sys::prctl::set_thp_disable(true);
     }
     crate::fault::point("restore.before-criu")?;
-    let pid = run_criu(criu_bin, &plan, a, &hooks, &epoch_file)?;
+    let pid = memory.restore(criu_bin, &plan, a, &hooks, &epoch_file)?;
     // Where Podman looks for them (`podman container restore --print-stats` reads the stats).
     for f in ["stats-restore", "restore.log"] {
         let _ = std::fs::copy(restore_work.join(f), work.join(f));
     }
     // The tasks run: until every record of them is written, a failure kills them again, so that a
     // failed restore leaves no container running that neither conmon nor crun knows.
-    let restored = RestoredTree { pid, keep: false };
+    let restored = RestoredTree { pid, keep: false, eager_because: memory.eager_because.take() };
+    memory.restored(pid)?;
     if !join_netns {
         criu::remove_restored_network_locks(pid);
     }
@@ -296,6 +299,74 @@ impl PreResume {
 struct RestoredTree {
     pid: i32,
     keep: bool,
+    /// Why memory was restored whole though `checkpoint.lazy_pages` asked for it on demand.
+    eager_because: Option<String>,
+}
+
+/// How a restore brings memory back: whole, or on demand (`checkpoint.lazy_pages`) from a page
+/// server, CRIU reading the view of the dump that leaves the server its pages.
+struct Memory {
+    server: Option<(PathBuf, crate::local::lazy::Worker)>,
+    /// Why memory is restored whole though on demand was asked for.
+    eager_because: Option<String>,
+}
+
+impl Memory {
+    /// The server started and listening in `work`, when asked for and the dump at `images` leaves
+    /// it pages to serve.
+    fn of(cfg: &Config, store: &ContainerStore, images: &Path, work: &Path) -> Memory {
+        use crate::local::lazy;
+        let started = || -> std::result::Result<_, lazy::Error> {
+            let view = lazy::view::make(images)?;
+            if view.lazy_pages == 0 {
+                return Ok(None);
+            }
+            let exe =
+                std::env::current_exe().map_err(|e| lazy::Error::Start(format!("cannot find this binary: {e}")))?;
+            Ok(Some((view.dir.clone(), lazy::Worker::start(&exe, store, images, &view.dir, work)?)))
+        };
+        match cfg.checkpoint.lazy_pages.then(started) {
+            None => Memory { server: None, eager_because: None },
+            Some(Ok(server)) => Memory { server, eager_because: None },
+            Some(Err(e)) => {
+                Memory { server: None, eager_because: Some(format!("restored memory whole, not on demand: {e}")) }
+            }
+        }
+    }
+
+    /// CRIU's restore of `plan`: on demand when there is a server. One that fails (CRIU or the
+    /// kernel without what it needs, the server) is tried again whole: what failed is said, and
+    /// only the whole one's error fails the restore.
+    fn restore(
+        &mut self,
+        criu_bin: &Path,
+        plan: &criu::RestorePlan,
+        a: &RestoreRequest,
+        hooks: &PreResume,
+        epoch_file: &Path,
+    ) -> Result<i32> {
+        if let Some((view, _)) = &self.server {
+            let lazily = criu::RestorePlan { images_dir: view, lazy_pages: true, ..plan.clone() };
+            match run_criu(criu_bin, &lazily, a, hooks, epoch_file) {
+                Ok(pid) => return Ok(pid),
+                Err(e) => {
+                    self.server = None;
+                    self.eager_because =
+                        Some(format!("restored memory whole, not on demand: the lazy restore failed: {e}"));
+                    let _ = std::fs::remove_file(plan.pid_file);
+                }
+            }
+        }
+        run_criu(criu_bin, plan, a, hooks, epoch_file)
+    }
+
+    /// The restore ended with `pid` the first process: the server is told.
+    fn restored(self, pid: i32) -> Result<()> {
+        if let Some((_, server)) = self.server {
+            server.restored(pid).map_err(crate::local::Error::from)?;
+        }
+        Ok(())
+    }
 }
 
 impl Drop for RestoredTree {

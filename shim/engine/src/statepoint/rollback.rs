@@ -265,6 +265,12 @@ fn rollback(
         _ => String::new(),
     };
 
+    // A sandbox restored on demand is compared and dumped once its memory is all there (one whose
+    // memory was lost is stopped already: it is restored).
+    match crate::local::lazy::settled(store) {
+        Ok(()) | Err(crate::local::lazy::Error::Lost(_)) => {}
+        Err(e) => return Err(crate::local::Error::from(e).into()),
+    }
     // 0. In place, when the tree has the statepoint's shape.
     let (not_in_place, taken) = match pc.status.as_str() {
         "running" => match try_in_place(&mut rb, &safety_id, &mut full_path, progress)? {

@@ -50,6 +50,8 @@ pub fn take_then(
     if !req.internal {
         crate::log::start_marks();
     }
+    // A sandbox restored on demand is dumped once its memory is all there and settled.
+    crate::local::lazy::settled(&ctx.store).map_err(crate::local::Error::from)?;
     let t = Taking::begin(ctx, req)?;
     let mut m = t.manifest();
     // Until the manifest is committed, the statepoint's directory is removed on any way out.

@@ -81,6 +81,8 @@ fn marker(cfg: &Config, id: &str) -> PathBuf {
 /// Freezes the running spare `id` and marks it held.
 fn freeze(engine: &Engine, id: &str) -> Result<()> {
     let ctx = super::Ctx::load(engine, id)?;
+    // (held once its memory is all there and settled: a thaw is then all a fork needs)
+    crate::local::lazy::settled(&ctx.store).map_err(crate::local::Error::from)?;
     let freezer = Freezer::of_pid(ctx.ctr.running_pid()?)?;
     let m = marker(engine.config(), id);
     std::fs::write(&m, freezer.dir().display().to_string()).at("write", &m)?;

@@ -66,6 +66,9 @@ pub enum Opt {
     CgroupRoot(String),
     /// `--inherit-fd fd[N]:KEY` (RPC: `inherit_fd`).
     InheritFd(i32, String),
+    /// `--lazy-pages`: private anonymous memory is left to a page server (see
+    /// [`crate::local::lazy`]) listening in the work directory.
+    LazyPages,
     /// Command line only: in RPC mode CRIU runs no action scripts, and notifies the caller
     /// instead (see [`rpc`]).
     ActionScript(PathBuf),
@@ -91,6 +94,7 @@ pub struct DumpPlan<'a> {
     pub join_netns: Option<RawFd>,
 }
 
+#[derive(Clone)]
 pub struct RestorePlan<'a> {
     pub images_dir: &'a Path,
     pub work_dir: &'a Path,
@@ -113,6 +117,8 @@ pub struct RestorePlan<'a> {
     /// CRIU runs inside this network namespace (the container's new one), where the tasks of a
     /// dump taken inside the old one are restored ([`in_netns`]).
     pub join_netns: Option<RawFd>,
+    /// Memory on demand from planarian's page server, listening in `work_dir`.
+    pub lazy_pages: bool,
 }
 
 fn ext(a: impl Into<String>, b: impl Into<String>) -> Opt {
@@ -185,6 +191,9 @@ impl RestorePlan<'_> {
         }
         o.extend(self.inherit_fds.iter().map(|(fd, key)| Opt::InheritFd(*fd, key.clone())));
         o.extend(self.action_scripts.iter().map(|s| Opt::ActionScript(s.clone())));
+        if self.lazy_pages {
+            o.push(Opt::LazyPages);
+        }
         o.push(Opt::TcpEstablished(self.tcp_established));
         o.push(Opt::FileLocks(self.file_locks));
         o
@@ -220,6 +229,7 @@ pub fn cli_args(verb: &str, opts: &[Opt]) -> Vec<OsString> {
             Opt::CgroupRoot(c) => ("--cgroup-root", Some(c.into())),
             Opt::InheritFd(fd, key) => ("--inherit-fd", Some(format!("fd[{fd}]:{key}").into())),
             Opt::ActionScript(p) => ("--action-script", Some(p.into())),
+            Opt::LazyPages => ("--lazy-pages", None),
         };
         a.push(name.into());
         a.extend(value);
@@ -549,6 +559,7 @@ mod tests {
             network_lock: None,
             dev_tmpfs: Some(Path::new("/u/planarian-restore/dev")),
             join_netns: None,
+            lazy_pages: false,
         }));
         for want in [
             "--restore-detached",

@@ -76,6 +76,7 @@ const CG_ROOT: u64 = 25;
 const RST_SIBLING: u64 = 26;
 const INHERIT_FD: u64 = 27;
 const FREEZE_CGROUP: u64 = 44;
+const LAZY_PAGES: u64 = 48;
 const ORPHAN_PTS_MASTER: u64 = 50;
 const NETWORK_LOCK: u64 = 64;
 /// criu_network_lock_method values.
@@ -142,6 +143,9 @@ fn encode(opts: &[Opt], images_fd: RawFd, work_fd: RawFd) -> Msg {
             }
             Opt::RestoreSibling => {
                 o.flag(RST_SIBLING, true);
+            }
+            Opt::LazyPages => {
+                o.flag(LAZY_PAGES, true);
             }
             Opt::CgroupRoot(c) => {
                 let mut m = Msg::default();

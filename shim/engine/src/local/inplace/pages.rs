@@ -71,6 +71,7 @@ fn cut(r: &PageRun, s: u64, e: u64) -> PageRun {
         nr_pages: (e - s) / PAGE_SIZE,
         file: r.file.clone(),
         loc: images::Location { offset: r.loc.offset + (s - r.vaddr), ..r.loc },
+        lazy: r.lazy,
     }
 }
 
@@ -188,6 +189,7 @@ mod tests {
             nr_pages: n,
             file: PathBuf::from(format!("p{ino}")),
             loc: images::Location { dev: 1, ino, offset: off },
+            lazy: false,
         }
     }
 

@@ -1,0 +1,469 @@
+//! planarian's page server for a lazy restore: it answers CRIU's `restore --lazy-pages` on the
+//! socket `lazy-pages.socket` of the restore's work directory, as CRIU's `lazy-pages` daemon
+//! does, and serves each restored process's missing pages over userfaultfd from the statepoint's
+//! chain of dumps (which CRIU's daemon cannot: see [`super::view`]).
+//!
+//! The protocol is CRIU's (`criu/uffd.c`): for each process the restore sends its PID (an `int`)
+//! and then its userfaultfd (with one byte); a negative PID is a zombie, with no descriptor; at the
+//! end it sends `RESTORE_FINISHED`. Then the server installs, for each process, every page its
+//! view leaves lazy: the faulting ones first, the rest in the background, and returns once every
+//! page is in (or its process gone). It follows the processes' forks (a child starts with what
+//! its parent still misses), `mremap`s (a moved page keeps its content) and unmappings.
+
+use super::Error;
+use criu_hooks::images::{self, PageRun};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use sys::proc::PAGE_SIZE;
+
+/// What the restore sends once every process is restored ("RSTF").
+const RESTORE_FINISHED: u32 = 0x5253_5446;
+/// The socket's name in the restore's work directory (CRIU's).
+pub const SOCKET: &str = "lazy-pages.socket";
+/// Pages installed at once in the background (and after a fault, from the faulting page on).
+const BACKGROUND_CHUNK: u64 = 64;
+const FAULT_CHUNK: u64 = 16;
+
+#[repr(C)]
+struct UffdioRange {
+    start: u64,
+    len: u64,
+}
+
+#[repr(C)]
+struct UffdioCopy {
+    dst: u64,
+    src: u64,
+    len: u64,
+    mode: u64,
+    copy: i64,
+}
+
+#[repr(C)]
+struct UffdioZeropage {
+    range: UffdioRange,
+    mode: u64,
+    zeropage: i64,
+}
+
+nix::ioctl_read!(uffdio_wake, 0xAA, 0x02, UffdioRange);
+nix::ioctl_readwrite!(uffdio_copy, 0xAA, 0x03, UffdioCopy);
+nix::ioctl_readwrite!(uffdio_zeropage, 0xAA, 0x04, UffdioZeropage);
+
+const EVENT_PAGEFAULT: u8 = 0x12;
+const EVENT_FORK: u8 = 0x13;
+const EVENT_REMAP: u8 = 0x14;
+const EVENT_REMOVE: u8 = 0x15;
+const EVENT_UNMAP: u8 = 0x16;
+
+/// What a serving did.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Served {
+    pub processes: usize,
+    pub lazy_pages: u64,
+    pub on_fault: u64,
+    pub in_background: u64,
+    pub zero_pages: u64,
+    pub forks: u64,
+}
+
+/// The pages a process still misses: start → (end, the address their content had in the dump).
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Pending(BTreeMap<u64, (u64, u64)>);
+
+impl Pending {
+    fn insert(&mut self, start: u64, end: u64, img: u64) {
+        if start < end {
+            self.0.insert(start, (end, img));
+        }
+    }
+
+    /// Takes `[lo, hi)` out: the pieces it held, as (start, end, dump address).
+    fn take(&mut self, lo: u64, hi: u64) -> Vec<(u64, u64, u64)> {
+        let hit: Vec<u64> = self.0.range(..hi).rev().take_while(|(_, (end, _))| *end > lo).map(|(s, _)| *s).collect();
+        let mut out = Vec::new();
+        for s in hit.into_iter().rev() {
+            let (e, img) = self.0.remove(&s).expect("a key just listed");
+            self.insert(s, lo.max(s).min(e), img);
+            self.insert(hi.max(s).min(e), e, img + (hi.max(s).min(e) - s));
+            let (a, b) = (s.max(lo), e.min(hi));
+            if a < b {
+                out.push((a, b, img + (a - s)));
+            }
+        }
+        out
+    }
+
+    fn first(&self) -> Option<(u64, u64, u64)> {
+        self.0.iter().next().map(|(s, (e, img))| (*s, *e, *img))
+    }
+
+    fn covering(&self, a: u64) -> Option<(u64, u64, u64)> {
+        self.0.range(..=a).next_back().filter(|(_, (e, _))| *e > a).map(|(s, (e, img))| (*s, *e, *img))
+    }
+
+    fn pages(&self) -> u64 {
+        self.0.iter().map(|(s, (e, _))| (e - s) / PAGE_SIZE).sum()
+    }
+}
+
+/// Where the content of each page of one process lies, by its address in the dump.
+struct Contents {
+    runs: Vec<PageRun>,
+}
+
+/// One restored process (or a child it forked since) and its userfaultfd.
+struct Task {
+    pid: i32,
+    uffd: OwnedFd,
+    pending: Pending,
+    contents: Rc<Contents>,
+    gone: bool,
+}
+
+/// The server: the view it serves from (its page maps say which pages are lazy), the dump the
+/// contents are read through, and the files those are in.
+pub struct Server {
+    view: PathBuf,
+    files: HashMap<PathBuf, std::fs::File>,
+    tasks: Vec<Task>,
+    served: Served,
+    buf: Vec<u8>,
+    next: usize,
+    /// The tests' hold on the background transfer: while this file exists, only faults are served.
+    held: Option<PathBuf>,
+}
+
+impl Server {
+    pub fn new(view: &Path) -> Server {
+        Server {
+            view: view.to_path_buf(),
+            files: HashMap::new(),
+            tasks: Vec::new(),
+            served: Served::default(),
+            buf: vec![0u8; (BACKGROUND_CHUNK * PAGE_SIZE) as usize],
+            next: 0,
+            held: None,
+        }
+    }
+
+    /// Listens at the work directory's socket, says so on `ready` (one byte), takes the
+    /// restore's connection and serves until every page is in.
+    pub fn run(mut self, work: &Path, ready: Option<OwnedFd>) -> Result<Served, Error> {
+        let path = work.join(SOCKET);
+        // (by its name in the work directory, as CRIU connects: the whole path may be longer than
+        // a socket address holds)
+        std::env::set_current_dir(work).map_err(|e| Error::io("enter", work, e))?;
+        let _ = std::fs::remove_file(SOCKET);
+        let listener = UnixListener::bind(SOCKET).map_err(|e| Error::io("listen on", &path, e))?;
+        if let Some(r) = ready {
+            let _ = nix::unistd::write(&r, b"r");
+        }
+        let (conn, _) = listener.accept().map_err(|e| Error::io("accept on", &path, e))?;
+        drop(listener);
+        let _ = std::fs::remove_file(&path);
+        self.serve(conn)
+    }
+
+    fn serve(&mut self, mut conn: UnixStream) -> Result<Served, Error> {
+        let mut finished = false;
+        let mut open = true;
+        loop {
+            let background = self.tasks.iter().any(|t| !t.gone && !t.pending.0.is_empty());
+            if finished && !background {
+                break;
+            }
+            let held = self.held.as_ref().is_some_and(|p| p.exists());
+            let live: Vec<usize> = (0..self.tasks.len()).filter(|&i| !self.tasks[i].gone).collect();
+            let mut fds: Vec<PollFd> =
+                live.iter().map(|&i| PollFd::new(self.tasks[i].uffd.as_fd(), PollFlags::POLLIN)).collect();
+            if open {
+                fds.push(PollFd::new(conn.as_fd(), PollFlags::POLLIN));
+            }
+            let timeout = match (background, held) {
+                // (held: the hold's end is looked for every 50 ms)
+                (true, true) => PollTimeout::from(50u16),
+                (true, false) => PollTimeout::ZERO,
+                (false, _) => PollTimeout::NONE,
+            };
+            match poll(&mut fds, timeout) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(Error::Serve(format!("poll: {e}"))),
+            }
+            let ready: Vec<bool> = fds.iter().map(|f| f.revents().is_some_and(|r| !r.is_empty())).collect();
+            drop(fds);
+            if open && ready[live.len()] {
+                match self.restore_message(&mut conn)? {
+                    Message::Task => {}
+                    Message::Finished => {
+                        finished = true;
+                        // (the tests' fault points: a server that dies with pages still to serve, and
+                        // one that serves only faults for a while)
+                        crate::fault::point("lazy.serving").map_err(|e| Error::Serve(e.to_string()))?;
+                        self.held = crate::fault::hold("lazy.background");
+                    }
+                    Message::Closed if finished => open = false,
+                    Message::Closed => return Err(Error::Serve("the restore ended before it finished".into())),
+                }
+            }
+            for (k, &i) in live.iter().enumerate() {
+                if ready[k] {
+                    self.events(i)?;
+                }
+            }
+            if background && !held {
+                self.background()?;
+            }
+        }
+        Ok(self.served.clone())
+    }
+
+    /// One message from the restore: a process and its userfaultfd, a zombie, or the end.
+    fn restore_message(&mut self, conn: &mut UnixStream) -> Result<Message, Error> {
+        let mut word = [0u8; 4];
+        match conn.read_exact(&mut word) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(Message::Closed),
+            Err(e) => return Err(Error::Serve(format!("reading the restore's socket: {e}"))),
+        }
+        let v = u32::from_ne_bytes(word);
+        if v == RESTORE_FINISHED {
+            return Ok(Message::Finished);
+        }
+        let pid = v as i32;
+        if pid < 0 {
+            return Ok(Message::Task);
+        }
+        let uffd = receive_fd(conn)?;
+        let pending = lazy_of(&self.view, pid as u32)?;
+        let runs = images::memory(&self.view, pid as u32)?;
+        self.served.processes += 1;
+        self.served.lazy_pages += pending.pages();
+        self.tasks.push(Task { pid, uffd, pending, contents: Rc::new(Contents { runs }), gone: false });
+        Ok(Message::Task)
+    }
+
+    /// Reads and answers task `i`'s userfaultfd events.
+    fn events(&mut self, i: usize) -> Result<(), Error> {
+        let mut msg = [0u8; 32];
+        loop {
+            let n = match nix::unistd::read(&self.tasks[i].uffd, &mut msg) {
+                Ok(n) => n,
+                Err(nix::errno::Errno::EAGAIN) => return Ok(()),
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => {
+                    return Err(Error::Serve(format!("process {}: reading its userfaultfd: {e}", self.tasks[i].pid)))
+                }
+            };
+            if n == 0 {
+                self.tasks[i].gone = true;
+                return Ok(());
+            }
+            let word = |at: usize| u64::from_ne_bytes(msg[at..at + 8].try_into().expect("8 bytes"));
+            match msg[0] {
+                EVENT_PAGEFAULT => self.fault(i, word(16) & !(PAGE_SIZE - 1))?,
+                EVENT_FORK => {
+                    // SAFETY: the kernel installed this descriptor in this process for this event.
+                    let ufd =
+                        unsafe { OwnedFd::from_raw_fd(u32::from_ne_bytes(msg[8..12].try_into().unwrap()) as RawFd) };
+                    let parent = &self.tasks[i];
+                    let child = Task {
+                        pid: parent.pid,
+                        uffd: ufd,
+                        pending: parent.pending.clone(),
+                        contents: parent.contents.clone(),
+                        gone: false,
+                    };
+                    self.served.forks += 1;
+                    self.tasks.push(child);
+                }
+                EVENT_REMAP => {
+                    let (from, to, len) = (word(8), word(16), word(24));
+                    let moved = self.tasks[i].pending.take(from, from + len);
+                    for (s, e, img) in moved {
+                        self.tasks[i].pending.insert(s - from + to, e - from + to, img);
+                    }
+                }
+                EVENT_REMOVE | EVENT_UNMAP => {
+                    let _ = self.tasks[i].pending.take(word(8), word(16));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// A fault at page `page` of task `i`: its pages from there on when they are lazy, else a
+    /// zero page (memory the dump did not hold, or the process dropped since).
+    fn fault(&mut self, i: usize, page: u64) -> Result<(), Error> {
+        match self.tasks[i].pending.covering(page) {
+            Some((_, end, _)) => {
+                let pieces = self.tasks[i].pending.take(page, end.min(page + FAULT_CHUNK * PAGE_SIZE));
+                for p in pieces {
+                    self.served.on_fault += self.install(i, p)?;
+                }
+            }
+            None => {
+                let fd = self.tasks[i].uffd.as_raw_fd();
+                let mut z = UffdioZeropage { range: UffdioRange { start: page, len: PAGE_SIZE }, mode: 0, zeropage: 0 };
+                // SAFETY: a userfaultfd and a struct of the kernel's layout.
+                match unsafe { uffdio_zeropage(fd, &mut z) } {
+                    Ok(_) => self.served.zero_pages += 1,
+                    Err(nix::errno::Errno::ESRCH | nix::errno::Errno::ENOSPC) => self.tasks[i].gone = true,
+                    // (there already, or the mapping changed: let the thread fault again)
+                    Err(_) => wake(fd, page, PAGE_SIZE),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Installs the next run of pages of the next task that misses some.
+    fn background(&mut self) -> Result<(), Error> {
+        let n = self.tasks.len();
+        for k in 0..n {
+            let i = (self.next + k) % n;
+            if self.tasks[i].gone {
+                continue;
+            }
+            if let Some((s, e, _)) = self.tasks[i].pending.first() {
+                let pieces = self.tasks[i].pending.take(s, e.min(s + BACKGROUND_CHUNK * PAGE_SIZE));
+                for p in pieces {
+                    self.served.in_background += self.install(i, p)?;
+                }
+                self.next = i + 1;
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the pages of `(start, end, dump address)` into task `i`, page by page where some
+    /// are there already. The pages installed; what could not be yet goes back to its pending.
+    fn install(&mut self, i: usize, (start, end, img): (u64, u64, u64)) -> Result<u64, Error> {
+        let len = (end - start) as usize;
+        let contents = self.tasks[i].contents.clone();
+        self.read(&contents, img, len)?;
+        let fd = self.tasks[i].uffd.as_raw_fd();
+        let mut c = UffdioCopy { dst: start, src: self.buf.as_ptr() as u64, len: len as u64, mode: 0, copy: 0 };
+        // SAFETY: a userfaultfd, a struct of the kernel's layout, and `len` bytes of our buffer.
+        match unsafe { uffdio_copy(fd, &mut c) } {
+            Ok(_) => Ok(len as u64 / PAGE_SIZE),
+            Err(nix::errno::Errno::ESRCH | nix::errno::Errno::ENOSPC) => {
+                self.tasks[i].gone = true;
+                Ok(0)
+            }
+            // The mapping is gone or changed under us (its unmap event follows): nothing to do.
+            Err(nix::errno::Errno::ENOENT) => Ok(0),
+            Err(e @ (nix::errno::Errno::EEXIST | nix::errno::Errno::EAGAIN)) => {
+                let done = c.copy.max(0) as u64 / PAGE_SIZE * PAGE_SIZE;
+                // A page there already (the process wrote it since) is woken and skipped; one the
+                // kernel could not take yet (its map changing) is tried again later.
+                let skip = if e == nix::errno::Errno::EEXIST { PAGE_SIZE } else { 0 };
+                let at = start + done;
+                if skip > 0 {
+                    wake(fd, at, PAGE_SIZE);
+                }
+                self.tasks[i].pending.insert(at + skip, end, img + done + skip);
+                Ok(done / PAGE_SIZE)
+            }
+            Err(e) => {
+                Err(Error::Serve(format!("process {}: installing pages {start:#x}..{end:#x}: {e}", self.tasks[i].pid)))
+            }
+        }
+    }
+
+    /// Reads `len` bytes of the dump's content from dump address `img` into the buffer.
+    fn read(&mut self, contents: &Contents, img: u64, len: usize) -> Result<(), Error> {
+        let mut done = 0usize;
+        while done < len {
+            let a = img + done as u64;
+            let at = contents.runs.partition_point(|r| r.end() <= a);
+            let r =
+                contents.runs.get(at).filter(|r| r.vaddr <= a).ok_or_else(|| {
+                    Error::Serve(format!("page {a:#x} is lazy in the view and in no image of the chain"))
+                })?;
+            let n = ((r.end() - a) as usize).min(len - done);
+            let f = match self.files.get(&r.file) {
+                Some(f) => f,
+                None => {
+                    let f = std::fs::File::open(&r.file).map_err(|e| Error::io("open", &r.file, e))?;
+                    self.files.entry(r.file.clone()).or_insert(f)
+                }
+            };
+            f.read_exact_at(&mut self.buf[done..done + n], r.loc.offset + (a - r.vaddr))
+                .map_err(|e| Error::io("read", &r.file, e))?;
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+enum Message {
+    Task,
+    Finished,
+    Closed,
+}
+
+fn wake(fd: RawFd, start: u64, len: u64) {
+    let mut r = UffdioRange { start, len };
+    // SAFETY: a userfaultfd and a struct of the kernel's layout.
+    let _ = unsafe { uffdio_wake(fd, &mut r) };
+}
+
+/// The descriptor the restore sends after a PID (with one byte).
+fn receive_fd(conn: &UnixStream) -> Result<OwnedFd, Error> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let mut byte = [0u8; 1];
+    let mut iov = [std::io::IoSliceMut::new(&mut byte)];
+    let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+    let msg = recvmsg::<()>(conn.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)
+        .map_err(|e| Error::Serve(format!("receiving a userfaultfd: {e}")))?;
+    for c in msg.cmsgs().map_err(|e| Error::Serve(format!("receiving a userfaultfd: {e}")))? {
+        if let ControlMessageOwned::ScmRights(fds) = c {
+            if let Some(&fd) = fds.first() {
+                // SAFETY: a descriptor SCM_RIGHTS just gave this process.
+                return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+        }
+    }
+    Err(Error::Serve("the restore sent a process without its userfaultfd".into()))
+}
+
+/// The pages of process `pid` its view's page map leaves lazy.
+fn lazy_of(view: &Path, pid: u32) -> Result<Pending, Error> {
+    let (_, entries) = images::pagemap(view, pid)?;
+    let mut p = Pending::default();
+    for e in entries.iter().filter(|e| e.flags & images::PE_LAZY != 0) {
+        p.insert(e.vaddr, e.vaddr + e.nr_pages * PAGE_SIZE, e.vaddr);
+    }
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pending_pages_are_taken_split_and_moved_with_their_content() {
+        let mut p = Pending::default();
+        p.insert(0x10000, 0x20000, 0x10000);
+        assert_eq!(p.take(0x12000, 0x14000), vec![(0x12000, 0x14000, 0x12000)]);
+        assert_eq!(p.pages(), 14);
+        assert_eq!(p.covering(0x13000), None);
+        assert_eq!(p.covering(0x14000), Some((0x14000, 0x20000, 0x14000)));
+        // An mremap of 0x14000..0x18000 to 0x40000: the pages keep their dump addresses.
+        for (s, e, img) in p.take(0x14000, 0x18000) {
+            p.insert(s - 0x14000 + 0x40000, e - 0x14000 + 0x40000, img);
+        }
+        assert_eq!(p.covering(0x41000), Some((0x40000, 0x44000, 0x14000)));
+        assert_eq!(p.first(), Some((0x10000, 0x12000, 0x10000)));
+        assert_eq!(p.take(0x0, 0x100000).len(), 3);
+        assert_eq!(p.pages(), 0);
+    }
+}

@@ -1,0 +1,167 @@
+//! Memory on demand (`checkpoint.lazy_pages`): a fork and a rollback that restores run before
+//! their memory is all there — planarian's page server installs each page of the statepoint's
+//! chain as it is touched, the rest in the background — and yet start exactly at the statepoint
+//! (the whole memory's checksum, a child forked before the pages are in), and their first
+//! snapshot is incremental (the settling leaves soft-dirty only what differs). A server killed
+//! with pages still to serve stops the container instead of letting it read zeros, and the next
+//! snapshot says why.
+
+use planarian_system_tests::sandbox::*;
+use planarian_system_tests::*;
+use std::path::{Path, PathBuf};
+
+const LAZY: &str = "io.planarian.checkpoint.lazy_pages=true";
+const FAULT: &str = "/run/planarian/fault";
+const PAUSED: &str = "/run/planarian/paused";
+
+/// Arms a fault point (see the engine's fault module), disarmed and released when dropped.
+struct Armed;
+
+impl Armed {
+    fn new(what: &str) -> Armed {
+        std::fs::create_dir_all(Path::new(FAULT).parent().unwrap()).unwrap();
+        std::fs::write(FAULT, what).unwrap();
+        Armed
+    }
+}
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(FAULT);
+        let _ = std::fs::remove_file(PAUSED);
+    }
+}
+
+fn status(name: &str) -> String {
+    podman("planarian", &["inspect", "--format", "{{.State.Status}}", name]).out()
+}
+
+fn fork(src: &Sandbox, sp: &str, new: &str) -> Run {
+    cmd(planarian_bin().to_str().unwrap(), ["fork", &src.name, sp, "--name", new, "--json"])
+}
+
+fn forked(r: &Run) -> Sandbox {
+    r.ok();
+    let ctx: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    Sandbox::attach(ctx["container"].as_str().unwrap())
+}
+
+/// What the page server of `name`'s last restore wrote when it ended: what it served, then how
+/// settling went (its log in the restore's work directory, in the container's bundle).
+fn server_log(name: &str) -> String {
+    let dir = podman("planarian", &["inspect", "--format", "{{.StaticDir}}", name]).ok().out();
+    let log = PathBuf::from(dir).join("planarian-restore/lazy-pages.log");
+    std::fs::read_to_string(&log).unwrap_or_default()
+}
+
+fn store_of(name: &str) -> PathBuf {
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", name]).ok().out();
+    Path::new("/var/lib/planarian/containers").join(id)
+}
+
+/// A number after `key: ` in the server's log.
+fn field(log: &str, key: &str) -> u64 {
+    let at = log.find(&format!("{key}: ")).unwrap_or_else(|| panic!("no {key} in {log:?}")) + key.len() + 2;
+    log[at..].chars().take_while(|c| c.is_ascii_digit()).collect::<String>().parse().unwrap()
+}
+
+#[test]
+fn a_lazy_fork_of_an_incremental_statepoint_is_exact_and_snapshots_incrementally() {
+    require_stack!();
+    let mut src = Sandbox::start("lzsrc", 64, &["--annotation", LAZY]);
+    src.snapshot("base");
+    src.send("dirty 0 655360");
+    let at_sp = src.send("tick");
+    let sp = src.snapshot("fork-point");
+    src.assert_incremental(&sp, 1, 2_048);
+    // What a child forked at the statepoint computes, on the source (restored whole: it never
+    // was restored).
+    src.send("fork 11");
+    let (_, want_child) = src.child();
+    src.send("reap");
+    src.send("dirty 1048576 65536");
+
+    // The server holds its background transfer (it serves faults only) until released: the child
+    // below is forked while nearly every page is still the server's to install.
+    let armed = Armed::new("hold:lazy.background");
+    let mut f = forked(&fork(&src, &sp, &name("lzf")));
+    assert!(!Path::new(FAULT).exists() && Path::new(PAUSED).exists(), "the hold was not taken");
+    // A child forked: it starts with what its parent still misses.
+    f.send("fork 11");
+    let (_, child) = f.child();
+    assert_eq!(child, want_child, "the child of a lazily restored process");
+    f.send("reap");
+    let now = f.send("tick");
+    assert_eq!(
+        (now.counter, &now.checksum),
+        (at_sp.counter + 1, &at_sp.checksum),
+        "the fork's memory is the statepoint's"
+    );
+    drop(armed);
+
+    // Its first snapshot waits for every page and the settling, and is incremental.
+    let f1 = f.snapshot("f1");
+    let log = server_log(&f.name);
+    assert!(field(&log, "lazy_pages") > 15_000, "64 MiB left to the server, most of it in the parent dump: {log}");
+    assert!(field(&log, "forks") >= 1 && field(&log, "on_fault") > 1_000, "{log}");
+    // Settling found the pages the server installed soft-dirty, and marked again only those that
+    // differ from the statepoint (what the fork wrote before it settled).
+    assert!(field(&log, "soft_dirty") > 10_000 && field(&log, "differ") < 1_000, "{log}");
+    assert!(!store_of(&f.name).join("lazy-pages.json").exists(), "settled: no marker left");
+    // (the fork point is the second of its chain)
+    f.assert_incremental(&f1, 2, 2_048);
+
+    // A rollback in place within the fork, and its memory again.
+    f.send("dirty 0 1000000");
+    f.rollback(&f1);
+    assert_eq!(f.send("tick").checksum, at_sp.checksum);
+}
+
+#[test]
+fn a_rollback_that_restores_lazily_is_exact_and_the_next_snapshot_incremental() {
+    require_stack!();
+    let mut sb = Sandbox::start(
+        "lzrb",
+        64,
+        &["--annotation", LAZY, "--annotation", "io.planarian.checkpoint.rollback_in_place=false"],
+    );
+    sb.snapshot("base");
+    sb.send("dirty 4096 655360");
+    let at_sp = sb.send("tick");
+    let sp = sb.snapshot("target");
+    sb.send("dirty 0 4000000");
+    sb.rollback(&sp);
+    assert_eq!(sb.send("tick").checksum, at_sp.checksum);
+    sb.send("dirty 8388608 65536");
+    let next = sb.snapshot("after");
+    assert!(field(&server_log(&sb.name), "lazy_pages") > 15_000, "{}", server_log(&sb.name));
+    sb.assert_incremental(&next, 2, 2_048);
+}
+
+#[test]
+fn a_page_server_killed_with_pages_to_serve_stops_the_container_and_the_next_snapshot_says_why() {
+    require_stack!();
+    let mut src = Sandbox::start("lzkill", 64, &["--annotation", LAZY]);
+    src.send("tick");
+    let sp = src.snapshot("fork-point");
+    let _armed = Armed::new("kill:lazy.serving");
+    let new = name("lzk");
+    let _c = Cleanup(new.clone());
+    // (the fork itself may end before or after its server is killed: what it says is not asked)
+    let r = fork(&src, &sp, &new);
+    assert!(!Path::new(FAULT).exists(), "the fault never fired: {r:?}");
+    assert!(
+        wait_for(std::time::Duration::from_secs(120), || status(&new) != "running"),
+        "the container whose pages were lost still runs: {}\n{}",
+        std::fs::read_to_string(store_of(&new).join("lazy-pages.json")).unwrap_or_default(),
+        cmd("ps", ["-eo", "pid,ppid,stat,wchan:32,args"]).stdout
+    );
+    let marker: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(store_of(&new).join("lazy-pages.json")).unwrap()).unwrap();
+    assert!(marker["failed"].as_str().unwrap_or("").contains("killed"), "{marker}");
+    let s = cmd(planarian_bin().to_str().unwrap(), ["snapshot", &new, "--name", "after"]);
+    assert_ne!(s.code, Some(0));
+    assert!(s.stderr.contains("memory") && s.stderr.contains("lost"), "{s:?}");
+    // The source is untouched.
+    assert_eq!(src.send("tick").counter, 2);
+}
