@@ -33,6 +33,10 @@ use sys::proc::{Proc, PAGE_SIZE};
 
 /// The file in a container's store while its memory is being served or settled ([`Pending`]).
 pub const MARKER: &str = "lazy-pages.json";
+/// Present while settling holds the container frozen; names its cgroup. Its own, not the
+/// snapshot's: an operation that recovers what a killed planarian left frozen must not thaw a
+/// settling under way (it waits for it instead).
+const FROZEN: &str = "lazy-pages-frozen";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -107,6 +111,11 @@ impl Pending {
         if Pending::alive(self.init, self.init_start) {
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.init), nix::sys::signal::Signal::SIGKILL);
         }
+        // (a settling that died frozen: the cgroup thawed, for Podman to clean up)
+        if let Ok(dir) = std::fs::read_to_string(store.dir.join(FROZEN)) {
+            let _ = Freezer::at(PathBuf::from(dir.trim())).thaw();
+            let _ = std::fs::remove_file(store.dir.join(FROZEN));
+        }
         if self.current(store) {
             self.failed = Some(why.clone());
             let _ = self.write(store);
@@ -127,6 +136,11 @@ pub fn settled(store: &ContainerStore) -> Result<(), Error> {
     loop {
         let Some(p) = Pending::read(store) else { return Ok(()) };
         if let Some(why) = &p.failed {
+            // (the container lost its memory and was stopped; running again, it started anew)
+            if !Pending::alive(p.init, p.init_start) {
+                let _ = std::fs::remove_file(store.dir.join(MARKER));
+                return Ok(());
+            }
             return Err(Error::Lost(why.clone()));
         }
         if !Pending::alive(p.server, p.server_start) {
@@ -189,11 +203,16 @@ impl Worker {
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null());
         // SAFETY: setsid(2) and fcntl(2) only, async-signal-safe, between fork and exec: the server
-        // is a session of its own (a signal to the verb's group does not reach it), and keeps its
-        // two pipe ends, and only those, across exec.
+        // is a session of its own (a signal to the verb's group does not reach it; its process
+        // group, its serving child included, is killed as one), and keeps its two pipe ends, and
+        // nothing else, across exec.
         unsafe {
             cmd.pre_exec(move || {
                 nix::unistd::setsid().map_err(std::io::Error::from)?;
+                for other in (3..1024).filter(|fd| !keep.contains(fd)) {
+                    let f = std::os::fd::BorrowedFd::borrow_raw(other);
+                    let _ = nix::fcntl::fcntl(f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC));
+                }
                 for fd in keep {
                     let f = std::os::fd::BorrowedFd::borrow_raw(fd);
                     nix::fcntl::fcntl(f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()))
@@ -230,8 +249,13 @@ impl Worker {
             failed: None,
         };
         p.write(&self.store)?;
-        let go = self.go.take().expect("told once");
-        nix::unistd::write(&go, format!("{init}\n").as_bytes()).map_err(|e| Error::Start(format!("pipe: {e}")))?;
+        let told = nix::unistd::write(self.go.as_ref().expect("told once"), format!("{init}\n").as_bytes());
+        if let Err(e) = told {
+            // (the server is killed as this is dropped: no marker names it)
+            let _ = std::fs::remove_file(self.store.dir.join(MARKER));
+            return Err(Error::Start(format!("pipe: {e}")));
+        }
+        self.go = None;
         // (dropped without a wait: its own session, reparented when this verb ends and reaped by
         // whoever adopts it)
         Ok(())
@@ -241,7 +265,11 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         if self.go.is_some() {
-            let _ = self.child.kill();
+            // (the group: its serving child too, which may wait in accept for a restore that failed)
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(self.child.id() as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
             let _ = self.child.wait();
         }
     }
@@ -314,7 +342,8 @@ fn serve_and_settle(
     work: &Path,
 ) -> Result<(), Error> {
     let store = store.clone();
-    let served = server::Server::new(view).run(work, Some(ready));
+    let mut server = server::Server::new(view);
+    let served = server.run(work, Some(ready));
     let log = work.join("lazy-pages.log");
     if let Err(e) = &served {
         let _ = std::fs::write(&log, format!("{e}\n"));
@@ -323,6 +352,7 @@ fn serve_and_settle(
     let init: i32 = read_line(go).trim().parse().map_err(|_| Error::Serve("the restore did not end".into()))?;
     let Some(p) = Pending::read(&store).filter(|p| p.init == init) else { return Ok(()) };
     match served {
+        // (the killing first: the userfaultfds, closed with the server, would give zeros)
         Err(e) => Err(p.fail(&store, e.to_string())),
         Ok(s) => {
             let settled = settle(&store, p.init, images);
@@ -356,8 +386,7 @@ pub struct Settled {
 /// documentation).
 pub fn settle(store: &ContainerStore, init: i32, images: &Path) -> Result<Settled, Error> {
     let freezer = Freezer::of_pid(init)?;
-    // (the store's freeze marker: a settling killed while frozen is thawed by the next operation)
-    let store_marker = store.dir.join(crate::local::freezer::MARKER);
+    let store_marker = store.dir.join(FROZEN);
     let dumped: std::collections::HashMap<u32, ()> =
         criu_hooks::images::pstree(images)?.iter().map(|p| (p.pid, ())).collect();
     let procs: Vec<(i32, u32)> = crate::local::inplace::cgroup_pids(freezer.dir())
@@ -395,15 +424,15 @@ fn virtual_pid(pid: i32) -> Option<u32> {
     Proc::of(pid).status().ok()?.number("NSpid").and_then(|v| u32::try_from(v).ok())
 }
 
-/// The present soft-dirty pages of process `pid`.
+/// The soft-dirty pages of process `pid` (present or swapped out).
 fn soft_dirty(pid: i32) -> Result<Vec<u64>, Error> {
-    use sys::proc::pagemap::{scan, PRESENT, SOFT_DIRTY};
+    use sys::proc::pagemap::{scan, PRESENT, SOFT_DIRTY, SWAPPED};
     let proc = Proc::of(pid);
     let pagemap = proc.open("pagemap")?;
     let mut out = Vec::new();
     for m in proc.maps()?.iter().filter(|m| m.path != "[vsyscall]") {
         let _ = scan(&pagemap, m.start, m.end, |a, e| {
-            if e & SOFT_DIRTY != 0 && e & PRESENT != 0 {
+            if e & SOFT_DIRTY != 0 && e & (PRESENT | SWAPPED) != 0 {
                 out.push(a);
             }
             std::ops::ControlFlow::Continue(())
@@ -429,9 +458,15 @@ fn differing(pid: i32, runs: &[criu_hooks::images::PageRun], pages: &[u64]) -> R
             n += 1;
         }
         let len = n * PAGE_SIZE as usize;
-        if mem.read_exact_at(&mut now[..len], pages[i]).is_err() {
-            // (unmapped meanwhile: nothing there to mark)
-            i += n;
+        if n > 1 && mem.read_exact_at(&mut now[..len], pages[i]).is_err() {
+            // (part of it unmapped meanwhile: page by page)
+            n = 1;
+        }
+        let len = n * PAGE_SIZE as usize;
+        if n == 1 && mem.read_exact_at(&mut now[..len], pages[i]).is_err() {
+            // (unreadable: marked if it is still there)
+            out.push(pages[i]);
+            i += 1;
             continue;
         }
         for (k, chunk) in now[..len].chunks_exact(PAGE_SIZE as usize).enumerate() {
@@ -458,11 +493,12 @@ fn differing(pid: i32, runs: &[criu_hooks::images::PageRun], pages: &[u64]) -> R
     Ok(out)
 }
 
-/// Marks `pages` of the frozen process `pid` soft-dirty where they are present and not already:
+/// Marks `pages` of the frozen process `pid` soft-dirty where they are there (present or swapped
+/// out) and not already:
 /// one byte read and written back as it was. How many were marked.
 fn mark(pid: i32, pages: &[u64]) -> Result<u64, Error> {
     use std::os::unix::fs::FileExt;
-    use sys::proc::pagemap::{PRESENT, SOFT_DIRTY};
+    use sys::proc::pagemap::{PRESENT, SOFT_DIRTY, SWAPPED};
     let proc = Proc::of(pid);
     let pagemap = proc.open("pagemap")?;
     let mem = proc.open_mem_rw()?;
@@ -473,7 +509,7 @@ fn mark(pid: i32, pages: &[u64]) -> Result<u64, Error> {
             .read_exact_at(&mut e, a / PAGE_SIZE * 8)
             .map_err(|err| Error::io("read", &proc.path("pagemap"), err))?;
         let e = u64::from_le_bytes(e);
-        if e & PRESENT == 0 || e & SOFT_DIRTY != 0 {
+        if e & (PRESENT | SWAPPED) == 0 || e & SOFT_DIRTY != 0 {
             continue;
         }
         let mut b = [0u8; 1];

@@ -121,10 +121,19 @@ struct Contents {
 /// One restored process (or a child it forked since) and its userfaultfd.
 struct Task {
     pid: i32,
-    uffd: OwnedFd,
+    /// Closed once the process is gone (a workload that forks much would run out of descriptors).
+    uffd: Option<OwnedFd>,
     pending: Pending,
     contents: Rc<Contents>,
     gone: bool,
+}
+
+impl Task {
+    /// The process is gone: nothing more to serve it, and its userfaultfd closed.
+    fn end(&mut self) {
+        self.gone = true;
+        self.uffd = None;
+    }
 }
 
 /// The server: the view it serves from (its page maps say which pages are lazy), the dump the
@@ -138,6 +147,8 @@ pub struct Server {
     next: usize,
     /// The tests' hold on the background transfer: while this file exists, only faults are served.
     held: Option<PathBuf>,
+    /// The restore said it finished: every mapping is in place and registered.
+    finished: bool,
 }
 
 impl Server {
@@ -150,12 +161,15 @@ impl Server {
             buf: vec![0u8; (BACKGROUND_CHUNK * PAGE_SIZE) as usize],
             next: 0,
             held: None,
+            finished: false,
         }
     }
 
     /// Listens at the work directory's socket, says so on `ready` (one byte), takes the
     /// restore's connection and serves until every page is in.
-    pub fn run(mut self, work: &Path, ready: Option<OwnedFd>) -> Result<Served, Error> {
+    /// (`&mut`: the processes' userfaultfds stay open, and a fault waits, until the caller has
+    /// killed the container when serving failed; closed, a missing page would read as zeros.)
+    pub fn run(&mut self, work: &Path, ready: Option<OwnedFd>) -> Result<Served, Error> {
         let path = work.join(SOCKET);
         // (by its name in the work directory, as CRIU connects: the whole path may be longer than
         // a socket address holds)
@@ -172,17 +186,21 @@ impl Server {
     }
 
     fn serve(&mut self, mut conn: UnixStream) -> Result<Served, Error> {
-        let mut finished = false;
         let mut open = true;
         loop {
-            let background = self.tasks.iter().any(|t| !t.gone && !t.pending.0.is_empty());
-            if finished && !background {
+            let finished = self.finished;
+            // (the background transfer waits for the restore's end: until CRIU's restorer has put
+            // each mapping where it belongs and registered it, a copy there fails)
+            let background = finished && self.tasks.iter().any(|t| !t.gone && !t.pending.0.is_empty());
+            if finished && !self.tasks.iter().any(|t| !t.gone && !t.pending.0.is_empty()) {
                 break;
             }
             let held = self.held.as_ref().is_some_and(|p| p.exists());
             let live: Vec<usize> = (0..self.tasks.len()).filter(|&i| !self.tasks[i].gone).collect();
-            let mut fds: Vec<PollFd> =
-                live.iter().map(|&i| PollFd::new(self.tasks[i].uffd.as_fd(), PollFlags::POLLIN)).collect();
+            let mut fds: Vec<PollFd> = live
+                .iter()
+                .filter_map(|&i| Some(PollFd::new(self.tasks[i].uffd.as_ref()?.as_fd(), PollFlags::POLLIN)))
+                .collect();
             if open {
                 fds.push(PollFd::new(conn.as_fd(), PollFlags::POLLIN));
             }
@@ -202,7 +220,7 @@ impl Server {
                 match self.restore_message(&mut conn)? {
                     Message::Task => {}
                     Message::Finished => {
-                        finished = true;
+                        self.finished = true;
                         // (the tests' fault points: a server that dies with pages still to serve, and
                         // one that serves only faults for a while)
                         crate::fault::point("lazy.serving").map_err(|e| Error::Serve(e.to_string()))?;
@@ -245,7 +263,7 @@ impl Server {
         let runs = images::memory(&self.view, pid as u32)?;
         self.served.processes += 1;
         self.served.lazy_pages += pending.pages();
-        self.tasks.push(Task { pid, uffd, pending, contents: Rc::new(Contents { runs }), gone: false });
+        self.tasks.push(Task { pid, uffd: Some(uffd), pending, contents: Rc::new(Contents { runs }), gone: false });
         Ok(Message::Task)
     }
 
@@ -253,7 +271,8 @@ impl Server {
     fn events(&mut self, i: usize) -> Result<(), Error> {
         let mut msg = [0u8; 32];
         loop {
-            let n = match nix::unistd::read(&self.tasks[i].uffd, &mut msg) {
+            let Some(uffd) = &self.tasks[i].uffd else { return Ok(()) };
+            let n = match nix::unistd::read(uffd, &mut msg) {
                 Ok(n) => n,
                 Err(nix::errno::Errno::EAGAIN) => return Ok(()),
                 Err(nix::errno::Errno::EINTR) => continue,
@@ -262,7 +281,7 @@ impl Server {
                 }
             };
             if n == 0 {
-                self.tasks[i].gone = true;
+                self.tasks[i].end();
                 return Ok(());
             }
             let word = |at: usize| u64::from_ne_bytes(msg[at..at + 8].try_into().expect("8 bytes"));
@@ -275,7 +294,7 @@ impl Server {
                     let parent = &self.tasks[i];
                     let child = Task {
                         pid: parent.pid,
-                        uffd: ufd,
+                        uffd: Some(ufd),
                         pending: parent.pending.clone(),
                         contents: parent.contents.clone(),
                         gone: false,
@@ -309,12 +328,12 @@ impl Server {
                 }
             }
             None => {
-                let fd = self.tasks[i].uffd.as_raw_fd();
+                let Some(fd) = self.tasks[i].uffd.as_ref().map(|f| f.as_raw_fd()) else { return Ok(()) };
                 let mut z = UffdioZeropage { range: UffdioRange { start: page, len: PAGE_SIZE }, mode: 0, zeropage: 0 };
                 // SAFETY: a userfaultfd and a struct of the kernel's layout.
                 match unsafe { uffdio_zeropage(fd, &mut z) } {
                     Ok(_) => self.served.zero_pages += 1,
-                    Err(nix::errno::Errno::ESRCH | nix::errno::Errno::ENOSPC) => self.tasks[i].gone = true,
+                    Err(nix::errno::Errno::ESRCH | nix::errno::Errno::ENOSPC) => self.tasks[i].end(),
                     // (there already, or the mapping changed: let the thread fault again)
                     Err(_) => wake(fd, page, PAGE_SIZE),
                 }
@@ -349,17 +368,35 @@ impl Server {
         let len = (end - start) as usize;
         let contents = self.tasks[i].contents.clone();
         self.read(&contents, img, len)?;
-        let fd = self.tasks[i].uffd.as_raw_fd();
+        let Some(fd) = self.tasks[i].uffd.as_ref().map(|f| f.as_raw_fd()) else { return Ok(0) };
         let mut c = UffdioCopy { dst: start, src: self.buf.as_ptr() as u64, len: len as u64, mode: 0, copy: 0 };
         // SAFETY: a userfaultfd, a struct of the kernel's layout, and `len` bytes of our buffer.
         match unsafe { uffdio_copy(fd, &mut c) } {
             Ok(_) => Ok(len as u64 / PAGE_SIZE),
             Err(nix::errno::Errno::ESRCH | nix::errno::Errno::ENOSPC) => {
-                self.tasks[i].gone = true;
+                self.tasks[i].end();
                 Ok(0)
             }
-            // The mapping is gone or changed under us (its unmap event follows): nothing to do.
-            Err(nix::errno::Errno::ENOENT) => Ok(0),
+            // The kernel copies within one mapping: a run across two (their boundary moved since
+            // the dump) goes page by page.
+            Err(nix::errno::Errno::ENOENT) if end - start > PAGE_SIZE => {
+                let mut n = 0;
+                for k in 0..(end - start) / PAGE_SIZE {
+                    let at = k * PAGE_SIZE;
+                    n += self.install(i, (start + at, start + at + PAGE_SIZE, img + at))?;
+                }
+                Ok(n)
+            }
+            // Before the restore finished: the mapping is not in place yet, the page goes back.
+            // After: the page's mapping is gone or changed under us (its unmap event follows); a
+            // thread that faulted there is woken to fault again.
+            Err(nix::errno::Errno::ENOENT) => {
+                match self.finished {
+                    false => self.tasks[i].pending.insert(start, end, img),
+                    true => wake(fd, start, end - start),
+                }
+                Ok(0)
+            }
             Err(e @ (nix::errno::Errno::EEXIST | nix::errno::Errno::EAGAIN)) => {
                 let done = c.copy.max(0) as u64 / PAGE_SIZE * PAGE_SIZE;
                 // A page there already (the process wrote it since) is woken and skipped; one the
@@ -435,12 +472,22 @@ fn receive_fd(conn: &UnixStream) -> Result<OwnedFd, Error> {
     Err(Error::Serve("the restore sent a process without its userfaultfd".into()))
 }
 
-/// The pages of process `pid` its view's page map leaves lazy.
+/// The pages of process `pid` its view's page map leaves lazy, cut where its mappings begin and
+/// end (the kernel installs a run within one mapping only).
 fn lazy_of(view: &Path, pid: u32) -> Result<Pending, Error> {
     let (_, entries) = images::pagemap(view, pid)?;
+    let bounds: Vec<u64> = images::mm(view, pid)?.vmas.iter().flat_map(|v| [v.start, v.end]).collect();
     let mut p = Pending::default();
     for e in entries.iter().filter(|e| e.flags & images::PE_LAZY != 0) {
-        p.insert(e.vaddr, e.vaddr + e.nr_pages * PAGE_SIZE, e.vaddr);
+        let (lo, hi) = (e.vaddr, e.vaddr + e.nr_pages * PAGE_SIZE);
+        let mut cuts: Vec<u64> = bounds.iter().copied().filter(|b| lo < *b && *b < hi).collect();
+        cuts.sort_unstable();
+        cuts.dedup();
+        let mut at = lo;
+        for c in cuts.into_iter().chain([hi]) {
+            p.0.insert(at, (c, at));
+            at = c;
+        }
     }
     Ok(p)
 }
