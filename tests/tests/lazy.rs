@@ -165,3 +165,85 @@ fn a_page_server_killed_with_pages_to_serve_stops_the_container_and_the_next_sna
     // The source is untouched.
     assert_eq!(src.send("tick").counter, 2);
 }
+
+/// 256 private mappings side by side (every other one read-only), 16 MiB of seeded random data:
+/// the server installs runs within one mapping at a time. `ask` makes it publish the checksum of
+/// the whole area (`SEQ SUM` in /tmp/sum); `dirty` rewrites one writable mapping.
+const MAPPINGS: &str = r#"
+import ctypes, hashlib, mmap, os, random, time
+libc = ctypes.CDLL(None, use_errno=True)
+n, size = 256, 16 * 4096
+m = mmap.mmap(-1, n * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+m.write(random.Random(5).randbytes(n * size))
+at = ctypes.addressof(ctypes.c_char.from_buffer(m))
+for k in range(0, n, 2):
+    assert libc.mprotect(ctypes.c_void_p(at + k * size), ctypes.c_size_t(size), 1) == 0
+def publish(seq):
+    with open("/tmp/.sum", "w") as f:
+        f.write("%s %s\n" % (seq, hashlib.sha256(m[:]).hexdigest()))
+    os.rename("/tmp/.sum", "/tmp/sum")
+publish("start")
+while True:
+    for cmd in ("ask", "dirty"):
+        try:
+            seq = open("/tmp/" + cmd).read().strip()
+        except FileNotFoundError:
+            continue
+        os.remove("/tmp/" + cmd)
+        if cmd == "dirty":
+            m[size:2 * size] = os.urandom(size)
+        publish(seq)
+    time.sleep(0.1)
+"#;
+
+/// Sends `cmd` (ask or dirty) as `seq` to the mappings workload in `name` and returns the sum it
+/// publishes for it.
+fn sum_of(name: &str, cmd: &str, seq: u32) -> String {
+    podman("planarian", &["exec", name, "sh", "-c", &format!("echo {seq} > /tmp/.{cmd} && mv /tmp/.{cmd} /tmp/{cmd}")])
+        .ok();
+    let mut last = String::new();
+    assert!(
+        wait_for(std::time::Duration::from_secs(120), || {
+            last = podman("planarian", &["exec", name, "cat", "/tmp/sum"]).stdout;
+            last.split_whitespace().next() == Some(&seq.to_string())
+        }),
+        "{name} did not answer {cmd} {seq}: {last:?}"
+    );
+    last.split_whitespace().nth(1).unwrap().to_string()
+}
+
+#[test]
+fn a_lazy_fork_of_many_mappings_side_by_side_is_exact() {
+    require_stack!();
+    let src = name("lzmaps");
+    let _c = Cleanup(src.clone());
+    podman(
+        "planarian",
+        &["run", "-d", "--name", &src, "--network", "none", "--annotation", LAZY, DEBIAN, "python3", "-c", MAPPINGS],
+    )
+    .ok();
+    assert!(
+        wait_for(std::time::Duration::from_secs(120), || podman(
+            "planarian",
+            &["exec", &src, "test", "-e", "/tmp/sum"]
+        )
+        .code
+            == Some(0)),
+        "the workload did not start"
+    );
+    planarian(&["snapshot", &src, "--name", "base"]).ok();
+    let want = sum_of(&src, "dirty", 1);
+    let sp = planarian(&["snapshot", &src, "--name", "fork-point"]).ok().out();
+    let f = name("lzmapsf");
+    let _cf = Cleanup(f.clone());
+    fork_named(&src, &sp, &f);
+    assert_eq!(sum_of(&f, "ask", 2), want, "the fork's mappings are the statepoint's");
+    // (a snapshot waits for every page and the settling: then the server has said what it did)
+    planarian(&["snapshot", &f]).ok();
+    let log = server_log(&f);
+    assert!(field(&log, "lazy_pages") >= 4_096, "the mappings were the server's to install: {log}");
+}
+
+fn fork_named(src: &str, sp: &str, new: &str) {
+    cmd(planarian_bin().to_str().unwrap(), ["fork", src, sp, "--name", new]).ok();
+}
