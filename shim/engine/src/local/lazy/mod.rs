@@ -158,11 +158,15 @@ pub fn settled(store: &ContainerStore) -> Result<(), Error> {
     }
 }
 
-/// Blocks until process `pid` has exited (a pidfd's poll; a process not there has).
+/// Blocks until process `pid` has exited (a pidfd's poll; a process not there has). Without
+/// pidfds (kernels before 5.3), a short wait, the caller looking again.
 fn wait_for_exit(pid: i32) {
     // SAFETY: pidfd_open(2) takes a PID and flags and returns a new descriptor or -1.
     let fd = unsafe { nix::libc::syscall(nix::libc::SYS_pidfd_open, pid, 0) };
     if fd < 0 {
+        if nix::errno::Errno::last() == nix::errno::Errno::ENOSYS {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
         return;
     }
     // SAFETY: a descriptor pidfd_open just returned, owned here alone.
