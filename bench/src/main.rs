@@ -856,7 +856,9 @@ impl ForkSource {
     /// statepoint forked then taken (an incremental one, as an agent's usually is).
     fn start(name: &str, mem: u32, files: u32, lazy: bool, made: &mut Vec<String>) -> Result<ForkSource, String> {
         made.push(name.to_string());
-        let extra: &[&str] = if lazy { &["--annotation", "io.planarian.checkpoint.lazy_pages=true"] } else { &[] };
+        let on =
+            if lazy { "io.planarian.checkpoint.lazy_pages=true" } else { "io.planarian.checkpoint.lazy_pages=false" };
+        let extra: &[&str] = &["--annotation", on];
         start_script_with("planarian", name, WORKLOAD, mem, files, extra)?;
         run_quiet(PLANARIAN, &["snapshot", name])?;
         dirty(name)?;

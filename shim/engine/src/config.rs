@@ -201,7 +201,7 @@ impl Default for CheckpointConfig {
             network_lock: NetworkLock::Auto,
             rollback_in_place: true,
             skip_unchanged: true,
-            lazy_pages: false,
+            lazy_pages: true,
             in_flight_wait_seconds: 120,
         }
     }
