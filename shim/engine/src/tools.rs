@@ -43,14 +43,26 @@ fn is_executable(p: &Path) -> bool {
 /// signal to Podman's process group reaches it), and none of the descriptors conmon handed this
 /// call (sync and start pipes, the console socket) — Podman waits for those to close.
 pub fn detach(cmd: &mut std::process::Command) {
+    detach_keeping(cmd, &[]);
+}
+
+/// [`detach`], the descriptors `keep` (this process's numbers) passed on across exec, and only
+/// those.
+pub fn detach_keeping(cmd: &mut std::process::Command, keep: &[std::os::fd::RawFd]) {
     use std::os::unix::process::CommandExt;
+    let keep = keep.to_vec();
     // SAFETY: setsid(2) and fcntl(2) only, both async-signal-safe, between fork and exec.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             nix::unistd::setsid().map_err(std::io::Error::from)?;
             for fd in 3..1024 {
-                let fd = std::os::fd::BorrowedFd::borrow_raw(fd);
-                let _ = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC));
+                let flag =
+                    if keep.contains(&fd) { nix::fcntl::FdFlag::empty() } else { nix::fcntl::FdFlag::FD_CLOEXEC };
+                let set =
+                    nix::fcntl::fcntl(std::os::fd::BorrowedFd::borrow_raw(fd), nix::fcntl::FcntlArg::F_SETFD(flag));
+                if keep.contains(&fd) {
+                    set.map_err(std::io::Error::from)?;
+                }
             }
             Ok(())
         });

@@ -185,29 +185,13 @@ pub fn wait(store: &ContainerStore, sp: &str) -> Result<AsyncOutcome> {
 }
 
 pub(super) fn spawn_worker(worker: &std::path::Path, verb: &str, lock: &File, spec: &str) -> Result<()> {
-    use std::os::unix::process::CommandExt;
     let fd = lock.as_raw_fd();
     let mut cmd = std::process::Command::new(worker);
     cmd.arg(verb).arg(fd.to_string()).arg(spec);
     cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
-    // SAFETY: setsid(2) and fcntl(2) only, async-signal-safe, between fork and exec: the worker
-    // is a session of its own (no signal to the caller's group reaches it) and keeps the locked
-    // fd, and only it, across exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::unistd::setsid().map_err(std::io::Error::from)?;
-            for other in 3..1024 {
-                if other != fd {
-                    let f = std::os::fd::BorrowedFd::borrow_raw(other);
-                    let _ = nix::fcntl::fcntl(f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC));
-                }
-            }
-            let f = std::os::fd::BorrowedFd::borrow_raw(fd);
-            nix::fcntl::fcntl(f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()))
-                .map_err(std::io::Error::from)?;
-            Ok(())
-        });
-    }
+    // The worker is a session of its own (no signal to the caller's group reaches it) and keeps
+    // the locked fd, and only it, across exec.
+    crate::tools::detach_keeping(&mut cmd, &[fd]);
     cmd.spawn().map_err(|source| Error::Worker(format!("cannot start {verb} ({}): {source}", worker.display())))?;
     Ok(())
 }

@@ -188,7 +188,6 @@ impl Worker {
     /// Starts `exe __lazy-pages` serving `view` for the restore working in `work`, and waits
     /// until it listens.
     pub fn start(exe: &Path, store: &ContainerStore, images: &Path, view: &Path, work: &Path) -> Result<Worker, Error> {
-        use std::os::unix::process::CommandExt;
         // (close-on-exec: what this verb starts next — CRIU, a sidecar — must not hold them, or the
         // server would wait for their end; the server's own two are opened for it across exec)
         let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| Error::Start(format!("pipe: {e}")));
@@ -206,38 +205,19 @@ impl Worker {
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null());
-        // SAFETY: setsid(2) and fcntl(2) only, async-signal-safe, between fork and exec: the server
-        // is a session of its own (a signal to the verb's group does not reach it; its process
-        // group, its serving child included, is killed as one), and keeps its two pipe ends, and
-        // nothing else, across exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                nix::unistd::setsid().map_err(std::io::Error::from)?;
-                for other in (3..1024).filter(|fd| !keep.contains(fd)) {
-                    let f = std::os::fd::BorrowedFd::borrow_raw(other);
-                    let _ = nix::fcntl::fcntl(f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC));
-                }
-                for fd in keep {
-                    let f = std::os::fd::BorrowedFd::borrow_raw(fd);
-                    nix::fcntl::fcntl(f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()))
-                        .map_err(std::io::Error::from)?;
-                }
-                Ok(())
-            });
-        }
+        // The server is a session of its own (a signal to the verb's group does not reach it; its
+        // process group, its serving child included, is killed as one), and keeps its two pipe
+        // ends, and nothing else, across exec.
+        crate::tools::detach_keeping(&mut cmd, &keep);
         let child = cmd.spawn().map_err(|e| Error::Start(format!("{}: {e}", exe.display())))?;
         drop(ready_w);
         drop(go_r);
-        let mut w = Worker { child, go: Some(go_w), store: store.clone(), images: images.to_path_buf() };
+        // (dropped unready, it is killed)
+        let w = Worker { child, go: Some(go_w), store: store.clone(), images: images.to_path_buf() };
         let mut b = [0u8; 1];
         match nix::unistd::read(&ready_r, &mut b) {
             Ok(1) => Ok(w),
-            _ => {
-                let _ = w.child.kill();
-                let _ = w.child.wait();
-                w.go = None;
-                Err(Error::Start(format!("it did not listen (see {})", work.join("lazy-pages.log").display())))
-            }
+            _ => Err(Error::Start(format!("it did not listen (see {})", work.join("lazy-pages.log").display()))),
         }
     }
 
@@ -452,7 +432,7 @@ fn differing(pid: i32, runs: &[criu_hooks::images::PageRun], pages: &[u64]) -> R
     use std::os::unix::fs::FileExt;
     const MAX: usize = 64;
     let mem = Proc::of(pid).open("mem")?;
-    let mut files: std::collections::HashMap<PathBuf, std::fs::File> = std::collections::HashMap::new();
+    let mut files = server::DumpFiles::default();
     let (mut now, mut then) = (vec![0u8; MAX * PAGE_SIZE as usize], vec![0u8; PAGE_SIZE as usize]);
     let mut out = Vec::new();
     let mut i = 0;
@@ -475,20 +455,8 @@ fn differing(pid: i32, runs: &[criu_hooks::images::PageRun], pages: &[u64]) -> R
         }
         for (k, chunk) in now[..len].chunks_exact(PAGE_SIZE as usize).enumerate() {
             let a = pages[i + k];
-            let at = runs.partition_point(|r| r.end() <= a);
-            let Some(r) = runs.get(at).filter(|r| r.vaddr <= a) else {
-                out.push(a);
-                continue;
-            };
-            let f = match files.get(&r.file) {
-                Some(f) => f,
-                None => {
-                    let f = std::fs::File::open(&r.file).map_err(|e| Error::io("open", &r.file, e))?;
-                    files.entry(r.file.clone()).or_insert(f)
-                }
-            };
-            f.read_exact_at(&mut then, r.loc.offset + (a - r.vaddr)).map_err(|e| Error::io("read", &r.file, e))?;
-            if chunk != then.as_slice() {
+            // (a page the dump does not hold differs)
+            if !files.read(runs, a, &mut then)? || chunk != then.as_slice() {
                 out.push(a);
             }
         }

@@ -118,6 +118,35 @@ struct Contents {
     runs: Vec<PageRun>,
 }
 
+/// The image files a dump's pages are read from, each opened once.
+#[derive(Default)]
+pub(super) struct DumpFiles(HashMap<PathBuf, std::fs::File>);
+
+impl DumpFiles {
+    /// Reads into `buf` the dump's content from address `addr` on, by `runs` (a process's, from
+    /// [`images::memory`]); false when part of it is in no image (then `buf` is not all read).
+    pub(super) fn read(&mut self, runs: &[PageRun], addr: u64, buf: &mut [u8]) -> Result<bool, Error> {
+        let mut done = 0usize;
+        while done < buf.len() {
+            let a = addr + done as u64;
+            let at = runs.partition_point(|r| r.end() <= a);
+            let Some(r) = runs.get(at).filter(|r| r.vaddr <= a) else { return Ok(false) };
+            let n = ((r.end() - a) as usize).min(buf.len() - done);
+            let f = match self.0.get(&r.file) {
+                Some(f) => f,
+                None => {
+                    let f = std::fs::File::open(&r.file).map_err(|e| Error::io("open", &r.file, e))?;
+                    self.0.entry(r.file.clone()).or_insert(f)
+                }
+            };
+            f.read_exact_at(&mut buf[done..done + n], r.loc.offset + (a - r.vaddr))
+                .map_err(|e| Error::io("read", &r.file, e))?;
+            done += n;
+        }
+        Ok(true)
+    }
+}
+
 /// One restored process (or a child it forked since) and its userfaultfd.
 struct Task {
     pid: i32,
@@ -140,7 +169,7 @@ impl Task {
 /// contents are read through, and the files those are in.
 pub struct Server {
     view: PathBuf,
-    files: HashMap<PathBuf, std::fs::File>,
+    files: DumpFiles,
     tasks: Vec<Task>,
     served: Served,
     buf: Vec<u8>,
@@ -155,7 +184,7 @@ impl Server {
     pub fn new(view: &Path) -> Server {
         Server {
             view: view.to_path_buf(),
-            files: HashMap::new(),
+            files: DumpFiles::default(),
             tasks: Vec::new(),
             served: Served::default(),
             buf: vec![0u8; (BACKGROUND_CHUNK * PAGE_SIZE) as usize],
@@ -189,12 +218,13 @@ impl Server {
         let mut open = true;
         loop {
             let finished = self.finished;
-            // (the background transfer waits for the restore's end: until CRIU's restorer has put
-            // each mapping where it belongs and registered it, a copy there fails)
-            let background = finished && self.tasks.iter().any(|t| !t.gone && !t.pending.0.is_empty());
-            if finished && !self.tasks.iter().any(|t| !t.gone && !t.pending.0.is_empty()) {
+            let missing = self.tasks.iter().any(|t| !t.gone && !t.pending.0.is_empty());
+            if finished && !missing {
                 break;
             }
+            // (the background transfer waits for the restore's end: until CRIU's restorer has put
+            // each mapping where it belongs and registered it, a copy there fails)
+            let background = finished && missing;
             let held = self.held.as_ref().is_some_and(|p| p.exists());
             let live: Vec<usize> = (0..self.tasks.len()).filter(|&i| !self.tasks[i].gone).collect();
             let mut fds: Vec<PollFd> = live
@@ -417,27 +447,12 @@ impl Server {
 
     /// Reads `len` bytes of the dump's content from dump address `img` into the buffer.
     fn read(&mut self, contents: &Contents, img: u64, len: usize) -> Result<(), Error> {
-        let mut done = 0usize;
-        while done < len {
-            let a = img + done as u64;
-            let at = contents.runs.partition_point(|r| r.end() <= a);
-            let r =
-                contents.runs.get(at).filter(|r| r.vaddr <= a).ok_or_else(|| {
-                    Error::Serve(format!("page {a:#x} is lazy in the view and in no image of the chain"))
-                })?;
-            let n = ((r.end() - a) as usize).min(len - done);
-            let f = match self.files.get(&r.file) {
-                Some(f) => f,
-                None => {
-                    let f = std::fs::File::open(&r.file).map_err(|e| Error::io("open", &r.file, e))?;
-                    self.files.entry(r.file.clone()).or_insert(f)
-                }
-            };
-            f.read_exact_at(&mut self.buf[done..done + n], r.loc.offset + (a - r.vaddr))
-                .map_err(|e| Error::io("read", &r.file, e))?;
-            done += n;
+        match self.files.read(&contents.runs, img, &mut self.buf[..len])? {
+            true => Ok(()),
+            false => {
+                Err(Error::Serve(format!("pages from {img:#x} are lazy in the view and in no image of the chain")))
+            }
         }
-        Ok(())
     }
 }
 
