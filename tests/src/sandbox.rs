@@ -4,6 +4,9 @@ use crate::*;
 use std::process::Command;
 use std::time::Duration;
 
+/// Where planarian keeps a store for each container (by its ID).
+pub const STORES: &str = "/var/lib/planarian/containers";
+
 /// A sandbox process that holds `MiB` of seeded random memory and a counter, and acts on commands
 /// written to /tmp/cmd: `SEQ tick` (counter + 1), `SEQ dirty OFFSET LEN` (rewrites memory),
 /// `SEQ fork SEED [PID]` (a child forked without exec, with PID when given, whose first MiB is
@@ -129,10 +132,6 @@ impl Sandbox {
         assert!(c["prev-images-dir"].is_null() && c["full-reason"].as_str().unwrap_or("").contains(why), "{sp}: {c}");
     }
 
-    fn root(&self) -> Option<std::path::PathBuf> {
-        self.ctr.root()
-    }
-
     pub fn read(&self) -> Option<(u64, State)> {
         let text = self.ctr.read("tmp/state")?;
         let mut f = text.split_whitespace();
@@ -150,7 +149,8 @@ impl Sandbox {
     pub fn send(&mut self, cmd: &str) -> State {
         self.seq += 1000;
         let seq = self.seq;
-        let root = self.root().unwrap_or_else(|| panic!("{} is not running (or frozen): cannot send {cmd}", self.name));
+        let root =
+            self.ctr.root().unwrap_or_else(|| panic!("{} is not running (or frozen): cannot send {cmd}", self.name));
         std::fs::write(root.join("tmp/.cmd"), format!("{seq} {cmd}\n")).unwrap();
         std::fs::rename(root.join("tmp/.cmd"), root.join("tmp/cmd")).unwrap();
         let mut last = None;
@@ -234,8 +234,23 @@ impl Ctr {
         Some(sys::proc::Proc::of(self.pid()? as i32).root())
     }
 
-    /// The host PID of the container's first process, while it runs and is not frozen.
+    /// The host PID of the container's first process, while it runs and is not frozen. A restore
+    /// that serves memory on demand freezes the container for a moment once its pages are all in
+    /// (settling, after the runtime verb returned, under planarian's marker `lazy-pages-frozen`):
+    /// that freeze is waited out (two minutes at most), any other is not.
     pub fn pid(&self) -> Option<u32> {
+        let settling = |id: &str| std::path::Path::new(STORES).join(id).join("lazy-pages-frozen").exists();
+        let mut last = None;
+        wait_for(Duration::from_secs(120), || {
+            last = self.found();
+            !matches!(&last, Some((_, true, id)) if settling(id))
+        });
+        last.and_then(|(pid, frozen, _)| (!frozen).then_some(pid))
+    }
+
+    /// (the host PID of the container's first process, whether its cgroup is frozen, the
+    /// container's ID), while it runs.
+    fn found(&self) -> Option<(u32, bool, String)> {
         // (its cgroup, while PID is the container's first process: PID 1 in its namespace; a
         // restore gives that process another host PID, which another of its processes may reuse)
         let cgroup = |id: &str, pid: u32| {
@@ -257,10 +272,8 @@ impl Ctr {
             }
         };
         let events = std::fs::read_to_string(format!("/sys/fs/cgroup{path}/cgroup.events")).ok()?;
-        if events.lines().any(|l| l == "frozen 1") {
-            return None;
-        }
-        Some(pid)
+        let id = self.proc.borrow().as_ref().map(|(id, _)| id.clone())?;
+        Some((pid, events.lines().any(|l| l == "frozen 1"), id))
     }
 
     /// Runs a shell script in the container's namespaces (`nsenter` into those of its first
