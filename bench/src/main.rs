@@ -856,9 +856,10 @@ impl ForkSource {
     /// statepoint forked then taken (an incremental one, as an agent's usually is).
     fn start(name: &str, mem: u32, files: u32, lazy: bool, made: &mut Vec<String>) -> Result<ForkSource, String> {
         made.push(name.to_string());
+        // (lazy: on demand at every size, the threshold too, to measure both sides at each)
         let on =
             if lazy { "io.planarian.checkpoint.lazy_pages=true" } else { "io.planarian.checkpoint.lazy_pages=false" };
-        let extra: &[&str] = &["--annotation", on];
+        let extra: &[&str] = &["--annotation", on, "--annotation", "io.planarian.checkpoint.lazy_pages_min_mib=0"];
         start_script_with("planarian", name, WORKLOAD, mem, files, extra)?;
         run_quiet(PLANARIAN, &["snapshot", name])?;
         dirty(name)?;

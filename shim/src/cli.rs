@@ -107,7 +107,12 @@ pub fn exec_detached_pid_file(args: &[OsString]) -> Option<PathBuf> {
 
 /// The container ID of a `delete` invocation: its last operand.
 pub fn delete_container_id(args: &[OsString]) -> Option<&str> {
-    VerbArgs::scan("delete", args).operands.last()?.to_str()
+    last_operand("delete", args)
+}
+
+/// The last operand of verb `verb`'s arguments: the container ID of `delete`, `pause`, `resume`.
+pub fn last_operand<'a>(verb: &str, args: &'a [OsString]) -> Option<&'a str> {
+    VerbArgs::scan(verb, args).operands.last()?.to_str()
 }
 
 /// One invocation of the runtime.
@@ -715,6 +720,9 @@ mod tests {
         assert_eq!(create_args(&a), (PathBuf::from("/x"), Some("id2".into())));
         let a: Vec<OsString> = ["--force", "id3"].iter().map(OsString::from).collect();
         assert_eq!(delete_container_id(&a), Some("id3"));
+        // (Podman's pause and resume: the ID alone; containerd's shim the same)
+        assert_eq!(last_operand("pause", &os(&["id4"])), Some("id4"));
+        assert_eq!(last_operand("resume", &os(&["id5"])), Some("id5"));
     }
 
     fn os(v: &[&str]) -> Vec<OsString> {

@@ -100,6 +100,15 @@ fn passthrough(inv: &Invocation) -> Failure {
         }
         _ => {}
     }
+    // `pause` and `resume` wait while planarian holds the container frozen, and crun holds the
+    // lock it inherits until it exits.
+    let _freeze = match inv.verb().filter(|v| matches!(*v, "pause" | "resume")) {
+        Some(verb) => match cli::last_operand(verb, inv.verb_args()).map(|id| engine.freeze_lock(id)).transpose() {
+            Ok(l) => l.flatten(),
+            Err(e) => return e.into(),
+        },
+        None => None,
+    };
     let exec_id = inv.verb().filter(|v| *v == "exec").and_then(|_| cli::exec_container_id(inv.verb_args()));
     let lock = match exec_id.map(|id| engine.tool_call_lock(id)).transpose() {
         Ok(l) => l.flatten(),

@@ -11,6 +11,8 @@ use planarian_system_tests::*;
 use std::path::{Path, PathBuf};
 
 const LAZY: &str = "io.planarian.checkpoint.lazy_pages=true";
+/// On demand whatever the size (the tests' sandboxes are small).
+const ANY_SIZE: &str = "io.planarian.checkpoint.lazy_pages_min_mib=0";
 const FAULT: &str = "/run/planarian/fault";
 const PAUSED: &str = "/run/planarian/paused";
 
@@ -68,7 +70,7 @@ fn field(log: &str, key: &str) -> u64 {
 #[test]
 fn a_lazy_fork_of_an_incremental_statepoint_is_exact_and_snapshots_incrementally() {
     require_stack!();
-    let mut src = Sandbox::start("lzsrc", 64, &["--annotation", LAZY]);
+    let mut src = Sandbox::start("lzsrc", 64, &["--annotation", LAZY, "--annotation", ANY_SIZE]);
     src.snapshot("base");
     src.send("dirty 0 655360");
     let at_sp = src.send("tick");
@@ -118,19 +120,58 @@ fn a_lazy_fork_of_an_incremental_statepoint_is_exact_and_snapshots_incrementally
 }
 
 #[test]
-fn a_rollback_that_restores_lazily_is_exact_and_the_next_snapshot_incremental() {
+fn a_rollback_that_restores_lazily_is_exact_and_a_pause_while_it_settles_holds() {
     require_stack!();
     let mut sb = Sandbox::start(
         "lzrb",
         64,
-        &["--annotation", LAZY, "--annotation", "io.planarian.checkpoint.rollback_in_place=false"],
+        &[
+            "--annotation",
+            LAZY,
+            "--annotation",
+            ANY_SIZE,
+            "--annotation",
+            "io.planarian.checkpoint.rollback_in_place=false",
+        ],
     );
     sb.snapshot("base");
     sb.send("dirty 4096 655360");
     let at_sp = sb.send("tick");
     let sp = sb.snapshot("target");
     sb.send("dirty 0 4000000");
-    sb.rollback(&sp);
+
+    // Settling holds the restored container frozen for a moment, after the rollback returned: a
+    // `podman pause` that comes then waits for it, and is not undone by its thaw.
+    let armed = Armed::new("pause:lazy.settling");
+    cmd(planarian_bin().to_str().unwrap(), ["rollback", &sb.name, &sp]).ok();
+    assert!(wait_for(std::time::Duration::from_secs(300), || Path::new(PAUSED).exists()), "settling never froze");
+    // (looked up first: while Podman's pause waits, it holds the container's lock, and a
+    // `podman inspect` waits for it)
+    let lock = store_of(&sb.name).join("freeze.lock");
+    let name = sb.name.clone();
+    // (bounded: a pause that never gets the lock fails the test instead of hanging it)
+    let pause = std::thread::spawn(move || cmd("timeout", ["300", "podman", "--runtime", "planarian", "pause", &name]));
+    // (the runtime's `pause` waiting for the store's freeze lock)
+    assert!(
+        wait_for(std::time::Duration::from_secs(120), || lock_waited_for(&lock)),
+        "the pause did not wait for the settling"
+    );
+    std::fs::remove_file(PAUSED).unwrap();
+    pause.join().unwrap().ok();
+    drop(armed);
+    // Settled (its marker gone), and the container still paused: frozen, as Podman says.
+    assert!(wait_for(std::time::Duration::from_secs(300), || !store_of(&sb.name).join("lazy-pages.json").exists()));
+    assert_eq!(status(&sb.name), "paused");
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).out();
+    let pid = podman("planarian", &["inspect", "--format", "{{.State.Pid}}", &sb.name]).out();
+    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let cg = cg.lines().find_map(|l| l.strip_prefix("0::")).unwrap().to_string();
+    assert!(cg.contains(&id), "{cg}");
+    let events = std::fs::read_to_string(format!("/sys/fs/cgroup{cg}/cgroup.events")).unwrap();
+    assert!(events.lines().any(|l| l == "frozen 1"), "paused, but running: {events}");
+    podman("planarian", &["unpause", &sb.name]).ok();
+
+    sb.seq = sb.read().expect("state after rollback").0;
     assert_eq!(sb.send("tick").checksum, at_sp.checksum);
     sb.send("dirty 8388608 65536");
     let next = sb.snapshot("after");
@@ -141,7 +182,7 @@ fn a_rollback_that_restores_lazily_is_exact_and_the_next_snapshot_incremental() 
 #[test]
 fn a_page_server_killed_with_pages_to_serve_stops_the_container_and_the_next_snapshot_says_why() {
     require_stack!();
-    let mut src = Sandbox::start("lzkill", 64, &["--annotation", LAZY]);
+    let mut src = Sandbox::start("lzkill", 64, &["--annotation", LAZY, "--annotation", ANY_SIZE]);
     src.send("tick");
     let sp = src.snapshot("fork-point");
     let _armed = Armed::new("kill:lazy.serving");
@@ -219,7 +260,22 @@ fn a_lazy_fork_of_many_mappings_side_by_side_is_exact() {
     let _c = Cleanup(src.clone());
     podman(
         "planarian",
-        &["run", "-d", "--name", &src, "--network", "none", "--annotation", LAZY, DEBIAN, "python3", "-c", MAPPINGS],
+        &[
+            "run",
+            "-d",
+            "--name",
+            &src,
+            "--network",
+            "none",
+            "--annotation",
+            LAZY,
+            "--annotation",
+            ANY_SIZE,
+            DEBIAN,
+            "python3",
+            "-c",
+            MAPPINGS,
+        ],
     )
     .ok();
     assert!(

@@ -26,6 +26,7 @@ pub const ANNOTATION_KEYS: &[&str] = &[
     "checkpoint.rollback_in_place",
     "checkpoint.skip_unchanged",
     "checkpoint.lazy_pages",
+    "checkpoint.lazy_pages_min_mib",
     "zfs.parent_dataset",
     "store.retention",
     "mcp.service",
@@ -155,6 +156,10 @@ pub struct CheckpointConfig {
     /// there; planarian's page server installs each page when it is first touched and the rest in
     /// the background (CRIU's `--lazy-pages` over userfaultfd; see local::lazy).
     pub lazy_pages: bool,
+    /// The least memory (MiB) a restore leaves to the page server for it to be on demand; below
+    /// it memory is restored whole, which costs less there (the server's start and the settling
+    /// outweigh the copy: measured by `bench/run forks`).
+    pub lazy_pages_min_mib: u64,
     /// How long a snapshot or rollback waits for tool calls in flight (a `podman exec` still
     /// running, an MCP call that changes something) before it fails, changing nothing.
     pub in_flight_wait_seconds: u64,
@@ -202,6 +207,7 @@ impl Default for CheckpointConfig {
             rollback_in_place: true,
             skip_unchanged: true,
             lazy_pages: true,
+            lazy_pages_min_mib: 128,
             in_flight_wait_seconds: 120,
         }
     }

@@ -242,6 +242,20 @@ impl Engine {
         Ok(Some(f))
     }
 
+    /// For the runtime's `pause` and `resume` of container `id`: its freeze lock
+    /// ([`local::freezer::LOCK`]), to be inherited by crun, once planarian does not hold the
+    /// container frozen (a snapshot's window, a restore's settling); none without a store.
+    pub fn freeze_lock(&self, id: &str) -> Result<Option<std::fs::File>, statepoint::Error> {
+        let store = self.store(id);
+        if !store.dir.exists() {
+            return Ok(None);
+        }
+        let f = crate::local::freezer::lock(&store.dir)?;
+        nix::fcntl::fcntl(&f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()))
+            .map_err(|e| sys::IoError::new("pass to crun the lock", &store.dir, e.into()))?;
+        Ok(Some(f))
+    }
+
     /// `exec` with conmon's process file `file`: what the tool call leaves running must be in
     /// a session CRIU can dump ([`runtime::exec`]); crun 1.20 and later give it one already.
     pub fn prepare_exec(&self, id: &str, file: &Path) {

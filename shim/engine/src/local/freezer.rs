@@ -5,6 +5,10 @@ use super::{Error, Result};
 
 /// Present in a container's store while planarian holds its cgroup frozen; names the cgroup.
 pub const MARKER: &str = "frozen-by-planarian";
+/// In a container's store: locked (`flock`, exclusive) while planarian holds its cgroup frozen,
+/// and by the runtime's `pause` and `resume` for their run ([`lock`]), so that neither cuts
+/// into the other: a thaw at the end of planarian's window would undo a pause made inside it.
+pub const LOCK: &str = "freeze.lock";
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use sys::Context;
@@ -92,23 +96,72 @@ pub struct FreezeGuard<'a> {
     freezer: &'a Freezer,
     marker: PathBuf,
     froze: bool,
+    /// The store's [`LOCK`], held for the window (frozen by this guard or not: a `resume` that
+    /// came in a paused container's window would let it run under planarian's hands).
+    _lock: Held,
+}
+
+/// The freeze lock ([`LOCK`]) of the store at `dir`, exclusive: it waits while planarian holds
+/// the container frozen, or another `pause` or `resume` runs.
+pub fn lock(dir: &Path) -> Result<std::fs::File> {
+    let path = dir.join(LOCK);
+    let f = std::fs::File::options().create(true).truncate(false).write(true).open(&path).at("open", &path)?;
+    f.lock().at("lock", &path)?;
+    Ok(f)
+}
+
+/// The freeze locks this process holds: each one's path, open file and how many guards share
+/// it. A window inside another of the same process (a rollback's safety statepoint) shares its
+/// lock: `flock` belongs to the open file, and a second open would wait for the first forever.
+static HELD: std::sync::Mutex<Vec<(PathBuf, std::fs::File, usize)>> = std::sync::Mutex::new(Vec::new());
+
+/// One share of a freeze lock this process holds ([`HELD`]); the last one lets it go.
+struct Held(PathBuf);
+
+impl Held {
+    fn take(dir: &Path) -> Result<Held> {
+        let path = dir.join(LOCK);
+        let held = || HELD.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = held().iter_mut().find(|e| e.0 == path) {
+            e.2 += 1;
+            return Ok(Held(path));
+        }
+        // (waited for outside the list: another thread's window on another store goes on)
+        let f = lock(dir)?;
+        held().push((path.clone(), f, 1));
+        Ok(Held(path))
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = held.iter().position(|e| e.0 == self.0) {
+            held[i].2 -= 1;
+            if held[i].2 == 0 {
+                held.swap_remove(i);
+            }
+        }
+    }
 }
 
 impl<'a> FreezeGuard<'a> {
     pub fn freeze(freezer: &'a Freezer, marker: PathBuf) -> Result<FreezeGuard<'a>> {
+        let lock = Held::take(marker.parent().unwrap_or(Path::new("/")))?;
+        // (frozen already: paused, or by a window this one is inside)
         if freezer.is_frozen() {
-            return Ok(FreezeGuard { freezer, marker, froze: false });
+            return Ok(FreezeGuard { freezer, marker, froze: false, _lock: lock });
         }
         std::fs::write(&marker, freezer.dir().display().to_string()).at("write", &marker)?;
         // From here on, dropping the guard thaws (a freeze that failed half-way included).
-        let guard = FreezeGuard { freezer, marker, froze: true };
+        let guard = FreezeGuard { freezer, marker, froze: true, _lock: lock };
         freezer.freeze()?;
         Ok(guard)
     }
 
-    /// Whether the cgroup was frozen by this guard (and is still frozen, as it must be).
+    /// Whether the cgroup is still frozen, as it must be through the window.
     pub fn holds(&self) -> bool {
-        !self.froze || self.freezer.is_frozen()
+        self.freezer.is_frozen()
     }
 }
 
@@ -129,5 +182,29 @@ impl FreezeGuard<'_> {
         let _ = Freezer::at(PathBuf::from(dir.trim())).thaw();
         let _ = std::fs::remove_file(marker);
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether another open file (as another process's) could lock the freeze lock in `dir` now.
+    fn free(dir: &Path) -> bool {
+        let f = std::fs::File::options().create(true).truncate(false).write(true).open(dir.join(LOCK)).unwrap();
+        f.try_lock().is_ok()
+    }
+
+    #[test]
+    fn a_window_inside_another_shares_its_lock_and_the_last_lets_it_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let outer = Held::take(dir.path()).unwrap();
+        // (a second open file would wait for the first forever: this returns at once)
+        let inner = Held::take(dir.path()).unwrap();
+        assert!(!free(dir.path()));
+        drop(outer);
+        assert!(!free(dir.path()), "the inner window still holds it");
+        drop(inner);
+        assert!(free(dir.path()));
     }
 }

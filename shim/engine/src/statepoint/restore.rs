@@ -318,7 +318,10 @@ impl Memory {
         use crate::local::lazy;
         let started = || -> std::result::Result<_, lazy::Error> {
             let view = lazy::view::make(images)?;
-            if view.lazy_pages == 0 {
+            // (nothing lazy, or too little for the server to pay)
+            if view.lazy_pages == 0
+                || view.lazy_pages * sys::proc::PAGE_SIZE < cfg.checkpoint.lazy_pages_min_mib.saturating_mul(1 << 20)
+            {
                 return Ok(None);
             }
             let exe =

@@ -383,6 +383,8 @@ pub fn settle(store: &ContainerStore, init: i32, images: &Path) -> Result<Settle
     let mut dirty = Vec::new();
     {
         let _frozen = FreezeGuard::freeze(&freezer, store_marker.clone())?;
+        // (the tests' fault point: the window held open, for a `pause` to come in it)
+        crate::fault::point("lazy.settling").map_err(|e| Error::Serve(e.to_string()))?;
         for &(pid, _) in &procs {
             let pages = soft_dirty(pid)?;
             Proc::of(pid).clear_soft_dirty()?;
