@@ -177,12 +177,36 @@ pub struct Cleanup(pub String);
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let _ = Command::new("podman")
-            .args(["rm", "-f", "-t", "0", &self.0])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+        remove(std::slice::from_ref(&self.0));
     }
+}
+
+/// Removes containers (those that exist) when dropped, in one Podman call.
+pub struct Cleanups(pub Vec<String>);
+
+impl Drop for Cleanups {
+    fn drop(&mut self) {
+        remove(&self.0);
+    }
+}
+
+fn remove(names: &[String]) {
+    let _ = Command::new("podman")
+        .args(["rm", "-f", "-t", "0", "--ignore"])
+        .args(names)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// Whether some process waits for a `flock` of the file at `path` (a blocked lock in
+/// `/proc/locks`, on its inode).
+pub fn lock_waited_for(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(inode) = std::fs::metadata(path).map(|m| m.ino()) else { return false };
+    let locks = std::fs::read_to_string("/proc/locks").unwrap_or_default();
+    let on = format!(":{inode} ");
+    locks.lines().any(|l| l.contains("->") && l.contains("FLOCK") && l.contains(&on))
 }
 
 /// Polls `f` until it returns true or `timeout` passes.

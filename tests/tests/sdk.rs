@@ -76,8 +76,7 @@ fn a_harness_gets_statepoints_in_a_few_lines_of_python() {
 fn the_tree_search_example_finds_the_known_best_path() {
     require_stack!();
     let n = name("mcts");
-    let _c = Cleanup(n.clone());
-    let _forks: Vec<Cleanup> = (1..=12).map(|i| Cleanup(format!("{n}-{i}"))).collect();
+    let _all = Cleanups(std::iter::once(n.clone()).chain((1..=12).map(|i| format!("{n}-{i}"))).collect());
     let r = std::process::Command::new("/usr/bin/python3")
         .args([
             repo().join("examples/mcts.py").to_str().unwrap(),

@@ -29,7 +29,7 @@ fn export_and_lose(sb: &Sandbox, archive: &str) -> (String, f64) {
     let secs = t.elapsed().as_secs_f64();
     let size = std::fs::metadata(archive).expect("the archive was written").len();
     println!("{}: the export archive is {size} bytes", sb.name);
-    podman("planarian", &["rm", "-f", &sb.name]).ok();
+    podman("planarian", &["rm", "-f", "-t", "0", &sb.name]).ok();
     assert!(store_of(&id).is_dir(), "planarian kept no store for {id}");
     std::fs::remove_dir_all(store_of(&id)).unwrap();
     (id, secs)
@@ -711,7 +711,7 @@ fn crafted_archives_are_refused_with_one_line_and_change_nothing() {
     assert_ne!(r.code, Some(0), "{r:?}");
     assert!(r.stderr.contains("refused, nothing was read from it") && r.stderr.contains("is a link to"), "{r:?}");
     assert!(!podman("planarian", &["ps", "--format", "{{.Names}}"]).out().contains("evil1"), "nothing runs");
-    let _ = podman("planarian", &["rm", "-f", "evil1"]);
+    let _ = podman("planarian", &["rm", "-f", "-t", "0", "evil1"]);
 
     // 2. The same without planarian's part, its marker naming the victim's statepoint.
     unpack(podman_archive, work);
@@ -724,7 +724,7 @@ fn crafted_archives_are_refused_with_one_line_and_change_nothing() {
     assert_ne!(r.code, Some(0), "{r:?}");
     assert!(r.stderr.contains("not this container's"), "{r:?}");
     assert!(!podman("planarian", &["ps", "--format", "{{.Names}}"]).out().contains("evil2"), "nothing runs");
-    let _ = podman("planarian", &["rm", "-f", "evil2"]);
+    let _ = podman("planarian", &["rm", "-f", "-t", "0", "evil2"]);
 
     // 3. planarian's own import: an image that is a link to the host's files, then a device.
     unpack(own_archive, work);
