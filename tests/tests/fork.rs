@@ -150,7 +150,8 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
 #[test]
 fn n_forks_in_one_call_take_the_spares_and_make_the_rest_side_by_side() {
     require_stack!();
-    let mut src = Sandbox::start("fcount", 16, &[]);
+    // (memory on demand at any size: the forks made side by side restore lazily from one view)
+    let mut src = Sandbox::start("fcount", 16, &["--annotation", "io.planarian.checkpoint.lazy_pages_min_mib=0"]);
     src.sh("echo base > /root/f").ok();
     let at_sp = src.send("tick");
     let sp = src.snapshot("fork-point");
@@ -188,6 +189,10 @@ fn n_forks_in_one_call_take_the_spares_and_make_the_rest_side_by_side() {
         f.send("dirty 1048576 65536");
         let first = f.snapshot("first");
         f.assert_incremental(&first, 1, 2_048);
+        // Its page server served it (the snapshot waited for it to end).
+        let dir = podman("planarian", &["inspect", "--format", "{{.StaticDir}}", n]).ok().out();
+        let log = std::fs::read_to_string(std::path::Path::new(&dir).join("planarian-restore/lazy-pages.log"));
+        assert!(log.as_deref().is_ok_and(|l| l.contains("lazy_pages")), "{n}: restored on demand: {log:?}");
     }
     assert_eq!(src.statepoints().len(), 1, "the source is untouched");
 }

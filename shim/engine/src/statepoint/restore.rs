@@ -317,11 +317,13 @@ impl Memory {
     fn of(cfg: &Config, store: &ContainerStore, images: &Path, work: &Path) -> Memory {
         use crate::local::lazy;
         let started = || -> std::result::Result<_, lazy::Error> {
+            // (too little for the server to pay, or nothing lazy: no view made)
+            let least = cfg.checkpoint.lazy_pages_min_mib.saturating_mul(1 << 20);
+            if lazy::view::pages(images)?.saturating_mul(sys::proc::PAGE_SIZE) < least {
+                return Ok(None);
+            }
             let view = lazy::view::make(images)?;
-            // (nothing lazy, or too little for the server to pay)
-            if view.lazy_pages == 0
-                || view.lazy_pages * sys::proc::PAGE_SIZE < cfg.checkpoint.lazy_pages_min_mib.saturating_mul(1 << 20)
-            {
+            if view.lazy_pages == 0 || view.lazy_pages.saturating_mul(sys::proc::PAGE_SIZE) < least {
                 return Ok(None);
             }
             let exe =

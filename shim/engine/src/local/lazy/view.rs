@@ -40,7 +40,21 @@ pub struct View {
     pub lazy_pages: u64,
 }
 
-/// Makes the view of the dump in `images`, beside it (`IMAGES-lazy`; what was there is replaced).
+/// In a view, written last: what it holds ([`Made`]). A view without it is not used.
+const MADE: &str = ".planarian-view.json";
+
+/// What [`MADE`] records: the pages the view leaves to the server, and the dump's `parent` link
+/// it was made with (a view made before the link changed is made again).
+#[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
+struct Made {
+    lazy_pages: u64,
+    parent: Option<PathBuf>,
+}
+
+/// The view of the dump in `images`, beside it (`IMAGES-lazy`): the one there, when it was made
+/// whole for the dump as it is, or made now. A view is made in a directory of its own and moved
+/// in place whole, and never removed while it can be read: forks of one statepoint restored
+/// side by side read one view.
 ///
 /// Its entries are relative links (`../IMAGES/FILE`), and its `parent` link is the dump's own:
 /// CRIU's restored processes read their pages themselves, once inside the container's root,
@@ -48,8 +62,66 @@ pub struct View {
 /// files.
 pub fn make(images: &Path) -> Result<View, Error> {
     let name = images.file_name().ok_or_else(|| Error::Serve(format!("{} has no name", images.display())))?;
-    let into = &images.with_file_name(format!("{}-lazy", name.to_string_lossy()));
-    let _ = std::fs::remove_dir_all(into);
+    let into = images.with_file_name(format!("{}-lazy", name.to_string_lossy()));
+    let parent = std::fs::read_link(images.join("parent")).ok();
+    let made = |dir: &Path| -> Option<u64> {
+        let m: Made = serde_json::from_slice(&std::fs::read(dir.join(MADE)).ok()?).ok()?;
+        (m.parent == parent).then_some(m.lazy_pages)
+    };
+    if let Some(lazy_pages) = made(&into) {
+        return Ok(View { dir: into, lazy_pages });
+    }
+    // (a name no other maker uses: its process and a count within it)
+    static MADE_HERE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = MADE_HERE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = images.with_file_name(format!(".{}-lazy.{}.{n}", name.to_string_lossy(), std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let built = build(images, &tmp).and_then(|lazy_pages| {
+        let m = serde_json::to_vec(&Made { lazy_pages, parent: parent.clone() }).expect("a view's record");
+        std::fs::write(tmp.join(MADE), m).map_err(|e| Error::io("write", &tmp.join(MADE), e))?;
+        Ok(lazy_pages)
+    });
+    let lazy_pages = match built {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
+    // One there but not whole or not for this dump (an older planarian's, a changed parent):
+    // moved aside first, so that no reader sees it change under it.
+    if into.exists() && made(&into).is_none() {
+        let old = images.with_file_name(format!(".{}-lazy.old.{}.{n}", name.to_string_lossy(), std::process::id()));
+        if std::fs::rename(&into, &old).is_ok() {
+            let _ = std::fs::remove_dir_all(&old);
+        }
+    }
+    match std::fs::rename(&tmp, &into) {
+        Ok(()) => Ok(View { dir: into, lazy_pages }),
+        // (another restore moved its own in first: the same view)
+        Err(_) if made(&into).is_some() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Ok(View { dir: into, lazy_pages })
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Err(Error::io("move in place", &into, e))
+        }
+    }
+}
+
+/// How many pages the dump in `images` holds for its processes, its parents' included: the most
+/// a view of it can leave to the server.
+pub fn pages(images: &Path) -> Result<u64, Error> {
+    let mut n = 0;
+    for p in images::pstree(images)? {
+        n += images::pagemap(images, p.pid)?.1.iter().map(|e| e.nr_pages).sum::<u64>();
+    }
+    Ok(n)
+}
+
+/// The view's entries, made at `into` (which is created): the pages it leaves to the server.
+fn build(images: &Path, into: &Path) -> Result<u64, Error> {
     std::fs::create_dir_all(into).map_err(|e| Error::io("create", into, e))?;
     let pids: Vec<u32> = images::pstree(images)?.iter().map(|p| p.pid).collect();
     let mut lazy_pages = 0;
@@ -70,7 +142,7 @@ pub fn make(images: &Path) -> Result<View, Error> {
             }
         }
     }
-    Ok(View { dir: into.to_path_buf(), lazy_pages })
+    Ok(lazy_pages)
 }
 
 /// Writes process `pid`'s page map with its lazily restorable parent pages marked, at `to`.
