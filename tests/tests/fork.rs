@@ -150,7 +150,7 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
 #[test]
 fn n_forks_in_one_call_take_the_spares_and_make_the_rest_side_by_side() {
     require_stack!();
-    // (memory on demand at any size: the forks made side by side restore lazily from one view)
+    // (memory on demand at any size: the forks made side by side restore lazily)
     let mut src = Sandbox::start("fcount", 16, &["--annotation", "io.planarian.checkpoint.lazy_pages_min_mib=0"]);
     src.sh("echo base > /root/f").ok();
     let at_sp = src.send("tick");

@@ -319,7 +319,8 @@ impl Memory {
         let started = || -> std::result::Result<_, lazy::Error> {
             // (too little for the server to pay, or nothing lazy: no view made)
             let least = cfg.checkpoint.lazy_pages_min_mib.saturating_mul(1 << 20);
-            if lazy::view::pages(images)?.saturating_mul(sys::proc::PAGE_SIZE) < least {
+            // (a dump it cannot count, one of a zombie without a page map: the view counts)
+            if lazy::view::pages(images).is_ok_and(|n| n.saturating_mul(sys::proc::PAGE_SIZE) < least) {
                 return Ok(None);
             }
             let view = lazy::view::make(images)?;

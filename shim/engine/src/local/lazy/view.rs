@@ -40,21 +40,10 @@ pub struct View {
     pub lazy_pages: u64,
 }
 
-/// In a view, written last: what it holds ([`Made`]). A view without it is not used.
-const MADE: &str = ".planarian-view.json";
-
-/// What [`MADE`] records: the pages the view leaves to the server, and the dump's `parent` link
-/// it was made with (a view made before the link changed is made again).
-#[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
-struct Made {
-    lazy_pages: u64,
-    parent: Option<PathBuf>,
-}
-
-/// The view of the dump in `images`, beside it (`IMAGES-lazy`): the one there, when it was made
-/// whole for the dump as it is, or made now. A view is made in a directory of its own and moved
-/// in place whole, and never removed while it can be read: forks of one statepoint restored
-/// side by side read one view.
+/// Makes the view of the dump in `images`, beside it (`IMAGES-lazy`; what was there is replaced).
+/// It is made in a directory of its own and moved in place whole. Restores of one container
+/// take turns (under its lock, once the last one's page server ended), and a fork's chain is its
+/// own (linked into its store): no view is read while another replaces it.
 ///
 /// Its entries are relative links (`../IMAGES/FILE`), and its `parent` link is the dump's own:
 /// CRIU's restored processes read their pages themselves, once inside the container's root,
@@ -62,52 +51,27 @@ struct Made {
 /// files.
 pub fn make(images: &Path) -> Result<View, Error> {
     let name = images.file_name().ok_or_else(|| Error::Serve(format!("{} has no name", images.display())))?;
-    let into = images.with_file_name(format!("{}-lazy", name.to_string_lossy()));
-    let parent = std::fs::read_link(images.join("parent")).ok();
-    let made = |dir: &Path| -> Option<u64> {
-        let m: Made = serde_json::from_slice(&std::fs::read(dir.join(MADE)).ok()?).ok()?;
-        (m.parent == parent).then_some(m.lazy_pages)
-    };
-    if let Some(lazy_pages) = made(&into) {
-        return Ok(View { dir: into, lazy_pages });
-    }
-    // (a name no other maker uses: its process and a count within it)
-    static MADE_HERE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = MADE_HERE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = images.with_file_name(format!(".{}-lazy.{}.{n}", name.to_string_lossy(), std::process::id()));
+    let name = name.to_string_lossy();
+    let into = images.with_file_name(format!("{name}-lazy"));
+    let aside = |what: &str| images.with_file_name(format!(".{name}-lazy.{what}.{}", std::process::id()));
+    let tmp = aside("new");
     let _ = std::fs::remove_dir_all(&tmp);
-    let built = build(images, &tmp).and_then(|lazy_pages| {
-        let m = serde_json::to_vec(&Made { lazy_pages, parent: parent.clone() }).expect("a view's record");
-        std::fs::write(tmp.join(MADE), m).map_err(|e| Error::io("write", &tmp.join(MADE), e))?;
-        Ok(lazy_pages)
-    });
-    let lazy_pages = match built {
+    let lazy_pages = match build(images, &tmp) {
         Ok(n) => n,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&tmp);
             return Err(e);
         }
     };
-    // One there but not whole or not for this dump (an older planarian's, a changed parent):
-    // moved aside first, so that no reader sees it change under it.
-    if into.exists() && made(&into).is_none() {
-        let old = images.with_file_name(format!(".{}-lazy.old.{}.{n}", name.to_string_lossy(), std::process::id()));
-        if std::fs::rename(&into, &old).is_ok() {
-            let _ = std::fs::remove_dir_all(&old);
-        }
+    let old = aside("old");
+    if std::fs::rename(&into, &old).is_ok() {
+        let _ = std::fs::remove_dir_all(&old);
     }
-    match std::fs::rename(&tmp, &into) {
-        Ok(()) => Ok(View { dir: into, lazy_pages }),
-        // (another restore moved its own in first: the same view)
-        Err(_) if made(&into).is_some() => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            Ok(View { dir: into, lazy_pages })
-        }
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            Err(Error::io("move in place", &into, e))
-        }
+    if let Err(e) = std::fs::rename(&tmp, &into) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(Error::io("move in place", &into, e));
     }
+    Ok(View { dir: into, lazy_pages })
 }
 
 /// How many pages the dump in `images` holds for its processes, its parents' included: the most
