@@ -22,8 +22,18 @@ impl Drop for Disarm {
     }
 }
 
+/// The sandbox's store (its container ID looked up once: a Podman call costs seconds here).
 fn store_of(sb: &Sandbox) -> PathBuf {
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).ok().out();
+    static IDS: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+    let mut ids = IDS.lock().unwrap();
+    let id = match ids.iter().find(|(n, _)| *n == sb.name) {
+        Some((_, id)) => id.clone(),
+        None => {
+            let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).ok().out();
+            ids.push((sb.name.clone(), id.clone()));
+            id
+        }
+    };
     Path::new("/var/lib/planarian/containers").join(id)
 }
 

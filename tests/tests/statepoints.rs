@@ -34,7 +34,7 @@ fn rollback_restores_memory_checksum_and_counter() {
     assert!(sb.exec("echo exec-ok").stdout.contains("exec-ok"));
     podman("planarian", &["pause", &sb.name]).ok();
     podman("planarian", &["unpause", &sb.name]).ok();
-    podman("planarian", &["stop", "-t", "2", &sb.name]).ok();
+    podman("planarian", &["stop", "-t", "0", &sb.name]).ok();
     podman("planarian", &["rm", &sb.name]).ok();
 }
 
