@@ -132,6 +132,11 @@ impl Sandbox {
         assert!(c["prev-images-dir"].is_null() && c["full-reason"].as_str().unwrap_or("").contains(why), "{sp}: {c}");
     }
 
+    /// The sandbox's store, planarian's directory for its container.
+    pub fn store(&self) -> std::path::PathBuf {
+        std::path::Path::new(STORES).join(self.ctr.id())
+    }
+
     pub fn read(&self) -> Option<(u64, State)> {
         let text = self.ctr.read("tmp/state")?;
         let mut f = text.split_whitespace();
@@ -246,6 +251,14 @@ impl Ctr {
             !matches!(&last, Some((_, true, id)) if settling(id))
         });
         last.and_then(|(pid, frozen, _)| (!frozen).then_some(pid))
+    }
+
+    /// The container's ID: the one looked up with its PID, or asked of Podman.
+    pub fn id(&self) -> String {
+        if let Some((id, _)) = &*self.proc.borrow() {
+            return id.clone();
+        }
+        podman("planarian", &["inspect", "--format", "{{.Id}}", &self.name]).ok().out()
     }
 
     /// (the host PID of the container's first process, whether its cgroup is frozen, the

@@ -5,7 +5,7 @@
 
 use planarian_system_tests::sandbox::*;
 use planarian_system_tests::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 const FAULT: &str = "/run/planarian/fault";
 
@@ -22,24 +22,9 @@ impl Drop for Disarm {
     }
 }
 
-/// The sandbox's store (its container ID looked up once: a Podman call costs seconds here).
-fn store_of(sb: &Sandbox) -> PathBuf {
-    static IDS: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
-    let mut ids = IDS.lock().unwrap();
-    let id = match ids.iter().find(|(n, _)| *n == sb.name) {
-        Some((_, id)) => id.clone(),
-        None => {
-            let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).ok().out();
-            ids.push((sb.name.clone(), id.clone()));
-            id
-        }
-    };
-    Path::new("/var/lib/planarian/containers").join(id)
-}
-
 /// The statepoint directories of a sandbox, each with its status ("none" without a manifest).
 fn statepoint_dirs(sb: &Sandbox) -> Vec<(String, String)> {
-    let mut out: Vec<(String, String)> = std::fs::read_dir(store_of(sb).join("statepoints"))
+    let mut out: Vec<(String, String)> = std::fs::read_dir(sb.store().join("statepoints"))
         .map(|rd| {
             rd.filter_map(Result::ok)
                 .map(|e| {

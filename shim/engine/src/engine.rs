@@ -236,10 +236,7 @@ impl Engine {
         if !store.dir.exists() {
             return Ok(None);
         }
-        let f = store.lock(false)?;
-        nix::fcntl::fcntl(&f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()))
-            .map_err(|e| sys::IoError::new("pass to crun the lock", &store.dir, e.into()))?;
-        Ok(Some(f))
+        Ok(Some(to_crun(store.lock(false)?, &store.dir)?))
     }
 
     /// For the runtime's `pause` and `resume` of container `id`: its freeze lock
@@ -250,10 +247,7 @@ impl Engine {
         if !store.dir.exists() {
             return Ok(None);
         }
-        let f = crate::local::freezer::lock(&store.dir)?;
-        nix::fcntl::fcntl(&f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()))
-            .map_err(|e| sys::IoError::new("pass to crun the lock", &store.dir, e.into()))?;
-        Ok(Some(f))
+        Ok(Some(to_crun(crate::local::freezer::lock(&store.dir)?, &store.dir)?))
     }
 
     /// `exec` with conmon's process file `file`: what the tool call leaves running must be in
@@ -283,6 +277,14 @@ fn once(cell: &OnceLock<PathBuf>, find: impl FnOnce() -> Result<PathBuf, NotFoun
     }
     let found = find()?;
     Ok(cell.get_or_init(|| found))
+}
+
+/// Lock `f` (of the store at `dir`) kept open across exec: crun, which replaces the runtime's
+/// process, holds it until it exits.
+fn to_crun(f: std::fs::File, dir: &Path) -> Result<std::fs::File, sys::IoError> {
+    nix::fcntl::fcntl(&f, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()))
+        .map_err(|e| sys::IoError::new("pass to crun the lock", dir, e.into()))?;
+    Ok(f)
 }
 
 #[cfg(test)]
