@@ -95,9 +95,12 @@ pub fn restore(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
 
 /// `planarian snapshot CTR`: prints the new statepoint's id.
 pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
+    engine::log::start_prelude("command");
     let a: cli::SnapshotArgs = parse!("snapshot", args);
+    engine::log::prelude("parsed");
     let state = a.state.as_deref().map(read_state).transpose()?;
     let engine = inv.engine()?;
+    engine::log::prelude("settings");
     if a.r#async {
         let req = SnapshotRequest {
             tcp_established: a.tcp_established,

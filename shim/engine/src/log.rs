@@ -131,7 +131,7 @@ impl Progress for StderrProgress {
 }
 
 /// The phases of one of several operations running side by side, on stderr: a whole line per
-/// phase as it ends (`  agent-b  its OCI bundle (podman container init)   2.1s`), so that
+/// phase as it ends (`  agent-b  processes (podman container restore)   2.1s`), so that
 /// the lines of the others never cut into it.
 pub struct LineProgress {
     who: String,
@@ -256,10 +256,34 @@ mod tests {
 /// stretches its progress phases do not cover (look-ups, locks, bookkeeping) included.
 static MARKS: std::sync::Mutex<Vec<(&'static str, std::time::Instant)>> = std::sync::Mutex::new(Vec::new());
 
-/// Starts a new timeline (what an earlier operation left unlogged, as one that failed, is dropped).
+/// What a command did before its operation's timeline started (finding the container, its
+/// lock): empty unless the command began one ([`start_prelude`]), so a long-lived caller (the MCP
+/// server) keeps nothing.
+static PRELUDE: std::sync::Mutex<Vec<(&'static str, std::time::Instant)>> = std::sync::Mutex::new(Vec::new());
+
+/// A one-shot command starts here the timeline of its operation ([`prelude`] marks it until
+/// the operation's own [`start_marks`]).
+pub fn start_prelude(what: &'static str) {
+    if let Ok(mut p) = PRELUDE.lock() {
+        *p = vec![(what, std::time::Instant::now())];
+    }
+}
+
+/// Marks that the command whose prelude was started reached `what`; nothing otherwise.
+pub fn prelude(what: &'static str) {
+    if let Ok(mut p) = PRELUDE.lock() {
+        if !p.is_empty() {
+            p.push((what, std::time::Instant::now()));
+        }
+    }
+}
+
+/// Starts a new timeline (what an earlier operation left unlogged, as one that failed, is
+/// dropped), after the command's prelude, if it has one.
 pub fn start_marks() {
+    let prelude = PRELUDE.lock().map(|mut p| std::mem::take(&mut *p)).unwrap_or_default();
     if let Ok(mut m) = MARKS.lock() {
-        m.clear();
+        *m = prelude;
         m.push(("start", std::time::Instant::now()));
     }
 }

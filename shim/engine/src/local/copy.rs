@@ -4,9 +4,11 @@
 //!
 //! A copy is whole only the first time. Each copy keeps an index (`rootfs.idx` beside it) of the
 //! layer's regular files as they were: device, inode, size, modification and change times. The
-//! next copy takes the tree with its attributes (`cp --attributes-only`), hard-links every file
-//! whose index entry still matches from the last copy, copies the others, and puts the
-//! directories' times back: an unchanged file costs a link, not its bytes. The change time is
+//! next copy makes the tree itself (directories, links, devices and their owners, modes, extended
+//! attributes and times: no program started), hard-links every file whose index entry still
+//! matches from the last copy, copies the others (`cp`, only when there are any), and puts the
+//! directories' times back: an unchanged file costs a link, not its bytes, and a layer where
+//! nothing changed costs a walk and its links. The change time is
 //! the kernel's (no program can set it), and any write, `chmod`, `chown`, xattr or rename of
 //! the file moves it; a file changed less than two seconds before a copy is left out of its
 //! index (the timestamp's granularity, as git's "racily clean" files), so its next copy is a
@@ -358,8 +360,8 @@ fn incremental(
 ) -> Result<Index> {
     use std::os::unix::fs::MetadataExt;
     let entries = walk(upper)?;
-    // The tree, every attribute of every entry, regular files empty.
-    cp(&["--attributes-only"], upper, dest)?;
+    // The tree, every attribute of every entry but the regular files'.
+    make_tree(upper, dest, &entries)?;
     // Names of one inode (hard links in the layer) are linked or copied together, so that they
     // stay one file.
     let mut groups: std::collections::BTreeMap<(u64, u64), (&std::fs::Metadata, Vec<&Path>)> = Default::default();
@@ -373,8 +375,8 @@ fn incremental(
                 index.get(*rel) == Some(&Key::of(md))
                     && std::fs::symlink_metadata(base.join(rel)).is_ok_and(|b| b.is_file() && b.len() == md.len())
             });
-        if !(unchanged && names.iter().all(|rel| link_over(&base.join(rel), &dest.join(rel)))) {
-            // (every name taken out, linked or placeholder: cp makes the group anew, as one)
+        if !(unchanged && names.iter().all(|rel| std::fs::hard_link(base.join(rel), dest.join(rel)).is_ok())) {
+            // (every name taken out: cp makes the group anew, as one)
             for rel in &names {
                 let _ = std::fs::remove_file(dest.join(rel));
             }
@@ -398,30 +400,91 @@ fn incremental(
     // A link put in a directory moved its times: back to the layer's, deepest first.
     for (rel, md) in entries.iter().rev().filter(|(_, md)| md.is_dir()) {
         let p = dest.join(rel);
-        let t = |s: i64, ns: i64| nix::sys::time::TimeSpec::new(s, ns);
-        nix::sys::stat::utimensat(
-            nix::fcntl::AT_FDCWD,
-            &p,
-            &t(md.atime(), md.atime_nsec()),
-            &t(md.mtime(), md.mtime_nsec()),
-            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
-        )
-        .map_err(|e| Error::from(sys::IoError::new("set the times of", p.clone(), std::io::Error::from(e))))?;
+        super::treesync::set_times(md, &p)
+            .map_err(|e| Error::from(sys::IoError::new("set the times of", p.clone(), e)))?;
     }
     Ok(index_of(&entries, mapped, since))
 }
 
-/// `to` replaced by a hard link to `from`; false (nothing changed) when it cannot be.
-fn link_over(from: &Path, to: &Path) -> bool {
-    let tmp = to.with_file_name(format!(".{}.planarian-link", to.file_name().unwrap_or_default().to_string_lossy()));
-    if std::fs::hard_link(from, &tmp).is_err() {
-        return false;
+/// Every entry of `entries` (a [`walk`] of `from`) but the regular files made at `to`, new: each
+/// directory with its owner, mode and extended attributes (the overlay's `trusted.overlay.*`:
+/// an opaque directory stays one), each symbolic link, device (a whiteout is a 0:0 character
+/// device), FIFO and socket with its times too. Directories' times are the caller's to set, once
+/// their entries are in.
+fn make_tree(from: &Path, to: &Path, entries: &[(PathBuf, std::fs::Metadata)]) -> Result<()> {
+    for (rel, md) in entries.iter().filter(|(_, md)| !md.is_file()) {
+        let dst = to.join(rel);
+        make_entry(&from.join(rel), &dst, md).map_err(|(what, e)| Error::from(sys::IoError::new(what, dst, e)))?;
     }
-    if std::fs::rename(&tmp, to).is_ok() {
-        return true;
+    Ok(())
+}
+
+/// [`make_tree`]'s entry `to`, as `from` (whose metadata is `md`) is: on failure, what failed.
+fn make_entry(
+    from: &Path,
+    to: &Path,
+    md: &std::fs::Metadata,
+) -> std::result::Result<(), (&'static str, std::io::Error)> {
+    use super::treesync::{make_node, set_meta};
+    let at = |what: &'static str| move |e: std::io::Error| (what, e);
+    let ft = md.file_type();
+    if ft.is_dir() {
+        std::fs::create_dir(to).map_err(at("create"))?;
+    } else if ft.is_symlink() {
+        std::os::unix::fs::symlink(std::fs::read_link(from).map_err(at("read the link"))?, to).map_err(at("create"))?;
+    } else {
+        make_node(md, to).map_err(at("create"))?;
     }
-    let _ = std::fs::remove_file(&tmp);
-    false
+    set_meta(md, to).map_err(at("set the owner, mode and times of"))?;
+    copy_xattrs(from, to).map_err(at("set the extended attributes of"))
+}
+
+/// The extended attributes of `from` onto `to` (neither followed if a link). As `cp -a`, one
+/// that cannot be set is left out, except the overlay's own (`trusted.overlay.*`: an opaque
+/// directory that stopped being one would show the image's files again).
+fn copy_xattrs(from: &Path, to: &Path) -> std::io::Result<()> {
+    use nix::libc;
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
+    let (src, dst) = (c(from)?, c(to)?);
+    // SAFETY: a valid path; a null buffer of size 0 asks for the size only.
+    let n = unsafe { libc::llistxattr(src.as_ptr(), std::ptr::null_mut(), 0) };
+    if n <= 0 {
+        let e = std::io::Error::last_os_error();
+        return match (n, e.raw_os_error()) {
+            (0, _) | (_, Some(libc::ENOTSUP)) => Ok(()),
+            _ => Err(e),
+        };
+    }
+    let mut names = vec![0u8; n as usize];
+    // SAFETY: a valid path and a buffer of the given length.
+    let n = unsafe { libc::llistxattr(src.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    names.truncate(n as usize);
+    for name in names.split(|b| *b == 0).filter(|n| !n.is_empty()) {
+        let cname = std::ffi::CString::new(name).map_err(std::io::Error::other)?;
+        let mut value = vec![0u8; 256];
+        let len = loop {
+            // SAFETY: valid path and name, a buffer of the given length.
+            let len = unsafe { libc::lgetxattr(src.as_ptr(), cname.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
+            let e = std::io::Error::last_os_error();
+            if len >= 0 {
+                break len as usize;
+            }
+            if e.raw_os_error() != Some(libc::ERANGE) || value.len() >= 1 << 16 {
+                return Err(e);
+            }
+            value.resize(value.len() * 4, 0);
+        };
+        // SAFETY: valid path and name, a buffer of at least `len` bytes.
+        let set = unsafe { libc::lsetxattr(dst.as_ptr(), cname.as_ptr(), value.as_ptr().cast(), len, 0) };
+        if set != 0 && name.starts_with(b"trusted.overlay.") {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 /// The comparison a rollback in place began early.
@@ -464,9 +527,41 @@ mod tests {
                     String::new()
                 };
                 let t = if md.is_symlink() { (0, 0) } else { (md.mtime(), md.mtime_nsec()) };
-                format!("{} {:o} {}:{} {} {t:?} {what}", rel.display(), md.mode(), md.uid(), md.gid(), md.len())
+                let (dev, xattrs) = (md.rdev(), xattrs(&root.join(&rel)));
+                format!(
+                    "{} {:o} {}:{} {} {t:?} {dev} {xattrs:?} {what}",
+                    rel.display(),
+                    md.mode(),
+                    md.uid(),
+                    md.gid(),
+                    md.len()
+                )
             })
             .collect()
+    }
+
+    /// The extended attributes of `p` (not followed), names and values.
+    fn xattrs(p: &Path) -> Vec<(String, Vec<u8>)> {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+        let mut names = vec![0u8; 4096];
+        // SAFETY: a valid path and a buffer of the given length.
+        let n = unsafe { nix::libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+        names.truncate(n.max(0) as usize);
+        let mut out: Vec<_> = names
+            .split(|b| *b == 0)
+            .filter(|n| !n.is_empty())
+            .map(|n| {
+                let name = std::ffi::CString::new(n).unwrap();
+                let mut v = vec![0u8; 4096];
+                // SAFETY: valid path and name, a buffer of the given length.
+                let len = unsafe { nix::libc::lgetxattr(c.as_ptr(), name.as_ptr(), v.as_mut_ptr().cast(), v.len()) };
+                v.truncate(len.max(0) as usize);
+                (String::from_utf8_lossy(n).into_owned(), v)
+            })
+            .collect();
+        out.sort();
+        out
     }
 
     #[test]
@@ -480,6 +575,19 @@ mod tests {
         std::fs::write(upper.join("a/deep/f5"), "five").unwrap();
         std::fs::hard_link(upper.join("a/f1"), upper.join("a/f3")).unwrap();
         std::os::unix::fs::symlink("f1", upper.join("a/l")).unwrap();
+        // What an overlay's layer holds beside files: a whiteout (a 0:0 character device), an
+        // opaque directory, and a FIFO, a directory with its own owner and mode.
+        use nix::sys::stat::{mknod, Mode, SFlag};
+        mknod(&upper.join("a/gone"), SFlag::S_IFCHR, Mode::empty(), 0).unwrap();
+        mknod(&upper.join("a/fifo"), SFlag::S_IFIFO, Mode::from_bits_truncate(0o640), 0).unwrap();
+        std::fs::create_dir(upper.join("opaque")).unwrap();
+        let c = std::ffi::CString::new(upper.join("opaque").into_os_string().into_encoded_bytes()).unwrap();
+        // SAFETY: a valid path, name and one-byte value.
+        let set =
+            unsafe { nix::libc::lsetxattr(c.as_ptr(), c"trusted.overlay.opaque".as_ptr(), b"y".as_ptr().cast(), 1, 0) };
+        assert_eq!(set, 0, "{}", std::io::Error::last_os_error());
+        std::os::unix::fs::lchown(upper.join("opaque"), Some(1000), Some(1000)).unwrap();
+        std::fs::set_permissions(upper.join("opaque"), std::os::unix::fs::PermissionsExt::from_mode(0o2750)).unwrap();
         let later = std::time::SystemTime::now() + std::time::Duration::from_secs(3600);
         let none = Mapped::new();
         // Files changed just now are racily clean: left out of the index.

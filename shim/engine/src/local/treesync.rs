@@ -388,11 +388,17 @@ fn cstr(p: &Path) -> std::io::Result<CString> {
 }
 
 /// Owner, mode and times of `from` onto `to` (not following links).
-fn set_meta(from: &std::fs::Metadata, to: &Path) -> std::io::Result<()> {
+pub(crate) fn set_meta(from: &std::fs::Metadata, to: &Path) -> std::io::Result<()> {
     std::os::unix::fs::lchown(to, Some(from.uid()), Some(from.gid()))?;
     if !from.file_type().is_symlink() {
+        // (after the owner: a chown drops the set-ID bits)
         std::fs::set_permissions(to, std::fs::Permissions::from_mode(from.mode() & 0o7777))?;
     }
+    set_times(from, to)
+}
+
+/// The access and modification times of `from` onto `to` (not following links).
+pub(crate) fn set_times(from: &std::fs::Metadata, to: &Path) -> std::io::Result<()> {
     let c = cstr(to)?;
     let times = [
         nix::libc::timespec { tv_sec: from.atime(), tv_nsec: from.atime_nsec() },
@@ -440,13 +446,20 @@ fn put(from: &Path, to: &Path) -> std::io::Result<()> {
     } else if ft.is_symlink() {
         std::os::unix::fs::symlink(std::fs::read_link(from)?, to)?;
     } else {
-        let c = cstr(to)?;
-        // SAFETY: a valid path; mode and device from the source's metadata.
-        if unsafe { nix::libc::mknod(c.as_ptr(), md.mode(), md.rdev()) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        make_node(&md, to)?;
     }
     set_meta(&md, to)
+}
+
+/// A device, FIFO or socket at `to` of the type and device number `md` gives (its mode as the
+/// umask leaves it: [`set_meta`] sets it).
+pub(crate) fn make_node(md: &std::fs::Metadata, to: &Path) -> std::io::Result<()> {
+    let c = cstr(to)?;
+    // SAFETY: a valid path; mode and device from the source's metadata.
+    if unsafe { nix::libc::mknod(c.as_ptr(), md.mode(), md.rdev()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 impl Sync {

@@ -158,10 +158,13 @@ impl Ctx {
     /// recovered: where a snapshot starts.
     pub fn running_locked(engine: &Engine, name: &str) -> Result<(Ctx, std::fs::File)> {
         let mut ctx = Ctx::running(engine, name)?;
+        crate::log::prelude("found");
         let lock = ctx.store.lock_for_statepoint(ctx.cfg.checkpoint.in_flight_wait(), &mut |what| {
             eprintln!("waiting for what is in flight in {name} ({what})")
         })?;
+        crate::log::prelude("locked");
         ctx.recover()?;
+        crate::log::prelude("recovered");
         Ok((ctx, lock))
     }
 

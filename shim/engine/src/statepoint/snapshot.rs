@@ -53,6 +53,7 @@ pub fn take_then(
     // A sandbox restored on demand is dumped once its memory is all there and settled.
     crate::local::lazy::settled(&ctx.store).map_err(crate::local::Error::from)?;
     let t = Taking::begin(ctx, req)?;
+    t.mark("begun");
     let mut m = t.manifest();
     // Until the manifest is committed, the statepoint's directory is removed on any way out.
     let pending = PendingStatepoint {
@@ -63,6 +64,7 @@ pub fn take_then(
     };
     ctx.store.write_manifest(&m)?;
     record_descriptors(t.pid, &t.dir)?;
+    t.mark("pending");
     crate::fault::point("snapshot.before-freeze")?;
 
     // Stop the world for the whole window: thawed when `frozen` is dropped, whatever happens.
@@ -99,7 +101,9 @@ pub fn take_then(
     t.mark("thawed");
     if !req.internal {
         ctx.store.set_head(Some(&t.id))?;
+        t.mark("head");
         super::enforce_retention(&ctx.cfg, &ctx.store);
+        t.mark("retention");
         crate::log::log_marks(&format!("snapshot {} of {} timeline (ms)", t.id, super::short(&ctx.ctr.id)));
     }
     released.map(|()| m)
