@@ -137,6 +137,11 @@ impl Sandbox {
         std::path::Path::new(STORES).join(self.ctr.id())
     }
 
+    /// Its container's full ID.
+    pub fn id(&self) -> String {
+        self.ctr.id()
+    }
+
     pub fn read(&self) -> Option<(u64, State)> {
         let text = self.ctr.read("tmp/state")?;
         let mut f = text.split_whitespace();

@@ -44,6 +44,19 @@ fn spare(src: &Sandbox, sp: &str, count: u32) -> Vec<String> {
     out.lines().map(|l| l.split(' ').next().unwrap().to_string()).collect()
 }
 
+/// A fork runs from an OCI config of its own (planarian writes it from the source's): no ID of
+/// the source's in it, and the files Podman mounts into it (`/etc/hosts`) are its own.
+fn assert_own_bundle(fork: &mut Sandbox, src: &Sandbox) {
+    let (id, src_id) = (fork.id(), src.id());
+    let bundle = podman("planarian", &["inspect", "--format", "{{.StaticDir}}", &fork.name]).ok().out();
+    let config = std::fs::read_to_string(std::path::Path::new(&bundle).join("config.json")).unwrap();
+    assert!(config.contains(&id) && !config.contains(&src_id[..12]), "{}: {config}", fork.name);
+    let mounts = fork.sh("cat /proc/self/mountinfo").ok().stdout.clone();
+    let hosts = mounts.lines().find(|l| l.split(' ').nth(4) == Some("/etc/hosts")).unwrap_or_default();
+    assert!(hosts.contains(&id), "{}: /etc/hosts is not its own: {hosts}", fork.name);
+    assert!(!mounts.contains(&src_id[..12]), "{}: {mounts}", fork.name);
+}
+
 #[test]
 fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     require_stack!();
@@ -87,6 +100,7 @@ fn forks_of_one_statepoint_diverge_and_the_source_is_untouched() {
     let ps = podman("planarian", &["ps", "--format", "{{.Names}}"]).stdout;
     assert!(ps.contains(&a.name) && ps.contains(&b.name) && ps.contains(&src.name), "{ps}");
     for f in [&mut a, &mut b] {
+        assert_own_bundle(f, &src);
         assert_eq!(f.state(), at_sp, "{} starts at the statepoint", f.name);
         let now = f.send("tick");
         assert_eq!((now.counter, &now.checksum), (at_sp.counter + 1, &at_sp.checksum), "{}", f.name);
@@ -184,6 +198,7 @@ fn n_forks_in_one_call_take_the_spares_and_make_the_rest_side_by_side() {
     assert_eq!(paths, [Some("spare"), None, None]);
     for n in &names {
         let mut f = Sandbox::attach(n);
+        assert_own_bundle(&mut f, &src);
         assert_eq!(f.state(), at_sp, "{n} starts at the statepoint");
         assert_eq!(f.sh("cat /root/f").stdout, "base\n", "{n}");
         f.send("dirty 1048576 65536");

@@ -184,6 +184,27 @@ impl Bundle {
         self.save()
     }
 
+    /// The config of bundle `from` written into directory `to` as another container's: each
+    /// `(old, new)` of `renames` replaced throughout (IDs and the paths they are in), the
+    /// annotations `dropped` left out.
+    pub fn derive(from: &Path, to: &Path, renames: &[(&str, &str)], dropped: &[&str]) -> Result<Bundle> {
+        let path = from.join("config.json");
+        let mut text = std::fs::read_to_string(&path).at("read", &path)?;
+        for (old, new) in renames.iter().filter(|(old, _)| !old.is_empty()) {
+            text = text.replace(old, new);
+        }
+        let mut doc: Value =
+            serde_json::from_str(&text).map_err(|source| Error::Json { what: path.display().to_string(), source })?;
+        if let Some(a) = doc.get_mut("annotations").and_then(Value::as_object_mut) {
+            a.retain(|k, _| !dropped.contains(&k.as_str()));
+        }
+        let spec =
+            Spec::from_value(&doc, to).map_err(|source| Error::Json { what: path.display().to_string(), source })?;
+        let b = Bundle { dir: to.to_path_buf(), spec, doc };
+        b.save()?;
+        Ok(b)
+    }
+
     fn save(&self) -> Result<()> {
         let data =
             serde_json::to_vec(&self.doc).map_err(|source| Error::Json { what: "config.json".into(), source })?;
@@ -232,6 +253,38 @@ mod tests {
         assert_eq!(s.masked_paths.len(), 2);
         assert_eq!(s.annotations.len(), 2);
         assert_eq!(s.configure(&Default::default()).unwrap().checkpoint.full_dump_interval, 3);
+    }
+
+    #[test]
+    fn a_config_derived_for_another_container_has_its_names_throughout() {
+        let scratch = tempfile::tempdir().unwrap();
+        let (from, to) = (scratch.path().join("src"), scratch.path().join("new"));
+        std::fs::create_dir_all(&from).unwrap();
+        std::fs::create_dir_all(&to).unwrap();
+        let src_id = "0123456789ab".to_string() + &"c".repeat(52);
+        let mut v = podman_like_spec();
+        v["mounts"][2]["source"] = Value::String(format!("/run/overlay-containers/{src_id}/userdata/hosts"));
+        v["linux"]["cgroupsPath"] = Value::String(format!("machine.slice:libpod:{src_id}"));
+        v["hostname"] = Value::String("0123456789ab".into());
+        v["annotations"]["io.planarian.mcp.branch"] = Value::String("db_src".into());
+        std::fs::write(from.join("config.json"), serde_json::to_vec(&v).unwrap()).unwrap();
+        let new_id = "fedcba987654".to_string() + &"d".repeat(52);
+        let renames = [(src_id.as_str(), new_id.as_str()), ("abc", "xyz"), ("0123456789ab", "fedcba987654")];
+        let b = Bundle::derive(&from, &to, &renames, &["io.planarian.mcp.branch"]).unwrap();
+        assert_eq!(b.spec.root, Path::new("/var/lib/containers/storage/overlay/xyz/merged"));
+        assert_eq!(b.spec.binds[1].1, format!("/run/overlay-containers/{new_id}/userdata/hosts"));
+        assert_eq!(b.spec.cgroups_path, Some(format!("machine.slice:libpod:{new_id}")));
+        let written: Value = serde_json::from_slice(&std::fs::read(to.join("config.json")).unwrap()).unwrap();
+        assert_eq!(written["hostname"], "fedcba987654");
+        assert!(written["annotations"].get("io.planarian.mcp.branch").is_none());
+        assert_eq!(written["annotations"]["io.podman.x"], "y", "{written}");
+        let text = std::fs::read_to_string(to.join("config.json")).unwrap();
+        assert!(!text.contains("0123456789ab") && !text.contains("/abc/"), "{text}");
+        assert_eq!(
+            serde_json::from_slice::<Value>(&std::fs::read(from.join("config.json")).unwrap()).unwrap(),
+            v,
+            "the source's is untouched"
+        );
     }
 
     #[test]

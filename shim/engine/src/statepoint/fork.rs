@@ -6,13 +6,14 @@
 //! 1. `podman --runtime planarian container clone CTR NEW` copies CTR's configuration (image, command, annotations,
 //!    network mode) into a new container with its own ID, writable layer and, when it runs, its
 //!    own network namespace;
-//! 2. `podman container init` + `stop` make Podman write NEW's OCI config (its mounts, its
-//!    rootfs) into NEW's bundle, which a restore reads — a never-started container has none;
+//! 2. NEW's OCI config, which a restore reads (a never-started container has none), is CTR's with
+//!    CTR's names made NEW's ([`own_bundle`]; `podman container init` + `stop` write it where
+//!    that cannot be done);
 //! 3. NEW gets a statepoint of its own: the statepoint's memory images and every older image of
 //!    its chain hard-linked into NEW's store (no data copied; removing CTR later breaks nothing),
 //!    and its files: on ZFS NEW's dataset is a clone of the statepoint's snapshot (made before
-//!    step 2, so NEW's config points at it), on the copy-based path they are copied into NEW's
-//!    writable layer;
+//!    step 2; NEW's restore points its config at it), on the copy-based path they are copied
+//!    into NEW's writable layer;
 //! 4. `podman container restore NEW` runs `planarian restore` through conmon, exactly as for a
 //!    rollback, so NEW's first snapshot is incremental on its own base.
 //!
@@ -30,6 +31,7 @@ use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
 use crate::runtime::Bundle;
 use crate::store::{Actor, ContainerStore, Manifest, Outcome, OutcomeStatus, Status};
+use std::path::Path;
 use std::time::Duration;
 use sys::Context;
 
@@ -403,8 +405,15 @@ fn fork_into(
         crate::local::zfs::fork_into(&src_cfg, map, snap, &store, &new.id, &new.bundle)?;
     }
     crate::fault::point("fork.cloned")?;
-    progress.phase("its OCI bundle (podman container init)");
-    podman::init_stopped(name)?;
+    progress.phase("its OCI bundle");
+    let new = podman::inspect(name)?;
+    match own_bundle(src, &new)? {
+        None => progress.done("the source's, made the fork's"),
+        Some(why) => {
+            progress.done(&format!("podman container init ({why})"));
+            podman::init_stopped(name)?;
+        }
+    }
     let new = podman::inspect(name)?;
     progress.phase("its settings (and its own database, where the service can branch)");
     let remote = carry_settings(src, &src_cfg, target, &new)?;
@@ -435,6 +444,35 @@ fn fork_into(
         progress.done(&stats.breakdown());
     }
     Ok(())
+}
+
+/// NEW's OCI config, which its restore reads (a never-started container has none): the source's,
+/// with the source's ID, short ID and writable layer replaced by NEW's throughout (the paths of
+/// its `/etc/hosts`, `/dev/shm` and root, its cgroup, its host name). Podman's restore keeps it
+/// as it is but for the network namespace, which it makes anew, and makes the files those paths
+/// name (`podman container init` + `stop`, which would write it, cost seconds). `None` when
+/// written; otherwise why not, and nothing written: a source whose mounts are not all the
+/// clone's (a volume: a clone gets anonymous volumes of its own), or not on overlay storage.
+fn own_bundle(src: &PodmanContainer, new: &PodmanContainer) -> Result<Option<String>> {
+    let layer = |c: &PodmanContainer| {
+        let diff = c.upperdir.as_deref()?;
+        (diff.file_name()? == "diff").then(|| diff.parent()?.file_name()?.to_str()).flatten().map(String::from)
+    };
+    let (Some(src_layer), Some(new_layer)) = (layer(src), layer(new)) else {
+        return Ok(Some("not on overlay storage".into()));
+    };
+    let src_spec = Bundle::load(&src.bundle)?.spec;
+    if src_spec.binds.iter().any(|(_, from)| Path::new(from).components().any(|c| c.as_os_str() == "volumes")) {
+        return Ok(Some("the source has volumes".into()));
+    }
+    let short = |id: &str| id.get(..12).unwrap_or(id).to_string();
+    let renames = [
+        (src.id.as_str(), new.id.as_str()),
+        (src_layer.as_str(), new_layer.as_str()),
+        (&short(&src.id), &short(&new.id)),
+    ];
+    Bundle::derive(&src.bundle, &new.bundle, &renames, &["io.planarian.mcp.branch"])?;
+    Ok(None)
 }
 
 /// `podman container clone` does not copy annotations: the fork gets the source's
