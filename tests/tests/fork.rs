@@ -191,6 +191,8 @@ fn n_forks_in_one_call_take_the_spares_and_make_the_rest_side_by_side() {
     let r = cmd(pl, ["fork", &src.name, &sp, "--count", "3", "--json"]);
     r.ok();
     assert!(r.stderr.contains("3 time(s)") && r.stderr.contains("total"), "{}", r.stderr);
+    // (the two made here have the source's config made theirs: no podman container init)
+    assert_eq!(r.stderr.matches("the source's, made the fork's").count(), 2, "{}", r.stderr);
     let forks: Vec<serde_json::Value> = serde_json::from_str(&r.stdout).unwrap();
     let names: Vec<&str> = forks.iter().map(|f| f["container"].as_str().unwrap()).collect();
     assert_eq!(names, [spares[0].as_str(), made[0].as_str(), made[1].as_str()], "{}", r.stdout);
@@ -225,10 +227,13 @@ fn fork_of_an_unknown_statepoint_creates_nothing() {
 /// A fork runs beside the source's tool calls: it holds the source's lock shared, so a tool call
 /// in flight (here a holder of the shared lock that never ends on its own) does not stop it,
 /// while a rollback of the source, which needs the lock exclusive, waits for that tool call.
+/// (The source has a named volume: its fork's config is Podman's, `podman container init`.)
 #[test]
 fn a_fork_runs_beside_a_tool_call_on_the_source() {
     require_stack!();
-    let src = Sandbox::start("fbeside", 8, &[]);
+    let volume = name("fvol");
+    let src = Sandbox::start("fbeside", 8, &["-v", &format!("{volume}:/data")]);
+    src.sh("echo kept > /data/v").ok();
     let sp = src.snapshot("fork-point");
     let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &src.name]).out();
     let lock = format!("/var/lib/planarian/containers/{id}/lock");
@@ -258,4 +263,11 @@ fn a_fork_runs_beside_a_tool_call_on_the_source() {
     r.ok();
     assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &new]).out(), "running");
     assert!(waited && running, "the rollback did not wait for the tool call");
+    assert!(r.stderr.contains("podman container init (the source has volumes)"), "{}", r.stderr);
+    let mut fork = Sandbox::attach(&new);
+    assert_eq!(fork.sh("cat /data/v").ok().stdout, "kept\n", "the volume is the source's, shared");
+    drop(fork);
+    drop(_c);
+    drop(src);
+    podman("planarian", &["volume", "rm", "-f", &volume]).ok();
 }

@@ -184,6 +184,13 @@ impl Bundle {
         self.save()
     }
 
+    /// Whether the config gives SELinux labels (to the processes or the mounts): each container
+    /// has its own.
+    pub fn selinux_labelled(&self) -> bool {
+        let given = |v: &Value| v.as_str().is_some_and(|s| !s.is_empty());
+        given(&self.doc["process"]["selinuxLabel"]) || given(&self.doc["linux"]["mountLabel"])
+    }
+
     /// The config of bundle `from` written into directory `to` as another container's: each
     /// `(old, new)` of `renames` replaced throughout (IDs and the paths they are in), the
     /// annotations `dropped` left out.
@@ -253,6 +260,22 @@ mod tests {
         assert_eq!(s.masked_paths.len(), 2);
         assert_eq!(s.annotations.len(), 2);
         assert_eq!(s.configure(&Default::default()).unwrap().checkpoint.full_dump_interval, 3);
+    }
+
+    #[test]
+    fn selinux_labels_are_seen() {
+        let scratch = tempfile::tempdir().unwrap();
+        let label = |v: &Value| {
+            std::fs::write(scratch.path().join("config.json"), serde_json::to_vec(v).unwrap()).unwrap();
+            Bundle::load(scratch.path()).unwrap().selinux_labelled()
+        };
+        let mut v = podman_like_spec();
+        assert!(!label(&v));
+        v["linux"]["mountLabel"] = Value::String("system_u:object_r:container_file_t:s0:c1,c2".into());
+        assert!(label(&v));
+        v["linux"]["mountLabel"] = Value::String(String::new());
+        v["process"]["selinuxLabel"] = Value::String("system_u:system_r:container_t:s0:c1,c2".into());
+        assert!(label(&v));
     }
 
     #[test]

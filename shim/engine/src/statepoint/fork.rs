@@ -452,7 +452,8 @@ fn fork_into(
 /// as it is but for the network namespace, which it makes anew, and makes the files those paths
 /// name (`podman container init` + `stop`, which would write it, cost seconds). `None` when
 /// written; otherwise why not, and nothing written: a source whose mounts are not all the
-/// clone's (a volume: a clone gets anonymous volumes of its own), or not on overlay storage.
+/// clone's (a volume: a clone gets anonymous volumes of its own), with SELinux labels (a
+/// clone's are its own), or not on overlay storage.
 fn own_bundle(src: &PodmanContainer, new: &PodmanContainer) -> Result<Option<String>> {
     let layer = |c: &PodmanContainer| {
         let diff = c.upperdir.as_deref()?;
@@ -461,8 +462,11 @@ fn own_bundle(src: &PodmanContainer, new: &PodmanContainer) -> Result<Option<Str
     let (Some(src_layer), Some(new_layer)) = (layer(src), layer(new)) else {
         return Ok(Some("not on overlay storage".into()));
     };
-    let src_spec = Bundle::load(&src.bundle)?.spec;
-    if src_spec.binds.iter().any(|(_, from)| Path::new(from).components().any(|c| c.as_os_str() == "volumes")) {
+    let src_bundle = Bundle::load(&src.bundle)?;
+    if src_bundle.selinux_labelled() {
+        return Ok(Some("SELinux labels are each container's own".into()));
+    }
+    if src_bundle.spec.binds.iter().any(|(_, from)| Path::new(from).components().any(|c| c.as_os_str() == "volumes")) {
         return Ok(Some("the source has volumes".into()));
     }
     let short = |id: &str| id.get(..12).unwrap_or(id).to_string();
