@@ -48,9 +48,20 @@ fn spare(src: &Sandbox, sp: &str, count: u32) -> Vec<String> {
 /// the source's in it, and the files Podman mounts into it (`/etc/hosts`) are its own.
 fn assert_own_bundle(fork: &mut Sandbox, src: &Sandbox) {
     let (id, src_id) = (fork.id(), src.id());
-    let bundle = podman("planarian", &["inspect", "--format", "{{.StaticDir}}", &fork.name]).ok().out();
+    let dirs =
+        podman("planarian", &["inspect", "--format", "{{.StaticDir}} {{.GraphDriver.Data.UpperDir}}", &fork.name]);
+    let (bundle, upper) = dirs.out().split_once(' ').map(|(b, u)| (b.to_string(), u.to_string())).unwrap();
     let config = std::fs::read_to_string(std::path::Path::new(&bundle).join("config.json")).unwrap();
+    // (its ID's first 12 and 32 characters are names too: the host name, systemd's container_uuid)
     assert!(config.contains(&id) && !config.contains(&src_id[..12]), "{}: {config}", fork.name);
+    assert!(!config.contains(&src_id[12..32]), "{}: {config}", fork.name);
+    let layer = std::path::Path::new(&upper).parent().unwrap().file_name().unwrap().to_str().unwrap();
+    let root: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert!(
+        root["root"]["path"].as_str().unwrap().contains(layer),
+        "{}: its root is not its layer's: {config}",
+        fork.name
+    );
     let mounts = fork.sh("cat /proc/self/mountinfo").ok().stdout.clone();
     let hosts = mounts.lines().find(|l| l.split(' ').nth(4) == Some("/etc/hosts")).unwrap_or_default();
     assert!(hosts.contains(&id), "{}: /etc/hosts is not its own: {hosts}", fork.name);
@@ -232,6 +243,13 @@ fn fork_of_an_unknown_statepoint_creates_nothing() {
 fn a_fork_runs_beside_a_tool_call_on_the_source() {
     require_stack!();
     let volume = name("fvol");
+    struct Volume(String);
+    impl Drop for Volume {
+        fn drop(&mut self) {
+            let _ = podman("planarian", &["volume", "rm", "-f", &self.0]);
+        }
+    }
+    let _v = Volume(volume.clone());
     let src = Sandbox::start("fbeside", 8, &["-v", &format!("{volume}:/data")]);
     src.sh("echo kept > /data/v").ok();
     let sp = src.snapshot("fork-point");
@@ -263,11 +281,9 @@ fn a_fork_runs_beside_a_tool_call_on_the_source() {
     r.ok();
     assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &new]).out(), "running");
     assert!(waited && running, "the rollback did not wait for the tool call");
-    assert!(r.stderr.contains("podman container init (the source has volumes)"), "{}", r.stderr);
-    let mut fork = Sandbox::attach(&new);
+    assert!(r.stderr.contains("podman container init (its mount of /data is a volume)"), "{}", r.stderr);
+    let fork = Sandbox::attach(&new);
     assert_eq!(fork.sh("cat /data/v").ok().stdout, "kept\n", "the volume is the source's, shared");
-    drop(fork);
-    drop(_c);
-    drop(src);
-    podman("planarian", &["volume", "rm", "-f", &volume]).ok();
+    // (the containers go before their volume)
+    drop((fork, _c, src));
 }

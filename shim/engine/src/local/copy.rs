@@ -447,24 +447,9 @@ fn copy_xattrs(from: &Path, to: &Path) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
     let (src, dst) = (c(from)?, c(to)?);
-    // SAFETY: a valid path; a null buffer of size 0 asks for the size only.
-    let n = unsafe { libc::llistxattr(src.as_ptr(), std::ptr::null_mut(), 0) };
-    if n <= 0 {
-        let e = std::io::Error::last_os_error();
-        return match (n, e.raw_os_error()) {
-            (0, _) | (_, Some(libc::ENOTSUP)) => Ok(()),
-            _ => Err(e),
-        };
-    }
-    let mut names = vec![0u8; n as usize];
-    // SAFETY: a valid path and a buffer of the given length.
-    let n = unsafe { libc::llistxattr(src.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    names.truncate(n as usize);
-    for name in names.split(|b| *b == 0).filter(|n| !n.is_empty()) {
-        let cname = std::ffi::CString::new(name).map_err(std::io::Error::other)?;
+    let names = xattr_names(&src)?;
+    for name in &names {
+        let cname = std::ffi::CString::new(name.as_slice()).map_err(std::io::Error::other)?;
         let mut value = vec![0u8; 256];
         let len = loop {
             // SAFETY: valid path and name, a buffer of the given length.
@@ -484,7 +469,36 @@ fn copy_xattrs(from: &Path, to: &Path) -> std::io::Result<()> {
             return Err(std::io::Error::last_os_error());
         }
     }
+    // An entry made in a directory with a default ACL has that ACL: not the source's, if it has none.
+    for name in xattr_names(&dst)?.into_iter().filter(|n| n.starts_with(b"system.posix_acl_") && !names.contains(n)) {
+        let cname = std::ffi::CString::new(name).map_err(std::io::Error::other)?;
+        // SAFETY: valid path and name.
+        if unsafe { libc::lremovexattr(dst.as_ptr(), cname.as_ptr()) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
     Ok(())
+}
+
+/// The names of the extended attributes of `path` (not followed); none where the file system
+/// has none.
+fn xattr_names(path: &std::ffi::CStr) -> std::io::Result<Vec<Vec<u8>>> {
+    use nix::libc;
+    let mut names = vec![0u8; 1024];
+    loop {
+        // SAFETY: a valid path and a buffer of the given length.
+        let n = unsafe { libc::llistxattr(path.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+        if n >= 0 {
+            names.truncate(n as usize);
+            return Ok(names.split(|b| *b == 0).filter(|n| !n.is_empty()).map(<[u8]>::to_vec).collect());
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ENOTSUP) => return Ok(Vec::new()),
+            Some(libc::ERANGE) if names.len() < 1 << 20 => names.resize(names.len() * 4, 0),
+            _ => return Err(e),
+        }
+    }
 }
 
 /// The comparison a rollback in place began early.

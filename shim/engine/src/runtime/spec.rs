@@ -184,11 +184,40 @@ impl Bundle {
         self.save()
     }
 
-    /// Whether the config gives SELinux labels (to the processes or the mounts): each container
-    /// has its own.
-    pub fn selinux_labelled(&self) -> bool {
+    /// Why this config, of container `id`, cannot be made another container's by renaming
+    /// (what only `podman container init` makes for each container, or what another container
+    /// holds), if it cannot: SELinux labels (each container has its own); a mount of a volume (a
+    /// clone's anonymous volumes are its own), an overlay mount (its upper directory is in the
+    /// container's own directory), or any file of that directory Podman's restore does not make
+    /// again (it makes `/etc/hosts`, `resolv.conf`, `hostname`, `.containerenv`, `passwd`,
+    /// `group`, `localtime` and `/dev/shm`); a namespace of another process joined by its path.
+    pub fn not_derivable(&self, id: &str) -> Option<String> {
         let given = |v: &Value| v.as_str().is_some_and(|s| !s.is_empty());
-        given(&self.doc["process"]["selinuxLabel"]) || given(&self.doc["linux"]["mountLabel"])
+        if given(&self.doc["process"]["selinuxLabel"]) || given(&self.doc["linux"]["mountLabel"]) {
+            return Some("SELinux labels are each container's own".into());
+        }
+        const REMADE: [&str; 8] =
+            ["hosts", "resolv.conf", "hostname", ".containerenv", "passwd", "group", "shm", "localtime"];
+        for m in self.doc["mounts"].as_array().into_iter().flatten() {
+            let (kind, source) = (m["type"].as_str().unwrap_or(""), Path::new(m["source"].as_str().unwrap_or("")));
+            let destination = m["destination"].as_str().unwrap_or("");
+            let volume = source.components().any(|c| c.as_os_str() == "volumes" || c.as_os_str() == "_data");
+            let own = source.to_str().is_some_and(|s| s.contains(id))
+                && !source.file_name().and_then(|n| n.to_str()).is_some_and(|n| REMADE.contains(&n));
+            let what = match (kind == "overlay", volume, own) {
+                (true, _, _) => "an overlay",
+                (_, true, _) => "a volume",
+                (_, _, true) => "a file of the container's own",
+                _ => continue,
+            };
+            return Some(format!("its mount of {destination} is {what}"));
+        }
+        let joined = self.doc["linux"]["namespaces"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find_map(|n| n["path"].as_str().filter(|p| p.starts_with("/proc/")).and(n["type"].as_str()));
+        joined.map(|kind| format!("it joins another container's {kind} namespace"))
     }
 
     /// The config of bundle `from` written into directory `to` as another container's: each
@@ -263,19 +292,43 @@ mod tests {
     }
 
     #[test]
-    fn selinux_labels_are_seen() {
+    fn what_only_a_containers_own_init_makes_is_seen() {
         let scratch = tempfile::tempdir().unwrap();
-        let label = |v: &Value| {
+        let id = "c".repeat(64);
+        let why = |v: &Value| {
             std::fs::write(scratch.path().join("config.json"), serde_json::to_vec(v).unwrap()).unwrap();
-            Bundle::load(scratch.path()).unwrap().selinux_labelled()
+            Bundle::load(scratch.path()).unwrap().not_derivable(&id)
         };
-        let mut v = podman_like_spec();
-        assert!(!label(&v));
+        let base = || {
+            let mut v = podman_like_spec();
+            v["mounts"][2]["source"] = Value::String(format!("/run/overlay-containers/{id}/userdata/hosts"));
+            v
+        };
+        assert_eq!(why(&base()), None);
+        let mut v = base();
         v["linux"]["mountLabel"] = Value::String("system_u:object_r:container_file_t:s0:c1,c2".into());
-        assert!(label(&v));
-        v["linux"]["mountLabel"] = Value::String(String::new());
+        assert!(why(&v).unwrap().contains("SELinux"));
+        let mut v = base();
         v["process"]["selinuxLabel"] = Value::String("system_u:system_r:container_t:s0:c1,c2".into());
-        assert!(label(&v));
+        assert!(why(&v).unwrap().contains("SELinux"));
+        for (source, kind, what) in [
+            ("/var/lib/containers/storage/volumes/v/_data", "bind", "a volume"),
+            ("/srv/podman-volumes/v/_data", "bind", "a volume"),
+            (
+                &format!("/var/lib/containers/storage/overlay-containers/{id}/userdata/notify"),
+                "bind",
+                "a file of the container's own",
+            ),
+            ("/srv/data", "overlay", "an overlay"),
+        ] {
+            let mut v = base();
+            v["mounts"][3]["source"] = Value::String(source.to_string());
+            v["mounts"][3]["type"] = Value::String(kind.to_string());
+            assert_eq!(why(&v), Some(format!("its mount of /data is {what}")), "{source}");
+        }
+        let mut v = base();
+        v["linux"]["namespaces"][0]["path"] = Value::String("/proc/4242/ns/pid".into());
+        assert_eq!(why(&v).as_deref(), Some("it joins another container's pid namespace"));
     }
 
     #[test]

@@ -31,7 +31,6 @@ use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
 use crate::runtime::Bundle;
 use crate::store::{Actor, ContainerStore, Manifest, Outcome, OutcomeStatus, Status};
-use std::path::Path;
 use std::time::Duration;
 use sys::Context;
 
@@ -407,7 +406,7 @@ fn fork_into(
     crate::fault::point("fork.cloned")?;
     progress.phase("its OCI bundle");
     let new = podman::inspect(name)?;
-    match own_bundle(src, &new)? {
+    match own_bundle(src, src_store, &new)? {
         None => progress.done("the source's, made the fork's"),
         Some(why) => {
             progress.done(&format!("podman container init ({why})"));
@@ -447,14 +446,15 @@ fn fork_into(
 }
 
 /// NEW's OCI config, which its restore reads (a never-started container has none): the source's,
-/// with the source's ID, short ID and writable layer replaced by NEW's throughout (the paths of
-/// its `/etc/hosts`, `/dev/shm` and root, its cgroup, its host name). Podman's restore keeps it
-/// as it is but for the network namespace, which it makes anew, and makes the files those paths
-/// name (`podman container init` + `stop`, which would write it, cost seconds). `None` when
-/// written; otherwise why not, and nothing written: a source whose mounts are not all the
-/// clone's (a volume: a clone gets anonymous volumes of its own), with SELinux labels (a
-/// clone's are its own), or not on overlay storage.
-fn own_bundle(src: &PodmanContainer, new: &PodmanContainer) -> Result<Option<String>> {
+/// with the source's ID (its 64, 32 and 12 first characters) and writable layer replaced by NEW's
+/// throughout (the paths of its `/etc/hosts`, `/dev/shm` and root, its cgroup, its host name).
+/// Podman's restore keeps it as it is but for the network namespace, which it makes anew, and
+/// makes the files those paths name (`podman container init` + `stop`, which would write it,
+/// cost seconds). Read under the source's lock (shared: a rollback of the source rewrites its
+/// config). `None` when written; otherwise why not, and nothing written: a source not on overlay
+/// storage, whose config cannot be read, or whose config holds what only `init` makes for each
+/// container ([`Bundle::not_derivable`]).
+fn own_bundle(src: &PodmanContainer, src_store: &ContainerStore, new: &PodmanContainer) -> Result<Option<String>> {
     let layer = |c: &PodmanContainer| {
         let diff = c.upperdir.as_deref()?;
         (diff.file_name()? == "diff").then(|| diff.parent()?.file_name()?.to_str()).flatten().map(String::from)
@@ -462,19 +462,22 @@ fn own_bundle(src: &PodmanContainer, new: &PodmanContainer) -> Result<Option<Str
     let (Some(src_layer), Some(new_layer)) = (layer(src), layer(new)) else {
         return Ok(Some("not on overlay storage".into()));
     };
-    let src_bundle = Bundle::load(&src.bundle)?;
-    if src_bundle.selinux_labelled() {
-        return Ok(Some("SELinux labels are each container's own".into()));
+    let _lock = src_store.lock(false)?;
+    let why_not = match Bundle::load(&src.bundle) {
+        Ok(b) => b.not_derivable(&src.id),
+        Err(e) => Some(format!("the source's config: {e}")),
+    };
+    if why_not.is_some() {
+        return Ok(why_not);
     }
-    if src_bundle.spec.binds.iter().any(|(_, from)| Path::new(from).components().any(|c| c.as_os_str() == "volumes")) {
-        return Ok(Some("the source has volumes".into()));
-    }
-    let short = |id: &str| id.get(..12).unwrap_or(id).to_string();
+    let prefix = |id: &str, n: usize| id.get(..n).unwrap_or(id).to_string();
     let renames = [
-        (src.id.as_str(), new.id.as_str()),
-        (src_layer.as_str(), new_layer.as_str()),
-        (&short(&src.id), &short(&new.id)),
+        (src.id.clone(), new.id.clone()),
+        (src_layer, new_layer),
+        (prefix(&src.id, 32), prefix(&new.id, 32)),
+        (prefix(&src.id, 12), prefix(&new.id, 12)),
     ];
+    let renames: Vec<(&str, &str)> = renames.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
     Bundle::derive(&src.bundle, &new.bundle, &renames, &["io.planarian.mcp.branch"])?;
     Ok(None)
 }
