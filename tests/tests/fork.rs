@@ -29,12 +29,7 @@ fn status(name: &str) -> Run {
 
 /// Whether container `name` runs, its cgroup frozen (a spare planarian holds).
 fn held_frozen(name: &str) -> bool {
-    let pid = podman("planarian", &["inspect", "--format", "{{.State.Pid}}", name]).ok().out();
-    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
-    let rel = cgroup.lines().find_map(|l| l.strip_prefix("0::")).expect("cgroup v2").trim().trim_start_matches('/');
-    let events =
-        std::fs::read_to_string(std::path::Path::new("/sys/fs/cgroup").join(rel).join("cgroup.events")).unwrap();
-    status(name).out() == "running" && events.lines().any(|l| l == "frozen 1")
+    status(name).out() == "running" && cgroup_frozen(name)
 }
 
 /// `planarian spare CTR SP --count N`: the spares' names.

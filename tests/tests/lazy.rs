@@ -162,13 +162,7 @@ fn a_rollback_that_restores_lazily_is_exact_and_a_pause_while_it_settles_holds()
     // Settled (its marker gone), and the container still paused: frozen, as Podman says.
     assert!(wait_for(std::time::Duration::from_secs(300), || !store_of(&sb.name).join("lazy-pages.json").exists()));
     assert_eq!(status(&sb.name), "paused");
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).out();
-    let pid = podman("planarian", &["inspect", "--format", "{{.State.Pid}}", &sb.name]).out();
-    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
-    let cg = cg.lines().find_map(|l| l.strip_prefix("0::")).unwrap().to_string();
-    assert!(cg.contains(&id), "{cg}");
-    let events = std::fs::read_to_string(format!("/sys/fs/cgroup{cg}/cgroup.events")).unwrap();
-    assert!(events.lines().any(|l| l == "frozen 1"), "paused, but running: {events}");
+    assert!(cgroup_frozen(&sb.name), "paused, but running");
     podman("planarian", &["unpause", &sb.name]).ok();
 
     sb.seq = sb.read().expect("state after rollback").0;

@@ -132,16 +132,7 @@ fn store_dirs() -> Vec<String> {
 /// Whether container `name` stays frozen: a restore's settling (memory on demand) freezes it for
 /// a moment; a freeze that outlasts two minutes was left.
 fn left_frozen(name: &str) -> bool {
-    !wait_for(Duration::from_secs(120), || !frozen(name))
-}
-
-fn frozen(name: &str) -> bool {
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", name]).out();
-    let pid = podman("planarian", &["inspect", "--format", "{{.State.Pid}}", name]).out();
-    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-    let path = cg.lines().find_map(|l| l.strip_prefix("0::")).unwrap_or("").to_string();
-    assert!(path.contains(&id), "{name}: its cgroup ({path})");
-    std::fs::read_to_string(format!("/sys/fs/cgroup{path}/cgroup.events")).unwrap().contains("frozen 1")
+    !wait_for(Duration::from_secs(120), || !cgroup_frozen(name))
 }
 
 #[test]
