@@ -199,17 +199,6 @@ fn remove(names: &[String]) {
         .status();
 }
 
-/// Whether the cgroup of container `name` (which runs) is frozen: its `cgroup.events` says so.
-pub fn cgroup_frozen(name: &str) -> bool {
-    let found = podman("planarian", &["inspect", "--format", "{{.Id}} {{.State.Pid}}", name]).ok().out();
-    let (id, pid) = found.split_once(' ').unwrap_or_default();
-    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::")).unwrap_or("").trim();
-    assert!(!id.is_empty() && path.contains(id), "{name}: its cgroup ({path:?}) is not its own ({found:?})");
-    let events = std::fs::read_to_string(format!("/sys/fs/cgroup{path}/cgroup.events")).unwrap();
-    events.lines().any(|l| l == "frozen 1")
-}
-
 /// Whether some process waits for a `flock` of the file at `path` (a blocked lock in
 /// `/proc/locks`, on its inode).
 pub fn lock_waited_for(path: &std::path::Path) -> bool {

@@ -141,7 +141,20 @@ impl Sandbox {
     pub fn id(&self) -> String {
         self.ctr.id()
     }
+}
 
+/// The store of container `name`, planarian's directory for it.
+pub fn store_of(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(STORES).join(Ctr::new(name).id())
+}
+
+/// Whether the cgroup of container `name`, which runs, is frozen (its `cgroup.events` says so).
+pub fn cgroup_frozen(name: &str) -> bool {
+    let found = Ctr::new(name).found();
+    found.unwrap_or_else(|| panic!("{name}: not running in a cgroup of its own")).1
+}
+
+impl Sandbox {
     pub fn read(&self) -> Option<(u64, State)> {
         let text = self.ctr.read("tmp/state")?;
         let mut f = text.split_whitespace();

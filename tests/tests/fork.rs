@@ -40,8 +40,9 @@ fn spare(src: &Sandbox, sp: &str, count: u32) -> Vec<String> {
 }
 
 /// A fork runs from an OCI config of its own (planarian writes it from the source's): no ID of
-/// the source's in it, and the files Podman mounts into it (`/etc/hosts`) are its own.
-fn assert_own_bundle(fork: &mut Sandbox, src: &Sandbox) {
+/// the source's in it, and the files Podman mounts into it (`/etc/hosts`) are its own. Returns
+/// its bundle.
+fn assert_own_bundle(fork: &mut Sandbox, src: &Sandbox) -> std::path::PathBuf {
     let (id, src_id) = (fork.id(), src.id());
     let dirs =
         podman("planarian", &["inspect", "--format", "{{.StaticDir}} {{.GraphDriver.Data.UpperDir}}", &fork.name]);
@@ -61,6 +62,7 @@ fn assert_own_bundle(fork: &mut Sandbox, src: &Sandbox) {
     let hosts = mounts.lines().find(|l| l.split(' ').nth(4) == Some("/etc/hosts")).unwrap_or_default();
     assert!(hosts.contains(&id), "{}: /etc/hosts is not its own: {hosts}", fork.name);
     assert!(!mounts.contains(&src_id[..12]), "{}: {mounts}", fork.name);
+    bundle.into()
 }
 
 #[test]
@@ -206,15 +208,14 @@ fn n_forks_in_one_call_take_the_spares_and_make_the_rest_side_by_side() {
     assert_eq!(paths, [Some("spare"), None, None]);
     for n in &names {
         let mut f = Sandbox::attach(n);
-        assert_own_bundle(&mut f, &src);
+        let bundle = assert_own_bundle(&mut f, &src);
         assert_eq!(f.state(), at_sp, "{n} starts at the statepoint");
         assert_eq!(f.sh("cat /root/f").stdout, "base\n", "{n}");
         f.send("dirty 1048576 65536");
         let first = f.snapshot("first");
         f.assert_incremental(&first, 1, 2_048);
         // Its page server served it (the snapshot waited for it to end).
-        let dir = podman("planarian", &["inspect", "--format", "{{.StaticDir}}", n]).ok().out();
-        let log = std::fs::read_to_string(std::path::Path::new(&dir).join("planarian-restore/lazy-pages.log"));
+        let log = std::fs::read_to_string(bundle.join("planarian-restore/lazy-pages.log"));
         assert!(log.as_deref().is_ok_and(|l| l.contains("lazy_pages")), "{n}: restored on demand: {log:?}");
     }
     assert_eq!(src.statepoints().len(), 1, "the source is untouched");

@@ -138,13 +138,8 @@ fn rolled_back(sb: &mut Sandbox, r: Run) -> serde_json::Value {
     serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}: {}", r.stdout))
 }
 
-fn store_of(sb: &Sandbox) -> PathBuf {
-    Path::new("/var/lib/planarian/containers")
-        .join(podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).ok().out())
-}
-
 fn images_of(sb: &Sandbox, sp: &str) -> PathBuf {
-    store_of(sb).join("statepoints").join(sp).join("criu")
+    sb.store().join("statepoints").join(sp).join("criu")
 }
 
 /// Every page a dump holds (through its chain), by address, outside the vDSO and vvar.
@@ -558,7 +553,7 @@ fn planarian_killed_mid_rollback_in_place_leaves_no_process_halfway() {
     assert!(r.stderr.contains(&format!("an interrupted rollback to {sp} was undone")), "{}", r.stderr);
     assert_eq!(status(), "running");
     assert_eq!(line(&sb), before, "as it was before the rollback");
-    let committed_internal = std::fs::read_dir(store_of(&sb).join("statepoints"))
+    let committed_internal = std::fs::read_dir(sb.store().join("statepoints"))
         .unwrap()
         .filter_map(|e| std::fs::read(e.unwrap().path().join("manifest.json")).ok())
         .map(|b| serde_json::from_slice::<serde_json::Value>(&b).unwrap())

@@ -56,11 +56,6 @@ fn server_log(name: &str) -> String {
     std::fs::read_to_string(&log).unwrap_or_default()
 }
 
-fn store_of(name: &str) -> PathBuf {
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", name]).ok().out();
-    Path::new("/var/lib/planarian/containers").join(id)
-}
-
 /// A number after `key: ` in the server's log.
 fn field(log: &str, key: &str) -> u64 {
     let at = log.find(&format!("{key}: ")).unwrap_or_else(|| panic!("no {key} in {log:?}")) + key.len() + 2;

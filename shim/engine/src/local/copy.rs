@@ -450,21 +450,9 @@ fn copy_xattrs(from: &Path, to: &Path) -> std::io::Result<()> {
     let names = xattr_names(&src)?;
     for name in &names {
         let cname = std::ffi::CString::new(name.as_slice()).map_err(std::io::Error::other)?;
-        let mut value = vec![0u8; 256];
-        let len = loop {
-            // SAFETY: valid path and name, a buffer of the given length.
-            let len = unsafe { libc::lgetxattr(src.as_ptr(), cname.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
-            let e = std::io::Error::last_os_error();
-            if len >= 0 {
-                break len as usize;
-            }
-            if e.raw_os_error() != Some(libc::ERANGE) || value.len() >= 1 << 16 {
-                return Err(e);
-            }
-            value.resize(value.len() * 4, 0);
-        };
-        // SAFETY: valid path and name, a buffer of at least `len` bytes.
-        let set = unsafe { libc::lsetxattr(dst.as_ptr(), cname.as_ptr(), value.as_ptr().cast(), len, 0) };
+        let value = xattr_value(&src, &cname)?;
+        // SAFETY: valid path and name, a buffer of the given length.
+        let set = unsafe { libc::lsetxattr(dst.as_ptr(), cname.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
         if set != 0 && name.starts_with(b"trusted.overlay.") {
             return Err(std::io::Error::last_os_error());
         }
@@ -478,6 +466,24 @@ fn copy_xattrs(from: &Path, to: &Path) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The value of extended attribute `name` of `path` (not followed).
+fn xattr_value(path: &std::ffi::CStr, name: &std::ffi::CStr) -> std::io::Result<Vec<u8>> {
+    let mut value = vec![0u8; 256];
+    loop {
+        // SAFETY: valid path and name, a buffer of the given length.
+        let len = unsafe { nix::libc::lgetxattr(path.as_ptr(), name.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
+        let e = std::io::Error::last_os_error();
+        if len >= 0 {
+            value.truncate(len as usize);
+            return Ok(value);
+        }
+        if e.raw_os_error() != Some(nix::libc::ERANGE) || value.len() >= 1 << 16 {
+            return Err(e);
+        }
+        value.resize(value.len() * 4, 0);
+    }
 }
 
 /// The names of the extended attributes of `path` (not followed); none where the file system
@@ -554,7 +560,8 @@ mod tests {
             .collect()
     }
 
-    /// The extended attributes of `p` (not followed), names and values.
+    /// The extended attributes of `p` (not followed), names and values: read here, not by the
+    /// code under test.
     fn xattrs(p: &Path) -> Vec<(String, Vec<u8>)> {
         use std::os::unix::ffi::OsStrExt;
         let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();

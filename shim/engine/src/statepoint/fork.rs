@@ -393,11 +393,12 @@ fn fork_into(
     progress: &mut dyn Progress,
 ) -> Result<()> {
     let src_cfg = src_config(cfg, src)?;
+    // (its ID, bundle and writable layer: none of them changes below)
+    let new = podman::inspect(name)?;
     let src_zfs = crate::local::zfs::mapping(src_store);
     if let (Some(map), Some(snap)) = (&src_zfs, &target.local_state.zfs_snapshot) {
         progress.phase("files (a ZFS clone of the statepoint)");
         // NEW's dataset exists before its first create, which points NEW's config at it.
-        let new = podman::inspect(name)?;
         let store = ContainerStore::new(&cfg.store.path, &new.id);
         // Shared: tool calls on the source go on; a removal, retention or rollback waits.
         let _lock = src_store.lock(false)?;
@@ -405,18 +406,16 @@ fn fork_into(
     }
     crate::fault::point("fork.cloned")?;
     progress.phase("its OCI bundle");
-    let new = podman::inspect(name)?;
     match own_bundle(src, src_store, &new)? {
         None => progress.done("the source's, made the fork's"),
         Some(why) => {
             progress.done(&format!("podman container init ({why})"));
             podman::init_stopped(name)?;
+            podman::wait_stopped(&new.id, new.upperdir.as_deref(), Duration::from_secs(60))?;
         }
     }
-    let new = podman::inspect(name)?;
     progress.phase("its settings (and its own database, where the service can branch)");
     let remote = carry_settings(src, &src_cfg, target, &new)?;
-    podman::wait_stopped(&new.id, new.upperdir.as_deref(), Duration::from_secs(60))?;
     let store = ContainerStore::new(&cfg.store.path, &new.id);
     progress.phase("its first statepoint (images linked)");
     let m = {
