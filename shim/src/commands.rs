@@ -67,7 +67,6 @@ fn checkpoint_with(engine: &Engine, a: &cli::CheckpointArgs) -> Result<Option<Ma
             description: a.description.clone(),
             state: None,
             id: None,
-            files_taken: None,
         };
         engine.checkpoint(&a.container_id, &req, a.image_path.as_deref(), a.work_path.as_deref()).map(Some)
     }
@@ -126,7 +125,6 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             description: a.description,
             state,
             id: None,
-            files_taken: None,
         },
     )?;
     println!("{}", m.statepoint_id);

@@ -12,9 +12,12 @@ use mcp::*;
 
 /// Every step of a rollback made to fail in turn (the fault points, and a real conflict in the
 /// compensation: a row changed behind the proxy), on both paths (in place, and stop and
-/// restore): afterwards the sandbox *and* the database are both as they were before; then the
-/// rollback succeeds and both are at the statepoint — or, planarian killed between the restored
-/// sandbox and the compensation, the next operation finishes it. Compensation is the last step.
+/// restore): a failure up to the compensation leaves the sandbox *and* the database both as
+/// they were before; then the rollback succeeds and both are at the statepoint — or, planarian
+/// killed between the restored sandbox and the compensation, the next operation finishes it.
+/// On the stop-and-restore path compensation is the last step; in place it is the first
+/// change, and a local step that fails after it takes the rollback forward: the statepoint
+/// restored, sandbox and database both at it.
 #[test]
 fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
     require_stack!();
@@ -39,10 +42,12 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
     }
     let _disarm = Disarm;
     let rows = || pg.psql("SELECT coalesce(string_agg(id || ':' || body, ',' ORDER BY id), '') FROM reports");
-    // (each path's last local steps: the earlier ones are in the matrices of faults.rs and
-    // inplace.rs, which check the sandbox; none of them comes near the compensation)
+    // (stop and restore: its last local steps, before the compensation; in place: the
+    // compensation itself, its first change. The other steps are in the matrices of faults.rs
+    // and inplace.rs, which check the sandbox; in place, those after the compensation go
+    // forward, below)
     for (in_place, points) in [
-        (true, &["rollback.in-place.memory", "rollback.in-place.written"][..]),
+        (true, &["rollback.in-place.compensating"][..]),
         (false, &["rollback.files-restored", "rollback.restored"][..]),
     ] {
         pg.psql("DELETE FROM reports");
@@ -91,6 +96,25 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
             assert_eq!(sandbox(), "later", "{point}: the sandbox is as it was");
             assert_eq!(rows(), later, "{point}: the database is as it was");
         }
+        if in_place {
+            // Past the compensation: forward, to the statepoint, by a restore.
+            for point in ["rollback.in-place.memory", "rollback.in-place.written"] {
+                std::fs::write(FAULT, point).unwrap();
+                let r = planarian(&["rollback", &n, &sp1, "--json"]);
+                r.ok();
+                assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
+                let ctx: Value = serde_json::from_str(&r.stdout).unwrap();
+                assert_eq!(ctx["how"]["path"], "stop-and-restore", "{point}: {ctx}");
+                assert!(ctx["how"]["not-in-place"].as_str().unwrap().contains(point), "{point}: {ctx}");
+                assert_eq!(sandbox(), "at-the-statepoint", "{point}: the sandbox is at the statepoint");
+                assert_eq!(rows(), at_sp1, "{point}: the database is at the statepoint");
+                // (and later again)
+                ok(agent.sql("UPDATE reports SET body = 'later' WHERE id = 1"));
+                ok(agent.sql("INSERT INTO reports VALUES (2, 'later too')"));
+                ctr.sh("echo later > /f").ok();
+                assert_eq!(rows(), later);
+            }
+        }
         // A real failure of the compensation: a row changed behind the proxy is a conflict.
         pg.psql("UPDATE reports SET body = 'by hand' WHERE id = 2");
         let by_hand = rows();
@@ -102,11 +126,12 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
         assert_eq!(sandbox(), "later", "after the conflict the sandbox is as it was");
         assert_eq!(rows(), by_hand, "after the conflict the database is as it was");
         pg.psql("UPDATE reports SET body = 'later too' WHERE id = 2");
-        // planarian killed between the restored sandbox and the compensation (in place: the
-        // sandbox still frozen): the database is not compensated yet; the next operation thaws
-        // the sandbox and finishes the compensation, and then both are at the statepoint. On
-        // the stop-and-restore path the sandbox runs meanwhile, and a call from it is refused.
-        let point = if in_place { "rollback.in-place.written" } else { "rollback.restored" };
+        // planarian killed between the restored sandbox and the compensation (in place: just
+        // before the compensation, the sandbox frozen and untouched): the database is not
+        // compensated yet; the next operation finishes the compensation (and, in place, the
+        // rollback: the statepoint restored), and then both are at the statepoint. On the
+        // stop-and-restore path the sandbox runs meanwhile, and a call from it is refused.
+        let point = if in_place { "rollback.in-place.compensating" } else { "rollback.restored" };
         std::fs::write(FAULT, format!("kill:{point}")).unwrap();
         let r = planarian(&["rollback", &n, &sp1]);
         assert!(r.code.is_none() || r.code == Some(137), "killed at {point}: {r:?}");
@@ -126,6 +151,28 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
         assert!(r.stderr.contains("finished the compensation of an interrupted rollback"), "{r:?}");
         assert_eq!(sandbox(), "at-the-statepoint");
         assert_eq!(rows(), at_sp1);
+        if in_place {
+            // Killed after the compensation, while memory is written (the held processes die
+            // with planarian): the database is at the statepoint already; the next operation
+            // restores the sandbox to it and finishes the compensation's intent.
+            ok(agent.sql("UPDATE reports SET body = 'later' WHERE id = 1"));
+            ok(agent.sql("INSERT INTO reports VALUES (2, 'later too')"));
+            ctr.sh("echo later > /f").ok();
+            assert_eq!(rows(), later);
+            std::fs::write(FAULT, "kill:rollback.in-place.memory").unwrap();
+            let r = planarian(&["rollback", &n, &sp1]);
+            assert!(r.code.is_none() || r.code == Some(137), "killed at memory: {r:?}");
+            assert!(!Path::new(FAULT).exists(), "memory: the fault never fired");
+            assert_eq!(rows(), at_sp1, "compensated before the first write");
+            let r = planarian(&["snapshot", &n]);
+            r.ok();
+            assert!(r.stderr.contains("finished the compensation of an interrupted rollback"), "{r:?}");
+            assert_eq!(sandbox(), "at-the-statepoint");
+            assert_eq!(rows(), at_sp1);
+            // (the sandbox's processes died with planarian, and its MCP sidecar with them: the
+            // agent connects again, to the sidecar the restore started)
+            agent = Harness::connect(&id);
+        }
         ok(agent.sql("INSERT INTO reports VALUES (3, 'after')"));
         drop(agent);
     }

@@ -339,16 +339,16 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     assert_eq!(tree(&sb), before, "the tree after the second rollback in place");
     assert_eq!(sb.sh("cat /work/hard; stat -c %h /work/hard").out(), "h\n2", "still one file with two names");
 
-    // What the rollbacks left — their safety statepoints, the statepoint's clone, the snapshot
-    // of the frozen state — is removed after they answered; nothing else goes.
+    // What the rollbacks left — the statepoint's clone, the snapshot of the frozen state — is
+    // removed after they answered; nothing else goes.
     assert!(wait_for(Duration::from_secs(120), || left() == kept), "{:?}", left());
 }
 
-/// A rollback in place on ZFS that fails leaves the sandbox as it was and nothing of itself in
-/// the pool: while its safety statepoint is taken — which adopts the snapshot of the frozen
-/// state that the files' comparison took, so that failing before, during and after that
-/// adoption are each a different owner of it — and after the point of no return. Then it
-/// goes back in place, and what the rollback left is removed.
+/// A rollback in place on ZFS that fails before its point of no return (the compensation of
+/// the remote state, its first change) leaves the sandbox as it was; one that fails after it
+/// goes forward, by a restore, to exactly the statepoint. Either way nothing of the rollback
+/// stays in the pool: the snapshot of the frozen state and the clone its files were compared
+/// with are removed. Then it goes back in place.
 #[test]
 fn a_failing_rollback_in_place_on_zfs_leaves_the_sandbox_and_the_pool_as_they_were() {
     require_stack!();
@@ -378,37 +378,46 @@ fn a_failing_rollback_in_place_on_zfs_leaves_the_sandbox_and_the_pool_as_they_we
     let sp = sb.snapshot("good");
     let kept = left();
     assert_eq!(kept.len(), 2, "the dataset and the statepoint's snapshot: {kept:?}");
-    let mut before = sb.send("dirty 0 65536");
-    for point in [
-        "snapshot.before-freeze",
-        "snapshot.frozen",
-        "snapshot.dumped",
-        "snapshot.before-commit",
-        "rollback.in-place.files",
-        "rollback.in-place.memory",
-    ] {
+    let before = sb.send("dirty 0 65536");
+    let point = "rollback.in-place.compensating";
+    sb.sh("echo now > /root/f").ok();
+    std::fs::create_dir_all("/run/planarian").unwrap();
+    std::fs::write(FAULT, point).unwrap();
+    let r = planarian(&["rollback", &sb.name, &sp]);
+    assert_ne!(r.code, Some(0), "{point}: {r:?}");
+    assert!(r.stderr.contains(point), "{point}: {r:?}");
+    assert!(!std::path::Path::new(FAULT).exists(), "{point}: the fault never fired");
+    assert_eq!(status(&sb.name), "running", "{point}");
+    sb.seq = sb.read().expect("state").0;
+    let now = sb.send("tick");
+    assert_eq!(
+        (now.counter, &now.checksum),
+        (before.counter + 1, &before.checksum),
+        "{point}: the memory is not as it was"
+    );
+    assert_eq!(sb.sh("cat /root/f").out(), "now", "{point}: the files are not as they were");
+    let list = sb.statepoints();
+    let sps: Vec<&str> = list.iter().map(|m| m["statepoint-id"].as_str().unwrap_or("")).collect();
+    assert_eq!(sps, vec![sp.as_str()], "{point}: only the statepoint stays");
+    assert!(wait_for(Duration::from_secs(120), || left() == kept), "{point}: left in the pool: {:?}", left());
+    for point in ["rollback.in-place.files", "rollback.in-place.memory"] {
+        sb.send("dirty 0 65536");
         sb.sh("echo now > /root/f").ok();
-        std::fs::create_dir_all("/run/planarian").unwrap();
         std::fs::write(FAULT, point).unwrap();
-        let r = planarian(&["rollback", &sb.name, &sp]);
-        assert_ne!(r.code, Some(0), "{point}: {r:?}");
-        assert!(r.stderr.contains(point), "{point}: {r:?}");
+        let r = planarian(&["rollback", &sb.name, &sp, "--json"]);
+        r.ok();
         assert!(!std::path::Path::new(FAULT).exists(), "{point}: the fault never fired");
-        assert_eq!(status(&sb.name), "running", "{point}");
+        let how: serde_json::Value = serde_json::from_str::<serde_json::Value>(&r.stdout).unwrap()["how"].clone();
+        assert_eq!(how["path"], "stop-and-restore", "{point}: {how}");
+        assert!(how["not-in-place"].as_str().unwrap().contains(point), "{point}: {how}");
         sb.seq = sb.read().expect("state").0;
-        let now = sb.send("tick");
-        assert_eq!(
-            (now.counter, &now.checksum),
-            (before.counter + 1, &before.checksum),
-            "{point}: the memory is not as it was"
-        );
-        before = now;
-        assert_eq!(sb.sh("cat /root/f").out(), "now", "{point}: the files are not as they were");
-        let list = sb.statepoints();
-        let sps: Vec<&str> = list.iter().map(|m| m["statepoint-id"].as_str().unwrap_or("")).collect();
-        assert_eq!(sps, vec![sp.as_str()], "{point}: only the statepoint stays");
+        assert_eq!(sb.send("tick").checksum, at.checksum, "{point}: the memory is the statepoint's");
+        assert_eq!(sb.sh("cat /root/f").out(), "then", "{point}: the files are the statepoint's");
+        assert_eq!(status(&sb.name), "running", "{point}");
         assert!(wait_for(Duration::from_secs(120), || left() == kept), "{point}: left in the pool: {:?}", left());
     }
+    sb.send("dirty 0 65536");
+    sb.sh("echo now > /root/f").ok();
     let r = planarian(&["rollback", &sb.name, &sp, "--json"]);
     r.ok();
     let how: serde_json::Value = serde_json::from_str::<serde_json::Value>(&r.stdout).unwrap()["how"].clone();

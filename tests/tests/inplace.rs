@@ -299,7 +299,7 @@ fn present(pid: u32, lo: u64, hi: u64) -> u64 {
     sys::proc::pagemap::pages(pid as i32, lo, hi, zero).unwrap().iter().map(|r| (r.1 - r.0) / images::PAGE_SIZE).sum()
 }
 
-/// Rolls back with `--json`, paused after the safety statepoint (the sandbox frozen and dumped)
+/// Rolls back with `--json`, paused after its plan (the sandbox frozen, its pages compared)
 /// while zeroed pages appear in holes of its memory: what khugepaged, which ignores the
 /// freezer, does when it collapses a 2 MiB range a process has a few pages in. (It cannot be
 /// made to collapse one on demand here: the guest kernel, 6.1, has no `process_madvise`
@@ -318,7 +318,7 @@ fn rollback_with_strays(sb: &mut Sandbox, sp: &str, holes: &[u64]) -> serde_json
         if !paused.exists() {
             let _ = std::fs::remove_file(FAULT);
             let said = if reached { format!("{:?}", rb.join().unwrap()) } else { "(still running)".into() };
-            panic!("the rollback did not pause after its safety statepoint: {said}");
+            panic!("the rollback did not pause after its plan: {said}");
         }
         let mem = std::fs::OpenOptions::new().write(true).open(format!("/proc/{pid}/mem")).unwrap();
         for &a in holes {
@@ -488,8 +488,27 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
         assert_eq!(sb.sh("test -e /root/two").code == Some(0), two, "{sp}");
         assert_ne!(sb.sh("test -e /root/scratch").code, Some(0), "{sp}");
     }
-    // Each step after the point of no return made to fail: the safety statepoint puts the
-    // sandbox back exactly as it was (memory, mappings, files).
+    // The step before the point of no return made to fail (the remote state's compensation,
+    // the first change): the sandbox is exactly as it was (memory, mappings, files), thawed.
+    sb.send("map 1");
+    sb.sh("echo now > /root/now").ok();
+    let before = line(&sb);
+    std::fs::create_dir_all("/run/planarian").unwrap();
+    std::fs::write(FAULT, "rollback.in-place.compensating").unwrap();
+    let r = planarian(&["rollback", &sb.name, &sp2]);
+    assert_ne!(r.code, Some(0), "{r:?}");
+    assert!(
+        r.stderr.contains("rollback failed, the container and its remote state are as they were before")
+            && r.stderr.contains("rollback.in-place.compensating"),
+        "{r:?}"
+    );
+    assert!(!Path::new(FAULT).exists(), "the fault never fired");
+    assert_eq!(line(&sb), before, "as before");
+    assert_eq!(sb.sh("cat /root/now").ok().out(), "now");
+    assert!(!cgroup_frozen(&sb.name), "thawed");
+    // Each step after it made to fail: the remote state is at the target already, so the
+    // rollback goes forward — the sandbox stopped and the statepoint restored — and ends
+    // exactly at the statepoint (memory, mappings, files), saying why it was not in place.
     for point in [
         "rollback.in-place.files",
         "rollback.in-place.memory",
@@ -498,20 +517,16 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     ] {
         sb.send("map 1");
         sb.sh("echo now > /root/now").ok();
-        let before = line(&sb);
         std::fs::create_dir_all("/run/planarian").unwrap();
         std::fs::write(FAULT, point).unwrap();
-        let r = planarian(&["rollback", &sb.name, &sp2]);
-        assert_ne!(r.code, Some(0), "{point}: {r:?}");
-        assert!(
-            r.stderr.contains("rollback failed, the container and its remote state are as they were before")
-                && r.stderr.contains(point),
-            "{point}: {r:?}"
-        );
+        let ctx = rollback(&mut sb, &sp2);
         assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
-        sb.seq = sb.read().expect("state").0;
-        assert_eq!(line(&sb), before, "{point}");
-        assert_eq!(sb.sh("cat /root/now").ok().out(), "now", "{point}");
+        assert_eq!(ctx["how"]["path"], "stop-and-restore", "{point}: {ctx}");
+        let why = ctx["how"]["not-in-place"].as_str().unwrap_or_default();
+        assert!(why.contains("writing in place failed") && why.contains(point), "{point}: {ctx}");
+        assert_eq!(line(&sb), at2, "{point}");
+        assert_ne!(sb.sh("test -e /root/now").code, Some(0), "{point}: the statepoint's files");
+        assert_eq!(sb.sh("cat /root/two").ok().out(), "two", "{point}");
     }
     // And the statepoint is still there to return to, in place.
     let ctx = rollback(&mut sb, &sp2);
@@ -546,20 +561,22 @@ fn planarian_killed_mid_rollback_in_place_leaves_no_process_halfway() {
         status()
     );
     assert!(sb.statepoints().iter().any(|m| m["statepoint-id"] == sp.as_str()), "the statepoint is intact");
-    // The next operation puts the sandbox back as it was before the rollback (its safety
-    // statepoint, files and processes), and then does what it was asked.
+    // The next operation finishes the rollback (past its compensation there is no way back:
+    // the statepoint restored, files and processes), and then does what it was asked.
     let r = planarian(&["snapshot", &sb.name, "--name", "after-the-kill"]);
     r.ok();
-    assert!(r.stderr.contains(&format!("an interrupted rollback to {sp} was undone")), "{}", r.stderr);
+    assert!(r.stderr.contains(&format!("an interrupted rollback to {sp} was finished")), "{}", r.stderr);
     assert_eq!(status(), "running");
-    assert_eq!(line(&sb), before, "as it was before the rollback");
+    sb.seq = sb.read().expect("state after the finished rollback").0;
+    assert_ne!(line(&sb), before, "not as it was before the rollback");
+    assert_eq!(line(&sb), at_sp, "at the statepoint");
     let committed_internal = std::fs::read_dir(sb.store().join("statepoints"))
         .unwrap()
         .filter_map(|e| std::fs::read(e.unwrap().path().join("manifest.json")).ok())
         .map(|b| serde_json::from_slice::<serde_json::Value>(&b).unwrap())
         .filter(|m| m["internal"] == true && m["status"] == "committed")
         .count();
-    assert_eq!(committed_internal, 0, "the safety statepoint is gone once used");
+    assert_eq!(committed_internal, 0, "no internal statepoint is left");
     let ctx = rollback(&mut sb, &sp);
     assert_eq!(line(&sb), at_sp, "at the statepoint ({})", ctx["how"]["path"]);
     let r = planarian(&["fsck", &sb.name]);

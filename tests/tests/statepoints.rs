@@ -592,7 +592,7 @@ fn remote_hooks_record_positions_and_compensate_before_the_restore() {
     sb.rollback(&sp);
     assert_eq!(hook.position(), "5", "the remote state was compensated back to the statepoint");
     assert_eq!(sb.send("tick").counter, at_sp.counter + 1);
-    // compensate came after the safety capture and before the restore's own work.
+    // compensate came after the capture of where the service was.
     assert_eq!(hook.calls(), vec!["capture", "capture", "compensate"]);
 }
 

@@ -162,7 +162,7 @@ impl Rootfs for CopyRootfs {
     }
 
     /// Started as soon as the container is frozen: the comparison in a thread of its own, beside
-    /// the safety statepoint and the page plan (it only reads).
+    /// the page plan (it only reads).
     fn in_place_start(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Option<super::files::InPlaceStart> {
         let (saved, upper, at) = (saved_of(sp_dir, local), self.upperdir.clone(), at.clone());
         let thread: Planning = std::thread::spawn(move || compare(&saved, &upper, &at));

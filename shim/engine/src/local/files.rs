@@ -43,23 +43,18 @@ pub trait Rootfs: Send + Sync {
 /// What [`Rootfs::in_place_start`] began, for the same backend's [`Rootfs::in_place`].
 pub struct InPlaceStart {
     pub work: Box<dyn std::any::Any + Send>,
-    /// The files of the frozen state, when the start captures them for itself under the name
-    /// the safety statepoint's would have ([`InPlaceAt::safety`]): that statepoint adopts them.
-    pub files_taken: Option<TakenFiles>,
 }
 
 impl InPlaceStart {
     pub fn new(work: impl std::any::Any + Send) -> InPlaceStart {
-        InPlaceStart { work: Box::new(work), files_taken: None }
+        InPlaceStart { work: Box::new(work) }
     }
 }
 
-/// Files of the frozen state captured once for two users: a rollback in place's early start
-/// (on ZFS: the snapshot it compares the statepoint with) and the safety statepoint taken in
-/// the same freeze, which adopts them ([`TakenFiles::adopt`]) instead of capturing the same
-/// state a second time. Whoever captures them says how that went ([`TakenFiles::made`]; a
-/// capturer that ends without saying has failed). Once adopted, they belong to the statepoint
-/// (removed with it, or by its discard when it fails); until then, to the capturer.
+/// Files of the frozen state a rollback in place captures for its comparison (on ZFS: the
+/// snapshot it compares the statepoint with), beside other work. Whoever captures them says how
+/// that went ([`Capturing::made`]; a capturer that ends without saying has failed); once made,
+/// they are the capturer's to remove.
 #[derive(Clone)]
 pub struct TakenFiles(std::sync::Arc<Taken>);
 
@@ -67,27 +62,19 @@ struct Taken {
     /// What was captured (the ZFS snapshot's full name).
     name: String,
     state: std::sync::Mutex<Capture>,
-    said: std::sync::Condvar,
 }
 
 /// Where the captured files stand.
 #[derive(Clone)]
 enum Capture {
     Underway,
-    /// Made, and the capturer's.
     Made,
-    Failed(String),
-    /// Made, and the statepoint's.
-    Adopted,
+    Failed,
 }
 
 impl TakenFiles {
     pub fn new(name: String) -> TakenFiles {
-        TakenFiles(std::sync::Arc::new(Taken {
-            name,
-            state: std::sync::Mutex::new(Capture::Underway),
-            said: std::sync::Condvar::new(),
-        }))
+        TakenFiles(std::sync::Arc::new(Taken { name, state: std::sync::Mutex::new(Capture::Underway) }))
     }
 
     pub fn name(&self) -> &str {
@@ -99,42 +86,19 @@ impl TakenFiles {
     }
 
     /// Says how capturing went (the first word counts).
-    fn made(&self, how: std::result::Result<(), String>) {
+    fn made(&self, made: bool) {
         let mut s = self.state();
         if matches!(*s, Capture::Underway) {
-            *s = match how {
-                Ok(()) => Capture::Made,
-                Err(why) => Capture::Failed(why),
-            };
-            self.0.said.notify_all();
+            *s = if made { Capture::Made } else { Capture::Failed };
         }
     }
 
-    /// Waits until they were captured and takes them over, or says why they were not.
-    pub fn adopt(&self) -> std::result::Result<(), String> {
-        let s = self.state();
-        let mut s = self
-            .0
-            .said
-            .wait_while(s, |s| matches!(s, Capture::Underway))
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match s.clone() {
-            Capture::Failed(why) => Err(why),
-            _ => {
-                *s = Capture::Adopted;
-                Ok(())
-            }
-        }
-    }
-
-    /// Captured and not taken over by a statepoint: the capturer's to remove. (Not captured,
-    /// they may be the statepoint's own, under the same name.)
+    /// Captured: the capturer's to remove. (Not captured, there is nothing of them.)
     pub fn capturers(&self) -> bool {
         matches!(*self.state(), Capture::Made)
     }
 
-    /// Says, when dropped without having said anything, that capturing failed: nobody waits
-    /// for ever on a capturer that returned early or panicked.
+    /// Says, when dropped without having said anything, that capturing failed.
     pub fn capturing(&self) -> Capturing {
         Capturing(self.clone())
     }
@@ -150,14 +114,14 @@ impl std::fmt::Debug for TakenFiles {
 pub struct Capturing(TakenFiles);
 
 impl Capturing {
-    pub fn made(&self, how: std::result::Result<(), String>) {
-        self.0.made(how)
+    pub fn made(&self, made: bool) {
+        self.0.made(made)
     }
 }
 
 impl Drop for Capturing {
     fn drop(&mut self) {
-        self.0.made(Err("the capture ended before it was made".into()));
+        self.0.made(false);
     }
 }
 
@@ -172,9 +136,6 @@ pub struct InPlaceAt {
     pub mounted: Vec<std::path::PathBuf>,
     /// A directory the backend may use.
     pub scratch: std::path::PathBuf,
-    /// The ID reserved for the safety statepoint taken in the same freeze, when it will adopt
-    /// what the start captures of the frozen state ([`InPlaceStart::files_taken`]).
-    pub safety: Option<String>,
 }
 
 /// The files' part of a rollback in place, prepared: applied, or dropped (what it set up to
@@ -254,36 +215,18 @@ mod tests {
     use super::TakenFiles;
 
     #[test]
-    fn taken_files_are_adopted_once_made_and_are_then_the_adopters() {
-        let t = TakenFiles::new("pool/ds@planarian-x-sp4".into());
-        let capturing = t.capturing();
-        let waiter = {
-            let t = t.clone();
-            std::thread::spawn(move || t.adopt())
-        };
-        capturing.made(Ok(()));
-        assert_eq!(waiter.join().unwrap(), Ok(()));
-        assert!(!t.capturers(), "adopted: the statepoint's, not the capturer's to remove");
-        drop(capturing);
-        assert_eq!(t.adopt(), Ok(()), "the first word counts");
-    }
-
-    #[test]
     fn a_capture_that_ends_without_a_word_failed_and_leaves_nothing_to_remove() {
         let t = TakenFiles::new("s".into());
-        let waiter = {
-            let t = t.clone();
-            std::thread::spawn(move || t.adopt())
-        };
         drop(t.capturing());
-        assert!(waiter.join().unwrap().is_err());
-        assert!(!t.capturers(), "never made: a snapshot under that name is the statepoint's own");
+        assert!(!t.capturers(), "never made: nothing to remove");
+        t.capturing().made(true);
+        assert!(!t.capturers(), "the first word counts");
     }
 
     #[test]
-    fn made_and_not_adopted_is_the_capturers() {
+    fn made_is_the_capturers() {
         let t = TakenFiles::new("s".into());
-        t.capturing().made(Ok(()));
+        t.capturing().made(true);
         assert!(t.capturers());
     }
 }

@@ -472,8 +472,8 @@ impl Sync {
         self.len() == 0
     }
 
-    /// Writes the changes; the first failure stops it (the caller restores the safety
-    /// statepoint).
+    /// Writes the changes; the first failure stops it (the caller then restores the statepoint
+    /// whole).
     pub fn apply(&self) -> Result<usize, SyncError> {
         for op in &self.ops {
             let r = match op {

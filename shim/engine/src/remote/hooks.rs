@@ -94,6 +94,13 @@ impl Intent {
     }
 }
 
+impl Intent {
+    /// Left for the next operation, which finishes the compensation.
+    pub fn keep(self) {
+        std::mem::forget(self);
+    }
+}
+
 impl Drop for Intent {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);

@@ -122,7 +122,6 @@ pub fn work(engine: &Engine, lock_fd: i32, spec: &str) -> Result<()> {
         description: spec.description.clone(),
         state: spec.state.clone(),
         id: Some(sp.clone()),
-        files_taken: None,
     };
     let engine = &engine.with_globals(globals);
     let taken = Ctx::load(engine, &container).and_then(|ctx| snapshot::take(&ctx, &req).map(|m| (ctx, m)));

@@ -3,21 +3,25 @@
 //! killer, a reboot of the host's session) leaves a sandbox the next operation puts exactly as it
 //! was before the rollback or exactly at its target — never stopped, never half-restored.
 //!
-//! The safety statepoint of the current state is what the way back is made of: its ID is
-//! reserved before the rollback starts and written here. What the next operation does, under the
+//! A rollback that stops and restores takes a safety statepoint of the current state: the way
+//! back is made of it, its ID reserved before the rollback starts and written here. A rollback
+//! in place takes none: until it compensates the remote state it has changed nothing, and from
+//! then on it only goes forward (phase `forward`). What the next operation does, under the
 //! container's exclusive lock ([`recover`]):
 //!
 //! | what it finds | what it does |
 //! |---|---|
+//! | phase `forward` (a rollback in place past its compensation) | finishes the compensation, stops whatever runs and restores the target: sandbox and services at the target |
 //! | a compensation under way | finishes it: sandbox and services at the target |
 //! | phase `done` | nothing left but cleanup: at the target |
 //! | phase `started`, the same processes running | nothing was written: thawed, as before |
 //! | phase `restoring-safety`, new processes running | the safety statepoint runs: as before |
 //! | anything else (stopped, half-written, the target restored but not compensated) | the sandbox is stopped and the safety statepoint restored, files and processes: as before |
 //!
-//! The remote state is never left apart from the sandbox: it is compensated only after the
-//! target runs, under the compensation's own intent, and `done` is written before that intent
-//! is removed.
+//! The remote state is never left apart from the sandbox: on the stop-and-restore path it is
+//! compensated only after the target runs; in place, before anything is written, and from then
+//! on the sandbox only goes to the target. Either way under the compensation's own intent, and
+//! `done` is written before that intent is removed.
 
 use super::{Error, Result};
 use crate::config::Config;
@@ -37,8 +41,12 @@ const JOURNAL: &str = "rolling-back.json";
 pub enum Phase {
     /// The sandbox is untouched, or frozen, or stopped with its safety statepoint committed.
     Started,
-    /// Files and memory are being written in place (the safety statepoint is committed).
+    /// Files and memory are being written in place (the safety statepoint is committed). A
+    /// journal of an earlier planarian may say so; this one says [`Phase::Forward`].
     Writing,
+    /// A rollback in place compensates the remote state, then writes files and memory: there
+    /// is no way back, only to the target (in place, or by a restore). Kept until `done`.
+    Forward,
     /// The target's files and processes are being put in place by a restore.
     RestoringTarget,
     /// The rollback failed and the safety statepoint is being restored.
@@ -85,8 +93,13 @@ impl Journal {
         Ok(j)
     }
 
-    /// The rollback reached `phase`; written before the step it names begins.
+    /// The rollback reached `phase`; written before the step it names begins. (Past
+    /// [`Phase::Forward`] only `done` is written: a restore of the target on the way is still
+    /// the way forward.)
     pub fn phase(&mut self, phase: Phase) -> Result<()> {
+        if self.entry.phase == Phase::Forward && phase != Phase::Done {
+            return Ok(());
+        }
         self.entry.phase = phase;
         self.write()
     }
@@ -161,6 +174,8 @@ pub fn recover(
     id: &str,
 ) -> Result<Option<Recovered>> {
     let Some(e) = read(store).filter(|e| e.pid != std::process::id()) else { return Ok(None) };
+    // (the stop and restore it may make are a rollback's: the agent's MCP sidecar stays up)
+    let _rolling = crate::remote::sidecar::RollbackMarker::set(store);
     wait_for_orphans(store, id, Duration::from_secs(300));
     let r = resolve(crun, globals, cfg, store, id, &e).map_err(|err| {
         Error::Worker(format!(
@@ -235,6 +250,10 @@ fn resolve(
         .ok()
         .and_then(|c| c.running_pid().ok())
         .and_then(|pid| Some((pid, sys::proc::start_time(pid)?)));
+    // (past a rollback in place's compensation: forward, the half-written tree killed first)
+    if e.phase == Phase::Forward {
+        return forward(&crun, cfg, store, id, e);
+    }
     if crate::remote::hooks::finish_interrupted(&store.dir, id)?.is_some() {
         FreezeGuard::recover(&marker);
         return at_target(cfg, store, e, init).map(|_| Recovered::Compensated(e.target.clone()));
@@ -272,7 +291,7 @@ enum Action {
     BackToSafety,
 }
 
-/// The module's table: from the phase reached, the container's init now (PID, start time; none
+/// The module's table (but `forward`, which [`resolve`] takes first): from the phase reached, the container's init now (PID, start time; none
 /// when it does not run), its init when the rollback began, and whether the head is the safety
 /// statepoint (a restore of it sets it when it ends).
 fn decide(phase: Phase, now: Option<(i32, u64)>, then: (i32, u64), head_is_safety: bool) -> Action {
@@ -307,6 +326,36 @@ fn forget_safety(cfg: &Config, store: &ContainerStore, e: &Entry) {
         let _ = super::remove(cfg, store, &e.safety);
     }
     super::discard_stale(cfg, store);
+}
+
+/// A rollback in place past its compensation: whatever runs (the same processes, frozen, perhaps
+/// half-written) is killed while frozen first, before anything that can fail; then the target is
+/// restored, files then processes through Podman, and the services compensated to it — a
+/// compensation a killed planarian left under way finished, else made (again, when it was done
+/// already: a finished compensation is nothing; a planarian killed before it began made none).
+fn forward(crun: &runtime::crun::Crun, cfg: &Config, store: &ContainerStore, id: &str, e: &Entry) -> Result<Recovered> {
+    crun.kill(id, true);
+    FreezeGuard::recover(&store.dir.join(MARKER));
+    let pc = podman::planarian_container(id)?;
+    podman::wait_stopped(id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
+    let target = store.find(&e.target)?;
+    let rootfs = crate::local::rootfs_for(cfg, store, id, pc.upperdir.clone())?;
+    let files = rootfs.restore(&store.statepoint_dir(&e.target), &target.local_state)?;
+    super::podman_dir::podman_restore(store, &pc, &target)?;
+    files.commit();
+    let finished = crate::remote::hooks::finish_interrupted(&store.dir, id)?.is_some();
+    if !finished && !target.remote_state.is_empty() {
+        let intent = crate::remote::hooks::Intent::write(&store.dir, &e.target, &target.remote_state)?;
+        crate::remote::hooks::compensate(&target.remote_state, id)?;
+        drop(intent);
+    }
+    store.set_head(Some(&e.target))?;
+    crate::context::mark_unreachable(store, &target);
+    forget_safety(cfg, store, e);
+    Ok(match finished {
+        true => Recovered::Compensated(e.target.clone()),
+        false => Recovered::AtTarget(e.target.clone()),
+    })
 }
 
 /// Stops the sandbox (killed while frozen: nothing half-written runs) and restores the safety
@@ -392,6 +441,12 @@ mod tests {
         assert!(!interrupted(&store), "the writer's own journal is not an interrupted one");
         j.phase(Phase::RestoringTarget).unwrap();
         assert_eq!(read(&store).unwrap().phase, Phase::RestoringTarget);
+        // Forward stays forward through the restore of the target, until done.
+        j.phase(Phase::Forward).unwrap();
+        j.phase(Phase::RestoringTarget).unwrap();
+        assert_eq!(read(&store).unwrap().phase, Phase::Forward);
+        j.phase(Phase::Done).unwrap();
+        assert_eq!(read(&store).unwrap().phase, Phase::Done);
         assert_eq!(read(&store).unwrap().init.0, me);
         // As a killed writer leaves it.
         let mut e = read(&store).unwrap();

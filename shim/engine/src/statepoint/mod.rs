@@ -94,6 +94,8 @@ pub enum Error {
     RemotePartly(Box<Error>),
     #[error("rollback failed: {first}; restoring the previous state failed too: {then} (its statepoint is kept)")]
     NotRolledBack { first: Box<Error>, then: Box<Error> },
+    #[error("rollback in place failed after the remote state was compensated: {first}; restoring the statepoint instead failed too: {then} (the next planarian operation on the container finishes the rollback)")]
+    NotFinished { first: Box<Error>, then: Box<Error> },
     #[error("{0}")]
     Worker(String),
     /// What goes through Podman, asked of a container a CRI engine runs.

@@ -8,6 +8,10 @@
 //! container is brought back to exactly where it was (the previous files and the safety
 //! statepoint) and its remote state was not touched (a compensation that fails changes nothing
 //! of PostgreSQL; one that undid some declared tools' calls before failing says how far).
+//!
+//! A rollback in place ([`in_place`]) takes no safety statepoint: it changes nothing before the
+//! compensation, its first change, and after it goes forward — to the target, by a restore
+//! when writing in place fails.
 
 use super::journal::{Journal, Phase};
 use super::podman_dir::podman_restore;
@@ -123,9 +127,7 @@ impl Rollback {
         let _ = ctx.save(store);
         crate::log::mark("recorded");
         if let Some(l) = done.leftover {
-            progress.phase(
-                "in place: the safety statepoint and the comparison removed in the background (the sandbox runs)",
-            );
+            progress.phase("in place: the files' comparison removed in the background (the sandbox runs)");
             l.remove_after(self.engine.config(), store, &self._lock);
             crate::log::mark("worker");
         }
@@ -187,7 +189,7 @@ fn restored_parts(done: &Done) -> Vec<String> {
 struct Done {
     /// The head it left (the statepoint the sandbox had continued from).
     from: Option<String>,
-    /// Remote positions just before the rollback (from the safety statepoint).
+    /// Remote positions just before the rollback (from the safety statepoint, or asked in place).
     safety_positions: Vec<crate::store::RemoteState>,
     files_backend: &'static str,
     how: How,
@@ -225,6 +227,9 @@ impl Leftover {
         if let (false, Ok(zfs)) = (self.zfs.is_empty(), crate::local::zfs::zfs_from(cfg)) {
             self.zfs.iter().for_each(|m| crate::local::zfs::destroy_clone(&zfs, m));
         }
+        if self.safety.is_empty() {
+            return;
+        }
         // (discarded already: `find` knows only committed statepoints)
         let discarded = crate::store::read_manifest(&store.statepoint_dir(&self.safety).join("manifest.json"));
         if let Some(m) = discarded.ok().filter(|m| m.status == crate::store::Status::Discarded) {
@@ -255,7 +260,7 @@ fn rollback(
     let cfg = engine.config();
     let from = store.head();
     let (rootfs, mut full_path) = checked(cfg, pc, store, target)?;
-    let mut rb = Parts { engine, cfg, pc, store, target, rootfs, journal: None };
+    let mut rb = Parts { engine, cfg, pc, store, target, rootfs, journal: None, intent: None };
     // The sidecar outlives the stop and restore of a rollback: the agent's MCP connection stays
     // up, and compensation needs it.
     let _rolling = crate::remote::sidecar::RollbackMarker::set(store);
@@ -272,38 +277,35 @@ fn rollback(
         Err(e) => return Err(crate::local::Error::from(e).into()),
     }
     // 0. In place, when the tree has the statepoint's shape.
-    let (not_in_place, taken) = match pc.status.as_str() {
+    let not_in_place = match pc.status.as_str() {
         "running" => match try_in_place(&mut rb, &safety_id, &mut full_path, progress)? {
-            InPlace::Done { how, safety_positions, leftover } => {
-                return Ok(Done { from, safety_positions, files_backend: rb.rootfs.backend(), how, leftover })
+            InPlace::Done { how, positions, leftover } => {
+                return Ok(Done {
+                    from,
+                    safety_positions: positions,
+                    files_backend: rb.rootfs.backend(),
+                    how,
+                    leftover,
+                })
             }
-            InPlace::Refused { why, safety } => (Some(why), safety.map(|b| *b)),
+            InPlace::Refused(why) => Some(why),
         },
-        _ => (None, None),
+        _ => None,
     };
     if pc.cri {
-        // (nothing was changed: a refusal in place comes before any write, and the safety
-        // statepoint it took is gone with the error)
-        if let Some(s) = &taken {
-            let _ = super::remove(cfg, store, &s.statepoint_id);
-        }
+        // (nothing was changed: a refusal in place comes before any write)
         let why = not_in_place.unwrap_or_default();
         return Err(Error::NotPodmans {
             name: pc.id.clone(),
             what: format!("it cannot be rolled back in place ({why}), and {NOT_BY_RESTORE}; nothing was changed"),
         });
     }
-    if taken.is_none() {
-        full_path.into_inner()?;
-    }
+    full_path.into_inner()?;
     let how = How { path: "stop-and-restore".into(), not_in_place, ..How::default() };
     // 1. Keep the current state until the restore succeeded.
-    let safety = match taken {
-        Some(s) => Some(s),
-        None => take_safety(&rb, &safety_id, progress)?,
-    };
+    let safety = take_safety(&rb, &safety_id, progress)?;
     // 2. Files, processes, and the remote state last.
-    let result = restore_target(&mut rb, progress);
+    let result = restore_target(&mut rb, false, progress);
     // 3. Done, or back to where it was.
     let files_backend = rb.rootfs.backend();
     match (result, safety) {
@@ -331,6 +333,8 @@ struct Parts<'a> {
     /// Kept from the first change of a running sandbox on: a planarian killed half-way leaves
     /// a sandbox the next operation finishes or undoes (see [`super::journal`]).
     journal: Option<Journal>,
+    /// A rollback in place's compensation, done, until the sandbox is at the target too.
+    intent: Option<crate::remote::hooks::Intent>,
 }
 
 /// Whether the stop-and-restore path can run, asked beside the rollback.
@@ -381,12 +385,12 @@ fn try_in_place(
     crate::log::mark("ctx");
     rb.journal = Some(Journal::begin(rb.store, &rb.target.statepoint_id, safety_id, ctx.ctr.running_pid()?)?);
     if !ctx.cfg.checkpoint.rollback_in_place {
-        return Ok(InPlace::Refused { why: "turned off (checkpoint.rollback_in_place = false)".into(), safety: None });
+        return Ok(InPlace::Refused("turned off (checkpoint.rollback_in_place = false)".into()));
     }
     let pod = rb.pc.cri.then(|| NOT_BY_RESTORE.to_string());
     let mut blocked = || pod.clone().or_else(|| full_path.get().as_ref().err().map(|e| e.to_string()));
-    let r = in_place(&ctx, rb, safety_id, &mut blocked, progress)?;
-    if let InPlace::Refused { why, .. } = &r {
+    let r = in_place(&ctx, rb, &mut blocked, progress)?;
+    if let InPlace::Refused(why) = &r {
         progress.phase(&format!("not in place: {why}"));
     }
     Ok(r)
@@ -442,7 +446,10 @@ fn take_safety(rb: &Parts, safety_id: &str, progress: &mut dyn Progress) -> Resu
 /// before it (their undo is the safety statepoint). The restored processes run while it
 /// compensates, but their calls that change anything wait: the sidecar takes the sandbox's
 /// lock, which the rollback holds. A failure leaves the container stopped on its previous files.
-fn restore_target(rb: &mut Parts, progress: &mut dyn Progress) -> Result<()> {
+/// `compensated`: a rollback in place that goes forward, its remote state at the target
+/// already — no compensation, and a failure leaves the statepoint's files (the journal's next
+/// reader restores it again).
+fn restore_target(rb: &mut Parts, compensated: bool, progress: &mut dyn Progress) -> Result<()> {
     let (pc, store, target) = (rb.pc, rb.store, rb.target);
     crate::fault::point("rollback.stopped")?;
     if let Some(j) = rb.journal.as_mut() {
@@ -457,6 +464,10 @@ fn restore_target(rb: &mut Parts, progress: &mut dyn Progress) -> Result<()> {
     match restored {
         Ok(Some(s)) => progress.done(&s.breakdown()),
         Ok(None) => {}
+        Err(e) if compensated => {
+            files.commit();
+            return Err(e);
+        }
         Err(e) => {
             return match files.undo() {
                 Ok(()) => Err(e),
@@ -467,6 +478,13 @@ fn restore_target(rb: &mut Parts, progress: &mut dyn Progress) -> Result<()> {
                 }),
             }
         }
+    }
+    if compensated {
+        if let Some(j) = rb.journal.as_mut() {
+            j.done();
+        }
+        files.commit();
+        return Ok(());
     }
     if !target.remote_state.is_empty() {
         progress.phase("remote state compensated");
@@ -529,15 +547,12 @@ fn back_to_safety(rb: &mut Parts, e: Error, s: &Manifest, progress: &mut dyn Pro
 enum InPlace {
     Done {
         how: How,
-        safety_positions: Vec<crate::store::RemoteState>,
+        /// Each service's position before the rollback.
+        positions: Vec<crate::store::RemoteState>,
         leftover: Option<Leftover>,
     },
-    /// Not in place, for this reason. With the safety statepoint when it was taken: the
-    /// container was then stopped (frozen, killed) and the rollback goes on with it.
-    Refused {
-        why: String,
-        safety: Option<Box<Manifest>>,
-    },
+    /// Not in place, for this reason; nothing was changed, and the sandbox runs.
+    Refused(String),
 }
 
 /// Kills the (frozen) container and waits until Podman sees it stopped, thawing it between.
@@ -547,23 +562,24 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
     Ok(podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?)
 }
 
-/// The rollback in place (see [`crate::local::inplace`]): freeze → shape check → safety
-/// statepoint (left frozen) → page and file plan → remote state → files and processes written
-/// → the statepoint's images become the base of the next dump → thaw. Before the first write
-/// any doubt refuses (and the stop-and-restore path runs, with the safety statepoint when there
-/// is one); after it, a failure restores the safety statepoint. `blocked`: why the
-/// stop-and-restore path cannot run, if it cannot; `safety_id`: the safety statepoint's
-/// reserved ID. (Its later phases are functions of their own: [`write_in_place`],
-/// [`done_in_place`], [`in_place_back_to_safety`]. This one, a little longer than the others,
-/// holds the freeze's guard from its first line and hands it on.)
+/// The rollback in place (see [`crate::local::inplace`]): freeze → shape check → page and file
+/// plan (the pages against the base the next dump would build on, from the processes' own page
+/// maps: no dump) → remote state compensated → files and processes written → the statepoint's
+/// images become the base of the next dump → thaw. Before the compensation any doubt or failure
+/// changes nothing (a refusal sends the rollback down the stop-and-restore path, which takes
+/// its safety statepoint); from the compensation on there is no way back, and the rollback goes
+/// forward: a step that fails makes it stop the sandbox and restore the statepoint, as the
+/// journal's next reader would ([`Phase::Forward`]). `blocked`: why the stop-and-restore path
+/// cannot run, if it cannot. (Its later phases are functions of their own: [`write_in_place`],
+/// [`done_in_place`], [`in_place_forward`]. This one holds the freeze's guard from its first
+/// line and hands it on.)
 fn in_place(
     ctx: &Ctx,
     rb: &mut Parts,
-    safety_id: &str,
     blocked: &mut dyn FnMut() -> Option<String>,
     progress: &mut dyn Progress,
 ) -> Result<InPlace> {
-    let (pc, store, target, rootfs) = (rb.pc, rb.store, rb.target, rb.rootfs.as_ref());
+    let (store, target, rootfs) = (rb.store, rb.target, rb.rootfs.as_ref());
     let pid = ctx.ctr.running_pid()?;
     let freezer = Freezer::of_pid(pid)?;
     let frozen = FreezeGuard::freeze(&freezer, store.dir.join(crate::local::freezer::MARKER))?;
@@ -574,24 +590,20 @@ fn in_place(
     let stdio = stdio_pairs(&sp_dir, pid);
     let shape = match inplace::check(&images, freezer.dir(), &stdio) {
         Ok(s) => s,
-        Err(e) => return Ok(InPlace::Refused { why: e.to_string(), safety: None }),
+        Err(e) => return Ok(InPlace::Refused(e.to_string())),
     };
     // What the files need (ZFS: a snapshot of the frozen state, what changed, where) is found
-    // beside the safety statepoint and the page plan.
+    // beside the page plan.
     let mounts = sys::proc::Proc::of(pid).mounts().unwrap_or_default();
-    let at = files_at(pid, &mounts, store, safety_id);
+    let at = files_at(pid, &mounts, store);
     crate::log::mark("shape");
     let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at);
-    let files_taken = started.as_ref().and_then(|s| s.files_taken.clone());
     crate::log::mark("files started");
-    let safety = safety_in_place(ctx, target, at.safety.clone(), files_taken, progress)?;
-    let safety_dir = store.statepoint_dir(&safety.statepoint_id);
+    let base = live_base(store, pid);
     progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
     let prepared = std::thread::scope(|scope| -> std::result::Result<_, String> {
-        // The page plan (the images read) beside the files' comparison.
-        let planning = scope.spawn(|| {
-            shape.plan(&safety_dir.join(&safety.local_state.criu_checkpoint_path)).map_err(|e| e.to_string())
-        });
+        // The page plan (the images and page maps read) beside the files' comparison.
+        let planning = scope.spawn(|| shape.plan(base.as_deref()).map_err(|e| e.to_string()));
         let plan = || planning.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         dev_unchanged(&sp_dir, &mounts, store, pid)?;
         let files = rootfs.in_place(&sp_dir, &target.local_state, &at, started).map_err(|e| e.to_string())?;
@@ -602,99 +614,120 @@ fn in_place(
         Ok(p) => p,
         Err(why) => {
             if let Some(b) = blocked() {
-                let _ = super::remove(&ctx.cfg, store, &safety.statepoint_id);
                 return Err(Error::Worker(format!(
                     "cannot roll back in place ({why}), nor by stopping and restoring ({b}); nothing was changed"
                 )));
             }
-            stop_frozen(ctx, pc, frozen)?;
-            return Ok(InPlace::Refused { why, safety: Some(Box::new(safety)) });
+            // (thawed: the stop-and-restore path freezes it again for its safety statepoint)
+            drop(frozen);
+            return Ok(InPlace::Refused(why));
         }
     };
-    // The point of no return: from the first write on, failing means the safety statepoint.
     let examined =
         files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
     progress.done(&format!("{} pages, {} files{examined}", plan.pages_written, files.sync.len()));
-    progress.phase("in place: files and memory written");
-    let written = write_in_place(rb, &plan, &files, &freezer, pid, progress);
-    crate::log::mark("remote");
-    match written {
-        Ok((a, n)) => done_in_place(ctx, rb, &plan, files, frozen, &freezer, pid, safety, a, n, progress),
+    // The remote state first: a compensation that fails leaves the sandbox untouched.
+    let positions = match compensate_in_place(ctx, rb, progress) {
+        Ok(p) => p,
         Err(e) => {
             drop(files);
-            Err(in_place_back_to_safety(ctx, rb, frozen, &safety, e, progress))
+            drop(frozen);
+            return Err(rolled_back(e));
+        }
+    };
+    progress.phase("in place: files and memory written");
+    match write_in_place(rb, &plan, &files, &freezer, pid) {
+        Ok((a, n)) => done_in_place(ctx, rb, &plan, files, frozen, &freezer, pid, positions, a, n, progress),
+        Err(e) => {
+            drop(files);
+            in_place_forward(ctx, rb, frozen, e, positions, progress)
         }
     }
 }
 
-/// The safety statepoint of a rollback in place: an incremental statepoint of the frozen
-/// sandbox, left frozen, under the ID reserved for it (`id`) and with the files' capture of this
-/// freeze (`files_taken`).
-fn safety_in_place(
-    ctx: &Ctx,
-    target: &Manifest,
-    id: Option<String>,
-    files_taken: Option<crate::local::files::TakenFiles>,
-    progress: &mut dyn Progress,
-) -> Result<Manifest> {
-    progress.phase("safety statepoint of the current state");
-    let safety = snapshot::take(
-        ctx,
-        &SnapshotRequest {
-            tcp_established: target.options.tcp_established,
-            file_locks: target.options.file_locks,
-            leave_running: true,
-            internal: true,
-            description: Some(format!("before rollback to {}", target.statepoint_id)),
-            id,
-            files_taken,
-            ..SnapshotRequest::default()
-        },
-    )?;
-    crate::log::mark("safety");
-    progress.done(&safety.statepoint_id);
-    Ok(safety)
+/// The base the next dump of the tree whose init is `pid` would build on, when there is one.
+fn live_base(store: &ContainerStore, pid: i32) -> Option<PathBuf> {
+    let base = crate::chain::read_base(store)?;
+    let init_start = sys::proc::start_time(pid)?;
+    (base.init_start_time == init_start).then_some(())?;
+    base.images.map(|i| store.dir.join(i)).filter(|d| d.join("inventory.img").exists())
 }
 
-/// The writing phase of a rollback in place, the sandbox frozen: files, then memory and
-/// processes, then the remote state (compensation cannot be taken back, so every local step
-/// that can fail comes before it). Returns what was applied and how many files changed.
+/// The remote state of a rollback in place, the sandbox frozen and nothing of it written yet:
+/// each service's position now (for the restore context), then the compensation to the
+/// target's, under its intent. From here the journal says [`Phase::Forward`]: a planarian
+/// killed from now on leaves a rollback the next operation finishes. Returns the positions it
+/// came from; an error when the compensation failed (a failed compensation changes nothing of
+/// PostgreSQL; one that undid some declared tools' calls before failing says how far), the
+/// journal then removed with nothing written.
+fn compensate_in_place(
+    ctx: &Ctx,
+    rb: &mut Parts,
+    progress: &mut dyn Progress,
+) -> Result<Vec<crate::store::RemoteState>> {
+    let (pc, store, target) = (rb.pc, rb.store, rb.target);
+    let journal = rb.journal.as_mut().expect("begun before a rollback in place");
+    let mut positions = Vec::new();
+    if !target.remote_state.is_empty() {
+        progress.phase("remote state compensated");
+        let parent = store.head().and_then(|h| store.find(&h).ok()).map(|m| m.remote_state).unwrap_or_default();
+        positions = crate::remote::hooks::capture(&crate::remote::sidecar::remote_hooks(&ctx.cfg)?, &pc.id, &parent)?;
+    }
+    journal.phase(Phase::Forward)?;
+    let compensated = (!target.remote_state.is_empty())
+        .then(|| crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state))
+        .transpose()
+        .map_err(Error::from)
+        .and_then(|intent| {
+            crate::fault::point("rollback.in-place.compensating")?;
+            crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
+            // (kept until the journal says done: a kill before then finishes the compensation
+            // first, and a finished one again is nothing)
+            Ok(intent)
+        });
+    match compensated {
+        Ok(intent) => {
+            rb.intent = intent;
+            Ok(positions)
+        }
+        Err(e) => {
+            rb.journal = None;
+            Err(e)
+        }
+    }
+}
+
+/// The writing phase of a rollback in place, the sandbox frozen and its remote state at the
+/// target: files, then memory and processes. Returns what was applied and how many files
+/// changed.
 fn write_in_place(
     rb: &mut Parts,
     plan: &inplace::Plan,
     files: &crate::local::files::InPlaceFiles,
     freezer: &Freezer,
     pid: i32,
-    progress: &mut dyn Progress,
 ) -> Result<(inplace::Applied, usize)> {
-    let (pc, store, target) = (rb.pc, rb.store, rb.target);
-    let journal = rb.journal.as_mut().expect("begun before a rollback in place");
-    journal.phase(Phase::Writing)?;
+    let store = rb.store;
     crate::fault::point("rollback.in-place.files")?;
     let n = files.apply()?;
+    // (the memory's soft-dirty bits are cleared against the statepoint's pages: until its images
+    // are recorded as the base, no dump or plan may build on the current one)
+    let init_start = sys::proc::start_time(pid).unwrap_or(0);
+    let why = "a rollback in place was interrupted while it wrote memory";
+    crate::chain::write_base(store, &crate::chain::Base::full(init_start, why))?;
     let a = plan.apply(freezer).map_err(|e| Error::Worker(e.to_string()))?;
     crate::log::mark("written");
-    if !target.remote_state.is_empty() {
-        progress.phase("remote state compensated");
-        // Killed during the compensation, the next dump must not build on the safety
-        // statepoint's images (the pages just written were cleared as clean): full, until
-        // the chain's base is the statepoint's below.
-        let init_start = sys::proc::start_time(pid).unwrap_or(0);
-        let why = "a rollback in place was interrupted while it compensated the remote state";
-        crate::chain::write_base(store, &crate::chain::Base::full(init_start, why))?;
-    }
-    let _intent = crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state)?;
     crate::fault::point("rollback.in-place.written")?;
-    crate::remote::hooks::compensate(&target.remote_state, &pc.id)?;
-    // (before the intent goes: a kill between them leaves a rollback done; past the
-    // compensation, nothing fails the rollback any more)
-    journal.done();
+    if let Some(j) = rb.journal.as_mut() {
+        j.done();
+    }
+    rb.intent = None;
     Ok((a, n))
 }
 
 /// A rollback in place written: the chain's base is the target's images, the head the target;
-/// the sandbox thaws; the safety statepoint is discarded, and what it and the files'
-/// comparison hold is removed once the caller has its answer ([`Leftover`]).
+/// the sandbox thaws; what the files' comparison left is removed once the caller has its
+/// answer ([`Leftover`]).
 #[allow(clippy::too_many_arguments)]
 fn done_in_place(
     ctx: &Ctx,
@@ -704,7 +737,7 @@ fn done_in_place(
     frozen: FreezeGuard,
     freezer: &Freezer,
     pid: i32,
-    safety: Manifest,
+    positions: Vec<crate::store::RemoteState>,
     a: inplace::Applied,
     n: usize,
     progress: &mut dyn Progress,
@@ -723,7 +756,6 @@ fn done_in_place(
         return Err(e.into());
     }
     crate::log::mark("chain");
-    let positions = safety.remote_state.clone();
     drop(frozen);
     crate::log::mark("thawed");
     progress.done(&format!(
@@ -731,15 +763,8 @@ fn done_in_place(
         a.pages_written, a.pages_dropped, a.system_calls
     ));
     let (places_examined, places_from) = (files.sync.places, files.sync.located_by);
-    let leftover = match store.mark_discarded(&safety.statepoint_id) {
-        Ok(_) => Some(Leftover { safety: safety.statepoint_id.clone(), zfs: files.hand_off() }),
-        Err(_) => {
-            let _ = super::remove(&ctx.cfg, store, &safety.statepoint_id);
-            drop(files);
-            None
-        }
-    };
-    crate::log::mark("discarded");
+    let zfs = files.hand_off();
+    let leftover = (!zfs.is_empty()).then_some(Leftover { safety: String::new(), zfs });
     let how = How {
         path: "in-place".into(),
         pages_written: Some(a.pages_written),
@@ -749,51 +774,48 @@ fn done_in_place(
         places_from: places_from.map(String::from),
         not_in_place: None,
     };
-    Ok(InPlace::Done { how, safety_positions: positions, leftover })
+    Ok(InPlace::Done { how, positions, leftover })
 }
 
-/// A rollback in place that failed after its first write goes back to the safety statepoint
-/// (stop, files, restore). Returns the error to report: the first one when that worked; both,
-/// with the safety statepoint and the journal kept for the next operation, when it did not.
-fn in_place_back_to_safety(
+/// A rollback in place that failed after its compensation (`e`) goes forward: the sandbox,
+/// perhaps half-written, is stopped while frozen and the statepoint restored (files, then
+/// processes through Podman), so that sandbox and services are both at the target. When that
+/// fails too, the journal stays for the next operation, which tries again.
+fn in_place_forward(
     ctx: &Ctx,
     rb: &mut Parts,
     frozen: FreezeGuard,
-    safety: &Manifest,
     e: Error,
+    positions: Vec<crate::store::RemoteState>,
     progress: &mut dyn Progress,
-) -> Error {
-    let (pc, store, rootfs) = (rb.pc, rb.store, rb.rootfs.as_ref());
-    progress.phase(&format!("back to the safety statepoint {}", safety.statepoint_id));
-    if let Some(j) = rb.journal.as_mut() {
-        let _ = j.phase(Phase::RestoringSafety);
-    }
-    let safety_dir = store.statepoint_dir(&safety.statepoint_id);
-    let back = stop_frozen(ctx, pc, frozen).and_then(|()| {
-        let files = rootfs.restore(&safety_dir, &safety.local_state)?;
-        podman_restore(store, pc, safety)?;
-        files.commit();
-        Ok(())
-    });
-    match back {
+) -> Result<InPlace> {
+    progress.phase(&format!("in place failed ({e}): the statepoint restored instead"));
+    let restored = stop_frozen(ctx, rb.pc, frozen).and_then(|()| restore_target(rb, true, progress));
+    match restored {
         Ok(()) => {
-            let _ = super::remove(&ctx.cfg, store, &safety.statepoint_id);
-            rolled_back(e)
+            let how = How {
+                path: "stop-and-restore".into(),
+                not_in_place: Some(format!("writing in place failed: {e}")),
+                ..How::default()
+            };
+            Ok(InPlace::Done { how, positions, leftover: None })
         }
-        // (the safety statepoint and the journal stay: the next operation tries again)
         Err(b) => {
             if let Some(j) = rb.journal.take() {
                 j.keep();
             }
-            Error::NotRolledBack { first: Box::new(e), then: Box::new(b) }
+            // (and the compensation's intent: the next operation finishes both)
+            if let Some(i) = rb.intent.take() {
+                i.keep();
+            }
+            Err(Error::NotFinished { first: Box::new(e), then: Box::new(b) })
         }
     }
 }
 
 /// Where a rollback in place finds the container's files: its root through `/proc`, the
-/// overlay's lower layers, its mount points (left alone), a scratch directory, and the safety
-/// statepoint whose files' capture of this freeze it is.
-fn files_at(pid: i32, mounts: &[sys::proc::Mount], store: &ContainerStore, safety_id: &str) -> InPlaceAt {
+/// overlay's lower layers, its mount points (left alone), and a scratch directory.
+fn files_at(pid: i32, mounts: &[sys::proc::Mount], store: &ContainerStore) -> InPlaceAt {
     InPlaceAt {
         root: sys::proc::Proc::of(pid).root(),
         lowers: crate::local::zfs::layers::overlay_layers(mounts, Path::new("/")).map(|l| l.lower).unwrap_or_default(),
@@ -804,7 +826,6 @@ fn files_at(pid: i32, mounts: &[sys::proc::Mount], store: &ContainerStore, safet
             })
             .collect(),
         scratch: store.dir.join("in-place-files"),
-        safety: Some(safety_id.to_string()),
     }
 }
 
@@ -833,8 +854,8 @@ fn dev_unchanged(
 
 /// After a rollback in place, the next dump builds on the statepoint's images: the soft-dirty
 /// bits were cleared after the writes, and E covers every thread's start (`pids`). Never an
-/// incremental dump against the safety statepoint's images: a base that cannot be recorded makes
-/// the next dump full.
+/// incremental dump against the base the tree had before: a base that cannot be recorded makes
+/// the next dump full (as the writing left it).
 fn record_base(store: &ContainerStore, target: &Manifest, pid: i32, pids: &[i32]) {
     let init_start = sys::proc::start_time(pid).unwrap_or(0);
     let epoch = criu_hooks::epoch(pids)

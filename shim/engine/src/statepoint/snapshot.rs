@@ -27,10 +27,6 @@ pub struct SnapshotRequest {
     pub state: Option<serde_json::Value>,
     /// An id reserved before (an asynchronous snapshot answers with it at once).
     pub id: Option<String>,
-    /// The files of this very freeze, captured already under the name this statepoint's files
-    /// get (a rollback in place's comparison snapshots the frozen state): adopted, not captured
-    /// again. Captured here when they were not made, or under another name.
-    pub files_taken: Option<crate::local::files::TakenFiles>,
 }
 
 /// Takes a statepoint. With the exclusive lock held by the caller.
@@ -259,28 +255,14 @@ impl<'a> Taking<'a> {
         })
     }
 
-    /// The files (and `/dev`, when planarian keeps it): adopted when this very freeze captured
-    /// them already, else captured now. Their time.
+    /// The files (and `/dev`, when planarian keeps it). Their time.
     fn save_files(&self, local: &store::LocalState, dev: Option<&crate::local::devfs::DevMount>) -> Result<f64> {
         let t = Instant::now();
         if let Some(dev) = dev {
             crate::local::devfs::save(self.pid, dev, &self.dir)?;
         }
-        let taken = self.req.files_taken.as_ref().filter(|t| local.zfs_snapshot.as_deref() == Some(t.name()));
-        match taken.map(|t| t.adopt()) {
-            Some(Ok(())) => Ok(ms(t)),
-            adopted => {
-                if let Some(Err(why)) = adopted {
-                    let id = &self.id;
-                    crate::log::own_log(
-                        "info",
-                        &format!("statepoint {id}: the files captured beside it were not made ({why}): captured now"),
-                    );
-                }
-                self.rootfs.snapshot(&self.dir, local)?;
-                Ok(ms(t))
-            }
-        }
+        self.rootfs.snapshot(&self.dir, local)?;
+        Ok(ms(t))
     }
 
     /// The memory: the last dump's images when nothing ran since it, else a CRIU dump
@@ -425,7 +407,7 @@ fn unchanged_since_base(
     pids: &[i32],
 ) -> std::result::Result<Manifest, String> {
     use crate::local::unchanged;
-    if !ctx.cfg.checkpoint.skip_unchanged || !req.leave_running || req.internal || req.files_taken.is_some() {
+    if !ctx.cfg.checkpoint.skip_unchanged || !req.leave_running || req.internal {
         return Err("not a plain snapshot left running".into());
     }
     let print = print.as_ref().map_err(|u| u.0.clone())?;

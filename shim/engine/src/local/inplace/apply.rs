@@ -24,7 +24,7 @@ impl Plan {
 
     /// Applies the plan to the tree of cgroup `freezer`, frozen on entry and on return (on
     /// success and on failure). From the first write on, a failure leaves the tree between the
-    /// two states: the caller restores the safety statepoint.
+    /// two states: the caller restores the statepoint (stopped, by a restore).
     pub fn apply(&self, freezer: &crate::local::freezer::Freezer) -> Result<Applied> {
         let mut tracees = Vec::new();
         for p in &self.shape.procs {

@@ -26,10 +26,10 @@
 //! descriptors, signals and attributes against the images), [`pages`] (what to write and drop),
 //! [`apply`] (done to the held threads).
 //!
-//! [`Shape::plan`] then compares the statepoint's pages with a dump of the current state (the
-//! safety statepoint, taken frozen just before): a page is written when its content comes from
-//! another image location than the statepoint's, dropped (`MADV_DONTNEED`) when it was not
-//! there at the statepoint. [`Plan::apply`] holds every thread with ptrace, writes the pages
+//! [`Shape::plan`] then compares the statepoint's pages with the current ones, read without a
+//! dump (each process's page map against the base the next dump would build on, see [`pages`]):
+//! a page is written when its content comes from another image location than the statepoint's,
+//! dropped (`MADV_DONTNEED`) when it was not there at the statepoint. [`Plan::apply`] holds every thread with ptrace, writes the pages
 //! through `/proc/PID/mem` (transparent huge pages off meanwhile), drops any page the process
 //! has that the statepoint has not (`/proc/PID/pagemap`: khugepaged may have filled holes since
 //! the dump), puts signals and timers back ([`signals`]), sets registers (`orig_ax = -1`: no

@@ -1,13 +1,28 @@
 //! The pages of a rollback in place: which of the statepoint's pages differ from the current
-//! state's (a dump of it, the safety statepoint), which the process has that the statepoint
-//! has not, and writing them through `/proc/PID/mem`.
+//! state's, which the process has that the statepoint has not, and writing them through
+//! `/proc/PID/mem`.
+//!
+//! The current state is read where CRIU's next incremental dump would read it, without a dump:
+//! each process's page map. A page it has (present or swapped out, not the zero page, not a
+//! file's page a private mapping never copied) is the base dump's — the images that dump would
+//! build on ([`crate::chain`]) — unless it is soft-dirty: written since the base's bits were
+//! cleared, or in a mapping made since. A process the base does not hold, or one that started
+//! after the base was taken (its PID reused), has every page new. So a page is left alone only
+//! when the base's image location of it is the statepoint's: the same test CRIU's incremental
+//! dump relies on to leave it out.
 
 use super::shape::Shape;
 use super::{io, Result};
 use criu_hooks::images::{self, PageRun, PAGE_SIZE};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use sys::proc::pagemap::{PRESENT, SOFT_DIRTY, SWAPPED};
 use sys::proc::Proc;
+
+/// A pagemap entry's frame number, and its "file page or shared" bit (a page of a private file
+/// mapping not yet copied on write: the file's, which CRIU does not dump).
+const PFN: u64 = (1 << 55) - 1;
+const FILE_PAGE: u64 = 1 << 61;
 
 pub(super) fn merge(mut v: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     v.sort_unstable();
@@ -116,9 +131,10 @@ fn differ(target: &[PageRun], now: &[PageRun]) -> (Vec<PageRun>, Vec<(u64, u64)>
 }
 
 impl Shape {
-    /// The pages to write and drop, from the statepoint's images and those of a dump of the
-    /// tree as it is now (`now_images`, the safety statepoint).
-    pub fn plan(self, now_images: &Path) -> Result<Plan> {
+    /// The pages to write and drop, from the statepoint's images and each process's page map
+    /// against `base`, the images the next dump would build on (none: every page is new).
+    pub fn plan(self, base: Option<&Path>) -> Result<Plan> {
+        let uptime = base.and_then(base_uptime);
         let mut pages = Vec::new();
         let mut written = 0;
         for p in &self.procs {
@@ -127,7 +143,13 @@ impl Shape {
                 runs.into_iter().filter(|r| !special.iter().any(|s| r.vaddr < s.1 && r.end() > s.0)).collect()
             };
             let target = outside(images::memory(&self.images, p.vpid)?);
-            let now = outside(images::memory(now_images, p.vpid)?);
+            // (a base that cannot be read makes every page new: more written, nothing wrong)
+            let from_base = match (base, uptime) {
+                (Some(b), Some(up)) if started_before(p.host, up) => images::memory(b, p.vpid).unwrap_or_default(),
+                _ => Vec::new(),
+            };
+            let (clean, dirty) = live_pages(p.host)?;
+            let now = outside(now_runs(&clean, &dirty, &from_base));
             let (write, drop) = differ(&target, &now);
             let drop = subtract(&drop, &p.layout.gone);
             written += pages_of(&write);
@@ -136,6 +158,84 @@ impl Shape {
         }
         Ok(Plan { shape: self, pages, pages_written: written })
     }
+}
+
+/// Address ranges, `[start, end)`, in order.
+type Ranges = Vec<(u64, u64)>;
+
+/// When the dump in `base` was taken (`dump_uptime` of its inventory, µs since boot).
+fn base_uptime(base: &Path) -> Option<u64> {
+    criu_hooks::dump_uptime(&std::fs::read(base.join("inventory.img")).ok()?).ok().flatten()
+}
+
+/// Whether process `pid` started before the clock tick a dump taken `uptime` µs after boot
+/// fell in: as CRIU tells a PID reused since its parent dump (`detect_pid_reuse`), in ticks.
+fn started_before(pid: i32, uptime: u64) -> bool {
+    let Some(clk) = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten().filter(|c| *c > 0) else {
+        return false;
+    };
+    sys::proc::start_time(pid).is_some_and(|start| start < uptime / (1_000_000 / clk as u64).max(1))
+}
+
+/// The pages process `pid` has where a dump takes pages (its private mappings, the vDSO and
+/// its kin aside): those not written since the soft-dirty bits were cleared, and those written
+/// (ranges, in order).
+fn live_pages(pid: i32) -> Result<(Ranges, Ranges)> {
+    let zero = sys::proc::pagemap::zero_pfn();
+    let pagemap =
+        std::fs::File::open(format!("/proc/{pid}/pagemap")).map_err(io(format!("open /proc/{pid}/pagemap")))?;
+    let (mut clean, mut dirty): (Ranges, Ranges) = (Vec::new(), Vec::new());
+    let add = |v: &mut Vec<(u64, u64)>, a: u64| match v.last_mut() {
+        Some(l) if l.1 == a => l.1 += PAGE_SIZE,
+        _ => v.push((a, a + PAGE_SIZE)),
+    };
+    for m in Proc::of(pid).maps()?.iter().filter(|m| !m.shared && !m.is_special()) {
+        let _ = sys::proc::pagemap::scan(&pagemap, m.start, m.end, |a, e| {
+            let has = e & SWAPPED != 0 || (e & PRESENT != 0 && e & FILE_PAGE == 0 && zero != Some(e & PFN));
+            if has {
+                add(if e & SOFT_DIRTY != 0 { &mut dirty } else { &mut clean }, a);
+            }
+            std::ops::ControlFlow::Continue(())
+        })
+        .map_err(io(format!("read /proc/{pid}/pagemap")))?;
+    }
+    Ok((clean, dirty))
+}
+
+/// Where the content of each page a process has lies now: a `clean` page where the base's
+/// runs (`base`, sorted) have it, when they do; a `dirty` one, or a clean one the base lacks,
+/// nowhere any image is (it differs from every statepoint).
+fn now_runs(clean: &[(u64, u64)], dirty: &[(u64, u64)], base: &[PageRun]) -> Vec<PageRun> {
+    let new = |s: u64, e: u64| PageRun {
+        vaddr: s,
+        nr_pages: (e - s) / PAGE_SIZE,
+        file: PathBuf::new(),
+        loc: images::Location { dev: u64::MAX, ino: u64::MAX, offset: s },
+        lazy: false,
+    };
+    let mut out: Vec<PageRun> = dirty.iter().map(|&(s, e)| new(s, e)).collect();
+    let mut j = 0;
+    for &(s, e) in clean {
+        while j < base.len() && base[j].end() <= s {
+            j += 1;
+        }
+        let mut at = s;
+        for b in base[j..].iter().take_while(|b| b.vaddr < e) {
+            if b.vaddr > at {
+                out.push(new(at, b.vaddr));
+            }
+            let (from, to) = (b.vaddr.max(at), b.end().min(e));
+            if from < to {
+                out.push(cut(b, from, to));
+                at = to;
+            }
+        }
+        if at < e {
+            out.push(new(at, e));
+        }
+    }
+    out.sort_by_key(|r| r.vaddr);
+    out
 }
 
 /// Writes the statepoint's pages into process `pid`; how many.
@@ -213,6 +313,42 @@ mod tests {
         // Same content at another offset of the same image is a write too.
         let (write, _) = differ(&[run(0x10000, 1, 1, 0)], &[run(0x10000, 1, 1, p)]);
         assert_eq!(write.len(), 1);
+    }
+
+    #[test]
+    fn a_page_is_the_bases_unless_written_or_not_there() {
+        let p = PAGE_SIZE;
+        // The base: pages 0x10000..0x14000 in image 1, 0x20000 in image 2.
+        let base = vec![run(0x10000, 4, 1, 0), run(0x20000, 1, 2, 8 * p)];
+        // Now: 0x10000..0x12000 and 0x13000 untouched, 0x12000 written, 0x20000..0x22000
+        // untouched (0x21000 not in the base: a hole the base did not have), 0x30000 written.
+        let clean = vec![(0x10000, 0x12000), (0x13000, 0x14000), (0x20000, 0x22000)];
+        let dirty = vec![(0x12000, 0x13000), (0x30000, 0x31000)];
+        let now = now_runs(&clean, &dirty, &base);
+        let got: Vec<(u64, u64, u64, u64)> =
+            now.iter().map(|r| (r.vaddr, r.nr_pages, r.loc.ino, r.loc.offset)).collect();
+        let new = u64::MAX;
+        assert_eq!(
+            got,
+            vec![
+                (0x10000, 2, 1, 0),
+                (0x12000, 1, new, 0x12000),
+                (0x13000, 1, 1, 3 * p),
+                (0x20000, 1, 2, 8 * p),
+                (0x21000, 1, new, 0x21000),
+                (0x30000, 1, new, 0x30000),
+            ]
+        );
+        // Against a statepoint whose pages are the base's but for the written one: that one is
+        // written back, and the pages the statepoint did not have are dropped.
+        let target = vec![run(0x10000, 4, 1, 0), run(0x20000, 1, 2, 8 * p)];
+        let (write, drop) = differ(&target, &now);
+        let w: Vec<(u64, u64)> = write.iter().map(|r| (r.vaddr, r.nr_pages)).collect();
+        assert_eq!(w, vec![(0x12000, 1)]);
+        assert_eq!(drop, vec![(0x21000, 0x22000), (0x30000, 0x31000)]);
+        // No base: every page is new, every page of the statepoint written.
+        let (write, _) = differ(&target, &now_runs(&clean, &dirty, &[]));
+        assert_eq!(pages_of(&write), 5);
     }
 
     #[test]

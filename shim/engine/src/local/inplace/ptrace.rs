@@ -48,8 +48,8 @@ impl Tracee {
     ///
     /// Should planarian die while it holds the thread (SIGKILL, a panic), the kernel kills the
     /// thread (`PTRACE_O_EXITKILL`): a process halfway put back — some of its pages written, its
-    /// signals blocked — must not run on as if nothing happened. The statepoints, the safety
-    /// statepoint among them, are intact.
+    /// signals blocked — must not run on as if nothing happened. The statepoints are intact, and
+    /// the next operation restores the rollback's target.
     pub fn seize(tid: i32) -> io::Result<Tracee> {
         ptrace::seize(Pid::from_raw(tid), ptrace::Options::PTRACE_O_EXITKILL).map_err(failed("PTRACE_SEIZE", tid))?;
         let t = Tracee { tid };

@@ -312,10 +312,8 @@ impl Rootfs for ZfsRootfs {
     }
 
     /// Started as soon as the container is frozen: [`find_in_place`] and the comparison of what
-    /// it found in a thread of its own, beside the safety statepoint and the page plan. The
-    /// snapshot of the frozen state it compares from is taken under the safety statepoint's name
-    /// when `at` reserves one: that statepoint adopts it ([`InPlaceStart::files_taken`]), and
-    /// zfs-fuse makes one snapshot of the frozen state, not two one after the other.
+    /// it found in a thread of its own, beside the page plan. The snapshot of the frozen state it
+    /// compares from is the rollback's own, removed with the clone.
     fn in_place_start(&self, _sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Option<InPlaceStart> {
         let recorded = local.zfs_snapshot.clone()?;
         // Objects whose last change came before the statepoint's snapshot (two seconds and more
@@ -329,12 +327,8 @@ impl Rootfs for ZfsRootfs {
             .filter(|(then, now)| then.kept_time_to(now, 2.0))
             .map(|(then, _)| then.wall.saturating_sub(2));
         let (zfs, d, at) = (self.zfs.clone(), self.map.dataset.clone(), at.clone());
-        let taken = TakenFiles::new(match &at.safety {
-            Some(sp) => self.snapshot_of(sp),
-            None => format!("{d}@planarian-inplace-now"),
-        });
+        let taken = TakenFiles::new(format!("{d}@planarian-inplace-now"));
         let made = vec![format!("{d}.planarian-inplace")];
-        let files_taken = at.safety.is_some().then(|| taken.clone());
         let thread = {
             let (zfs, taken) = (zfs.clone(), taken.clone());
             std::thread::spawn(move || {
@@ -342,7 +336,7 @@ impl Rootfs for ZfsRootfs {
                 compare(&zfs, &found, &at)
             })
         };
-        Some(InPlaceStart { work: Box::new(Early { zfs, made, now: Some(taken), thread: Some(thread) }), files_taken })
+        Some(InPlaceStart::new(Early { zfs, made, now: Some(taken), thread: Some(thread) }))
     }
 
     /// zfs-fuse rolls a mounted dataset back only to its newest snapshot, and has neither
@@ -360,14 +354,12 @@ impl Rootfs for ZfsRootfs {
         let zfs = &self.zfs;
         let t = std::time::Instant::now();
         // (not begun early: begun now, with a snapshot of its own)
-        let start = start
-            .or_else(|| self.in_place_start(sp_dir, local, &InPlaceAt { safety: None, ..at.clone() }))
-            .ok_or(Error::NoZfsSnapshot)?;
+        let start = start.or_else(|| self.in_place_start(sp_dir, local, at)).ok_or(Error::NoZfsSnapshot)?;
         let mut early = start.work.downcast::<Early>().map_err(|_| Error::InPlaceFiles("not a ZFS start".into()))?;
         let compared =
             early.thread.take().expect("joined once").join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         let mut made = std::mem::take(&mut early.made);
-        // (the snapshot of the frozen state: the safety statepoint's when it adopted it)
+        // (the snapshot of the frozen state, when it was made)
         if let Some(now) = early.now.take().filter(TakenFiles::capturers) {
             made.push(now.name().to_string());
         }
@@ -491,7 +483,7 @@ impl Snap<'_> {
 /// known (the files are then compared whole).
 type Changes = (Option<std::collections::HashSet<u64>>, Option<(Vec<PathBuf>, Vec<PathBuf>, &'static str)>);
 
-/// The frozen state's snapshot (`taken`'s, said to the statepoint that adopts it), the objects
+/// The frozen state's snapshot (`taken`'s, said made or not), the objects
 /// changed since the statepoint's (those older than `unchanged_before` aside), and their places
 /// in the live tree `live` (from the stream and the listings, else from zdb); with the times.
 fn changes_since(
@@ -504,8 +496,7 @@ fn changes_since(
     let (zfs, now) = (at.zfs, taken.name());
     let ms = |t: std::time::Duration| t.as_millis();
     let t = std::time::Instant::now();
-    // The frozen state's snapshot (one a crashed rollback left is replaced), said to
-    // the statepoint that adopts it.
+    // The frozen state's snapshot (one a crashed rollback left is replaced).
     let capturing = taken.capturing();
     let snapshot = || -> Result<()> {
         syncfs(live)?;
@@ -516,7 +507,7 @@ fn changes_since(
         Ok(())
     };
     let snapshot = snapshot();
-    capturing.made(snapshot.as_ref().map(drop).map_err(|e| e.to_string()));
+    capturing.made(snapshot.is_ok());
     snapshot?;
     let snapped = t.elapsed();
     let changes = zfs.changes(&at.snap, now).or_else(|_| Ok::<_, Error>(zfs.changes(&at.located()?, now)?));
@@ -577,8 +568,7 @@ fn statepoint_view(at: &Snap, view: &str, scratch: &Path) -> Result<()> {
 struct Early {
     zfs: Zfs,
     made: Vec<String>,
-    /// The snapshot of the frozen state: destroyed too, unless a statepoint adopted it (or it
-    /// was handed on with the rest).
+    /// The snapshot of the frozen state: destroyed too, unless it was handed on with the rest.
     now: Option<TakenFiles>,
     thread: Option<std::thread::JoinHandle<Result<(super::treesync::Sync, String)>>>,
 }
