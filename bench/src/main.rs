@@ -572,13 +572,18 @@ fn chains(args: &[String]) -> i32 {
         ),
         ("Full-snapshot", vec!["io.planarian.checkpoint.full_dump_interval=1".to_string(), restore.to_string()]),
     ];
+    // `--in-place-only`: planarian's snapshots and rollbacks in place alone (the baselines
+    // restore, and cost most of the run's time).
+    let in_place_only = args.iter().any(|a| a == "--in-place-only");
+    let systems = &systems[..if in_place_only { 1 } else { systems.len() }];
     let mut results = Vec::new();
     let mut phases = Vec::new();
     let mut repeated = Vec::new();
-    for (tag, annotations) in &systems {
+    for (tag, annotations) in systems {
         eprintln!("measuring {tag} ...");
         let first = *tag == "planarian";
-        match chains_system(&tag.to_lowercase(), annotations, mem, files, first, if first { repeat } else { 0 }) {
+        let spare = first && !in_place_only;
+        match chains_system(&tag.to_lowercase(), annotations, mem, files, spare, if first { repeat } else { 0 }) {
             Ok(c) => {
                 results.push(c.costs);
                 phases.push(c.phases);
@@ -589,6 +594,9 @@ fn chains(args: &[String]) -> i32 {
                 return 1;
             }
         }
+    }
+    if in_place_only {
+        return in_place_summary(mem, files, pool.is_some(), &results[0], &repeated, &phases[0]);
     }
     let mb = |b: u64| b as f64 / (1 << 20) as f64;
     let where_files = if pool.is_some() {
@@ -649,7 +657,7 @@ fn chains(args: &[String]) -> i32 {
             ratios.join(" ")
         );
     }
-    for (s, (tag, _)) in results.iter().zip(&systems) {
+    for (s, (tag, _)) in results.iter().zip(systems) {
         for (i, c) in s.iter().take(names.len()).enumerate() {
             if let Some(why) = &c.full_reason {
                 let what = if why.starts_with("stop and restore") { "" } else { "full dump: " };
@@ -686,11 +694,50 @@ fn chains(args: &[String]) -> i32 {
     );
     // Where a rollback's and a fork's time goes: their own phases (the restore's split from
     // `podman container restore --print-stats`).
-    for (ph, (tag, _)) in phases.iter().zip(&systems) {
+    for (ph, (tag, _)) in phases.iter().zip(systems) {
         println!();
         println!("{tag}: rollback and fork, phase by phase");
         println!("```\n{ph}\n```");
     }
+    0
+}
+
+/// `chains --in-place-only`: planarian's incremental snapshot against its rollback in place, once
+/// and then `repeated` pairs, with the rollback's phases.
+fn in_place_summary(mem: u32, files: u32, zfs: bool, p: &[Cost; 8], repeated: &[(f64, f64)], phases: &str) -> i32 {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let on = if zfs { "files on ZFS" } else { "files copied (no ZFS pool)" };
+    println!("rollback in place against an incremental snapshot: {mem} MiB memory, {files} MiB files ({on}); 1 % of memory rewritten + 64 KiB of files between steps");
+    println!("| | snapshot ms | rollback in place ms | rollback / snapshot |");
+    println!("|---|---:|---:|---:|");
+    println!(
+        "| first pair ({} pages written) | {:.0} | {:.0} | {:.2}x |",
+        p[1].pages,
+        p[0].ms,
+        p[1].ms,
+        p[1].ms / p[0].ms
+    );
+    for (i, (snap, back)) in repeated.iter().enumerate() {
+        println!("| pair {} | {snap:.0} | {back:.0} | {:.2}x |", i + 1, back / snap);
+    }
+    if !repeated.is_empty() {
+        let (snap, back) =
+            (median(repeated.iter().map(|r| r.0).collect()), median(repeated.iter().map(|r| r.1).collect()));
+        let ratio = median(repeated.iter().map(|r| r.1 / r.0).collect());
+        println!("| median of {} pairs | {snap:.0} | {back:.0} | {ratio:.2}x |", repeated.len());
+    }
+    if let Some(why) = &p[1].full_reason {
+        println!("  the rollback: {why}");
+    }
+    println!(
+        "first snapshot after the rollback / second snapshot = {:.2}x (incremental after a rollback in place)",
+        p[2].ms / p[0].ms
+    );
+    println!();
+    println!("the rollback, phase by phase\n```\n{phases}\n```");
     0
 }
 
