@@ -337,12 +337,8 @@ fn forward(crun: &runtime::crun::Crun, cfg: &Config, store: &ContainerStore, id:
     crun.kill(id, true);
     FreezeGuard::recover(&store.dir.join(MARKER));
     let pc = podman::planarian_container(id)?;
-    podman::wait_stopped(id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
     let target = store.find(&e.target)?;
-    let rootfs = crate::local::rootfs_for(cfg, store, id, pc.upperdir.clone())?;
-    let files = rootfs.restore(&store.statepoint_dir(&e.target), &target.local_state)?;
-    super::podman_dir::podman_restore(store, &pc, &target)?;
-    files.commit();
+    restore_killed(crun, cfg, store, &pc, &target)?;
     let finished = crate::remote::hooks::finish_interrupted(&store.dir, id)?.is_some();
     if !finished && !target.remote_state.is_empty() {
         let intent = crate::remote::hooks::Intent::write(&store.dir, &e.target, &target.remote_state)?;
@@ -356,6 +352,25 @@ fn forward(crun: &runtime::crun::Crun, cfg: &Config, store: &ContainerStore, id:
         true => Recovered::Compensated(e.target.clone()),
         false => Recovered::AtTarget(e.target.clone()),
     })
+}
+
+/// Whatever runs of container `pc` killed while frozen (nothing half-written runs), and
+/// statepoint `m` restored: files, then processes through Podman.
+fn restore_killed(
+    crun: &runtime::crun::Crun,
+    cfg: &Config,
+    store: &ContainerStore,
+    pc: &podman::PodmanContainer,
+    m: &Manifest,
+) -> Result<()> {
+    crun.kill(&pc.id, true);
+    FreezeGuard::recover(&store.dir.join(MARKER));
+    podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
+    let rootfs = crate::local::rootfs_for(cfg, store, &pc.id, pc.upperdir.clone())?;
+    let files = rootfs.restore(&store.statepoint_dir(&m.statepoint_id), &m.local_state)?;
+    super::podman_dir::podman_restore(store, pc, m)?;
+    files.commit();
+    Ok(())
 }
 
 /// Stops the sandbox (killed while frozen: nothing half-written runs) and restores the safety
@@ -380,13 +395,7 @@ fn back_to_safety(
         return Ok(Recovered::Stopped(e.target.clone()));
     };
     // (whatever runs: the statepoint's processes, or ones half-written; killed while frozen)
-    crun.kill(id, true);
-    FreezeGuard::recover(&store.dir.join(MARKER));
-    podman::wait_stopped(id, pc.upperdir.as_deref(), Duration::from_secs(60))?;
-    let rootfs = crate::local::rootfs_for(cfg, store, id, pc.upperdir.clone())?;
-    let files = rootfs.restore(&store.statepoint_dir(&e.safety), &safety.local_state)?;
-    super::podman_dir::podman_restore(store, &pc, &safety)?;
-    files.commit();
+    restore_killed(crun, cfg, store, &pc, &safety)?;
     // (the head first: a kill between the two leaves a head that names no statepoint, which
     // fsck clears, rather than a journal whose safety statepoint is gone)
     store.set_head(e.from.as_deref())?;
