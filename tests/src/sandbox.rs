@@ -206,7 +206,9 @@ impl Sandbox {
     pub fn rollback(&mut self, sp: &str) {
         let r = cmd(planarian_bin().to_str().unwrap(), ["rollback", &self.name, sp]);
         r.ok();
-        assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &self.name]).out(), "running");
+        // Running and thawed (its first process, seen without asking Podman: a Podman command
+        // costs seconds under emulation; Podman's own word is asserted where it is the point)
+        assert!(self.ctr.pid().is_some(), "{}: not running thawed after the rollback", self.name);
         // The restored process continues from the statepoint's sequence number.
         self.seq = self.read().expect("state after rollback").0;
     }

@@ -210,6 +210,8 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
         "planarian",
         &[
             "run",
+            "--network",
+            "none",
             "-d",
             "--name",
             &name,
@@ -559,6 +561,8 @@ fn faults_pool_full_dataset_busy_zfs_missing_change_nothing() {
         "planarian",
         &[
             "run",
+            "--network",
+            "none",
             "-d",
             "--name",
             &name,

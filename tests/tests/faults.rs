@@ -85,9 +85,9 @@ fn every_failing_step_of_snapshot_rollback_and_restore_leaves_the_sandbox_as_it_
     let sp2 = sb.snapshot("after-faults");
     assert!(sb.chain(&sp2)["full-reason"].as_str().unwrap_or("").contains("not committed"), "{}", sb.chain(&sp2));
     let at_sp2 = before.clone();
-    for point in
-        ["rollback.stopped", "rollback.files-restored", "restore.before-criu", "restore.restored", "rollback.restored"]
-    {
+    // (rollback.files-restored fails in the branch restore.before-criu takes, the files undone and
+    // the safety statepoint restored; atomic.rs makes it fail with a database beside it)
+    for point in ["rollback.stopped", "restore.before-criu", "restore.restored", "rollback.restored"] {
         sb.sh("echo now > /root/f").ok();
         inject(point);
         let r = planarian(&["rollback", &sb.name, &sp]);

@@ -509,12 +509,8 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     // Each step after it made to fail: the remote state is at the target already, so the
     // rollback goes forward — the sandbox stopped and the statepoint restored — and ends
     // exactly at the statepoint (memory, mappings, files), saying why it was not in place.
-    for point in [
-        "rollback.in-place.files",
-        "rollback.in-place.memory",
-        "rollback.in-place.registers",
-        "rollback.in-place.written",
-    ] {
+    // (registers fail where memory does: with the threads held, written in part)
+    for point in ["rollback.in-place.files", "rollback.in-place.memory", "rollback.in-place.written"] {
         sb.send("map 1");
         sb.sh("echo now > /root/now").ok();
         std::fs::create_dir_all("/run/planarian").unwrap();

@@ -59,12 +59,13 @@ fn rollback_makes_files_exactly_what_they_were() {
 fn rollback_restores_dev_and_masked_directories_exactly() {
     require_stack!();
     let mut sb = Sandbox::start("dev", 8, &[]);
-    // What an agent can leave in /dev: a file (and a hard link to it), a directory, a FIFO.
+    // What an agent can leave in /dev: a file (and a hard link to it), a directory, a FIFO (its
+    // tool calls are execs; what the test reads, it reads in the namespaces: Sandbox::sh).
     sb.exec("echo kept > /dev/agent-note && chmod 640 /dev/agent-note && mkdir /dev/sub && ln /dev/agent-note /dev/sub/hl && mkfifo /dev/ff").ok();
     // Every entry of the /dev tmpfs (not the mounts on it): name, type, mode, owner, links,
     // size, mtime, device numbers, link target.
     let listing = "cd /dev && find . -xdev ! -path ./pts ! -path ./shm ! -path ./mqueue -exec stat -c '%n|%F|%a|%u:%g|%h|%s|%Y|%t:%T|%N' {} + | sort; cat /dev/sub/hl";
-    let at_sp = sb.exec(listing).stdout;
+    let at_sp = sb.sh(listing).stdout;
     assert!(
         at_sp.contains("./sub/hl|regular file|640|0:0|2|5|") && at_sp.contains("./null|character special file|666"),
         "{at_sp}"
@@ -73,7 +74,7 @@ fn rollback_restores_dev_and_masked_directories_exactly() {
     // noexec on Podman 4.3, not on 5.4), in any order (CRIU 4.1 mounts /proc/acpi first).
     let mountinfo = "awk '{for (i = 7; i <= NF && $i != \"-\"; i++); print $5, $6, $(i + 1)}' /proc/self/mountinfo";
     let dev_mounts = |sb: &Sandbox| {
-        let all = sb.exec(mountinfo).stdout;
+        let all = sb.sh(mountinfo).stdout;
         // (sorted, each kept: a mount restored twice is not the statepoint's)
         let mut mounts: Vec<String> = all
             .lines()
@@ -100,16 +101,16 @@ fn rollback_restores_dev_and_masked_directories_exactly() {
     assert!(spdir.join("dev.json").is_file(), "no /dev archive in {}", spdir.display());
 
     sb.exec("rm -rf /dev/agent-note /dev/sub /dev/ff && echo later > /dev/later").ok();
-    assert_ne!(sb.exec(listing).stdout, at_sp);
+    assert_ne!(sb.sh(listing).stdout, at_sp);
     sb.rollback(&sp);
-    assert_eq!(sb.exec(listing).stdout, at_sp, "/dev is exactly the statepoint's");
-    assert_eq!(sb.exec("test -e /dev/later; echo $?").out(), "1");
+    assert_eq!(sb.sh(listing).stdout, at_sp, "/dev is exactly the statepoint's");
+    assert_eq!(sb.sh("test -e /dev/later; echo $?").out(), "1");
     // The devices work, and the mounts on /dev and the masked directories are back, exactly.
-    assert_eq!(sb.exec("head -c 4096 /dev/urandom | wc -c; echo x > /dev/null && echo null-ok").out(), "4096\nnull-ok");
+    assert_eq!(sb.sh("head -c 4096 /dev/urandom | wc -c; echo x > /dev/null && echo null-ok").out(), "4096\nnull-ok");
     assert_eq!(dev_mounts(&sb), mounts_at_sp, "the mounts after the rollback");
     // Masked directories stay empty and read-only.
     for d in ["/proc/acpi", "/sys/firmware"] {
-        assert_eq!(sb.exec(&format!("ls -A {d} | wc -l; touch {d}/x 2>/dev/null; echo $?")).out(), "0\n1", "{d}");
+        assert_eq!(sb.sh(&format!("ls -A {d} | wc -l; touch {d}/x 2>/dev/null; echo $?")).out(), "0\n1", "{d}");
     }
     // And the next snapshot of the restored sandbox keeps /dev the same way.
     let sp2 = sb.snapshot("dev-v2");
@@ -253,10 +254,10 @@ fn listening_tcp_socket_survives_rollback() {
     let _c = Cleanup(n.clone());
     podman("planarian", &["run", "-d", "--name", &n, DEBIAN, "python3", "-c",
         "import socket,time; s=socket.socket(); s.bind(('0.0.0.0', 8080)); s.listen(); open('/tmp/up','w').close(); time.sleep(100000)"]).ok();
-    assert!(wait_for(Duration::from_secs(60), || podman("planarian", &["exec", &n, "test", "-e", "/tmp/up"]).code
-        == Some(0)));
-    let listening =
-        || podman("planarian", &["exec", &n, "sh", "-c", "grep -c ':1F90 00000000:0000 0A' /proc/net/tcp"]).out();
+    // (read in its namespaces, not by `podman exec`: seconds each under emulation)
+    let ctr = Ctr::new(&n);
+    assert!(wait_for(Duration::from_secs(60), || ctr.read("tmp/up").is_some()));
+    let listening = || ctr.sh("grep -c ':1F90 00000000:0000 0A' /proc/net/tcp").out();
     assert_eq!(listening(), "1");
     podman("planarian", &["container", "checkpoint", "--leave-running", "--tcp-established", &n]).ok();
     let sp = cmd(planarian_bin().to_str().unwrap(), ["statepoint", "list", &n, "--json"]);
@@ -283,7 +284,7 @@ fn bad_input_is_a_clear_error_and_changes_nothing() {
 
     let other = name("crun");
     let _o = Cleanup(other.clone());
-    podman("crun", &["run", "-d", "--name", &other, BUSYBOX, "sleep", "600"]).ok();
+    podman("crun", &["run", "-d", "--name", &other, "--network", "none", BUSYBOX, "sleep", "600"]).ok();
     let r = cmd(pl, ["rollback", &other, "sp1"]);
     assert_eq!(r.code, Some(1));
     assert!(r.stderr.contains("is not run by planarian (its runtime is crun)"), "{r:?}");
@@ -476,6 +477,8 @@ fn disk_full_while_copying_files_leaves_no_statepoint() {
         "planarian",
         &[
             "run",
+            "--network",
+            "none",
             "-d",
             "--name",
             &n,
@@ -486,8 +489,7 @@ fn disk_full_while_copying_files_leaves_no_statepoint() {
         ],
     )
     .ok();
-    assert!(wait_for(Duration::from_secs(60), || podman("planarian", &["exec", &n, "test", "-e", "/ready"]).code
-        == Some(0)));
+    assert!(wait_for(Duration::from_secs(60), || Ctr::new(&n).read("ready").is_some()));
     let r = cmd(planarian_bin().to_str().unwrap(), ["snapshot", &n]);
     assert_eq!(r.code, Some(1), "{r:?}");
     // The files' copy and CRIU's images fill the store side by side: whichever finds it full
@@ -898,14 +900,13 @@ fn a_background_process_started_by_exec_is_in_the_statepoint() {
     )
     .ok();
     // "PID STATE" of the background process (S sleeping, Z a zombie); empty before it wrote its PID.
+    // (read in its namespaces: the exec that started it is the point, not the reading)
+    let ctr = Ctr::new(&n);
     let state = || {
-        podman(
-            "planarian",
-            &["exec", &n, "sh", "-c", "p=$(cat /tmp/bg.pid) && echo $p $(awk '/^State:/ {print $2}' /proc/$p/status)"],
-        )
-        .stdout
-        .trim()
-        .to_string()
+        ctr.sh("p=$(cat /tmp/bg.pid) && echo $p $(awk '/^State:/ {print $2}' /proc/$p/status)")
+            .stdout
+            .trim()
+            .to_string()
     };
     assert!(
         wait_for(Duration::from_secs(120), || state().ends_with(" S")),
@@ -917,7 +918,7 @@ fn a_background_process_started_by_exec_is_in_the_statepoint() {
     let pl = pl.to_str().unwrap();
     let sp1 = cmd(pl, ["snapshot", &n]).ok().out();
     // Killed, it stays a zombie (sleep as PID 1 reaps nothing): that too is dumped.
-    podman("planarian", &["exec", &n, "sh", "-c", "kill $(cat /tmp/bg.pid)"]).ok();
+    ctr.sh("kill $(cat /tmp/bg.pid)").ok();
     assert!(wait_for(Duration::from_secs(120), || state().ends_with(" Z")), "not a zombie: {}", state());
     cmd(pl, ["snapshot", &n]).ok();
     cmd(pl, ["rollback", &n, &sp1]).ok();
@@ -975,7 +976,7 @@ fn a_snapshot_waits_for_a_podman_exec_in_flight() {
     let w = sb.sh("cat /w").stdout;
     assert!(w.ends_with("x\ndone\n"), "the statepoint holds all the exec wrote, and nothing after: {w}");
     // A server started with exec -d runs on: the next snapshot waits for it at most the bound.
-    let _short = DropIn::new("zz-inflight", "[checkpoint]\nin_flight_wait_seconds = 10\n");
+    let _short = DropIn::new("zz-inflight", "[checkpoint]\nin_flight_wait_seconds = 3\n");
     podman("planarian", &["exec", "-d", &sb.name, "sleep", "600"]).ok();
     let r = planarian(&["snapshot", &sb.name]);
     r.ok();

@@ -232,3 +232,41 @@ pub fn node_and_dbhub() -> Option<(PathBuf, PathBuf)> {
         }
     }
 }
+
+/// DBHub serving Streamable HTTP against `pg`'s database `postgres`, started here (not by a
+/// sidecar) and stopped on drop: one server for a test's sandboxes, where DBHub's start (a
+/// minute under emulation) is not the point.
+pub struct DbhubHttp {
+    child: Child,
+    pub port: u16,
+}
+
+impl DbhubHttp {
+    pub fn start(node: &Path, dbhub: &Path, pg: &Pg) -> DbhubHttp {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new(node)
+            .arg(dbhub)
+            .args(["--transport", "http", "--port", &port.to_string()])
+            .args(["--dsn", &format!("postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable", pg.port)])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let server = DbhubHttp { child, port };
+        let up = wait_for(Duration::from_secs(300), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+        assert!(up, "DBHub did not listen on {port} within 300 s");
+        server
+    }
+
+    /// Its endpoint, as a service's `url`.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/mcp", self.port)
+    }
+}
+
+impl Drop for DbhubHttp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
