@@ -738,6 +738,15 @@ fn in_place_summary(mem: u32, files: u32, zfs: bool, p: &[Cost; 8], repeated: &[
     );
     println!();
     println!("the rollback, phase by phase\n```\n{phases}\n```");
+    // Where the last rollback's time went, as planarian's log has it (each step's milliseconds
+    // since the one before; the page plan and the files' comparison run side by side).
+    let log = std::fs::read_to_string("/var/log/planarian.log").unwrap_or_default();
+    for key in ["rollback timeline (ms): ", "in place on ZFS: "] {
+        if let Some(line) = log.lines().rev().find(|l| l.contains(key)) {
+            let t = line.split_once(key).map_or(line, |(_, t)| t);
+            println!("{key}{}", t.trim_end_matches('"'));
+        }
+    }
     0
 }
 

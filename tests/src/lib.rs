@@ -314,11 +314,13 @@ impl Drop for DropIn {
     }
 }
 
-/// `<pool>/sb`, the parent dataset the tests' containers get their datasets under, made when
-/// missing, with the Debian test image's base copied into it ahead by `planarian zfs-base` (as
-/// the README says to: the first container's create would copy it inside Podman's time limit).
+/// `<pool>/sandboxes`, the parent dataset the tests' containers get their datasets under, made
+/// when missing, with the Debian test image's base copied into it ahead by `planarian zfs-base`
+/// (as the README says to: the first container's create would copy it inside Podman's time
+/// limit). The demo's parent too: a guest that ran it has the base already (a copy is minutes
+/// under emulation).
 pub fn zfs_parent(pool: &str) -> String {
-    let p = format!("{pool}/sb");
+    let p = format!("{pool}/sandboxes");
     if cmd("zfs", ["list", "-H", &p]).code != Some(0) {
         cmd("zfs", ["create", &p]).ok();
     }

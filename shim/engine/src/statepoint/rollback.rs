@@ -603,10 +603,15 @@ fn in_place(
     progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
     let prepared = std::thread::scope(|scope| -> std::result::Result<_, String> {
         // The page plan (the images and page maps read) beside the files' comparison.
-        let planning = scope.spawn(|| shape.plan(base.as_deref()).map_err(|e| e.to_string()));
+        let planning = scope.spawn(|| {
+            let plan = shape.plan(base.as_deref()).map_err(|e| e.to_string());
+            crate::log::mark("pages planned");
+            plan
+        });
         let plan = || planning.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         dev_unchanged(&sp_dir, &mounts, store, pid)?;
         let files = rootfs.in_place(&sp_dir, &target.local_state, &at, started).map_err(|e| e.to_string())?;
+        crate::log::mark("files compared");
         Ok((plan()?, files))
     });
     crate::log::mark("differs");
