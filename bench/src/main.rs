@@ -740,14 +740,20 @@ fn in_place_summary(mem: u32, files: u32, zfs: bool, p: &[Cost; 8], repeated: &[
     println!("the rollback, phase by phase\n```\n{phases}\n```");
     // Where the last rollback's time went, as planarian's log has it (each step's milliseconds
     // since the one before; the page plan and the files' comparison run side by side).
-    let log = std::fs::read_to_string("/var/log/planarian.log").unwrap_or_default();
     for key in ["rollback timeline (ms): ", "in place on ZFS: "] {
-        if let Some(line) = log.lines().rev().find(|l| l.contains(key)) {
-            let t = line.split_once(key).map_or(line, |(_, t)| t);
-            println!("{key}{}", t.trim_end_matches('"'));
+        if let Some(t) = logged(key, key) {
+            println!("{key}{t}");
         }
     }
     0
+}
+
+/// What the last line of planarian's own log that holds `holding` says after `after`.
+fn logged(holding: &str, after: &str) -> Option<String> {
+    let log = std::fs::read_to_string("/var/log/planarian.log").ok()?;
+    let line = log.lines().rev().find(|l| l.contains(holding))?;
+    let t = line.split_once(after).map_or(line, |(_, t)| t);
+    Some(t.trim_end_matches('"').to_string())
 }
 
 /// Snapshot, second snapshot, rollback, fork of a sandbox with `files` MiB of files.
@@ -999,13 +1005,11 @@ fn unchanged(args: &[String]) -> i32 {
         }
         println!("ratio unchanged / incremental: {:.2}", median(&free, |c| c.ms) / median(&inc, |c| c.ms));
         // Where the last of each went, as planarian's log has it.
-        let log = std::fs::read_to_string("/var/log/planarian.log").unwrap_or_default();
         for (what, n) in [("unchanged", &idle), ("incremental", &busy)] {
             let id = run_quiet("podman", &["inspect", "--format", "{{.Id}}", n])?;
             let short = &id[..12.min(id.len())];
-            if let Some(line) = log.lines().rev().find(|l| l.contains(&format!(" of {short} timeline"))) {
-                let t = line.split_once("timeline (ms): ").map_or(line, |(_, t)| t);
-                println!("{what}: {}", t.trim_end_matches('"'));
+            if let Some(t) = logged(&format!(" of {short} timeline"), "timeline (ms): ") {
+                println!("{what}: {t}");
             }
         }
         Ok(())

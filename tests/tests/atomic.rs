@@ -101,23 +101,21 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
         if in_place {
             // Past the compensation: forward, to the statepoint, by a restore. (Every later step
             // goes forward the same way: inplace.rs fails each of them)
-            {
-                let point = "rollback.in-place.memory";
-                std::fs::write(FAULT, point).unwrap();
-                let r = planarian(&["rollback", &n, &sp1, "--json"]);
-                r.ok();
-                assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
-                let ctx: Value = serde_json::from_str(&r.stdout).unwrap();
-                assert_eq!(ctx["how"]["path"], "stop-and-restore", "{point}: {ctx}");
-                assert!(ctx["how"]["not-in-place"].as_str().unwrap().contains(point), "{point}: {ctx}");
-                assert_eq!(sandbox(), "at-the-statepoint", "{point}: the sandbox is at the statepoint");
-                assert_eq!(rows(), at_sp1, "{point}: the database is at the statepoint");
-                // (and later again)
-                ok(agent.sql("UPDATE reports SET body = 'later' WHERE id = 1"));
-                ok(agent.sql("INSERT INTO reports VALUES (2, 'later too')"));
-                ctr.sh("echo later > /f").ok();
-                assert_eq!(rows(), later);
-            }
+            let point = "rollback.in-place.memory";
+            std::fs::write(FAULT, point).unwrap();
+            let r = planarian(&["rollback", &n, &sp1, "--json"]);
+            r.ok();
+            assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
+            let ctx: Value = serde_json::from_str(&r.stdout).unwrap();
+            assert_eq!(ctx["how"]["path"], "stop-and-restore", "{point}: {ctx}");
+            assert!(ctx["how"]["not-in-place"].as_str().unwrap().contains(point), "{point}: {ctx}");
+            assert_eq!(sandbox(), "at-the-statepoint", "{point}: the sandbox is at the statepoint");
+            assert_eq!(rows(), at_sp1, "{point}: the database is at the statepoint");
+            // (and later again)
+            ok(agent.sql("UPDATE reports SET body = 'later' WHERE id = 1"));
+            ok(agent.sql("INSERT INTO reports VALUES (2, 'later too')"));
+            ctr.sh("echo later > /f").ok();
+            assert_eq!(rows(), later);
         }
         // A real failure of the compensation: a row changed behind the proxy is a conflict.
         pg.psql("UPDATE reports SET body = 'by hand' WHERE id = 2");

@@ -158,50 +158,44 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
         assert!(r.code != Some(0) && r.stderr.contains("injected fault at fork.linked"), "{r:?}");
         assert_eq!(branch_dbs(), "0", "the failed fork's database is dropped");
     }
-    let mut forks = Vec::new();
-    // (one fork: its own database against the source's; each fork's is named by its ID. A second
-    // fork costs a DBHub start, a minute under emulation)
-    {
-        let (tag, row) = ("a", 10);
-        let f = name(&format!("mcp-fork-{tag}"));
-        let cleanup = Cleanup(f.clone());
-        planarian(&["fork", &n, &sp1, "--name", &f]).ok();
-        let fid = podman("planarian", &["inspect", "--format", "{{.Id}}", &f]).out();
-        assert_eq!(Ctr::new(&f).sh("cat /report").out(), "first draft");
-        let mut forked = Harness::connect(&fid);
-        let db = format!("postgres_{}", &fid[..12]);
-        if branches {
-            assert_eq!(rows(&db), "1:first draft", "the fork's database is the source's at {sp1}");
-            let r = forked.sql(&format!("INSERT INTO reports VALUES ({row}, 'fork {tag}')"));
-            assert_ne!(r["isError"], json!(true), "{r}");
-        } else {
-            let r = forked.sql("DELETE FROM reports");
-            assert_eq!(r["isError"], json!(true), "{r}");
-            assert!(r["content"][0]["text"].as_str().unwrap().contains("fork"), "{r}");
-            let fm: Value =
-                serde_json::from_str(&planarian(&["statepoint", "list", &f, "--json"]).out()).unwrap_or(Value::Null);
-            if let Some(list) = fm.as_array() {
-                assert!(list.iter().all(|s| s["remote-state"].as_array().is_none_or(|a| a.is_empty())), "{fm}");
-            }
+    // A fork of sp1 (one: its own database against the source's; each fork's is named by its
+    // ID. A second fork costs a DBHub start, a minute under emulation)
+    let f = name("mcp-fork-a");
+    let _fork_cleanup = Cleanup(f.clone());
+    planarian(&["fork", &n, &sp1, "--name", &f]).ok();
+    let fid = podman("planarian", &["inspect", "--format", "{{.Id}}", &f]).out();
+    assert_eq!(Ctr::new(&f).sh("cat /report").out(), "first draft");
+    let mut forked = Harness::connect(&fid);
+    let db = format!("postgres_{}", &fid[..12]);
+    if branches {
+        assert_eq!(rows(&db), "1:first draft", "the fork's database is the source's at {sp1}");
+        let r = forked.sql("INSERT INTO reports VALUES (10, 'fork a')");
+        assert_ne!(r["isError"], json!(true), "{r}");
+    } else {
+        let r = forked.sql("DELETE FROM reports");
+        assert_eq!(r["isError"], json!(true), "{r}");
+        assert!(r["content"][0]["text"].as_str().unwrap().contains("fork"), "{r}");
+        let fm: Value =
+            serde_json::from_str(&planarian(&["statepoint", "list", &f, "--json"]).out()).unwrap_or(Value::Null);
+        if let Some(list) = fm.as_array() {
+            assert!(list.iter().all(|s| s["remote-state"].as_array().is_none_or(|a| a.is_empty())), "{fm}");
         }
-        forks.push((f, fid, db, forked, cleanup, row));
     }
     assert_eq!(rows("postgres"), source_rows, "the source never sees a fork's calls");
     if branches {
-        assert_eq!(rows(&forks[0].2), "1:first draft,10:fork a", "the fork sees only its own rows");
+        assert_eq!(rows(&db), "1:first draft,10:fork a", "the fork sees only its own rows");
         // A fork's rollback to its first statepoint undoes its own calls, in its own database.
-        let (f, _, db, h, _, _) = &mut forks[0];
-        let list: Value = serde_json::from_str(&planarian(&["statepoint", "list", f, "--json"]).ok().out()).unwrap();
+        let list: Value = serde_json::from_str(&planarian(&["statepoint", "list", &f, "--json"]).ok().out()).unwrap();
         assert!(
             list[0]["remote-state"][0]["mcp-call-position"].is_u64(),
             "the fork's first statepoint holds its branch's position: {list}"
         );
         let first = list[0]["statepoint-id"].as_str().unwrap().to_string();
-        planarian(&["rollback", f, &first]).ok();
-        assert_eq!(rows(db), "1:first draft");
-        let r = h.sql("INSERT INTO reports VALUES (11, 'fork a, after its rollback')");
+        planarian(&["rollback", &f, &first]).ok();
+        assert_eq!(rows(&db), "1:first draft");
+        let r = forked.sql("INSERT INTO reports VALUES (11, 'fork a, after its rollback')");
         assert_ne!(r["isError"], json!(true), "{r}");
-        assert_eq!(rows(db), "1:first draft,11:fork a, after its rollback");
+        assert_eq!(rows(&db), "1:first draft,11:fork a, after its rollback");
         assert_eq!(rows("postgres"), source_rows);
     }
     // The source's sidecar is untouched.
@@ -211,15 +205,12 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
     // Sidecars stop with their containers (a fork's database stays until dropped).
     drop(agent);
     podman("planarian", &["rm", "-f", "-t", "0", &n]).ok();
-    let mut ids = vec![id];
-    for (f, fid, db, forked, _cleanup, _) in forks {
-        drop(forked);
-        podman("planarian", &["rm", "-f", "-t", "0", &f]).ok();
-        if branches {
-            pg.psql(&format!("DROP DATABASE \"{db}\" WITH (FORCE)"));
-        }
-        ids.push(fid);
+    drop(forked);
+    podman("planarian", &["rm", "-f", "-t", "0", &f]).ok();
+    if branches {
+        pg.psql(&format!("DROP DATABASE \"{db}\" WITH (FORCE)"));
     }
+    let ids = [id, fid];
     assert!(
         wait_for(Duration::from_secs(120), || ids.iter().all(|i| !sidecar_running(i))),
         "the sidecars stop with their containers"
