@@ -114,12 +114,20 @@ fn passthrough(inv: &Invocation) -> Failure {
         Ok(l) => l.flatten(),
         Err(e) => return e.into(),
     };
-    if let (Some(id), Some(file)) = (exec_id, cli::exec_process_file(inv.verb_args())) {
-        engine.prepare_exec(id, &file);
-    }
     // conmon's `exec --detach`: crun returns once the command started, and the tool call's lock
     // is held until the command exits. crun's exit status is this process's.
     let detached = exec_id.zip(cli::exec_detached_pid_file(inv.verb_args()));
+    // A command no client is attached to (`podman exec -d`) is the sandbox's own work, not a
+    // tool call: started in the container's process tree, and not waited for.
+    let background = detached.is_some() && engine.exec_detached_by(std::os::unix::process::parent_id() as i32);
+    if let (Some(id), Some(file)) = (exec_id, cli::exec_process_file(inv.verb_args())) {
+        if engine.prepare_exec(id, &file, background) && background {
+            inv.sink().info(&format!(
+                "{id}: {} started with podman exec -d: in the background of the container's tree, which statepoints capture",
+                engine::runtime::exec::command_line(&file)
+            ));
+        }
+    }
     let (Some(_), Some((id, pid_file))) = (&lock, detached) else {
         // (crun inherits the tool call's lock, if any, and holds it until it exits)
         let err = Command::new(&crun).args(&inv.args).exec();
@@ -136,7 +144,7 @@ fn passthrough(inv: &Invocation) -> Failure {
                 .unwrap_or_default();
             // (what crun printed is all this prints: a holder that cannot start leaves the
             // command unwaited for, as before)
-            if let Some(lock) = lock {
+            if let Some(lock) = lock.filter(|_| !background) {
                 let _ = engine.hold_tool_call(lock, id, pid, &what);
             }
         }

@@ -436,9 +436,9 @@ fn shapes_a_rollback_in_place_cannot_restore_stop_and_restore() {
     let sp = sb.snapshot("one-process");
     // A process started after the statepoint: the tree changed.
     let comms = |sb: &Sandbox| sb.sh("cat /proc/[0-9]*/comm").stdout;
-    // (started in the background by an exec that ends at once: a command `podman exec -d` left
-    // running would hold the snapshots' lock up to `in_flight_wait_seconds`, tested in statepoints)
-    podman("planarian", &["exec", &sb.name, "sh", "-c", "(sleep 1000 </dev/null >/dev/null 2>&1 &)"]).ok();
+    // (a server started with `podman exec -d`: the sandbox's own work, which the rollback does not
+    // wait for, as it would for a tool call in flight)
+    podman("planarian", &["exec", "-d", &sb.name, "sleep", "1000"]).ok();
     assert!(wait_for(Duration::from_secs(30), || comms(&sb).contains("sleep")), "the later process did not start");
     let ctx = rollback(&mut sb, &sp);
     assert_eq!(ctx["how"]["path"], "stop-and-restore", "{ctx}");

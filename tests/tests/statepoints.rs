@@ -931,9 +931,9 @@ fn a_background_process_started_by_exec_is_in_the_statepoint() {
 }
 
 /// A snapshot asked for while a `podman exec` still writes waits for it to end, saying what it
-/// waits for: the statepoint holds every line the command wrote and nothing after. A command
-/// that runs on (a server started with `podman exec -d`) is waited for at most
-/// `in_flight_wait_seconds`, then captured running: it does not keep statepoints away for good.
+/// waits for: the statepoint holds every line the command wrote and nothing after. A server
+/// started with `podman exec -d` is not waited for at all; a tool call that runs on (its client
+/// attached) is waited for at most `in_flight_wait_seconds`, then captured running.
 #[test]
 fn a_snapshot_waits_for_a_podman_exec_in_flight() {
     use std::io::BufRead;
@@ -977,14 +977,45 @@ fn a_snapshot_waits_for_a_podman_exec_in_flight() {
     sb.rollback(&sp);
     let w = sb.sh("cat /w").stdout;
     assert!(w.ends_with("x\ndone\n"), "the statepoint holds all the exec wrote, and nothing after: {w}");
-    // A server started with exec -d runs on: the next snapshot waits for it at most the bound.
-    let _short = DropIn::new("zz-inflight", "[checkpoint]\nin_flight_wait_seconds = 3\n");
+    // A server started with exec -d is the sandbox's own work, not a tool call: no one waits for
+    // it (the bound is still 300 s), and the statepoint holds it running.
     podman("planarian", &["exec", "-d", &sb.name, "sleep", "600"]).ok();
     let r = planarian(&["snapshot", &sb.name]);
     r.ok();
+    assert!(!r.stderr.contains("waiting for what is in flight"), "{}", r.stderr);
+    assert!(std::fs::read_dir(&in_flight).is_ok_and(|mut d| d.next().is_none()), "no holder for a detached command");
     let sp2 = r.out();
-    assert!(sb.statepoints().iter().any(|s| s["statepoint-id"] == sp2.as_str()), "{sp2} committed");
     // (every process's command line: the image has no ps)
-    let procs = sb.sh("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done").stdout;
-    assert!(procs.contains("sleep 600"), "the server runs on: {procs}");
+    let procs = |sb: &Sandbox| sb.sh("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done").stdout;
+    sb.sh(
+        "for p in /proc/[0-9]*; do [ \"$(tr '\\0' ' ' < $p/cmdline)\" = 'sleep 600 ' ] && kill ${p#/proc/}; done; true",
+    )
+    .ok();
+    let p = procs(&sb);
+    assert!(!p.contains("sleep 600"), "stopped: {p}");
+    sb.rollback(&sp2);
+    let p = procs(&sb);
+    assert!(p.contains("sleep 600"), "the statepoint holds the server running: {p}");
+    // A tool call that runs on (its client attached) is waited for at most the bound, then
+    // captured running: it does not keep statepoints away for good.
+    let _short = DropIn::new("zz-inflight", "[checkpoint]\nin_flight_wait_seconds = 3\n");
+    let mut attached = std::process::Command::new("podman")
+        .args(["--runtime", "planarian", "exec", &sb.name, "sleep", "700"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(
+        wait_for(Duration::from_secs(300), || std::fs::read_dir(&in_flight).is_ok_and(|mut d| d.next().is_some())),
+        "the attached exec's holder names it in {}",
+        in_flight.display()
+    );
+    let r = planarian(&["snapshot", &sb.name]);
+    r.ok();
+    assert!(r.stderr.contains("waiting for what is in flight") && r.stderr.contains("sleep 700"), "{}", r.stderr);
+    let sp3 = r.out();
+    assert!(sb.statepoints().iter().any(|s| s["statepoint-id"] == sp3.as_str()), "{sp3} committed");
+    let p = procs(&sb);
+    assert!(p.contains("sleep 700"), "the command runs on: {p}");
+    let _ = attached.kill();
+    let _ = attached.wait();
 }

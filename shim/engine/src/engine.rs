@@ -251,15 +251,29 @@ impl Engine {
     }
 
     /// `exec` with conmon's process file `file`: what the tool call leaves running must be in
-    /// a session CRIU can dump ([`runtime::exec`]); crun 1.20 and later give it one already.
-    pub fn prepare_exec(&self, id: &str, file: &Path) {
-        let Ok(crun) = self.crun() else { return };
-        if runtime::exec::runtime_gives_exec_a_session(crun) {
-            return;
+    /// a session CRIU can dump ([`runtime::exec`]); crun 1.20 and later give it one already. A
+    /// command started with `podman exec -d` (`background`) is started by a shell of the
+    /// container, in the background ([`runtime::exec::in_background`]), so that it is in the
+    /// container's process tree, which statepoints capture. Says whether the command was wrapped.
+    pub fn prepare_exec(&self, id: &str, file: &Path, background: bool) -> bool {
+        let Ok(crun) = self.crun() else { return false };
+        let own_session = !runtime::exec::runtime_gives_exec_a_session(crun);
+        if !own_session && !background {
+            return false;
         }
-        if let Ok(pid) = runtime::Container::load(crun, &self.globals, id).and_then(|c| c.running_pid()) {
-            runtime::exec::rewrite_process_file(file, pid);
-        }
+        let Ok(pid) = runtime::Container::load(crun, &self.globals, id).and_then(|c| c.running_pid()) else {
+            return false;
+        };
+        runtime::exec::rewrite_process_file(file, |p| match background {
+            true => runtime::exec::in_background(p, pid, own_session),
+            false => runtime::exec::in_own_session(p, pid),
+        })
+    }
+
+    /// Whether `caller`, the runtime's parent, is conmon running an exec session no client is
+    /// attached to (`podman exec -d`; [`runtime::inflight::client_attached`]).
+    pub fn exec_detached_by(&self, caller: i32) -> bool {
+        runtime::inflight::client_attached(caller) == Some(false)
     }
 
     /// conmon's `exec --detach` of `what` in container `id`, started as process `pid`: the

@@ -155,6 +155,50 @@ impl Proc {
     pub fn clear_soft_dirty(&self) -> Result<(), IoError> {
         self.write("clear_refs", "4")
     }
+
+    /// The Unix sockets of the network namespace it is in (`/proc/PID/net/unix`).
+    pub fn unix_sockets(&self) -> Result<Vec<UnixSocket>, IoError> {
+        self.read("net/unix").map(|t| parse_unix(&t))
+    }
+
+    /// The inodes of the sockets among its descriptors, each with its descriptor.
+    pub fn socket_fds(&self) -> Result<Vec<(u64, i32)>, IoError> {
+        let target = |fd: i32| self.fd_target(fd).strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok();
+        Ok(self.fds()?.into_iter().filter_map(|fd| Some((target(fd)?, fd))).collect())
+    }
+}
+
+/// A Unix socket, as a line of `/proc/net/unix` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnixSocket {
+    pub inode: u64,
+    /// `SOCK_STREAM`, `SOCK_DGRAM`, `SOCK_SEQPACKET`.
+    pub kind: u32,
+    /// Listening (`__SO_ACCEPTCON`).
+    pub listening: bool,
+    /// Connected (`SS_CONNECTED`): an accepted connection too, which shows its listener's path.
+    pub connected: bool,
+    /// The path it is bound to (a connection accepted by a bound socket shows that one's).
+    pub path: Option<String>,
+}
+
+/// `/proc/net/unix`'s lines: `Num RefCount Protocol Flags Type St Inode [Path]`.
+pub fn parse_unix(text: &str) -> Vec<UnixSocket> {
+    let hex = |v: &str| u32::from_str_radix(v, 16).unwrap_or(0);
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (flags, kind, st, inode) = (f.get(3)?, f.get(4)?, f.get(5)?, f.get(6)?.parse().ok()?);
+            Some(UnixSocket {
+                inode,
+                kind: hex(kind),
+                listening: hex(flags) & 0x10000 != 0,
+                connected: hex(st) == 3,
+                path: f.get(7).map(|p| p.to_string()),
+            })
+        })
+        .collect()
 }
 
 /// The processes there are now (the numbered entries of `/proc`), in order.
@@ -419,6 +463,31 @@ mod tests {
         assert!(upperdir_in_use(&ms, Path::new("/u/diff")));
         assert!(!upperdir_in_use(&ms, Path::new("/u/dif")));
         assert_eq!(ms[0].super_option("lowerdir"), Some("/l/a:/l/b"));
+    }
+
+    /// Lines of a conmon's exec session, read on Podman 5.4: the attach socket listening, a
+    /// connection it accepted (the same path), an unbound socket.
+    #[test]
+    fn unix_socket_lines() {
+        let text = "Num       RefCount Protocol Flags    Type St Inode Path\n\
+                    00000000fab81c12: 00000002 00000000 00010000 0005 01 12423 /proc/self/fd/13/attach\n\
+                    00000000faba466d: 00000003 00000000 00000000 0005 03 12453 /proc/self/fd/13/attach\n\
+                    00000000c0c8319b: 00000002 00000000 00000000 0001 03 12404\n";
+        let s = parse_unix(text);
+        assert_eq!(s.len(), 3);
+        assert_eq!((s[0].inode, s[0].kind, s[0].listening, s[0].connected), (12423, 5, true, false));
+        assert_eq!(
+            (s[1].listening, s[1].connected, s[1].path.as_deref()),
+            (false, true, Some("/proc/self/fd/13/attach"))
+        );
+        assert_eq!((s[2].kind, s[2].path.as_deref()), (1, None));
+        // This process's own: a pair's socket found by its descriptor, and in the table, connected.
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&a);
+        let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap());
+        let fds = Proc::own().socket_fds().unwrap();
+        assert!(fds.contains(&(ino, fd)), "{fds:?}");
+        assert!(Proc::own().unix_sockets().unwrap().iter().any(|u| u.inode == ino && u.connected));
     }
 
     #[test]

@@ -11,11 +11,19 @@
 //! keep statepoints away for good. The holder names the command in the store's `in-flight/PID`
 //! file, for the message of a statepoint that waits for it.
 //!
+//! A command started with `podman exec -d` is no tool call: nobody waits for its output, it is
+//! the sandbox's own work (a server, a watcher), captured running by any statepoint. conmon's
+//! arguments are the same for both (`--exec-attach`); what differs is the session's attach
+//! socket: Podman connects to it before it tells conmon to start the command, so by the time the
+//! runtime runs a client of `podman exec` is connected (accepted, or waiting to be), while no one
+//! is for `-d` ([`client_attached`]). Such a command gets no holder.
+//!
 //! A statepoint waits for the lock at most that long (and a little more: the holders' own
 //! bounds), saying what it waits for; then (an MCP call that does not end) it fails, changing
 //! nothing.
 
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -30,7 +38,7 @@ fn dir(store_dir: &Path) -> PathBuf {
 /// already.
 pub fn hold_until_exit(lock: File, pid: i32, store_dir: &Path, what: &str, max: Duration) -> Result<(), String> {
     use nix::libc;
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::fd::{FromRawFd, OwnedFd};
     // SAFETY: pidfd_open(2) with a pid and no flags; the result is a new descriptor or -1.
     let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     if raw < 0 {
@@ -84,6 +92,38 @@ pub fn hold_until_exit(lock: File, pid: i32, store_dir: &Path, what: &str, max: 
             Err(format!("cannot fork the holder of the container's lock: {e}"))
         }
     }
+}
+
+/// Whether a client is attached to the exec session that conmon `conmon` (the runtime's parent)
+/// runs: a connection to its attach socket (a listening socket bound to `…/attach`) that it
+/// accepted, or one waiting in that socket's queue (the listener, read through a copy of
+/// conmon's descriptor, is readable). `None` when `conmon` is not conmon running an exec session
+/// to attach to (`--exec-attach`, as Podman starts it) with its attach socket (another caller's
+/// exec, a CRI engine's: a tool call, held as ever).
+pub fn client_attached(conmon: i32) -> Option<bool> {
+    let p = sys::proc::Proc::of(conmon);
+    // (Podman's exec sessions: conmon told to wait for a client to attach, or for none)
+    if p.read("comm").ok()?.trim() != "conmon" || !p.cmdline().ok()?.iter().any(|a| a == "--exec-attach") {
+        return None;
+    }
+    let fds = p.socket_fds().ok()?;
+    let fd_of = |inode: u64| fds.iter().find(|(i, _)| *i == inode).map(|&(_, fd)| fd);
+    let attach: Vec<_> = p
+        .unix_sockets()
+        .ok()?
+        .into_iter()
+        .filter(|u| u.path.as_deref().is_some_and(|p| p.ends_with("/attach")))
+        .filter_map(|u| Some((fd_of(u.inode)?, u)))
+        .collect();
+    if attach.iter().any(|(_, u)| u.connected && !u.listening) {
+        return Some(true);
+    }
+    let (fd, _) = attach.iter().find(|(_, u)| u.listening)?;
+    let listener = crate::local::inplace::ptrace::dup_fd(conmon, *fd as u32).ok()?;
+    let mut p = nix::libc::pollfd { fd: listener.as_raw_fd(), events: nix::libc::POLLIN, revents: 0 };
+    // SAFETY: one pollfd, pointing at `p`; no wait.
+    let n = unsafe { nix::libc::poll(&mut p, 1, 0) };
+    (n >= 0).then_some(n > 0 && p.revents & nix::libc::POLLIN != 0)
 }
 
 /// The commands in flight in a container (their holders' notes), as `pid N: COMMAND`.

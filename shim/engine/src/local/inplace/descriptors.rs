@@ -121,22 +121,14 @@ const TCP_LISTEN: u32 = 10;
 fn live_sockets(host: i32) -> HashMap<u64, LiveSocket> {
     let mut out = HashMap::new();
     let read = |f: &str| Proc::of(host).read(&format!("net/{f}")).unwrap_or_default();
-    // Num RefCount Protocol Flags Type St Inode [Path]
-    for l in read("unix").lines().skip(1) {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        let (Some(flags), Some(kind), Some(st), Some(ino)) = (f.get(3), f.get(4), f.get(5), f.get(6)) else { continue };
-        let hex = |v: &str| u32::from_str_radix(v, 16).unwrap_or(0);
-        // __SO_ACCEPTCON: listening; SS_CONNECTED: connected; otherwise unconnected.
-        let state = if hex(flags) & 0x10000 != 0 {
-            TCP_LISTEN
-        } else if hex(st) == 3 {
-            TCP_ESTABLISHED
-        } else {
-            TCP_CLOSE
+    for u in Proc::of(host).unix_sockets().unwrap_or_default() {
+        // CRIU's sk_state: listening, connected, otherwise closed.
+        let state = match (u.listening, u.connected) {
+            (true, _) => TCP_LISTEN,
+            (false, true) => TCP_ESTABLISHED,
+            _ => TCP_CLOSE,
         };
-        if let Ok(ino) = ino.parse() {
-            out.insert(ino, LiveSocket { family: libc::AF_UNIX as u32, kind: hex(kind), state, port: None });
-        }
+        out.insert(u.inode, LiveSocket { family: libc::AF_UNIX as u32, kind: u.kind, state, port: None });
     }
     // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode
     for (file, family, kind) in [
