@@ -1,10 +1,13 @@
 //! Every ZFS operation planarian performs, through the `zfs` command line (OpenZFS and zfs-fuse
-//! speak the same one), with typed errors that carry the command and its stderr.
+//! speak the same one), with typed errors that carry the command and its stderr; a snapshot and
+//! the incremental stream a rollback in place reads go through OpenZFS's libzfs_core where it is
+//! installed ([`lzc`]), without a process.
 //!
 //! Only what works on pool version 23 (zfs-fuse) is used: no `clones` or `written` properties;
 //! dependants are found through `origin`, and deferred destruction (`destroy -d`) keeps a
 //! snapshot a clone still needs.
 
+pub mod lzc;
 pub mod stream;
 
 use std::path::{Path, PathBuf};
@@ -128,8 +131,12 @@ impl Zfs {
         self.run(&args).map(drop)
     }
 
+    /// `zfs snapshot SNAP` (through libzfs_core where it is there: [`lzc`]).
     pub fn snapshot(&self, snap: &str) -> Result<()> {
-        self.run(&["snapshot", snap]).map(drop)
+        match lzc::Core::get() {
+            Some(c) => c.snapshot(snap).map_err(|e| errno_failure(&["snapshot", snap], e)),
+            None => self.run(&["snapshot", snap]).map(drop),
+        }
     }
 
     pub fn clone_snapshot(&self, snap: &str, name: &str, props: &[(&str, &str)]) -> Result<()> {
@@ -253,8 +260,23 @@ impl Zfs {
     /// Objects freed wholesale (deleted files) are not listed: their names are gone from a
     /// directory that is.
     pub fn changes(&self, from: &str, snap: &str) -> Result<stream::Changes> {
+        if let Some(c) = lzc::Core::get() {
+            let args = ["send", "-i", from, snap];
+            let read = |f| stream::read(std::io::BufReader::with_capacity(1 << 16, f));
+            return match c.send(from, snap, read) {
+                Ok(Ok(changes)) => Ok(changes),
+                Ok(Err(e)) => Err(unread(&args, e)),
+                Err(e) => Err(errno_failure(&args, e)),
+            };
+        }
+        self.changes_by_command(from, snap)
+    }
+
+    /// [`Zfs::changes`] through `zfs send -i` (where libzfs_core is not there).
+    pub fn changes_by_command(&self, from: &str, snap: &str) -> Result<stream::Changes> {
+        let args = ["send", "-i", from, snap];
         let mut child = Command::new(&self.bin)
-            .args(["send", "-i", from, snap])
+            .args(args)
             .env("LC_ALL", "C")
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
@@ -266,11 +288,10 @@ impl Zfs {
             let _ = child.kill();
         }
         let out = child.wait_with_output().map_err(|err| Error::Spawn { bin: self.bin.clone(), err })?;
-        let args = ["send", "-i", from, snap];
         match read {
             Ok(changes) if out.status.success() => Ok(changes),
             Ok(_) => Err(failure(&args, &out.stderr)),
-            Err(e) => Err(Error::Command { args: args.join(" "), stderr: e.to_string(), kind: Kind::Other }),
+            Err(e) => Err(unread(&args, e)),
         }
     }
 
@@ -387,6 +408,23 @@ fn failure(args: &[&str], stderr: &[u8]) -> Error {
     let stderr = String::from_utf8_lossy(stderr);
     let stderr = stderr.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("(no message)").to_string();
     Error::Command { args: args.join(" "), kind: classify(&stderr), stderr }
+}
+
+/// A send stream that could not be read.
+fn unread(args: &[&str], e: stream::StreamError) -> Error {
+    Error::Command { args: args.join(" "), stderr: e.to_string(), kind: Kind::Other }
+}
+
+/// A libzfs_core call that failed with `errno`, as the command it stands for.
+fn errno_failure(args: &[&str], errno: i32) -> Error {
+    let kind = match errno {
+        libc::ENOSPC | libc::EDQUOT => Kind::NoSpace,
+        libc::EBUSY => Kind::Busy,
+        libc::ENOENT => Kind::NotFound,
+        _ => Kind::Other,
+    };
+    let stderr = format!("libzfs_core: {}", std::io::Error::from_raw_os_error(errno));
+    Error::Command { args: args.join(" "), stderr, kind }
 }
 
 fn options(props: &[(&str, &str)]) -> Vec<String> {
