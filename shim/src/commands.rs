@@ -127,6 +127,13 @@ pub fn snapshot(inv: &Invocation, args: &[OsString]) -> Result<i32, Failure> {
             id: None,
         },
     )?;
+    for p in &m.local_state.outside_tree {
+        eprintln!(
+            "planarian: warning: {} does not hold {p}: {}",
+            m.statepoint_id,
+            engine::statepoint::snapshot::OUTSIDE_TREE
+        );
+    }
     println!("{}", m.statepoint_id);
     Ok(0)
 }

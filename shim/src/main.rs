@@ -120,12 +120,20 @@ fn passthrough(inv: &Invocation) -> Failure {
     // A command no client is attached to (`podman exec -d`) is the sandbox's own work, not a
     // tool call: started in the container's process tree, and not waited for.
     let background = detached.is_some() && engine.exec_detached_by(std::os::unix::process::parent_id() as i32);
+    let mut wrapped = false;
     if let (Some(id), Some(file)) = (exec_id, cli::exec_process_file(inv.verb_args())) {
-        if engine.prepare_exec(id, &file, background) && background {
-            inv.sink().info(&format!(
+        wrapped = engine.prepare_exec(id, &file, background);
+        let what = || engine::runtime::exec::command_line(&file);
+        match (background, wrapped) {
+            (true, true) => inv.sink().info(&format!(
                 "{id}: {} started with podman exec -d: in the background of the container's tree, which statepoints capture",
-                engine::runtime::exec::command_line(&file)
-            ));
+                what()
+            )),
+            (true, false) => inv.sink().warn(&format!(
+                "{id}: {} started with podman exec -d outside the container's process tree (no shell in the image, a user other than root, or a terminal): statepoints do not hold it",
+                what()
+            )),
+            _ => {}
         }
     }
     let (Some(_), Some((id, pid_file))) = (&lock, detached) else {
@@ -144,6 +152,12 @@ fn passthrough(inv: &Invocation) -> Failure {
                 .unwrap_or_default();
             // (what crun printed is all this prints: a holder that cannot start leaves the
             // command unwaited for, as before)
+            // The shell that starts a detached command ends once it did: until then the
+            // command is its child, outside the container's tree, and a statepoint would miss
+            // it. Waited for with the tool call's lock held; `podman exec -d` returns after.
+            if wrapped {
+                engine::runtime::exec::wait_for_exit(pid, Some(std::time::Duration::from_secs(30)));
+            }
             if let Some(lock) = lock.filter(|_| !background) {
                 let _ = engine.hold_tool_call(lock, id, pid, &what);
             }

@@ -687,6 +687,9 @@ fn snapshots_and_streams_through_libzfs_core_are_the_command_lines() {
     assert!(again.to_string().contains(&b), "{again}");
     let missing = z.snapshot(&format!("{pool}/no-such-{}@x", std::process::id())).unwrap_err();
     assert_eq!(missing.kind(), zfs::Kind::NotFound, "{missing}");
-    assert!(z.changes(&b, &format!("{ds}@no-such")).is_err());
+    let no_stream = z.changes(&b, &format!("{ds}@no-such")).unwrap_err();
+    assert_eq!(no_stream.kind(), zfs::Kind::NotFound, "{no_stream}");
+    // (the command's first line of stderr does not say "does not exist" for it: an error all the same)
+    assert!(z.changes_by_command(&b, &format!("{ds}@no-such")).is_err());
     zfs(&["destroy", "-r", &ds]).ok();
 }

@@ -933,7 +933,8 @@ fn a_background_process_started_by_exec_is_in_the_statepoint() {
 /// A snapshot asked for while a `podman exec` still writes waits for it to end, saying what it
 /// waits for: the statepoint holds every line the command wrote and nothing after. A server
 /// started with `podman exec -d` is not waited for at all; a tool call that runs on (its client
-/// attached) is waited for at most `in_flight_wait_seconds`, then captured running.
+/// attached) is waited for at most `in_flight_wait_seconds`; the statepoint then says it does not
+/// hold it (it runs outside the container's process tree).
 #[test]
 fn a_snapshot_waits_for_a_podman_exec_in_flight() {
     use std::io::BufRead;
@@ -996,8 +997,8 @@ fn a_snapshot_waits_for_a_podman_exec_in_flight() {
     sb.rollback(&sp2);
     let p = procs(&sb);
     assert!(p.contains("sleep 600"), "the statepoint holds the server running: {p}");
-    // A tool call that runs on (its client attached) is waited for at most the bound, then
-    // captured running: it does not keep statepoints away for good.
+    // A tool call that runs on (its client attached) is waited for at most the bound: it does
+    // not keep statepoints away for good.
     let _short = DropIn::new("zz-inflight", "[checkpoint]\nin_flight_wait_seconds = 3\n");
     let mut attached = std::process::Command::new("podman")
         .args(["--runtime", "planarian", "exec", &sb.name, "sleep", "700"])
@@ -1014,6 +1015,23 @@ fn a_snapshot_waits_for_a_podman_exec_in_flight() {
     assert!(r.stderr.contains("waiting for what is in flight") && r.stderr.contains("sleep 700"), "{}", r.stderr);
     let sp3 = r.out();
     assert!(sb.statepoints().iter().any(|s| s["statepoint-id"] == sp3.as_str()), "{sp3} committed");
+    // It is outside the container's tree (a child of conmon): the statepoint says it does not
+    // hold it, on stderr and in the ledger; the one with the exec -d server says nothing.
+    assert!(
+        r.stderr.contains(&format!("{sp3} does not hold process")) && r.stderr.contains("(sleep 700)"),
+        "{}",
+        r.stderr
+    );
+    let ledger = planarian(&["ledger", &sb.name]).out();
+    let line = |sp: &str| {
+        ledger
+            .lines()
+            .find(|l| l.split_whitespace().any(|w| w.trim_end_matches('*') == sp))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(line(&sp3).contains("processes NOT covered: process") && line(&sp3).contains("sleep 700"), "{ledger}");
+    assert!(!line(&sp2).contains("NOT covered") && line(&sp2).contains(&sp2), "{ledger}");
     let p = procs(&sb);
     assert!(p.contains("sleep 700"), "the command runs on: {p}");
     let _ = attached.kill();

@@ -1,7 +1,7 @@
 //! OpenZFS's libzfs_core — the stable library over the ZFS ioctls — loaded at run time where it
 //! is installed, for the two operations on a rollback's critical path: a snapshot, and an
 //! incremental send stream. Each `zfs` command costs a process start on top of its work (about
-//! 110 ms of a 125–185 ms command in the emulated guest, where `zfs version` alone takes 110);
+//! 110 ms of a 117–185 ms command in the emulated guest, where `zfs version` alone takes 106–112);
 //! through the library the work is all that is left. Where the library or `/dev/zfs` is not
 //! there (zfs-fuse has neither), [`Core::get`] is `None` and the command line is used.
 
@@ -67,8 +67,8 @@ impl Core {
     }
 
     /// `zfs send -i FROM SNAP`, the stream read by `read` as it comes (on this thread; the
-    /// kernel writes it into a pipe from another). The stream's reading is `read`'s result; the
-    /// send's own failure is `Err(errno)` when the reading did not fail first.
+    /// kernel writes it into a pipe from another). The stream's reading is `read`'s result; a
+    /// send that failed is `Err(errno)` (the reading then failed too, at the stream's end).
     pub fn send<T, E>(
         &self,
         from: &str,
@@ -96,9 +96,11 @@ impl Core {
             let got = read(r);
             let e = sending.join().unwrap_or(libc::EIO);
             match (got, e) {
-                (Err(e), _) => Ok(Err(e)),
                 (Ok(t), 0) => Ok(Ok(t)),
-                (Ok(_), e) => Err(e),
+                // (a reading that failed first ends the send with EPIPE: the reading's error)
+                (Err(e), 0 | libc::EPIPE) => Ok(Err(e)),
+                // (a send that failed ends the stream early: its own error, not the reading's)
+                (_, e) => Err(e),
             }
         })
     }

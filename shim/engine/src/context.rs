@@ -48,6 +48,9 @@ pub struct Node {
     /// What those calls changed (tables), when the remote-state hook said.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remote_tables_since_parent: Vec<String>,
+    /// Processes outside the container's tree when it was taken: not in it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub processes_uncovered: Vec<String>,
     /// What its remote state does not cover: tools let through unrecorded.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remote_uncovered: Vec<String>,
@@ -99,6 +102,7 @@ impl Ledger {
                         .iter()
                         .flat_map(|r| r.tables_since_parent.iter().flatten().cloned())
                         .collect(),
+                    processes_uncovered: m.local_state.outside_tree.clone(),
                     remote_uncovered: m
                         .remote_state
                         .iter()
@@ -226,6 +230,9 @@ fn headline(n: &Node) -> String {
         };
         facts.push(format!("{c} remote call{} since its parent{tables}", if c == 1 { "" } else { "s" }));
     }
+    if !n.processes_uncovered.is_empty() {
+        facts.push(format!("processes NOT covered: {}", n.processes_uncovered.join(", ")));
+    }
     if !n.remote_uncovered.is_empty() {
         facts.push(format!("remote state NOT covered: {} let through unrecorded", n.remote_uncovered.join(", ")));
     }
@@ -292,6 +299,9 @@ pub struct RestoreContext {
     /// What the statepoint's remote state does not cover (tools let through unrecorded).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub uncovered: Vec<String>,
+    /// Processes the statepoint does not hold: they ran outside the container's process tree.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_held: Vec<String>,
     pub reason: Option<String>,
     /// What happened after this statepoint before (its outcomes, this rollback's excluded).
     pub prior_outcomes: Vec<Outcome>,
@@ -368,6 +378,9 @@ impl RestoreContext {
         }
         for u in &self.uncovered {
             t += &format!("Remote state NOT restored: {u}.\n");
+        }
+        for p in &self.not_held {
+            t += &format!("Process NOT restored: {p}.\n");
         }
         if !self.discarded_statepoints.is_empty() {
             t += &format!("Left behind (still restorable): {}.\n", self.discarded_statepoints.join(", "));
@@ -479,6 +492,11 @@ pub fn not_undone(target: &Manifest, before: &[store::RemoteState]) -> Vec<Strin
             })
         })
         .collect()
+}
+
+/// The processes statepoint `m` does not hold (outside the container's tree), one line each.
+pub fn not_held(m: &Manifest) -> impl Iterator<Item = String> + '_ {
+    m.local_state.outside_tree.iter().map(|p| format!("{p}: {}", crate::statepoint::snapshot::OUTSIDE_TREE))
 }
 
 /// What a statepoint's remote state does not cover, one line per remote state.
@@ -610,6 +628,7 @@ mod tests {
         let mut list = tree();
         list[3].remote_state[0].uncovered =
             Some(crate::store::Uncovered { since: 4, last: 4, tools: vec!["raw_write".into()] });
+        list[1].local_state.outside_tree = vec!["process 9 (sleep 700)".into()];
         for m in &list {
             std::fs::create_dir_all(store.statepoint_dir(&m.statepoint_id)).unwrap();
             store.write_manifest(m).unwrap();
@@ -643,6 +662,15 @@ mod tests {
         assert!(!t.lines().any(|x| x.contains("sp1 ") && x.contains("no longer")), "{t}");
         assert_eq!(uncovered(&list[3]).len(), 1);
         assert!(uncovered(&list[2]).is_empty());
+        // A process outside the container's tree when sp2 was taken: said in the ledger and
+        // in what sp2 does not cover.
+        assert!(
+            t.lines().any(|x| x.contains("sp2 ") && x.contains("processes NOT covered: process 9 (sleep 700)")),
+            "{t}"
+        );
+        let held: Vec<String> = not_held(&list[1]).collect();
+        assert_eq!(held, vec![format!("process 9 (sleep 700): {}", crate::statepoint::snapshot::OUTSIDE_TREE)]);
+        assert!(uncovered(&list[1]).is_empty(), "remote state only");
         // A rollback to sp2 (position 3) from a state whose last pass was at 4: not undone.
         let before = list[3].remote_state.clone();
         assert!(not_undone(&list[1], &before)[0]
@@ -685,6 +713,7 @@ mod tests {
             discarded_statepoints: vec!["sp3".into()],
             unreachable_statepoints: vec!["sp4".into()],
             uncovered: vec!["raw_write let through unrecorded".into()],
+            not_held: vec!["process 9 (sleep 700): it runs outside".into()],
             reason: Some("tests failed".into()),
             prior_outcomes: vec![],
             time: "t".into(),
@@ -697,6 +726,7 @@ mod tests {
             "Left behind (still restorable): sp3.",
             "Left behind, no longer restorable (the MCP calls they hold were undone): sp4.",
             "Remote state NOT restored: raw_write let through unrecorded.",
+            "Process NOT restored: process 9 (sleep 700): it runs outside.",
             "Reason: tests failed",
             "Nothing was tried",
         ] {

@@ -254,7 +254,8 @@ impl Engine {
     /// a session CRIU can dump ([`runtime::exec`]); crun 1.20 and later give it one already. A
     /// command started with `podman exec -d` (`background`) is started by a shell of the
     /// container, in the background ([`runtime::exec::in_background`]), so that it is in the
-    /// container's process tree, which statepoints capture. Says whether the command was wrapped.
+    /// container's process tree, which statepoints capture. Says whether the command is started
+    /// so (in the background).
     pub fn prepare_exec(&self, id: &str, file: &Path, background: bool) -> bool {
         let Ok(crun) = self.crun() else { return false };
         let own_session = !runtime::exec::runtime_gives_exec_a_session(crun);
@@ -264,10 +265,15 @@ impl Engine {
         let Ok(pid) = runtime::Container::load(crun, &self.globals, id).and_then(|c| c.running_pid()) else {
             return false;
         };
-        runtime::exec::rewrite_process_file(file, |p| match background {
-            true => runtime::exec::in_background(p, pid, own_session),
-            false => runtime::exec::in_own_session(p, pid),
-        })
+        // (a detached command the container's shell cannot start still gets its own session
+        // where crun gives none: without one, CRIU refuses every later statepoint)
+        let in_background = std::cell::Cell::new(false);
+        let rewritten = runtime::exec::rewrite_process_file(file, |p| {
+            let wrapped = background.then(|| runtime::exec::in_background(p, pid, own_session)).flatten();
+            in_background.set(wrapped.is_some());
+            wrapped.or_else(|| own_session.then(|| runtime::exec::in_own_session(p, pid)).flatten())
+        });
+        rewritten && in_background.get()
     }
 
     /// Whether `caller`, the runtime's parent, is conmon running an exec session no client is

@@ -139,6 +139,11 @@ pub struct LocalState {
     /// ZFS: the host's clocks just before the statepoint's snapshot was taken.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zfs_clock: Option<Clock>,
+    /// The container's processes that were not in its process tree, and so not in the statepoint
+    /// (the command of an exec still running: its parent is conmon, outside the container), as
+    /// `process N (COMMAND)`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outside_tree: Vec<String>,
 }
 
 /// The host's clocks at one moment: the wall clock, the time since boot, and which boot.

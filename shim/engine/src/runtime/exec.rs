@@ -172,6 +172,28 @@ pub fn rewrite_process_file(file: &Path, wrap: impl FnOnce(&Value) -> Option<Vec
     std::fs::write(file, text).is_ok()
 }
 
+/// Blocks until process `pid` has exited (a pidfd's poll; a process not there has), at most
+/// `max`. Without pidfds (kernels before 5.3), a short wait, the caller looking again.
+pub fn wait_for_exit(pid: i32, max: Option<std::time::Duration>) {
+    use std::os::fd::OwnedFd;
+    // SAFETY: pidfd_open(2) takes a PID and flags and returns a new descriptor or -1.
+    let fd = unsafe { nix::libc::syscall(nix::libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        if nix::errno::Errno::last() == nix::errno::Errno::ENOSYS {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        return;
+    }
+    // SAFETY: a descriptor pidfd_open just returned, owned here alone.
+    let fd: OwnedFd = unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) };
+    let mut fds = [nix::poll::PollFd::new(std::os::fd::AsFd::as_fd(&fd), nix::poll::PollFlags::POLLIN)];
+    let timeout = match max {
+        Some(m) => nix::poll::PollTimeout::try_from(m).unwrap_or(nix::poll::PollTimeout::MAX),
+        None => nix::poll::PollTimeout::NONE,
+    };
+    while let Err(nix::errno::Errno::EINTR) = nix::poll::poll(&mut fds, timeout) {}
+}
+
 /// The command of an exec's process file, as one line (for messages).
 pub fn command_line(file: &Path) -> String {
     let Ok(bytes) = std::fs::read(file) else { return String::new() };
@@ -232,8 +254,11 @@ mod tests {
     #[test]
     fn a_detached_command_is_started_in_the_background_by_a_shell() {
         let me = std::process::id() as i32;
-        if !SETSID.iter().any(|s| Path::new(s).exists()) || !SH.iter().any(|s| Path::new(s).exists()) {
-            eprintln!("SKIPPED: needs a setsid and a shell on this host");
+        if !SETSID.iter().any(|s| Path::new(s).exists())
+            || !SH.iter().any(|s| Path::new(s).exists())
+            || !nix::unistd::geteuid().is_root()
+        {
+            eprintln!("SKIPPED: needs root, a setsid and a shell on this host");
             return;
         }
         let p = json!({"args": ["sleep", "600"], "env": ["PATH=/usr/bin:/bin"], "cwd": "/", "user": {"uid": 0}});

@@ -106,24 +106,37 @@ pub fn client_attached(conmon: i32) -> Option<bool> {
     if p.read("comm").ok()?.trim() != "conmon" || !p.cmdline().ok()?.iter().any(|a| a == "--exec-attach") {
         return None;
     }
-    let fds = p.socket_fds().ok()?;
-    let fd_of = |inode: u64| fds.iter().find(|(i, _)| *i == inode).map(|&(_, fd)| fd);
-    let attach: Vec<_> = p
-        .unix_sockets()
-        .ok()?
-        .into_iter()
-        .filter(|u| u.path.as_deref().is_some_and(|p| p.ends_with("/attach")))
-        .filter_map(|u| Some((fd_of(u.inode)?, u)))
-        .collect();
-    if attach.iter().any(|(_, u)| u.connected && !u.listening) {
+    // conmon's sockets bound to `…/attach` (an accepted connection shows its listener's path)
+    let attach = || -> Option<Vec<(i32, sys::proc::UnixSocket)>> {
+        let fds = p.socket_fds().ok()?;
+        let fd_of = |inode: u64| fds.iter().find(|(i, _)| *i == inode).map(|&(_, fd)| fd);
+        Some(
+            p.unix_sockets()
+                .ok()?
+                .into_iter()
+                .filter(|u| u.path.as_deref().is_some_and(|p| p.ends_with("/attach")))
+                .filter_map(|u| Some((fd_of(u.inode)?, u)))
+                .collect(),
+        )
+    };
+    let accepted = |a: &[(i32, sys::proc::UnixSocket)]| a.iter().any(|(_, u)| u.connected && !u.listening);
+    let first = attach()?;
+    if accepted(&first) {
         return Some(true);
     }
-    let (fd, _) = attach.iter().find(|(_, u)| u.listening)?;
-    let listener = crate::local::inplace::ptrace::dup_fd(conmon, *fd as u32).ok()?;
-    let mut p = nix::libc::pollfd { fd: listener.as_raw_fd(), events: nix::libc::POLLIN, revents: 0 };
-    // SAFETY: one pollfd, pointing at `p`; no wait.
-    let n = unsafe { nix::libc::poll(&mut p, 1, 0) };
-    (n >= 0).then_some(n > 0 && p.revents & nix::libc::POLLIN != 0)
+    let &(fd, _) = first.iter().find(|(_, u)| u.listening)?;
+    let listener = crate::local::inplace::ptrace::dup_fd(conmon, fd as u32).ok()?;
+    let mut pfd = nix::libc::pollfd { fd: listener.as_raw_fd(), events: nix::libc::POLLIN, revents: 0 };
+    // SAFETY: one pollfd, pointing at `pfd`; no wait.
+    let n = unsafe { nix::libc::poll(&mut pfd, 1, 0) };
+    if n < 0 {
+        return None;
+    }
+    if n > 0 && pfd.revents & nix::libc::POLLIN != 0 {
+        return Some(true);
+    }
+    // (accepted between the first look and the poll: there now)
+    Some(accepted(&attach()?))
 }
 
 /// The commands in flight in a container (their holders' notes), as `pid N: COMMAND`.

@@ -270,6 +270,7 @@ pub(super) fn context(src: &PodmanContainer, target: &Manifest, name: &str) -> R
         discarded_statepoints: vec![],
         unreachable_statepoints: vec![],
         uncovered: crate::context::uncovered(target),
+        not_held: crate::context::not_held(target).collect(),
         reason: None,
         prior_outcomes: target.state_evidence.prior_outcomes.clone(),
         time: crate::log::rfc3339(std::time::SystemTime::now()),

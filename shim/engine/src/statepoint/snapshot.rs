@@ -73,6 +73,10 @@ pub fn take_then(
     // (its processes, frozen: the same through the dump)
     let pids = crate::local::inplace::cgroup_pids(t.freezer.dir());
     t.rootfs.processes(&pids);
+    m.local_state.outside_tree = crate::local::inplace::outside_tree(&pids, t.pid);
+    for p in &m.local_state.outside_tree {
+        crate::log::own_log("warning", &format!("statepoint {} does not hold {p}: {OUTSIDE_TREE}", t.id));
+    }
     let unchanged = t.unchanged(&pids);
     let network_lock =
         criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, setting.netns.is_some(), req.tcp_established);
@@ -104,6 +108,9 @@ pub fn take_then(
     }
     released.map(|()| m)
 }
+
+/// Why a process outside the container's tree is in no statepoint.
+pub const OUTSIDE_TREE: &str = "it runs outside the container's process tree (an exec's command still running, a child of conmon), which no dump reaches; a rollback or a fork does not have it";
 
 /// A snapshot under way ([`take_then`]'s phases): what it was asked, and what it found before
 /// the freeze.

@@ -102,6 +102,35 @@ fn maps_for_comparison(pid: i32) -> String {
     sys::proc::Proc::of(pid).read("maps").unwrap().replace(" (deleted)", "")
 }
 
+/// Those of `pids` (a container's, host PIDs) outside the tree of its init `init`: no chain of
+/// parents among `pids` leads from them to `init` (an exec's command, a child of conmon, and
+/// what it started). As `process N (COMMAND)`, N the PID in the container.
+pub fn outside_tree(pids: &[i32], init: i32) -> Vec<String> {
+    let status: std::collections::HashMap<i32, sys::proc::Status> =
+        pids.iter().filter_map(|&p| Some((p, sys::proc::Proc::of(p).status().ok()?))).collect();
+    let parent = |p: i32| status.get(&p).and_then(|s| s.number("PPid")).map(|pp| pp as i32);
+    let held = |mut p: i32| {
+        for _ in 0..=pids.len() {
+            if p == init {
+                return true;
+            }
+            match parent(p) {
+                Some(pp) if status.contains_key(&pp) => p = pp,
+                _ => return false,
+            }
+        }
+        false
+    };
+    pids.iter()
+        .filter(|&&p| status.contains_key(&p) && !held(p))
+        .map(|&p| {
+            let vpid = status[&p].number("NSpid").unwrap_or(p as u64);
+            let cmd = sys::proc::Proc::of(p).cmdline().map(|a| a.join(" ")).unwrap_or_default();
+            format!("process {vpid} ({})", cmd.chars().take(120).collect::<String>())
+        })
+        .collect()
+}
+
 /// The processes of a cgroup and its children (host PIDs).
 pub fn cgroup_pids(dir: &Path) -> Vec<i32> {
     let mut out: Vec<i32> = std::fs::read_to_string(dir.join("cgroup.procs"))
@@ -120,4 +149,36 @@ pub fn cgroup_pids(dir: &Path) -> Vec<i32> {
     out.sort_unstable();
     out.dedup();
     out
+}
+
+#[cfg(test)]
+mod tests {
+    /// This test process stands for a container's init: its child is in the tree; a grandchild
+    /// listed without its parent (a child of conmon, outside) is not, and neither would be
+    /// anything it started.
+    #[test]
+    fn processes_outside_the_tree_of_init() {
+        use std::io::BufRead;
+        let me = std::process::id() as i32;
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let mut sh = std::process::Command::new("sh")
+            .args(["-c", "sleep 31 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(sh.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let grandchild: i32 = line.trim().parse().unwrap();
+        let (a, s) = (child.id() as i32, sh.id() as i32);
+        let outside = super::outside_tree(&[me, a, grandchild], me);
+        let all = super::outside_tree(&[me, a, s, grandchild], me);
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(grandchild), nix::sys::signal::SIGKILL);
+        for c in [&mut child, &mut sh] {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // (its command line may still be the shell's, or empty, while it execs `sleep`)
+        assert!(outside.len() == 1 && outside[0].starts_with(&format!("process {grandchild} (")), "{outside:?}");
+        assert!(all.is_empty(), "{all:?}");
+    }
 }

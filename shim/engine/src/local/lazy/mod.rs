@@ -154,25 +154,8 @@ pub fn settled(store: &ContainerStore) -> Result<(), Error> {
             );
             return Err(p.fail(store, why));
         }
-        wait_for_exit(p.server);
+        crate::runtime::exec::wait_for_exit(p.server, None);
     }
-}
-
-/// Blocks until process `pid` has exited (a pidfd's poll; a process not there has). Without
-/// pidfds (kernels before 5.3), a short wait, the caller looking again.
-fn wait_for_exit(pid: i32) {
-    // SAFETY: pidfd_open(2) takes a PID and flags and returns a new descriptor or -1.
-    let fd = unsafe { nix::libc::syscall(nix::libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        if nix::errno::Errno::last() == nix::errno::Errno::ENOSYS {
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        return;
-    }
-    // SAFETY: a descriptor pidfd_open just returned, owned here alone.
-    let fd: OwnedFd = unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) };
-    let mut fds = [nix::poll::PollFd::new(std::os::fd::AsFd::as_fd(&fd), nix::poll::PollFlags::POLLIN)];
-    while let Err(nix::errno::Errno::EINTR) = nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {}
 }
 
 /// The page server of one restore, started before CRIU's restore (it must listen first) and
