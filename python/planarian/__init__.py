@@ -119,6 +119,11 @@ class RestoreContext:
     #: The path taken: ``{"path": "in-place" | "stop-and-restore", "pages-written": ...}`` for a
     #: rollback, ``{"path": "spare"}`` for a fork handed out from a spare (see :meth:`Sandbox.spare`).
     how: Optional[Dict[str, Any]] = None
+    #: What the statepoint's remote state does not cover (tools let through unrecorded).
+    uncovered: List[str] = field(default_factory=list)
+    #: Processes the statepoint does not hold: they ran outside the container's process tree
+    #: (an exec's command still running), so the sandbox does not have them now.
+    not_held: List[str] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, v: Dict[str, Any]) -> "RestoreContext":
@@ -135,6 +140,8 @@ class RestoreContext:
             text=v.get("text", ""),
             container_id=v.get("container-id"),
             how=v.get("how"),
+            uncovered=v.get("uncovered", []),
+            not_held=v.get("not-held", []),
         )
 
 

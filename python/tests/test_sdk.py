@@ -33,6 +33,7 @@ CONTEXT = {
     "prior-outcomes": [],
     "time": "t",
     "text": "[planarian] The sandbox agent was rolled back to statepoint sp2 \"deps\".\n",
+    "not-held": ["process 9 (sleep 700): it runs outside the container's process tree"],
 }
 
 
@@ -63,6 +64,7 @@ class CommandLines(unittest.TestCase):
         ctx = sb.rollback("sp2", reason="broke it")
         self.assertIsInstance(ctx, RestoreContext)
         self.assertEqual((ctx.statepoint["id"], ctx.discarded_statepoints), ("sp2", ["sp3"]))
+        self.assertEqual((ctx.uncovered, ctx.not_held[0][:9]), ([], "process 9"))
         self.assertTrue(ctx.text.startswith("[planarian] The sandbox agent was rolled back"))
         self.answer("")
         sb.append_outcome("sp2", "tests fail", "failure", reward=-1)

@@ -1036,4 +1036,12 @@ fn a_snapshot_waits_for_a_podman_exec_in_flight() {
     assert!(p.contains("sleep 700"), "the command runs on: {p}");
     let _ = attached.kill();
     let _ = attached.wait();
+    // A rollback to that statepoint tells what the model reads: the process is not restored.
+    let back = planarian(&["rollback", "--json", &sb.name, &sp3]);
+    back.ok();
+    let ctx: serde_json::Value = serde_json::from_str(&back.out()).unwrap();
+    assert!(ctx["not-held"][0].as_str().is_some_and(|l| l.contains("(sleep 700)")), "{ctx}");
+    assert!(ctx["text"].as_str().unwrap().contains("Process NOT restored: process"), "{ctx}");
+    let p = procs(&sb);
+    assert!(!p.contains("sleep 700") && p.contains("sleep 600"), "the statepoint's processes, no other: {p}");
 }
