@@ -992,6 +992,8 @@ fn a_snapshot_waits_for_a_podman_exec_in_flight() {
         "for p in /proc/[0-9]*; do [ \"$(tr '\\0' ' ' < $p/cmdline)\" = 'sleep 600 ' ] && kill ${p#/proc/}; done; true",
     )
     .ok();
+    // (a kill is delivered, not waited for: the process gone is)
+    wait_for(Duration::from_secs(60), || !procs(&sb).contains("sleep 600"));
     let p = procs(&sb);
     assert!(!p.contains("sleep 600"), "stopped: {p}");
     sb.rollback(&sp2);

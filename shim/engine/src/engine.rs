@@ -265,15 +265,14 @@ impl Engine {
         let Ok(pid) = runtime::Container::load(crun, &self.globals, id).and_then(|c| c.running_pid()) else {
             return false;
         };
+        let in_background = background
+            && runtime::exec::rewrite_process_file(file, |p| runtime::exec::in_background(p, pid, own_session));
         // (a detached command the container's shell cannot start still gets its own session
         // where crun gives none: without one, CRIU refuses every later statepoint)
-        let in_background = std::cell::Cell::new(false);
-        let rewritten = runtime::exec::rewrite_process_file(file, |p| {
-            let wrapped = background.then(|| runtime::exec::in_background(p, pid, own_session)).flatten();
-            in_background.set(wrapped.is_some());
-            wrapped.or_else(|| own_session.then(|| runtime::exec::in_own_session(p, pid)).flatten())
-        });
-        rewritten && in_background.get()
+        if !in_background && own_session {
+            runtime::exec::rewrite_process_file(file, |p| runtime::exec::in_own_session(p, pid));
+        }
+        in_background
     }
 
     /// Whether `caller`, the runtime's parent, is conmon running an exec session no client is

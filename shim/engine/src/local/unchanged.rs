@@ -164,23 +164,13 @@ fn process(pid: i32, h: &mut DefaultHasher) -> Result<(), Unfit> {
 /// file (a copy of the descriptor, pidfd_getfd): opening the pipe anew would count as a reader.
 fn queued(pid: i32, fd: u32) -> Result<i32, Unfit> {
     use nix::libc;
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    let fail = |what: &str| Unfit(format!("process {pid} fd {fd}: {what}: {}", std::io::Error::last_os_error()));
-    // SAFETY: plain system calls; each descriptor returned is owned once, and closed on drop.
-    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if pidfd < 0 {
-        return Err(fail("pidfd_open"));
-    }
-    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
-    let copy = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
-    if copy < 0 {
-        return Err(fail("pidfd_getfd"));
-    }
-    let copy = unsafe { OwnedFd::from_raw_fd(copy as i32) };
+    use std::os::fd::AsRawFd;
+    let fail = |what: &str, e: std::io::Error| Unfit(format!("process {pid} fd {fd}: {what}: {e}"));
+    let copy = super::inplace::ptrace::dup_fd(pid, fd).map_err(|e| fail("pidfd_getfd", e))?;
     let mut n: libc::c_int = 0;
     // SAFETY: FIONREAD writes one int through the pointer, which points at `n`.
     if unsafe { libc::ioctl(copy.as_raw_fd(), libc::FIONREAD, &mut n) } < 0 {
-        return Err(fail("FIONREAD"));
+        return Err(fail("FIONREAD", std::io::Error::last_os_error()));
     }
     Ok(n)
 }
