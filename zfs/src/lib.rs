@@ -148,6 +148,25 @@ impl Zfs {
         self.run(&args).map(drop)
     }
 
+    /// A read-only clone of `snap` named `name`, mounted at `mountpoint` (which exists): what
+    /// `zfs clone -o mountpoint=MOUNTPOINT -o readonly=on SNAP NAME` makes, through libzfs_core
+    /// and mount(2) where OpenZFS is there ([`lzc`]: no process; a clone that cannot be mounted
+    /// is destroyed again).
+    pub fn clone_read_only(&self, snap: &str, name: &str, mountpoint: &Path) -> Result<()> {
+        let Some(mp) = mountpoint.to_str() else {
+            return Err(errno_failure(&["clone", snap, name], libc::EINVAL));
+        };
+        let Some(c) = lzc::Core::get() else {
+            return self.clone_snapshot(snap, name, &[("mountpoint", mp), ("readonly", "on")]);
+        };
+        let props = [("mountpoint", lzc::Prop::Str(mp)), ("readonly", lzc::Prop::Num(1))];
+        c.clone(name, snap, &props).map_err(|e| errno_failure(&["clone", snap, name], e))?;
+        mount(name, mountpoint, true).map_err(|e| {
+            let _ = self.destroy(name, false);
+            errno_failure(&["mount", name], e)
+        })
+    }
+
     pub fn promote(&self, name: &str) -> Result<()> {
         self.run(&["promote", name]).map(drop)
     }
@@ -399,6 +418,22 @@ impl Zfs {
             return Ok(());
         }
         Err(failure(args, &out.stderr))
+    }
+}
+
+/// Mounts OpenZFS's `dataset` at `at` as `zfs mount` does, by mount(2) (`zfsutil`: asked by a
+/// ZFS tool, not by `mount`): `Err(errno)`.
+pub fn mount(dataset: &str, at: &Path, read_only: bool) -> std::result::Result<(), i32> {
+    use std::os::unix::ffi::OsStrExt;
+    let (src, target) = (std::ffi::CString::new(dataset), std::ffi::CString::new(at.as_os_str().as_bytes()));
+    let (Ok(src), Ok(target)) = (src, target) else { return Err(libc::EINVAL) };
+    let flags = if read_only { libc::MS_RDONLY } else { 0 };
+    // SAFETY: NUL-terminated strings that outlive the call.
+    let r = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), c"zfs".as_ptr(), flags, c"zfsutil".as_ptr().cast()) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO))
     }
 }
 

@@ -1,6 +1,6 @@
 //! OpenZFS's libzfs_core — the stable library over the ZFS ioctls — loaded at run time where it
-//! is installed, for the two operations on a rollback's critical path: a snapshot, and an
-//! incremental send stream. Each `zfs` command costs a process start on top of its work (about
+//! is installed, for the operations on a rollback's critical path: a snapshot, an incremental
+//! send stream, and the clone the statepoint's files are read from. Each `zfs` command costs a process start on top of its work (about
 //! 110 ms of a 117–185 ms command in the emulated guest, where `zfs version` alone takes 106–112);
 //! through the library the work is all that is left. Where the library or `/dev/zfs` is not
 //! there (zfs-fuse has neither), [`Core::get`] is `None` and the command line is used.
@@ -15,16 +15,30 @@ type NvList = c_void;
 type InitFn = unsafe extern "C" fn() -> c_int;
 type SnapshotFn = unsafe extern "C" fn(*mut NvList, *mut NvList, *mut *mut NvList) -> c_int;
 type SendFn = unsafe extern "C" fn(*const c_char, *const c_char, c_int, c_int) -> c_int;
+type CloneFn = unsafe extern "C" fn(*const c_char, *const c_char, *mut NvList) -> c_int;
 type AllocFn = unsafe extern "C" fn(*mut *mut NvList, u32, c_int) -> c_int;
 type AddBooleanFn = unsafe extern "C" fn(*mut NvList, *const c_char) -> c_int;
+type AddStringFn = unsafe extern "C" fn(*mut NvList, *const c_char, *const c_char) -> c_int;
+type AddUint64Fn = unsafe extern "C" fn(*mut NvList, *const c_char, u64) -> c_int;
 type FreeFn = unsafe extern "C" fn(*mut NvList);
+
+/// A property's value as the kernel takes it: a string, or a number (an index property such as
+/// `readonly` is its index: `on` is 1).
+#[derive(Debug, Clone, Copy)]
+pub enum Prop<'a> {
+    Str(&'a str),
+    Num(u64),
+}
 
 /// The functions used, from libzfs_core and libnvpair.
 pub struct Core {
     snapshot: SnapshotFn,
     send: SendFn,
+    clone: CloneFn,
     nvlist_alloc: AllocFn,
     nvlist_add_boolean: AddBooleanFn,
+    nvlist_add_string: AddStringFn,
+    nvlist_add_uint64: AddUint64Fn,
     nvlist_free: FreeFn,
 }
 
@@ -58,6 +72,49 @@ impl Core {
             if !errors.is_null() {
                 (self.nvlist_free)(errors);
             }
+            if e == 0 {
+                Ok(())
+            } else {
+                Err(e)
+            }
+        }
+    }
+
+    /// `zfs clone -o PROP=VALUE... ORIGIN NAME`, without the mount the command makes
+    /// ([`crate::mount`] does that): `Err(errno)`.
+    pub fn clone(&self, name: &str, origin: &str, props: &[(&str, Prop)]) -> Result<(), i32> {
+        let (name, origin) = (CString::new(name), CString::new(origin));
+        let (Ok(name), Ok(origin)) = (name, origin) else { return Err(libc::EINVAL) };
+        let mut keys = Vec::with_capacity(props.len());
+        for (k, v) in props {
+            let k = CString::new(*k).map_err(|_| libc::EINVAL)?;
+            let v = match v {
+                Prop::Str(s) => Some(CString::new(*s).map_err(|_| libc::EINVAL)?),
+                Prop::Num(_) => None,
+            };
+            keys.push((k, v));
+        }
+        let mut list: *mut NvList = std::ptr::null_mut();
+        // SAFETY: the functions have the C signatures declared above; `list` is allocated here
+        // and freed once; every string outlives the calls that read it.
+        unsafe {
+            let mut e = (self.nvlist_alloc)(&mut list, NV_UNIQUE_NAME, 0);
+            if e != 0 {
+                return Err(e);
+            }
+            for ((k, s), (_, v)) in keys.iter().zip(props) {
+                if e == 0 {
+                    e = match (s, v) {
+                        (Some(s), _) => (self.nvlist_add_string)(list, k.as_ptr(), s.as_ptr()),
+                        (None, Prop::Num(n)) => (self.nvlist_add_uint64)(list, k.as_ptr(), *n),
+                        (None, Prop::Str(_)) => libc::EINVAL,
+                    };
+                }
+            }
+            if e == 0 {
+                e = (self.clone)(name.as_ptr(), origin.as_ptr(), list);
+            }
+            (self.nvlist_free)(list);
             if e == 0 {
                 Ok(())
             } else {
@@ -126,8 +183,11 @@ fn load() -> Option<Core> {
         let c = Core {
             snapshot: transmute::<P, SnapshotFn>(sym(core, c"lzc_snapshot")?),
             send: transmute::<P, SendFn>(sym(core, c"lzc_send")?),
+            clone: transmute::<P, CloneFn>(sym(core, c"lzc_clone")?),
             nvlist_alloc: transmute::<P, AllocFn>(sym(nv, c"nvlist_alloc")?),
             nvlist_add_boolean: transmute::<P, AddBooleanFn>(sym(nv, c"nvlist_add_boolean")?),
+            nvlist_add_string: transmute::<P, AddStringFn>(sym(nv, c"nvlist_add_string")?),
+            nvlist_add_uint64: transmute::<P, AddUint64Fn>(sym(nv, c"nvlist_add_uint64")?),
             nvlist_free: transmute::<P, FreeFn>(sym(nv, c"nvlist_free")?),
         };
         (init() == 0).then_some(c)

@@ -498,8 +498,10 @@ fn changes_since(
     let t = std::time::Instant::now();
     // The frozen state's snapshot (one a crashed rollback left is replaced).
     let capturing = taken.capturing();
-    let snapshot = || -> Result<()> {
+    let mut synced = std::time::Duration::ZERO;
+    let mut snapshot = || -> Result<()> {
         syncfs(live)?;
+        synced = t.elapsed();
         if zfs.snapshot(now).is_err() {
             let _ = zfs.destroy_snapshot(now);
             zfs.snapshot(now)?;
@@ -539,8 +541,9 @@ fn changes_since(
         }
     };
     let times = format!(
-        "snapshot {} ms, stream {} ms ({carried} objects, {} changed since the statepoint), places {} ms ({how})",
+        "snapshot {} ms (syncfs {} ms), stream {} ms ({carried} objects, {} changed since the statepoint), places {} ms ({how})",
         ms(snapped),
+        ms(synced),
         ms(streamed - snapped),
         changed.len(),
         ms(t.elapsed() - streamed)
@@ -552,13 +555,11 @@ fn changes_since(
 /// crashed rollback left is replaced).
 fn statepoint_view(at: &Snap, view: &str, scratch: &Path) -> Result<()> {
     std::fs::create_dir_all(scratch).at("create", scratch)?;
-    let mp = scratch.display().to_string();
-    let props = [("mountpoint", mp.as_str()), ("readonly", "on")];
-    if at.zfs.clone_snapshot(&at.snap, view, &props).is_err() {
+    if at.zfs.clone_read_only(&at.snap, view, scratch).is_err() {
         if at.zfs.exists(view)? {
             at.zfs.destroy(view, true)?;
         }
-        at.zfs.clone_snapshot(&at.located()?, view, &props)?;
+        at.zfs.clone_read_only(&at.located()?, view, scratch)?;
     }
     Ok(())
 }
