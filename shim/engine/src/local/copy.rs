@@ -163,7 +163,13 @@ impl Rootfs for CopyRootfs {
 
     /// Started as soon as the container is frozen: the comparison in a thread of its own, beside
     /// the page plan (it only reads).
-    fn in_place_start(&self, sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Option<super::files::InPlaceStart> {
+    fn in_place_start(
+        &self,
+        sp_dir: &Path,
+        local: &LocalState,
+        at: &InPlaceAt,
+        _prepared: Option<super::files::InPlaceStart>,
+    ) -> Option<super::files::InPlaceStart> {
         let (saved, upper, at) = (saved_of(sp_dir, local), self.upperdir.clone(), at.clone());
         let thread: Planning = std::thread::spawn(move || compare(&saved, &upper, &at));
         Some(super::files::InPlaceStart::new(thread))

@@ -34,8 +34,20 @@ pub trait Rootfs: Send + Sync {
     ) -> Result<InPlaceFiles>;
     /// Begins, the container frozen and nothing else yet decided, what [`Rootfs::in_place`]
     /// will need, while the caller does other work. Dropped unused, it undoes what it made.
-    /// `None`: nothing to begin.
-    fn in_place_start(&self, _sp_dir: &Path, _local: &LocalState, _at: &InPlaceAt) -> Option<InPlaceStart> {
+    /// `None`: nothing to begin. `prepared`: what [`Rootfs::in_place_prepare`] began.
+    fn in_place_start(
+        &self,
+        _sp_dir: &Path,
+        _local: &LocalState,
+        _at: &InPlaceAt,
+        _prepared: Option<InPlaceStart>,
+    ) -> Option<InPlaceStart> {
+        None
+    }
+    /// Begins, before the container is frozen, what [`Rootfs::in_place_start`] will need that
+    /// the frozen state does not change (on ZFS: the statepoint's files, cloned where they can
+    /// be read, in `scratch`). Dropped unused, it undoes what it made.
+    fn in_place_prepare(&self, _local: &LocalState, _scratch: &Path) -> Option<InPlaceStart> {
         None
     }
 }

@@ -390,7 +390,10 @@ fn try_in_place(
     }
     let pod = rb.pc.cri.then(|| NOT_BY_RESTORE.to_string());
     let mut blocked = || pod.clone().or_else(|| full_path.get().as_ref().err().map(|e| e.to_string()));
-    let r = in_place(&ctx, rb, &mut blocked, progress)?;
+    // (the statepoint's files made readable beside the freeze and the tree's check: on ZFS a
+    // clone, which needs nothing of the frozen state)
+    let prepared = rb.rootfs.in_place_prepare(&rb.target.local_state, &scratch(rb.store));
+    let r = in_place(&ctx, rb, &mut blocked, progress, prepared)?;
     if let InPlace::Refused(why) = &r {
         progress.phase(&format!("not in place: {why}"));
     }
@@ -579,6 +582,7 @@ fn in_place(
     rb: &mut Parts,
     blocked: &mut dyn FnMut() -> Option<String>,
     progress: &mut dyn Progress,
+    prepared: Option<crate::local::files::InPlaceStart>,
 ) -> Result<InPlace> {
     let (store, target, rootfs) = (rb.store, rb.target, rb.rootfs.as_ref());
     let pid = ctx.ctr.running_pid()?;
@@ -598,7 +602,7 @@ fn in_place(
     let mounts = sys::proc::Proc::of(pid).mounts().unwrap_or_default();
     let at = files_at(pid, &mounts, store);
     crate::log::mark("shape");
-    let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at);
+    let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at, prepared);
     crate::log::mark("files started");
     let base = live_base(store, pid);
     progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
@@ -831,8 +835,13 @@ fn files_at(pid: i32, mounts: &[sys::proc::Mount], store: &ContainerStore) -> In
                 Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)
             })
             .collect(),
-        scratch: store.dir.join("in-place-files"),
+        scratch: scratch(store),
     }
+}
+
+/// The directory a rollback in place's files part may use.
+fn scratch(store: &ContainerStore) -> std::path::PathBuf {
+    store.dir.join("in-place-files")
 }
 
 /// /dev, a tmpfs planarian keeps itself, is put back only by a restore: in place, it must be as

@@ -314,8 +314,16 @@ impl Rootfs for ZfsRootfs {
     /// Started as soon as the container is frozen: [`find_in_place`] and the comparison of what
     /// it found in a thread of its own, beside the page plan. The snapshot of the frozen state it
     /// compares from is the rollback's own, removed with the clone.
-    fn in_place_start(&self, _sp_dir: &Path, local: &LocalState, at: &InPlaceAt) -> Option<InPlaceStart> {
+    fn in_place_start(
+        &self,
+        _sp_dir: &Path,
+        local: &LocalState,
+        at: &InPlaceAt,
+        prepared: Option<InPlaceStart>,
+    ) -> Option<InPlaceStart> {
         let recorded = local.zfs_snapshot.clone()?;
+        // (the statepoint's view, when it was begun before the freeze)
+        let prepared = prepared.and_then(|p| p.work.downcast::<EarlyView>().ok()).and_then(|mut v| v.thread.take());
         // Objects whose last change came before the statepoint's snapshot (two seconds and more
         // before it was decided on) did not change since: the stream carries them only as
         // neighbours of ones that did (it sends whole blocks of znodes). Trusted only while the
@@ -332,11 +340,30 @@ impl Rootfs for ZfsRootfs {
         let thread = {
             let (zfs, taken) = (zfs.clone(), taken.clone());
             std::thread::spawn(move || {
-                let found = find_in_place(&zfs, &d, &recorded, &at.scratch, &taken, unchanged_before)?;
+                let found = find_in_place(&zfs, &d, &recorded, &at.scratch, &taken, unchanged_before, prepared)?;
                 compare(&zfs, &found, &at)
             })
         };
         Some(InPlaceStart::new(Early { zfs, made, now: Some(taken), thread: Some(thread) }))
+    }
+
+    /// The statepoint's view ([`statepoint_view`]), begun as soon as the rollback knows its
+    /// target: it needs only the statepoint's snapshot, so it runs beside the freeze and the
+    /// process tree's check instead of after them.
+    fn in_place_prepare(&self, local: &LocalState, scratch: &Path) -> Option<InPlaceStart> {
+        let recorded = local.zfs_snapshot.clone()?;
+        let (zfs, d, scratch) = (self.zfs.clone(), self.map.dataset.clone(), scratch.to_path_buf());
+        let view = format!("{d}.planarian-inplace");
+        let thread = {
+            let (zfs, view) = (zfs.clone(), view.clone());
+            std::thread::spawn(move || {
+                let t = std::time::Instant::now();
+                let name = recorded.rsplit('@').next().unwrap_or(&recorded);
+                let at = Snap { zfs: &zfs, d: &d, name, snap: format!("{d}@{name}") };
+                statepoint_view(&at, &view, &scratch).map(|()| t.elapsed())
+            })
+        };
+        Some(InPlaceStart::new(EarlyView { zfs, view, thread: Some(thread) }))
     }
 
     /// zfs-fuse rolls a mounted dataset back only to its newest snapshot, and has neither
@@ -354,7 +381,7 @@ impl Rootfs for ZfsRootfs {
         let zfs = &self.zfs;
         let t = std::time::Instant::now();
         // (not begun early: begun now, with a snapshot of its own)
-        let start = start.or_else(|| self.in_place_start(sp_dir, local, at)).ok_or(Error::NoZfsSnapshot)?;
+        let start = start.or_else(|| self.in_place_start(sp_dir, local, at, None)).ok_or(Error::NoZfsSnapshot)?;
         let mut early = start.work.downcast::<Early>().map_err(|_| Error::InPlaceFiles("not a ZFS start".into()))?;
         let compared =
             early.thread.take().expect("joined once").join().unwrap_or_else(|p| std::panic::resume_unwind(p));
@@ -433,8 +460,12 @@ fn find_in_place(
     scratch: &Path,
     taken: &TakenFiles,
     unchanged_before: Option<u64>,
+    prepared: Option<ViewThread>,
 ) -> Result<Found> {
     let started = std::time::Instant::now();
+    // (the view begun before is waited for whatever happens below: never left to be made after
+    // the rollback's cleanup)
+    let mut prepared = Joined(prepared);
     let name = recorded.rsplit('@').next().unwrap_or(recorded);
     // The statepoint's snapshot is usually on the dataset; a rollback that swapped datasets may
     // have left it on a retired one: looked for only when it is not there (and whatever the
@@ -448,7 +479,10 @@ fn find_in_place(
     let view = format!("{d}.planarian-inplace");
     let (made, (changes, times)) = std::thread::scope(|s| {
         let finding = s.spawn(|| changes_since(&at, &live, scratch, taken, unchanged_before));
-        let made = statepoint_view(&at, &view, scratch).map(|()| started.elapsed());
+        let made = match prepared.0.take() {
+            Some(t) => t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+            None => statepoint_view(&at, &view, scratch).map(|()| started.elapsed()),
+        };
         let found = finding.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         (made, found.unwrap_or_else(|e| ((None, None), format!("not found: {e}"))))
     });
@@ -562,6 +596,37 @@ fn statepoint_view(at: &Snap, view: &str, scratch: &Path) -> Result<()> {
         at.zfs.clone_read_only(&at.located()?, view, scratch)?;
     }
     Ok(())
+}
+
+/// The thread making the statepoint's view before the freeze: how long it took.
+type ViewThread = std::thread::JoinHandle<Result<std::time::Duration>>;
+
+/// A view's thread, joined when this is dropped.
+struct Joined(Option<ViewThread>);
+
+impl Drop for Joined {
+    fn drop(&mut self) {
+        if let Some(t) = self.0.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// [`ZfsRootfs::in_place_prepare`]'s view being made: destroyed when this is dropped unless
+/// [`ZfsRootfs::in_place_start`] took its thread (and so the view, which it destroys with the rest).
+struct EarlyView {
+    zfs: Zfs,
+    view: String,
+    thread: Option<ViewThread>,
+}
+
+impl Drop for EarlyView {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+            destroy_clone(&self.zfs, &self.view);
+        }
+    }
 }
 
 /// An early start's thread, and what it makes: destroyed, unless taken by [`ZfsRootfs::in_place`],
