@@ -163,7 +163,9 @@ impl Zfs {
         c.clone(name, snap, &props).map_err(|e| errno_failure(&["clone", snap, name], e))?;
         mount(name, mountpoint, true).map_err(|e| {
             let _ = self.destroy(name, false);
-            errno_failure(&["mount", name], e)
+            // (ENOENT here is a missing mount point, not a missing dataset)
+            let stderr = format!("mount(2) at {mp}: {}", std::io::Error::from_raw_os_error(e));
+            Error::Command { args: format!("mount {name}"), stderr, kind: Kind::Other }
         })
     }
 

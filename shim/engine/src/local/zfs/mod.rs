@@ -349,8 +349,12 @@ impl Rootfs for ZfsRootfs {
 
     /// The statepoint's view ([`statepoint_view`]), begun as soon as the rollback knows its
     /// target: it needs only the statepoint's snapshot, so it runs beside the freeze and the
-    /// process tree's check instead of after them.
+    /// process tree's check instead of after them. Only through libzfs_core (OpenZFS): a `zfs
+    /// clone` process, begun beside them, slowed them on the guest's CPUs by as much as it began
+    /// earlier (docs/benchmarks.md). A rollback the check then refuses waits for the clone and
+    /// its removal before it stops and restores the sandbox.
     fn in_place_prepare(&self, local: &LocalState, scratch: &Path) -> Option<InPlaceStart> {
+        zfs::lzc::Core::get()?;
         let recorded = local.zfs_snapshot.clone()?;
         let (zfs, d, scratch) = (self.zfs.clone(), self.map.dataset.clone(), scratch.to_path_buf());
         let view = format!("{d}.planarian-inplace");
