@@ -1,8 +1,8 @@
 //! OpenZFS's libzfs_core — the stable library over the ZFS ioctls — loaded at run time where it
 //! is installed, for the operations on a rollback's critical path: a snapshot, an incremental
-//! send stream, and the clone the statepoint's files are read from. Each `zfs` command costs a process start on top of its work (about
-//! 110 ms of a 117–185 ms command in the emulated guest, where `zfs version` alone takes 106–112);
-//! through the library the work is all that is left. Where the library or `/dev/zfs` is not
+//! send stream, and the clone the statepoint's files are read from. Each `zfs` command costs a
+//! process start on top of its work (about 110 ms of a 117–185 ms command in the emulated guest,
+//! where `zfs version` alone takes 106–112); through the library the work is all that is left. Where the library or `/dev/zfs` is not
 //! there (zfs-fuse has neither), [`Core::get`] is `None` and the command line is used.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
@@ -57,69 +57,83 @@ impl Core {
     /// `zfs snapshot SNAP`: `Err(errno)`.
     pub fn snapshot(&self, snap: &str) -> Result<(), i32> {
         let name = CString::new(snap).map_err(|_| libc::EINVAL)?;
-        let mut snaps: *mut NvList = std::ptr::null_mut();
-        // SAFETY: the functions have the C signatures declared above; `snaps` is allocated here
-        // and freed once, as is any error list the call returns.
-        unsafe {
-            let e = (self.nvlist_alloc)(&mut snaps, NV_UNIQUE_NAME, 0);
-            if e != 0 {
-                return Err(e);
-            }
-            let e = (self.nvlist_add_boolean)(snaps, name.as_ptr());
-            let mut errors: *mut NvList = std::ptr::null_mut();
-            let e = if e == 0 { (self.snapshot)(snaps, std::ptr::null_mut(), &mut errors) } else { e };
-            (self.nvlist_free)(snaps);
-            if !errors.is_null() {
-                (self.nvlist_free)(errors);
-            }
-            if e == 0 {
-                Ok(())
-            } else {
-                Err(e)
-            }
-        }
+        // SAFETY (both closures): `list` is the live list `with_list` made; `name` outlives the
+        // calls; the error list a snapshot returns is freed once.
+        self.with_list(
+            |list| unsafe { (self.nvlist_add_boolean)(list, name.as_ptr()) },
+            |list| unsafe {
+                let mut errors: *mut NvList = std::ptr::null_mut();
+                let e = (self.snapshot)(list, std::ptr::null_mut(), &mut errors);
+                if !errors.is_null() {
+                    (self.nvlist_free)(errors);
+                }
+                e
+            },
+        )
     }
 
     /// `zfs clone -o PROP=VALUE... ORIGIN NAME`, without the mount the command makes
     /// ([`crate::mount`] does that): `Err(errno)`.
     pub fn clone(&self, name: &str, origin: &str, props: &[(&str, Prop)]) -> Result<(), i32> {
-        let (name, origin) = (CString::new(name), CString::new(origin));
-        let (Ok(name), Ok(origin)) = (name, origin) else { return Err(libc::EINVAL) };
-        let mut keys = Vec::with_capacity(props.len());
-        for (k, v) in props {
-            let k = CString::new(*k).map_err(|_| libc::EINVAL)?;
-            let v = match v {
-                Prop::Str(s) => Some(CString::new(*s).map_err(|_| libc::EINVAL)?),
-                Prop::Num(_) => None,
-            };
-            keys.push((k, v));
+        enum Value {
+            Str(CString),
+            Num(u64),
         }
+        let c = |s: &str| CString::new(s).map_err(|_| libc::EINVAL);
+        let (name, origin) = (c(name)?, c(origin)?);
+        let props = props
+            .iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    Prop::Str(s) => Value::Str(c(s)?),
+                    Prop::Num(n) => Value::Num(*n),
+                };
+                Ok((c(k)?, v))
+            })
+            .collect::<Result<Vec<_>, i32>>()?;
+        // SAFETY (both closures): `list` is the live list `with_list` made; every string
+        // outlives the calls that read it (the list copies what it is given).
+        self.with_list(
+            |list| {
+                props
+                    .iter()
+                    .map(|(k, v)| unsafe {
+                        match v {
+                            Value::Str(s) => (self.nvlist_add_string)(list, k.as_ptr(), s.as_ptr()),
+                            Value::Num(n) => (self.nvlist_add_uint64)(list, k.as_ptr(), *n),
+                        }
+                    })
+                    .find(|&e| e != 0)
+                    .unwrap_or(0)
+            },
+            |list| unsafe { (self.clone)(name.as_ptr(), origin.as_ptr(), list) },
+        )
+    }
+
+    /// A list made, filled by `fill` and handed to `call`, then freed: the first errno of the
+    /// three.
+    fn with_list(
+        &self,
+        fill: impl FnOnce(*mut NvList) -> c_int,
+        call: impl FnOnce(*mut NvList) -> c_int,
+    ) -> Result<(), i32> {
         let mut list: *mut NvList = std::ptr::null_mut();
-        // SAFETY: the functions have the C signatures declared above; `list` is allocated here
-        // and freed once; every string outlives the calls that read it.
-        unsafe {
-            let mut e = (self.nvlist_alloc)(&mut list, NV_UNIQUE_NAME, 0);
-            if e != 0 {
-                return Err(e);
-            }
-            for ((k, s), (_, v)) in keys.iter().zip(props) {
-                if e == 0 {
-                    e = match (s, v) {
-                        (Some(s), _) => (self.nvlist_add_string)(list, k.as_ptr(), s.as_ptr()),
-                        (None, Prop::Num(n)) => (self.nvlist_add_uint64)(list, k.as_ptr(), *n),
-                        (None, Prop::Str(_)) => libc::EINVAL,
-                    };
-                }
-            }
-            if e == 0 {
-                e = (self.clone)(name.as_ptr(), origin.as_ptr(), list);
-            }
-            (self.nvlist_free)(list);
-            if e == 0 {
-                Ok(())
-            } else {
-                Err(e)
-            }
+        // SAFETY: nvlist_alloc has the C signature declared above and fills `list`, which is
+        // freed once, after the last use.
+        let e = unsafe { (self.nvlist_alloc)(&mut list, NV_UNIQUE_NAME, 0) };
+        if e != 0 {
+            return Err(e);
+        }
+        let e = match fill(list) {
+            0 => call(list),
+            e => e,
+        };
+        // SAFETY: as above.
+        unsafe { (self.nvlist_free)(list) };
+        if e == 0 {
+            Ok(())
+        } else {
+            Err(e)
         }
     }
 

@@ -336,7 +336,7 @@ impl Rootfs for ZfsRootfs {
             .map(|(then, _)| then.wall.saturating_sub(2));
         let (zfs, d, at) = (self.zfs.clone(), self.map.dataset.clone(), at.clone());
         let taken = TakenFiles::new(format!("{d}@planarian-inplace-now"));
-        let made = vec![format!("{d}.planarian-inplace")];
+        let made = vec![view_of(&d)];
         let thread = {
             let (zfs, taken) = (zfs.clone(), taken.clone());
             std::thread::spawn(move || {
@@ -357,14 +357,12 @@ impl Rootfs for ZfsRootfs {
         zfs::lzc::Core::get()?;
         let recorded = local.zfs_snapshot.clone()?;
         let (zfs, d, scratch) = (self.zfs.clone(), self.map.dataset.clone(), scratch.to_path_buf());
-        let view = format!("{d}.planarian-inplace");
+        let view = view_of(&d);
         let thread = {
             let (zfs, view) = (zfs.clone(), view.clone());
             std::thread::spawn(move || {
                 let t = std::time::Instant::now();
-                let name = recorded.rsplit('@').next().unwrap_or(&recorded);
-                let at = Snap { zfs: &zfs, d: &d, name, snap: format!("{d}@{name}") };
-                statepoint_view(&at, &view, &scratch).map(|()| t.elapsed())
+                statepoint_view(&Snap::of(&zfs, &d, &recorded), &view, &scratch).map(|()| t.elapsed())
             })
         };
         Some(InPlaceStart::new(EarlyView { zfs, view, thread: Some(thread) }))
@@ -470,17 +468,16 @@ fn find_in_place(
     // (the view begun before is waited for whatever happens below: never left to be made after
     // the rollback's cleanup)
     let mut prepared = Joined(prepared);
-    let name = recorded.rsplit('@').next().unwrap_or(recorded);
     // The statepoint's snapshot is usually on the dataset; a rollback that swapped datasets may
     // have left it on a retired one: looked for only when it is not there (and whatever the
     // first try met in the way, removed).
-    let at = Snap { zfs, d, name, snap: format!("{d}@{name}") };
+    let at = Snap::of(zfs, d, recorded);
     let mounted = sys::proc::Proc::own().mounts().map(|ms| zfs::mounts_of(&ms, d)).unwrap_or_default();
     let live = match &mounted[..] {
         [one] => one.clone(),
         _ => mountpoint(zfs, d)?,
     };
-    let view = format!("{d}.planarian-inplace");
+    let view = view_of(d);
     let (made, (changes, times)) = std::thread::scope(|s| {
         let finding = s.spawn(|| changes_since(&at, &live, scratch, taken, unchanged_before));
         let made = match prepared.0.take() {
@@ -510,7 +507,13 @@ struct Snap<'a> {
     snap: String,
 }
 
-impl Snap<'_> {
+impl<'a> Snap<'a> {
+    /// The snapshot `recorded` (a statepoint's, by its full name when it was taken) on `d`.
+    fn of(zfs: &'a Zfs, d: &'a str, recorded: &'a str) -> Snap<'a> {
+        let name = recorded.rsplit('@').next().unwrap_or(recorded);
+        Snap { zfs, d, name, snap: format!("{d}@{name}") }
+    }
+
     /// Where the snapshot is, when it is not on the dataset.
     fn located(&self) -> Result<String> {
         find_snapshot(self.zfs, self.d, self.name)?.ok_or_else(|| missing(self.name, self.d))
@@ -587,6 +590,12 @@ fn changes_since(
         ms(t.elapsed() - streamed)
     );
     Ok(((Some(changed), places), times))
+}
+
+/// The name of dataset `d`'s read-only clone of a statepoint, which a rollback in place reads the
+/// statepoint's files from.
+fn view_of(d: &str) -> String {
+    format!("{d}.planarian-inplace")
 }
 
 /// A read-only clone of the statepoint's snapshot, mounted at `scratch`, named `view` (one a
@@ -903,12 +912,8 @@ pub fn remove_container(cfg: &Config, store: &ContainerStore) -> Result<()> {
     let id = store.dir.file_name().unwrap_or_default().to_string_lossy().into_owned();
     let ours = format!("@planarian-{}-", short(&id));
     let old_prefix = format!("{d}.planarian-old-");
-    let in_family = |fs: &str| {
-        fs == d
-            || fs.starts_with(&old_prefix)
-            || fs == format!("{d}.planarian-new")
-            || fs == format!("{d}.planarian-inplace")
-    };
+    let in_family =
+        |fs: &str| fs == d || fs.starts_with(&old_prefix) || fs == format!("{d}.planarian-new") || fs == view_of(d);
     if map.owned {
         // Forks (or anything) cloned from the family's snapshots take them over first.
         for _ in 0..64 {
