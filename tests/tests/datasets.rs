@@ -32,6 +32,27 @@ fn snapshots_matching(pool: &str, needle: &str) -> Vec<String> {
         .collect()
 }
 
+/// `zfs destroy ARGS`, tried again while the dataset is busy: on zfs-fuse a mount namespace made
+/// meanwhile (a container's or CRIU's, by a test beside this one) holds a copy of its mount until
+/// it lets it go. Any other failure fails at once.
+fn destroy(args: &[&str]) {
+    let (mut last, mut tried, started) = (None, None, std::time::Instant::now());
+    let destroyed = wait_for(Duration::from_secs(60), || {
+        let r = zfs(&[&["destroy"], args].concat());
+        assert!(r.code == Some(0) || r.stderr.contains("busy"), "zfs destroy {args:?}: {r:?}");
+        let done = r.code == Some(0);
+        if !done {
+            tried = Some(r.stderr.trim().to_string());
+        }
+        last = Some(r);
+        done
+    });
+    assert!(destroyed, "zfs destroy {args:?}: still busy: {last:?}");
+    if let Some(busy) = tried.filter(|_| started.elapsed() > Duration::from_secs(1)) {
+        eprintln!("zfs destroy {args:?}: busy for {:?} ({busy})", started.elapsed());
+    }
+}
+
 fn id_of(name: &str) -> String {
     podman("planarian", &["inspect", "--format", "{{.Id}}", name]).ok().out()
 }
@@ -252,7 +273,7 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
         "planarian's snapshots go with the container"
     );
     assert!(exists(&ds), "the user's dataset stays");
-    zfs(&["destroy", "-r", &ds]).ok();
+    destroy(&["-r", &ds]);
 }
 
 /// A rollback in place on ZFS puts back exactly the statepoint's tree: every entry's type,
@@ -312,15 +333,27 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     // file between those and 40 more: the stream carries each changed object's neighbours in
     // its block of znodes, and those are /wide's, not the file's directories.)
     let ds = format!("{parent}/ctr-{}", id_of(&sb.name));
+    // (the dataset's datasets and snapshots, and where they are mounted: the statepoint's view,
+    // a mount of its snapshot on OpenZFS, must be gone too)
     let left = || {
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+        let mounted = mounts
+            .lines()
+            .filter(|l| l.starts_with(&ds))
+            .map(|l| l.split(' ').take(2).collect::<Vec<_>>().join(" on "));
         zfs(&["list", "-H", "-o", "name", "-t", "all", "-r", &parent])
             .out()
             .lines()
             .filter(|l| l.starts_with(&ds))
             .map(String::from)
+            .chain(mounted)
             .collect::<Vec<_>>()
     };
-    let kept = vec![ds.clone(), format!("{ds}@planarian-{}-{sp}", &id_of(&sb.name)[..12])];
+    // (the dataset's own mount stays)
+    let mount = left().into_iter().filter(|l| l.starts_with(&format!("{ds} on ")));
+    let kept: Vec<String> =
+        [ds.clone(), format!("{ds}@planarian-{}-{sp}", &id_of(&sb.name)[..12])].into_iter().chain(mount).collect();
+    assert_eq!(kept.len(), 3, "{kept:?}");
     for from in ["zdb", "stream"] {
         sb.sh("echo more >> /deep/x1/x2/x3/x4/file").ok();
         let r = planarian(&["rollback", &sb.name, &sp, "--json"]);
@@ -341,7 +374,7 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
     assert_eq!(tree(&sb), before, "the tree after the second rollback in place");
     assert_eq!(sb.sh("cat /work/hard; stat -c %h /work/hard").out(), "h\n2", "still one file with two names");
 
-    // What the rollbacks left — the statepoint's clone, the snapshot of the frozen state — is
+    // What the rollbacks left — the statepoint's view, the snapshot of the frozen state — is
     // removed after they answered; nothing else goes.
     assert!(wait_for(Duration::from_secs(120), || left() == kept), "{:?}", left());
 }
@@ -349,8 +382,9 @@ fn a_rollback_in_place_on_zfs_puts_back_exactly_the_tree() {
 /// A rollback in place on ZFS that fails before its point of no return (the compensation of
 /// the remote state, its first change) leaves the sandbox as it was; one that fails after it
 /// goes forward, by a restore, to exactly the statepoint. Either way nothing of the rollback
-/// stays in the pool: the snapshot of the frozen state and the clone its files were compared
-/// with are removed. Then it goes back in place.
+/// stays in the pool or mounted: the snapshot of the frozen state and the view its files were
+/// compared with (a mount of the statepoint's snapshot on OpenZFS, a clone on zfs-fuse) are
+/// removed. Then it goes back in place.
 #[test]
 fn a_failing_rollback_in_place_on_zfs_leaves_the_sandbox_and_the_pool_as_they_were() {
     require_stack!();
@@ -367,19 +401,27 @@ fn a_failing_rollback_in_place_on_zfs_leaves_the_sandbox_and_the_pool_as_they_we
     let ann = format!("io.planarian.zfs.parent_dataset={parent}");
     let mut sb = Sandbox::start("zfsinfault", 8, &["--annotation", &ann]);
     let ds = format!("{parent}/ctr-{}", id_of(&sb.name));
+    // (the dataset's datasets and snapshots, and where they are mounted: the statepoint's view,
+    // a mount of its snapshot on OpenZFS, must be gone too)
     let left = || {
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+        let mounted = mounts
+            .lines()
+            .filter(|l| l.starts_with(&ds))
+            .map(|l| l.split(' ').take(2).collect::<Vec<_>>().join(" on "));
         zfs(&["list", "-H", "-o", "name", "-t", "all", "-r", &parent])
             .out()
             .lines()
             .filter(|l| l.starts_with(&ds))
             .map(String::from)
+            .chain(mounted)
             .collect::<Vec<_>>()
     };
     sb.sh("echo then > /root/f").ok();
     let at = sb.send("tick");
     let sp = sb.snapshot("good");
     let kept = left();
-    assert_eq!(kept.len(), 2, "the dataset and the statepoint's snapshot: {kept:?}");
+    assert_eq!(kept.len(), 3, "the dataset, the statepoint's snapshot, the dataset's mount: {kept:?}");
     let before = sb.send("dirty 0 65536");
     let point = "rollback.in-place.compensating";
     sb.sh("echo now > /root/f").ok();
@@ -434,6 +476,25 @@ fn a_failing_rollback_in_place_on_zfs_leaves_the_sandbox_and_the_pool_as_they_we
     assert_eq!(sb.sh("cat /root/f").out(), "then", "refused: the files are the statepoint's");
     assert!(!sb.sh("cat /proc/[0-9]*/comm").stdout.contains("sleep"), "refused: the process started since is gone");
     assert!(wait_for(Duration::from_secs(120), || left() == kept), "refused: left in the pool: {:?}", left());
+    // planarian killed while it writes the memory, the statepoint's view mounted and the frozen
+    // state's snapshot taken: the next operation finishes the rollback by a restore, to exactly
+    // the statepoint, whatever the killed one left in the way; then nothing of it stays.
+    sb.send("dirty 0 65536");
+    sb.sh("echo now > /root/f").ok();
+    std::fs::write(FAULT, "kill:rollback.in-place.memory").unwrap();
+    let r = planarian(&["rollback", &sb.name, &sp]);
+    assert!(r.code.is_none() || r.code == Some(137), "killed: {r:?}");
+    assert!(!std::path::Path::new(FAULT).exists(), "the kill never fired");
+    assert!(left().len() > kept.len(), "the killed rollback left its view and snapshot: {:?}", left());
+    assert!(wait_for(Duration::from_secs(120), || status(&sb.name) == "exited"), "{}", status(&sb.name));
+    let r = planarian(&["rollback", &sb.name, &sp]);
+    r.ok();
+    assert!(r.stderr.contains(&format!("an interrupted rollback to {sp} was finished")), "{}", r.stderr);
+    assert_eq!(status(&sb.name), "running", "killed");
+    sb.seq = sb.read().expect("state").0;
+    assert_eq!(sb.send("tick").checksum, at.checksum, "killed: the memory is the statepoint's");
+    assert_eq!(sb.sh("cat /root/f").out(), "then", "killed: the files are the statepoint's");
+    assert!(wait_for(Duration::from_secs(120), || left() == kept), "killed: left in the pool: {:?}", left());
     sb.send("dirty 0 65536");
     sb.sh("echo now > /root/f").ok();
     let r = planarian(&["rollback", &sb.name, &sp, "--json"]);
@@ -709,7 +770,7 @@ fn snapshots_and_streams_through_libzfs_core_are_the_command_lines() {
     }
     // (the command's first line of stderr does not say "does not exist" for it: an error all the same)
     assert!(z.changes_by_command(&b, &format!("{ds}@no-such")).is_err());
-    zfs(&["destroy", "-r", &ds]).ok();
+    destroy(&["-r", &ds]);
 }
 
 /// The read-only clone a rollback in place reads the statepoint's files from (libzfs_core and
@@ -752,13 +813,68 @@ fn a_read_only_clone_is_the_commands() {
     // A second clone of the same name fails and leaves the first as it was.
     assert!(z.clone_read_only(&format!("{ds}@s"), &view, &at).is_err());
     assert_eq!(std::fs::read(at.join("d/f")).unwrap(), b"at the snapshot");
-    zfs(&["destroy", &view]).ok();
+    destroy(&[&view]);
     assert!(!exists(&view));
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
     assert!(!mounts.lines().any(|l| l.split(' ').nth(1) == at.to_str()), "unmounted by zfs destroy");
     let missing = z.clone_read_only(&format!("{ds}@no-such"), &view, &at).unwrap_err();
     assert_eq!(missing.kind(), zfs::Kind::NotFound, "{missing}");
     assert!(!exists(&view), "nothing left");
-    zfs(&["destroy", "-r", &ds]).ok();
+    destroy(&["-r", &ds]);
+    let _ = std::fs::remove_dir(&at);
+}
+
+/// On OpenZFS a rollback in place reads the statepoint's files from its snapshot, mounted as it
+/// is by mount(2) as `.zfs/snapshot` mounts it: the snapshot's files, read-only (EROFS), the
+/// snapshot busy while it is mounted and destroyed once `unmount_at` has unmounted it; a snapshot
+/// that is not there is "not found" and mounts nothing. zfs-fuse mounts no snapshot (its kernel
+/// has no `zfs` file system): the engine, asking `kernel_zfs`, clones there instead.
+#[test]
+fn a_snapshot_mounted_as_it_is_is_its_files_read_only() {
+    let Some(pool) = pool() else { return };
+    let openzfs = zfs(&["version"]).code == Some(0);
+    assert_eq!(zfs::kernel_zfs(), openzfs, "the kernel's ZFS is OpenZFS's");
+    let ds = format!("{pool}/snapmount-{}", std::process::id());
+    zfs(&["create", &ds]).ok();
+    let dir = std::path::PathBuf::from(prop(&ds, "mountpoint"));
+    std::fs::create_dir_all(dir.join("d")).unwrap();
+    std::fs::write(dir.join("d/f"), b"at the snapshot").unwrap();
+    nix::unistd::sync();
+    let snap = format!("{ds}@s");
+    zfs(&["snapshot", &snap]).ok();
+    std::fs::write(dir.join("d/f"), b"after it").unwrap();
+    let at = std::env::temp_dir().join(format!("planarian-snapmount-{}", std::process::id()));
+    std::fs::create_dir_all(&at).unwrap();
+    let mounted_at = || {
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+        mounts.lines().find(|l| l.split(' ').nth(1) == at.to_str()).map(String::from)
+    };
+    if !openzfs {
+        assert!(zfs::mount_snapshot(&snap, &at).is_err(), "zfs-fuse mounts no snapshot");
+        assert_eq!(mounted_at(), None);
+        destroy(&["-r", &ds]);
+        let _ = std::fs::remove_dir(&at);
+        return;
+    }
+    zfs::mount_snapshot(&snap, &at).unwrap();
+    assert_eq!(std::fs::read(at.join("d/f")).unwrap(), b"at the snapshot");
+    assert_eq!(std::fs::read(dir.join("d/f")).unwrap(), b"after it", "the live dataset untouched");
+    let line = mounted_at().expect("mounted there");
+    assert!(line.starts_with(&format!("{snap} ")), "{line}");
+    assert!(line.split(' ').nth(3).unwrap().split(',').any(|o| o == "ro"), "{line}");
+    let w = std::fs::write(at.join("d/f"), b"x").unwrap_err();
+    assert_eq!(w.raw_os_error(), Some(nix::libc::EROFS), "{w}");
+    let busy = zfs(&["destroy", &snap]);
+    assert_ne!(busy.code, Some(0), "a mounted snapshot is kept: {busy:?}");
+    assert!(exists(&snap));
+    zfs::unmount_at(&at).unwrap();
+    assert_eq!(mounted_at(), None, "unmounted");
+    assert_eq!(zfs::unmount_at(&at), Err(nix::libc::EINVAL), "nothing is mounted there any more");
+    destroy(&[&snap]);
+    assert!(!exists(&snap));
+    let missing = zfs::mount_snapshot(&format!("{ds}@no-such"), &at).unwrap_err();
+    assert_eq!(missing.kind(), zfs::Kind::NotFound, "{missing}");
+    assert_eq!(mounted_at(), None, "nothing mounted");
+    destroy(&["-r", &ds]);
     let _ = std::fs::remove_dir(&at);
 }

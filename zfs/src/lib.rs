@@ -439,6 +439,47 @@ pub fn mount(dataset: &str, at: &Path, read_only: bool) -> std::result::Result<(
     }
 }
 
+/// Whether ZFS is the kernel's own (OpenZFS's module), which mounts a snapshot as it is: read-only,
+/// as under `.zfs/snapshot`. zfs-fuse mounts none.
+pub fn kernel_zfs() -> bool {
+    Path::new("/sys/module/zfs").is_dir()
+}
+
+/// Mounts snapshot `snap` read-only at the directory `at` by mount(2), as `.zfs/snapshot` mounts
+/// it (OpenZFS only, [`kernel_zfs`]): no clone is made, so no transaction group is waited for.
+/// While it is mounted the snapshot cannot be destroyed: [`unmount_at`] first.
+pub fn mount_snapshot(snap: &str, at: &Path) -> Result<()> {
+    let args = format!("mount {snap}");
+    let failed = |e: i32, kind| {
+        let stderr = format!("mount(2) at {}: {}", at.display(), std::io::Error::from_raw_os_error(e));
+        Error::Command { args: args.clone(), stderr, kind }
+    };
+    // (ENOENT from mount(2) is the snapshot's only once the mount point is known to be there)
+    if !at.is_dir() {
+        return Err(failed(libc::ENOENT, Kind::Other));
+    }
+    mount(snap, at, true).map_err(|e| {
+        let kind = match e {
+            libc::ENOENT => Kind::NotFound,
+            libc::EBUSY => Kind::Busy,
+            _ => Kind::Other,
+        };
+        failed(e, kind)
+    })
+}
+
+/// Unmounts what is mounted at `at` (the mount on top): `Err(errno)`, `EINVAL` when nothing is.
+pub fn unmount_at(at: &Path) -> std::result::Result<(), i32> {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(target) = std::ffi::CString::new(at.as_os_str().as_bytes()) else { return Err(libc::EINVAL) };
+    // SAFETY: a NUL-terminated string that outlives the call.
+    if unsafe { libc::umount2(target.as_ptr(), 0) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO))
+    }
+}
+
 /// A failed command's error: its first line says what went wrong (zfs-fuse follows it with the
 /// whole usage text).
 fn failure(args: &[&str], stderr: &[u8]) -> Error {

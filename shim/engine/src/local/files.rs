@@ -137,6 +137,12 @@ impl Drop for Capturing {
     }
 }
 
+/// The directory a rollback in place's files part may use: where a ZFS backend mounts the
+/// statepoint's files.
+pub fn in_place_scratch(store: &crate::store::ContainerStore) -> std::path::PathBuf {
+    store.dir.join("in-place-files")
+}
+
 /// Where a rollback in place puts files back.
 #[derive(Debug, Clone)]
 pub struct InPlaceAt {
@@ -155,7 +161,8 @@ pub struct InPlaceAt {
 pub struct InPlaceFiles {
     pub sync: super::treesync::Sync,
     pub cleanup: Option<Box<dyn FnOnce()>>,
-    /// The ZFS clone and snapshot `cleanup` destroys, if that is what it does.
+    /// What `cleanup` removes on ZFS ([`super::zfs::remove_leftover`]): the statepoint's view
+    /// and the snapshot of the frozen state.
     pub leftovers: Vec<String>,
 }
 
@@ -165,8 +172,8 @@ impl InPlaceFiles {
         Ok(self.sync.apply()?)
     }
 
-    /// The ZFS clone and snapshot to destroy, left to the caller (who destroys them later,
-    /// elsewhere, with [`super::zfs::destroy_clone`]); dropping this then destroys nothing.
+    /// What is left to remove on ZFS, left to the caller (who removes it later, elsewhere, with
+    /// [`super::zfs::remove_leftover`]); dropping this then removes nothing.
     pub fn hand_off(mut self) -> Vec<String> {
         self.cleanup = None;
         std::mem::take(&mut self.leftovers)

@@ -177,6 +177,7 @@ pub fn recover(
     // (the stop and restore it may make are a rollback's: the agent's MCP sidecar stays up)
     let _rolling = crate::remote::sidecar::RollbackMarker::set(store);
     wait_for_orphans(store, id, Duration::from_secs(300));
+    crate::local::zfs::remove_killed_in_place(cfg, store);
     let r = resolve(crun, globals, cfg, store, id, &e).map_err(|err| {
         Error::Worker(format!(
             "an interrupted rollback to {} could not be finished or undone (tried again by the next operation, or `planarian fsck --repair`): {err}",

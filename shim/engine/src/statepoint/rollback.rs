@@ -199,9 +199,9 @@ struct Done {
 }
 
 /// What a rollback in place leaves once the sandbox runs again: its safety statepoint
-/// (discarded) and, on ZFS, the clone the files were compared with and the snapshot of the
-/// frozen state they were found in. Removing them (half a second and more on ZFS: a `zfs
-/// destroy` each, the images) is no part of the rollback the caller waits for: a worker does
+/// (discarded) and, on ZFS, the statepoint's view the files were compared with (a mount, or a
+/// clone on zfs-fuse) and the snapshot of the frozen state they were found in. Removing them (a
+/// `zfs destroy` and more, the images) is no part of the rollback the caller waits for: a worker does
 /// it, holding the container's lock shared — tool calls go on, the next statepoint operation
 /// waits for it.
 struct Leftover {
@@ -226,7 +226,7 @@ impl Leftover {
 
     fn remove_now(self, cfg: &Config, store: &ContainerStore) {
         if let (false, Ok(zfs)) = (self.zfs.is_empty(), crate::local::zfs::zfs_from(cfg)) {
-            self.zfs.iter().for_each(|m| crate::local::zfs::destroy_clone(&zfs, m));
+            self.zfs.iter().for_each(|m| crate::local::zfs::remove_leftover(&zfs, m));
         }
         if self.safety.is_empty() {
             return;
@@ -392,7 +392,7 @@ fn try_in_place(
     let mut blocked = || pod.clone().or_else(|| full_path.get().as_ref().err().map(|e| e.to_string()));
     // (the statepoint's files made readable beside the freeze and the tree's check: on ZFS a
     // clone, which needs nothing of the frozen state)
-    let prepared = rb.rootfs.in_place_prepare(&rb.target.local_state, &scratch(rb.store));
+    let prepared = rb.rootfs.in_place_prepare(&rb.target.local_state, &crate::local::files::in_place_scratch(rb.store));
     let r = in_place(&ctx, rb, &mut blocked, progress, prepared)?;
     if let InPlace::Refused(why) = &r {
         progress.phase(&format!("not in place: {why}"));
@@ -591,19 +591,24 @@ fn in_place(
     crate::log::mark("frozen");
     progress.phase("in place: the process tree against the statepoint");
     let sp_dir = store.statepoint_dir(&target.statepoint_id);
+    // What the files need (ZFS: a snapshot of the frozen state, what changed, where) is found
+    // from now on, beside the process tree's check and then the page plan.
+    let mounts = sys::proc::Proc::of(pid).mounts().unwrap_or_default();
+    let at = files_at(pid, &mounts, store);
+    let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at, prepared);
+    crate::log::mark("files started");
     let images = sp_dir.join(&target.local_state.criu_checkpoint_path);
     let stdio = stdio_pairs(&sp_dir, pid);
     let shape = match inplace::check(&images, freezer.dir(), &stdio) {
         Ok(s) => s,
-        Err(e) => return Ok(InPlace::Refused(e.to_string())),
+        Err(e) => {
+            // (thawed first: what the files' part began is waited for and removed after)
+            drop(frozen);
+            drop(started);
+            return Ok(InPlace::Refused(e.to_string()));
+        }
     };
-    // What the files need (ZFS: a snapshot of the frozen state, what changed, where) is found
-    // beside the page plan.
-    let mounts = sys::proc::Proc::of(pid).mounts().unwrap_or_default();
-    let at = files_at(pid, &mounts, store);
     crate::log::mark("shape");
-    let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at, prepared);
-    crate::log::mark("files started");
     let base = live_base(store, pid);
     progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
     let prepared = std::thread::scope(|scope| -> std::result::Result<_, String> {
@@ -835,13 +840,8 @@ fn files_at(pid: i32, mounts: &[sys::proc::Mount], store: &ContainerStore) -> In
                 Path::new(&m.point).strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()).map(Path::to_path_buf)
             })
             .collect(),
-        scratch: scratch(store),
+        scratch: crate::local::files::in_place_scratch(store),
     }
-}
-
-/// The directory a rollback in place's files part may use.
-fn scratch(store: &ContainerStore) -> std::path::PathBuf {
-    store.dir.join("in-place-files")
 }
 
 /// /dev, a tmpfs planarian keeps itself, is put back only by a restore: in place, it must be as

@@ -163,12 +163,15 @@ pub struct ZfsRootfs {
     pub zfs: Zfs,
     pub map: Mapping,
     pub container_id: String,
+    /// Where a rollback in place mounts the statepoint's [`View`].
+    view_at: PathBuf,
 }
 
 impl ZfsRootfs {
     pub fn for_container(cfg: &Config, store: &ContainerStore, id: &str) -> Result<Option<ZfsRootfs>> {
         let Some(map) = mapping(store) else { return Ok(None) };
-        Ok(Some(ZfsRootfs { zfs: zfs_from(cfg)?, map, container_id: id.to_string() }))
+        let view_at = super::files::in_place_scratch(store);
+        Ok(Some(ZfsRootfs { zfs: zfs_from(cfg)?, map, container_id: id.to_string(), view_at }))
     }
 
     /// The snapshot statepoint `sp` will have.
@@ -183,6 +186,8 @@ impl ZfsRootfs {
         let d = self.map.dataset.clone();
         let name = recorded.rsplit('@').next().unwrap_or(recorded);
         let snap = find_snapshot(zfs, &d, name)?.ok_or_else(|| missing(name, &d))?;
+        // (a view a killed rollback in place left mounted would keep the snapshot from moving)
+        unmount_all(&self.view_at);
         let origin_ds = zfs::dataset_of(&snap).to_string();
         let new = format!("{d}.planarian-new");
         if zfs.exists(&new)? {
@@ -335,8 +340,8 @@ impl Rootfs for ZfsRootfs {
             .filter(|(then, now)| then.kept_time_to(now, 2.0))
             .map(|(then, _)| then.wall.saturating_sub(2));
         let (zfs, d, at) = (self.zfs.clone(), self.map.dataset.clone(), at.clone());
-        let taken = TakenFiles::new(format!("{d}@planarian-inplace-now"));
-        let made = vec![view_of(&d)];
+        let taken = TakenFiles::new(frozen_of(&d));
+        let made = vec![View::of(&d, &at.scratch).leftover()];
         let thread = {
             let (zfs, taken) = (zfs.clone(), taken.clone());
             std::thread::spawn(move || {
@@ -347,32 +352,33 @@ impl Rootfs for ZfsRootfs {
         Some(InPlaceStart::new(Early { zfs, made, now: Some(taken), thread: Some(thread) }))
     }
 
-    /// The statepoint's view ([`statepoint_view`]), begun as soon as the rollback knows its
-    /// target: it needs only the statepoint's snapshot, so it runs beside the freeze and the
-    /// process tree's check instead of after them. Only through libzfs_core (OpenZFS): a `zfs
-    /// clone` process, begun beside them, slowed them on the guest's CPUs by as much as it began
-    /// earlier (docs/benchmarks.md). A rollback the check then refuses waits for the clone and
-    /// its removal before it stops and restores the sandbox.
+    /// The statepoint's [`View`], begun as soon as the rollback knows its target: it needs only
+    /// the statepoint's snapshot, so it runs beside the freeze and the process tree's check
+    /// instead of after them. Only on OpenZFS, where it is a mount(2): on zfs-fuse it is a `zfs
+    /// clone` process, which, begun beside them, slowed them on the guest's CPUs by as much as it
+    /// began earlier (docs/benchmarks.md).
     fn in_place_prepare(&self, local: &LocalState, scratch: &Path) -> Option<InPlaceStart> {
-        zfs::lzc::Core::get()?;
         let recorded = local.zfs_snapshot.clone()?;
-        let (zfs, d, scratch) = (self.zfs.clone(), self.map.dataset.clone(), scratch.to_path_buf());
-        let view = view_of(&d);
+        let view = View::of(&self.map.dataset, scratch);
+        if !matches!(view, View::Snapshot(_)) {
+            return None;
+        }
+        let (zfs, d) = (self.zfs.clone(), self.map.dataset.clone());
         let thread = {
             let (zfs, view) = (zfs.clone(), view.clone());
             std::thread::spawn(move || {
                 let t = std::time::Instant::now();
-                statepoint_view(&Snap::of(&zfs, &d, &recorded), &view, &scratch).map(|()| t.elapsed())
+                view.make(&Snap::of(&zfs, &d, &recorded)).map(|mounted| (mounted, t.elapsed()))
             })
         };
         Some(InPlaceStart::new(EarlyView { zfs, view, thread: Some(thread) }))
     }
 
     /// zfs-fuse rolls a mounted dataset back only to its newest snapshot, and has neither
-    /// `.zfs/snapshot` nor `zfs diff`: the statepoint's snapshot is cloned where it can be
-    /// read, compared with the live dataset entry by entry (inode and ctime included) and the
-    /// differences written into the dataset. The clone (and the snapshot an early start took)
-    /// goes when this is dropped, or later ([`InPlaceFiles::hand_off`]).
+    /// `.zfs/snapshot` nor `zfs diff`: the statepoint's snapshot is mounted where it can be read
+    /// (its [`View`]), compared with the live dataset entry by entry (inode and ctime included)
+    /// and the differences written into the dataset. The view (and the snapshot an early start
+    /// took) goes when this is dropped, or later ([`InPlaceFiles::hand_off`]).
     fn in_place(
         &self,
         sp_dir: &Path,
@@ -394,7 +400,7 @@ impl Rootfs for ZfsRootfs {
         }
         let cleanup = {
             let (zfs, made) = (zfs.clone(), made.clone());
-            move || made.iter().for_each(|m| destroy_clone(&zfs, m))
+            move || made.iter().for_each(|m| remove_leftover(&zfs, m))
         };
         match compared {
             Ok((sync, times)) => {
@@ -412,13 +418,19 @@ impl Rootfs for ZfsRootfs {
     }
 }
 
-/// Compares the statepoint's tree (the clone, mounted read-only at `at.scratch`) with the live
+/// Compares the statepoint's tree (its [`View`], mounted read-only at `at.scratch`) with the live
 /// one where [`find_in_place`] says they can differ: the plan, and how long each part took.
 fn compare(zfs: &Zfs, found: &Found, at: &InPlaceAt) -> Result<(super::treesync::Sync, String)> {
-    let (live, view) = (&found.live, &found.view);
+    let live = &found.live;
     let mounted = sys::proc::Proc::own().mounts().ok().and_then(|m| zfs::dataset_mounted_at(&m, &at.scratch));
-    if mounted.as_deref() != Some(view.as_str()) {
-        zfs.mount(view)?;
+    if mounted.as_deref() != Some(found.mounted.as_str()) {
+        match &found.view {
+            View::Clone(name, _) => zfs.mount(name)?,
+            View::Snapshot(_) => {
+                let what = mounted.unwrap_or_else(|| "nothing".into());
+                return Err(Error::InPlaceFiles(format!("{} is not mounted at the view ({what} is)", found.mounted)));
+            }
+        }
     }
     let t = std::time::Instant::now();
     // A file with other names is trusted only unchanged (then all its names are).
@@ -436,16 +448,17 @@ fn compare(zfs: &Zfs, found: &Found, at: &InPlaceAt) -> Result<(super::treesync:
     Ok((planned, format!("{}; plan {} ms", found.times, t.elapsed().as_millis())))
 }
 
-/// What the files' part of a rollback in place on ZFS needs: the statepoint's snapshot cloned
-/// and mounted read-only where it can be read (`view`); what changed since the statepoint, from
-/// an incremental stream to the current state's snapshot, and where those objects are now (from
-/// their znodes in the stream, [`places::places`]; else zdb, which follows their parent pointers
-/// in the snapshot). Only those places are examined; without them (or when a place cannot be
-/// trusted: a path that does not lead to its object) every directory is. The stream and the
-/// places are found beside the clone's making.
+/// What the files' part of a rollback in place on ZFS needs: the statepoint's snapshot mounted
+/// read-only where it can be read (`view`, showing `mounted` in the mount table); what changed
+/// since the statepoint, from an incremental stream to the current state's snapshot, and where
+/// those objects are now (from their znodes in the stream, [`places::places`]; else zdb, which
+/// follows their parent pointers in the snapshot). Only those places are examined; without them
+/// (or when a place cannot be trusted: a path that does not lead to its object) every directory
+/// is. The stream and the places are found beside the view's making.
 struct Found {
     live: PathBuf,
-    view: String,
+    view: View,
+    mounted: String,
     changed: Option<std::collections::HashSet<u64>>,
     /// The places, those of files with other names apart, and who told them.
     places: Option<(Vec<PathBuf>, Vec<PathBuf>, &'static str)>,
@@ -453,8 +466,8 @@ struct Found {
 }
 
 /// What changed since the statepoint (the stream between its snapshot and a snapshot of the
-/// frozen state) and where, found beside a read-only clone of the statepoint's snapshot (the
-/// view the files are copied back from): the two at once.
+/// frozen state) and where, found beside the making of the statepoint's [`View`] (the files are
+/// copied back from it): the two at once.
 fn find_in_place(
     zfs: &Zfs,
     d: &str,
@@ -477,24 +490,26 @@ fn find_in_place(
         [one] => one.clone(),
         _ => mountpoint(zfs, d)?,
     };
-    let view = view_of(d);
+    let view = View::of(d, scratch);
     let (made, (changes, times)) = std::thread::scope(|s| {
         let finding = s.spawn(|| changes_since(&at, &live, scratch, taken, unchanged_before));
         let made = match prepared.0.take() {
             Some(t) => t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
-            None => statepoint_view(&at, &view, scratch).map(|()| started.elapsed()),
+            None => view.make(&at).map(|mounted| (mounted, started.elapsed())),
         };
         let found = finding.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         (made, found.unwrap_or_else(|e| ((None, None), format!("not found: {e}"))))
     });
-    let cloned = made?;
+    let (mounted, took) = made?;
     let ms = |t: std::time::Duration| t.as_millis();
+    let what = if matches!(view, View::Snapshot(_)) { "snapshot mounted" } else { "clone" };
     Ok(Found {
         live,
         view,
+        mounted,
         changed: changes.0,
         places: changes.1,
-        times: format!("clone {} ms; {times}; {} ms in all", ms(cloned), ms(started.elapsed())),
+        times: format!("{what} {} ms; {times}; {} ms in all", ms(took), ms(started.elapsed())),
     })
 }
 
@@ -598,21 +613,69 @@ fn view_of(d: &str) -> String {
     format!("{d}.planarian-inplace")
 }
 
-/// A read-only clone of the statepoint's snapshot, mounted at `scratch`, named `view` (one a
-/// crashed rollback left is replaced).
-fn statepoint_view(at: &Snap, view: &str, scratch: &Path) -> Result<()> {
-    std::fs::create_dir_all(scratch).at("create", scratch)?;
-    if at.zfs.clone_read_only(&at.snap, view, scratch).is_err() {
-        if at.zfs.exists(view)? {
-            at.zfs.destroy(view, true)?;
-        }
-        at.zfs.clone_read_only(&at.located()?, view, scratch)?;
-    }
-    Ok(())
+/// The name of the snapshot of dataset `d`'s frozen state a rollback in place takes.
+fn frozen_of(d: &str) -> String {
+    format!("{d}@planarian-inplace-now")
 }
 
-/// The thread making the statepoint's view before the freeze: how long it took.
-type ViewThread = std::thread::JoinHandle<Result<std::time::Duration>>;
+/// Where a rollback in place reads the statepoint's files from, read-only at a scratch directory:
+/// on OpenZFS the statepoint's snapshot itself, mounted as `.zfs/snapshot` mounts it (no clone,
+/// so no transaction group to wait for); on zfs-fuse, which mounts no snapshot, a read-only
+/// clone of it named [`view_of`] the dataset.
+#[derive(Clone)]
+enum View {
+    Snapshot(PathBuf),
+    Clone(String, PathBuf),
+}
+
+impl View {
+    fn of(d: &str, scratch: &Path) -> View {
+        if zfs::kernel_zfs() {
+            View::Snapshot(scratch.to_path_buf())
+        } else {
+            View::Clone(view_of(d), scratch.to_path_buf())
+        }
+    }
+
+    /// What [`remove_leftover`] takes to remove it: its mount point, or the clone.
+    fn leftover(&self) -> String {
+        match self {
+            View::Snapshot(at) => at.to_string_lossy().into_owned(),
+            View::Clone(name, _) => name.clone(),
+        }
+    }
+
+    /// Makes it from the statepoint's snapshot (one a crashed rollback left is replaced): what
+    /// the mount table shows mounted there.
+    fn make(&self, at: &Snap) -> Result<String> {
+        match self {
+            View::Snapshot(scratch) => {
+                std::fs::create_dir_all(scratch).at("create", scratch)?;
+                unmount_all(scratch);
+                if zfs::mount_snapshot(&at.snap, scratch).is_ok() {
+                    return Ok(at.snap.clone());
+                }
+                let snap = at.located()?;
+                zfs::mount_snapshot(&snap, scratch)?;
+                Ok(snap)
+            }
+            View::Clone(view, scratch) => {
+                std::fs::create_dir_all(scratch).at("create", scratch)?;
+                if at.zfs.clone_read_only(&at.snap, view, scratch).is_err() {
+                    if at.zfs.exists(view)? {
+                        at.zfs.destroy(view, true)?;
+                    }
+                    at.zfs.clone_read_only(&at.located()?, view, scratch)?;
+                }
+                Ok(view.clone())
+            }
+        }
+    }
+}
+
+/// The thread making the statepoint's view before the freeze: what it mounted, and how long it
+/// took.
+type ViewThread = std::thread::JoinHandle<Result<(String, std::time::Duration)>>;
 
 /// A view's thread, joined when this is dropped.
 struct Joined(Option<ViewThread>);
@@ -629,7 +692,7 @@ impl Drop for Joined {
 /// [`ZfsRootfs::in_place_start`] took its thread (and so the view, which it destroys with the rest).
 struct EarlyView {
     zfs: Zfs,
-    view: String,
+    view: View,
     thread: Option<ViewThread>,
 }
 
@@ -637,7 +700,7 @@ impl Drop for EarlyView {
     fn drop(&mut self) {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
-            destroy_clone(&self.zfs, &self.view);
+            remove_leftover(&self.zfs, &self.view.leftover());
         }
     }
 }
@@ -658,7 +721,7 @@ impl Drop for Early {
             let _ = t.join();
         }
         for m in &self.made {
-            destroy_clone(&self.zfs, m);
+            remove_leftover(&self.zfs, m);
         }
         if let Some(now) = self.now.take().filter(TakenFiles::capturers) {
             let _ = self.zfs.destroy_snapshot(now.name());
@@ -718,16 +781,52 @@ fn places(
     Some((out, named))
 }
 
-/// Destroys the clone a rollback in place compared with (or the snapshot it took). Destroying a
-/// clone unmounts it; FUSE may still hold the walked mount a moment: then it is unmounted first
-/// and tried again.
-pub fn destroy_clone(zfs: &Zfs, view: &str) {
+/// Removes what a rollback in place left: the statepoint's view ([`View::leftover`]: a mount
+/// point, unmounted; a clone, destroyed) or the snapshot of the frozen state it took. Destroying
+/// a clone unmounts it; FUSE may still hold the walked mount a moment: then it is unmounted
+/// first and tried again.
+pub fn remove_leftover(zfs: &Zfs, view: &str) {
+    if view.starts_with('/') {
+        unmount_all(Path::new(view));
+        return;
+    }
     for _ in 0..20 {
         if zfs.destroy(view, true).is_ok() || !zfs.exists(view).unwrap_or(false) {
             return;
         }
         let _ = zfs.unmount(view);
         std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// Removes what a rollback in place that was killed on its way left on ZFS: the statepoint's view
+/// (a mount, or a clone) and the frozen state's snapshot. The recovery of an interrupted rollback
+/// calls it first: a restore that moves the statepoint's snapshot must not find it mounted, and
+/// the frozen state's snapshot, left behind on the retired dataset, would keep that for good.
+pub fn remove_killed_in_place(cfg: &Config, store: &ContainerStore) {
+    let (Some(map), Ok(zfs)) = (mapping(store), zfs_from(cfg)) else { return };
+    let d = &map.dataset;
+    unmount_all(&super::files::in_place_scratch(store));
+    for made in [view_of(d), frozen_of(d)] {
+        if zfs.exists(&made).unwrap_or(false) {
+            remove_leftover(&zfs, &made);
+        }
+    }
+}
+
+/// Unmounts whatever is mounted at `at` (a view a crashed rollback left included), trying again
+/// for a while what is still busy (the walk's last files being closed).
+fn unmount_all(at: &Path) {
+    let mut busy = 0;
+    for _ in 0..40 {
+        match zfs::unmount_at(at) {
+            Ok(()) => continue,
+            Err(nix::libc::EBUSY) if busy < 20 => {
+                busy += 1;
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            Err(_) => return,
+        }
     }
 }
 
@@ -749,6 +848,9 @@ fn collect(zfs: &Zfs, d: &str) {
 pub fn destroy_snapshot(cfg: &Config, store: &ContainerStore, recorded: &str) -> Result<()> {
     let zfs = zfs_from(cfg)?;
     let name = recorded.rsplit('@').next().unwrap_or(recorded);
+    // (a view a crashed rollback left mounted would keep it: the exclusive lock held, no rollback
+    // has one mounted now)
+    unmount_all(&super::files::in_place_scratch(store));
     if let Some(snap) = find_snapshot(&zfs, recorded, name)? {
         zfs.destroy_snapshot(&snap)?;
     }
@@ -907,6 +1009,8 @@ pub fn receive_statepoint(
 pub fn remove_container(cfg: &Config, store: &ContainerStore) -> Result<()> {
     let Some(map) = mapping(store) else { return Ok(()) };
     let zfs = zfs_from(cfg)?;
+    // (a view a crashed rollback left mounted keeps its snapshot)
+    unmount_all(&super::files::in_place_scratch(store));
     let d = &map.dataset;
     let pool = zfs::pool_of(d);
     let id = store.dir.file_name().unwrap_or_default().to_string_lossy().into_owned();
