@@ -424,12 +424,13 @@ impl Zfs {
 }
 
 /// Mounts OpenZFS's `dataset` at `at` as `zfs mount` does, by mount(2) (`zfsutil`: asked by a
-/// ZFS tool, not by `mount`): `Err(errno)`.
+/// ZFS tool, not by `mount`); `read_only` also with `nosuid,nodev,noexec`: `Err(errno)`.
 pub fn mount(dataset: &str, at: &Path, read_only: bool) -> std::result::Result<(), i32> {
     use std::os::unix::ffi::OsStrExt;
     let (src, target) = (std::ffi::CString::new(dataset), std::ffi::CString::new(at.as_os_str().as_bytes()));
     let (Ok(src), Ok(target)) = (src, target) else { return Err(libc::EINVAL) };
-    let flags = if read_only { libc::MS_RDONLY } else { 0 };
+    // (a read-only view of a container's files runs nothing of theirs on the host)
+    let flags = if read_only { libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC } else { 0 };
     // SAFETY: NUL-terminated strings that outlive the call.
     let r = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), c"zfs".as_ptr(), flags, c"zfsutil".as_ptr().cast()) };
     if r == 0 {
@@ -473,7 +474,7 @@ pub fn unmount_at(at: &Path) -> std::result::Result<(), i32> {
     use std::os::unix::ffi::OsStrExt;
     let Ok(target) = std::ffi::CString::new(at.as_os_str().as_bytes()) else { return Err(libc::EINVAL) };
     // SAFETY: a NUL-terminated string that outlives the call.
-    if unsafe { libc::umount2(target.as_ptr(), 0) } == 0 {
+    if unsafe { libc::umount2(target.as_ptr(), libc::UMOUNT_NOFOLLOW) } == 0 {
         Ok(())
     } else {
         Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO))

@@ -45,8 +45,8 @@ pub trait Rootfs: Send + Sync {
         None
     }
     /// Begins, before the container is frozen, what [`Rootfs::in_place_start`] will need that
-    /// the frozen state does not change (on ZFS: the statepoint's files, cloned where they can
-    /// be read, in `scratch`). Dropped unused, it undoes what it made.
+    /// the frozen state does not change (on OpenZFS: the statepoint's snapshot, mounted where it
+    /// can be read, in `scratch`). Dropped unused, it undoes what it made.
     fn in_place_prepare(&self, _local: &LocalState, _scratch: &Path) -> Option<InPlaceStart> {
         None
     }
@@ -157,7 +157,7 @@ pub struct InPlaceAt {
 }
 
 /// The files' part of a rollback in place, prepared: applied, or dropped (what it set up to
-/// compare, a ZFS clone, goes away either way).
+/// compare, the statepoint's view on ZFS, goes away either way).
 pub struct InPlaceFiles {
     pub sync: super::treesync::Sync,
     pub cleanup: Option<Box<dyn FnOnce()>>,

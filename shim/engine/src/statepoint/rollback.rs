@@ -390,8 +390,8 @@ fn try_in_place(
     }
     let pod = rb.pc.cri.then(|| NOT_BY_RESTORE.to_string());
     let mut blocked = || pod.clone().or_else(|| full_path.get().as_ref().err().map(|e| e.to_string()));
-    // (the statepoint's files made readable beside the freeze and the tree's check: on ZFS a
-    // clone, which needs nothing of the frozen state)
+    // (the statepoint's files made readable beside the freeze and the tree's check: on OpenZFS
+    // its snapshot mounted, which needs nothing of the frozen state)
     let prepared = rb.rootfs.in_place_prepare(&rb.target.local_state, &crate::local::files::in_place_scratch(rb.store));
     let r = in_place(&ctx, rb, &mut blocked, progress, prepared)?;
     if let InPlace::Refused(why) = &r {
@@ -566,8 +566,8 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
     Ok(podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?)
 }
 
-/// The rollback in place (see [`crate::local::inplace`]): freeze → shape check → page and file
-/// plan (the pages against the base the next dump would build on, from the processes' own page
+/// The rollback in place (see [`crate::local::inplace`]): freeze → shape check (on OpenZFS the
+/// files' part already under way beside it) → page and file plan (the pages against the base the next dump would build on, from the processes' own page
 /// maps: no dump) → remote state compensated → files and processes written → the statepoint's
 /// images become the base of the next dump → thaw. Before the compensation any doubt or failure
 /// changes nothing (a refusal sends the rollback down the stop-and-restore path, which takes
@@ -592,23 +592,30 @@ fn in_place(
     progress.phase("in place: the process tree against the statepoint");
     let sp_dir = store.statepoint_dir(&target.statepoint_id);
     // What the files need (ZFS: a snapshot of the frozen state, what changed, where) is found
-    // from now on, beside the process tree's check and then the page plan.
+    // beside the page plan; and beside the process tree's check too, from the freeze on, where
+    // the backend began before it (OpenZFS, whose files' part starts no process: elsewhere the
+    // processes it starts would slow the check on the guest's CPUs as much as they began earlier).
     let mounts = sys::proc::Proc::of(pid).mounts().unwrap_or_default();
     let at = files_at(pid, &mounts, store);
-    let started = rootfs.in_place_start(&sp_dir, &target.local_state, &at, prepared);
-    crate::log::mark("files started");
+    let early = prepared.is_some();
+    let mut started = prepared.and_then(|p| rootfs.in_place_start(&sp_dir, &target.local_state, &at, Some(p)));
     let images = sp_dir.join(&target.local_state.criu_checkpoint_path);
     let stdio = stdio_pairs(&sp_dir, pid);
     let shape = match inplace::check(&images, freezer.dir(), &stdio) {
         Ok(s) => s,
         Err(e) => {
-            // (thawed first: what the files' part began is waited for and removed after)
+            // (thawed first: what the files' part began stops at its next step, is waited for
+            // and removed)
             drop(frozen);
             drop(started);
             return Ok(InPlace::Refused(e.to_string()));
         }
     };
     crate::log::mark("shape");
+    if !early {
+        started = rootfs.in_place_start(&sp_dir, &target.local_state, &at, None);
+    }
+    crate::log::mark("files started");
     let base = live_base(store, pid);
     progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
     let prepared = std::thread::scope(|scope| -> std::result::Result<_, String> {

@@ -186,8 +186,10 @@ impl ZfsRootfs {
         let d = self.map.dataset.clone();
         let name = recorded.rsplit('@').next().unwrap_or(recorded);
         let snap = find_snapshot(zfs, &d, name)?.ok_or_else(|| missing(name, &d))?;
-        // (a view a killed rollback in place left mounted would keep the snapshot from moving)
-        unmount_all(&self.view_at);
+        // (what a rollback in place left, its cleanup killed or failed: a view left mounted would
+        // keep the snapshot from moving, the frozen state's snapshot would keep the dataset this
+        // retires for good)
+        remove_in_place_leftovers(zfs, &d, &self.view_at);
         let origin_ds = zfs::dataset_of(&snap).to_string();
         let new = format!("{d}.planarian-new");
         if zfs.exists(&new)? {
@@ -318,7 +320,7 @@ impl Rootfs for ZfsRootfs {
 
     /// Started as soon as the container is frozen: [`find_in_place`] and the comparison of what
     /// it found in a thread of its own, beside the page plan. The snapshot of the frozen state it
-    /// compares from is the rollback's own, removed with the clone.
+    /// compares from is the rollback's own, removed with the statepoint's view.
     fn in_place_start(
         &self,
         _sp_dir: &Path,
@@ -342,14 +344,18 @@ impl Rootfs for ZfsRootfs {
         let (zfs, d, at) = (self.zfs.clone(), self.map.dataset.clone(), at.clone());
         let taken = TakenFiles::new(frozen_of(&d));
         let made = vec![View::of(&d, &at.scratch).leftover()];
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let thread = {
-            let (zfs, taken) = (zfs.clone(), taken.clone());
+            let (zfs, taken, stop) = (zfs.clone(), taken.clone(), stop.clone());
             std::thread::spawn(move || {
                 let found = find_in_place(&zfs, &d, &recorded, &at.scratch, &taken, unchanged_before, prepared)?;
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    return Err(Error::InPlaceFiles("not compared: the rollback went another way".into()));
+                }
                 compare(&zfs, &found, &at)
             })
         };
-        Some(InPlaceStart::new(Early { zfs, made, now: Some(taken), thread: Some(thread) }))
+        Some(InPlaceStart::new(Early { zfs, made, now: Some(taken), stop, thread: Some(thread) }))
     }
 
     /// The statepoint's [`View`], begun as soon as the rollback knows its target: it needs only
@@ -364,6 +370,23 @@ impl Rootfs for ZfsRootfs {
             return None;
         }
         let (zfs, d) = (self.zfs.clone(), self.map.dataset.clone());
+        // What the sandbox wrote since the pool's last transaction group is put on disk now,
+        // beside the freeze, not in the frozen state's snapshot's group. (Not waited for: it
+        // ends with the groups it asked for, the snapshot's among them at the latest.)
+        if let Some(core) = zfs::lzc::Core::get() {
+            let pool = zfs::pool_of(&d).to_string();
+            std::thread::spawn(move || {
+                let t = std::time::Instant::now();
+                if let Err(e) = core.sync(&pool) {
+                    let e = std::io::Error::from_raw_os_error(e);
+                    crate::log::own_log("warning", &format!("in place: the pool's sync before the freeze: {e}"));
+                }
+                crate::log::own_log(
+                    "info",
+                    &format!("in place: the pool synced before the freeze, {} ms", t.elapsed().as_millis()),
+                );
+            });
+        }
         let thread = {
             let (zfs, view) = (zfs.clone(), view.clone());
             std::thread::spawn(move || {
@@ -607,8 +630,8 @@ fn changes_since(
     Ok(((Some(changed), places), times))
 }
 
-/// The name of dataset `d`'s read-only clone of a statepoint, which a rollback in place reads the
-/// statepoint's files from.
+/// The name of dataset `d`'s read-only clone of a statepoint, which a rollback in place on
+/// zfs-fuse reads the statepoint's files from (the [`View`] there).
 fn view_of(d: &str) -> String {
     format!("{d}.planarian-inplace")
 }
@@ -688,8 +711,8 @@ impl Drop for Joined {
     }
 }
 
-/// [`ZfsRootfs::in_place_prepare`]'s view being made: destroyed when this is dropped unless
-/// [`ZfsRootfs::in_place_start`] took its thread (and so the view, which it destroys with the rest).
+/// [`ZfsRootfs::in_place_prepare`]'s view being made: removed when this is dropped unless
+/// [`ZfsRootfs::in_place_start`] took its thread (and so the view, which it removes with the rest).
 struct EarlyView {
     zfs: Zfs,
     view: View,
@@ -712,19 +735,22 @@ struct Early {
     made: Vec<String>,
     /// The snapshot of the frozen state: destroyed too, unless it was handed on with the rest.
     now: Option<TakenFiles>,
+    /// Set when this is dropped unused: the thread compares nothing more.
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<Result<(super::treesync::Sync, String)>>>,
 }
 
 impl Drop for Early {
     fn drop(&mut self) {
         if let Some(t) = self.thread.take() {
+            self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
             let _ = t.join();
         }
         for m in &self.made {
             remove_leftover(&self.zfs, m);
         }
         if let Some(now) = self.now.take().filter(TakenFiles::capturers) {
-            let _ = self.zfs.destroy_snapshot(now.name());
+            remove_leftover(&self.zfs, now.name());
         }
     }
 }
@@ -804,28 +830,45 @@ pub fn remove_leftover(zfs: &Zfs, view: &str) {
 /// calls it first: a restore that moves the statepoint's snapshot must not find it mounted, and
 /// the frozen state's snapshot, left behind on the retired dataset, would keep that for good.
 pub fn remove_killed_in_place(cfg: &Config, store: &ContainerStore) {
-    let (Some(map), Ok(zfs)) = (mapping(store), zfs_from(cfg)) else { return };
-    let d = &map.dataset;
-    unmount_all(&super::files::in_place_scratch(store));
+    let view_at = super::files::in_place_scratch(store);
+    match (mapping(store), zfs_from(cfg)) {
+        (Some(map), Ok(zfs)) => remove_in_place_leftovers(&zfs, &map.dataset, &view_at),
+        _ => unmount_all(&view_at),
+    }
+}
+
+/// The statepoint's view of dataset `d` (mounted at `view_at`, or a clone) and its frozen state's
+/// snapshot, removed where they are.
+fn remove_in_place_leftovers(zfs: &Zfs, d: &str, view_at: &Path) {
+    unmount_all(view_at);
     for made in [view_of(d), frozen_of(d)] {
         if zfs.exists(&made).unwrap_or(false) {
-            remove_leftover(&zfs, &made);
+            remove_leftover(zfs, &made);
         }
     }
 }
 
-/// Unmounts whatever is mounted at `at` (a view a crashed rollback left included), trying again
-/// for a while what is still busy (the walk's last files being closed).
+/// Unmounts the snapshots mounted at `at` (a statepoint's [`View`], one a crashed rollback left
+/// included), trying again for a while one that is still busy (the walk's last files being
+/// closed). Nothing else mounted there is touched (zfs-fuse's clone goes by `zfs destroy`).
 fn unmount_all(at: &Path) {
+    let snapshot_on_top = || {
+        let mounts = sys::proc::Proc::own().mounts().unwrap_or_default();
+        zfs::dataset_mounted_at(&mounts, at).is_some_and(|source| source.contains('@'))
+    };
     let mut busy = 0;
-    for _ in 0..40 {
+    while snapshot_on_top() {
         match zfs::unmount_at(at) {
-            Ok(()) => continue,
+            Ok(()) => {}
             Err(nix::libc::EBUSY) if busy < 20 => {
                 busy += 1;
                 std::thread::sleep(std::time::Duration::from_millis(100));
             }
-            Err(_) => return,
+            Err(e) => {
+                let e = std::io::Error::from_raw_os_error(e);
+                crate::log::own_log("warning", &format!("in place: the view at {} stays mounted: {e}", at.display()));
+                return;
+            }
         }
     }
 }
