@@ -1,6 +1,6 @@
 //! OpenZFS's libzfs_core — the stable library over the ZFS ioctls — loaded at run time where it
 //! is installed, for the operations on a rollback's critical path: a snapshot, an incremental
-//! send stream, a pool's sync, and a clone. Each `zfs` command costs a
+//! send stream, and a clone. Each `zfs` command costs a
 //! process start on top of its work (about 110 ms of a 117–185 ms command in the emulated guest,
 //! where `zfs version` alone takes 106–112); through the library the work is all that is left. Where the library or `/dev/zfs` is not
 //! there (zfs-fuse has neither), [`Core::get`] is `None` and the command line is used.
@@ -16,7 +16,6 @@ type InitFn = unsafe extern "C" fn() -> c_int;
 type SnapshotFn = unsafe extern "C" fn(*mut NvList, *mut NvList, *mut *mut NvList) -> c_int;
 type SendFn = unsafe extern "C" fn(*const c_char, *const c_char, c_int, c_int) -> c_int;
 type CloneFn = unsafe extern "C" fn(*const c_char, *const c_char, *mut NvList) -> c_int;
-type SyncFn = unsafe extern "C" fn(*const c_char, *mut NvList, *mut *mut NvList) -> c_int;
 type AllocFn = unsafe extern "C" fn(*mut *mut NvList, u32, c_int) -> c_int;
 type AddBooleanFn = unsafe extern "C" fn(*mut NvList, *const c_char) -> c_int;
 type AddStringFn = unsafe extern "C" fn(*mut NvList, *const c_char, *const c_char) -> c_int;
@@ -36,7 +35,6 @@ pub struct Core {
     snapshot: SnapshotFn,
     send: SendFn,
     clone: CloneFn,
-    sync: SyncFn,
     nvlist_alloc: AllocFn,
     nvlist_add_boolean: AddBooleanFn,
     nvlist_add_string: AddStringFn,
@@ -110,15 +108,6 @@ impl Core {
             },
             |list| unsafe { (self.clone)(name.as_ptr(), origin.as_ptr(), list) },
         )
-    }
-
-    /// `zpool sync POOL`: returns once the pool's open transaction group (and the two after it,
-    /// as the kernel waits for a sync of no particular group) is on disk: `Err(errno)`.
-    pub fn sync(&self, pool: &str) -> Result<(), i32> {
-        let pool = CString::new(pool).map_err(|_| libc::EINVAL)?;
-        // SAFETY: `list` is the live (empty: `force` left out, so false) list `with_list` made;
-        // `pool` outlives the call; no result list is asked for.
-        self.with_list(|_| 0, |list| unsafe { (self.sync)(pool.as_ptr(), list, std::ptr::null_mut()) })
     }
 
     /// A list made, filled by `fill` and handed to `call`, then freed: the first errno of the
@@ -209,7 +198,6 @@ fn load() -> Option<Core> {
             snapshot: transmute::<P, SnapshotFn>(sym(core, c"lzc_snapshot")?),
             send: transmute::<P, SendFn>(sym(core, c"lzc_send")?),
             clone: transmute::<P, CloneFn>(sym(core, c"lzc_clone")?),
-            sync: transmute::<P, SyncFn>(sym(core, c"lzc_sync")?),
             nvlist_alloc: transmute::<P, AllocFn>(sym(nv, c"nvlist_alloc")?),
             nvlist_add_boolean: transmute::<P, AddBooleanFn>(sym(nv, c"nvlist_add_boolean")?),
             nvlist_add_string: transmute::<P, AddStringFn>(sym(nv, c"nvlist_add_string")?),

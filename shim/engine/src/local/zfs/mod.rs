@@ -370,23 +370,6 @@ impl Rootfs for ZfsRootfs {
             return None;
         }
         let (zfs, d) = (self.zfs.clone(), self.map.dataset.clone());
-        // What the sandbox wrote since the pool's last transaction group is put on disk now,
-        // beside the freeze, not in the frozen state's snapshot's group. (Not waited for: it
-        // ends with the groups it asked for, the snapshot's among them at the latest.)
-        if let Some(core) = zfs::lzc::Core::get() {
-            let pool = zfs::pool_of(&d).to_string();
-            std::thread::spawn(move || {
-                let t = std::time::Instant::now();
-                if let Err(e) = core.sync(&pool) {
-                    let e = std::io::Error::from_raw_os_error(e);
-                    crate::log::own_log("warning", &format!("in place: the pool's sync before the freeze: {e}"));
-                }
-                crate::log::own_log(
-                    "info",
-                    &format!("in place: the pool synced before the freeze, {} ms", t.elapsed().as_millis()),
-                );
-            });
-        }
         let thread = {
             let (zfs, view) = (zfs.clone(), view.clone());
             std::thread::spawn(move || {
