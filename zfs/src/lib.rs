@@ -1,7 +1,8 @@
 //! Every ZFS operation planarian performs, through the `zfs` command line (OpenZFS and zfs-fuse
 //! speak the same one), with typed errors that carry the command and its stderr; a snapshot and
 //! the incremental stream a rollback in place reads go through OpenZFS's libzfs_core where it is
-//! installed ([`lzc`]), without a process.
+//! installed ([`lzc`]), without a process; a statepoint's snapshot is mounted read-only by
+//! mount(2) where the kernel's ZFS can ([`mount_snapshot`]).
 //!
 //! Only what works on pool version 23 (zfs-fuse) is used: no `clones` or `written` properties;
 //! dependants are found through `origin`, and deferred destruction (`destroy -d`) keeps a
@@ -148,25 +149,14 @@ impl Zfs {
         self.run(&args).map(drop)
     }
 
-    /// A read-only clone of `snap` named `name`, mounted at `mountpoint` (which exists): what
-    /// `zfs clone -o mountpoint=MOUNTPOINT -o readonly=on SNAP NAME` makes, through libzfs_core
-    /// and mount(2) where OpenZFS is there ([`lzc`]: no process; a clone that cannot be mounted
-    /// is destroyed again).
+    /// A read-only clone of `snap` named `name`, mounted at `mountpoint` (which exists):
+    /// `zfs clone -o mountpoint=MOUNTPOINT -o readonly=on SNAP NAME`. (What a rollback in place
+    /// reads the statepoint's files from on zfs-fuse, which mounts no snapshot.)
     pub fn clone_read_only(&self, snap: &str, name: &str, mountpoint: &Path) -> Result<()> {
         let Some(mp) = mountpoint.to_str() else {
             return Err(errno_failure(&["clone", snap, name], libc::EINVAL));
         };
-        let Some(c) = lzc::Core::get() else {
-            return self.clone_snapshot(snap, name, &[("mountpoint", mp), ("readonly", "on")]);
-        };
-        let props = [("mountpoint", lzc::Prop::Str(mp)), ("readonly", lzc::Prop::Num(1))];
-        c.clone(name, snap, &props).map_err(|e| errno_failure(&["clone", snap, name], e))?;
-        mount(name, mountpoint, true).map_err(|e| {
-            let _ = self.destroy(name, false);
-            // (ENOENT here is a missing mount point, not a missing dataset)
-            let stderr = format!("mount(2) at {mp}: {}", std::io::Error::from_raw_os_error(e));
-            Error::Command { args: format!("mount {name}"), stderr, kind: Kind::Other }
-        })
+        self.clone_snapshot(snap, name, &[("mountpoint", mp), ("readonly", "on")])
     }
 
     pub fn promote(&self, name: &str) -> Result<()> {
@@ -423,14 +413,14 @@ impl Zfs {
     }
 }
 
-/// Mounts OpenZFS's `dataset` at `at` as `zfs mount` does, by mount(2) (`zfsutil`: asked by a
-/// ZFS tool, not by `mount`); `read_only` also with `nosuid,nodev,noexec`: `Err(errno)`.
-pub fn mount(dataset: &str, at: &Path, read_only: bool) -> std::result::Result<(), i32> {
+/// Mounts OpenZFS's `dataset` (a snapshot) read-only at `at` by mount(2), as `zfs mount` does
+/// (`zfsutil`: asked by a ZFS tool, not by `mount`), and `nosuid,nodev,noexec`: a read-only view
+/// of a container's files runs nothing of theirs on the host. `Err(errno)`.
+fn mount_read_only(dataset: &str, at: &Path) -> std::result::Result<(), i32> {
     use std::os::unix::ffi::OsStrExt;
     let (src, target) = (std::ffi::CString::new(dataset), std::ffi::CString::new(at.as_os_str().as_bytes()));
     let (Ok(src), Ok(target)) = (src, target) else { return Err(libc::EINVAL) };
-    // (a read-only view of a container's files runs nothing of theirs on the host)
-    let flags = if read_only { libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC } else { 0 };
+    let flags = libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     // SAFETY: NUL-terminated strings that outlive the call.
     let r = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), c"zfs".as_ptr(), flags, c"zfsutil".as_ptr().cast()) };
     if r == 0 {
@@ -459,7 +449,7 @@ pub fn mount_snapshot(snap: &str, at: &Path) -> Result<()> {
     if !at.is_dir() {
         return Err(failed(libc::ENOENT, Kind::Other));
     }
-    mount(snap, at, true).map_err(|e| {
+    mount_read_only(snap, at).map_err(|e| {
         let kind = match e {
             libc::ENOENT => Kind::NotFound,
             libc::EBUSY => Kind::Busy,

@@ -1,6 +1,6 @@
 //! OpenZFS's libzfs_core — the stable library over the ZFS ioctls — loaded at run time where it
-//! is installed, for the operations on a rollback's critical path: a snapshot, an incremental
-//! send stream, and a clone. Each `zfs` command costs a
+//! is installed, for the operations on a rollback's critical path: a snapshot and an
+//! incremental send stream. Each `zfs` command costs a
 //! process start on top of its work (about 110 ms of a 117–185 ms command in the emulated guest,
 //! where `zfs version` alone takes 106–112); through the library the work is all that is left. Where the library or `/dev/zfs` is not
 //! there (zfs-fuse has neither), [`Core::get`] is `None` and the command line is used.
@@ -15,30 +15,16 @@ type NvList = c_void;
 type InitFn = unsafe extern "C" fn() -> c_int;
 type SnapshotFn = unsafe extern "C" fn(*mut NvList, *mut NvList, *mut *mut NvList) -> c_int;
 type SendFn = unsafe extern "C" fn(*const c_char, *const c_char, c_int, c_int) -> c_int;
-type CloneFn = unsafe extern "C" fn(*const c_char, *const c_char, *mut NvList) -> c_int;
 type AllocFn = unsafe extern "C" fn(*mut *mut NvList, u32, c_int) -> c_int;
 type AddBooleanFn = unsafe extern "C" fn(*mut NvList, *const c_char) -> c_int;
-type AddStringFn = unsafe extern "C" fn(*mut NvList, *const c_char, *const c_char) -> c_int;
-type AddUint64Fn = unsafe extern "C" fn(*mut NvList, *const c_char, u64) -> c_int;
 type FreeFn = unsafe extern "C" fn(*mut NvList);
-
-/// A property's value as the kernel takes it: a string, or a number (an index property such as
-/// `readonly` is its index: `on` is 1).
-#[derive(Debug, Clone, Copy)]
-pub enum Prop<'a> {
-    Str(&'a str),
-    Num(u64),
-}
 
 /// The functions used, from libzfs_core and libnvpair.
 pub struct Core {
     snapshot: SnapshotFn,
     send: SendFn,
-    clone: CloneFn,
     nvlist_alloc: AllocFn,
     nvlist_add_boolean: AddBooleanFn,
-    nvlist_add_string: AddStringFn,
-    nvlist_add_uint64: AddUint64Fn,
     nvlist_free: FreeFn,
 }
 
@@ -69,44 +55,6 @@ impl Core {
                 }
                 e
             },
-        )
-    }
-
-    /// `zfs clone -o PROP=VALUE... ORIGIN NAME`, without the mount the command makes
-    /// ([`crate::mount`] does that): `Err(errno)`.
-    pub fn clone(&self, name: &str, origin: &str, props: &[(&str, Prop)]) -> Result<(), i32> {
-        enum Value {
-            Str(CString),
-            Num(u64),
-        }
-        let c = |s: &str| CString::new(s).map_err(|_| libc::EINVAL);
-        let (name, origin) = (c(name)?, c(origin)?);
-        let props = props
-            .iter()
-            .map(|(k, v)| {
-                let v = match v {
-                    Prop::Str(s) => Value::Str(c(s)?),
-                    Prop::Num(n) => Value::Num(*n),
-                };
-                Ok((c(k)?, v))
-            })
-            .collect::<Result<Vec<_>, i32>>()?;
-        // SAFETY (both closures): `list` is the live list `with_list` made; every string
-        // outlives the calls that read it (the list copies what it is given).
-        self.with_list(
-            |list| {
-                props
-                    .iter()
-                    .map(|(k, v)| unsafe {
-                        match v {
-                            Value::Str(s) => (self.nvlist_add_string)(list, k.as_ptr(), s.as_ptr()),
-                            Value::Num(n) => (self.nvlist_add_uint64)(list, k.as_ptr(), *n),
-                        }
-                    })
-                    .find(|&e| e != 0)
-                    .unwrap_or(0)
-            },
-            |list| unsafe { (self.clone)(name.as_ptr(), origin.as_ptr(), list) },
         )
     }
 
@@ -197,11 +145,8 @@ fn load() -> Option<Core> {
         let c = Core {
             snapshot: transmute::<P, SnapshotFn>(sym(core, c"lzc_snapshot")?),
             send: transmute::<P, SendFn>(sym(core, c"lzc_send")?),
-            clone: transmute::<P, CloneFn>(sym(core, c"lzc_clone")?),
             nvlist_alloc: transmute::<P, AllocFn>(sym(nv, c"nvlist_alloc")?),
             nvlist_add_boolean: transmute::<P, AddBooleanFn>(sym(nv, c"nvlist_add_boolean")?),
-            nvlist_add_string: transmute::<P, AddStringFn>(sym(nv, c"nvlist_add_string")?),
-            nvlist_add_uint64: transmute::<P, AddUint64Fn>(sym(nv, c"nvlist_add_uint64")?),
             nvlist_free: transmute::<P, FreeFn>(sym(nv, c"nvlist_free")?),
         };
         (init() == 0).then_some(c)
