@@ -201,9 +201,9 @@ struct Done {
 /// What a rollback in place leaves once the sandbox runs again: its safety statepoint
 /// (discarded) and, on ZFS, the statepoint's view the files were compared with (a mount, or a
 /// clone on zfs-fuse) and the snapshot of the frozen state they were found in. Removing them (a
-/// `zfs destroy` and more, the images) is no part of the rollback the caller waits for: a worker does
-/// it, holding the container's lock shared — tool calls go on, the next statepoint operation
-/// waits for it.
+/// `zfs destroy` and more, the images) is no part of the rollback the caller waits for: a worker
+/// does it, holding the container's lock shared — tool calls go on, the next statepoint
+/// operation waits for it.
 struct Leftover {
     safety: String,
     zfs: Vec<String>,
@@ -567,8 +567,9 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 }
 
 /// The rollback in place (see [`crate::local::inplace`]): freeze → shape check (on OpenZFS the
-/// files' part already under way beside it) → page and file plan (the pages against the base the next dump would build on, from the processes' own page
-/// maps: no dump) → remote state compensated → files and processes written → the statepoint's
+/// files' part already under way beside it) → page and file plan (the pages against the base
+/// the next dump would build on, from the processes' own page maps: no dump) → remote state
+/// compensated → files and processes written → the statepoint's
 /// images become the base of the next dump → thaw. Before the compensation any doubt or failure
 /// changes nothing (a refusal sends the rollback down the stop-and-restore path, which takes
 /// its safety statepoint); from the compensation on there is no way back, and the rollback goes
