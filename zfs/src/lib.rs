@@ -449,14 +449,7 @@ pub fn mount_snapshot(snap: &str, at: &Path) -> Result<()> {
     if !at.is_dir() {
         return Err(failed(libc::ENOENT, Kind::Other));
     }
-    mount_read_only(snap, at).map_err(|e| {
-        let kind = match e {
-            libc::ENOENT => Kind::NotFound,
-            libc::EBUSY => Kind::Busy,
-            _ => Kind::Other,
-        };
-        failed(e, kind)
-    })
+    mount_read_only(snap, at).map_err(|e| failed(e, errno_kind(e)))
 }
 
 /// Unmounts what is mounted at `at` (the mount on top): `Err(errno)`, `EINVAL` when nothing is.
@@ -486,14 +479,18 @@ fn unread(args: &[&str], e: stream::StreamError) -> Error {
 
 /// A libzfs_core call that failed with `errno`, as the command it stands for.
 fn errno_failure(args: &[&str], errno: i32) -> Error {
-    let kind = match errno {
+    let stderr = format!("libzfs_core: {}", std::io::Error::from_raw_os_error(errno));
+    Error::Command { args: args.join(" "), stderr, kind: errno_kind(errno) }
+}
+
+/// What an errno from the kernel's ZFS says, as the command's message would.
+fn errno_kind(errno: i32) -> Kind {
+    match errno {
         libc::ENOSPC | libc::EDQUOT => Kind::NoSpace,
         libc::EBUSY => Kind::Busy,
         libc::ENOENT => Kind::NotFound,
         _ => Kind::Other,
-    };
-    let stderr = format!("libzfs_core: {}", std::io::Error::from_raw_os_error(errno));
-    Error::Command { args: args.join(" "), stderr, kind }
+    }
 }
 
 fn options(props: &[(&str, &str)]) -> Vec<String> {

@@ -95,8 +95,13 @@ pub(crate) fn mountpoint(zfs: &Zfs, ds: &str) -> Result<PathBuf> {
 
 /// Finds a snapshot by its name after `@`, anywhere in the pool of `dataset`.
 pub fn find_snapshot(zfs: &Zfs, dataset: &str, name: &str) -> Result<Option<String>> {
+    Ok(named(&zfs.snapshots(zfs::pool_of(dataset))?, name).cloned())
+}
+
+/// The snapshot named `name` after `@` among `snaps`.
+fn named<'a>(snaps: &'a [String], name: &str) -> Option<&'a String> {
     let suffix = format!("@{name}");
-    Ok(zfs.snapshots(zfs::pool_of(dataset))?.into_iter().find(|s| s.ends_with(&suffix)))
+    snaps.iter().find(|s| s.ends_with(&suffix))
 }
 
 fn missing(name: &str, dataset: &str) -> Error {
@@ -163,15 +168,15 @@ pub struct ZfsRootfs {
     pub zfs: Zfs,
     pub map: Mapping,
     pub container_id: String,
-    /// Where a rollback in place mounts the statepoint's [`View`].
-    view_at: PathBuf,
+    /// Where a rollback in place reads the statepoint's files from.
+    view: View,
 }
 
 impl ZfsRootfs {
     pub fn for_container(cfg: &Config, store: &ContainerStore, id: &str) -> Result<Option<ZfsRootfs>> {
         let Some(map) = mapping(store) else { return Ok(None) };
-        let view_at = super::files::in_place_scratch(store);
-        Ok(Some(ZfsRootfs { zfs: zfs_from(cfg)?, map, container_id: id.to_string(), view_at }))
+        let view = View::of(&map.dataset, &super::files::in_place_scratch(store));
+        Ok(Some(ZfsRootfs { zfs: zfs_from(cfg)?, map, container_id: id.to_string(), view }))
     }
 
     /// The snapshot statepoint `sp` will have.
@@ -185,11 +190,15 @@ impl ZfsRootfs {
         let zfs = &self.zfs;
         let d = self.map.dataset.clone();
         let name = recorded.rsplit('@').next().unwrap_or(recorded);
-        let snap = find_snapshot(zfs, &d, name)?.ok_or_else(|| missing(name, &d))?;
+        let snaps = zfs.snapshots(zfs::pool_of(&d))?;
+        let snap = named(&snaps, name).cloned().ok_or_else(|| missing(name, &d))?;
         // (what a rollback in place left, its cleanup killed or failed: a view left mounted would
         // keep the snapshot from moving, the frozen state's snapshot would keep the dataset this
-        // retires for good)
-        remove_in_place_leftovers(zfs, &d, &self.view_at);
+        // retires for good; a clone left on zfs-fuse keeps nothing, and goes at the next rollback)
+        unmount_all(self.view.at());
+        if snaps.contains(&frozen_of(&d)) {
+            remove_leftover(zfs, &frozen_of(&d));
+        }
         let origin_ds = zfs::dataset_of(&snap).to_string();
         let new = format!("{d}.planarian-new");
         if zfs.exists(&new)? {
@@ -343,12 +352,12 @@ impl Rootfs for ZfsRootfs {
             .map(|(then, _)| then.wall.saturating_sub(2));
         let (zfs, d, at) = (self.zfs.clone(), self.map.dataset.clone(), at.clone());
         let taken = TakenFiles::new(frozen_of(&d));
-        let made = vec![View::of(&d, &at.scratch).leftover()];
+        let (view, made) = (self.view.clone(), vec![self.view.leftover()]);
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let thread = {
             let (zfs, taken, stop) = (zfs.clone(), taken.clone(), stop.clone());
             std::thread::spawn(move || {
-                let found = find_in_place(&zfs, &d, &recorded, &at.scratch, &taken, unchanged_before, prepared)?;
+                let found = find_in_place(&zfs, &d, &recorded, view, &taken, unchanged_before, prepared)?;
                 if stop.load(std::sync::atomic::Ordering::Relaxed) {
                     return Err(Error::InPlaceFiles("not compared: the rollback went another way".into()));
                 }
@@ -363,9 +372,9 @@ impl Rootfs for ZfsRootfs {
     /// instead of after them. Only on OpenZFS, where it is a mount(2): on zfs-fuse it is a `zfs
     /// clone` process, which, begun beside them, slowed them on the guest's CPUs by as much as it
     /// began earlier (docs/benchmarks.md).
-    fn in_place_prepare(&self, local: &LocalState, scratch: &Path) -> Option<InPlaceStart> {
+    fn in_place_prepare(&self, local: &LocalState, _scratch: &Path) -> Option<InPlaceStart> {
         let recorded = local.zfs_snapshot.clone()?;
-        let view = View::of(&self.map.dataset, scratch);
+        let view = self.view.clone();
         if !matches!(view, View::Snapshot(_)) {
             return None;
         }
@@ -478,12 +487,13 @@ fn find_in_place(
     zfs: &Zfs,
     d: &str,
     recorded: &str,
-    scratch: &Path,
+    view: View,
     taken: &TakenFiles,
     unchanged_before: Option<u64>,
     prepared: Option<ViewThread>,
 ) -> Result<Found> {
     let started = std::time::Instant::now();
+    let scratch = view.at();
     // (the view begun before is waited for whatever happens below: never left to be made after
     // the rollback's cleanup)
     let mut prepared = Joined(prepared);
@@ -496,7 +506,6 @@ fn find_in_place(
         [one] => one.clone(),
         _ => mountpoint(zfs, d)?,
     };
-    let view = View::of(d, scratch);
     let (made, (changes, times)) = std::thread::scope(|s| {
         let finding = s.spawn(|| changes_since(&at, &live, scratch, taken, unchanged_before));
         let made = match prepared.0.take() {
@@ -643,6 +652,13 @@ impl View {
         }
     }
 
+    /// Where it is mounted.
+    fn at(&self) -> &Path {
+        match self {
+            View::Snapshot(at) | View::Clone(_, at) => at,
+        }
+    }
+
     /// What [`remove_leftover`] takes to remove it: its mount point, or the clone.
     fn leftover(&self) -> String {
         match self {
@@ -654,9 +670,10 @@ impl View {
     /// Makes it from the statepoint's snapshot (one a crashed rollback left is replaced): what
     /// the mount table shows mounted there.
     fn make(&self, at: &Snap) -> Result<String> {
+        let scratch = self.at();
+        std::fs::create_dir_all(scratch).at("create", scratch)?;
         match self {
-            View::Snapshot(scratch) => {
-                std::fs::create_dir_all(scratch).at("create", scratch)?;
+            View::Snapshot(_) => {
                 unmount_all(scratch);
                 if zfs::mount_snapshot(&at.snap, scratch).is_ok() {
                     return Ok(at.snap.clone());
@@ -665,8 +682,7 @@ impl View {
                 zfs::mount_snapshot(&snap, scratch)?;
                 Ok(snap)
             }
-            View::Clone(view, scratch) => {
-                std::fs::create_dir_all(scratch).at("create", scratch)?;
+            View::Clone(view, _) => {
                 if at.zfs.clone_read_only(&at.snap, view, scratch).is_err() {
                     if at.zfs.exists(view)? {
                         at.zfs.destroy(view, true)?;
