@@ -86,6 +86,8 @@ while True:
         ctypes.CDLL(None).sigqueue(os.getpid(), signal.SIGRTMIN + 1, ctypes.c_void_p(77))
         signal.setitimer(signal.ITIMER_REAL, 3000, 1000)
         signal.signal(signal.SIGTERM, lambda *a: None)
+    elif cmd[1] == "cd":
+        os.chdir(cmd[2])
     elif cmd[1] == "elsewhere":
         os.chdir("/tmp")
         os.umask(0o077)
@@ -310,7 +312,7 @@ fn rollback_with_strays(sb: &mut Sandbox, sp: &str, holes: &[u64]) -> serde_json
         podman("planarian", &["inspect", "--format", "{{.State.Pid}}", &sb.name]).ok().out().parse().unwrap();
     let paused = Path::new("/run/planarian/paused");
     let _ = std::fs::remove_file(paused);
-    std::fs::write(FAULT, "pause:rollback.in-place.files").unwrap();
+    std::fs::write(FAULT, "pause:rollback.in-place.writing").unwrap();
     let r = std::thread::scope(|s| {
         let name = sb.name.clone();
         let rb = s.spawn(move || planarian(&["rollback", &name, sp, "--json"]));
@@ -345,7 +347,9 @@ fn a_rollback_in_place_equals_the_statepoint_and_a_restore_of_it() {
     require_stack!();
     let _d = Disarm;
     let mut sb = start("inplace", 16, &[]);
-    sb.sh("echo kept > /root/f; echo original > /etc/motd.planarian").ok();
+    sb.sh("echo kept > /root/f; echo original > /etc/motd.planarian; mkdir /root/wd").ok();
+    // (its working directory a directory the rollback has to bring back: set after the files)
+    sb.send("cd /root/wd");
     sb.send("tick");
     sb.send("log before");
     // A few pages in each 2 MiB of 4 MiB: what a transparent huge page backed no longer does.
@@ -365,7 +369,7 @@ fn a_rollback_in_place_equals_the_statepoint_and_a_restore_of_it() {
     sb.send("log after");
     sb.send("sigtake");
     sb.send("elsewhere");
-    sb.sh("rm /root/f; echo changed > /etc/motd.planarian; echo new > /tmp/new; echo overwritten > /etc/hostname.planarian").ok();
+    sb.sh("rm /root/f; rmdir /root/wd; echo changed > /etc/motd.planarian; echo new > /tmp/new; echo overwritten > /etc/hostname.planarian").ok();
     sb.exec("ls / > /dev/null").ok();
     assert_ne!(line(&sb), at_sp);
 
@@ -397,6 +401,7 @@ fn a_rollback_in_place_equals_the_statepoint_and_a_restore_of_it() {
     assert_eq!(line(&sb), at_sp);
     assert_eq!(sb.sh("cat /root/f /etc/motd.planarian /tmp/log; ls /tmp").ok().out(), files_then);
     assert_ne!(sb.sh("test -e /etc/hostname.planarian").code, Some(0));
+    assert_eq!(sb.sh("readlink /proc/1/cwd").ok().out(), "/root/wd", "in the directory the files brought back");
     let after = sb.send("tick");
     sb.send("log again");
     assert_eq!(sb.sh("cat /tmp/log").ok().out(), "before\nagain", "the log's offset went back with its content");
@@ -511,8 +516,14 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     // Each step after it made to fail: the remote state is at the target already, so the
     // rollback goes forward — the sandbox stopped and the statepoint restored — and ends
     // exactly at the statepoint (memory, mappings, files), saying why it was not in place.
-    // (registers fail where memory does: with the threads held, written in part)
-    for point in ["rollback.in-place.files", "rollback.in-place.memory", "rollback.in-place.written"] {
+    // (memory is written before the files, and the registers after them: the threads held
+    // from the memory to the registers)
+    for point in [
+        "rollback.in-place.memory",
+        "rollback.in-place.files",
+        "rollback.in-place.registers",
+        "rollback.in-place.written",
+    ] {
         sb.send("map 1");
         sb.sh("echo now > /root/now").ok();
         std::fs::create_dir_all("/run/planarian").unwrap();

@@ -567,17 +567,20 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 }
 
 /// The rollback in place (see [`crate::local::inplace`]): freeze → shape check (on OpenZFS the
-/// files' part already under way beside it) → page and file plan (the pages against the base
-/// the next dump would build on, from the processes' own page maps: no dump) → remote state
-/// compensated → files and processes written → the statepoint's
-/// images become the base of the next dump → thaw. Before the compensation any doubt or failure
-/// changes nothing (a refusal sends the rollback down the stop-and-restore path, which takes
-/// its safety statepoint); from the compensation on there is no way back, and the rollback goes
-/// forward: a step that fails makes it stop the sandbox and restore the statepoint, as the
-/// journal's next reader would ([`Phase::Forward`]). `blocked`: why the stop-and-restore path
-/// cannot run, if it cannot. (Its later phases are functions of their own: [`write_in_place`],
-/// [`done_in_place`], [`in_place_forward`]. This one holds the freeze's guard from its first
-/// line and hands it on.)
+/// files' part already under way beside it) → page plan (the pages against the base the next
+/// dump would build on, from the processes' own page maps: no dump), the files compared beside
+/// it → remote state compensated → memory and processes written, the files still compared
+/// beside → files written → the statepoint's images become the base of the next dump → thaw.
+/// Before the compensation any doubt or failure changes nothing (a refusal sends the rollback
+/// down the stop-and-restore path, which takes its safety statepoint); from the compensation on
+/// there is no way back, and the rollback goes forward: a step that fails — the files'
+/// comparison too, once memory is written — makes it stop the sandbox and restore the
+/// statepoint, as the journal's next reader would ([`Phase::Forward`]). `blocked`: why the
+/// stop-and-restore path cannot run, if it cannot (then the memory waits for the files'
+/// comparison, and a comparison that fails still changes nothing). (Its later phases are
+/// functions of their own: [`compensate_in_place`], [`write_memory`], [`write_files`],
+/// [`done_in_place`],
+/// [`in_place_forward`]. This one holds the freeze's guard from its first line and hands it on.)
 fn in_place(
     ctx: &Ctx,
     rb: &mut Parts,
@@ -585,7 +588,7 @@ fn in_place(
     progress: &mut dyn Progress,
     prepared: Option<crate::local::files::InPlaceStart>,
 ) -> Result<InPlace> {
-    let (store, target, rootfs) = (rb.store, rb.target, rb.rootfs.as_ref());
+    let (pc, store, target, rootfs) = (rb.pc, rb.store, rb.target, rb.rootfs.as_ref());
     let pid = ctx.ctr.running_pid()?;
     let freezer = Freezer::of_pid(pid)?;
     let frozen = FreezeGuard::freeze(&freezer, store.dir.join(crate::local::freezer::MARKER))?;
@@ -618,24 +621,58 @@ fn in_place(
     }
     crate::log::mark("files started");
     let base = live_base(store, pid);
-    progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
-    let prepared = std::thread::scope(|scope| -> std::result::Result<_, String> {
-        // The page plan (the images and page maps read) beside the files' comparison.
-        let planning = scope.spawn(|| {
-            let plan = shape.plan(base.as_deref()).map_err(|e| e.to_string());
-            crate::log::mark("pages planned");
-            plan
-        });
-        let plan = || planning.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-        dev_unchanged(&sp_dir, &mounts, store, pid)?;
-        let files = rootfs.in_place(&sp_dir, &target.local_state, &at, started).map_err(|e| e.to_string())?;
-        crate::log::mark("files compared");
-        Ok((plan()?, files))
+    progress.phase("in place: the pages to write");
+    // The files are compared on a thread of their own (on OpenZFS mostly waiting: for the frozen
+    // state's snapshot, then its stream) while the pages are planned, the remote state
+    // compensated and the memory written: memory is private mappings only (see [`inplace`]),
+    // which never reach a file, and the comparison reads nothing else. A comparison that fails
+    // once memory is written sends the rollback forward, by a stop and restore; where that
+    // cannot run, the memory waits for the comparison.
+    let written = std::thread::scope(|scope| {
+        let mut comparing = Some(scope.spawn(|| {
+            let files = rootfs.in_place(&sp_dir, &target.local_state, &at, started).map_err(|e| e.to_string());
+            crate::log::mark("files compared");
+            files
+        }));
+        let mut compared = || {
+            let handle = comparing.take().expect("the comparison is waited for once");
+            handle.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
+        };
+        let planned = shape
+            .plan(base.as_deref())
+            .map_err(|e| e.to_string())
+            .and_then(|p| dev_unchanged(&sp_dir, &mounts, store, pid).map(|()| p));
+        crate::log::mark("pages planned");
+        let plan = match planned {
+            Ok(p) => p,
+            Err(why) => {
+                drop(compared());
+                return Written::Refused(why);
+            }
+        };
+        let files = match blocked().is_some() {
+            true => match compared() {
+                Ok(f) => Some(f),
+                Err(why) => return Written::Refused(why),
+            },
+            false => None,
+        };
+        progress.done(&format!("{} pages", plan.pages_written));
+        // The remote state first: a compensation that fails leaves the sandbox untouched.
+        let positions = match compensate_in_place(ctx, pc, store, target, &mut rb.journal, &mut rb.intent, progress) {
+            Ok(p) => p,
+            Err(e) => {
+                drop(files.map_or_else(|| compared().ok(), Some));
+                return Written::NotCompensated(e);
+            }
+        };
+        progress.phase(&format!("in place: memory written, the files compared beside it (on {})", rootfs.backend()));
+        let memory = write_memory(store, &plan, &freezer, pid);
+        let files = files.map_or_else(compared, Ok);
+        Written::Memory { plan, positions, memory, files }
     });
-    crate::log::mark("differs");
-    let (plan, files) = match prepared {
-        Ok(p) => p,
-        Err(why) => {
+    let (plan, positions, memory, files) = match written {
+        Written::Refused(why) => {
             if let Some(b) = blocked() {
                 return Err(Error::Worker(format!(
                     "cannot roll back in place ({why}), nor by stopping and restoring ({b}); nothing was changed"
@@ -645,27 +682,54 @@ fn in_place(
             drop(frozen);
             return Ok(InPlace::Refused(why));
         }
-    };
-    let examined =
-        files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
-    progress.done(&format!("{} pages, {} files{examined}", plan.pages_written, files.sync.len()));
-    // The remote state first: a compensation that fails leaves the sandbox untouched.
-    let positions = match compensate_in_place(ctx, rb, progress) {
-        Ok(p) => p,
-        Err(e) => {
-            drop(files);
+        Written::NotCompensated(e) => {
             drop(frozen);
             return Err(rolled_back(e));
         }
+        Written::Memory { plan, positions, memory, files } => (plan, positions, memory, files),
     };
-    progress.phase("in place: files and memory written");
-    match write_in_place(rb, &plan, &files, &freezer, pid) {
+    let (held, files) = match (memory, files) {
+        (Ok(held), Ok(files)) => (held, files),
+        (Err(e), files) => {
+            drop(files);
+            return in_place_forward(ctx, rb, frozen, e, positions, progress);
+        }
+        (Ok(held), Err(why)) => {
+            // (the threads let go, frozen, before the stop)
+            drop(held);
+            let e = Error::Worker(format!("the files could not be compared: {why}"));
+            return in_place_forward(ctx, rb, frozen, e, positions, progress);
+        }
+    };
+    let examined =
+        files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
+    progress.done(&format!("{} files to write{examined}", files.sync.len()));
+    progress.phase("in place: files written, then registers");
+    match write_files(rb, &plan, held, &files, &freezer) {
         Ok((a, n)) => done_in_place(ctx, rb, &plan, files, frozen, &freezer, pid, positions, a, n, progress),
         Err(e) => {
             drop(files);
             in_place_forward(ctx, rb, frozen, e, positions, progress)
         }
     }
+}
+
+/// How far a rollback in place got while its files were compared beside it. (One value, once a
+/// rollback, never moved around: its size does not matter.)
+#[allow(clippy::large_enum_variant)]
+enum Written {
+    /// Not in place, for this reason; nothing was changed (the comparison waited for, dropped).
+    Refused(String),
+    /// The compensation failed: nothing of the sandbox was written (the comparison dropped).
+    NotCompensated(Error),
+    /// The remote state compensated (from `positions`), then the memory written (or its writing
+    /// failed), the files compared (or not).
+    Memory {
+        plan: inplace::Plan,
+        positions: Vec<crate::store::RemoteState>,
+        memory: Result<inplace::Holding>,
+        files: std::result::Result<crate::local::files::InPlaceFiles, String>,
+    },
 }
 
 /// The base the next dump of the tree whose init is `pid` would build on, when there is one.
@@ -682,21 +746,25 @@ fn live_base(store: &ContainerStore, pid: i32) -> Option<PathBuf> {
 /// killed from now on leaves a rollback the next operation finishes. Returns the positions it
 /// came from; an error when the compensation failed (a failed compensation changes nothing of
 /// PostgreSQL; one that undid some declared tools' calls before failing says how far), the
-/// journal then removed with nothing written.
+/// journal then removed with nothing written. (The rollback's journal and intent are passed
+/// on their own: its files are compared beside, from its other parts.)
 fn compensate_in_place(
     ctx: &Ctx,
-    rb: &mut Parts,
+    pc: &PodmanContainer,
+    store: &ContainerStore,
+    target: &Manifest,
+    journal: &mut Option<Journal>,
+    intent: &mut Option<crate::remote::hooks::Intent>,
     progress: &mut dyn Progress,
 ) -> Result<Vec<crate::store::RemoteState>> {
-    let (pc, store, target) = (rb.pc, rb.store, rb.target);
-    let journal = rb.journal.as_mut().expect("begun before a rollback in place");
+    let j = journal.as_mut().expect("begun before a rollback in place");
     let mut positions = Vec::new();
     if !target.remote_state.is_empty() {
         progress.phase("remote state compensated");
         let parent = store.head().and_then(|h| store.find(&h).ok()).map(|m| m.remote_state).unwrap_or_default();
         positions = crate::remote::hooks::capture(&crate::remote::sidecar::remote_hooks(&ctx.cfg)?, &pc.id, &parent)?;
     }
-    journal.phase(Phase::Forward)?;
+    j.phase(Phase::Forward)?;
     let compensated = (!target.remote_state.is_empty())
         .then(|| crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state))
         .transpose()
@@ -709,36 +777,44 @@ fn compensate_in_place(
             Ok(intent)
         });
     match compensated {
-        Ok(intent) => {
-            rb.intent = intent;
+        Ok(i) => {
+            *intent = i;
             Ok(positions)
         }
         Err(e) => {
-            rb.journal = None;
+            *journal = None;
             Err(e)
         }
     }
 }
 
-/// The writing phase of a rollback in place, the sandbox frozen and its remote state at the
-/// target: files, then memory and processes. Returns what was applied and how many files
-/// changed.
-fn write_in_place(
-    rb: &mut Parts,
-    plan: &inplace::Plan,
-    files: &crate::local::files::InPlaceFiles,
-    freezer: &Freezer,
-    pid: i32,
-) -> Result<(inplace::Applied, usize)> {
-    let store = rb.store;
-    crate::fault::point("rollback.in-place.files")?;
-    let n = files.apply()?;
+/// The memory and processes of a rollback in place written, the sandbox frozen and its remote
+/// state at the target: all but what waits for its files ([`write_files`]), the threads held.
+fn write_memory(store: &ContainerStore, plan: &inplace::Plan, freezer: &Freezer, pid: i32) -> Result<inplace::Holding> {
+    crate::fault::point("rollback.in-place.writing")?;
     // (the memory's soft-dirty bits are cleared against the statepoint's pages: until its images
     // are recorded as the base, no dump or plan may build on the current one)
     let init_start = sys::proc::start_time(pid).unwrap_or(0);
     let why = "a rollback in place was interrupted while it wrote memory";
     crate::chain::write_base(store, &crate::chain::Base::full(init_start, why))?;
-    let a = plan.apply(freezer).map_err(|e| Error::Worker(e.to_string()))?;
+    let held = plan.begin(freezer).map_err(|e| Error::Worker(e.to_string()))?;
+    crate::log::mark("memory written");
+    Ok(held)
+}
+
+/// The files of a rollback in place written, its memory written already and its threads held;
+/// then the processes' last steps (working directories, registers: [`inplace::Holding`]).
+/// Returns what was applied and how many files changed.
+fn write_files(
+    rb: &mut Parts,
+    plan: &inplace::Plan,
+    held: inplace::Holding,
+    files: &crate::local::files::InPlaceFiles,
+    freezer: &Freezer,
+) -> Result<(inplace::Applied, usize)> {
+    crate::fault::point("rollback.in-place.files")?;
+    let n = files.apply()?;
+    let a = held.finish(plan, freezer).map_err(|e| Error::Worker(e.to_string()))?;
     crate::log::mark("written");
     crate::fault::point("rollback.in-place.written")?;
     if let Some(j) = rb.journal.as_mut() {
