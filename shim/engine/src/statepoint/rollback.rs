@@ -374,6 +374,25 @@ fn checked(
     Ok((rootfs, full_path))
 }
 
+/// Whether the stop-and-restore path can run, for a rollback in place: a CRI engine's container
+/// (`pod`: why not) or clones of the dataset in use (asked beside, `full_path`) stop it.
+struct Blocked<'a> {
+    pod: Option<String>,
+    full_path: &'a mut FullPath,
+}
+
+impl Blocked<'_> {
+    /// Why it cannot run, if it cannot (the question waited for).
+    fn why(&mut self) -> Option<String> {
+        self.pod.clone().or_else(|| self.full_path.get().as_ref().err().map(|e| e.to_string()))
+    }
+
+    /// Whether it is known already that it can (not waited for: not known yet is no).
+    fn known_open(&mut self) -> bool {
+        self.pod.is_none() && self.full_path.ready().is_some_and(|r| r.is_ok())
+    }
+}
+
 /// Phase 0: the journal begun, then in place unless turned off.
 fn try_in_place(
     rb: &mut Parts,
@@ -388,8 +407,7 @@ fn try_in_place(
     if !ctx.cfg.checkpoint.rollback_in_place {
         return Ok(InPlace::Refused("turned off (checkpoint.rollback_in_place = false)".into()));
     }
-    let pod = rb.pc.cri.then(|| NOT_BY_RESTORE.to_string());
-    let mut blocked = || pod.clone().or_else(|| full_path.get().as_ref().err().map(|e| e.to_string()));
+    let mut blocked = Blocked { pod: rb.pc.cri.then(|| NOT_BY_RESTORE.to_string()), full_path };
     // (the statepoint's files made readable beside the freeze and the tree's check: on OpenZFS
     // its snapshot mounted, which needs nothing of the frozen state)
     let prepared = rb.rootfs.in_place_prepare(&rb.target.local_state, &crate::local::files::in_place_scratch(rb.store));
@@ -575,16 +593,16 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 /// down the stop-and-restore path, which takes its safety statepoint); from the compensation on
 /// there is no way back, and the rollback goes forward: a step that fails — the files'
 /// comparison too, once memory is written — makes it stop the sandbox and restore the
-/// statepoint, as the journal's next reader would ([`Phase::Forward`]). `blocked`: why the
-/// stop-and-restore path cannot run, if it cannot (then the memory waits for the files'
-/// comparison, and a comparison that fails still changes nothing). (Its later phases are
+/// statepoint, as the journal's next reader would ([`Phase::Forward`]). `blocked`: whether the
+/// stop-and-restore path can run; unless it is known by then that it can, the memory waits for
+/// the files' comparison (and a comparison that fails still changes nothing). (Its later phases are
 /// functions of their own: [`compensate_in_place`], [`write_memory`], [`write_files`],
 /// [`done_in_place`],
 /// [`in_place_forward`]. This one holds the freeze's guard from its first line and hands it on.)
 fn in_place(
     ctx: &Ctx,
     rb: &mut Parts,
-    blocked: &mut dyn FnMut() -> Option<String>,
+    blocked: &mut Blocked,
     progress: &mut dyn Progress,
     prepared: Option<crate::local::files::InPlaceStart>,
 ) -> Result<InPlace> {
@@ -650,12 +668,15 @@ fn in_place(
                 return Written::Refused(why);
             }
         };
-        let files = match blocked().is_some() {
-            true => match compared() {
-                Ok(f) => Some(f),
+        let files = match blocked.known_open() {
+            false => match compared() {
+                Ok(f) => {
+                    crate::log::mark("files compared before the memory");
+                    Some(f)
+                }
                 Err(why) => return Written::Refused(why),
             },
-            false => None,
+            true => None,
         };
         progress.done(&format!("{} pages", plan.pages_written));
         // The remote state first: a compensation that fails leaves the sandbox untouched.
@@ -673,7 +694,7 @@ fn in_place(
     });
     let (plan, positions, memory, files) = match written {
         Written::Refused(why) => {
-            if let Some(b) = blocked() {
+            if let Some(b) = blocked.why() {
                 return Err(Error::Worker(format!(
                     "cannot roll back in place ({why}), nor by stopping and restoring ({b}); nothing was changed"
                 )));
@@ -1008,6 +1029,14 @@ impl<T: Send + 'static> Beside<T> {
             self.value = Some(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
         }
         self.value.as_ref().expect("joined above")
+    }
+
+    /// The answer, if it has come (not waited for).
+    fn ready(&mut self) -> Option<&T> {
+        match self.handle.as_ref().is_some_and(|h| !h.is_finished()) {
+            true => None,
+            false => Some(self.get()),
+        }
     }
 
     fn into_inner(mut self) -> T {
