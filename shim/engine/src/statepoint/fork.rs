@@ -234,12 +234,18 @@ impl Fork {
         // A clone gets the engine's default runtime unless told: the fork must run on planarian too.
         progress.phase("new container (podman container clone)");
         podman::clone_container(&src.runtime, &src.id, name)?;
-        let made = podman::inspect(name).map_err(Error::from).and_then(|new| record.made(&new.id));
-        if let Err(e) = made.and_then(|()| fork_into(cfg, src, &self.src_store, &self.target, name, progress)) {
-            discard(cfg, src, name);
-            return Err(Error::ForkFailed(Box::new(e)));
-        }
-        let new = podman::inspect(name)?;
+        // (asked of Podman once: its ID, bundle and writable layer do not change below, and its
+        // restore either leaves it running or fails)
+        let new = podman::inspect(name).map_err(Error::from).and_then(|new| record.made(&new.id).map(|()| new));
+        let new = match new
+            .and_then(|new| fork_into(cfg, src, &self.src_store, &self.target, &new, progress).map(|()| new))
+        {
+            Ok(new) => PodmanContainer { status: "running".into(), ..new },
+            Err(e) => {
+                discard(cfg, src, name);
+                return Err(Error::ForkFailed(Box::new(e)));
+            }
+        };
         let ctx = context(src, &self.target, name);
         let _ = ctx.save(&ContainerStore::new(&cfg.store.path, &new.id));
         Ok((new, ctx))
@@ -390,12 +396,10 @@ fn fork_into(
     src: &podman::PodmanContainer,
     src_store: &ContainerStore,
     target: &Manifest,
-    name: &str,
+    new: &PodmanContainer,
     progress: &mut dyn Progress,
 ) -> Result<()> {
-    let src_cfg = src_config(cfg, src)?;
-    // (its ID, bundle and writable layer: none of them changes below)
-    let new = podman::inspect(name)?;
+    let (src_cfg, name) = (src_config(cfg, src)?, new.name.as_str());
     let src_zfs = crate::local::zfs::mapping(src_store);
     if let (Some(map), Some(snap)) = (&src_zfs, &target.local_state.zfs_snapshot) {
         progress.phase("files (a ZFS clone of the statepoint)");
@@ -407,7 +411,7 @@ fn fork_into(
     }
     crate::fault::point("fork.cloned")?;
     progress.phase("its OCI bundle");
-    match own_bundle(src, src_store, &new)? {
+    match own_bundle(src, src_store, new)? {
         None => progress.done("the source's, made the fork's"),
         Some(why) => {
             progress.done(&format!("podman container init ({why})"));
@@ -416,7 +420,7 @@ fn fork_into(
         }
     }
     progress.phase("its settings (and its own database, where the service can branch)");
-    let remote = carry_settings(src, &src_cfg, target, &new)?;
+    let remote = carry_settings(src, &src_cfg, target, new)?;
     let store = ContainerStore::new(&cfg.store.path, &new.id);
     progress.phase("its first statepoint (images linked)");
     let m = {
