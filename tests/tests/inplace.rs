@@ -516,10 +516,12 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     // Each step after it made to fail: the remote state is at the target already, so the
     // rollback goes forward — the sandbox stopped and the statepoint restored — and ends
     // exactly at the statepoint (memory, mappings, files), saying why it was not in place.
-    // (memory is written before the files, and the registers after them: the threads held
+    // (memory is written while the files are compared — a comparison that fails then goes
+    // forward too — and before they are written; the registers after them: the threads held
     // from the memory to the registers)
     for point in [
         "rollback.in-place.memory",
+        "rollback.in-place.compared",
         "rollback.in-place.files",
         "rollback.in-place.registers",
         "rollback.in-place.written",

@@ -1,6 +1,6 @@
 //! OpenZFS's libzfs_core — the stable library over the ZFS ioctls — loaded at run time where it
-//! is installed, for the operations on a rollback's critical path: a snapshot and an
-//! incremental send stream. Each `zfs` command costs a
+//! is installed, for the operations on a rollback's critical path: a snapshot, an
+//! incremental send stream, whether a snapshot exists. Each `zfs` command costs a
 //! process start on top of its work (about 110 ms of a 117–185 ms command in the emulated guest,
 //! where `zfs version` alone takes 106–112); through the library the work is all that is left. Where the library or `/dev/zfs` is not
 //! there (zfs-fuse has neither), [`Core::get`] is `None` and the command line is used.
@@ -15,6 +15,7 @@ type NvList = c_void;
 type InitFn = unsafe extern "C" fn() -> c_int;
 type SnapshotFn = unsafe extern "C" fn(*mut NvList, *mut NvList, *mut *mut NvList) -> c_int;
 type SendFn = unsafe extern "C" fn(*const c_char, *const c_char, c_int, c_int) -> c_int;
+type ExistsFn = unsafe extern "C" fn(*const c_char) -> c_int;
 type AllocFn = unsafe extern "C" fn(*mut *mut NvList, u32, c_int) -> c_int;
 type AddBooleanFn = unsafe extern "C" fn(*mut NvList, *const c_char) -> c_int;
 type FreeFn = unsafe extern "C" fn(*mut NvList);
@@ -23,6 +24,7 @@ type FreeFn = unsafe extern "C" fn(*mut NvList);
 pub struct Core {
     snapshot: SnapshotFn,
     send: SendFn,
+    exists: ExistsFn,
     nvlist_alloc: AllocFn,
     nvlist_add_boolean: AddBooleanFn,
     nvlist_free: FreeFn,
@@ -38,6 +40,13 @@ impl Core {
     /// `/dev/zfs`); `None` where it cannot be.
     pub fn get() -> Option<&'static Core> {
         CORE.get_or_init(load).as_ref()
+    }
+
+    /// Whether dataset or snapshot `name` exists.
+    pub fn exists(&self, name: &str) -> bool {
+        let Ok(name) = CString::new(name) else { return false };
+        // SAFETY: a NUL-terminated name that outlives the call.
+        unsafe { (self.exists)(name.as_ptr()) != 0 }
     }
 
     /// `zfs snapshot SNAP`: `Err(errno)`.
@@ -145,6 +154,7 @@ fn load() -> Option<Core> {
         let c = Core {
             snapshot: transmute::<P, SnapshotFn>(sym(core, c"lzc_snapshot")?),
             send: transmute::<P, SendFn>(sym(core, c"lzc_send")?),
+            exists: transmute::<P, ExistsFn>(sym(core, c"lzc_exists")?),
             nvlist_alloc: transmute::<P, AllocFn>(sym(nv, c"nvlist_alloc")?),
             nvlist_add_boolean: transmute::<P, AddBooleanFn>(sym(nv, c"nvlist_add_boolean")?),
             nvlist_free: transmute::<P, FreeFn>(sym(nv, c"nvlist_free")?),

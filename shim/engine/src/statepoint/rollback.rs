@@ -648,7 +648,10 @@ fn in_place(
     // cannot run, the memory waits for the comparison.
     let written = std::thread::scope(|scope| {
         let mut comparing = Some(scope.spawn(|| {
-            let files = rootfs.in_place(&sp_dir, &target.local_state, &at, started).map_err(|e| e.to_string());
+            let files = rootfs
+                .in_place(&sp_dir, &target.local_state, &at, started)
+                .map_err(|e| e.to_string())
+                .and_then(|f| crate::fault::point("rollback.in-place.compared").map(|()| f).map_err(|e| e.to_string()));
             crate::log::mark("files compared");
             files
         }));

@@ -132,6 +132,13 @@ fn locate(cfg: &Config, store: &ContainerStore, local: &LocalState) -> Result<Op
 /// or a container imported with `--since` on top of it — and fails while one is in use,
 /// half-way through. OpenZFS renames such a dataset and leaves its clones mounted where they are.
 pub fn check_rollback(cfg: &Config, store: &ContainerStore, local: &LocalState) -> Result<()> {
+    // (on OpenZFS only the snapshot matters: asked of the kernel where it was taken, no process;
+    // a restore since may have moved it, and it is looked for)
+    if let (Some(snap), Some(_), true) = (&local.zfs_snapshot, mapping(store), zfs::kernel_zfs()) {
+        if zfs_from(cfg)?.exists(snap)? {
+            return Ok(());
+        }
+    }
     let Some((zfs, map, snap)) = locate(cfg, store, local)? else { return Ok(()) };
     if zfs.flavour() == zfs::Flavour::OpenZfs {
         return Ok(());
