@@ -730,10 +730,10 @@ fn faults_pool_full_dataset_busy_zfs_missing_change_nothing() {
 }
 
 /// On OpenZFS a snapshot, the incremental stream a rollback in place reads and whether a
-/// snapshot exists go through libzfs_core, without a `zfs` process: the library is found there
-/// (and not on zfs-fuse, which has none), the snapshot is the command's, the stream carries the
-/// same objects as `zfs send -i`'s, existence is `zfs list`'s, and a failure is typed as the
-/// command's.
+/// snapshot exists (the rollback's check) go through libzfs_core, without a `zfs` process: the
+/// library is found there (and not on zfs-fuse, which has none), the snapshot is the command's,
+/// the stream carries the same objects as `zfs send -i`'s, existence is `zfs list`'s, and a
+/// failure is typed as the command's.
 #[test]
 fn snapshots_and_streams_through_libzfs_core_are_the_command_lines() {
     let Some(pool) = pool() else { return };
@@ -762,10 +762,13 @@ fn snapshots_and_streams_through_libzfs_core_are_the_command_lines() {
     let (a, b) = (format!("{ds}@a"), format!("{ds}@b"));
     // Whether a dataset or snapshot exists: what `zfs list` says.
     let none = format!("{ds}@no-such");
-    for (name, there) in [(ds.as_str(), true), (a.as_str(), true), (none.as_str(), false)] {
-        assert_eq!(z.exists(name).unwrap(), there, "{name}");
+    let no_ds = format!("{pool}/no-such-{}", std::process::id());
+    for (name, there) in [(ds.as_str(), true), (a.as_str(), true), (none.as_str(), false), (no_ds.as_str(), false)] {
+        assert_eq!(z.exists(name).unwrap(), there, "{name}: zfs list");
+        if let Some(core) = zfs::lzc::Core::get() {
+            assert_eq!(core.exists(name), there, "{name}: libzfs_core");
+        }
     }
-    assert!(!z.exists(&format!("{pool}/no-such-{}", std::process::id())).unwrap());
     let fast = z.changes(&a, &b).unwrap();
     let by_command = z.changes_by_command(&a, &b).unwrap();
     assert_eq!(fast, by_command, "the same objects, the same znodes");

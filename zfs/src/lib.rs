@@ -116,11 +116,7 @@ impl Zfs {
         }
     }
 
-    /// Whether dataset or snapshot `name` exists (through libzfs_core where it is there: [`lzc`]).
     pub fn exists(&self, name: &str) -> Result<bool> {
-        if let Some(c) = lzc::Core::get() {
-            return Ok(c.exists(name));
-        }
         match self.run(&["list", "-H", "-o", "name", "-t", "all", name]) {
             Ok(_) => Ok(true),
             Err(e) if e.kind() == Kind::NotFound => Ok(false),

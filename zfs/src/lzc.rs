@@ -42,7 +42,8 @@ impl Core {
         CORE.get_or_init(load).as_ref()
     }
 
-    /// Whether dataset or snapshot `name` exists.
+    /// Whether dataset or snapshot `name` exists: `false` for any error too (no permission, a
+    /// suspended pool, a name it cannot take), so only a `true` is an answer.
     pub fn exists(&self, name: &str) -> bool {
         let Ok(name) = CString::new(name) else { return false };
         // SAFETY: a NUL-terminated name that outlives the call.

@@ -338,14 +338,15 @@ struct Parts<'a> {
     intent: Option<crate::remote::hooks::Intent>,
 }
 
-/// Whether the stop-and-restore path can run, asked beside the rollback.
+/// Whether the stop-and-restore path can run, asked beside the rollback (or when wanted).
 type FullPath = Beside<Result<(), crate::local::Error>>;
 
 /// What a rollback needs before it starts: the container's files where the statepoint's were
 /// (the same backend, the statepoint's copy there), and — asked beside the rollback, waited for
-/// only before a stop — whether stopping and restoring is possible (clones of the dataset in
-/// use refuse it; a rollback in place does not swap datasets and goes ahead. `zfs list`s: a few
-/// hundred ms through zfs-fuse).
+/// only where it matters — whether stopping and restoring is possible (the statepoint's snapshot
+/// gone, or on zfs-fuse clones of the dataset in use, refuse it; a rollback in place does not
+/// swap datasets and goes ahead). On zfs-fuse that is `zfs list`s, a few hundred ms of CPU: asked
+/// only when wanted, not beside every rollback in place.
 fn checked(
     cfg: &Config,
     pc: &PodmanContainer,
@@ -362,9 +363,16 @@ fn checked(
         });
     }
     let saved = store.statepoint_dir(&target.statepoint_id);
+    let costly = crate::local::zfs::check_rollback_costly(store);
     let full_path = {
         let (cfg, store, local) = (cfg.clone(), store.clone(), target.local_state.clone());
-        Beside::start(move || crate::local::zfs::check_rollback(&cfg, &store, &local))
+        let check = move || crate::local::zfs::check_rollback(&cfg, &store, &local);
+        // (zfs-fuse's check is `zfs` processes, which would share the CPUs with a rollback in
+        // place: asked only when wanted, by a refusal or a stop and restore)
+        match costly {
+            true => Beside::later(check),
+            false => Beside::start(check),
+        }
     };
     if let Some(copy) = &target.local_state.rootfs_copy_path {
         if !saved.join(copy).exists() {
@@ -374,8 +382,9 @@ fn checked(
     Ok((rootfs, full_path))
 }
 
-/// Whether the stop-and-restore path can run, for a rollback in place: a CRI engine's container
-/// (`pod`: why not) or clones of the dataset in use (asked beside, `full_path`) stop it.
+/// Whether the stop-and-restore path can run, for a rollback in place that refuses: a CRI
+/// engine's container (`pod`: why not), or what `full_path` finds (the statepoint's snapshot
+/// gone; on zfs-fuse clones of the dataset in use).
 struct Blocked<'a> {
     pod: Option<String>,
     full_path: &'a mut FullPath,
@@ -385,11 +394,6 @@ impl Blocked<'_> {
     /// Why it cannot run, if it cannot (the question waited for).
     fn why(&mut self) -> Option<String> {
         self.pod.clone().or_else(|| self.full_path.get().as_ref().err().map(|e| e.to_string()))
-    }
-
-    /// Whether it is known already that it can (not waited for: not known yet is no).
-    fn known_open(&mut self) -> bool {
-        self.pod.is_none() && self.full_path.ready().is_some_and(|r| r.is_ok())
     }
 }
 
@@ -587,18 +591,16 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 /// The rollback in place (see [`crate::local::inplace`]): freeze → shape check (on OpenZFS the
 /// files' part already under way beside it) → page plan (the pages against the base the next
 /// dump would build on, from the processes' own page maps: no dump), the files compared beside
-/// it → remote state compensated → memory and processes written, the files still compared
-/// beside → files written → the statepoint's images become the base of the next dump → thaw.
-/// Before the compensation any doubt or failure changes nothing (a refusal sends the rollback
-/// down the stop-and-restore path, which takes its safety statepoint); from the compensation on
-/// there is no way back, and the rollback goes forward: a step that fails — the files'
-/// comparison too, once memory is written — makes it stop the sandbox and restore the
-/// statepoint, as the journal's next reader would ([`Phase::Forward`]). `blocked`: whether the
-/// stop-and-restore path can run; unless it is known by then that it can, the memory waits for
-/// the files' comparison (and a comparison that fails still changes nothing). (Its later phases are
-/// functions of their own: [`compensate_in_place`], [`write_memory`], [`write_files`],
-/// [`done_in_place`],
-/// [`in_place_forward`]. This one holds the freeze's guard from its first line and hands it on.)
+/// it → remote state compensated → memory and processes written, the threads held → files
+/// written → working directories and registers → the statepoint's images become the base of
+/// the next dump → thaw. Before the compensation any doubt or failure changes nothing (a refusal
+/// sends the rollback down the stop-and-restore path, which takes its safety statepoint); from
+/// the compensation on there is no way back, and the rollback goes forward: a step that fails
+/// makes it stop the sandbox and restore the statepoint, as the journal's next reader would
+/// ([`Phase::Forward`]). `blocked`: whether the stop-and-restore path can run, asked when it
+/// refuses. (Its later phases are functions of their own: [`compensate_in_place`],
+/// [`write_memory`], [`write_files`], [`done_in_place`], [`in_place_forward`]. This one holds
+/// the freeze's guard from its first line and hands it on.)
 fn in_place(
     ctx: &Ctx,
     rb: &mut Parts,
@@ -606,7 +608,7 @@ fn in_place(
     progress: &mut dyn Progress,
     prepared: Option<crate::local::files::InPlaceStart>,
 ) -> Result<InPlace> {
-    let (pc, store, target, rootfs) = (rb.pc, rb.store, rb.target, rb.rootfs.as_ref());
+    let (store, target, rootfs) = (rb.store, rb.target, rb.rootfs.as_ref());
     let pid = ctx.ctr.running_pid()?;
     let freezer = Freezer::of_pid(pid)?;
     let frozen = FreezeGuard::freeze(&freezer, store.dir.join(crate::local::freezer::MARKER))?;
@@ -639,64 +641,37 @@ fn in_place(
     }
     crate::log::mark("files started");
     let base = live_base(store, pid);
-    progress.phase("in place: the pages to write");
-    // The files are compared on a thread of their own (on OpenZFS mostly waiting: for the frozen
-    // state's snapshot, then its stream) while the pages are planned, the remote state
-    // compensated and the memory written: memory is private mappings only (see [`inplace`]),
-    // which never reach a file, and the comparison reads nothing else. A comparison that fails
-    // once memory is written sends the rollback forward, by a stop and restore; where that
-    // cannot run, the memory waits for the comparison.
-    let written = std::thread::scope(|scope| {
-        let mut comparing = Some(scope.spawn(|| {
+    progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
+    // The page plan beside the files' comparison (on OpenZFS mostly waiting: for the frozen
+    // state's snapshot, then its stream). Nothing is written before both are done: a comparison
+    // that refuses or fails (a file it cannot put back, a pool too full for the frozen state's
+    // snapshot) changes nothing, and the rollback stops and restores with a safety statepoint.
+    let prepared = std::thread::scope(|scope| -> std::result::Result<_, String> {
+        let comparing = scope.spawn(|| {
             let files = rootfs
                 .in_place(&sp_dir, &target.local_state, &at, started)
                 .map_err(|e| e.to_string())
                 .and_then(|f| crate::fault::point("rollback.in-place.compared").map(|()| f).map_err(|e| e.to_string()));
             crate::log::mark("files compared");
             files
-        }));
-        let mut compared = || {
-            let handle = comparing.take().expect("the comparison is waited for once");
-            handle.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
-        };
+        });
+        let compared = || comparing.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         let planned = shape
             .plan(base.as_deref())
             .map_err(|e| e.to_string())
             .and_then(|p| dev_unchanged(&sp_dir, &mounts, store, pid).map(|()| p));
         crate::log::mark("pages planned");
-        let plan = match planned {
-            Ok(p) => p,
+        match planned {
+            Ok(plan) => Ok((plan, compared()?)),
             Err(why) => {
                 drop(compared());
-                return Written::Refused(why);
+                Err(why)
             }
-        };
-        let files = match blocked.known_open() {
-            false => match compared() {
-                Ok(f) => {
-                    crate::log::mark("files compared before the memory");
-                    Some(f)
-                }
-                Err(why) => return Written::Refused(why),
-            },
-            true => None,
-        };
-        progress.done(&format!("{} pages", plan.pages_written));
-        // The remote state first: a compensation that fails leaves the sandbox untouched.
-        let positions = match compensate_in_place(ctx, pc, store, target, &mut rb.journal, &mut rb.intent, progress) {
-            Ok(p) => p,
-            Err(e) => {
-                drop(files.map_or_else(|| compared().ok(), Some));
-                return Written::NotCompensated(e);
-            }
-        };
-        progress.phase(&format!("in place: memory written, the files compared beside it (on {})", rootfs.backend()));
-        let memory = write_memory(store, &plan, &freezer, pid);
-        let files = files.map_or_else(compared, Ok);
-        Written::Memory { plan, positions, memory, files }
+        }
     });
-    let (plan, positions, memory, files) = match written {
-        Written::Refused(why) => {
+    let (plan, files) = match prepared {
+        Ok(p) => p,
+        Err(why) => {
             if let Some(b) = blocked.why() {
                 return Err(Error::Worker(format!(
                     "cannot roll back in place ({why}), nor by stopping and restoring ({b}); nothing was changed"
@@ -706,54 +681,29 @@ fn in_place(
             drop(frozen);
             return Ok(InPlace::Refused(why));
         }
-        Written::NotCompensated(e) => {
-            drop(frozen);
-            return Err(rolled_back(e));
-        }
-        Written::Memory { plan, positions, memory, files } => (plan, positions, memory, files),
-    };
-    let (held, files) = match (memory, files) {
-        (Ok(held), Ok(files)) => (held, files),
-        (Err(e), files) => {
-            drop(files);
-            return in_place_forward(ctx, rb, frozen, e, positions, progress);
-        }
-        (Ok(held), Err(why)) => {
-            // (the threads let go, frozen, before the stop)
-            drop(held);
-            let e = Error::Worker(format!("the files could not be compared: {why}"));
-            return in_place_forward(ctx, rb, frozen, e, positions, progress);
-        }
     };
     let examined =
         files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
-    progress.done(&format!("{} files to write{examined}", files.sync.len()));
-    progress.phase("in place: files written, then registers");
-    match write_files(rb, &plan, held, &files, &freezer) {
+    progress.done(&format!("{} pages, {} files{examined}", plan.pages_written, files.sync.len()));
+    // The remote state first: a compensation that fails leaves the sandbox untouched.
+    let positions = match compensate_in_place(ctx, rb, progress) {
+        Ok(p) => p,
+        Err(e) => {
+            drop(files);
+            drop(frozen);
+            return Err(rolled_back(e));
+        }
+    };
+    progress.phase("in place: memory, files, then registers written");
+    let written =
+        write_memory(store, &plan, &freezer, pid).and_then(|held| write_files(rb, &plan, held, &files, &freezer));
+    match written {
         Ok((a, n)) => done_in_place(ctx, rb, &plan, files, frozen, &freezer, pid, positions, a, n, progress),
         Err(e) => {
             drop(files);
             in_place_forward(ctx, rb, frozen, e, positions, progress)
         }
     }
-}
-
-/// How far a rollback in place got while its files were compared beside it. (One value, once a
-/// rollback, never moved around: its size does not matter.)
-#[allow(clippy::large_enum_variant)]
-enum Written {
-    /// Not in place, for this reason; nothing was changed (the comparison waited for, dropped).
-    Refused(String),
-    /// The compensation failed: nothing of the sandbox was written (the comparison dropped).
-    NotCompensated(Error),
-    /// The remote state compensated (from `positions`), then the memory written (or its writing
-    /// failed), the files compared (or not).
-    Memory {
-        plan: inplace::Plan,
-        positions: Vec<crate::store::RemoteState>,
-        memory: Result<inplace::Holding>,
-        files: std::result::Result<crate::local::files::InPlaceFiles, String>,
-    },
 }
 
 /// The base the next dump of the tree whose init is `pid` would build on, when there is one.
@@ -770,25 +720,21 @@ fn live_base(store: &ContainerStore, pid: i32) -> Option<PathBuf> {
 /// killed from now on leaves a rollback the next operation finishes. Returns the positions it
 /// came from; an error when the compensation failed (a failed compensation changes nothing of
 /// PostgreSQL; one that undid some declared tools' calls before failing says how far), the
-/// journal then removed with nothing written. (The rollback's journal and intent are passed
-/// on their own: its files are compared beside, from its other parts.)
+/// journal then removed with nothing written.
 fn compensate_in_place(
     ctx: &Ctx,
-    pc: &PodmanContainer,
-    store: &ContainerStore,
-    target: &Manifest,
-    journal: &mut Option<Journal>,
-    intent: &mut Option<crate::remote::hooks::Intent>,
+    rb: &mut Parts,
     progress: &mut dyn Progress,
 ) -> Result<Vec<crate::store::RemoteState>> {
-    let j = journal.as_mut().expect("begun before a rollback in place");
+    let (pc, store, target) = (rb.pc, rb.store, rb.target);
+    let journal = rb.journal.as_mut().expect("begun before a rollback in place");
     let mut positions = Vec::new();
     if !target.remote_state.is_empty() {
         progress.phase("remote state compensated");
         let parent = store.head().and_then(|h| store.find(&h).ok()).map(|m| m.remote_state).unwrap_or_default();
         positions = crate::remote::hooks::capture(&crate::remote::sidecar::remote_hooks(&ctx.cfg)?, &pc.id, &parent)?;
     }
-    j.phase(Phase::Forward)?;
+    journal.phase(Phase::Forward)?;
     let compensated = (!target.remote_state.is_empty())
         .then(|| crate::remote::hooks::Intent::write(&store.dir, &target.statepoint_id, &target.remote_state))
         .transpose()
@@ -801,12 +747,12 @@ fn compensate_in_place(
             Ok(intent)
         });
     match compensated {
-        Ok(i) => {
-            *intent = i;
+        Ok(intent) => {
+            rb.intent = intent;
             Ok(positions)
         }
         Err(e) => {
-            *journal = None;
+            rb.journal = None;
             Err(e)
         }
     }
@@ -1019,27 +965,29 @@ fn stdio_pairs(sp_dir: &Path, pid: i32) -> Vec<(String, String)> {
 /// answer matters.
 struct Beside<T> {
     handle: Option<std::thread::JoinHandle<T>>,
+    /// A question asked only when its answer is wanted, on the asker's thread.
+    later: Option<Box<dyn FnOnce() -> T + Send>>,
     value: Option<T>,
 }
 
 impl<T: Send + 'static> Beside<T> {
     fn start(f: impl FnOnce() -> T + Send + 'static) -> Beside<T> {
-        Beside { handle: Some(std::thread::spawn(f)), value: None }
+        Beside { handle: Some(std::thread::spawn(f)), later: None, value: None }
+    }
+
+    /// Not asked beside: only when [`Beside::get`] wants the answer.
+    fn later(f: impl FnOnce() -> T + Send + 'static) -> Beside<T> {
+        Beside { handle: None, later: Some(Box::new(f)), value: None }
     }
 
     fn get(&mut self) -> &T {
         if let Some(h) = self.handle.take() {
             self.value = Some(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
         }
-        self.value.as_ref().expect("joined above")
-    }
-
-    /// The answer, if it has come (not waited for).
-    fn ready(&mut self) -> Option<&T> {
-        match self.handle.as_ref().is_some_and(|h| !h.is_finished()) {
-            true => None,
-            false => Some(self.get()),
+        if let Some(f) = self.later.take() {
+            self.value = Some(f());
         }
+        self.value.as_ref().expect("answered above")
     }
 
     fn into_inner(mut self) -> T {

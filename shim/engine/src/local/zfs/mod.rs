@@ -132,10 +132,10 @@ fn locate(cfg: &Config, store: &ContainerStore, local: &LocalState) -> Result<Op
 /// or a container imported with `--since` on top of it — and fails while one is in use,
 /// half-way through. OpenZFS renames such a dataset and leaves its clones mounted where they are.
 pub fn check_rollback(cfg: &Config, store: &ContainerStore, local: &LocalState) -> Result<()> {
-    // (on OpenZFS only the snapshot matters: asked of the kernel where it was taken, no process;
-    // a restore since may have moved it, and it is looked for)
-    if let (Some(snap), Some(_), true) = (&local.zfs_snapshot, mapping(store), zfs::kernel_zfs()) {
-        if zfs_from(cfg)?.exists(snap)? {
+    // (on OpenZFS only the snapshot matters: asked of libzfs_core where it was taken, no
+    // process; a restore since may have moved it, and then it is looked for)
+    if let (Some(snap), Some(_), Some(core)) = (&local.zfs_snapshot, mapping(store), zfs::lzc::Core::get()) {
+        if core.exists(snap) {
             return Ok(());
         }
     }
@@ -158,6 +158,12 @@ pub fn check_rollback(cfg: &Config, store: &ContainerStore, local: &LocalState) 
     } else {
         Err(Error::ClonesInUse { dataset: d.clone(), users: users.join(", ") })
     }
+}
+
+/// Whether [`check_rollback`] for the container of `store` starts `zfs` processes: its files on
+/// ZFS without libzfs_core (zfs-fuse; elsewhere it asks the library, or nothing).
+pub fn check_rollback_costly(store: &ContainerStore) -> bool {
+    mapping(store).is_some() && zfs::lzc::Core::get().is_none()
 }
 
 /// Flushes what the kernel holds for the file system mounted at `mp` (FUSE keeps written pages).
