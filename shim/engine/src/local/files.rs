@@ -160,7 +160,7 @@ pub struct InPlaceAt {
 /// compare, the statepoint's view on ZFS, goes away either way).
 pub struct InPlaceFiles {
     pub sync: super::treesync::Sync,
-    pub cleanup: Option<Box<dyn FnOnce() + Send>>,
+    pub cleanup: Option<Box<dyn FnOnce()>>,
     /// What `cleanup` removes on ZFS ([`super::zfs::remove_leftover`]): the statepoint's view
     /// and the snapshot of the frozen state.
     pub leftovers: Vec<String>,

@@ -382,21 +382,6 @@ fn checked(
     Ok((rootfs, full_path))
 }
 
-/// Whether the stop-and-restore path can run, for a rollback in place that refuses: a CRI
-/// engine's container (`pod`: why not), or what `full_path` finds (the statepoint's snapshot
-/// gone; on zfs-fuse clones of the dataset in use).
-struct Blocked<'a> {
-    pod: Option<String>,
-    full_path: &'a mut FullPath,
-}
-
-impl Blocked<'_> {
-    /// Why it cannot run, if it cannot (the question waited for).
-    fn why(&mut self) -> Option<String> {
-        self.pod.clone().or_else(|| self.full_path.get().as_ref().err().map(|e| e.to_string()))
-    }
-}
-
 /// Phase 0: the journal begun, then in place unless turned off.
 fn try_in_place(
     rb: &mut Parts,
@@ -411,7 +396,8 @@ fn try_in_place(
     if !ctx.cfg.checkpoint.rollback_in_place {
         return Ok(InPlace::Refused("turned off (checkpoint.rollback_in_place = false)".into()));
     }
-    let mut blocked = Blocked { pod: rb.pc.cri.then(|| NOT_BY_RESTORE.to_string()), full_path };
+    let pod = rb.pc.cri.then(|| NOT_BY_RESTORE.to_string());
+    let mut blocked = || pod.clone().or_else(|| full_path.get().as_ref().err().map(|e| e.to_string()));
     // (the statepoint's files made readable beside the freeze and the tree's check: on OpenZFS
     // its snapshot mounted, which needs nothing of the frozen state)
     let prepared = rb.rootfs.in_place_prepare(&rb.target.local_state, &crate::local::files::in_place_scratch(rb.store));
@@ -597,14 +583,14 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 /// sends the rollback down the stop-and-restore path, which takes its safety statepoint); from
 /// the compensation on there is no way back, and the rollback goes forward: a step that fails
 /// makes it stop the sandbox and restore the statepoint, as the journal's next reader would
-/// ([`Phase::Forward`]). `blocked`: whether the stop-and-restore path can run, asked when it
-/// refuses. (Its later phases are functions of their own: [`compensate_in_place`],
+/// ([`Phase::Forward`]). `blocked`: why the stop-and-restore path cannot run, if it cannot,
+/// asked when it refuses. (Its later phases are functions of their own: [`compensate_in_place`],
 /// [`write_memory`], [`write_files`], [`done_in_place`], [`in_place_forward`]. This one holds
 /// the freeze's guard from its first line and hands it on.)
 fn in_place(
     ctx: &Ctx,
     rb: &mut Parts,
-    blocked: &mut Blocked,
+    blocked: &mut dyn FnMut() -> Option<String>,
     progress: &mut dyn Progress,
     prepared: Option<crate::local::files::InPlaceStart>,
 ) -> Result<InPlace> {
@@ -647,32 +633,22 @@ fn in_place(
     // that refuses or fails (a file it cannot put back, a pool too full for the frozen state's
     // snapshot) changes nothing, and the rollback stops and restores with a safety statepoint.
     let prepared = std::thread::scope(|scope| -> std::result::Result<_, String> {
-        let comparing = scope.spawn(|| {
-            let files = rootfs
-                .in_place(&sp_dir, &target.local_state, &at, started)
-                .map_err(|e| e.to_string())
-                .and_then(|f| crate::fault::point("rollback.in-place.compared").map(|()| f).map_err(|e| e.to_string()));
-            crate::log::mark("files compared");
-            files
+        let planning = scope.spawn(|| {
+            let plan = shape.plan(base.as_deref()).map_err(|e| e.to_string());
+            crate::log::mark("pages planned");
+            plan
         });
-        let compared = || comparing.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-        let planned = shape
-            .plan(base.as_deref())
-            .map_err(|e| e.to_string())
-            .and_then(|p| dev_unchanged(&sp_dir, &mounts, store, pid).map(|()| p));
-        crate::log::mark("pages planned");
-        match planned {
-            Ok(plan) => Ok((plan, compared()?)),
-            Err(why) => {
-                drop(compared());
-                Err(why)
-            }
-        }
+        let plan = || planning.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        dev_unchanged(&sp_dir, &mounts, store, pid)?;
+        let files = rootfs.in_place(&sp_dir, &target.local_state, &at, started).map_err(|e| e.to_string())?;
+        crate::fault::point("rollback.in-place.compared").map_err(|e| e.to_string())?;
+        crate::log::mark("files compared");
+        Ok((plan()?, files))
     });
     let (plan, files) = match prepared {
         Ok(p) => p,
         Err(why) => {
-            if let Some(b) = blocked.why() {
+            if let Some(b) = blocked() {
                 return Err(Error::Worker(format!(
                     "cannot roll back in place ({why}), nor by stopping and restoring ({b}); nothing was changed"
                 )));
