@@ -476,13 +476,12 @@ fn a_failing_rollback_in_place_on_zfs_leaves_the_sandbox_and_the_pool_as_they_we
     assert_eq!(sb.sh("cat /root/f").out(), "then", "refused: the files are the statepoint's");
     assert!(!sb.sh("cat /proc/[0-9]*/comm").stdout.contains("sleep"), "refused: the process started since is gone");
     assert!(wait_for(Duration::from_secs(120), || left() == kept), "refused: left in the pool: {:?}", left());
-    // planarian killed as it writes the files, its memory written (the held processes die with
-    // it), the statepoint's view mounted and the frozen state's snapshot taken: the next
-    // operation finishes the rollback by a restore, to exactly the statepoint, whatever the
-    // killed one left in the way; then nothing of it stays.
+    // planarian killed while it writes the memory, the statepoint's view mounted and the frozen
+    // state's snapshot taken: the next operation finishes the rollback by a restore, to exactly
+    // the statepoint, whatever the killed one left in the way; then nothing of it stays.
     sb.send("dirty 0 65536");
     sb.sh("echo now > /root/f").ok();
-    std::fs::write(FAULT, "kill:rollback.in-place.files").unwrap();
+    std::fs::write(FAULT, "kill:rollback.in-place.memory").unwrap();
     let r = planarian(&["rollback", &sb.name, &sp]);
     assert!(r.code.is_none() || r.code == Some(137), "killed: {r:?}");
     assert!(!std::path::Path::new(FAULT).exists(), "the kill never fired");

@@ -312,7 +312,7 @@ fn rollback_with_strays(sb: &mut Sandbox, sp: &str, holes: &[u64]) -> serde_json
         podman("planarian", &["inspect", "--format", "{{.State.Pid}}", &sb.name]).ok().out().parse().unwrap();
     let paused = Path::new("/run/planarian/paused");
     let _ = std::fs::remove_file(paused);
-    std::fs::write(FAULT, "pause:rollback.in-place.writing").unwrap();
+    std::fs::write(FAULT, "pause:rollback.in-place.files").unwrap();
     let r = std::thread::scope(|s| {
         let name = sb.name.clone();
         let rb = s.spawn(move || planarian(&["rollback", &name, sp, "--json"]));
@@ -517,9 +517,9 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     // rollback goes forward — the sandbox stopped and the statepoint restored — and ends
     // exactly at the statepoint (memory, mappings, files), saying why it was not in place.
     // (a comparison of the files that fails comes before any write: the rollback refuses and
-    // stops and restores, as for any refusal, and says so without "writing"; memory is written
-    // before the files, the registers after them: the threads held from the memory to the
-    // registers)
+    // stops and restores, as for any refusal, and says so without "writing"; the files are
+    // written first, then the memory, the registers last: the threads held from the memory to
+    // the registers)
     for point in [
         "rollback.in-place.memory",
         "rollback.in-place.compared",

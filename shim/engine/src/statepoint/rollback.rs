@@ -577,16 +577,16 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 /// The rollback in place (see [`crate::local::inplace`]): freeze → shape check (on OpenZFS the
 /// files' part already under way beside it) → page plan (the pages against the base the next
 /// dump would build on, from the processes' own page maps: no dump), the files compared beside
-/// it → remote state compensated → memory and processes written, the threads held → files
-/// written → working directories and registers → the statepoint's images become the base of
-/// the next dump → thaw. Before the compensation any doubt or failure changes nothing (a refusal
-/// sends the rollback down the stop-and-restore path, which takes its safety statepoint); from
-/// the compensation on there is no way back, and the rollback goes forward: a step that fails
-/// makes it stop the sandbox and restore the statepoint, as the journal's next reader would
-/// ([`Phase::Forward`]). `blocked`: why the stop-and-restore path cannot run, if it cannot,
-/// asked when it refuses. (Its later phases are functions of their own: [`compensate_in_place`],
-/// [`write_memory`], [`write_files`], [`done_in_place`], [`in_place_forward`]. This one holds
-/// the freeze's guard from its first line and hands it on.)
+/// it → remote state compensated → files written → memory and processes written (working
+/// directories after the files: one may be a directory they bring back), registers last → the
+/// statepoint's images become the base of the next dump → thaw. Before the compensation any
+/// doubt or failure changes nothing (a refusal sends the rollback down the stop-and-restore
+/// path, which takes its safety statepoint); from the compensation on there is no way back, and
+/// the rollback goes forward: a step that fails makes it stop the sandbox and restore the
+/// statepoint, as the journal's next reader would ([`Phase::Forward`]). `blocked`: why the
+/// stop-and-restore path cannot run, if it cannot, asked when it refuses. (Its later phases are
+/// functions of their own: [`compensate_in_place`], [`write_in_place`], [`done_in_place`],
+/// [`in_place_forward`]. This one holds the freeze's guard from its first line and hands it on.)
 fn in_place(
     ctx: &Ctx,
     rb: &mut Parts,
@@ -670,10 +670,8 @@ fn in_place(
             return Err(rolled_back(e));
         }
     };
-    progress.phase("in place: memory, files, then registers written");
-    let written =
-        write_memory(store, &plan, &freezer, pid).and_then(|held| write_files(rb, &plan, held, &files, &freezer));
-    match written {
+    progress.phase("in place: files and memory written");
+    match write_in_place(rb, &plan, &files, &freezer, pid) {
         Ok((a, n)) => done_in_place(ctx, rb, &plan, files, frozen, &freezer, pid, positions, a, n, progress),
         Err(e) => {
             drop(files);
@@ -734,33 +732,25 @@ fn compensate_in_place(
     }
 }
 
-/// The memory and processes of a rollback in place written, the sandbox frozen and its remote
-/// state at the target: all but what waits for its files ([`write_files`]), the threads held.
-fn write_memory(store: &ContainerStore, plan: &inplace::Plan, freezer: &Freezer, pid: i32) -> Result<inplace::Holding> {
-    crate::fault::point("rollback.in-place.writing")?;
+/// The writing phase of a rollback in place, the sandbox frozen and its remote state at the
+/// target: files, then memory and processes (a working directory may be a directory the files
+/// bring back). Returns what was applied and how many files changed.
+fn write_in_place(
+    rb: &mut Parts,
+    plan: &inplace::Plan,
+    files: &crate::local::files::InPlaceFiles,
+    freezer: &Freezer,
+    pid: i32,
+) -> Result<(inplace::Applied, usize)> {
+    let store = rb.store;
+    crate::fault::point("rollback.in-place.files")?;
+    let n = files.apply()?;
     // (the memory's soft-dirty bits are cleared against the statepoint's pages: until its images
     // are recorded as the base, no dump or plan may build on the current one)
     let init_start = sys::proc::start_time(pid).unwrap_or(0);
     let why = "a rollback in place was interrupted while it wrote memory";
     crate::chain::write_base(store, &crate::chain::Base::full(init_start, why))?;
-    let held = plan.begin(freezer).map_err(|e| Error::Worker(e.to_string()))?;
-    crate::log::mark("memory written");
-    Ok(held)
-}
-
-/// The files of a rollback in place written, its memory written already and its threads held;
-/// then the processes' last steps (working directories, registers: [`inplace::Holding`]).
-/// Returns what was applied and how many files changed.
-fn write_files(
-    rb: &mut Parts,
-    plan: &inplace::Plan,
-    held: inplace::Holding,
-    files: &crate::local::files::InPlaceFiles,
-    freezer: &Freezer,
-) -> Result<(inplace::Applied, usize)> {
-    crate::fault::point("rollback.in-place.files")?;
-    let n = files.apply()?;
-    let a = held.finish(plan, freezer).map_err(|e| Error::Worker(e.to_string()))?;
+    let a = plan.apply(freezer).map_err(|e| Error::Worker(e.to_string()))?;
     crate::log::mark("written");
     crate::fault::point("rollback.in-place.written")?;
     if let Some(j) = rb.journal.as_mut() {

@@ -4,7 +4,6 @@
 use super::pages::{strays, write_pages, Pages, Plan};
 use super::shape::{coverage, Process, Segments};
 use super::{cgroup_pids, descriptors, io, ptrace, signals, Error, Result, Thread};
-use crate::local::freezer::Freezer;
 use criu_hooks::images::{self, PAGE_SIZE};
 use nix::libc;
 use sys::proc::Proc;
@@ -23,13 +22,10 @@ impl Plan {
         &self.shape.pids
     }
 
-    /// Applies the plan to the tree of cgroup `freezer`, frozen on entry and on return, but for
-    /// what needs the statepoint's files in place — the working directories (a directory the
-    /// files bring back) — and what comes last (soft-dirty bits, registers): that is
-    /// [`Holding::finish`], the threads held meanwhile while the caller puts the files back.
-    /// From the first write on, a failure leaves the tree between the two states (the threads
-    /// let go, the tree frozen): the caller restores the statepoint (stopped, by a restore).
-    pub fn begin(&self, freezer: &Freezer) -> Result<Holding> {
+    /// Applies the plan to the tree of cgroup `freezer`, frozen on entry and on return (on
+    /// success and on failure). From the first write on, a failure leaves the tree between the
+    /// two states: the caller restores the statepoint (stopped, by a restore).
+    pub fn apply(&self, freezer: &crate::local::freezer::Freezer) -> Result<Applied> {
         let mut tracees = Vec::new();
         for p in &self.shape.procs {
             for (t, _) in &p.threads {
@@ -39,25 +35,37 @@ impl Plan {
                 );
             }
         }
-        let mut applied = Applied::default();
         // Held by ptrace, the threads do not run when the cgroup thaws; they must be thawed to
         // step over a system call (CRIU does the same between its seize and its dump).
-        let held = held_thawed(freezer, || self.apply_held(&tracees, &mut applied))?;
-        Ok(Holding { tracees, held, applied })
+        freezer.thaw().map_err(|e| Error::Failed(format!("thaw for the system calls: {e}")))?;
+        let r = self.apply_held(&tracees);
+        let refrozen = freezer.freeze();
+        let now = cgroup_pids(freezer.dir());
+        drop(tracees);
+        let applied = r?;
+        refrozen.map_err(|e| Error::Failed(format!("freeze again: {e}")))?;
+        if now != self.shape.pids {
+            return Err(Error::Failed(format!(
+                "the container's processes changed during the rollback ({:?} → {now:?})",
+                self.shape.pids
+            )));
+        }
+        Ok(applied)
     }
 
     /// The plan, done to the held threads: each process's memory, signals, attributes and
-    /// descriptors. Returns each process's main thread and vDSO `syscall`, and whether it had
-    /// THP turned off.
-    fn apply_held(&self, tracees: &[ptrace::Tracee], applied: &mut Applied) -> Result<Vec<(usize, u64, bool)>> {
+    /// descriptors, then what comes last for all ([`Plan::finish`]).
+    fn apply_held(&self, tracees: &[ptrace::Tracee]) -> Result<Applied> {
+        let mut applied = Applied::default();
         let mut ti = 0;
         signals::block_all(tracees)?;
+        // Each process's main thread and vDSO `syscall`, and whether it had THP turned off.
         let mut held = Vec::new();
         for (p, pages) in self.shape.procs.iter().zip(&self.pages) {
             let main = &tracees[ti];
             crate::fault::point("rollback.in-place.memory").map_err(|e| Error::Failed(e.to_string()))?;
             let insn = ptrace::syscall_instruction(p.host).map_err(io(format!("process {}", p.vpid)))?;
-            let thp_off = put_back_memory(p, pages, main, insn, applied)?;
+            let thp_off = put_back_memory(p, pages, main, insn, &mut applied)?;
             held.push((ti, insn, thp_off));
             let threads = p.threads.iter().enumerate().map(|(i, (th, _))| (&tracees[ti + i], th.vtid)).collect();
             let mut h = signals::Held { vpid: p.vpid, host: p.host, insn, threads, calls: &mut applied.system_calls };
@@ -66,19 +74,15 @@ impl Plan {
             ti += p.threads.len();
             descriptors::apply(p.host, p.vpid, &p.fixes)?;
         }
-        Ok(held)
+        crate::fault::point("rollback.in-place.registers").map_err(|e| Error::Failed(e.to_string()))?;
+        self.finish(tracees, &held, &mut applied)?;
+        Ok(applied)
     }
 
-    /// Last, for every process: its working directory (the files in place), soft-dirty bits
-    /// cleared, transparent huge pages back on where they were, then registers and masks
-    /// (`held`: each process's main thread, its `syscall` instruction, and whether THP was off
-    /// before).
+    /// Last, for every process: soft-dirty bits cleared, transparent huge pages back on where
+    /// they were, then registers and masks (`held`: each process's main thread, its `syscall`
+    /// instruction, and whether THP was off before).
     fn finish(&self, tracees: &[ptrace::Tracee], held: &[(usize, u64, bool)], applied: &mut Applied) -> Result<()> {
-        for (p, &(t, insn, _)) in self.shape.procs.iter().zip(held) {
-            let threads = p.threads.iter().enumerate().map(|(i, (th, _))| (&tracees[t + i], th.vtid)).collect();
-            let mut h = signals::Held { vpid: p.vpid, host: p.host, insn, threads, calls: &mut applied.system_calls };
-            p.attrs.apply_cwd(&mut h)?;
-        }
         for p in &self.shape.procs {
             // The next dump is incremental on the statepoint's images: what runs from here on
             // is what it dumps.
@@ -105,47 +109,6 @@ impl Plan {
         }
         Ok(())
     }
-}
-
-/// A plan applied but for its last steps ([`Plan::begin`]): every thread still held, the tree
-/// frozen. Dropped, it lets the threads go (frozen: the caller stops the tree and restores the
-/// statepoint); it must not outlive the freeze.
-pub struct Holding {
-    tracees: Vec<ptrace::Tracee>,
-    /// Each process's main thread, its vDSO `syscall`, whether it had THP turned off.
-    held: Vec<(usize, u64, bool)>,
-    applied: Applied,
-}
-
-impl Holding {
-    /// The rest of `plan`, begun by this: the working directories, soft-dirty bits cleared,
-    /// registers set; then the threads let go, the tree frozen (on failure too), and checked to
-    /// be the plan's processes still.
-    pub fn finish(mut self, plan: &Plan, freezer: &Freezer) -> Result<Applied> {
-        crate::fault::point("rollback.in-place.registers").map_err(|e| Error::Failed(e.to_string()))?;
-        let Holding { tracees, held, applied } = &mut self;
-        held_thawed(freezer, || plan.finish(tracees, held, applied))?;
-        let now = cgroup_pids(freezer.dir());
-        drop(std::mem::take(&mut self.tracees));
-        if now != plan.shape.pids {
-            return Err(Error::Failed(format!(
-                "the container's processes changed during the rollback ({:?} → {now:?})",
-                plan.shape.pids
-            )));
-        }
-        Ok(self.applied)
-    }
-}
-
-/// Runs `f` on held threads with their cgroup `freezer` thawed (a held thread steps over a
-/// system call only then), and freezes it again, whatever `f` returned.
-fn held_thawed<T>(freezer: &Freezer, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    freezer.thaw().map_err(|e| Error::Failed(format!("thaw for the system calls: {e}")))?;
-    let r = f();
-    let refrozen = freezer.freeze();
-    let v = r?;
-    refrozen.map_err(|e| Error::Failed(format!("freeze again: {e}")))?;
-    Ok(v)
 }
 
 /// One process's private memory put back, through system calls its main thread `main` runs

@@ -196,8 +196,8 @@ fn creds_differ(st: &str, then: &images::Creds, maps: &IdMaps) -> Option<&'stati
 const SCRATCH: u64 = 4096;
 
 impl Attrs {
-    /// Puts them back on the held process (inside: through `h`), all but the working directory
-    /// ([`Attrs::apply_cwd`]).
+    /// Puts them back on the held process (inside: through `h`, its leader standing on a
+    /// scratch page of ours for the directory's name).
     pub(super) fn apply(&self, h: &mut Held) -> Result<()> {
         let (vpid, host) = (h.vpid, h.host);
         for &(res, cur, max) in &self.rlimits {
@@ -223,15 +223,6 @@ impl Attrs {
         if let Some(v) = self.subreaper {
             h.call(leader, "prctl", libc::SYS_prctl, &[libc::PR_SET_CHILD_SUBREAPER as u64, u64::from(v), 0, 0, 0])?;
         }
-        Ok(())
-    }
-
-    /// The working directory put back, once the files are (it may be a directory they bring
-    /// back, or one that took another's place): inside the held process, its leader standing
-    /// on a scratch page of ours for the directory's name.
-    pub(super) fn apply_cwd(&self, h: &mut Held) -> Result<()> {
-        let (vpid, host) = (h.vpid, h.host);
-        let leader = h.leader()?;
         if let Some(cwd) = self.cwd.as_deref().filter(|c| !same_dir(host, c)) {
             let mut name = cwd.as_bytes().to_vec();
             name.push(0);
@@ -340,8 +331,6 @@ mod tests {
         let mut h =
             Held { vpid: child as u32, host: child, insn, threads: vec![(&t, child as u32)], calls: &mut calls };
         a.apply(&mut h).unwrap();
-        assert!(!same_dir(child, "/"), "the working directory waits for the files");
-        a.apply_cwd(&mut h).unwrap();
         let st = std::fs::read_to_string(format!("/proc/{child}/status")).unwrap();
         assert_eq!(status_field(&st, "Umask").as_deref(), Some("0022"));
         assert!(same_dir(child, "/"), "back in /");

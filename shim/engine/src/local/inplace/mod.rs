@@ -29,15 +29,14 @@
 //! [`Shape::plan`] then compares the statepoint's pages with the current ones, read without a
 //! dump (each process's page map against the base the next dump would build on, see [`pages`]):
 //! a page is written when its content comes from another image location than the statepoint's,
-//! dropped (`MADV_DONTNEED`) when it was not there at the statepoint. [`Plan::begin`] holds
-//! every thread with ptrace, writes the pages through `/proc/PID/mem` (transparent huge pages off
-//! meanwhile), drops any page the process has that the statepoint has not (`/proc/PID/pagemap`:
-//! khugepaged may have filled holes since the dump), checks that the mappings now are the
-//! statepoint's, and puts signals and timers ([`signals`]), attributes and file offsets back.
-//! The threads still held, the caller puts the files back; then [`Holding::finish`] sets the
-//! working directories (directories the files may have brought back), clears the soft-dirty bits
-//! (the next dump is incremental on the statepoint's images), and sets registers (`orig_ax = -1`:
-//! no system-call restart on top of CRIU's own fix-ups), FPU state, signal masks and names.
+//! dropped (`MADV_DONTNEED`) when it was not there at the statepoint. [`Plan::apply`] holds every thread with ptrace, writes the pages
+//! through `/proc/PID/mem` (transparent huge pages off meanwhile), drops any page the process
+//! has that the statepoint has not (`/proc/PID/pagemap`: khugepaged may have filled holes since
+//! the dump), puts signals and timers back ([`signals`]), sets registers (`orig_ax = -1`: no
+//! system-call restart on top of CRIU's own fix-ups), FPU state, signal masks, names and file
+//! offsets, clears the soft-dirty bits (the
+//! next dump is incremental on the statepoint's images), and checks that the mappings now are
+//! the statepoint's.
 
 mod apply;
 mod attrs;
@@ -47,7 +46,7 @@ pub mod ptrace;
 mod shape;
 mod signals;
 
-pub use apply::{Applied, Holding};
+pub use apply::Applied;
 pub use pages::Plan;
 pub use shape::check;
 
