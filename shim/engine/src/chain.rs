@@ -289,7 +289,7 @@ fn normalize(p: &Path) -> PathBuf {
 /// Deletes bases and the images of removed statepoints that no statepoint, and not the current
 /// base, reaches through `parent` links any more. Call with the exclusive lock held.
 pub fn collect(store: &ContainerStore) {
-    let manifests = store.manifests();
+    let manifests = store.summaries();
     let mut roots: Vec<PathBuf> = manifests
         .iter()
         .filter(|m| m.status != Status::Discarded)

@@ -420,7 +420,7 @@ impl RestoreContext {
 
 /// The statepoints a rollback from `head` to `target` leaves: `head` and its ancestors back to
 /// (not including) the nearest one that is `target` or an ancestor of it.
-pub fn left_behind(list: &[Manifest], head: Option<&str>, target: &str) -> Vec<String> {
+pub fn left_behind(list: &[store::Summary], head: Option<&str>, target: &str) -> Vec<String> {
     let parent = |id: &str| list.iter().find(|m| m.statepoint_id == id).and_then(|m| m.parent_statepoint_id.clone());
     let mut target_line: HashSet<String> = HashSet::new();
     let mut at = Some(target.to_string());
@@ -688,7 +688,8 @@ mod tests {
 
     #[test]
     fn a_rollback_leaves_the_head_back_to_the_targets_line() {
-        let t = tree();
+        let t: Vec<store::Summary> =
+            (tree().into_iter()).map(|m| serde_json::from_value(serde_json::to_value(m).unwrap()).unwrap()).collect();
         assert_eq!(left_behind(&t, Some("sp3"), "sp2"), ["sp3"]);
         assert_eq!(left_behind(&t, Some("sp3"), "sp4"), ["sp3"], "across branches: back to the common ancestor");
         assert_eq!(left_behind(&t, Some("sp4"), "sp1"), ["sp4", "sp2"]);

@@ -395,20 +395,49 @@ impl ContainerStore {
         self.manifests().into_iter().filter(|m| m.status == Status::Committed && !m.internal).collect()
     }
 
-    /// Finds a committed statepoint by id or name.
-    pub fn find(&self, key: &str) -> Result<Manifest> {
-        let all = self.manifests();
-        all.iter()
-            .find(|m| m.status == Status::Committed && (m.statepoint_id == key || m.name.as_deref() == Some(key)))
-            .cloned()
-            .ok_or_else(|| Error::Unknown(key.to_string()))
+    /// What every statepoint with a readable manifest is, oldest first: its id, name, status
+    /// and chain, read without the rest of its manifest (an operation looks through all of them,
+    /// up to `store.retention` and more: it reads the statepoint it wants in full).
+    pub fn summaries(&self) -> Vec<Summary> {
+        let mut v: Vec<Summary> = std::fs::read_dir(self.dir.join("statepoints"))
+            .map(|rd| {
+                rd.filter_map(Result::ok)
+                    .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path().join("manifest.json")).ok()?).ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort_by_key(|m: &Summary| seq_of(&m.statepoint_id));
+        v
     }
 
-    /// The next statepoint id: sp1, sp2, … (never reused within a container).
+    /// Finds a committed statepoint by id or name. (A name never has an id's shape,
+    /// `statepoint::check_name`: an id is read where it is, a name looked for.)
+    pub fn find(&self, key: &str) -> Result<Manifest> {
+        let unknown = || Error::Unknown(key.to_string());
+        let id = match is_id(key) {
+            true => key.to_string(),
+            false => {
+                self.summaries()
+                    .into_iter()
+                    .find(|m| m.status == Status::Committed && m.name.as_deref() == Some(key))
+                    .ok_or_else(unknown)?
+                    .statepoint_id
+            }
+        };
+        match read_manifest(&self.statepoint_dir(&id).join("manifest.json")) {
+            Ok(m) if m.status == Status::Committed && m.statepoint_id == id => Ok(m),
+            _ => Err(unknown()),
+        }
+    }
+
+    /// The next statepoint id: sp1, sp2, … (never reused within a container: not an id in the
+    /// counter, nor one a directory has, with a manifest or not).
     pub fn next_id(&self) -> String {
         let counter = self.dir.join("counter");
         let last: u64 = std::fs::read_to_string(&counter).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
-        let max_dir = self.manifests().iter().map(|m| seq_of(&m.statepoint_id)).max().unwrap_or(0);
+        let max_dir = std::fs::read_dir(self.dir.join("statepoints"))
+            .map(|rd| rd.filter_map(Result::ok).map(|e| seq_of(&e.file_name().to_string_lossy())).max().unwrap_or(0))
+            .unwrap_or(0);
         let n = last.max(max_dir) + 1;
         let _ = sys::write_atomic(&counter, n.to_string().as_bytes(), 0o644);
         format!("sp{n}")
@@ -423,7 +452,10 @@ impl ContainerStore {
     /// Statepoint directories a crashed planarian left: pending manifests, and directories with
     /// no manifest at all (partial creations). The caller removes their parts.
     pub fn stale(&self) -> (Vec<Manifest>, Vec<PathBuf>) {
-        let pending = self.manifests().into_iter().filter(|m| m.status == Status::Pending).collect();
+        let pending = (self.summaries().into_iter())
+            .filter(|m| m.status == Status::Pending)
+            .filter_map(|m| read_manifest(&self.statepoint_dir(&m.statepoint_id).join("manifest.json")).ok())
+            .collect();
         let orphans = std::fs::read_dir(self.dir.join("statepoints"))
             .map(|rd| {
                 rd.filter_map(Result::ok).map(|e| e.path()).filter(|p| !p.join("manifest.json").exists()).collect()
@@ -444,6 +476,31 @@ impl ContainerStore {
         }
         Ok(m)
     }
+}
+
+/// A manifest's fields a look through every statepoint needs ([`ContainerStore::summaries`]).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct Summary {
+    pub statepoint_id: String,
+    pub parent_statepoint_id: Option<String>,
+    pub name: Option<String>,
+    pub status: Status,
+    #[serde(default)]
+    pub internal: bool,
+    pub local_state: SummaryLocal,
+}
+
+/// Of a [`Summary`]'s local state, where its images are.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct SummaryLocal {
+    pub criu_checkpoint_path: String,
+}
+
+/// Whether `key` has a statepoint id's shape: `sp` and digits.
+pub fn is_id(key: &str) -> bool {
+    key.strip_prefix("sp").is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
 }
 
 pub fn read_manifest(path: &Path) -> Result<Manifest> {
@@ -549,6 +606,9 @@ pub(crate) mod tests {
         s.mark_discarded("sp1").unwrap();
         std::fs::remove_dir_all(s.statepoint_dir("sp1")).unwrap();
         assert_eq!(s.next_id(), "sp3");
+        // A directory a crash left without a manifest, its id past the counter: not reused.
+        std::fs::create_dir_all(s.statepoint_dir("sp9").join("criu")).unwrap();
+        assert_eq!(s.next_id(), "sp10");
     }
 
     #[test]
@@ -575,6 +635,23 @@ pub(crate) mod tests {
         assert_eq!(s.find("sp1").unwrap().statepoint_id, "sp1");
         let e = s.find("sp2").unwrap_err().to_string();
         assert!(e.starts_with("unknown statepoint sp2"), "{e}");
+        // A name of a statepoint not committed, an id with no statepoint, not an id: unknown.
+        let mut p = manifest("sp3", Status::Pending);
+        p.name = Some("half".into());
+        s.write_manifest(&p).unwrap();
+        for key in ["half", "sp7", "sp", "../sp1", "sp1/..", ""] {
+            assert!(matches!(s.find(key), Err(Error::Unknown(_))), "{key}");
+        }
+        // The summaries are the manifests' own, oldest first.
+        let sums: Vec<_> = s.summaries().into_iter().map(|m| (m.statepoint_id, m.name, m.status)).collect();
+        assert_eq!(
+            sums,
+            [
+                ("sp1".into(), Some("deps-installed".into()), Status::Committed),
+                ("sp2".into(), None, Status::Pending),
+                ("sp3".into(), Some("half".into()), Status::Pending)
+            ]
+        );
     }
 
     #[test]

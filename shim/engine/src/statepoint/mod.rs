@@ -384,7 +384,8 @@ pub fn enforce_retention(cfg: &Config, store: &ContainerStore) {
     if keep == 0 {
         return;
     }
-    let committed = store.committed();
+    let committed: Vec<_> =
+        store.summaries().into_iter().filter(|m| m.status == Status::Committed && !m.internal).collect();
     let head = store.head();
     let excess = committed.len().saturating_sub(keep);
     for m in committed.iter().filter(|m| Some(&m.statepoint_id) != head.as_ref()).take(excess) {
@@ -407,7 +408,7 @@ pub fn check_name(name: &str) -> Result<()> {
     if name.chars().any(char::is_control) {
         return bad("it holds a control character");
     }
-    if name.strip_prefix("sp").is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit())) {
+    if crate::store::is_id(name) {
         return bad("that is the shape of a statepoint id");
     }
     Ok(())

@@ -82,7 +82,7 @@ impl Rollback {
     /// store and returned.
     pub fn run(self, progress: &mut dyn Progress, reason: Option<&str>, by: Actor) -> Result<RestoreContext> {
         let (store, target) = (&self.store, &self.target);
-        let left = context::left_behind(&store.manifests(), store.head().as_deref(), &target.statepoint_id);
+        let left = context::left_behind(&store.summaries(), store.head().as_deref(), &target.statepoint_id);
         let done = rollback(&self.engine, &self.container, store, target, progress)?;
         crate::log::mark("rolled back");
         let compensated = compensated(target, &done);
