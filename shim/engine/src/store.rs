@@ -395,9 +395,9 @@ impl ContainerStore {
         self.manifests().into_iter().filter(|m| m.status == Status::Committed && !m.internal).collect()
     }
 
-    /// What every statepoint with a readable manifest is, oldest first: its id, name, status
-    /// and chain, read without the rest of its manifest (an operation looks through all of them,
-    /// up to `store.retention` and more: it reads the statepoint it wants in full).
+    /// What every statepoint with a readable manifest is, oldest first: its id, parent, name,
+    /// status and images, read without the rest of its manifest (an operation looks through all
+    /// of them, up to `store.retention` and more, and reads in full only what it acts on).
     pub fn summaries(&self) -> Vec<Summary> {
         let mut v: Vec<Summary> = std::fs::read_dir(self.dir.join("statepoints"))
             .map(|rd| {
@@ -410,24 +410,21 @@ impl ContainerStore {
         v
     }
 
-    /// Finds a committed statepoint by id or name. (A name never has an id's shape,
-    /// `statepoint::check_name`: an id is read where it is, a name looked for.)
+    /// Finds a committed statepoint by id or name: an id is read where it is; otherwise the
+    /// oldest committed statepoint of that name (new names never have an id's shape,
+    /// `statepoint::check_name`, but an older store's may).
     pub fn find(&self, key: &str) -> Result<Manifest> {
-        let unknown = || Error::Unknown(key.to_string());
-        let id = match is_id(key) {
-            true => key.to_string(),
-            false => {
-                self.summaries()
-                    .into_iter()
-                    .find(|m| m.status == Status::Committed && m.name.as_deref() == Some(key))
-                    .ok_or_else(unknown)?
-                    .statepoint_id
-            }
+        let committed = |id: &str| {
+            let m = read_manifest(&self.statepoint_dir(id).join("manifest.json")).ok()?;
+            (m.status == Status::Committed && m.statepoint_id == id).then_some(m)
         };
-        match read_manifest(&self.statepoint_dir(&id).join("manifest.json")) {
-            Ok(m) if m.status == Status::Committed && m.statepoint_id == id => Ok(m),
-            _ => Err(unknown()),
+        if let Some(m) = Some(key).filter(|k| is_id(k)).and_then(committed) {
+            return Ok(m);
         }
+        (self.summaries().into_iter())
+            .filter(|m| m.status == Status::Committed && m.name.as_deref() == Some(key))
+            .find_map(|m| committed(&m.statepoint_id))
+            .ok_or_else(|| Error::Unknown(key.to_string()))
     }
 
     /// The next statepoint id: sp1, sp2, … (never reused within a container: not an id in the
@@ -455,6 +452,7 @@ impl ContainerStore {
         let pending = (self.summaries().into_iter())
             .filter(|m| m.status == Status::Pending)
             .filter_map(|m| read_manifest(&self.statepoint_dir(&m.statepoint_id).join("manifest.json")).ok())
+            .filter(|m| m.status == Status::Pending)
             .collect();
         let orphans = std::fs::read_dir(self.dir.join("statepoints"))
             .map(|rd| {
@@ -642,16 +640,54 @@ pub(crate) mod tests {
         for key in ["half", "sp7", "sp", "../sp1", "sp1/..", ""] {
             assert!(matches!(s.find(key), Err(Error::Unknown(_))), "{key}");
         }
-        // The summaries are the manifests' own, oldest first.
-        let sums: Vec<_> = s.summaries().into_iter().map(|m| (m.statepoint_id, m.name, m.status)).collect();
+        // An older store's name of an id's shape: found when no statepoint has that id; an id
+        // is the statepoint's own first.
+        for (id, name) in [("sp4", "sp9"), ("sp5", "sp1")] {
+            let mut m = manifest(id, Status::Committed);
+            m.name = Some(name.into());
+            s.write_manifest(&m).unwrap();
+        }
+        assert_eq!(s.find("sp9").unwrap().statepoint_id, "sp4");
+        assert_eq!(s.find("sp1").unwrap().statepoint_id, "sp1");
+        // Two of one name, the older one's manifest not readable in full: the other.
+        let mut m = manifest("sp7", Status::Committed);
+        m.name = Some("dup".into());
+        s.write_manifest(&m).unwrap();
+        let mut v = serde_json::to_value(&m).unwrap();
+        v["statepoint-id"] = "sp6".into();
+        v["measurements"] = "not measurements".into();
+        std::fs::create_dir_all(s.statepoint_dir("sp6")).unwrap();
+        std::fs::write(s.statepoint_dir("sp6").join("manifest.json"), v.to_string()).unwrap();
+        assert_eq!(s.find("dup").unwrap().statepoint_id, "sp7");
+        // The summaries are the manifests' own, oldest first (the one only a summary reads too).
+        let mut p = manifest("sp8", Status::Committed);
+        (p.parent_statepoint_id, p.internal, p.local_state.criu_checkpoint_path) =
+            (Some("sp7".into()), true, "criu-elsewhere".into());
+        s.write_manifest(&p).unwrap();
+        let full = |id: &str| read_manifest(&s.statepoint_dir(id).join("manifest.json")).ok();
+        let sums = s.summaries();
         assert_eq!(
-            sums,
-            [
-                ("sp1".into(), Some("deps-installed".into()), Status::Committed),
-                ("sp2".into(), None, Status::Pending),
-                ("sp3".into(), Some("half".into()), Status::Pending)
-            ]
+            sums.iter().map(|m| m.statepoint_id.as_str()).collect::<Vec<_>>(),
+            ["sp1", "sp2", "sp3", "sp4", "sp5", "sp6", "sp7", "sp8"]
         );
+        for sum in sums.iter().filter(|m| m.statepoint_id != "sp6") {
+            let m = full(&sum.statepoint_id).unwrap();
+            assert_eq!(
+                (&sum.parent_statepoint_id, &sum.name, sum.status, sum.internal, &sum.local_state.criu_checkpoint_path),
+                (&m.parent_statepoint_id, &m.name, m.status, m.internal, &m.local_state.criu_checkpoint_path)
+            );
+        }
+        assert!(full("sp6").is_none() && sums[5].name.as_deref() == Some("dup"));
+    }
+
+    #[test]
+    fn an_id_is_sp_and_digits() {
+        for (key, id) in [("sp1", true), ("sp042", true), ("sp", false), ("sp1a", false), ("Sp1", false)] {
+            assert_eq!(is_id(key), id, "{key}");
+        }
+        for key in ["../sp1", "sp1/..", "sp1/../sp2", "/sp1", "", " sp1"] {
+            assert!(!is_id(key), "{key}");
+        }
     }
 
     #[test]

@@ -384,8 +384,8 @@ pub fn enforce_retention(cfg: &Config, store: &ContainerStore) {
     if keep == 0 {
         return;
     }
-    let committed: Vec<_> =
-        store.summaries().into_iter().filter(|m| m.status == Status::Committed && !m.internal).collect();
+    // (in full: a statepoint counted here must be one `remove` can read)
+    let committed = store.committed();
     let head = store.head();
     let excess = committed.len().saturating_sub(keep);
     for m in committed.iter().filter(|m| Some(&m.statepoint_id) != head.as_ref()).take(excess) {
