@@ -382,12 +382,19 @@ impl ContainerStore {
 
     /// All statepoints with a readable manifest, oldest first.
     pub fn manifests(&self) -> Vec<Manifest> {
-        let mut v: Vec<Manifest> = std::fs::read_dir(self.dir.join("statepoints"))
+        self.read_each(|m: &Manifest| &m.statepoint_id)
+    }
+
+    /// Every statepoint's manifest that reads as a `T`, oldest first (by the id `id` gives).
+    fn read_each<T: serde::de::DeserializeOwned>(&self, id: impl Fn(&T) -> &str) -> Vec<T> {
+        let mut v: Vec<T> = std::fs::read_dir(self.dir.join("statepoints"))
             .map(|rd| {
-                rd.filter_map(Result::ok).filter_map(|e| read_manifest(&e.path().join("manifest.json")).ok()).collect()
+                rd.filter_map(Result::ok)
+                    .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path().join("manifest.json")).ok()?).ok())
+                    .collect()
             })
             .unwrap_or_default();
-        v.sort_by_key(|m| seq_of(&m.statepoint_id));
+        v.sort_by_key(|m| seq_of(id(m)));
         v
     }
 
@@ -399,15 +406,7 @@ impl ContainerStore {
     /// status and images, read without the rest of its manifest (an operation looks through all
     /// of them, up to `store.retention` and more, and reads in full only what it acts on).
     pub fn summaries(&self) -> Vec<Summary> {
-        let mut v: Vec<Summary> = std::fs::read_dir(self.dir.join("statepoints"))
-            .map(|rd| {
-                rd.filter_map(Result::ok)
-                    .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path().join("manifest.json")).ok()?).ok())
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort_by_key(|m: &Summary| seq_of(&m.statepoint_id));
-        v
+        self.read_each(|m: &Summary| &m.statepoint_id)
     }
 
     /// Finds a committed statepoint by id or name: an id is read where it is; otherwise the
