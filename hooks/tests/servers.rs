@@ -13,6 +13,7 @@ use common::{control, pg_bin, root, wait_until, Mcp, Pg};
 use postgres::{Client, NoTls};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
@@ -766,8 +767,28 @@ fn concurrent_callers_are_serialised_and_every_write_is_undone() {
     assert_eq!(dump(&mut db), before);
 }
 
+/// A server started in a process group of its own (`process_group(0)`), stopped whole: Toolbox's command is a node
+/// wrapper that runs the real server as its child, which a kill of the wrapper alone would leave
+/// running (and listening on the port). Stopped when dropped too, so a failing test leaves none.
+struct Group(Child);
+
+impl Group {
+    fn stop(&mut self) {
+        use nix::sys::signal::{killpg, Signal};
+        let pgid = nix::unistd::Pid::from_raw(self.0.id() as i32);
+        let _ = killpg(pgid, Signal::SIGKILL);
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 /// The real server as a Streamable HTTP server on a loopback port.
-fn http_server(srv: &Srv, pg: &Pg, port: u16) -> Child {
+fn http_server(srv: &Srv, pg: &Pg, port: u16) -> Group {
     let mut c = match srv {
         Srv::Toolbox(tb) => {
             let mut h = Command::new(tb);
@@ -793,11 +814,11 @@ fn http_server(srv: &Srv, pg: &Pg, port: u16) -> Child {
             c
         }
     };
-    let child = c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let server = Group(c.process_group(0).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
     wait_until(60, &format!("{srv:?} did not listen on {port} within 60 s"), || {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     });
-    child
+    server
 }
 
 fn free_port() -> u16 {
@@ -845,16 +866,19 @@ fn streamable_http_on_both_sides_with_the_official_sdk_client() {
         std::fs::create_dir_all(&dir).unwrap();
         let control_path = dir.join("control.sock");
         let _ = std::fs::remove_file(&control_path);
-        let mut proxy = Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"))
-            .args(["serve", "--server", kind, "--database", &pg.dsn(), "--http", "127.0.0.1:0", "--control"])
-            .arg(&control_path)
-            .arg("--state")
-            .arg(dir.join("positions.json"))
-            .args(["--upstream-url", &format!("http://127.0.0.1:{port}/mcp")])
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut err = BufReader::new(proxy.stderr.take().unwrap());
+        let mut proxy = Group(
+            Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"))
+                .args(["serve", "--server", kind, "--database", &pg.dsn(), "--http", "127.0.0.1:0", "--control"])
+                .arg(&control_path)
+                .arg("--state")
+                .arg(dir.join("positions.json"))
+                .args(["--upstream-url", &format!("http://127.0.0.1:{port}/mcp")])
+                .stderr(Stdio::piped())
+                .process_group(0)
+                .spawn()
+                .unwrap(),
+        );
+        let mut err = BufReader::new(proxy.0.stderr.take().unwrap());
         let url = loop {
             let mut l = String::new();
             assert!(err.read_line(&mut l).unwrap() > 0, "the proxy exited");
@@ -913,9 +937,11 @@ fn streamable_http_on_both_sides_with_the_official_sdk_client() {
         assert_eq!(control(&control_path, &["position"]).unwrap()["position"].as_u64(), Some(start + 2));
         // The upstream restarts (its sessions are gone): the proxy opens a new one and the call
         // goes through.
-        upstream.kill().unwrap();
-        upstream.wait().unwrap();
-        let mut upstream = http_server(srv, &pg, port);
+        upstream.stop();
+        wait_until(30, &format!("{srv:?} still listens on {port} after it was stopped"), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
+        });
+        let upstream = http_server(srv, &pg, port);
         let r = call("DELETE FROM accounts WHERE id = 2");
         assert_ne!(r["isError"], json!(true), "after the upstream restarted: {r}");
         assert_eq!(db.query_one("SELECT count(*) FROM accounts WHERE id = 2", &[]).unwrap().get::<_, i64>(0), 0);
@@ -930,10 +956,7 @@ fn streamable_http_on_both_sides_with_the_official_sdk_client() {
         assert!(client.wait().unwrap().success());
         let with = [json_hdr[0], json_hdr[1], ("Mcp-Session-Id", session.as_str())];
         assert_eq!(raw_http(&url, "POST", &with, list).0, 404, "the session ended");
-        let _ = proxy.kill();
-        let _ = proxy.wait();
-        let _ = upstream.kill();
-        let _ = upstream.wait();
+        drop((proxy, upstream));
     }
 }
 
