@@ -310,7 +310,9 @@ fn serve_and_settle(
 ) -> Result<(), Error> {
     let store = store.clone();
     let mut server = server::Server::new(view);
+    let began = std::time::Instant::now();
     let served = server.run(work, Some(ready));
+    let serving = began.elapsed();
     let log = work.join("lazy-pages.log");
     if let Err(e) = &served {
         let _ = std::fs::write(&log, format!("{e}\n"));
@@ -322,8 +324,13 @@ fn serve_and_settle(
         // (the killing first: the userfaultfds, closed with the server, would give zeros)
         Err(e) => Err(p.fail(&store, e.to_string())),
         Ok(s) => {
+            let began = std::time::Instant::now();
             let settled = settle(&store, p.init, images);
-            let _ = std::fs::write(&log, format!("{s:?}\n{settled:?}\n"));
+            let (serving, settling) = (serving.as_millis(), began.elapsed().as_millis());
+            let _ = std::fs::write(
+                &log,
+                format!("{s:?}\n{settled:?}\nlistened and served for {serving} ms, settled in {settling} ms\n"),
+            );
             if let Err(e) = &settled {
                 // The bits may be cleared with some changed pages unmarked: the next dump is full.
                 crate::chain::invalidate_base(

@@ -118,11 +118,53 @@ struct Contents {
     runs: Vec<PageRun>,
 }
 
-/// The image files a dump's pages are read from, each opened once.
+/// The image files a dump's pages are read from, each opened once, and mapped (read-only) once
+/// pages are installed straight from it.
 #[derive(Default)]
-pub(super) struct DumpFiles(HashMap<PathBuf, std::fs::File>);
+pub(super) struct DumpFiles {
+    files: HashMap<PathBuf, DumpFile>,
+    /// An image mapped but did not read through its mapping: none is mapped any more.
+    read_only: bool,
+}
+
+struct DumpFile {
+    file: std::fs::File,
+    /// `None` until asked for; `Some(None)` when it cannot be mapped (then pages are read).
+    map: Option<Option<Mapped>>,
+}
+
+/// A whole image file mapped read-only (shared: its pages are the page cache's).
+struct Mapped {
+    addr: *mut nix::libc::c_void,
+    len: usize,
+}
+
+impl Mapped {
+    fn new(file: &std::fs::File) -> Option<Mapped> {
+        let len = usize::try_from(file.metadata().ok()?.len()).ok().filter(|&l| l > 0)?;
+        let (prot, flags) = (nix::libc::PROT_READ, nix::libc::MAP_SHARED);
+        // SAFETY: a new mapping of our own descriptor, read-only; its address is ours until Drop.
+        let addr = unsafe { nix::libc::mmap(std::ptr::null_mut(), len, prot, flags, file.as_raw_fd(), 0) };
+        (addr != nix::libc::MAP_FAILED).then_some(Mapped { addr, len })
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once.
+        unsafe { nix::libc::munmap(self.addr, self.len) };
+    }
+}
 
 impl DumpFiles {
+    fn open(&mut self, path: &Path) -> Result<&mut DumpFile, Error> {
+        if !self.files.contains_key(path) {
+            let file = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
+            self.files.insert(path.to_path_buf(), DumpFile { file, map: None });
+        }
+        Ok(self.files.get_mut(path).expect("just opened"))
+    }
+
     /// Reads into `buf` the dump's content from address `addr` on, by `runs` (a process's, from
     /// [`images::memory`]); false when part of it is in no image (then `buf` is not all read).
     pub(super) fn read(&mut self, runs: &[PageRun], addr: u64, buf: &mut [u8]) -> Result<bool, Error> {
@@ -132,18 +174,39 @@ impl DumpFiles {
             let at = runs.partition_point(|r| r.end() <= a);
             let Some(r) = runs.get(at).filter(|r| r.vaddr <= a) else { return Ok(false) };
             let n = ((r.end() - a) as usize).min(buf.len() - done);
-            let f = match self.0.get(&r.file) {
-                Some(f) => f,
-                None => {
-                    let f = std::fs::File::open(&r.file).map_err(|e| Error::io("open", &r.file, e))?;
-                    self.0.entry(r.file.clone()).or_insert(f)
-                }
-            };
+            let f = &self.open(&r.file)?.file;
             f.read_exact_at(&mut buf[done..done + n], r.loc.offset + (a - r.vaddr))
                 .map_err(|e| Error::io("read", &r.file, e))?;
             done += n;
         }
         Ok(true)
+    }
+
+    /// Pages are read from now on, never from a mapping.
+    fn no_mapping(&mut self) {
+        self.read_only = true;
+        self.files.values_mut().for_each(|f| f.map = None);
+    }
+
+    /// Where the dump's `len` bytes from address `addr` on are in this process, when they are
+    /// consecutive in one image and it maps: the kernel then copies them from the page cache
+    /// into the restored process once (read into a buffer first, they would be copied twice).
+    /// `None`: read them.
+    fn mapped(&mut self, runs: &[PageRun], addr: u64, len: usize) -> Result<Option<u64>, Error> {
+        let at = runs.partition_point(|r| r.end() <= addr);
+        let end = addr.checked_add(len as u64);
+        let Some(r) = runs.get(at).filter(|r| r.vaddr <= addr && end.is_some_and(|e| e <= r.end())) else {
+            return Ok(None);
+        };
+        if self.read_only {
+            return Ok(None);
+        }
+        let f = self.open(&r.file)?;
+        let map = f.map.get_or_insert_with(|| Mapped::new(&f.file));
+        // (an offset or a length past the file, as a damaged image could say: read, and fail there)
+        let from = r.loc.offset.checked_add(addr - r.vaddr);
+        let inside = |m: &&Mapped| from.and_then(|f| f.checked_add(len as u64)).is_some_and(|e| e <= m.len as u64);
+        Ok(map.as_ref().filter(inside).map(|m| m.addr as u64 + from.expect("inside")))
     }
 }
 
@@ -397,15 +460,29 @@ impl Server {
     fn install(&mut self, i: usize, (start, end, img): (u64, u64, u64)) -> Result<u64, Error> {
         let len = (end - start) as usize;
         let contents = self.tasks[i].contents.clone();
-        self.read(&contents, img, len)?;
+        let mapped = self.files.mapped(&contents.runs, img, len)?;
+        let src = match mapped {
+            Some(at) => at,
+            None => {
+                self.read(&contents, img, len)?;
+                self.buf.as_ptr() as u64
+            }
+        };
         let Some(fd) = self.tasks[i].uffd.as_ref().map(|f| f.as_raw_fd()) else { return Ok(0) };
-        let mut c = UffdioCopy { dst: start, src: self.buf.as_ptr() as u64, len: len as u64, mode: 0, copy: 0 };
-        // SAFETY: a userfaultfd, a struct of the kernel's layout, and `len` bytes of our buffer.
+        let mut c = UffdioCopy { dst: start, src, len: len as u64, mode: 0, copy: 0 };
+        // SAFETY: a userfaultfd, a struct of the kernel's layout, and `len` readable bytes: of our
+        // buffer, or of an image's mapping, which lives as long as `self.files`.
         match unsafe { uffdio_copy(fd, &mut c) } {
             Ok(_) => Ok(len as u64 / PAGE_SIZE),
             Err(nix::errno::Errno::ESRCH | nix::errno::Errno::ENOSPC) => {
                 self.tasks[i].end();
                 Ok(0)
+            }
+            // An image that maps but does not read through its mapping (nothing was copied: the
+            // kernel says EFAULT only then): images are read from now on.
+            Err(nix::errno::Errno::EFAULT) if mapped.is_some() => {
+                self.files.no_mapping();
+                self.install(i, (start, end, img))
             }
             // The kernel copies within one mapping: a run across two (their boundary moved since
             // the dump) goes page by page.
@@ -527,5 +604,54 @@ mod tests {
         assert_eq!(p.first(), Some((0x10000, 0x12000, 0x10000)));
         assert_eq!(p.take(0x0, 0x100000).len(), 3);
         assert_eq!(p.pages(), 0);
+    }
+
+    /// A dump's pages as its images' mappings give them are what reading the images gives; a
+    /// range across two runs, past what an image holds, or at an offset that overflows, is left
+    /// to reading.
+    #[test]
+    fn mapped_pages_are_the_images_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("pages-1.img"), dir.path().join("pages-2.img"));
+        let page = |k: u8| vec![k; PAGE_SIZE as usize];
+        std::fs::write(&a, [page(1), page(2), page(3), page(4)].concat()).unwrap();
+        std::fs::write(&b, [page(7), page(8)].concat()).unwrap();
+        let run = |vaddr: u64, nr_pages: u64, file: &Path, offset: u64| PageRun {
+            vaddr,
+            nr_pages,
+            file: file.to_path_buf(),
+            loc: images::Location { dev: 0, ino: 0, offset },
+            lazy: true,
+        };
+        // 0x10000..0x12000 from pages 2 and 3 of the first image, 0x12000 from the second's first;
+        // then a run that says more pages than its image holds, and one at an offset that wraps.
+        let runs = [
+            run(0x10000, 2, &a, PAGE_SIZE),
+            run(0x12000, 1, &b, 0),
+            run(0x20000, 2, &b, PAGE_SIZE),
+            run(0x30000, 1, &b, u64::MAX - 100),
+        ];
+        let mut files = DumpFiles::default();
+        let mut bytes = |addr: u64, len: usize| {
+            // SAFETY: `len` bytes of an image's mapping, alive as long as `files`.
+            files
+                .mapped(&runs, addr, len)
+                .unwrap()
+                .map(|at| unsafe { std::slice::from_raw_parts(at as *const u8, len) }.to_vec())
+        };
+        let (one, two) = (PAGE_SIZE as usize, 2 * PAGE_SIZE as usize);
+        assert_eq!(bytes(0x10000, two), Some([page(2), page(3)].concat()));
+        assert_eq!(bytes(0x11000, one), Some(page(3)));
+        assert_eq!(bytes(0x12000, one), Some(page(7)));
+        assert_eq!(bytes(0x11000, two), None, "across two runs");
+        assert_eq!(bytes(0x13000, one), None, "in no run");
+        assert_eq!(bytes(0x20000, one), Some(page(8)));
+        assert_eq!(bytes(0x20000, two), None, "past the image's end");
+        assert_eq!(bytes(0x30000, one), None, "an offset that wraps");
+        let mut buf = vec![0u8; two];
+        assert!(files.read(&runs, 0x11000, &mut buf).unwrap());
+        assert_eq!(buf, [page(3), page(7)].concat());
+        files.no_mapping();
+        assert_eq!(files.mapped(&runs, 0x10000, two).unwrap(), None, "read only");
     }
 }
