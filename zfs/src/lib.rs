@@ -594,9 +594,9 @@ pub fn dataset_mounted_at(mounts: &[Mount], path: &Path) -> Option<String> {
 }
 
 /// Where `dataset` is mounted: every mount point of it, in mount order (a bind of the dataset's
-/// root shows up as a second one).
+/// root shows up as a second one; a bind of one of its directories is not one).
 pub fn mounts_of(mounts: &[Mount], dataset: &str) -> Vec<PathBuf> {
-    zfs_mounts(mounts).filter(|m| m.source == dataset).map(|m| PathBuf::from(&m.point)).collect()
+    zfs_mounts(mounts).filter(|m| m.source == dataset && m.root == "/").map(|m| PathBuf::from(&m.point)).collect()
 }
 
 #[cfg(test)]
@@ -606,6 +606,7 @@ mod tests {
     const MOUNTINFO: &str = "\
 42 29 0:37 / /tank rw,relatime - fuse.zfs tank rw,user_id=0,group_id=0,default_permissions,allow_other
 43 42 0:38 / /tank/sb rw,relatime - fuse.zfs tank/sb rw,user_id=0,group_id=0
+44 29 0:38 /data /mnt/data rw,relatime - fuse.zfs tank/sb rw,user_id=0,group_id=0
 50 29 0:40 / /srv/my\\040box rw - zfs pool/my\\040box rw,xattr
 60 29 0:45 / /var/lib/containers/storage/overlay/abc/merged rw - overlay overlay rw,lowerdir=/l/A,upperdir=/u,workdir=/w
 ";

@@ -351,6 +351,8 @@ pub fn parse_maps(text: &str) -> Vec<MapLine> {
 /// filesystem type, source (unescaped) and the filesystem's own (superblock) options.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
+    /// The directory of its filesystem mounted here (`/`, or a bind's subdirectory).
+    pub root: String,
     pub point: String,
     pub options: String,
     pub fstype: String,
@@ -366,6 +368,7 @@ impl Mount {
         let f: Vec<&str> = pre.split(' ').collect();
         let s: Vec<&str> = post.split(' ').collect();
         Some(Mount {
+            root: unescape(f.get(3)?),
             point: unescape(f.get(4)?),
             options: f.get(5)?.to_string(),
             fstype: s.first()?.to_string(),

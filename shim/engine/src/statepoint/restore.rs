@@ -40,6 +40,7 @@ pub struct Restored {
 
 /// Restores the statepoint named by the marker in the checkpoint directory.
 pub fn restore(engine: &Engine, a: &RestoreRequest) -> Result<Restored> {
+    crate::log::start_marks();
     // (first: without CRIU nothing below is worth starting)
     let criu_bin = engine.criu()?.to_path_buf();
     let bundle = match &a.bundle {
@@ -63,7 +64,9 @@ pub fn restore(engine: &Engine, a: &RestoreRequest) -> Result<Restored> {
         }
     };
     let sp_id = m.statepoint_id.clone();
+    crate::log::mark("statepoint");
     crate::local::zfs::create::prepare_bundle(&cfg, &a.container_id, &mut b)?;
+    crate::log::mark("bundle");
     let spec = b.spec;
     if spec.terminal && a.console_socket.is_none() {
         return Err(Error::TerminalNeedsConsole);
@@ -75,6 +78,7 @@ pub fn restore(engine: &Engine, a: &RestoreRequest) -> Result<Restored> {
     let pid_file = a.pid_file.clone().unwrap_or_else(|| bundle.join("pidfile"));
     sys::write_atomic(&pid_file, pid.to_string().as_bytes(), 0o644)?;
     container::register_with_crun(engine.globals(), &a.container_id, pid, &bundle, &spec)?;
+    crate::log::mark("crun told");
     // The base first, then the head: a base recorded for a tree that is then killed is never
     // used (the next dump checks the init's start time), while a head moved before a failure
     // would name a statepoint the container is not at.
@@ -87,9 +91,12 @@ pub fn restore(engine: &Engine, a: &RestoreRequest) -> Result<Restored> {
     // The sandbox runs again; so does its MCP sidecar (stopped when Podman deleted the container
     // after a checkpoint). Without it, database calls and the next snapshot fail with its error.
     let mut warnings: Vec<String> = restored.eager_because.take().into_iter().collect();
+    crate::log::mark("recorded");
     if let Err(e) = crate::remote::sidecar::start(&cfg, &a.container_id) {
         warnings.push(e.to_string());
     }
+    crate::log::mark("sidecar");
+    crate::log::log_marks(&format!("restore of {sp_id} into {} timeline (ms)", super::short(&a.container_id)));
     Ok(Restored { pid, warnings })
 }
 
@@ -141,7 +148,9 @@ fn run_restore(
         None
     };
     let tcp_established = a.tcp_established || m.options.tcp_established;
+    crate::log::mark("prepared");
     let mut memory = Memory::of(cfg, store, &images, &restore_work);
+    crate::log::mark("page server");
     let plan = criu::RestorePlan {
         images_dir: &images,
         work_dir: &restore_work,
@@ -174,6 +183,7 @@ fn run_restore(
     }
     crate::fault::point("restore.before-criu")?;
     let pid = memory.restore(criu_bin, &plan, a, &hooks, &epoch_file)?;
+    crate::log::mark("criu");
     // Where Podman looks for them (`podman container restore --print-stats` reads the stats).
     for f in ["stats-restore", "restore.log"] {
         let _ = std::fs::copy(restore_work.join(f), work.join(f));
@@ -182,6 +192,7 @@ fn run_restore(
     // failed restore leaves no container running that neither conmon nor crun knows.
     let restored = RestoredTree { pid, keep: false, eager_because: memory.eager_because.take() };
     memory.restored(pid)?;
+    crate::log::mark("server told");
     if !join_netns {
         criu::remove_restored_network_locks(pid);
     }

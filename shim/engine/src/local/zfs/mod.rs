@@ -78,8 +78,14 @@ pub fn snapshot_name(id: &str, sp: &str) -> String {
     format!("planarian-{}-{sp}", short(id))
 }
 
-/// Where a dataset is mounted, or an error when it is not.
+/// Where a dataset is mounted (mounted first when it is not).
 pub(crate) fn mountpoint(zfs: &Zfs, ds: &str) -> Result<PathBuf> {
+    // Where it is mounted, from this host's mount table when that is unambiguous (`zfs get`
+    // twice otherwise: a fixed cost of every snapshot, restore and create, ~100 ms each under
+    // emulation).
+    if let [one] = &sys::proc::Proc::own().mounts().map(|ms| zfs::mounts_of(&ms, ds)).unwrap_or_default()[..] {
+        return Ok(one.clone());
+    }
     let mp = zfs.get(ds, "mountpoint")?.value;
     if !mp.starts_with('/') {
         return Err(Error::NoMountPoint { dataset: ds.to_string(), mountpoint: mp });
@@ -314,15 +320,7 @@ impl Rootfs for ZfsRootfs {
 
     fn snapshot(&self, _sp_dir: &Path, local: &LocalState) -> Result<()> {
         let snap = local.zfs_snapshot.as_deref().ok_or(Error::NoZfsSnapshot)?;
-        // Where it is mounted, from this host's mount table when that is unambiguous (`zfs get`
-        // twice otherwise: a fixed cost of every snapshot).
-        let mounted =
-            sys::proc::Proc::own().mounts().map(|ms| zfs::mounts_of(&ms, &self.map.dataset)).unwrap_or_default();
-        let mp = match &mounted[..] {
-            [one] => one.clone(),
-            _ => mountpoint(&self.zfs, &self.map.dataset)?,
-        };
-        syncfs(&mp)?;
+        syncfs(&mountpoint(&self.zfs, &self.map.dataset)?)?;
         self.zfs.snapshot(snap).map_err(|e| match e.kind() {
             Kind::NoSpace => Error::PoolFull { pool: zfs::pool_of(snap).to_string(), source: e },
             _ => e.into(),
@@ -514,11 +512,7 @@ fn find_in_place(
     // have left it on a retired one: looked for only when it is not there (and whatever the
     // first try met in the way, removed).
     let at = Snap::of(zfs, d, recorded);
-    let mounted = sys::proc::Proc::own().mounts().map(|ms| zfs::mounts_of(&ms, d)).unwrap_or_default();
-    let live = match &mounted[..] {
-        [one] => one.clone(),
-        _ => mountpoint(zfs, d)?,
-    };
+    let live = mountpoint(zfs, d)?;
     let (made, (changes, times)) = std::thread::scope(|s| {
         let finding = s.spawn(|| changes_since(&at, &live, scratch, taken, unchanged_before));
         let made = match prepared.0.take() {
