@@ -770,13 +770,19 @@ fn concurrent_callers_are_serialised_and_every_write_is_undone() {
 /// A server started in a process group of its own (`process_group(0)`), stopped whole: Toolbox's command is a node
 /// wrapper that runs the real server as its child, which a kill of the wrapper alone would leave
 /// running (and listening on the port). Stopped when dropped too, so a failing test leaves none.
-struct Group(Child);
+struct Group(Child, bool);
 
 impl Group {
+    fn of(child: Child) -> Group {
+        Group(child, false)
+    }
+
     fn stop(&mut self) {
         use nix::sys::signal::{killpg, Signal};
-        let pgid = nix::unistd::Pid::from_raw(self.0.id() as i32);
-        let _ = killpg(pgid, Signal::SIGKILL);
+        // (once: a group reaped may have its number reused)
+        if !std::mem::replace(&mut self.1, true) {
+            let _ = killpg(nix::unistd::Pid::from_raw(self.0.id() as i32), Signal::SIGKILL);
+        }
         let _ = self.0.wait();
     }
 }
@@ -814,7 +820,7 @@ fn http_server(srv: &Srv, pg: &Pg, port: u16) -> Group {
             c
         }
     };
-    let server = Group(c.process_group(0).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
+    let server = Group::of(c.process_group(0).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
     wait_until(60, &format!("{srv:?} did not listen on {port} within 60 s"), || {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     });
@@ -866,7 +872,7 @@ fn streamable_http_on_both_sides_with_the_official_sdk_client() {
         std::fs::create_dir_all(&dir).unwrap();
         let control_path = dir.join("control.sock");
         let _ = std::fs::remove_file(&control_path);
-        let mut proxy = Group(
+        let mut proxy = Group::of(
             Command::new(env!("CARGO_BIN_EXE_planarian-mcp-proxy"))
                 .args(["serve", "--server", kind, "--database", &pg.dsn(), "--http", "127.0.0.1:0", "--control"])
                 .arg(&control_path)
