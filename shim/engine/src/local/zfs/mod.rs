@@ -931,7 +931,12 @@ pub fn fork_into(
 ) -> Result<()> {
     let zfs = zfs_from(cfg)?;
     let name = recorded.rsplit('@').next().unwrap_or(recorded);
-    let snap = find_snapshot(&zfs, &src.dataset, name)?.ok_or_else(|| missing(name, &src.dataset))?;
+    // (where it was taken, asked of libzfs_core: no process, and no listing of every snapshot of
+    // the pool; a restore since may have moved it, and then it is looked for)
+    let snap = match zfs::lzc::Core::get().is_some_and(|core| core.exists(recorded)) {
+        true => recorded.to_string(),
+        false => find_snapshot(&zfs, &src.dataset, name)?.ok_or_else(|| missing(name, &src.dataset))?,
+    };
     let ds = fork_dataset(cfg, src, new_id);
     zfs.clone_snapshot(&snap, &ds, &[])?;
     let bundle = std::fs::canonicalize(new_bundle).unwrap_or(new_bundle.to_path_buf());
