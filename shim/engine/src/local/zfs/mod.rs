@@ -124,11 +124,19 @@ pub fn check_available(cfg: &Config, store: &ContainerStore, local: &LocalState)
 fn locate(cfg: &Config, store: &ContainerStore, local: &LocalState) -> Result<Option<(Zfs, Mapping, String)>> {
     let (Some(snap), Some(map)) = (&local.zfs_snapshot, mapping(store)) else { return Ok(None) };
     let zfs = zfs_from(cfg)?;
-    let name = snap.rsplit('@').next().unwrap_or(snap);
-    match find_snapshot(&zfs, &map.dataset, name)? {
-        Some(found) => Ok(Some((zfs, map, found))),
-        None => Err(missing(name, &map.dataset)),
+    let found = recorded_snapshot(&zfs, &map.dataset, snap)?;
+    Ok(Some((zfs, map, found)))
+}
+
+/// Statepoint snapshot `recorded` (its full name when it was taken): there, when libzfs_core
+/// says so (no process, and no listing of every snapshot of the pool); otherwise (a restore since
+/// may have moved it, or no libzfs_core) looked for by its name in the pool of `dataset`.
+fn recorded_snapshot(zfs: &Zfs, dataset: &str, recorded: &str) -> Result<String> {
+    if zfs::lzc::Core::get().is_some_and(|core| core.exists(recorded)) {
+        return Ok(recorded.to_string());
     }
+    let name = recorded.rsplit('@').next().unwrap_or(recorded);
+    find_snapshot(zfs, dataset, name)?.ok_or_else(|| missing(name, dataset))
 }
 
 /// Checks, before anything changes, that the container's files can go back to statepoint
@@ -930,13 +938,7 @@ pub fn fork_into(
     new_bundle: &Path,
 ) -> Result<()> {
     let zfs = zfs_from(cfg)?;
-    let name = recorded.rsplit('@').next().unwrap_or(recorded);
-    // (where it was taken, asked of libzfs_core: no process, and no listing of every snapshot of
-    // the pool; a restore since may have moved it, and then it is looked for)
-    let snap = match zfs::lzc::Core::get().is_some_and(|core| core.exists(recorded)) {
-        true => recorded.to_string(),
-        false => find_snapshot(&zfs, &src.dataset, name)?.ok_or_else(|| missing(name, &src.dataset))?,
-    };
+    let snap = recorded_snapshot(&zfs, &src.dataset, recorded)?;
     let ds = fork_dataset(cfg, src, new_id);
     zfs.clone_snapshot(&snap, &ds, &[])?;
     let bundle = std::fs::canonicalize(new_bundle).unwrap_or(new_bundle.to_path_buf());
@@ -961,10 +963,7 @@ pub fn send_statepoint(
 ) -> Result<Option<String>> {
     let map = mapping(store).ok_or(Error::NoZfsSnapshot)?;
     let zfs = zfs_from(cfg)?;
-    let find = |recorded: &str| -> Result<String> {
-        let name = recorded.rsplit('@').next().unwrap_or(recorded);
-        find_snapshot(&zfs, &map.dataset, name)?.ok_or_else(|| missing(name, &map.dataset))
-    };
+    let find = |recorded: &str| recorded_snapshot(&zfs, &map.dataset, recorded);
     let snap = find(recorded)?;
     let from = since.map(find).transpose()?;
     let guid = match &from {
