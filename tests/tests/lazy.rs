@@ -51,9 +51,12 @@ fn forked(r: &Run) -> Sandbox {
 /// What the page server of `name`'s last restore wrote when it ended: what it served, then how
 /// settling went (its log in the restore's work directory, in the container's bundle).
 fn server_log(name: &str) -> String {
+    std::fs::read_to_string(server_log_path(name)).unwrap_or_default()
+}
+
+fn server_log_path(name: &str) -> PathBuf {
     let dir = podman("planarian", &["inspect", "--format", "{{.StaticDir}}", name]).ok().out();
-    let log = PathBuf::from(dir).join("planarian-restore/lazy-pages.log");
-    std::fs::read_to_string(&log).unwrap_or_default()
+    PathBuf::from(dir).join("planarian-restore/lazy-pages.log")
 }
 
 /// A number after `key: ` in the server's log.
@@ -94,11 +97,29 @@ fn a_lazy_fork_of_an_incremental_statepoint_is_exact_and_snapshots_incrementally
         (at_sp.counter + 1, &at_sp.checksum),
         "the fork's memory is the statepoint's"
     );
-    drop(armed);
 
-    // Its first snapshot waits for every page and the settling, and is incremental.
-    let f1 = f.snapshot("f1");
+    // Its first snapshot waits for every page and the settling, and is incremental. The transfer
+    // held, the pages cannot all be in: the snapshot hurries the server (which says so at once)
+    // and waits; released, the rest goes at normal priority.
+    let log_path = server_log_path(&f.name);
+    let snap = {
+        let n = f.name.clone();
+        std::thread::spawn(move || cmd(planarian_bin().to_str().unwrap(), ["snapshot", &n, "--name", "f1"]))
+    };
+    assert!(
+        wait_for(std::time::Duration::from_secs(300), || std::fs::read_to_string(&log_path)
+            .is_ok_and(|l| l.starts_with("hurried"))),
+        "the waiting snapshot did not hurry the server"
+    );
+    drop(armed);
+    let r = snap.join().unwrap();
+    r.ok();
+    let f1 = r.out();
     let log = server_log(&f.name);
+    assert!(
+        log.contains("hurried: true") && field(&log, "idle_runs") == 0,
+        "held until hurried, no background run was idle: {log}"
+    );
     assert!(field(&log, "lazy_pages") > 15_000, "64 MiB left to the server, most of it in the parent dump: {log}");
     assert!(field(&log, "forks") >= 1 && field(&log, "on_fault") > 1_000, "{log}");
     // Settling found the pages the server installed soft-dirty, and marked again only those that
@@ -156,6 +177,9 @@ fn a_rollback_that_restores_lazily_is_exact_and_a_pause_while_it_settles_holds()
     drop(armed);
     // Settled (its marker gone), and the container still paused: frozen, as Podman says.
     assert!(wait_for(std::time::Duration::from_secs(300), || !store_of(&sb.name).join("lazy-pages.json").exists()));
+    // Nobody waited for the memory: the background transfer ran as the idle class, and ended.
+    let log = server_log(&sb.name);
+    assert!(field(&log, "idle_runs") > 0 && log.contains("hurried: false"), "{log}");
     assert_eq!(status(&sb.name), "paused");
     assert!(cgroup_frozen(&sb.name), "paused, but running");
     podman("planarian", &["unpause", &sb.name]).ok();

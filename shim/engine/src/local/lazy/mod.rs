@@ -22,6 +22,7 @@
 //! which does the same. The container then shows as exited in Podman, and the next snapshot or
 //! rollback of it says why. A restore that fails kills its server.
 
+pub mod pace;
 pub mod server;
 pub mod view;
 
@@ -37,6 +38,8 @@ pub const MARKER: &str = "lazy-pages.json";
 /// snapshot's: an operation that recovers what a killed planarian left frozen must not thaw a
 /// settling under way (it waits for it instead).
 const FROZEN: &str = "lazy-pages-frozen";
+/// The server's log, in the restore's work directory: what it served and how settling went.
+pub const LOG: &str = "lazy-pages.log";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -154,6 +157,8 @@ pub fn settled(store: &ContainerStore) -> Result<(), Error> {
             );
             return Err(p.fail(store, why));
         }
+        // (the rest of the memory, transferred in the background as idle, is waited for now)
+        pace::hurry(p.server);
         crate::runtime::exec::wait_for_exit(p.server, None);
     }
 }
@@ -200,7 +205,7 @@ impl Worker {
         let mut b = [0u8; 1];
         match nix::unistd::read(&ready_r, &mut b) {
             Ok(1) => Ok(w),
-            _ => Err(Error::Start(format!("it did not listen (see {})", work.join("lazy-pages.log").display()))),
+            _ => Err(Error::Start(format!("it did not listen (see {})", work.join(LOG).display()))),
         }
     }
 
@@ -254,6 +259,9 @@ pub fn work(ready: OwnedFd, go: OwnedFd, store: &Path, images: &Path, view: &Pat
     use nix::unistd::ForkResult;
     let store = ContainerStore { dir: store.to_path_buf() };
     let (fwd_r, fwd_w) = nix::unistd::pipe().map_err(|e| Error::Serve(format!("pipe: {e}")))?;
+    // (a wait for the memory is said to the whole session: the serving child hurries, this one
+    // must not die of it; before the fork, so before anyone knows the session)
+    pace::ignore_hurry();
     // SAFETY: this process is single-threaded (just started): the child may run anything.
     match unsafe { nix::unistd::fork() }.map_err(|e| Error::Serve(format!("fork: {e}")))? {
         ForkResult::Child => {
@@ -280,7 +288,7 @@ pub fn work(ready: OwnedFd, go: OwnedFd, store: &Path, images: &Path, view: &Pat
             let _ = std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
-                .open(work.join("lazy-pages.log"))
+                .open(work.join(LOG))
                 .and_then(|mut f| std::io::Write::write_all(&mut f, note.as_bytes()));
             match pending.filter(|p| p.server == std::process::id() as i32 && p.failed.is_none()) {
                 Some(p) => {
@@ -313,7 +321,7 @@ fn serve_and_settle(
     let began = std::time::Instant::now();
     let served = server.run(work, Some(ready));
     let serving = began.elapsed();
-    let log = work.join("lazy-pages.log");
+    let log = work.join(LOG);
     if let Err(e) = &served {
         let _ = std::fs::write(&log, format!("{e}\n"));
     }

@@ -71,6 +71,10 @@ pub struct Served {
     pub in_background: u64,
     pub zero_pages: u64,
     pub forks: u64,
+    /// Background runs made as the idle class ([`super::pace`]).
+    pub idle_runs: u64,
+    /// Someone waited for the memory before it was all in (the rest went normal).
+    pub hurried: bool,
 }
 
 /// The pages a process still misses: start → (end, the address their content had in the dump).
@@ -241,6 +245,8 @@ pub struct Server {
     held: Option<PathBuf>,
     /// The restore said it finished: every mapping is in place and registered.
     finished: bool,
+    /// The serving thread's pace, while it serves (none where the idle class cannot be had).
+    pace: Option<super::pace::Pace>,
 }
 
 impl Server {
@@ -254,6 +260,7 @@ impl Server {
             next: 0,
             held: None,
             finished: false,
+            pace: None,
         }
     }
 
@@ -274,10 +281,21 @@ impl Server {
         let (conn, _) = listener.accept().map_err(|e| Error::io("accept on", &path, e))?;
         drop(listener);
         let _ = std::fs::remove_file(&path);
-        self.serve(conn)
+        self.serve(conn, &work.join(super::LOG))
     }
 
-    fn serve(&mut self, mut conn: UnixStream) -> Result<Served, Error> {
+    /// Serves; `log` says "hurried" as soon as someone waits for the memory (the whole of what
+    /// was served is written there at the end).
+    fn serve(&mut self, conn: UnixStream, log: &Path) -> Result<Served, Error> {
+        // (the background transfer as the idle class, faults normal: see [`super::pace`];
+        // settling, and a failure's kill, run normal)
+        self.pace = super::pace::Pace::new();
+        let served = self.serving(conn, log);
+        self.pace = None;
+        served
+    }
+
+    fn serving(&mut self, mut conn: UnixStream, log: &Path) -> Result<Served, Error> {
         let mut open = true;
         loop {
             let finished = self.finished;
@@ -303,6 +321,7 @@ impl Server {
                 (true, false) => PollTimeout::ZERO,
                 (false, _) => PollTimeout::NONE,
             };
+            let seen = self.pace.as_ref().map(|p| p.seen());
             match poll(&mut fds, timeout) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => return Err(Error::Serve(format!("poll: {e}"))),
@@ -323,12 +342,32 @@ impl Server {
                     Message::Closed => return Err(Error::Serve("the restore ended before it finished".into())),
                 }
             }
+            let any = ready[..live.len()].iter().any(|&r| r);
+            if let Some(p) = self.pace.as_mut().filter(|_| any) {
+                p.normal();
+            }
             for (k, &i) in live.iter().enumerate() {
                 if ready[k] {
                     self.events(i)?;
                 }
             }
+            if let Some(p) = self.pace.as_ref().filter(|_| any) {
+                p.drained();
+            }
+            if !self.served.hurried && super::pace::hurried() {
+                self.served.hurried = true;
+                let _ = std::fs::write(log, "hurried\n");
+            }
             if background && !held {
+                // (a boost since the look: an event may wait, looked for first)
+                if let (Some(p), Some(seen)) = (self.pace.as_mut(), seen) {
+                    if !p.idle(seen) {
+                        continue;
+                    }
+                    if !self.served.hurried {
+                        self.served.idle_runs += 1;
+                    }
+                }
                 self.background()?;
             }
         }
@@ -356,6 +395,9 @@ impl Server {
         let runs = images::memory(&self.view, pid as u32)?;
         self.served.processes += 1;
         self.served.lazy_pages += pending.pages();
+        if let Some(p) = &self.pace {
+            p.watch(uffd.as_fd());
+        }
         self.tasks.push(Task { pid, uffd: Some(uffd), pending, contents: Rc::new(Contents { runs }), gone: false });
         Ok(Message::Task)
     }
@@ -393,6 +435,9 @@ impl Server {
                         gone: false,
                     };
                     self.served.forks += 1;
+                    if let (Some(p), Some(u)) = (&self.pace, &child.uffd) {
+                        p.watch(u.as_fd());
+                    }
                     self.tasks.push(child);
                 }
                 EVENT_REMAP => {
