@@ -15,6 +15,10 @@
 //! since (frozen): afterwards exactly the pages that differ from the statepoint are soft-dirty, as
 //! after an eager restore. A snapshot, rollback or spare freeze waits for that ([`settled`]).
 //!
+//! **The background work waits for idle CPU time** ([`pace`]): forks made side by side are not
+//! slowed by each other's page copies; a fault is served at once, and a wait for the memory (a
+//! snapshot, rollback or spare) has the rest done without waiting.
+//!
 //! **A server that fails loses pages.** Once its userfaultfd is closed, the kernel gives a page
 //! nobody installed as zeros. So a server that fails (an image it cannot read, a kernel error)
 //! kills the restored container's first process, and with it its PID namespace, and records why
@@ -87,6 +91,10 @@ pub struct Pending {
     pub images: PathBuf,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed: Option<String>,
+    /// The server hears a wait for its memory ([`pace::hurry`]); one of an older planarian
+    /// would die of the signal.
+    #[serde(default)]
+    pub hurry: bool,
 }
 
 impl Pending {
@@ -157,8 +165,10 @@ pub fn settled(store: &ContainerStore) -> Result<(), Error> {
             );
             return Err(p.fail(store, why));
         }
-        // (the rest of the memory, transferred in the background as idle, is waited for now)
-        pace::hurry(p.server);
+        // (the rest of the memory, left to idle CPU time, is waited for now)
+        if p.hurry {
+            pace::hurry(p.server);
+        }
         crate::runtime::exec::wait_for_exit(p.server, None);
     }
 }
@@ -219,6 +229,7 @@ impl Worker {
             init_start: sys::proc::start_time(init).unwrap_or(0),
             images: self.images.clone(),
             failed: None,
+            hurry: true,
         };
         p.write(&self.store)?;
         let told = nix::unistd::write(self.go.as_ref().expect("told once"), format!("{init}\n").as_bytes());
@@ -317,7 +328,10 @@ fn serve_and_settle(
     work: &Path,
 ) -> Result<(), Error> {
     let store = store.clone();
-    let mut server = server::Server::new(view);
+    // (before it says it listens: from then on a restore, and then a waiter, may know it)
+    pace::listen();
+    let pace = pace::Pace::new().map(std::rc::Rc::new);
+    let mut server = server::Server::new(view, pace.clone());
     let began = std::time::Instant::now();
     let served = server.run(work, Some(ready));
     let serving = began.elapsed();
@@ -333,7 +347,7 @@ fn serve_and_settle(
         Err(e) => Err(p.fail(&store, e.to_string())),
         Ok(s) => {
             let began = std::time::Instant::now();
-            let settled = settle(&store, p.init, images);
+            let settled = settle(&store, p.init, images, pace.as_deref());
             let (serving, settling) = (serving.as_millis(), began.elapsed().as_millis());
             let _ = std::fs::write(
                 &log,
@@ -366,7 +380,7 @@ pub struct Settled {
 /// Leaves soft-dirty, in each process of the container whose first process is `init` that the
 /// dump in `images` holds, exactly the pages that differ from the dump (see the module's
 /// documentation).
-pub fn settle(store: &ContainerStore, init: i32, images: &Path) -> Result<Settled, Error> {
+pub fn settle(store: &ContainerStore, init: i32, images: &Path, pace: Option<&pace::Pace>) -> Result<Settled, Error> {
     let freezer = Freezer::of_pid(init)?;
     let store_marker = store.dir.join(FROZEN);
     let dumped: std::collections::HashMap<u32, ()> =
@@ -394,7 +408,7 @@ pub fn settle(store: &ContainerStore, init: i32, images: &Path) -> Result<Settle
     // anyway).
     let mut differ = Vec::new();
     for (&(pid, vpid), pages) in procs.iter().zip(&dirty) {
-        differ.push(differing(pid, &criu_hooks::images::memory(images, vpid)?, pages)?);
+        differ.push(differing(pid, &criu_hooks::images::memory(images, vpid)?, pages, pace)?);
     }
     // 3. frozen: one byte of each, written back, where nothing wrote since.
     let _frozen = FreezeGuard::freeze(&freezer, store_marker)?;
@@ -428,7 +442,13 @@ fn soft_dirty(pid: i32) -> Result<Vec<u64>, Error> {
 
 /// Of `pages` (ascending), those whose content in process `pid` is not the dump's (`runs`), or
 /// that the dump does not hold. Read in runs of up to 64 pages.
-fn differing(pid: i32, runs: &[criu_hooks::images::PageRun], pages: &[u64]) -> Result<Vec<u64>, Error> {
+/// (Each run of pages through `pace`'s gate: idle CPU time, as the transfer's.)
+fn differing(
+    pid: i32,
+    runs: &[criu_hooks::images::PageRun],
+    pages: &[u64],
+    pace: Option<&pace::Pace>,
+) -> Result<Vec<u64>, Error> {
     use std::os::unix::fs::FileExt;
     const MAX: usize = 64;
     let mem = Proc::of(pid).open("mem")?;
@@ -437,6 +457,9 @@ fn differing(pid: i32, runs: &[criu_hooks::images::PageRun], pages: &[u64]) -> R
     let mut out = Vec::new();
     let mut i = 0;
     while i < pages.len() {
+        if let Some(p) = pace {
+            p.gate(p.seen());
+        }
         let mut n = 1;
         while i + n < pages.len() && n < MAX && pages[i + n] == pages[i] + n as u64 * PAGE_SIZE {
             n += 1;

@@ -1,43 +1,45 @@
-//! The page server's pace: its background transfer takes only CPU time nothing else wants.
+//! The page server's pace: its background work waits for CPU time nothing else wants.
 //!
 //! A fork restored on demand answers before its memory is all there; the rest comes in the
 //! background. When many forks are made at once (`fork --count N`), every server's transfer
 //! competed with the other forks' restores for the same CPUs, and memory on demand lost to
-//! memory restored whole. So the serving thread copies in the background as `SCHED_IDLE`, the
-//! class the scheduler runs only on a CPU with nothing else to run, and answers a fault as a
-//! normal thread:
+//! memory restored whole. So before each background run the serving thread passes a **gate**: it
+//! takes `SCHED_IDLE` (the class the scheduler runs only when nothing else wants the CPU) and
+//! yields, and once the scheduler runs it again it takes the normal class back and makes the run.
+//! The copy itself is never made as the idle class: `UFFDIO_COPY` (and a read of
+//! `/proc/PID/mem`) holds the restored process's memory lock, and a starved holder would stall
+//! the container's own `munmap`, `mremap` or `fork` for seconds.
 //!
-//! * a watcher thread, normal, waits on an epoll set of the processes' userfaultfds; when one is
-//!   ready it counts a boost and gives the serving thread the normal class at once, even in the
-//!   middle of a background run, then waits until the serving thread has read what was ready;
-//! * the serving thread takes the idle class before a background run and then looks at the
-//!   count: a boost since it last looked means an event may be waiting, and it stays normal for
-//!   it (the watcher counts before it boosts, the serving thread sets before it looks: one of the
-//!   two always sees the other);
-//! * whoever waits for the memory to be all there (a snapshot, a rollback, a spare: [`hurry`])
-//!   sends `SIGUSR1` to the server's session: the rest is transferred as a normal thread.
+//! * A fault does not wait at the gate: a watcher thread (normal) waits on an epoll set of the
+//!   processes' userfaultfds (edge-triggered: one wake per new event) and, when the serving
+//!   thread is at the gate, gives it the normal class at once. It counts each wake first; the
+//!   serving thread takes the idle class and then reads the count, so one of the two always sees
+//!   the other, and the serving thread looks for events before the run when the count moved.
+//! * Whoever waits for the memory to be all there (a snapshot, a rollback, a spare: [`hurry`])
+//!   sends `SIGUSR1` to the server's session, read through a signalfd the watcher waits on too:
+//!   from then on no gate, and a thread at the gate is let through at once.
+//! * Settling's comparison of the installed pages with the dump, the container running, passes
+//!   the gate too, every run of pages; its two frozen moments do not.
 //!
-//! Where the idle class cannot be had, the server runs as it did, normal throughout.
+//! The serving process hears the signal from before anyone can know it ([`listen`]); where the
+//! idle class cannot be had, or the signal not heard, there is no gate.
 
 use nix::libc;
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering::SeqCst};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::{Arc, OnceLock};
 
-/// Set by `SIGUSR1`: someone waits for the memory; no more idle class.
+/// Someone waits for the memory: no more gate.
 static HURRIED: AtomicBool = AtomicBool::new(false);
-/// The serving thread, for the signal's handler to give it the normal class (0: none yet).
-static SERVING: AtomicI32 = AtomicI32::new(0);
-
-/// Whether someone waited for the memory ([`hurry`]).
-pub fn hurried() -> bool {
-    HURRIED.load(SeqCst)
-}
+/// Where this process hears [`hurry`] ([`listen`]).
+static HEARD: OnceLock<SignalFd> = OnceLock::new();
 
 /// The signal [`hurry`] sends.
-pub const SIGNAL: nix::sys::signal::Signal = nix::sys::signal::Signal::SIGUSR1;
+pub const SIGNAL: Signal = Signal::SIGUSR1;
 
 /// Tells the page server whose session is `server` that its memory is waited for.
 pub fn hurry(server: i32) {
@@ -50,13 +52,30 @@ pub fn ignore_hurry() {
     let _ = unsafe { nix::sys::signal::signal(SIGNAL, nix::sys::signal::SigHandler::SigIgn) };
 }
 
-extern "C" fn on_hurry(_: libc::c_int) {
-    HURRIED.store(true, SeqCst);
-    let tid = SERVING.load(SeqCst);
-    if tid > 0 {
-        // (a system call: safe in a handler)
-        set_class(tid, libc::SCHED_OTHER);
+/// The serving process hears [`hurry`] from now on: [`SIGNAL`] blocked (threads started later
+/// inherit it; a blocked signal is kept even where it is ignored) and read through a signalfd.
+/// Called before the process can be known, so that no hurry is lost. False where it cannot.
+pub fn listen() -> bool {
+    let mut set = SigSet::empty();
+    set.add(SIGNAL);
+    if nix::sys::signal::pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&set), None).is_err() {
+        return false;
     }
+    match SignalFd::with_flags(&set, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC) {
+        Ok(fd) => HEARD.set(fd).is_ok(),
+        Err(_) => false,
+    }
+}
+
+/// Whether someone waited for the memory ([`hurry`]).
+pub fn hurried() -> bool {
+    if HURRIED.load(SeqCst) {
+        return true;
+    }
+    if HEARD.get().is_some_and(|fd| matches!(fd.read_signal(), Ok(Some(_)))) {
+        HURRIED.store(true, SeqCst);
+    }
+    HURRIED.load(SeqCst)
 }
 
 fn set_class(tid: i32, policy: libc::c_int) -> bool {
@@ -70,106 +89,91 @@ fn gettid() -> i32 {
     unsafe { libc::gettid() }
 }
 
+/// Whether a thread here may take the idle class and leave it again (leaving it needs
+/// `CAP_SYS_NICE` or `RLIMIT_NICE`): tried on a thread of its own, thrown away after.
+fn idle_class_can_be_left() -> bool {
+    std::thread::spawn(|| set_class(gettid(), libc::SCHED_IDLE) && set_class(gettid(), libc::SCHED_OTHER))
+        .join()
+        .unwrap_or(false)
+}
+
 /// What the watcher and the serving thread share.
 struct Shared {
     epoll: Epoll,
-    /// Boosts given so far.
+    /// The watcher's wakes so far.
     boosts: AtomicU64,
-    /// Written by the serving thread each time it has read its userfaultfds.
-    drained: EventFd,
+    /// The serving thread is at the gate (the watcher lets it through).
+    gated: AtomicBool,
     /// In the epoll set: the watcher's end.
     stop: EventFd,
     stopping: AtomicBool,
     serving: i32,
 }
 
-/// The serving thread's pace (see the module's documentation). Dropped, the watcher ends and
-/// the thread is normal again.
+/// The key of the stop eventfd and of the signalfd in the epoll set (a userfaultfd's is 0).
+const STOP: u64 = u64::MAX;
+const HEARD_KEY: u64 = u64::MAX - 1;
+
+/// The serving thread's pace (see the module's documentation). Dropped, the watcher ends.
 pub struct Pace {
     shared: Arc<Shared>,
     watcher: Option<std::thread::JoinHandle<()>>,
-    /// What this thread last set itself to, and the boost count then.
-    idle: bool,
-    set_at: u64,
 }
 
 impl Pace {
-    /// The serving thread's pace, or none where the idle class cannot be had (the server is then
-    /// normal throughout). Call on the serving thread.
+    /// The serving thread's pace, or none where there can be no gate (the server then runs as
+    /// a normal thread throughout). Call on the serving thread, after [`listen`].
     pub fn new() -> Option<Pace> {
-        let serving = gettid();
-        // (whether the class can be had at all, and back: tried once)
-        if !set_class(serving, libc::SCHED_IDLE) || !set_class(serving, libc::SCHED_OTHER) {
+        let heard = HEARD.get()?;
+        if !idle_class_can_be_left() {
             return None;
         }
         let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).ok()?;
-        let flags = EfdFlags::EFD_CLOEXEC;
-        let (drained, stop) = (EventFd::from_flags(flags).ok()?, EventFd::from_flags(flags).ok()?);
-        epoll.add(stop.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, u64::MAX)).ok()?;
+        let stop = EventFd::from_flags(EfdFlags::EFD_CLOEXEC).ok()?;
+        epoll.add(stop.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, STOP)).ok()?;
+        epoll.add(heard.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, HEARD_KEY)).ok()?;
         let shared = Arc::new(Shared {
             epoll,
             boosts: AtomicU64::new(0),
-            drained,
+            gated: AtomicBool::new(false),
             stop,
             stopping: AtomicBool::new(false),
-            serving,
+            serving: gettid(),
         });
-        SERVING.store(serving, SeqCst);
-        let handler = nix::sys::signal::SigAction::new(
-            nix::sys::signal::SigHandler::Handler(on_hurry),
-            nix::sys::signal::SaFlags::SA_RESTART,
-            nix::sys::signal::SigSet::empty(),
-        );
-        // SAFETY: the handler only stores an atomic and makes one system call.
-        unsafe { nix::sys::signal::sigaction(SIGNAL, &handler).ok()? };
         let s = shared.clone();
         let watcher = std::thread::Builder::new().name("pace".into()).spawn(move || watch(&s)).ok()?;
-        Some(Pace { shared, watcher: Some(watcher), idle: false, set_at: 0 })
+        Some(Pace { shared, watcher: Some(watcher) })
     }
 
     /// A process's userfaultfd, watched from now on (closed, it leaves the set by itself).
     pub fn watch(&self, uffd: BorrowedFd) {
-        let _ = self.shared.epoll.add(uffd, EpollEvent::new(EpollFlags::EPOLLIN, 0));
+        let _ = self.shared.epoll.add(uffd, EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLET, 0));
     }
 
-    /// The boost count, read before looking for events.
+    /// The watcher's count, read before looking for events.
     pub fn seen(&self) -> u64 {
         self.shared.boosts.load(SeqCst)
     }
 
-    /// Events were found: the thread is normal while it reads them.
-    pub fn normal(&mut self) {
-        if self.idle {
-            set_class(self.shared.serving, libc::SCHED_OTHER);
-            self.idle = false;
+    /// The gate before a background run, with `seen` read before the last look for events: the
+    /// thread waits as the idle class until the scheduler runs it again, and is normal after.
+    /// True: make the run, as a run the gate held (false for `held`: someone waits for the memory,
+    /// and there was no gate). None: the watcher woke since `seen` (an event or a hurry may
+    /// wait): look first.
+    pub fn gate(&self, seen: u64) -> Option<bool> {
+        let s = &*self.shared;
+        if hurried() {
+            return Some(false);
         }
-    }
-
-    /// The events found were read: the watcher may look again.
-    pub fn drained(&self) {
-        let _ = self.shared.drained.write(1);
-    }
-
-    /// Before a background run, with `seen` read before the last look for events: whether the
-    /// thread may run it as idle now. False when a boost came since `seen` (an event may be
-    /// waiting: look first) or someone waits for the memory (the thread is normal then).
-    pub fn idle(&mut self, seen: u64) -> bool {
-        if HURRIED.load(SeqCst) {
-            self.normal();
-            return true;
+        s.gated.store(true, SeqCst);
+        set_class(s.serving, libc::SCHED_IDLE);
+        if s.boosts.load(SeqCst) == seen {
+            // SAFETY: a plain system call.
+            unsafe { libc::sched_yield() };
         }
-        if self.idle && self.set_at == seen && self.seen() == seen {
-            return true;
-        }
-        set_class(self.shared.serving, libc::SCHED_IDLE);
-        self.idle = true;
-        let now = self.seen();
-        if now != seen {
-            self.normal();
-            return false;
-        }
-        self.set_at = now;
-        true
+        set_class(s.serving, libc::SCHED_OTHER);
+        s.gated.store(false, SeqCst);
+        (s.boosts.load(SeqCst) == seen).then_some(true)
     }
 }
 
@@ -177,84 +181,93 @@ impl Drop for Pace {
     fn drop(&mut self) {
         self.shared.stopping.store(true, SeqCst);
         let _ = self.shared.stop.write(1);
-        let _ = self.shared.drained.write(1);
         if let Some(w) = self.watcher.take() {
             let _ = w.join();
         }
-        SERVING.store(0, SeqCst);
-        self.normal();
     }
 }
 
-/// The watcher: a boost each time a userfaultfd is ready, then a wait until it was read.
+/// The watcher: a count of each wake (a new userfaultfd event, a hurry), and the serving thread
+/// let through the gate when it is there.
 fn watch(s: &Shared) {
     let mut events = [EpollEvent::empty(); 8];
-    while !s.stopping.load(SeqCst) {
-        match s.epoll.wait(&mut events, EpollTimeout::NONE) {
-            Ok(n) if events[..n].iter().any(|e| e.data() != u64::MAX) => {}
-            Ok(_) | Err(nix::errno::Errno::EINTR) => continue,
+    loop {
+        let n = match s.epoll.wait(&mut events, EpollTimeout::NONE) {
+            Ok(n) => n,
+            Err(nix::errno::Errno::EINTR) => continue,
             Err(_) => return,
-        }
+        };
         if s.stopping.load(SeqCst) {
             return;
         }
+        if events[..n].iter().any(|e| e.data() == HEARD_KEY) {
+            // (read, so the signalfd is not ready again)
+            hurried();
+        }
         s.boosts.fetch_add(1, SeqCst);
-        set_class(s.serving, libc::SCHED_OTHER);
-        // (until the serving thread has read them: they stay ready till then)
-        let _ = s.drained.read();
+        if s.gated.load(SeqCst) {
+            set_class(s.serving, libc::SCHED_OTHER);
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, Instant};
 
     fn class(tid: i32) -> libc::c_int {
         // SAFETY: a plain system call.
         unsafe { libc::sched_getscheduler(tid) }
     }
 
-    /// The serving thread idles for a background run, is made normal by the watcher as soon as
-    /// a watched descriptor is ready (without looking itself), stays normal when it looks after a
-    /// boost, and is normal for good once hurried. (An eventfd stands for a userfaultfd: the
-    /// watcher sees only readiness.)
+    fn until(what: &str, mut f: impl FnMut() -> bool) {
+        let t = Instant::now();
+        while !f() {
+            assert!(t.elapsed() < Duration::from_secs(30), "never: {what}");
+            std::thread::yield_now();
+        }
+    }
+
+    /// The gate leaves the thread normal; a new event on a watched descriptor is counted, and
+    /// gives a thread at the gate (only then) the normal class; a gate after a count that moved
+    /// does not wait and says to look first; once hurried, no gate. (An eventfd stands for a
+    /// userfaultfd: the watcher sees only readiness. The wait at the gate itself is the
+    /// scheduler's: not asserted, the machine's load decides it.)
     #[test]
-    fn idle_for_the_background_normal_for_an_event_and_once_hurried() {
+    fn the_gate_and_the_watcher_keep_to_their_protocol() {
+        assert!(Pace::new().is_none(), "no gate before the process listens for a hurry");
+        assert!(listen());
         std::thread::spawn(|| {
-            let Some(mut pace) = Pace::new() else {
-                panic!("SCHED_IDLE could not be had here");
-            };
+            let pace = Pace::new().expect("the idle class here, and back");
             let me = gettid();
             let ready = EventFd::from_flags(EfdFlags::EFD_NONBLOCK).unwrap();
             pace.watch(ready.as_fd());
+            assert_eq!(pace.gate(pace.seen()), Some(true));
+            assert_eq!(class(me), libc::SCHED_OTHER, "normal after the gate");
+
+            // Idle but not at the gate: an event is counted, the class left alone.
+            set_class(me, libc::SCHED_IDLE);
             let seen = pace.seen();
-            assert!(pace.idle(seen));
-            assert_eq!(class(me), libc::SCHED_IDLE);
-            assert!(pace.idle(seen), "still idle: no syscall, no boost");
-            // An event: the watcher boosts this thread while it "runs" in the background.
             ready.write(1).unwrap();
-            let t = std::time::Instant::now();
-            // (the watcher counts, then boosts)
-            while class(me) != libc::SCHED_OTHER {
-                assert!(t.elapsed() < std::time::Duration::from_secs(30), "no boost came");
-                std::thread::yield_now();
-            }
-            assert_ne!(pace.seen(), seen, "a boost counted");
-            // Looking with the count read before the boost: stay normal, look for the event first.
-            assert!(!pace.idle(seen));
-            assert_eq!(class(me), libc::SCHED_OTHER);
-            // The event read, the count read again: idle for the next run.
-            ready.read().unwrap();
-            pace.drained();
-            let seen = pace.seen();
-            assert!(pace.idle(seen));
+            until("the event counted", || pace.seen() != seen);
             assert_eq!(class(me), libc::SCHED_IDLE);
-            // Hurried: normal, and stays so.
+            // A gate with the count read before it: no wait, look first; normal after.
+            assert_eq!(pace.gate(seen), None);
+            assert_eq!(class(me), libc::SCHED_OTHER);
+
+            // At the gate (as the thread is while the scheduler holds it): the next event (a new
+            // one: the descriptor still holds the last) lets it through.
+            pace.shared.gated.store(true, SeqCst);
+            set_class(me, libc::SCHED_IDLE);
+            ready.write(1).unwrap();
+            until("let through", || class(me) == libc::SCHED_OTHER);
+            pace.shared.gated.store(false, SeqCst);
+
+            // Hurried: no gate from now on, the signal read once.
             nix::sys::signal::raise(SIGNAL).unwrap();
-            assert_eq!(class(me), libc::SCHED_OTHER);
-            assert!(pace.idle(pace.seen()));
-            assert_eq!(class(me), libc::SCHED_OTHER);
-            drop(pace);
+            assert!(hurried());
+            assert_eq!(pace.gate(pace.seen()), Some(false));
             assert_eq!(class(me), libc::SCHED_OTHER);
         })
         .join()

@@ -71,7 +71,7 @@ pub struct Served {
     pub in_background: u64,
     pub zero_pages: u64,
     pub forks: u64,
-    /// Background runs made as the idle class ([`super::pace`]).
+    /// Background runs that waited at the gate for idle CPU time ([`super::pace`]).
     pub idle_runs: u64,
     /// Someone waited for the memory before it was all in (the rest went normal).
     pub hurried: bool,
@@ -245,12 +245,12 @@ pub struct Server {
     held: Option<PathBuf>,
     /// The restore said it finished: every mapping is in place and registered.
     finished: bool,
-    /// The serving thread's pace, while it serves (none where the idle class cannot be had).
-    pace: Option<super::pace::Pace>,
+    /// The serving thread's pace (none: no gate).
+    pace: Option<Rc<super::pace::Pace>>,
 }
 
 impl Server {
-    pub fn new(view: &Path) -> Server {
+    pub fn new(view: &Path, pace: Option<Rc<super::pace::Pace>>) -> Server {
         Server {
             view: view.to_path_buf(),
             files: DumpFiles::default(),
@@ -260,7 +260,7 @@ impl Server {
             next: 0,
             held: None,
             finished: false,
-            pace: None,
+            pace,
         }
     }
 
@@ -286,16 +286,7 @@ impl Server {
 
     /// Serves; `log` says "hurried" as soon as someone waits for the memory (the whole of what
     /// was served is written there at the end).
-    fn serve(&mut self, conn: UnixStream, log: &Path) -> Result<Served, Error> {
-        // (the background transfer as the idle class, faults normal: see [`super::pace`];
-        // settling, and a failure's kill, run normal)
-        self.pace = super::pace::Pace::new();
-        let served = self.serving(conn, log);
-        self.pace = None;
-        served
-    }
-
-    fn serving(&mut self, mut conn: UnixStream, log: &Path) -> Result<Served, Error> {
+    fn serve(&mut self, mut conn: UnixStream, log: &Path) -> Result<Served, Error> {
         let mut open = true;
         loop {
             let finished = self.finished;
@@ -342,30 +333,23 @@ impl Server {
                     Message::Closed => return Err(Error::Serve("the restore ended before it finished".into())),
                 }
             }
-            let any = ready[..live.len()].iter().any(|&r| r);
-            if let Some(p) = self.pace.as_mut().filter(|_| any) {
-                p.normal();
-            }
             for (k, &i) in live.iter().enumerate() {
                 if ready[k] {
                     self.events(i)?;
                 }
-            }
-            if let Some(p) = self.pace.as_ref().filter(|_| any) {
-                p.drained();
             }
             if !self.served.hurried && super::pace::hurried() {
                 self.served.hurried = true;
                 let _ = std::fs::write(log, "hurried\n");
             }
             if background && !held {
-                // (a boost since the look: an event may wait, looked for first)
-                if let (Some(p), Some(seen)) = (self.pace.as_mut(), seen) {
-                    if !p.idle(seen) {
-                        continue;
-                    }
-                    if !self.served.hurried {
-                        self.served.idle_runs += 1;
+                // (through the gate: CPU time nothing else wants; a wake of the watcher since the
+                // look: an event may wait, looked for first)
+                if let (Some(p), Some(seen)) = (&self.pace, seen) {
+                    match p.gate(seen) {
+                        None => continue,
+                        Some(true) => self.served.idle_runs += 1,
+                        Some(false) => {}
                     }
                 }
                 self.background()?;
