@@ -118,7 +118,7 @@ fn a_lazy_fork_of_an_incremental_statepoint_is_exact_and_snapshots_incrementally
     let log = server_log(&f.name);
     assert!(
         log.contains("hurried: true") && field(&log, "idle_runs") == 0,
-        "held until hurried, no background run waited at the gate: {log}"
+        "held until hurried, no background run was idle: {log}"
     );
     assert!(field(&log, "lazy_pages") > 15_000, "64 MiB left to the server, most of it in the parent dump: {log}");
     assert!(field(&log, "forks") >= 1 && field(&log, "on_fault") > 1_000, "{log}");
@@ -177,7 +177,7 @@ fn a_rollback_that_restores_lazily_is_exact_and_a_pause_while_it_settles_holds()
     drop(armed);
     // Settled (its marker gone), and the container still paused: frozen, as Podman says.
     assert!(wait_for(std::time::Duration::from_secs(300), || !store_of(&sb.name).join("lazy-pages.json").exists()));
-    // Nobody waited for the memory: the background transfer went through the gate, and ended.
+    // Nobody waited for the memory: the background transfer ran as the idle class, and ended.
     let log = server_log(&sb.name);
     assert!(field(&log, "idle_runs") > 0 && log.contains("hurried: false"), "{log}");
     assert_eq!(status(&sb.name), "paused");

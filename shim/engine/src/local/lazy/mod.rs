@@ -442,50 +442,64 @@ fn soft_dirty(pid: i32) -> Result<Vec<u64>, Error> {
 
 /// Of `pages` (ascending), those whose content in process `pid` is not the dump's (`runs`), or
 /// that the dump does not hold. Read in runs of up to 64 pages.
-/// (Each run of pages through `pace`'s gate: idle CPU time, as the transfer's.)
+/// (Each run of pages as the idle class, as the transfer's: [`pace`].)
 fn differing(
     pid: i32,
     runs: &[criu_hooks::images::PageRun],
     pages: &[u64],
     pace: Option<&pace::Pace>,
 ) -> Result<Vec<u64>, Error> {
-    use std::os::unix::fs::FileExt;
     const MAX: usize = 64;
     let mem = Proc::of(pid).open("mem")?;
     let mut files = server::DumpFiles::default();
-    let (mut now, mut then) = (vec![0u8; MAX * PAGE_SIZE as usize], vec![0u8; PAGE_SIZE as usize]);
+    let mut bufs = (vec![0u8; MAX * PAGE_SIZE as usize], vec![0u8; PAGE_SIZE as usize]);
     let mut out = Vec::new();
     let mut i = 0;
     while i < pages.len() {
-        if let Some(p) = pace {
-            p.gate(p.seen());
-        }
-        let mut n = 1;
-        while i + n < pages.len() && n < MAX && pages[i + n] == pages[i] + n as u64 * PAGE_SIZE {
-            n += 1;
-        }
-        let len = n * PAGE_SIZE as usize;
-        if n > 1 && mem.read_exact_at(&mut now[..len], pages[i]).is_err() {
-            // (part of it unmapped meanwhile: page by page)
-            n = 1;
-        }
-        let len = n * PAGE_SIZE as usize;
-        if n == 1 && mem.read_exact_at(&mut now[..len], pages[i]).is_err() {
-            // (unreadable: marked if it is still there)
-            out.push(pages[i]);
-            i += 1;
-            continue;
-        }
-        for (k, chunk) in now[..len].chunks_exact(PAGE_SIZE as usize).enumerate() {
-            let a = pages[i + k];
-            // (a page the dump does not hold differs)
-            if !files.read(runs, a, &mut then)? || chunk != then.as_slice() {
-                out.push(a);
-            }
-        }
-        i += n;
+        let mut step = || compare_run(&mem, runs, &mut files, &pages[i..], MAX, &mut bufs, &mut out);
+        i += match pace.and_then(|p| p.idle(p.seen(), &mut step)) {
+            Some((n, _)) => n?,
+            None => step()?,
+        };
     }
     Ok(out)
+}
+
+/// Compares the first run of consecutive `pages` (at most `max`) with the dump, into `out`
+/// (those that differ); how many pages it took.
+fn compare_run(
+    mem: &std::fs::File,
+    runs: &[criu_hooks::images::PageRun],
+    files: &mut server::DumpFiles,
+    pages: &[u64],
+    max: usize,
+    (now, then): &mut (Vec<u8>, Vec<u8>),
+    out: &mut Vec<u64>,
+) -> Result<usize, Error> {
+    use std::os::unix::fs::FileExt;
+    let mut n = 1;
+    while n < pages.len() && n < max && pages[n] == pages[0] + n as u64 * PAGE_SIZE {
+        n += 1;
+    }
+    let len = n * PAGE_SIZE as usize;
+    if n > 1 && mem.read_exact_at(&mut now[..len], pages[0]).is_err() {
+        // (part of it unmapped meanwhile: page by page)
+        n = 1;
+    }
+    let len = n * PAGE_SIZE as usize;
+    if n == 1 && mem.read_exact_at(&mut now[..len], pages[0]).is_err() {
+        // (unreadable: marked if it is still there)
+        out.push(pages[0]);
+        return Ok(1);
+    }
+    for (k, chunk) in now[..len].chunks_exact(PAGE_SIZE as usize).enumerate() {
+        let a = pages[k];
+        // (a page the dump does not hold differs)
+        if !files.read(runs, a, then)? || chunk != then.as_slice() {
+            out.push(a);
+        }
+    }
+    Ok(n)
 }
 
 /// Marks `pages` of the frozen process `pid` soft-dirty where they are there (present or swapped

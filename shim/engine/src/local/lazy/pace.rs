@@ -1,28 +1,29 @@
-//! The page server's pace: its background work waits for CPU time nothing else wants.
+//! The page server's pace: its background work takes CPU time nothing else wants.
 //!
 //! A fork restored on demand answers before its memory is all there; the rest comes in the
 //! background. When many forks are made at once (`fork --count N`), every server's transfer
 //! competed with the other forks' restores for the same CPUs, and memory on demand lost to
-//! memory restored whole. So before each background run the serving thread passes a **gate**: it
-//! takes `SCHED_IDLE` (the class the scheduler runs only when nothing else wants the CPU) and
-//! yields, and once the scheduler runs it again it takes the normal class back and makes the run.
-//! The copy itself is never made as the idle class: `UFFDIO_COPY` (and a read of
-//! `/proc/PID/mem`) holds the restored process's memory lock, and a starved holder would stall
-//! the container's own `munmap`, `mremap` or `fork` for seconds.
+//! memory restored whole. So each background run of pages is made as `SCHED_IDLE`, the class the
+//! scheduler runs only when nothing else wants the CPU (and preempts for any other that wakes),
+//! and the serving thread is normal everywhere else:
 //!
-//! * A fault does not wait at the gate: a watcher thread (normal) waits on an epoll set of the
-//!   processes' userfaultfds (edge-triggered: one wake per new event) and, when the serving
-//!   thread is at the gate, gives it the normal class at once. It counts each wake first; the
-//!   serving thread takes the idle class and then reads the count, so one of the two always sees
-//!   the other, and the serving thread looks for events before the run when the count moved.
+//! * A fault does not wait behind an idle run: a watcher thread (normal) waits on an epoll set of
+//!   the processes' userfaultfds (edge-triggered: one wake per new event) and gives the serving
+//!   thread the normal class at once. It counts each wake first; the serving thread takes the
+//!   idle class and then reads the count, so one of the two always sees the other, and the
+//!   serving thread looks for events before the run when the count moved.
+//! * An idle run holds the restored process's memory lock (`UFFDIO_COPY`, a read of
+//!   `/proc/PID/mem`): starved by a busy machine, it would stall the process's own `munmap`,
+//!   `mremap` or `fork` for as long. So a run still under way after [`LONGEST_IDLE_RUN`] is given
+//!   the normal class by the watcher, which looks every half of that.
 //! * Whoever waits for the memory to be all there (a snapshot, a rollback, a spare: [`hurry`])
 //!   sends `SIGUSR1` to the server's session, read through a signalfd the watcher waits on too:
-//!   from then on no gate, and a thread at the gate is let through at once.
-//! * Settling's comparison of the installed pages with the dump, the container running, passes
-//!   the gate too, every run of pages; its two frozen moments do not.
+//!   from then on nothing is idle, and a run under way is given the normal class at once.
+//! * Settling's comparison of the installed pages with the dump, the container running, is idle
+//!   in the same way, run by run; its two frozen moments are not.
 //!
 //! The serving process hears the signal from before anyone can know it ([`listen`]); where the
-//! idle class cannot be had, or the signal not heard, there is no gate.
+//! idle class cannot be had and left again, or the signal not heard, nothing is idle.
 
 use nix::libc;
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
@@ -33,7 +34,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, OnceLock};
 
-/// Someone waits for the memory: no more gate.
+/// Someone waits for the memory: nothing idle any more.
 static HURRIED: AtomicBool = AtomicBool::new(false);
 /// Where this process hears [`hurry`] ([`listen`]).
 static HEARD: OnceLock<SignalFd> = OnceLock::new();
@@ -100,10 +101,12 @@ fn idle_class_can_be_left() -> bool {
 /// What the watcher and the serving thread share.
 struct Shared {
     epoll: Epoll,
-    /// The watcher's wakes so far.
+    /// The watcher's wakes for events so far.
     boosts: AtomicU64,
-    /// The serving thread is at the gate (the watcher lets it through).
-    gated: AtomicBool,
+    /// The serving thread has taken the idle class (the watcher gives it the normal one back).
+    idle: AtomicBool,
+    /// When its idle run began ([`now_ns`]; 0: none under way).
+    since: AtomicU64,
     /// In the epoll set: the watcher's end.
     stop: EventFd,
     stopping: AtomicBool,
@@ -113,6 +116,16 @@ struct Shared {
 /// The key of the stop eventfd and of the signalfd in the epoll set (a userfaultfd's is 0).
 const STOP: u64 = u64::MAX;
 const HEARD_KEY: u64 = u64::MAX - 1;
+/// The longest an idle run goes on before it is given the normal class: it may hold the
+/// restored process's memory lock, and the process's own `munmap`, `mremap` or `fork` wait for
+/// it (a bound on that wait when the machine is busy).
+pub const LONGEST_IDLE_RUN: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Nanoseconds since the first call, and never 0.
+fn now_ns() -> u64 {
+    static BASE: OnceLock<std::time::Instant> = OnceLock::new();
+    BASE.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64 + 1
+}
 
 /// The serving thread's pace (see the module's documentation). Dropped, the watcher ends.
 pub struct Pace {
@@ -121,8 +134,8 @@ pub struct Pace {
 }
 
 impl Pace {
-    /// The serving thread's pace, or none where there can be no gate (the server then runs as
-    /// a normal thread throughout). Call on the serving thread, after [`listen`].
+    /// The serving thread's pace, or none where its background work cannot be idle (the server
+    /// then runs as a normal thread throughout). Call on the serving thread, after [`listen`].
     pub fn new() -> Option<Pace> {
         let heard = HEARD.get()?;
         if !idle_class_can_be_left() {
@@ -135,7 +148,8 @@ impl Pace {
         let shared = Arc::new(Shared {
             epoll,
             boosts: AtomicU64::new(0),
-            gated: AtomicBool::new(false),
+            idle: AtomicBool::new(false),
+            since: AtomicU64::new(0),
             stop,
             stopping: AtomicBool::new(false),
             serving: gettid(),
@@ -155,25 +169,33 @@ impl Pace {
         self.shared.boosts.load(SeqCst)
     }
 
-    /// The gate before a background run, with `seen` read before the last look for events: the
-    /// thread waits as the idle class until the scheduler runs it again, and is normal after.
-    /// True: make the run, as a run the gate held (false for `held`: someone waits for the memory,
-    /// and there was no gate). None: the watcher woke since `seen` (an event or a hurry may
-    /// wait): look first.
-    pub fn gate(&self, seen: u64) -> Option<bool> {
+    /// A run of background work as the idle class, with `seen` read before the last look for
+    /// events; the thread is normal again after it. `Some((what run gave, whether it was idle))`
+    /// (not idle once someone waits for the memory); `None`, not run: the watcher woke for an
+    /// event since `seen`, which may wait: look first.
+    pub fn idle<R>(&self, seen: u64, run: impl FnOnce() -> R) -> Option<(R, bool)> {
         let s = &*self.shared;
         if hurried() {
-            return Some(false);
+            return Some((run(), false));
         }
-        s.gated.store(true, SeqCst);
+        s.idle.store(true, SeqCst);
         set_class(s.serving, libc::SCHED_IDLE);
-        if s.boosts.load(SeqCst) == seen {
-            // SAFETY: a plain system call.
-            unsafe { libc::sched_yield() };
+        // (set, then looked at: a wake in between is seen here, or gives the class back)
+        if s.boosts.load(SeqCst) != seen || hurried() {
+            self.normal();
+            return None;
         }
+        s.since.store(now_ns(), SeqCst);
+        let r = run();
+        s.since.store(0, SeqCst);
+        self.normal();
+        Some((r, true))
+    }
+
+    fn normal(&self) {
+        let s = &*self.shared;
+        s.idle.store(false, SeqCst);
         set_class(s.serving, libc::SCHED_OTHER);
-        s.gated.store(false, SeqCst);
-        (s.boosts.load(SeqCst) == seen).then_some(true)
     }
 }
 
@@ -187,25 +209,31 @@ impl Drop for Pace {
     }
 }
 
-/// The watcher: a count of each wake (a new userfaultfd event, a hurry), and the serving thread
-/// let through the gate when it is there.
+/// The watcher: each wake for a new userfaultfd event (or a hurry) counted, and the serving
+/// thread given the normal class when it is idle; an idle run under way for longer than
+/// [`LONGEST_IDLE_RUN`] given it too.
 fn watch(s: &Shared) {
     let mut events = [EpollEvent::empty(); 8];
+    let tick = EpollTimeout::try_from(LONGEST_IDLE_RUN / 2).unwrap_or(EpollTimeout::NONE);
     loop {
-        let n = match s.epoll.wait(&mut events, EpollTimeout::NONE) {
+        let n = match s.epoll.wait(&mut events, tick) {
             Ok(n) => n,
-            Err(nix::errno::Errno::EINTR) => continue,
+            Err(nix::errno::Errno::EINTR) => 0,
             Err(_) => return,
         };
         if s.stopping.load(SeqCst) {
             return;
         }
-        if events[..n].iter().any(|e| e.data() == HEARD_KEY) {
-            // (read, so the signalfd is not ready again)
-            hurried();
+        if n > 0 {
+            if events[..n].iter().any(|e| e.data() == HEARD_KEY) {
+                // (read, so that the signalfd is not ready again)
+                hurried();
+            }
+            s.boosts.fetch_add(1, SeqCst);
         }
-        s.boosts.fetch_add(1, SeqCst);
-        if s.gated.load(SeqCst) {
+        let since = s.since.load(SeqCst);
+        let long = since != 0 && now_ns().saturating_sub(since) > LONGEST_IDLE_RUN.as_nanos() as u64;
+        if s.idle.load(SeqCst) && (n > 0 || long) {
             set_class(s.serving, libc::SCHED_OTHER);
         }
     }
@@ -229,46 +257,46 @@ mod tests {
         }
     }
 
-    /// The gate leaves the thread normal; a new event on a watched descriptor is counted, and
-    /// gives a thread at the gate (only then) the normal class; a gate after a count that moved
-    /// does not wait and says to look first; once hurried, no gate. (An eventfd stands for a
-    /// userfaultfd: the watcher sees only readiness. The wait at the gate itself is the
-    /// scheduler's: not asserted, the machine's load decides it.)
+    /// A run is made as the idle class and the thread is normal after it; a new event on a
+    /// watched descriptor during a run gives the thread the normal class, and a run asked with
+    /// the count read before that event is not made (look first); a run that goes on too long is
+    /// given the normal class without any event; once hurried, nothing is idle. (An eventfd
+    /// stands for a userfaultfd: the watcher sees only readiness.)
     #[test]
-    fn the_gate_and_the_watcher_keep_to_their_protocol() {
-        assert!(Pace::new().is_none(), "no gate before the process listens for a hurry");
+    fn idle_runs_keep_to_their_protocol() {
+        assert!(Pace::new().is_none(), "nothing idle before the process listens for a hurry");
         assert!(listen());
         std::thread::spawn(|| {
             let pace = Pace::new().expect("the idle class here, and back");
             let me = gettid();
             let ready = EventFd::from_flags(EfdFlags::EFD_NONBLOCK).unwrap();
             pace.watch(ready.as_fd());
-            assert_eq!(pace.gate(pace.seen()), Some(true));
-            assert_eq!(class(me), libc::SCHED_OTHER, "normal after the gate");
+            assert_eq!(pace.idle(pace.seen(), || class(me)), Some((libc::SCHED_IDLE, true)));
+            assert_eq!(class(me), libc::SCHED_OTHER, "normal after the run");
 
-            // Idle but not at the gate: an event is counted, the class left alone.
-            set_class(me, libc::SCHED_IDLE);
+            // An event during a run: the watcher gives the class back.
             let seen = pace.seen();
-            ready.write(1).unwrap();
-            until("the event counted", || pace.seen() != seen);
-            assert_eq!(class(me), libc::SCHED_IDLE);
-            // A gate with the count read before it: no wait, look first; normal after.
-            assert_eq!(pace.gate(seen), None);
+            let r = pace.idle(seen, || {
+                ready.write(1).unwrap();
+                until("given the normal class for an event", || class(me) == libc::SCHED_OTHER);
+            });
+            assert_eq!(r, Some(((), true)));
+            // Asked with the count from before that event: not run.
+            assert_eq!(pace.idle(seen, || unreachable!("run after an event came")), None::<((), bool)>);
             assert_eq!(class(me), libc::SCHED_OTHER);
 
-            // At the gate (as the thread is while the scheduler holds it): the next event (a new
-            // one: the descriptor still holds the last) lets it through.
-            pace.shared.gated.store(true, SeqCst);
-            set_class(me, libc::SCHED_IDLE);
-            ready.write(1).unwrap();
-            until("let through", || class(me) == libc::SCHED_OTHER);
-            pace.shared.gated.store(false, SeqCst);
+            // A run that goes on: given the normal class after LONGEST_IDLE_RUN, with no event.
+            let t = Instant::now();
+            let r = pace.idle(pace.seen(), || {
+                until("given the normal class for a long run", || class(me) == libc::SCHED_OTHER);
+                t.elapsed()
+            });
+            assert!(r.is_some_and(|(took, idle)| idle && took >= LONGEST_IDLE_RUN), "{r:?}");
 
-            // Hurried: no gate from now on, the signal read once.
+            // Hurried: nothing idle from now on, the signal read once.
             nix::sys::signal::raise(SIGNAL).unwrap();
             assert!(hurried());
-            assert_eq!(pace.gate(pace.seen()), Some(false));
-            assert_eq!(class(me), libc::SCHED_OTHER);
+            assert_eq!(pace.idle(pace.seen(), || class(me)), Some((libc::SCHED_OTHER, false)));
         })
         .join()
         .unwrap();

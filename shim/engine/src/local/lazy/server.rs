@@ -71,7 +71,7 @@ pub struct Served {
     pub in_background: u64,
     pub zero_pages: u64,
     pub forks: u64,
-    /// Background runs that waited at the gate for idle CPU time ([`super::pace`]).
+    /// Background runs made as the idle class ([`super::pace`]).
     pub idle_runs: u64,
     /// Someone waited for the memory before it was all in (the rest went normal).
     pub hurried: bool,
@@ -245,7 +245,7 @@ pub struct Server {
     held: Option<PathBuf>,
     /// The restore said it finished: every mapping is in place and registered.
     finished: bool,
-    /// The serving thread's pace (none: no gate).
+    /// The serving thread's pace (none: nothing idle).
     pace: Option<Rc<super::pace::Pace>>,
 }
 
@@ -343,16 +343,18 @@ impl Server {
                 let _ = std::fs::write(log, "hurried\n");
             }
             if background && !held {
-                // (through the gate: CPU time nothing else wants; a wake of the watcher since the
-                // look: an event may wait, looked for first)
-                if let (Some(p), Some(seen)) = (&self.pace, seen) {
-                    match p.gate(seen) {
+                // (as the idle class; a wake of the watcher since the look: an event may wait,
+                // looked for first)
+                match (self.pace.clone(), seen) {
+                    (Some(p), Some(seen)) => match p.idle(seen, || self.background()) {
                         None => continue,
-                        Some(true) => self.served.idle_runs += 1,
-                        Some(false) => {}
-                    }
+                        Some((r, idle)) => {
+                            r?;
+                            self.served.idle_runs += u64::from(idle);
+                        }
+                    },
+                    _ => self.background()?,
                 }
-                self.background()?;
             }
         }
         Ok(self.served.clone())
