@@ -346,6 +346,9 @@ fn serve_and_settle(
         // (the killing first: the userfaultfds, closed with the server, would give zeros)
         Err(e) => Err(p.fail(&store, e.to_string())),
         Ok(s) => {
+            // (every page is in: nothing to serve, and events nobody reads would hold the
+            // container's processes while settling runs)
+            server.release();
             let began = std::time::Instant::now();
             let settled = settle(&store, p.init, images, pace.as_deref());
             let (serving, settling) = (serving.as_millis(), began.elapsed().as_millis());

@@ -226,14 +226,20 @@ fn watch(s: &Shared) {
         }
         if n > 0 {
             if events[..n].iter().any(|e| e.data() == HEARD_KEY) {
-                // (read, so that the signalfd is not ready again)
-                hurried();
+                // (every signal read, a later hurry too, or the signalfd stays ready: a spin)
+                while HEARD.get().is_some_and(|fd| matches!(fd.read_signal(), Ok(Some(_)))) {}
+                HURRIED.store(true, SeqCst);
             }
             s.boosts.fetch_add(1, SeqCst);
         }
+        // (the start read on both sides of the look at the class: one of an earlier run, read
+        // before this run began, does not cut this one short)
         let since = s.since.load(SeqCst);
-        let long = since != 0 && now_ns().saturating_sub(since) > LONGEST_IDLE_RUN.as_nanos() as u64;
-        if s.idle.load(SeqCst) && (n > 0 || long) {
+        let idle = s.idle.load(SeqCst);
+        let long = since != 0
+            && s.since.load(SeqCst) == since
+            && now_ns().saturating_sub(since) > LONGEST_IDLE_RUN.as_nanos() as u64;
+        if idle && (n > 0 || long) {
             set_class(s.serving, libc::SCHED_OTHER);
         }
     }
@@ -271,14 +277,22 @@ mod tests {
             let me = gettid();
             let ready = EventFd::from_flags(EfdFlags::EFD_NONBLOCK).unwrap();
             pace.watch(ready.as_fd());
-            assert_eq!(pace.idle(pace.seen(), || class(me)), Some((libc::SCHED_IDLE, true)));
+            // (idle, unless this thread was starved past LONGEST_IDLE_RUN before it looked)
+            let t = Instant::now();
+            let r = pace.idle(pace.seen(), || (class(me), t.elapsed()));
+            assert!(
+                r.is_some_and(|((c, took), idle)| idle && (c == libc::SCHED_IDLE || took >= LONGEST_IDLE_RUN)),
+                "{r:?}"
+            );
             assert_eq!(class(me), libc::SCHED_OTHER, "normal after the run");
 
             // An event during a run: the watcher gives the class back.
             let seen = pace.seen();
             let r = pace.idle(seen, || {
                 ready.write(1).unwrap();
-                until("given the normal class for an event", || class(me) == libc::SCHED_OTHER);
+                until("the event counted, and the normal class given", || {
+                    pace.seen() != seen && class(me) == libc::SCHED_OTHER
+                });
             });
             assert_eq!(r, Some(((), true)));
             // Asked with the count from before that event: not run.

@@ -264,6 +264,13 @@ impl Server {
         }
     }
 
+    /// Every page is in: the processes' userfaultfds closed (their ranges unregistered). Until
+    /// then a process's fork, munmap, mremap or madvise waits for its event to be read, and
+    /// nothing reads it once serving has ended.
+    pub fn release(&mut self) {
+        self.tasks.iter_mut().for_each(Task::end);
+    }
+
     /// Listens at the work directory's socket, says so on `ready` (one byte), takes the
     /// restore's connection and serves until every page is in.
     /// (`&mut`: the processes' userfaultfds stay open, and a fault waits, until the caller has
