@@ -336,6 +336,35 @@ fn rollback_with_strays(sb: &mut Sandbox, sp: &str, holes: &[u64]) -> serde_json
     rolled_back(sb, r)
 }
 
+/// Runs `planarian rollback NAME SP --json` with its files' comparison held until the pages
+/// were written ahead (the comparison paused, the journal saying forward: the planning thread
+/// found the comparison under way and went on to write), then `then` in the fault file (a point
+/// to fail at; empty: none) and the comparison let go. Its run.
+fn rollback_ahead(sb: &Sandbox, sp: &str, then: &str) -> Run {
+    let paused = Path::new("/run/planarian/paused");
+    let _ = std::fs::remove_file(paused);
+    std::fs::create_dir_all("/run/planarian").unwrap();
+    std::fs::write(FAULT, "pause:rollback.in-place.comparing").unwrap();
+    let journal = sb.store().join("rolling-back.json");
+    let forward = || std::fs::read_to_string(&journal).is_ok_and(|j| j.contains("\"phase\":\"forward\""));
+    std::thread::scope(|s| {
+        let name = sb.name.clone();
+        let rb = s.spawn(move || planarian(&["rollback", &name, sp, "--json"]));
+        let reached = wait_for(Duration::from_secs(300), || (paused.exists() && forward()) || rb.is_finished());
+        if !(paused.exists() && forward()) {
+            let _ = std::fs::remove_file(FAULT);
+            let _ = std::fs::remove_file(paused);
+            let said = if reached { format!("{:?}", rb.join().unwrap()) } else { "(still running)".into() };
+            panic!("the rollback did not write pages ahead of its files' comparison: {said}");
+        }
+        if !then.is_empty() {
+            std::fs::write(FAULT, then).unwrap();
+        }
+        std::fs::remove_file(paused).unwrap();
+        rb.join().unwrap()
+    })
+}
+
 fn arm_oracle(dir: &Path) {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all("/run/planarian").unwrap();
@@ -497,12 +526,13 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     }
     // The step before the point of no return made to fail (the remote state's compensation,
     // the first change): the sandbox is exactly as it was (memory, mappings, files), thawed.
+    // Pages written ahead of the files' comparison (memory the process has, changed since the
+    // statepoint) are put back first: the memory's checksum is the one before.
     sb.send("map 1");
+    sb.send("dirty 65536 65536");
     sb.sh("echo now > /root/now").ok();
     let before = line(&sb);
-    std::fs::create_dir_all("/run/planarian").unwrap();
-    std::fs::write(FAULT, "rollback.in-place.compensating").unwrap();
-    let r = planarian(&["rollback", &sb.name, &sp2]);
+    let r = rollback_ahead(&sb, &sp2, "rollback.in-place.compensating");
     assert_ne!(r.code, Some(0), "{r:?}");
     assert!(
         r.stderr.contains("rollback failed, the container and its remote state are as they were before")
@@ -510,6 +540,7 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
         "{r:?}"
     );
     assert!(!Path::new(FAULT).exists(), "the fault never fired");
+    assert!(r.stderr.contains("pages written ahead put back"), "{}", r.stderr);
     assert_eq!(line(&sb), before, "as before");
     assert_eq!(sb.sh("cat /root/now").ok().out(), "now");
     assert!(!cgroup_frozen(&sb.name), "thawed");
@@ -528,10 +559,22 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
         "rollback.in-place.written",
     ] {
         sb.send("map 1");
+        sb.send("dirty 65536 65536");
         sb.sh("echo now > /root/now").ok();
-        std::fs::create_dir_all("/run/planarian").unwrap();
-        std::fs::write(FAULT, point).unwrap();
-        let ctx = rollback(&mut sb, &sp2);
+        // (the comparison's failure with pages written ahead: they are put back, then the
+        // rollback refuses)
+        let ctx = match point {
+            "rollback.in-place.compared" => {
+                let r = rollback_ahead(&sb, &sp2, point);
+                assert!(r.stderr.contains("pages written ahead put back"), "{}", r.stderr);
+                rolled_back(&mut sb, r)
+            }
+            _ => {
+                std::fs::create_dir_all("/run/planarian").unwrap();
+                std::fs::write(FAULT, point).unwrap();
+                rollback(&mut sb, &sp2)
+            }
+        };
         assert!(!Path::new(FAULT).exists(), "{point}: the fault never fired");
         assert_eq!(ctx["how"]["path"], "stop-and-restore", "{point}: {ctx}");
         let why = ctx["how"]["not-in-place"].as_str().unwrap_or_default();
@@ -546,6 +589,15 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     let ctx = rollback(&mut sb, &sp2);
     assert_eq!(ctx["how"]["path"], "in-place", "{ctx}");
     assert_eq!(line(&sb), at2);
+    // Pages written ahead of the files' comparison, and the rollback going on: exactly there.
+    sb.send("dirty 65536 65536");
+    sb.sh("echo x > /root/scratch").ok();
+    let r = rollback_ahead(&sb, &sp2, "");
+    assert!(r.stderr.contains("written while the files were compared"), "{}", r.stderr);
+    let ctx = rolled_back(&mut sb, r);
+    assert_eq!(ctx["how"]["path"], "in-place", "{ctx}");
+    assert_eq!(line(&sb), at2);
+    assert_ne!(sb.sh("test -e /root/scratch").code, Some(0));
 }
 
 /// planarian killed while it holds the sandbox's threads, halfway through a rollback in place
@@ -595,4 +647,35 @@ fn planarian_killed_mid_rollback_in_place_leaves_no_process_halfway() {
     assert_eq!(line(&sb), at_sp, "at the statepoint ({})", ctx["how"]["path"]);
     let r = planarian(&["fsck", &sb.name]);
     assert_eq!(r.code, Some(0), "fsck: {}{}", r.stdout, r.stderr);
+
+    // Killed once it wrote pages ahead of its files' comparison (the sandbox frozen, not yet
+    // held; the journal says forward from before the first page): the next operation finishes
+    // the rollback, at the statepoint.
+    sb.send("dirty 0 1048576");
+    let before = line(&sb);
+    let paused = Path::new("/run/planarian/paused");
+    let _ = std::fs::remove_file(paused);
+    std::fs::write(FAULT, "pause:rollback.in-place.comparing").unwrap();
+    let mut child = std::process::Command::new(planarian_bin())
+        .args(["rollback", &sb.name, &sp])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let journal = sb.store().join("rolling-back.json");
+    let forward = || std::fs::read_to_string(&journal).is_ok_and(|j| j.contains("\"phase\":\"forward\""));
+    wait_for(Duration::from_secs(300), || (paused.exists() && forward()) || child.try_wait().unwrap().is_some());
+    let ahead = paused.exists() && forward();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let _ = std::fs::remove_file(paused);
+    let _ = std::fs::remove_file(FAULT);
+    assert!(ahead, "the rollback did not reach its writes ahead of the comparison");
+    let r = planarian(&["snapshot", &sb.name, "--name", "after-the-second-kill"]);
+    r.ok();
+    assert!(r.stderr.contains(&format!("an interrupted rollback to {sp} was finished")), "{}", r.stderr);
+    assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out(), "running");
+    sb.seq = sb.read().expect("state after the finished rollback").0;
+    assert_ne!(line(&sb), before, "not as it was before the rollback");
+    assert_eq!(line(&sb), at_sp, "at the statepoint");
 }

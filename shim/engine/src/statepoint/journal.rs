@@ -104,6 +104,17 @@ impl Journal {
         self.write()
     }
 
+    /// A rollback in place put back the pages it wrote ahead of its files' comparison (see
+    /// [`crate::local::inplace::ahead`]), before compensating anything: nothing is written, and
+    /// the rollback may go another way (`started` again).
+    pub fn nothing_written(&mut self) -> Result<()> {
+        if self.entry.phase != Phase::Forward {
+            return Ok(());
+        }
+        self.entry.phase = Phase::Started;
+        self.write()
+    }
+
     /// The sandbox is at the target and its services compensated: `done`, written before the
     /// compensation's intent is removed. Past the compensation nothing may fail the rollback: a
     /// journal that cannot say so is removed instead (a kill from here on then finds nothing to

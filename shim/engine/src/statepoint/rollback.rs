@@ -22,13 +22,14 @@ use crate::context::{self, Compensated, How, RestoreContext, Restored};
 use crate::engine::Engine;
 use crate::local::files::{InPlaceAt, Rootfs};
 use crate::local::freezer::{FreezeGuard, Freezer};
-use crate::local::inplace;
+use crate::local::inplace::{self, ahead::Ahead};
 use crate::log::Progress;
 use crate::runtime::podman::{self, PodmanContainer};
 use crate::store::{Actor, ContainerStore, Manifest, Outcome, OutcomeStatus};
 use planarian_contracts::worker;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// A rollback about to run: the container, its store (locked exclusively until this is dropped)
@@ -629,25 +630,50 @@ fn in_place(
     let base = live_base(store, pid);
     progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
     // The page plan beside the files' comparison (on OpenZFS mostly waiting: for the frozen
-    // state's snapshot, then its stream). Nothing is written before both are done: a comparison
+    // state's snapshot, then its stream). While the comparison still runs, the plan's pages that
+    // can be put back as they were are written ahead, their bytes saved first (`inplace::ahead`;
+    // the journal says forward before: a planarian killed from then on leaves a rollback the
+    // next operation finishes). Nothing else is written before both are done, and a comparison
     // that refuses or fails (a file it cannot put back, a pool too full for the frozen state's
-    // snapshot) changes nothing, and the rollback stops and restores with a safety statepoint.
-    let prepared = std::thread::scope(|scope| -> std::result::Result<_, String> {
-        let planning = scope.spawn(|| {
-            let plan = shape.plan(base.as_deref()).map_err(|e| e.to_string());
+    // snapshot), or a compensation that fails, puts those pages back first: nothing changed, and
+    // the rollback stops and restores with a safety statepoint (or fails, as before).
+    let compared = AtomicBool::new(false);
+    let mut ahead = Ahead::default();
+    let mut journal = rb.journal.take();
+    let (planned, compared_files) = std::thread::scope(|scope| {
+        let (compared, ahead, journal) = (&compared, &mut ahead, &mut journal);
+        let planning = scope.spawn(move || -> std::result::Result<inplace::Plan, String> {
+            let mut plan = shape.plan(base.as_deref()).map_err(|e| e.to_string())?;
             crate::log::mark("pages planned");
-            plan
+            if let Some(j) = journal.as_mut().filter(|_| plan.pages_written > 0 && !compared.load(Ordering::Acquire)) {
+                j.phase(Phase::Forward).map_err(|e| e.to_string())?;
+                crate::fault::point("rollback.in-place.ahead").map_err(|e| e.to_string())?;
+                plan.write_ahead(inplace::ahead::MAX_PAGES, ahead).map_err(|e| e.to_string())?;
+                crate::log::mark("pages written ahead");
+            }
+            Ok(plan)
         });
-        let plan = || planning.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-        dev_unchanged(&sp_dir, &mounts, store, pid)?;
-        let files = rootfs.in_place(&sp_dir, &target.local_state, &at, started).map_err(|e| e.to_string())?;
-        crate::fault::point("rollback.in-place.compared").map_err(|e| e.to_string())?;
-        crate::log::mark("files compared");
-        Ok((plan()?, files))
+        let files = (|| -> std::result::Result<_, String> {
+            crate::fault::point("rollback.in-place.comparing").map_err(|e| e.to_string())?;
+            dev_unchanged(&sp_dir, &mounts, store, pid)?;
+            let files = rootfs.in_place(&sp_dir, &target.local_state, &at, started).map_err(|e| e.to_string())?;
+            crate::fault::point("rollback.in-place.compared").map_err(|e| e.to_string())?;
+            crate::log::mark("files compared");
+            Ok(files)
+        })();
+        compared.store(true, Ordering::Release);
+        (planning.join().unwrap_or_else(|p| std::panic::resume_unwind(p)), files)
     });
-    let (plan, files) = match prepared {
-        Ok(p) => p,
-        Err(why) => {
+    rb.journal = journal;
+    let (plan, files) = match (planned, compared_files) {
+        (Ok(plan), Ok(files)) => (plan, files),
+        (_, Err(why)) | (Err(why), _) => {
+            if let Err(e) = put_back(&ahead, progress) {
+                return Err(half_written(ctx, rb, frozen, &why, e));
+            }
+            // (nothing written again; a journal that cannot say so fails the rollback, the
+            // sandbox thawed as before and the journal removed)
+            rb.journal.as_mut().map(Journal::nothing_written).transpose()?;
             if let Some(b) = blocked() {
                 return Err(Error::Worker(format!(
                     "cannot roll back in place ({why}), nor by stopping and restoring ({b}); nothing was changed"
@@ -660,16 +686,26 @@ fn in_place(
     };
     let examined =
         files.sync.places.map(|n| format!(" ({n} changed objects examined where they are)")).unwrap_or_default();
-    progress.done(&format!("{} pages, {} files{examined}", plan.pages_written, files.sync.len()));
-    // The remote state first: a compensation that fails leaves the sandbox untouched.
+    let early = match ahead.pages {
+        0 => String::new(),
+        n => format!(", {n} of them written while the files were compared"),
+    };
+    progress.done(&format!("{} pages{early}, {} files{examined}", plan.pages_written, files.sync.len()));
+    // The remote state first: a compensation that fails leaves the sandbox untouched (the pages
+    // written ahead put back).
     let positions = match compensate_in_place(ctx, rb, progress) {
         Ok(p) => p,
         Err(e) => {
             drop(files);
+            if let Err(u) = put_back(&ahead, progress) {
+                return Err(half_written(ctx, rb, frozen, &e.to_string(), u));
+            }
+            rb.journal = None;
             drop(frozen);
             return Err(rolled_back(e));
         }
     };
+    drop(ahead);
     progress.phase("in place: files and memory written");
     match write_in_place(rb, &plan, &files, &freezer, pid) {
         Ok((a, n)) => done_in_place(ctx, rb, &plan, files, frozen, &freezer, pid, positions, a, n, progress),
@@ -678,6 +714,36 @@ fn in_place(
             in_place_forward(ctx, rb, frozen, e, positions, progress)
         }
     }
+}
+
+/// The pages a rollback in place wrote ahead of its files' comparison put back (see
+/// [`inplace::ahead`]). An error is a sandbox half-written ([`half_written`]).
+fn put_back(ahead: &Ahead, progress: &mut dyn Progress) -> Result<()> {
+    if !ahead.is_empty() {
+        crate::fault::point("rollback.in-place.put-back")?;
+        ahead.undo().map_err(|e| Error::Worker(format!("putting back the pages written ahead failed: {e}")))?;
+        progress.phase(&format!("in place: the {} pages written ahead put back", ahead.pages));
+        crate::log::mark("put back");
+    }
+    Ok(())
+}
+
+/// A rollback in place that failed (`why`) and could not put back the pages it wrote ahead
+/// (`e`): the sandbox is stopped while frozen (nothing half-written runs) and the journal, which
+/// says forward, kept: the next operation on the container restores the statepoint and
+/// compensates the services to it.
+fn half_written(ctx: &Ctx, rb: &mut Parts, frozen: FreezeGuard, why: &str, e: Error) -> Error {
+    let stopped = stop_frozen(ctx, rb.pc, frozen);
+    if let Some(j) = rb.journal.take() {
+        j.keep();
+    }
+    let stopped = match stopped {
+        Ok(()) => "the sandbox is stopped".to_string(),
+        Err(s) => format!("stopping the sandbox failed too ({s})"),
+    };
+    Error::Worker(format!(
+        "rollback in place failed ({why}), and {e}; {stopped}, and the next planarian operation on it finishes the rollback"
+    ))
 }
 
 /// The base the next dump of the tree whose init is `pid` would build on, when there is one.
@@ -693,8 +759,8 @@ fn live_base(store: &ContainerStore, pid: i32) -> Option<PathBuf> {
 /// target's, under its intent. From here the journal says [`Phase::Forward`]: a planarian
 /// killed from now on leaves a rollback the next operation finishes. Returns the positions it
 /// came from; an error when the compensation failed (a failed compensation changes nothing of
-/// PostgreSQL; one that undid some declared tools' calls before failing says how far), the
-/// journal then removed with nothing written.
+/// PostgreSQL; one that undid some declared tools' calls before failing says how far): nothing
+/// of the sandbox is written then but the pages written ahead, which the caller puts back.
 fn compensate_in_place(
     ctx: &Ctx,
     rb: &mut Parts,
@@ -725,10 +791,9 @@ fn compensate_in_place(
             rb.intent = intent;
             Ok(positions)
         }
-        Err(e) => {
-            rb.journal = None;
-            Err(e)
-        }
+        // (the journal, forward now, is the caller's to remove: pages written ahead are put back
+        // first)
+        Err(e) => Err(e),
     }
 }
 

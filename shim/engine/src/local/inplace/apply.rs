@@ -56,7 +56,7 @@ impl Plan {
     /// The plan, done to the held threads: each process's memory, signals, attributes and
     /// descriptors, then what comes last for all ([`Plan::finish`]).
     fn apply_held(&self, tracees: &[ptrace::Tracee]) -> Result<Applied> {
-        let mut applied = Applied::default();
+        let mut applied = Applied { pages_written: self.pages_ahead, ..Applied::default() };
         let mut ti = 0;
         signals::block_all(tracees)?;
         // Each process's main thread and vDSO `syscall`, and whether it had THP turned off.

@@ -24,7 +24,8 @@
 //!
 //! The steps, one module each: [`shape`] (the check above: the live tree, its memory layout,
 //! descriptors, signals and attributes against the images), [`pages`] (what to write and drop),
-//! [`apply`] (done to the held threads).
+//! [`apply`] (done to the held threads); [`ahead`] (pages written while the files are still
+//! compared, put back when the rollback does not go on).
 //!
 //! [`Shape::plan`] then compares the statepoint's pages with the current ones, read without a
 //! dump (each process's page map against the base the next dump would build on, see [`pages`]):
@@ -38,6 +39,7 @@
 //! next dump is incremental on the statepoint's images), and checks that the mappings now are
 //! the statepoint's.
 
+pub mod ahead;
 mod apply;
 mod attrs;
 mod descriptors;

@@ -66,6 +66,8 @@ pub(super) struct Pages {
     pub(super) drop: Vec<(u64, u64)>,
     /// Where the statepoint has pages: any other page present after the writes is dropped.
     pub(super) had: Vec<(u64, u64)>,
+    /// Where the process has pages now (present or swapped out, not the zero page).
+    pub(super) has: Vec<(u64, u64)>,
 }
 
 /// The plan of a rollback in place: the shape, and the pages of each process.
@@ -74,13 +76,15 @@ pub struct Plan {
     pub(super) shape: Shape,
     pub(super) pages: Vec<Pages>,
     pub pages_written: u64,
+    /// Of those, written ahead ([`super::ahead`]): taken out of each process's `write`.
+    pub pages_ahead: u64,
 }
 
 fn pages_of(runs: &[PageRun]) -> u64 {
     runs.iter().map(|r| r.nr_pages).sum()
 }
 
-fn cut(r: &PageRun, s: u64, e: u64) -> PageRun {
+pub(super) fn cut(r: &PageRun, s: u64, e: u64) -> PageRun {
     PageRun {
         vaddr: s,
         nr_pages: (e - s) / PAGE_SIZE,
@@ -154,9 +158,10 @@ impl Shape {
             let drop = subtract(&drop, &p.layout.gone);
             written += pages_of(&write);
             let had = merge(target.iter().map(|r| (r.vaddr, r.end())).collect());
-            pages.push(Pages { write, drop, had });
+            let has = merge(clean.into_iter().chain(dirty).collect());
+            pages.push(Pages { write, drop, had, has });
         }
-        Ok(Plan { shape: self, pages, pages_written: written })
+        Ok(Plan { shape: self, pages, pages_written: written, pages_ahead: 0 })
     }
 }
 
