@@ -455,6 +455,27 @@ struct Chains {
     costs: [Cost; 8],
     phases: String,
     repeated: Vec<(f64, f64)>,
+    /// With `compare_ahead`, beside each repeated pair: the same rollback with its pages all
+    /// written after the files' comparison (`checkpoint.write_ahead = false`), ms.
+    without_ahead: Vec<f64>,
+}
+
+/// A drop-in of planarian's configuration for as long as it lives.
+struct DropIn(std::path::PathBuf);
+
+impl DropIn {
+    fn new(name: &str, text: &str) -> Result<DropIn, String> {
+        let p = std::path::PathBuf::from(format!("/etc/planarian/planarian.conf.d/{name}.conf"));
+        std::fs::create_dir_all("/etc/planarian/planarian.conf.d").map_err(|e| e.to_string())?;
+        std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
+        Ok(DropIn(p))
+    }
+}
+
+impl Drop for DropIn {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 fn chains_system(
@@ -464,6 +485,7 @@ fn chains_system(
     files: u32,
     spare: bool,
     repeat: usize,
+    compare_ahead: bool,
 ) -> Result<Chains, String> {
     let pid = std::process::id();
     let (ctr, fork) = (format!("plbench-{tag}-{pid}"), format!("plbench-{tag}-fork-{pid}"));
@@ -515,15 +537,30 @@ fn chains_system(
         // Snapshot and roll back again and again, under the same conditions: one measurement
         // under emulation moves by tens of percent.
         let mut repeated = Vec::new();
-        for _ in 0..repeat {
+        let mut without_ahead = Vec::new();
+        let back = || -> Result<f64, String> {
+            dirty(&ctr)?;
+            Ok(timed_cost(&mut || run_quiet(PLANARIAN, &["rollback", &ctr, &sp1]).map(drop))?.ms)
+        };
+        // (with `compare_ahead`, the rollback without pages written ahead beside each pair, first
+        // and second in turn: the machine's drift moves both alike)
+        let without = || -> Result<f64, String> {
+            let _off = DropIn::new("zz-plbench-no-ahead", "[checkpoint]\nwrite_ahead = false\n")?;
+            back()
+        };
+        for i in 0..repeat {
             dirty(&ctr)?;
             let (_, snap) = snapshot_cost(&ctr)?;
-            dirty(&ctr)?;
-            let back = timed_cost(&mut || run_quiet(PLANARIAN, &["rollback", &ctr, &sp1]).map(drop))?;
-            repeated.push((snap.ms, back.ms));
+            if compare_ahead && i % 2 == 1 {
+                without_ahead.push(without()?);
+            }
+            repeated.push((snap.ms, back()?));
+            if compare_ahead && i % 2 == 0 {
+                without_ahead.push(without()?);
+            }
         }
         let costs = [second, rollback, after_rollback, fork_cost, after_fork, spare_cost, spare_fork, spare_own];
-        Ok(Chains { costs, phases: format!("{rollback_phases}\n{fork_phases}"), repeated })
+        Ok(Chains { costs, phases: format!("{rollback_phases}\n{fork_phases}"), repeated, without_ahead })
     })();
     // (a spare left when the fork that should have taken it failed)
     let spares =
@@ -579,15 +616,18 @@ fn chains(args: &[String]) -> i32 {
     let mut results = Vec::new();
     let mut phases = Vec::new();
     let mut repeated = Vec::new();
+    let mut without_ahead = Vec::new();
     for (tag, annotations) in systems {
         eprintln!("measuring {tag} ...");
         let first = *tag == "planarian";
         let spare = first && !in_place_only;
-        match chains_system(&tag.to_lowercase(), annotations, mem, files, spare, if first { repeat } else { 0 }) {
+        let repeat = if first { repeat } else { 0 };
+        match chains_system(&tag.to_lowercase(), annotations, mem, files, spare, repeat, in_place_only) {
             Ok(c) => {
                 results.push(c.costs);
                 phases.push(c.phases);
                 repeated.extend(c.repeated);
+                without_ahead.extend(c.without_ahead);
             }
             Err(e) => {
                 eprintln!("planarian-bench: {tag}: {e}");
@@ -596,6 +636,7 @@ fn chains(args: &[String]) -> i32 {
         }
     }
     if in_place_only {
+        let repeated = Repeated { pairs: &repeated, without_ahead: &without_ahead };
         return in_place_summary(mem, files, pool.is_some(), &results[0], &repeated, &phases[0]);
     }
     let mb = |b: u64| b as f64 / (1 << 20) as f64;
@@ -702,32 +743,51 @@ fn chains(args: &[String]) -> i32 {
     0
 }
 
+/// The repeated pairs of `chains --in-place-only` (snapshot ms, rollback in place ms), and beside
+/// each the same rollback without pages written ahead (ms).
+struct Repeated<'a> {
+    pairs: &'a [(f64, f64)],
+    without_ahead: &'a [f64],
+}
+
 /// `chains --in-place-only`: planarian's incremental snapshot against its rollback in place, once
-/// and then `repeated` pairs, with the rollback's phases.
-fn in_place_summary(mem: u32, files: u32, zfs: bool, p: &[Cost; 8], repeated: &[(f64, f64)], phases: &str) -> i32 {
+/// and then `repeated` pairs (each beside the rollback without pages written ahead), with the
+/// rollback's phases.
+fn in_place_summary(mem: u32, files: u32, zfs: bool, p: &[Cost; 8], r: &Repeated, phases: &str) -> i32 {
+    let repeated = r.pairs;
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
     let on = if zfs { "files on ZFS" } else { "files copied (no ZFS pool)" };
     println!("rollback in place against an incremental snapshot: {mem} MiB memory, {files} MiB files ({on}); 1 % of memory rewritten + 64 KiB of files between steps");
-    println!("| | snapshot ms | rollback in place ms | rollback / snapshot |");
-    println!("|---|---:|---:|---:|");
+    println!("| | snapshot ms | rollback in place ms | rollback / snapshot | without pages written ahead ms | without / snapshot |");
+    println!("|---|---:|---:|---:|---:|---:|");
     println!(
-        "| first pair ({} pages written) | {:.0} | {:.0} | {:.2}x |",
+        "| first pair ({} pages written) | {:.0} | {:.0} | {:.2}x | | |",
         p[1].pages,
         p[0].ms,
         p[1].ms,
         p[1].ms / p[0].ms
     );
+    let without = |i: usize| r.without_ahead.get(i).copied();
     for (i, (snap, back)) in repeated.iter().enumerate() {
-        println!("| pair {} | {snap:.0} | {back:.0} | {:.2}x |", i + 1, back / snap);
+        let w = without(i).map_or("| |".to_string(), |w| format!("| {w:.0} | {:.2}x |", w / snap));
+        println!("| pair {} | {snap:.0} | {back:.0} | {:.2}x {w}", i + 1, back / snap);
     }
     if !repeated.is_empty() {
         let (snap, back) =
             (median(repeated.iter().map(|r| r.0).collect()), median(repeated.iter().map(|r| r.1).collect()));
         let ratio = median(repeated.iter().map(|r| r.1 / r.0).collect());
-        println!("| median of {} pairs | {snap:.0} | {back:.0} | {ratio:.2}x |", repeated.len());
+        let w = match r.without_ahead.len() == repeated.len() {
+            true => {
+                let w = median(r.without_ahead.to_vec());
+                let wr = median(repeated.iter().zip(r.without_ahead).map(|(p, w)| w / p.0).collect());
+                format!("| {w:.0} | {wr:.2}x |")
+            }
+            false => "| |".to_string(),
+        };
+        println!("| median of {} pairs | {snap:.0} | {back:.0} | {ratio:.2}x {w}", repeated.len());
     }
     if let Some(why) = &p[1].full_reason {
         println!("  the rollback: {why}");

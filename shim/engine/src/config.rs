@@ -24,6 +24,7 @@ pub const ANNOTATION_KEYS: &[&str] = &[
     "checkpoint.pre_resume_hook",
     "checkpoint.network_lock",
     "checkpoint.rollback_in_place",
+    "checkpoint.write_ahead",
     "checkpoint.skip_unchanged",
     "checkpoint.lazy_pages",
     "checkpoint.lazy_pages_min_mib",
@@ -148,6 +149,10 @@ pub struct CheckpointConfig {
     /// Roll a running container back in place when its process tree has the statepoint's
     /// shape (no stop, no restore); off, every rollback stops and restores.
     pub rollback_in_place: bool,
+    /// A rollback in place writes the pages it can put back as they were while it still
+    /// compares the files, their bytes saved first (at most 64 MiB; see local::inplace::ahead);
+    /// off, every page is written after the comparison.
+    pub write_ahead: bool,
     /// A statepoint of a sandbox whose processes did nothing since the last dump (the same
     /// processes, memory, descriptors, signals; no page written) takes the last dump's memory
     /// images instead of a new CRIU dump (see local::unchanged); its files are captured as always.
@@ -205,6 +210,7 @@ impl Default for CheckpointConfig {
             pre_resume_hook: true,
             network_lock: NetworkLock::Auto,
             rollback_in_place: true,
+            write_ahead: true,
             skip_unchanged: true,
             lazy_pages: true,
             lazy_pages_min_mib: 128,

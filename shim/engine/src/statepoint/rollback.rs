@@ -638,6 +638,7 @@ fn in_place(
     // snapshot), or a compensation that fails, puts those pages back first: nothing changed, and
     // the rollback stops and restores with a safety statepoint (or fails, as before).
     let compared = AtomicBool::new(false);
+    let ahead_wanted = ctx.cfg.checkpoint.write_ahead;
     let mut ahead = Ahead::default();
     let mut journal = rb.journal.take();
     let (planned, compared_files) = std::thread::scope(|scope| {
@@ -645,7 +646,8 @@ fn in_place(
         let planning = scope.spawn(move || -> std::result::Result<inplace::Plan, String> {
             let mut plan = shape.plan(base.as_deref()).map_err(|e| e.to_string())?;
             crate::log::mark("pages planned");
-            if let Some(j) = journal.as_mut().filter(|_| plan.pages_written > 0 && !compared.load(Ordering::Acquire)) {
+            let wanted = ahead_wanted && plan.pages_written > 0 && !compared.load(Ordering::Acquire);
+            if let Some(j) = journal.as_mut().filter(|_| wanted) {
                 j.phase(Phase::Forward).map_err(|e| e.to_string())?;
                 crate::fault::point("rollback.in-place.ahead").map_err(|e| e.to_string())?;
                 plan.write_ahead(inplace::ahead::MAX_PAGES, ahead).map_err(|e| e.to_string())?;
