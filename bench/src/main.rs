@@ -455,17 +455,21 @@ struct Chains {
     costs: [Cost; 8],
     phases: String,
     repeated: Vec<(f64, f64)>,
-    /// With `compare_ahead`, beside each repeated pair: the same rollback with its pages all
-    /// written after the files' comparison (`checkpoint.write_ahead = false`), ms.
-    without_ahead: Vec<f64>,
+    /// With `compare_ahead`, beside each repeated pair a pair of its own (the same history: memory
+    /// rewritten, a snapshot, memory rewritten, the rollback) whose rollback writes every page after
+    /// the files' comparison (`checkpoint.write_ahead = false`): snapshot ms, rollback ms.
+    without_ahead: Vec<(f64, f64)>,
 }
 
-/// A drop-in of planarian's configuration for as long as it lives.
+/// The drop-in that turns pages written ahead off, while a rollback without them is measured.
+const NO_AHEAD: &str = "/etc/planarian/planarian.conf.d/zz-plbench-no-ahead.conf";
+
+/// A drop-in of planarian's configuration (its path) for as long as it lives.
 struct DropIn(std::path::PathBuf);
 
 impl DropIn {
-    fn new(name: &str, text: &str) -> Result<DropIn, String> {
-        let p = std::path::PathBuf::from(format!("/etc/planarian/planarian.conf.d/{name}.conf"));
+    fn new(path: &str, text: &str) -> Result<DropIn, String> {
+        let p = std::path::PathBuf::from(path);
         std::fs::create_dir_all("/etc/planarian/planarian.conf.d").map_err(|e| e.to_string())?;
         std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
         Ok(DropIn(p))
@@ -538,29 +542,42 @@ fn chains_system(
         // under emulation moves by tens of percent.
         let mut repeated = Vec::new();
         let mut without_ahead = Vec::new();
-        let back = || -> Result<f64, String> {
-            dirty(&ctr)?;
-            Ok(timed_cost(&mut || run_quiet(PLANARIAN, &["rollback", &ctr, &sp1]).map(drop))?.ms)
-        };
-        // (with `compare_ahead`, the rollback without pages written ahead beside each pair, first
-        // and second in turn: the machine's drift moves both alike)
-        let without = || -> Result<f64, String> {
-            let _off = DropIn::new("zz-plbench-no-ahead", "[checkpoint]\nwrite_ahead = false\n")?;
-            back()
-        };
-        for i in 0..repeat {
+        // (the timeline of the last rollback with pages written ahead, and of the last without)
+        let timelines = std::cell::RefCell::new([None, None]);
+        // One pair: memory rewritten, a snapshot, memory rewritten, the rollback (ms of each).
+        let pair = || -> Result<(f64, f64), String> {
             dirty(&ctr)?;
             let (_, snap) = snapshot_cost(&ctr)?;
+            dirty(&ctr)?;
+            let ms = timed_cost(&mut || run_quiet(PLANARIAN, &["rollback", &ctr, &sp1]).map(drop))?.ms;
+            let ahead = !std::path::Path::new(NO_AHEAD).exists();
+            timelines.borrow_mut()[usize::from(!ahead)] =
+                logged("rollback timeline (ms): ", "rollback timeline (ms): ");
+            Ok((snap.ms, ms))
+        };
+        // (with `compare_ahead`, a pair without pages written ahead beside each, first and second
+        // in turn: the machine's drift moves both alike)
+        let without = || -> Result<(f64, f64), String> {
+            let _off = DropIn::new(NO_AHEAD, "[checkpoint]\nwrite_ahead = false\n")?;
+            pair()
+        };
+        for i in 0..repeat {
             if compare_ahead && i % 2 == 1 {
                 without_ahead.push(without()?);
             }
-            repeated.push((snap.ms, back()?));
+            repeated.push(pair()?);
             if compare_ahead && i % 2 == 0 {
                 without_ahead.push(without()?);
             }
         }
         let costs = [second, rollback, after_rollback, fork_cost, after_fork, spare_cost, spare_fork, spare_own];
-        Ok(Chains { costs, phases: format!("{rollback_phases}\n{fork_phases}"), repeated, without_ahead })
+        let mut phases = format!("{rollback_phases}\n{fork_phases}");
+        for (what, t) in ["with pages written ahead", "without"].iter().zip(timelines.into_inner()) {
+            if let Some(t) = t {
+                phases.push_str(&format!("\nlast repeated rollback {what}, timeline (ms): {t}"));
+            }
+        }
+        Ok(Chains { costs, phases, repeated, without_ahead })
     })();
     // (a spare left when the fork that should have taken it failed)
     let spares =
@@ -747,7 +764,7 @@ fn chains(args: &[String]) -> i32 {
 /// each the same rollback without pages written ahead (ms).
 struct Repeated<'a> {
     pairs: &'a [(f64, f64)],
-    without_ahead: &'a [f64],
+    without_ahead: &'a [(f64, f64)],
 }
 
 /// `chains --in-place-only`: planarian's incremental snapshot against its rollback in place, once
@@ -761,10 +778,10 @@ fn in_place_summary(mem: u32, files: u32, zfs: bool, p: &[Cost; 8], r: &Repeated
     };
     let on = if zfs { "files on ZFS" } else { "files copied (no ZFS pool)" };
     println!("rollback in place against an incremental snapshot: {mem} MiB memory, {files} MiB files ({on}); 1 % of memory rewritten + 64 KiB of files between steps");
-    println!("| | snapshot ms | rollback in place ms | rollback / snapshot | without pages written ahead ms | without / snapshot |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("| | snapshot ms | rollback in place ms | rollback / snapshot | without pages written ahead: snapshot ms | rollback ms | rollback / snapshot |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     println!(
-        "| first pair ({} pages written) | {:.0} | {:.0} | {:.2}x | | |",
+        "| first pair ({} pages written) | {:.0} | {:.0} | {:.2}x | | | |",
         p[1].pages,
         p[0].ms,
         p[1].ms,
@@ -772,7 +789,7 @@ fn in_place_summary(mem: u32, files: u32, zfs: bool, p: &[Cost; 8], r: &Repeated
     );
     let without = |i: usize| r.without_ahead.get(i).copied();
     for (i, (snap, back)) in repeated.iter().enumerate() {
-        let w = without(i).map_or("| |".to_string(), |w| format!("| {w:.0} | {:.2}x |", w / snap));
+        let w = without(i).map_or("| | | |".to_string(), |(s, w)| format!("| {s:.0} | {w:.0} | {:.2}x |", w / s));
         println!("| pair {} | {snap:.0} | {back:.0} | {:.2}x {w}", i + 1, back / snap);
     }
     if !repeated.is_empty() {
@@ -781,11 +798,12 @@ fn in_place_summary(mem: u32, files: u32, zfs: bool, p: &[Cost; 8], r: &Repeated
         let ratio = median(repeated.iter().map(|r| r.1 / r.0).collect());
         let w = match r.without_ahead.len() == repeated.len() {
             true => {
-                let w = median(r.without_ahead.to_vec());
-                let wr = median(repeated.iter().zip(r.without_ahead).map(|(p, w)| w / p.0).collect());
-                format!("| {w:.0} | {wr:.2}x |")
+                let s = median(r.without_ahead.iter().map(|w| w.0).collect());
+                let w = median(r.without_ahead.iter().map(|w| w.1).collect());
+                let wr = median(r.without_ahead.iter().map(|w| w.1 / w.0).collect());
+                format!("| {s:.0} | {w:.0} | {wr:.2}x |")
             }
-            false => "| |".to_string(),
+            false => "| | | |".to_string(),
         };
         println!("| median of {} pairs | {snap:.0} | {back:.0} | {ratio:.2}x {w}", repeated.len());
     }

@@ -527,9 +527,12 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     // The step before the point of no return made to fail (the remote state's compensation,
     // the first change): the sandbox is exactly as it was (memory, mappings, files), thawed.
     // Pages written ahead of the files' comparison (memory the process has, changed since the
-    // statepoint) are put back first: the memory's checksum is the one before.
+    // statepoint and not since the last dump: the pages written before a statepoint taken since)
+    // are put back first: the memory's checksum is the one before.
     sb.send("map 1");
     sb.send("dirty 65536 65536");
+    sb.snapshot("later");
+    sb.send("dirty 131072 65536");
     sb.sh("echo now > /root/now").ok();
     let before = line(&sb);
     let r = rollback_ahead(&sb, &sp2, "rollback.in-place.compensating");
@@ -560,6 +563,7 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     ] {
         sb.send("map 1");
         sb.send("dirty 65536 65536");
+        sb.snapshot(&format!("before-{point}"));
         sb.sh("echo now > /root/now").ok();
         // (the comparison's failure with pages written ahead: they are put back, then the
         // rollback refuses)
@@ -591,6 +595,8 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     assert_eq!(line(&sb), at2);
     // Pages written ahead of the files' comparison, and the rollback going on: exactly there.
     sb.send("dirty 65536 65536");
+    sb.snapshot("ahead");
+    sb.send("dirty 131072 65536");
     sb.sh("echo x > /root/scratch").ok();
     let r = rollback_ahead(&sb, &sp2, "");
     assert!(r.stderr.contains("written while the files were compared"), "{}", r.stderr);
@@ -652,6 +658,7 @@ fn planarian_killed_mid_rollback_in_place_leaves_no_process_halfway() {
     // held; the journal says forward from before the first page): the next operation finishes
     // the rollback, at the statepoint.
     sb.send("dirty 0 1048576");
+    sb.snapshot("dirtied");
     let before = line(&sb);
     let paused = Path::new("/run/planarian/paused");
     let _ = std::fs::remove_file(paused);

@@ -149,9 +149,9 @@ pub struct CheckpointConfig {
     /// Roll a running container back in place when its process tree has the statepoint's
     /// shape (no stop, no restore); off, every rollback stops and restores.
     pub rollback_in_place: bool,
-    /// A rollback in place writes the pages it can put back as they were while it still
-    /// compares the files, their bytes saved first (at most 64 MiB; see local::inplace::ahead);
-    /// off, every page is written after the comparison.
+    /// A rollback in place writes the pages it can put back as they were (those whose content
+    /// the base dump holds) while it still compares the files (see local::inplace::ahead); off,
+    /// every page is written after the comparison.
     pub write_ahead: bool,
     /// A statepoint of a sandbox whose processes did nothing since the last dump (the same
     /// processes, memory, descriptors, signals; no page written) takes the last dump's memory

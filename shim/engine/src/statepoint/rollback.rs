@@ -631,9 +631,9 @@ fn in_place(
     progress.phase(&format!("in place: what differs (memory, files on {})", rootfs.backend()));
     // The page plan beside the files' comparison (on OpenZFS mostly waiting: for the frozen
     // state's snapshot, then its stream). While the comparison still runs, the plan's pages that
-    // can be put back as they were are written ahead, their bytes saved first (`inplace::ahead`;
-    // the journal says forward before: a planarian killed from then on leaves a rollback the
-    // next operation finishes). Nothing else is written before both are done, and a comparison
+    // can be put back as they were (their content in the base's images) are written ahead
+    // (`inplace::ahead`; the journal says forward before: a planarian killed from then on leaves
+    // a rollback the next operation finishes). Nothing else is written before both are done, and a comparison
     // that refuses or fails (a file it cannot put back, a pool too full for the frozen state's
     // snapshot), or a compensation that fails, puts those pages back first: nothing changed, and
     // the rollback stops and restores with a safety statepoint (or fails, as before).
@@ -650,7 +650,7 @@ fn in_place(
             if let Some(j) = journal.as_mut().filter(|_| wanted) {
                 j.phase(Phase::Forward).map_err(|e| e.to_string())?;
                 crate::fault::point("rollback.in-place.ahead").map_err(|e| e.to_string())?;
-                plan.write_ahead(inplace::ahead::MAX_PAGES, ahead).map_err(|e| e.to_string())?;
+                plan.write_ahead(ahead).map_err(|e| e.to_string())?;
                 crate::log::mark("pages written ahead");
             }
             Ok(plan)
@@ -812,6 +812,7 @@ fn write_in_place(
     let store = rb.store;
     crate::fault::point("rollback.in-place.files")?;
     let n = files.apply()?;
+    crate::log::mark("files written");
     // (the memory's soft-dirty bits are cleared against the statepoint's pages: until its images
     // are recorded as the base, no dump or plan may build on the current one)
     let init_start = sys::proc::start_time(pid).unwrap_or(0);

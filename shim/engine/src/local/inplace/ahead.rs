@@ -1,48 +1,40 @@
 //! Pages written ahead: while a rollback in place still compares files (on OpenZFS mostly a wait
 //! for the frozen state's snapshot and its stream), the plan's pages that can be put back as they
-//! were without a system call in the process are written, each range's bytes saved first.
+//! were without a system call in the process, and without saving anything, are written.
 //!
-//! Those are the pages the process has now (present or swapped out, not the zero page: writing
-//! one allocates nothing) in mappings the layout keeps (nothing unmapped, mapped anew or cut off
-//! the heap there). Put back ([`Ahead::undo`]), the process's memory reads as before: a comparison
+//! Those are the pages the process has now whose content lies in the base's images — present or
+//! swapped out and not written since the dump the next one would build on (their soft-dirty bit
+//! clear: the same test that leaves them out of an incremental dump) — in mappings the layout
+//! keeps (nothing unmapped, mapped anew or cut off the heap there). Writing one allocates
+//! nothing, and putting it back ([`Ahead::undo`]) is writing the base's page again: a comparison
 //! or a compensation that fails after them still changes nothing. The soft-dirty bit of a page
-//! written and put back may be set, which only makes the next dump carry it. The saved bytes are
-//! in this process's memory, at most [`MAX_PAGES`]; a planarian killed while it holds them
-//! leaves the journal saying forward (the next operation restores the target).
+//! written and put back may be set, which only makes the next dump carry it. The work is the
+//! writes the rollback makes anyway, made earlier; a planarian killed meanwhile leaves the journal
+//! saying forward (the next operation restores the target).
 
 use super::pages::{cut, merge, subtract, write_pages, Plan};
-use super::{io, Error, Result};
+use super::{Error, Result};
 use criu_hooks::images::{PageRun, PAGE_SIZE};
-use std::os::unix::fs::FileExt;
-use sys::proc::Proc;
 
-/// The most pages written ahead (64 MiB saved in memory); the rest are written with the others.
-pub const MAX_PAGES: u64 = 16 << 10;
-
-/// A range of a process's memory (its start), and the bytes it held.
-type Saved = (u64, Vec<u8>);
-
-/// Pages written ahead, with the bytes they held before.
+/// Pages written ahead, and where their content was before (the base's images).
 #[derive(Debug, Default)]
 pub struct Ahead {
-    /// Each process (host PID) whose pages were written (or being written): every range.
-    saved: Vec<(i32, Vec<Saved>)>,
+    /// Each process (host PID) whose pages were written (or being written): the base's runs
+    /// of them.
+    before: Vec<(i32, Vec<PageRun>)>,
     pub pages: u64,
 }
 
 impl Ahead {
     /// Whether anything was (or may have been) written.
     pub fn is_empty(&self) -> bool {
-        self.saved.is_empty()
+        self.before.is_empty()
     }
 
     /// Puts back what the pages held before they were written ahead.
     pub fn undo(&self) -> Result<()> {
-        for (pid, saved) in &self.saved {
-            let mem = Proc::of(*pid).open_mem_rw()?;
-            for (at, bytes) in saved {
-                mem.write_all_at(bytes, *at).map_err(io(format!("put back process {pid}'s memory at {at:#x}")))?;
-            }
+        for (pid, runs) in &self.before {
+            write_pages(*pid, runs)?;
         }
         Ok(())
     }
@@ -79,54 +71,36 @@ fn split(runs: &[PageRun], ranges: &[(u64, u64)]) -> (Vec<PageRun>, Vec<PageRun>
     (inside, outside)
 }
 
-/// The first `max` pages of `ranges`.
-fn first_pages(ranges: Vec<(u64, u64)>, max: u64) -> Vec<(u64, u64)> {
-    let mut left = max;
-    let mut out = Vec::new();
-    for (s, e) in ranges {
-        let n = ((e - s) / PAGE_SIZE).min(left);
-        if n == 0 {
-            break;
-        }
-        out.push((s, s + n * PAGE_SIZE));
-        left -= n;
-    }
-    out
+fn pages_in(ranges: &[(u64, u64)]) -> u64 {
+    ranges.iter().map(|(s, e)| (e - s) / PAGE_SIZE).sum()
 }
 
 impl Plan {
-    /// Writes ahead, process by process, at most `max` of the plan's pages that can be put back
-    /// as they were (see the module), each range's bytes saved into `ahead` first; they are taken
-    /// out of the writes [`Plan::apply`] makes. On an error, what `ahead` holds may be written:
-    /// the caller puts it back ([`Ahead::undo`]) as after any later failure.
-    pub fn write_ahead(&mut self, max: u64, ahead: &mut Ahead) -> Result<()> {
-        let mut left = max;
+    /// Writes ahead, process by process, the plan's pages that can be put back from the base's
+    /// images (see the module), where they lie recorded in `ahead` first; they are taken out of
+    /// the writes [`Plan::apply`] makes. On an error, what `ahead` records may be written: the
+    /// caller puts it back ([`Ahead::undo`]) as after any later failure.
+    pub fn write_ahead(&mut self, ahead: &mut Ahead) -> Result<()> {
         for (p, pages) in self.shape.procs.iter().zip(self.pages.iter_mut()) {
             let l = &p.layout;
             let moved = merge(
                 l.gone.iter().copied().chain(l.unmap.iter().copied()).chain(l.map.iter().map(|m| (m.0, m.1))).collect(),
             );
             let writes = merge(pages.write.iter().map(|r| (r.vaddr, r.end())).collect());
-            let fit = first_pages(subtract(&intersect(&writes, &pages.has), &moved), left);
+            let clean = merge(pages.clean.iter().map(|r| (r.vaddr, r.end())).collect());
+            let fit = subtract(&intersect(&writes, &clean), &moved);
             if fit.is_empty() {
                 continue;
             }
             let (now, later) = split(&pages.write, &fit);
-            let mem = Proc::of(p.host).open_mem_rw()?;
-            let mut saved = Vec::with_capacity(fit.len());
-            for &(s, e) in &fit {
-                let mut bytes = vec![0u8; (e - s) as usize];
-                mem.read_exact_at(&mut bytes, s).map_err(io(format!("read process {}'s memory at {s:#x}", p.vpid)))?;
-                saved.push((s, bytes));
-            }
-            ahead.saved.push((p.host, saved));
+            let (before, _) = split(&pages.clean, &fit);
+            ahead.before.push((p.host, before));
             let n = write_pages(p.host, &now)?;
-            if n != fit.iter().map(|(s, e)| (e - s) / PAGE_SIZE).sum::<u64>() {
+            if n != pages_in(&fit) {
                 return Err(Error::Failed(format!("process {}: {n} pages written ahead, not the {fit:x?}", p.vpid)));
             }
             pages.write = later;
             ahead.pages += n;
-            left -= n;
         }
         self.pages_ahead = ahead.pages;
         Ok(())
@@ -211,10 +185,9 @@ mod tests {
     }
 
     #[test]
-    fn at_most_max_pages() {
-        let p = PAGE_SIZE;
-        assert_eq!(first_pages(vec![(0, 4 * p), (10 * p, 20 * p)], 6), vec![(0, 4 * p), (10 * p, 12 * p)]);
-        assert_eq!(first_pages(vec![(0, 4 * p)], 0), vec![]);
+    fn ranges_intersect() {
         assert_eq!(intersect(&[(0, 10), (20, 30)], &[(5, 25)]), vec![(5, 10), (20, 25)]);
+        assert_eq!(intersect(&[(0, 10)], &[(10, 20)]), vec![]);
+        assert_eq!(pages_in(&[(0, 3 * PAGE_SIZE), (8 * PAGE_SIZE, 9 * PAGE_SIZE)]), 4);
     }
 }

@@ -38,6 +38,7 @@ impl Plan {
         // Held by ptrace, the threads do not run when the cgroup thaws; they must be thawed to
         // step over a system call (CRIU does the same between its seize and its dump).
         freezer.thaw().map_err(|e| Error::Failed(format!("thaw for the system calls: {e}")))?;
+        crate::log::mark("held");
         let r = self.apply_held(&tracees);
         let refrozen = freezer.freeze();
         let now = cgroup_pids(freezer.dir());
@@ -66,11 +67,13 @@ impl Plan {
             crate::fault::point("rollback.in-place.memory").map_err(|e| Error::Failed(e.to_string()))?;
             let insn = ptrace::syscall_instruction(p.host).map_err(io(format!("process {}", p.vpid)))?;
             let thp_off = put_back_memory(p, pages, main, insn, &mut applied)?;
+            crate::log::mark("memory");
             held.push((ti, insn, thp_off));
             let threads = p.threads.iter().enumerate().map(|(i, (th, _))| (&tracees[ti + i], th.vtid)).collect();
             let mut h = signals::Held { vpid: p.vpid, host: p.host, insn, threads, calls: &mut applied.system_calls };
             p.signals.apply(&mut h)?;
             p.attrs.apply(&mut h)?;
+            crate::log::mark("signals and attributes");
             ti += p.threads.len();
             descriptors::apply(p.host, p.vpid, &p.fixes)?;
         }
@@ -88,6 +91,7 @@ impl Plan {
             // is what it dumps.
             Proc::of(p.host).clear_soft_dirty()?;
         }
+        crate::log::mark("soft-dirty cleared");
         for (p, &(t, insn, thp_off)) in self.shape.procs.iter().zip(held) {
             if !thp_off {
                 applied.system_calls += 1;

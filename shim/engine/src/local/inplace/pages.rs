@@ -66,8 +66,9 @@ pub(super) struct Pages {
     pub(super) drop: Vec<(u64, u64)>,
     /// Where the statepoint has pages: any other page present after the writes is dropped.
     pub(super) had: Vec<(u64, u64)>,
-    /// Where the process has pages now (present or swapped out, not the zero page).
-    pub(super) has: Vec<(u64, u64)>,
+    /// The pages the process has now whose content lies in the base's images (not written
+    /// since its dump): where, by address, in order.
+    pub(super) clean: Vec<PageRun>,
 }
 
 /// The plan of a rollback in place: the shape, and the pages of each process.
@@ -155,11 +156,11 @@ impl Shape {
             let (clean, dirty) = live_pages(p.host)?;
             let now = outside(now_runs(&clean, &dirty, &from_base));
             let (write, drop) = differ(&target, &now);
+            let clean = now.into_iter().filter(|r| r.loc.dev != u64::MAX).collect();
             let drop = subtract(&drop, &p.layout.gone);
             written += pages_of(&write);
             let had = merge(target.iter().map(|r| (r.vaddr, r.end())).collect());
-            let has = merge(clean.into_iter().chain(dirty).collect());
-            pages.push(Pages { write, drop, had, has });
+            pages.push(Pages { write, drop, had, clean });
         }
         Ok(Plan { shape: self, pages, pages_written: written, pages_ahead: 0 })
     }
