@@ -126,6 +126,13 @@ fn line(sb: &Sandbox) -> Vec<String> {
     sb.sh("cat /tmp/state").ok().out().split_whitespace().skip(1).map(String::from).collect()
 }
 
+/// What the sandbox's memory holds now (its checksum and mappings, published as it takes a
+/// command: the published line alone may be a file a rollback put back).
+fn memory(sb: &mut Sandbox) -> Vec<String> {
+    sb.send("tick");
+    line(sb)[1..].to_vec()
+}
+
 /// Rolls back with `--json`; the restore context.
 fn rollback(sb: &mut Sandbox, sp: &str) -> serde_json::Value {
     let r = planarian(&["rollback", &sb.name, sp, "--json"]);
@@ -545,6 +552,7 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     assert!(!Path::new(FAULT).exists(), "the fault never fired");
     assert!(r.stderr.contains("pages written ahead put back"), "{}", r.stderr);
     assert_eq!(line(&sb), before, "as before");
+    assert_eq!(memory(&mut sb), before[1..], "the memory as before (the pages written ahead put back)");
     assert_eq!(sb.sh("cat /root/now").ok().out(), "now");
     assert!(!cgroup_frozen(&sb.name), "thawed");
     // Each step after it made to fail: the remote state is at the target already, so the
@@ -598,11 +606,17 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     sb.snapshot("ahead");
     sb.send("dirty 131072 65536");
     sb.sh("echo x > /root/scratch").ok();
+    let oracle = PathBuf::from("/var/tmp/planarian-oracle-ahead");
+    arm_oracle(&oracle);
     let r = rollback_ahead(&sb, &sp2, "");
     assert!(r.stderr.contains("written while the files were compared"), "{}", r.stderr);
     let ctx = rolled_back(&mut sb, r);
     assert_eq!(ctx["how"]["path"], "in-place", "{ctx}");
+    assert!(!Path::new("/run/planarian/oracle").exists(), "the oracle dump was not taken");
+    assert_dump_equals(&images_of(&sb, &sp2), &oracle);
+    let _ = std::fs::remove_dir_all(&oracle);
     assert_eq!(line(&sb), at2);
+    assert_eq!(memory(&mut sb), at2[1..]);
     assert_ne!(sb.sh("test -e /root/scratch").code, Some(0));
 }
 
@@ -654,35 +668,56 @@ fn planarian_killed_mid_rollback_in_place_leaves_no_process_halfway() {
     let r = planarian(&["fsck", &sb.name]);
     assert_eq!(r.code, Some(0), "fsck: {}{}", r.stdout, r.stderr);
 
-    // Killed once it wrote pages ahead of its files' comparison (the sandbox frozen, not yet
-    // held; the journal says forward from before the first page): the next operation finishes
-    // the rollback, at the statepoint.
+    // Killed right after it wrote pages ahead of its files' comparison (the comparison held, the
+    // sandbox frozen, not yet held by ptrace; the journal says forward from before the first
+    // page): the next operation finishes the rollback, at the statepoint.
+    let memory_at_sp = memory(&mut sb);
     sb.send("dirty 0 1048576");
     sb.snapshot("dirtied");
-    let before = line(&sb);
+    sb.send("dirty 2097152 65536");
+    let before = memory(&mut sb);
+    assert_ne!(before, memory_at_sp);
     let paused = Path::new("/run/planarian/paused");
     let _ = std::fs::remove_file(paused);
-    std::fs::write(FAULT, "pause:rollback.in-place.comparing").unwrap();
+    std::fs::write(FAULT, "pause:rollback.in-place.comparing\nkill:rollback.in-place.written-ahead\n").unwrap();
     let mut child = std::process::Command::new(planarian_bin())
         .args(["rollback", &sb.name, &sp])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let journal = sb.store().join("rolling-back.json");
-    let forward = || std::fs::read_to_string(&journal).is_ok_and(|j| j.contains("\"phase\":\"forward\""));
-    wait_for(Duration::from_secs(300), || (paused.exists() && forward()) || child.try_wait().unwrap().is_some());
-    let ahead = paused.exists() && forward();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    let ended = wait_for(Duration::from_secs(300), || child.try_wait().unwrap().is_some());
+    if !ended {
+        let _ = child.kill();
+    }
+    let status = child.wait().unwrap();
     let _ = std::fs::remove_file(paused);
-    let _ = std::fs::remove_file(FAULT);
-    assert!(ahead, "the rollback did not reach its writes ahead of the comparison");
+    assert!(!Path::new(FAULT).exists(), "both points fired (what is left: {:?})", std::fs::read_to_string(FAULT));
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "killed at the point: {status:?}");
     let r = planarian(&["snapshot", &sb.name, "--name", "after-the-second-kill"]);
     r.ok();
     assert!(r.stderr.contains(&format!("an interrupted rollback to {sp} was finished")), "{}", r.stderr);
     assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out(), "running");
     sb.seq = sb.read().expect("state after the finished rollback").0;
-    assert_ne!(line(&sb), before, "not as it was before the rollback");
-    assert_eq!(line(&sb), at_sp, "at the statepoint");
+    assert_eq!(memory(&mut sb), memory_at_sp, "at the statepoint");
+
+    // The comparison failed after pages were written ahead, and putting them back failed too
+    // (both injected): the sandbox is stopped, not left half-written, and the next operation
+    // finishes the rollback, at the statepoint.
+    sb.send("dirty 0 1048576");
+    sb.snapshot("dirtied-again");
+    let r = rollback_ahead(&sb, &sp, "rollback.in-place.compared\nrollback.in-place.put-back");
+    assert_ne!(r.code, Some(0), "{r:?}");
+    assert!(
+        r.stderr.contains("rollback.in-place.put-back") && r.stderr.contains("the sandbox is stopped"),
+        "{}",
+        r.stderr
+    );
+    assert!(!Path::new(FAULT).exists(), "both points fired");
+    assert_ne!(podman("planarian", &["inspect", "--format", "{{.State.Status}}", &sb.name]).out(), "running");
+    let r = planarian(&["snapshot", &sb.name, "--name", "after-the-put-back-failed"]);
+    r.ok();
+    assert!(r.stderr.contains(&format!("an interrupted rollback to {sp} was finished")), "{}", r.stderr);
+    sb.seq = sb.read().expect("state after the finished rollback").0;
+    assert_eq!(memory(&mut sb), memory_at_sp, "at the statepoint");
 }

@@ -5,6 +5,9 @@
 //! (written as it pauses) exists: a test does there what the machine might do at that moment.
 //! `hold:NAME` asks a step that does work in the background (a page server's transfer) to hold
 //! that work, not the rest, as long as the paused file exists ([`hold`]).
+//! The file may hold several of these, one a line: each is taken once, by its point, and the
+//! file removed with the last (a test arms two steps of one operation, the second of which may
+//! come on another thread).
 //! A file rather than an environment variable: `restore` runs under conmon, which Podman starts
 //! with an environment of its own. Only statepoint operations look; pass-through verbs never do.
 
@@ -29,17 +32,32 @@ const PAUSED: &str = "/run/planarian/paused";
 /// How long a pause lasts at most (a test that died does not hold the sandbox for good).
 const PAUSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(600);
 
+/// The directive of the fault file (its line without `name`: one of `kinds`) that names point
+/// `name`, taken: the line removed, and the file with the last one.
+fn take(file: &Path, name: &str, kinds: &[&str]) -> Option<String> {
+    // (two threads of one operation take theirs one after the other)
+    static TAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = TAKING.lock().unwrap_or_else(|e| e.into_inner());
+    let text = std::fs::read_to_string(file).ok()?;
+    let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    let i = lines.iter().position(|l| l.strip_suffix(name).is_some_and(|kind| kinds.contains(&kind)))?;
+    let rest: Vec<&str> = lines.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, l)| *l).collect();
+    let taken = match rest.is_empty() {
+        true => std::fs::remove_file(file).is_ok(),
+        false => sys::write_atomic(file, format!("{}\n", rest.join("\n")).as_bytes(), 0o644).is_ok(),
+    };
+    taken.then(|| lines[i].strip_suffix(name).unwrap_or_default().to_string())
+}
+
 fn at(file: &Path, paused: &Path, name: &str) -> Result<(), Injected> {
-    match std::fs::read_to_string(file) {
-        Ok(text) if text.trim() == name && std::fs::remove_file(file).is_ok() => {
-            Err(Injected { point: name.to_string() })
-        }
+    match take(file, name, &["", "kill:", "pause:"]).as_deref() {
+        Some("") => Err(Injected { point: name.to_string() }),
         // planarian killed at this point (SIGKILL: nothing of its own runs after it).
-        Ok(text) if text.trim().strip_prefix("kill:") == Some(name) && std::fs::remove_file(file).is_ok() => {
+        Some("kill:") => {
             let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
             Ok(())
         }
-        Ok(text) if text.trim().strip_prefix("pause:") == Some(name) && std::fs::remove_file(file).is_ok() => {
+        Some("pause:") => {
             // (whole or not at all: a test that sees the file reads the point's name in it)
             if sys::write_atomic(paused, name.as_bytes(), 0o644).is_ok() {
                 let since = std::time::Instant::now();
@@ -60,10 +78,7 @@ pub fn hold(name: &str) -> Option<std::path::PathBuf> {
 }
 
 fn hold_at(file: &Path, paused: &Path, name: &str) -> Option<std::path::PathBuf> {
-    let text = std::fs::read_to_string(file).ok()?;
-    if text.trim().strip_prefix("hold:") != Some(name) || std::fs::remove_file(file).is_err() {
-        return None;
-    }
+    take(file, name, &["hold:"])?;
     sys::write_atomic(paused, name.as_bytes(), 0o644).ok()?;
     Some(paused.to_path_buf())
 }
@@ -95,6 +110,27 @@ mod tests {
         assert_eq!(at(&f, &paused, "snapshot.dumped"), Ok(()));
         assert_eq!(at(&f, &paused, "snapshot.frozen").unwrap_err().to_string(), "injected fault at snapshot.frozen");
         assert_eq!(at(&f, &paused, "snapshot.frozen"), Ok(()));
+    }
+
+    #[test]
+    fn several_directives_each_once_and_the_file_gone_with_the_last() {
+        let scratch = tempfile::tempdir().unwrap();
+        let (f, paused) = (scratch.path().join("fault"), scratch.path().join("paused"));
+        std::fs::write(&f, "rollback.in-place.compared\nrollback.in-place.put-back\n").unwrap();
+        assert_eq!(at(&f, &paused, "rollback.in-place.put-back").unwrap_err().point, "rollback.in-place.put-back");
+        assert_eq!(std::fs::read_to_string(&f).unwrap(), "rollback.in-place.compared\n");
+        assert_eq!(at(&f, &paused, "rollback.in-place.put-back"), Ok(()));
+        // (a point's name is the whole last field: not a suffix of another's)
+        assert_eq!(at(&f, &paused, "compared"), Ok(()));
+        assert_eq!(at(&f, &paused, "rollback.in-place.compared").unwrap_err().point, "rollback.in-place.compared");
+        assert!(!f.exists());
+        // A directive is read with its kind: a hold is not a failure, nor a failure a hold.
+        std::fs::write(&f, "hold:lazy.background\n").unwrap();
+        assert_eq!(at(&f, &paused, "lazy.background"), Ok(()));
+        assert!(f.exists());
+        std::fs::write(&f, "lazy.background\n").unwrap();
+        assert_eq!(hold_at(&f, &paused, "lazy.background"), None);
+        assert!(f.exists());
     }
 
     #[test]

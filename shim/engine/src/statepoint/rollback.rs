@@ -398,7 +398,16 @@ fn try_in_place(
         return Ok(InPlace::Refused("turned off (checkpoint.rollback_in_place = false)".into()));
     }
     let pod = rb.pc.cri.then(|| NOT_BY_RESTORE.to_string());
-    let mut blocked = || pod.clone().or_else(|| full_path.get().as_ref().err().map(|e| e.to_string()));
+    // (why not, waited for; or, not waiting, also that it is not known yet)
+    let mut blocked = |wait: bool| {
+        pod.clone().or_else(|| match wait {
+            true => full_path.get().as_ref().err().map(|e| e.to_string()),
+            false => match full_path.answered() {
+                Some(r) => r.as_ref().err().map(|e| e.to_string()),
+                None => Some("not known yet".into()),
+            },
+        })
+    };
     // (the statepoint's files made readable beside the freeze and the tree's check: on OpenZFS
     // its snapshot mounted, which needs nothing of the frozen state)
     let prepared = rb.rootfs.in_place_prepare(&rb.target.local_state, &crate::local::files::in_place_scratch(rb.store));
@@ -584,14 +593,15 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 /// doubt or failure changes nothing (a refusal sends the rollback down the stop-and-restore
 /// path, which takes its safety statepoint); from the compensation on there is no way back, and
 /// the rollback goes forward: a step that fails makes it stop the sandbox and restore the
-/// statepoint, as the journal's next reader would ([`Phase::Forward`]). `blocked`: why the
-/// stop-and-restore path cannot run, if it cannot, asked when it refuses. (Its later phases are
+/// statepoint, as the journal's next reader would ([`Phase::Forward`]). `blocked(wait)`: why the
+/// stop-and-restore path cannot run, if it cannot: asked when it refuses (waiting for the
+/// answer), and before pages are written ahead (not waiting: not known yet is a reason too). (Its later phases are
 /// functions of their own: [`compensate_in_place`], [`write_in_place`], [`done_in_place`],
 /// [`in_place_forward`]. This one holds the freeze's guard from its first line and hands it on.)
 fn in_place(
     ctx: &Ctx,
     rb: &mut Parts,
-    blocked: &mut dyn FnMut() -> Option<String>,
+    blocked: &mut dyn FnMut(bool) -> Option<String>,
     progress: &mut dyn Progress,
     prepared: Option<crate::local::files::InPlaceStart>,
 ) -> Result<InPlace> {
@@ -638,7 +648,9 @@ fn in_place(
     // snapshot), or a compensation that fails, puts those pages back first: nothing changed, and
     // the rollback stops and restores with a safety statepoint (or fails, as before).
     let compared = AtomicBool::new(false);
-    let ahead_wanted = ctx.cfg.checkpoint.write_ahead;
+    // (a rollback killed from the first page written ahead goes forward: a restore of the target,
+    // which must be known to be possible, as it is once written in place)
+    let ahead_wanted = ctx.cfg.checkpoint.write_ahead && blocked(false).is_none();
     let mut ahead = Ahead::default();
     let mut journal = rb.journal.take();
     let (planned, compared_files) = std::thread::scope(|scope| {
@@ -652,6 +664,7 @@ fn in_place(
                 crate::fault::point("rollback.in-place.ahead").map_err(|e| e.to_string())?;
                 plan.write_ahead(ahead).map_err(|e| e.to_string())?;
                 crate::log::mark("pages written ahead");
+                crate::fault::point("rollback.in-place.written-ahead").map_err(|e| e.to_string())?;
             }
             Ok(plan)
         });
@@ -676,7 +689,7 @@ fn in_place(
             // (nothing written again; a journal that cannot say so fails the rollback, the
             // sandbox thawed as before and the journal removed)
             rb.journal.as_mut().map(Journal::nothing_written).transpose()?;
-            if let Some(b) = blocked() {
+            if let Some(b) = blocked(true) {
                 return Err(Error::Worker(format!(
                     "cannot roll back in place ({why}), nor by stopping and restoring ({b}); nothing was changed"
                 )));
@@ -1012,6 +1025,14 @@ impl<T: Send + 'static> Beside<T> {
     /// Not asked beside: only when [`Beside::get`] wants the answer.
     fn later(f: impl FnOnce() -> T + Send + 'static) -> Beside<T> {
         Beside { handle: None, later: Some(Box::new(f)), value: None }
+    }
+
+    /// The answer, when it is there without waiting for it.
+    fn answered(&mut self) -> Option<&T> {
+        if self.handle.as_ref().is_some_and(|h| h.is_finished()) {
+            self.get();
+        }
+        self.value.as_ref()
     }
 
     fn get(&mut self) -> &T {

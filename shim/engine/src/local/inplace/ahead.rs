@@ -5,8 +5,8 @@
 //! Those are the pages the process has now whose content lies in the base's images — present or
 //! swapped out and not written since the dump the next one would build on (their soft-dirty bit
 //! clear: the same test that leaves them out of an incremental dump) — in mappings the layout
-//! keeps (nothing unmapped, mapped anew or cut off the heap there). Writing one allocates
-//! nothing, and putting it back ([`Ahead::undo`]) is writing the base's page again: a comparison
+//! keeps (nothing unmapped, mapped anew or cut off the heap there). Writing one fills no hole
+//! (a page swapped out comes back in, one shared copy-on-write is copied), and putting it back ([`Ahead::undo`]) is writing the base's page again: a comparison
 //! or a compensation that fails after them still changes nothing. The soft-dirty bit of a page
 //! written and put back may be set, which only makes the next dump carry it. The work is the
 //! writes the rollback makes anyway, made earlier; a planarian killed meanwhile leaves the journal
