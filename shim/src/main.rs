@@ -114,6 +114,11 @@ fn passthrough(inv: &Invocation) -> Failure {
         Ok(l) => l.flatten(),
         Err(e) => return e.into(),
     };
+    // (and, until crun starts, no window of planarian's with the container frozen)
+    let unfrozen = match exec_id.map(|id| engine.exec_freeze_lock(id)).transpose() {
+        Ok(l) => l.flatten(),
+        Err(e) => return e.into(),
+    };
     // conmon's `exec --detach`: crun returns once the command started, and the tool call's lock
     // is held until the command exits. crun's exit status is this process's.
     let detached = exec_id.zip(cli::exec_detached_pid_file(inv.verb_args()));
@@ -141,6 +146,7 @@ fn passthrough(inv: &Invocation) -> Failure {
         let err = Command::new(&crun).args(&inv.args).exec();
         return format!("cannot execute {}: {err}", crun.display()).into();
     };
+    drop(unfrozen);
     let status = match Command::new(&crun).args(&inv.args).status() {
         Ok(s) => s,
         Err(e) => return format!("cannot execute {}: {e}", crun.display()).into(),

@@ -192,6 +192,48 @@ fn a_rollback_that_restores_lazily_is_exact_and_a_pause_while_it_settles_holds()
     sb.assert_incremental(&next, 2, 2_048);
 }
 
+/// A `podman exec` that comes while settling holds the restored container frozen waits for it
+/// (crun refuses to start a command in a frozen container: "is paused"), and runs.
+#[test]
+fn an_exec_while_settling_holds_the_container_frozen_waits_and_runs() {
+    require_stack!();
+    let mut sb = Sandbox::start(
+        "lzexec",
+        64,
+        &[
+            "--annotation",
+            LAZY,
+            "--annotation",
+            ANY_SIZE,
+            "--annotation",
+            "io.planarian.checkpoint.rollback_in_place=false",
+        ],
+    );
+    let at_sp = sb.send("tick");
+    let sp = sb.snapshot("target");
+    sb.send("dirty 0 4000000");
+    let armed = Armed::new("pause:lazy.settling");
+    cmd(planarian_bin().to_str().unwrap(), ["rollback", &sb.name, &sp]).ok();
+    assert!(wait_for(std::time::Duration::from_secs(300), || Path::new(PAUSED).exists()), "settling never froze");
+    assert!(cgroup_frozen(&sb.name), "settling holds the container frozen");
+    let lock = store_of(&sb.name).join("freeze.lock");
+    let name = sb.name.clone();
+    // (bounded: an exec that never gets the lock fails the test instead of hanging it)
+    let exec = std::thread::spawn(move || cmd("timeout", ["300", "podman", "exec", &name, "cat", "/proc/1/comm"]));
+    assert!(
+        wait_for(std::time::Duration::from_secs(120), || lock_waited_for(&lock) || exec.is_finished()),
+        "the exec neither waited for the settling nor ended"
+    );
+    let waited = !exec.is_finished();
+    std::fs::remove_file(PAUSED).unwrap();
+    let r = exec.join().unwrap();
+    drop(armed);
+    assert!(waited, "the exec did not wait for the settling: {r:?}");
+    r.ok();
+    sb.seq = sb.read().expect("state after rollback").0;
+    assert_eq!(sb.send("tick").checksum, at_sp.checksum);
+}
+
 #[test]
 fn a_page_server_killed_with_pages_to_serve_stops_the_container_and_the_next_snapshot_says_why() {
     require_stack!();

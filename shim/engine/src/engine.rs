@@ -250,6 +250,19 @@ impl Engine {
         Ok(Some(to_crun(crate::local::freezer::lock(&store.dir)?, &store.dir)?))
     }
 
+    /// For `exec` in container `id`: its freeze lock, once planarian does not hold the container
+    /// frozen (a snapshot's window, a page server's settling after a fork or a restore on
+    /// demand), which crun would refuse ("is paused"). Close-on-exec: let go as crun starts, so
+    /// that a `pause` during a long tool call does not wait for it (a container `podman pause`
+    /// froze holds no lock: crun says it is paused, as it would). None without a store.
+    pub fn exec_freeze_lock(&self, id: &str) -> Result<Option<std::fs::File>, statepoint::Error> {
+        let store = self.store(id);
+        if !store.dir.exists() {
+            return Ok(None);
+        }
+        Ok(Some(crate::local::freezer::lock(&store.dir)?))
+    }
+
     /// `exec` with conmon's process file `file`: what the tool call leaves running must be in
     /// a session CRIU can dump ([`runtime::exec`]); crun 1.20 and later give it one already. A
     /// command started with `podman exec -d` (`background`) is started by a shell of the
