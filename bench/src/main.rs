@@ -288,7 +288,9 @@ fn dirty(name: &str) -> Result<(), String> {
 /// [`dirty`], the `at`-th 1 % of the workload's memory rewritten.
 fn dirty_at(name: &str, at: u32) -> Result<(), String> {
     let _ = run_quiet("podman", &["exec", name, "rm", "-f", "/tmp/dirtied"]);
-    let sh = format!("echo {at} > /tmp/dirty.part; mv /tmp/dirty.part /tmp/dirty; head -c 65536 /dev/urandom > /data/changed");
+    let sh = format!(
+        "echo {at} > /tmp/dirty.part; mv /tmp/dirty.part /tmp/dirty; head -c 65536 /dev/urandom > /data/changed"
+    );
     run_quiet("podman", &["exec", name, "sh", "-c", &sh])?;
     wait_file(name, "/tmp/dirtied")
 }
@@ -463,13 +465,14 @@ struct Chains {
     phases: String,
     repeated: Vec<(f64, f64)>,
     /// With `compare_ahead`, beside each repeated pair a pair of its own (the same history: memory
-    /// rewritten, a snapshot, memory rewritten, the rollback) whose rollback writes every page after
-    /// the files' comparison (`checkpoint.write_ahead = false`): snapshot ms, rollback ms.
-    without_ahead: Vec<(f64, f64)>,
+    /// rewritten, a snapshot, other memory rewritten, the rollback) whose rollback writes pages
+    /// ahead of the files' comparison (`checkpoint.write_ahead = true`): snapshot ms, rollback ms.
+    with_ahead: Vec<(f64, f64)>,
 }
 
-/// The drop-in that turns pages written ahead off, while a rollback without them is measured.
-const NO_AHEAD: &str = "/etc/planarian/planarian.conf.d/zz-plbench-no-ahead.conf";
+/// The drop-in that turns pages written ahead on (off by default), while a rollback with them is
+/// measured.
+const AHEAD: &str = "/etc/planarian/planarian.conf.d/zz-plbench-ahead.conf";
 
 /// A drop-in of planarian's configuration (its path) for as long as it lives.
 struct DropIn(std::path::PathBuf);
@@ -548,7 +551,7 @@ fn chains_system(
         // Snapshot and roll back again and again, under the same conditions: one measurement
         // under emulation moves by tens of percent.
         let mut repeated = Vec::new();
-        let mut without_ahead = Vec::new();
+        let mut with_ahead = Vec::new();
         // (the timeline of the last rollback with pages written ahead, and of the last without)
         let timelines = std::cell::RefCell::new([None, None]);
         // One pair: memory rewritten, a snapshot, other memory rewritten, the rollback (ms of
@@ -559,24 +562,24 @@ fn chains_system(
             let (_, snap) = snapshot_cost(&ctr)?;
             dirty(&ctr)?;
             let ms = timed_cost(&mut || run_quiet(PLANARIAN, &["rollback", &ctr, &sp1]).map(drop))?.ms;
-            let ahead = !std::path::Path::new(NO_AHEAD).exists();
+            let ahead = std::path::Path::new(AHEAD).exists();
             timelines.borrow_mut()[usize::from(!ahead)] =
                 logged("rollback timeline (ms): ", "rollback timeline (ms): ");
             Ok((snap.ms, ms))
         };
-        // (with `compare_ahead`, a pair without pages written ahead beside each, first and second
-        // in turn: the machine's drift moves both alike)
-        let without = || -> Result<(f64, f64), String> {
-            let _off = DropIn::new(NO_AHEAD, "[checkpoint]\nwrite_ahead = false\n")?;
+        // (with `compare_ahead`, a pair with pages written ahead beside each, first and second in
+        // turn: the machine's drift moves both alike)
+        let with_ahead_on = || -> Result<(f64, f64), String> {
+            let _on = DropIn::new(AHEAD, "[checkpoint]\nwrite_ahead = true\n")?;
             pair()
         };
         for i in 0..repeat {
             if compare_ahead && i % 2 == 1 {
-                without_ahead.push(without()?);
+                with_ahead.push(with_ahead_on()?);
             }
             repeated.push(pair()?);
             if compare_ahead && i % 2 == 0 {
-                without_ahead.push(without()?);
+                with_ahead.push(with_ahead_on()?);
             }
         }
         let costs = [second, rollback, after_rollback, fork_cost, after_fork, spare_cost, spare_fork, spare_own];
@@ -586,7 +589,7 @@ fn chains_system(
                 phases.push_str(&format!("\nlast repeated rollback {what}, timeline (ms): {t}"));
             }
         }
-        Ok(Chains { costs, phases, repeated, without_ahead })
+        Ok(Chains { costs, phases, repeated, with_ahead })
     })();
     // (a spare left when the fork that should have taken it failed)
     let spares =
@@ -642,7 +645,7 @@ fn chains(args: &[String]) -> i32 {
     let mut results = Vec::new();
     let mut phases = Vec::new();
     let mut repeated = Vec::new();
-    let mut without_ahead = Vec::new();
+    let mut with_ahead = Vec::new();
     for (tag, annotations) in systems {
         eprintln!("measuring {tag} ...");
         let first = *tag == "planarian";
@@ -653,7 +656,7 @@ fn chains(args: &[String]) -> i32 {
                 results.push(c.costs);
                 phases.push(c.phases);
                 repeated.extend(c.repeated);
-                without_ahead.extend(c.without_ahead);
+                with_ahead.extend(c.with_ahead);
             }
             Err(e) => {
                 eprintln!("planarian-bench: {tag}: {e}");
@@ -662,7 +665,7 @@ fn chains(args: &[String]) -> i32 {
         }
     }
     if in_place_only {
-        let repeated = Repeated { pairs: &repeated, without_ahead: &without_ahead };
+        let repeated = Repeated { pairs: &repeated, with_ahead: &with_ahead };
         return in_place_summary(mem, files, pool.is_some(), &results[0], &repeated, &phases[0]);
     }
     let mb = |b: u64| b as f64 / (1 << 20) as f64;
@@ -770,14 +773,14 @@ fn chains(args: &[String]) -> i32 {
 }
 
 /// The repeated pairs of `chains --in-place-only` (snapshot ms, rollback in place ms), and beside
-/// each the same rollback without pages written ahead (ms).
+/// each a pair whose rollback writes pages ahead (ms).
 struct Repeated<'a> {
     pairs: &'a [(f64, f64)],
-    without_ahead: &'a [(f64, f64)],
+    with_ahead: &'a [(f64, f64)],
 }
 
 /// `chains --in-place-only`: planarian's incremental snapshot against its rollback in place, once
-/// and then `repeated` pairs (each beside the rollback without pages written ahead), with the
+/// and then `repeated` pairs (each beside a pair whose rollback writes pages ahead), with the
 /// rollback's phases.
 fn in_place_summary(mem: u32, files: u32, zfs: bool, p: &[Cost; 8], r: &Repeated, phases: &str) -> i32 {
     let repeated = r.pairs;
@@ -787,7 +790,7 @@ fn in_place_summary(mem: u32, files: u32, zfs: bool, p: &[Cost; 8], r: &Repeated
     };
     let on = if zfs { "files on ZFS" } else { "files copied (no ZFS pool)" };
     println!("rollback in place against an incremental snapshot: {mem} MiB memory, {files} MiB files ({on}); 1 % of memory rewritten + 64 KiB of files between steps");
-    println!("| | snapshot ms | rollback in place ms | rollback / snapshot | without pages written ahead: snapshot ms | rollback ms | rollback / snapshot |");
+    println!("| | snapshot ms | rollback in place ms | rollback / snapshot | with pages written ahead: snapshot ms | rollback ms | rollback / snapshot |");
     println!("|---|---:|---:|---:|---:|---:|---:|");
     println!(
         "| first pair ({} pages written) | {:.0} | {:.0} | {:.2}x | | | |",
@@ -796,20 +799,20 @@ fn in_place_summary(mem: u32, files: u32, zfs: bool, p: &[Cost; 8], r: &Repeated
         p[1].ms,
         p[1].ms / p[0].ms
     );
-    let without = |i: usize| r.without_ahead.get(i).copied();
+    let with = |i: usize| r.with_ahead.get(i).copied();
     for (i, (snap, back)) in repeated.iter().enumerate() {
-        let w = without(i).map_or("| | | |".to_string(), |(s, w)| format!("| {s:.0} | {w:.0} | {:.2}x |", w / s));
+        let w = with(i).map_or("| | | |".to_string(), |(s, w)| format!("| {s:.0} | {w:.0} | {:.2}x |", w / s));
         println!("| pair {} | {snap:.0} | {back:.0} | {:.2}x {w}", i + 1, back / snap);
     }
     if !repeated.is_empty() {
         let (snap, back) =
             (median(repeated.iter().map(|r| r.0).collect()), median(repeated.iter().map(|r| r.1).collect()));
         let ratio = median(repeated.iter().map(|r| r.1 / r.0).collect());
-        let w = match r.without_ahead.len() == repeated.len() {
+        let w = match r.with_ahead.len() == repeated.len() {
             true => {
-                let s = median(r.without_ahead.iter().map(|w| w.0).collect());
-                let w = median(r.without_ahead.iter().map(|w| w.1).collect());
-                let wr = median(r.without_ahead.iter().map(|w| w.1 / w.0).collect());
+                let s = median(r.with_ahead.iter().map(|w| w.0).collect());
+                let w = median(r.with_ahead.iter().map(|w| w.1).collect());
+                let wr = median(r.with_ahead.iter().map(|w| w.1 / w.0).collect());
                 format!("| {s:.0} | {w:.0} | {wr:.2}x |")
             }
             false => "| | | |".to_string(),

@@ -104,6 +104,9 @@ while True:
     publish()
 "#;
 
+/// Pages written ahead of the files' comparison (off by default).
+const AHEAD: [&str; 2] = ["--annotation", "io.planarian.checkpoint.write_ahead=true"];
+
 fn start(tag: &str, mib: u32, extra: &[&str]) -> Sandbox {
     let n = name(tag);
     let mib = mib.to_string();
@@ -512,7 +515,7 @@ impl Drop for Disarm {
 fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
     require_stack!();
     let _d = Disarm;
-    let mut sb = start("inplace-again", 8, &[]);
+    let mut sb = start("inplace-again", 8, &[AHEAD[0], AHEAD[1]]);
     sb.send("tick");
     let at1 = line(&sb);
     let sp1 = sb.snapshot("one");
@@ -628,7 +631,7 @@ fn repeated_rollbacks_in_place_and_a_failure_at_each_step() {
 fn planarian_killed_mid_rollback_in_place_leaves_no_process_halfway() {
     require_stack!();
     let _d = Disarm;
-    let mut sb = start("inplace-kill", 8, &[]);
+    let mut sb = start("inplace-kill", 8, &[AHEAD[0], AHEAD[1]]);
     sb.send("tick");
     let at_sp = line(&sb);
     let sp = sb.snapshot("target");

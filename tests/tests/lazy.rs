@@ -135,11 +135,10 @@ fn a_lazy_fork_of_an_incremental_statepoint_is_exact_and_snapshots_incrementally
     assert_eq!(f.send("tick").checksum, at_sp.checksum);
 }
 
-#[test]
-fn a_rollback_that_restores_lazily_is_exact_and_a_pause_while_it_settles_holds() {
-    require_stack!();
-    let mut sb = Sandbox::start(
-        "lzrb",
+/// A sandbox of 64 MiB whose rollbacks stop and restore, its memory on demand.
+fn restoring_lazily(tag: &str) -> Sandbox {
+    Sandbox::start(
+        tag,
         64,
         &[
             "--annotation",
@@ -149,7 +148,22 @@ fn a_rollback_that_restores_lazily_is_exact_and_a_pause_while_it_settles_holds()
             "--annotation",
             "io.planarian.checkpoint.rollback_in_place=false",
         ],
-    );
+    )
+}
+
+/// `sb` rolled back to `sp`, its settling paused while it holds the container frozen (until
+/// [`PAUSED`] is removed); the armed fault.
+fn rolled_back_settling(sb: &Sandbox, sp: &str) -> Armed {
+    let armed = Armed::new("pause:lazy.settling");
+    cmd(planarian_bin().to_str().unwrap(), ["rollback", &sb.name, sp]).ok();
+    assert!(wait_for(std::time::Duration::from_secs(300), || Path::new(PAUSED).exists()), "settling never froze");
+    armed
+}
+
+#[test]
+fn a_rollback_that_restores_lazily_is_exact_and_a_pause_while_it_settles_holds() {
+    require_stack!();
+    let mut sb = restoring_lazily("lzrb");
     sb.snapshot("base");
     sb.send("dirty 4096 655360");
     let at_sp = sb.send("tick");
@@ -158,9 +172,7 @@ fn a_rollback_that_restores_lazily_is_exact_and_a_pause_while_it_settles_holds()
 
     // Settling holds the restored container frozen for a moment, after the rollback returned: a
     // `podman pause` that comes then waits for it, and is not undone by its thaw.
-    let armed = Armed::new("pause:lazy.settling");
-    cmd(planarian_bin().to_str().unwrap(), ["rollback", &sb.name, &sp]).ok();
-    assert!(wait_for(std::time::Duration::from_secs(300), || Path::new(PAUSED).exists()), "settling never froze");
+    let armed = rolled_back_settling(&sb, &sp);
     // (looked up first: while Podman's pause waits, it holds the container's lock, and a
     // `podman inspect` waits for it)
     let lock = store_of(&sb.name).join("freeze.lock");
@@ -197,24 +209,11 @@ fn a_rollback_that_restores_lazily_is_exact_and_a_pause_while_it_settles_holds()
 #[test]
 fn an_exec_while_settling_holds_the_container_frozen_waits_and_runs() {
     require_stack!();
-    let mut sb = Sandbox::start(
-        "lzexec",
-        64,
-        &[
-            "--annotation",
-            LAZY,
-            "--annotation",
-            ANY_SIZE,
-            "--annotation",
-            "io.planarian.checkpoint.rollback_in_place=false",
-        ],
-    );
+    let mut sb = restoring_lazily("lzexec");
     let at_sp = sb.send("tick");
     let sp = sb.snapshot("target");
     sb.send("dirty 0 4000000");
-    let armed = Armed::new("pause:lazy.settling");
-    cmd(planarian_bin().to_str().unwrap(), ["rollback", &sb.name, &sp]).ok();
-    assert!(wait_for(std::time::Duration::from_secs(300), || Path::new(PAUSED).exists()), "settling never froze");
+    let armed = rolled_back_settling(&sb, &sp);
     assert!(cgroup_frozen(&sb.name), "settling holds the container frozen");
     let lock = store_of(&sb.name).join("freeze.lock");
     let name = sb.name.clone();

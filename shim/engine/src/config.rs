@@ -150,8 +150,9 @@ pub struct CheckpointConfig {
     /// shape (no stop, no restore); off, every rollback stops and restores.
     pub rollback_in_place: bool,
     /// A rollback in place writes the pages it can put back as they were (those whose content
-    /// the base dump holds) while it still compares the files (see local::inplace::ahead); off,
-    /// every page is written after the comparison.
+    /// the base dump holds) while it still compares the files (see local::inplace::ahead). Off by
+    /// default: on two vCPUs the writes slowed the comparison they ran beside as much as they
+    /// saved (docs/benchmarks.md); a host with idle cores may gain.
     pub write_ahead: bool,
     /// A statepoint of a sandbox whose processes did nothing since the last dump (the same
     /// processes, memory, descriptors, signals; no page written) takes the last dump's memory
@@ -210,7 +211,7 @@ impl Default for CheckpointConfig {
             pre_resume_hook: true,
             network_lock: NetworkLock::Auto,
             rollback_in_place: true,
-            write_ahead: true,
+            write_ahead: false,
             skip_unchanged: true,
             lazy_pages: true,
             lazy_pages_min_mib: 128,
