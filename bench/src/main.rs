@@ -480,7 +480,7 @@ struct DropIn(std::path::PathBuf);
 impl DropIn {
     fn new(path: &str, text: &str) -> Result<DropIn, String> {
         let p = std::path::PathBuf::from(path);
-        std::fs::create_dir_all("/etc/planarian/planarian.conf.d").map_err(|e| e.to_string())?;
+        std::fs::create_dir_all(p.parent().unwrap_or(std::path::Path::new("/"))).map_err(|e| e.to_string())?;
         std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
         Ok(DropIn(p))
     }

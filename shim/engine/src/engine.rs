@@ -243,11 +243,8 @@ impl Engine {
     /// ([`local::freezer::LOCK`]), to be inherited by crun, once planarian does not hold the
     /// container frozen (a snapshot's window, a restore's settling); none without a store.
     pub fn freeze_lock(&self, id: &str) -> Result<Option<std::fs::File>, statepoint::Error> {
-        let store = self.store(id);
-        if !store.dir.exists() {
-            return Ok(None);
-        }
-        Ok(Some(to_crun(crate::local::freezer::lock(&store.dir)?, &store.dir)?))
+        let dir = self.store(id).dir;
+        Ok(self.exec_freeze_lock(id)?.map(|l| to_crun(l, &dir)).transpose()?)
     }
 
     /// For `exec` in container `id`: its freeze lock, once planarian does not hold the container

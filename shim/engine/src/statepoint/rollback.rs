@@ -595,8 +595,8 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 /// the rollback goes forward: a step that fails makes it stop the sandbox and restore the
 /// statepoint, as the journal's next reader would ([`Phase::Forward`]). `blocked(wait)`: why the
 /// stop-and-restore path cannot run, if it cannot: asked when it refuses (waiting for the
-/// answer), and before pages are written ahead (not waiting: not known yet is a reason too). (Its later phases are
-/// functions of their own: [`compensate_in_place`], [`write_in_place`], [`done_in_place`],
+/// answer), and before pages are written ahead (not waiting: not known yet is a reason too).
+/// (Its later phases are functions of their own: [`compensate_in_place`], [`write_in_place`], [`done_in_place`],
 /// [`in_place_forward`]. This one holds the freeze's guard from its first line and hands it on.)
 fn in_place(
     ctx: &Ctx,
@@ -643,8 +643,8 @@ fn in_place(
     // state's snapshot, then its stream). While the comparison still runs, the plan's pages that
     // can be put back as they were (their content in the base's images) are written ahead
     // (`inplace::ahead`; the journal says forward before: a planarian killed from then on leaves
-    // a rollback the next operation finishes). Nothing else is written before both are done, and a comparison
-    // that refuses or fails (a file it cannot put back, a pool too full for the frozen state's
+    // a rollback the next operation finishes). Nothing else is written before both are done, and
+    // a comparison that refuses or fails (a file it cannot put back, a pool too full for the frozen state's
     // snapshot), or a compensation that fails, puts those pages back first: nothing changed, and
     // the rollback stops and restores with a safety statepoint (or fails, as before).
     let compared = AtomicBool::new(false);
@@ -801,15 +801,10 @@ fn compensate_in_place(
             // first, and a finished one again is nothing)
             Ok(intent)
         });
-    match compensated {
-        Ok(intent) => {
-            rb.intent = intent;
-            Ok(positions)
-        }
-        // (the journal, forward now, is the caller's to remove: pages written ahead are put back
-        // first)
-        Err(e) => Err(e),
-    }
+    // (on an error the journal, forward now, is the caller's to remove: pages written ahead are
+    // put back first)
+    rb.intent = compensated?;
+    Ok(positions)
 }
 
 /// The writing phase of a rollback in place, the sandbox frozen and its remote state at the

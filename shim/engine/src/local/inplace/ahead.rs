@@ -6,8 +6,9 @@
 //! swapped out and not written since the dump the next one would build on (their soft-dirty bit
 //! clear: the same test that leaves them out of an incremental dump) — in mappings the layout
 //! keeps (nothing unmapped, mapped anew or cut off the heap there). Writing one fills no hole
-//! (a page swapped out comes back in, one shared copy-on-write is copied), and putting it back ([`Ahead::undo`]) is writing the base's page again: a comparison
-//! or a compensation that fails after them still changes nothing. The soft-dirty bit of a page
+//! (a page swapped out comes back in, one shared copy-on-write is copied), and putting it back
+//! ([`Ahead::undo`]) is writing the base's page again: a comparison or a compensation that fails
+//! after them still changes nothing. The soft-dirty bit of a page
 //! written and put back may be set, which only makes the next dump carry it. The work is the
 //! writes the rollback makes anyway, made earlier; a planarian killed meanwhile leaves the journal
 //! saying forward (the next operation restores the target).
@@ -83,9 +84,8 @@ impl Plan {
     pub fn write_ahead(&mut self, ahead: &mut Ahead) -> Result<()> {
         for (p, pages) in self.shape.procs.iter().zip(self.pages.iter_mut()) {
             let l = &p.layout;
-            let moved = merge(
-                l.gone.iter().copied().chain(l.unmap.iter().copied()).chain(l.map.iter().map(|m| (m.0, m.1))).collect(),
-            );
+            // (`gone` holds what is unmapped, and the heap's tail cut off)
+            let moved = merge(l.gone.iter().copied().chain(l.map.iter().map(|m| (m.0, m.1))).collect());
             let writes = merge(pages.write.iter().map(|r| (r.vaddr, r.end())).collect());
             let clean = merge(pages.clean.iter().map(|r| (r.vaddr, r.end())).collect());
             let fit = subtract(&intersect(&writes, &clean), &moved);
