@@ -58,6 +58,22 @@ impl Container {
         Some(Container { id: id.to_string(), status: "running".into(), pid: Some(pid), bundle, spec })
     }
 
+    /// Whether crun's record (under `root`, default [`CRUN_ROOT`]) still names the init this was
+    /// loaded with, that init still running: read as [`Container::load`] reads a running one,
+    /// without its bundle. False for anything else (a container restored or restarted since,
+    /// or one whose record is not there), which the caller loads again.
+    pub fn is_current(&self, root: Option<&Path>) -> bool {
+        let Some(pid) = self.pid.filter(|_| self.status == "running") else { return false };
+        let dir = root.unwrap_or(Path::new(CRUN_ROOT)).join(&self.id);
+        let Some(st) = std::fs::read(dir.join("status")).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+        else {
+            return false;
+        };
+        st["pid"].as_i64() == Some(i64::from(pid))
+            && st["bundle"].as_str() == self.bundle.to_str()
+            && st["process-start-time"].as_u64().is_some_and(|t| sys::proc::start_time(pid) == Some(t))
+    }
+
     /// The running container's init PID, or a clear error.
     pub fn running_pid(&self) -> Result<i32> {
         match (self.status.as_str(), self.pid) {
@@ -127,6 +143,14 @@ mod tests {
         let c = Container::load_running(&root, id).expect("read from the record");
         assert_eq!((c.status.as_str(), c.pid), ("running", Some(me)));
         assert!(c.spec.terminal && c.spec.root == bundle.join("rootfs"));
+        // Still current while the record names the same init; not once it names another (a
+        // restore or a restart since), nor without a record.
+        assert!(c.is_current(Some(&root)));
+        status(start + 1);
+        assert!(!c.is_current(Some(&root)));
+        status(start);
+        assert!(!Container { pid: Some(me + 1), ..c.clone() }.is_current(Some(&root)));
+        assert!(!c.is_current(Some(&scratch.path().join("elsewhere"))));
         // A PID reused by another process, a created container, a path for an ID: ask crun.
         status(start + 1);
         assert!(Container::load_running(&root, id).is_none());

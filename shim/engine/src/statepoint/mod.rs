@@ -128,6 +128,15 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// This context, loaded earlier (before a lock was taken), if its container still runs the
+    /// init it had then ([`Container::is_current`]); else the container loaded again.
+    pub fn current(self, engine: &Engine) -> Result<Ctx> {
+        match self.ctr.is_current(self.globals.root.as_deref()) {
+            true => Ok(self),
+            false => Ctx::load(engine, &self.ctr.id),
+        }
+    }
+
     /// The container crun knows by full ID `id`, with its configuration (annotations applied).
     pub fn load(engine: &Engine, id: &str) -> Result<Ctx> {
         let globals = &engine.globals().for_container(id);
@@ -275,14 +284,20 @@ fn said_compensated(target: &str) {
 /// the path of every rollback and fork. Anything else — frozen (paused, or inside a snapshot),
 /// stopped, not found — is asked of Podman, whose answer also makes the clearer error.
 pub fn planarian_container(engine: &Engine, name: &str) -> Result<podman::PodmanContainer> {
-    let found = || -> Option<podman::PodmanContainer> {
+    planarian_container_loaded(engine, name).map(|(pc, _)| pc)
+}
+
+/// [`planarian_container`], with the context it loaded when it found the container without
+/// Podman (for an operation that needs it next: see [`Ctx::current`]).
+pub fn planarian_container_loaded(engine: &Engine, name: &str) -> Result<(podman::PodmanContainer, Option<Ctx>)> {
+    let found = || -> Option<(podman::PodmanContainer, Option<Ctx>)> {
         let e = lookup::storage_entry(name)?;
         let ctx = Ctx::load(engine, &e.id).ok()?;
         let pid = ctx.ctr.running_pid().ok()?;
         if lookup::runtime_is_planarian(pid) != Some(true) || local::freezer::Freezer::of_pid(pid).ok()?.is_frozen() {
             return None;
         }
-        Some(running(ctx, e.name, e.upperdir, false))
+        Some((running(&ctx, e.name, e.upperdir, false), Some(ctx)))
     };
     // A CRI engine's (containerd's) container, running and not frozen.
     let cri = || -> Option<podman::PodmanContainer> {
@@ -293,24 +308,30 @@ pub fn planarian_container(engine: &Engine, name: &str) -> Result<podman::Podman
         }
         let upperdir = runtime::container::overlay_upperdir_of(pid).ok().flatten();
         let name = ctx.ctr.id.clone();
-        Some(running(ctx, name, upperdir, true))
+        Some(running(&ctx, name, upperdir, true))
     };
-    match found().or_else(cri) {
-        Some(pc) => Ok(pc),
-        None => Ok(podman::planarian_container(name)?),
+    match found().or_else(|| cri().map(|pc| (pc, None))) {
+        Some(found) => Ok(found),
+        None => Ok((podman::planarian_container(name)?, None)),
     }
 }
 
 /// A running planarian container found without Podman, as `podman inspect` would describe it.
-fn running(ctx: Ctx, name: String, upperdir: Option<std::path::PathBuf>, cri: bool) -> podman::PodmanContainer {
+fn running(ctx: &Ctx, name: String, upperdir: Option<std::path::PathBuf>, cri: bool) -> podman::PodmanContainer {
     podman::PodmanContainer {
-        id: ctx.ctr.id,
+        id: ctx.ctr.id.clone(),
         name,
         status: "running".into(),
         runtime: "planarian".into(),
-        bundle: ctx.ctr.bundle,
+        bundle: ctx.ctr.bundle.clone(),
         upperdir,
-        annotations: ctx.ctr.spec.annotations.into_iter().map(|(k, v)| (k, serde_json::Value::String(v))).collect(),
+        annotations: ctx
+            .ctr
+            .spec
+            .annotations
+            .iter()
+            .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+            .collect(),
         cri,
     }
 }

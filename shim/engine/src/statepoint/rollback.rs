@@ -39,6 +39,8 @@ pub struct Rollback {
     pub target: Manifest,
     store: ContainerStore,
     engine: Engine,
+    /// What finding the container loaded, for the rollback in place (checked current first).
+    ctx: Option<Ctx>,
     _lock: File,
 }
 
@@ -48,7 +50,7 @@ impl Rollback {
     /// another operation (a snapshot, a rollback, a tool call) holds it.
     pub fn begin(engine: &Engine, name: &str, statepoint: &str, wait: bool) -> Result<Rollback> {
         crate::log::start_marks();
-        let container = super::planarian_container(engine, name)?;
+        let (container, ctx) = super::planarian_container_loaded(engine, name)?;
         crate::log::mark("found");
         let cfg = engine.config();
         let store = engine.store(&container.id);
@@ -60,17 +62,18 @@ impl Rollback {
         };
         crate::log::mark("locked");
         // (a rollback killed half-way is finished or undone first, whatever the state)
-        let container = match super::journal::recover(engine.crun(), engine.globals(), cfg, &store, &container.id)? {
-            Some(_) => podman::planarian_container(&container.id)?,
-            None => container,
-        };
+        let (container, ctx) =
+            match super::journal::recover(engine.crun(), engine.globals(), cfg, &store, &container.id)? {
+                Some(_) => (podman::planarian_container(&container.id)?, None),
+                None => (container, ctx),
+            };
         super::finish_compensation(&store, &container.id);
         let target = store.find(statepoint)?;
         if let Some(why) = &target.unreachable {
             return Err(Error::Unreachable { statepoint: target.statepoint_id.clone(), why: why.clone() });
         }
         crate::log::mark("statepoint");
-        Ok(Rollback { container, target, store, engine: engine.clone(), _lock: lock })
+        Ok(Rollback { container, target, store, engine: engine.clone(), ctx, _lock: lock })
     }
 
     /// `rolling agent back to sp3 (deps-installed)`.
@@ -81,10 +84,11 @@ impl Rollback {
     /// Runs it, reporting each phase to `progress`. The target gets an `abandoned` outcome
     /// naming what was left (by `by`, for `reason`), and the restore context is kept in the
     /// store and returned.
-    pub fn run(self, progress: &mut dyn Progress, reason: Option<&str>, by: Actor) -> Result<RestoreContext> {
+    pub fn run(mut self, progress: &mut dyn Progress, reason: Option<&str>, by: Actor) -> Result<RestoreContext> {
+        let loaded = self.ctx.take();
         let (store, target) = (&self.store, &self.target);
         let left = context::left_behind(&store.summaries(), store.head().as_deref(), &target.statepoint_id);
-        let done = rollback(&self.engine, &self.container, store, target, progress)?;
+        let done = rollback(&self.engine, &self.container, loaded, store, target, progress)?;
         crate::log::mark("rolled back");
         let compensated = compensated(target, &done);
         let calls: u64 = compensated.iter().filter_map(|c| Some(c.from_position?.saturating_sub(c.to_position))).sum();
@@ -255,6 +259,7 @@ pub fn cleanup_worker(engine: &Engine, lock_fd: i32, spec: &str) -> Result<()> {
 fn rollback(
     engine: &Engine,
     pc: &PodmanContainer,
+    loaded: Option<Ctx>,
     store: &ContainerStore,
     target: &Manifest,
     progress: &mut dyn Progress,
@@ -262,7 +267,8 @@ fn rollback(
     let cfg = engine.config();
     let from = store.head();
     let (rootfs, mut full_path) = checked(cfg, pc, store, target)?;
-    let mut rb = Parts { engine, cfg, pc, store, target, rootfs, journal: None, intent: None };
+    crate::log::mark("checked");
+    let mut rb = Parts { engine, cfg, pc, loaded, store, target, rootfs, journal: None, intent: None };
     // The sidecar outlives the stop and restore of a rollback: the agent's MCP connection stays
     // up, and compensation needs it.
     let _rolling = crate::remote::sidecar::RollbackMarker::set(store);
@@ -278,6 +284,7 @@ fn rollback(
         Ok(()) | Err(crate::local::lazy::Error::Lost(_)) => {}
         Err(e) => return Err(crate::local::Error::from(e).into()),
     }
+    crate::log::mark("settled");
     // 0. In place, when the tree has the statepoint's shape.
     let not_in_place = match pc.status.as_str() {
         "running" => match try_in_place(&mut rb, &safety_id, &mut full_path, progress)? {
@@ -329,6 +336,8 @@ struct Parts<'a> {
     engine: &'a Engine,
     cfg: &'a Config,
     pc: &'a PodmanContainer,
+    /// The container's context as finding it loaded, before the lock (taken by the first use).
+    loaded: Option<Ctx>,
     store: &'a ContainerStore,
     target: &'a Manifest,
     rootfs: Box<dyn Rootfs>,
@@ -390,7 +399,12 @@ fn try_in_place(
     full_path: &mut FullPath,
     progress: &mut dyn Progress,
 ) -> Result<InPlace> {
-    let mut ctx = Ctx::load(rb.engine, &rb.pc.id)?;
+    // (loaded once: what finding the container loaded, if its init is the same since)
+    let mut ctx = match rb.loaded.take() {
+        Some(ctx) => ctx.current(rb.engine)?,
+        None => Ctx::load(rb.engine, &rb.pc.id)?,
+    };
+    crate::log::mark("loaded");
     ctx.recover()?;
     crate::log::mark("ctx");
     rb.journal = Some(Journal::begin(rb.store, &rb.target.statepoint_id, safety_id, ctx.ctr.running_pid()?)?);
