@@ -602,7 +602,15 @@ fn fork_is_a_clone_independent_of_its_source_in_both_directions() {
     let c = fk.send("tick");
     fk.snapshot("k3");
     fk.sh("echo later > /work/a").ok();
-    fk.rollback("k3");
+    // (by stop and restore: its dataset swapped, `zfs rename`, which zfs-fuse remounts for; the
+    // one such rollback the zfs-fuse machine runs)
+    {
+        let _off = DropIn::new("in-place-off", "[checkpoint]\nrollback_in_place = false\n");
+        let r = planarian(&["rollback", &fk.name, "k3", "--json"]);
+        r.ok();
+        assert!(r.stdout.contains("\"stop-and-restore\""), "{}", r.stdout);
+        fk.seq = fk.read().expect("state").0;
+    }
     assert_eq!(fk.sh("cat /work/a").out(), "two");
     assert_eq!(fk.state(), c);
 
