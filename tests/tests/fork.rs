@@ -18,7 +18,7 @@ fn fork(src: &Sandbox, sp: &str, tag: &str) -> (Sandbox, Option<String>) {
 
 /// The spares of `sp` registered in `src`'s store.
 fn registered_spares(src: &Sandbox, sp: &str) -> Vec<std::path::PathBuf> {
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &src.name]).ok().out();
+    let id = src.id();
     let dir = std::path::Path::new("/var/lib/planarian/containers").join(id).join("spares").join(sp);
     std::fs::read_dir(dir).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default()
 }
@@ -249,7 +249,7 @@ fn a_fork_runs_beside_a_tool_call_on_the_source() {
     let src = Sandbox::start("fbeside", 8, &["-v", &format!("{volume}:/data")]);
     src.sh("echo kept > /data/v").ok();
     let sp = src.snapshot("fork-point");
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &src.name]).out();
+    let id = src.id();
     let lock = format!("/var/lib/planarian/containers/{id}/lock");
     let mut tool_call = std::process::Command::new("flock").args(["-s", &lock, "sleep", "100000"]).spawn().unwrap();
     // flock has the lock once a non-blocking exclusive attempt fails.

@@ -12,7 +12,7 @@ fn a_sandbox_reaches_no_statepoint_no_sidecar_socket_and_no_endpoint() {
     let a = Sandbox::start("isolated", 4, &[]);
     let b = Sandbox::start("isolated-bridge", 4, &["--network", "podman"]);
     let sp = a.snapshot("private");
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &a.name]).out();
+    let id = a.id();
     let store = format!("/var/lib/planarian/containers/{id}/statepoints/{sp}");
     assert!(std::path::Path::new(&store).is_dir(), "the statepoint is on the host: {store}");
     // What the host has, the sandboxes do not see.

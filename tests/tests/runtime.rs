@@ -11,12 +11,12 @@ fn run_rm_gives_the_same_output_and_exit_codes() {
     require_stack!();
     // (podman run flags, command, expected exit code)
     let cases: &[(&[&str], &[&str], Option<i32>)] = &[
-        (&[], &["sh", "-c", "echo to-stdout; echo to-stderr >&2; exit 0"], Some(0)),
-        (&[], &["sh", "-c", "echo failing; exit 7"], Some(7)),
+        // (one container for both streams and an exit code of its own: a container costs
+        // seconds under emulation, and every other test's `run --rm … true` exits 0)
+        (&[], &["sh", "-c", "echo to-stdout; echo to-stderr >&2; exit 7"], Some(7)),
         // Death by signal of the container's main process (under an init, since PID 1 of a PID
         // namespace cannot be killed from inside it): Podman reports 128 + signal.
         (&["--init"], &["sh", "-c", "kill -9 $$"], Some(137)),
-        (&["--init"], &["sh", "-c", "kill -15 $$"], Some(143)),
         (&[], &["/no/such/binary"], Some(127)),
     ];
     for (flags, argv, want) in cases {
@@ -222,26 +222,6 @@ fn network_none_and_default_bridge() {
         assert!(lines[1].starts_with("inet 10.88."), "{rt}: {bridge:?}");
         assert_eq!(lines[2], "1", "{rt}: {bridge:?}");
     }
-}
-
-#[test]
-fn debian_sandbox_with_bash_and_python() {
-    require_stack!();
-    let r = podman(
-        "planarian",
-        &[
-            "run",
-            "--rm",
-            "--network",
-            "none",
-            DEBIAN,
-            "bash",
-            "-c",
-            "python3 -c 'import hashlib,sys; print(hashlib.sha256(b\"agent\").hexdigest()[:12], sys.version_info[0])'",
-        ],
-    );
-    r.ok();
-    assert_eq!(r.out(), "d4f0bc5a29de 3");
 }
 
 #[test]

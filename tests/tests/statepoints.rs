@@ -90,7 +90,7 @@ fn rollback_restores_dev_and_masked_directories_exactly() {
     }
     let sp = sb.snapshot("dev-v1");
     // CRIU archived no tmpfs: planarian keeps /dev, and the masked directories are external.
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).out();
+    let id = sb.id();
     let spdir = Path::new("/var/lib/planarian/containers").join(&id).join("statepoints").join(&sp);
     let tars: Vec<String> = std::fs::read_dir(spdir.join("criu"))
         .unwrap()
@@ -387,7 +387,7 @@ fn planarian_killed_mid_checkpoint_is_recovered_by_the_next_one() {
     // A committed statepoint that lost a part is reported, by the statepoint built on it too,
     // and never repaired away.
     let sp2 = sb.snapshot("on-it");
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).out();
+    let id = sb.id();
     let images =
         |sp: &str| Path::new("/var/lib/planarian/containers").join(&id).join("statepoints").join(sp).join("criu");
     // sp's own images, and those sp2 builds on (sp's, or the base its rollback made of them).
@@ -736,9 +736,14 @@ fn terminal_container_snapshots_rolls_back_and_keeps_its_console() {
         .stdout
         .contains("console-after-restore")));
     // The dump after the restore stayed incremental (the pre-resume step ran in-process): on
-    // the checkpoint Podman took (depth 1, on the base the rollback left), so at depth 2.
+    // the checkpoint Podman took (depth 1, on the base the rollback left), so at depth 2; and
+    // that chain, built on Podman's checkpoint, restores exactly.
+    let at_sp2 = sb.send("dirty 4194304 65536");
     let sp2 = sb.snapshot("after-restore");
     sb.assert_incremental(&sp2, 2, 2_048);
+    sb.send("dirty 0 1000000");
+    sb.rollback(&sp2);
+    assert_eq!(sb.send("tick").checksum, at_sp2.checksum, "memory after rollback to {sp2}");
 }
 
 /// The context library end to end: a statepoint records a description and structured state, an
@@ -941,7 +946,7 @@ fn a_snapshot_waits_for_a_podman_exec_in_flight() {
     require_stack!();
     let _conf = DropIn::new("zz-inflight", "[checkpoint]\nin_flight_wait_seconds = 300\n");
     let mut sb = Sandbox::start("inflight", 8, &[]);
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &sb.name]).ok().out();
+    let id = sb.id();
     let in_flight = Path::new("/var/lib/planarian/containers").join(&id).join("in-flight");
     // (a sandbox with statepoints: its store holds the lock tool calls take)
     sb.snapshot("first");

@@ -22,7 +22,7 @@ fn store_of(id: &str) -> PathBuf {
 /// part of planarian's store, as if the archive had gone to another machine. Returns the ID and
 /// the seconds the checkpoint took.
 fn export_and_lose(sb: &Sandbox, archive: &str) -> (String, f64) {
-    let id = id_of(&sb.name);
+    let id = sb.id();
     let _ = std::fs::remove_file(archive);
     let t = std::time::Instant::now();
     podman("planarian", &["container", "checkpoint", &format!("--export={archive}"), &sb.name]).ok();
@@ -566,7 +566,7 @@ fn statepoints_move_between_pools_and_podman_export_carries_zfs_files() {
     // (`zfs rename`). zfs-fuse remounts the clone for that and cannot while b2 uses it: refused
     // before anything changes, b1 runs on as it was. OpenZFS leaves the clone where it is: b1
     // goes back, b2 runs on untouched. (In place nothing is swapped: tested in datasets.)
-    let b1_sp = imported_statepoint(&s1, &id_of(&sb.name));
+    let b1_sp = imported_statepoint(&s1, &sb.id());
     s1.sh("echo later > /work/later").ok();
     let stop_and_restore = {
         let _off = DropIn::new("in-place-off", "[checkpoint]\nrollback_in_place = false\n");
@@ -590,7 +590,7 @@ fn statepoints_move_between_pools_and_podman_export_carries_zfs_files() {
         assert_eq!(s1.sh("cat /work/later").ok().out(), "later");
         assert_eq!(s1.send("tick").counter, at1.counter + 2);
     }
-    imported_statepoint(&s2, &id_of(&sb.name));
+    imported_statepoint(&s2, &sb.id());
 
     // Podman's own export of the same sandbox, files on ZFS: the container removed, its store and
     // dataset gone (as on another machine), `restore --import` brings it back from the archive.
@@ -675,7 +675,7 @@ fn crafted_archives_are_refused_with_one_line_and_change_nothing() {
     // A victim whose statepoint a crafted archive tries to reach, and an archive of our own.
     let victim = Sandbox::start("victim", 8, &[]);
     let vsp = victim.snapshot("secret");
-    let vimages = store_of(&id_of(&victim.name)).join("statepoints").join(&vsp).join("criu");
+    let vimages = store_of(&victim.id()).join("statepoints").join(&vsp).join("criu");
     let vfiles = files_of(&vimages);
     let sb = Sandbox::start("crafter", 8, &[]);
     let sp = sb.snapshot("mine");
@@ -716,7 +716,7 @@ fn crafted_archives_are_refused_with_one_line_and_change_nothing() {
     // 2. The same without planarian's part, its marker naming the victim's statepoint.
     unpack(podman_archive, work);
     std::fs::remove_dir_all(work.join("checkpoint/planarian")).unwrap();
-    let marker = serde_json::json!({ "container-id": id_of(&victim.name), "statepoint-id": vsp });
+    let marker = serde_json::json!({ "container-id": victim.id(), "statepoint-id": vsp });
     std::fs::write(work.join("checkpoint/planarian-statepoint.json"), marker.to_string()).unwrap();
     pack(work, "/tmp/planarian-crafted-2.tar.gz");
     let r =
