@@ -83,8 +83,9 @@ pub struct State {
 impl Sandbox {
     /// Starts the workload with `mib` MiB. Without a `--network` in `extra` the sandbox has no
     /// network (`--network none`): Podman's bridge costs seconds at every start, restore and
-    /// removal under emulation, and is tested where it is the point (TCP, the demo, the MCP
-    /// sidecar, Podman's output, the runtime comparisons).
+    /// removal under emulation, and is tested where it is the point (TCP, the demo, a sandbox's
+    /// isolation from the host, Podman's output, the runtime comparisons). (The MCP sidecar is
+    /// the host's: its sandboxes have no network either.)
     pub fn start(tag: &str, mib: u32, extra: &[&str]) -> Sandbox {
         let name = name(tag);
         let mib = mib.to_string();

@@ -62,6 +62,8 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
                 "-d",
                 "--name",
                 &n,
+                "--network",
+                "none",
                 "--annotation",
                 "io.planarian.mcp.service=pltest-atomic",
                 "--annotation",

@@ -66,7 +66,7 @@ fn missing_crun_is_one_clear_line_that_podman_shows() {
 
     let n = name("nocrun");
     let _c = Cleanup(n.clone());
-    let p = podman("planarian", &["run", "--name", &n, BUSYBOX, "true"]);
+    let p = podman("planarian", &["run", "--name", &n, "--network", "none", BUSYBOX, "true"]);
     assert_ne!(p.code, Some(0));
     assert!(p.stderr.contains("crun not found"), "Podman did not show planarian's error: {p:?}");
 }

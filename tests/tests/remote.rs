@@ -76,7 +76,19 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
     let _c = Cleanup(n.clone());
     podman(
         "planarian",
-        &["run", "-d", "--name", &n, "--annotation", "io.planarian.mcp.service=pltest", BUSYBOX, "sleep", "600"],
+        &[
+            "run",
+            "-d",
+            "--name",
+            &n,
+            "--network",
+            "none",
+            "--annotation",
+            "io.planarian.mcp.service=pltest",
+            BUSYBOX,
+            "sleep",
+            "600",
+        ],
     )
     .ok();
     let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
@@ -266,7 +278,19 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
     let _c = Cleanup(n.clone());
     podman(
         "planarian",
-        &["run", "-d", "--name", &n, "--annotation", "io.planarian.mcp.service=pltest-memory", BUSYBOX, "sleep", "600"],
+        &[
+            "run",
+            "-d",
+            "--name",
+            &n,
+            "--network",
+            "none",
+            "--annotation",
+            "io.planarian.mcp.service=pltest-memory",
+            BUSYBOX,
+            "sleep",
+            "600",
+        ],
     )
     .ok();
     let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
@@ -327,6 +351,8 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
             "-d",
             "--name",
             &raw_n,
+            "--network",
+            "none",
             "--annotation",
             "io.planarian.mcp.service=pltest-raw",
             BUSYBOX,
