@@ -266,7 +266,7 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
         );
     }
     assert_eq!(prop(&ds, "mountpoint"), mp, "same dataset name, same path");
-    assert_eq!(cmd("cat", [format!("{mp}/data/f")]).out(), "1", "the host sees the rolled-back files at the same path");
+    assert_eq!(cmd("cat", [format!("{mp}/data/f")]).out(), "2", "the host sees the rolled-back files at the same path");
     podman("planarian", &["rm", "-f", "-t", "0", &name]).ok();
     assert!(
         wait_for(Duration::from_secs(120), || snapshots_matching(&pool, &format!("@planarian-{}-", &id[..12]))
