@@ -268,10 +268,13 @@ fn rootfs_on_a_dataset_rolls_back_and_the_dataset_stays_the_users() {
     assert_eq!(prop(&ds, "mountpoint"), mp, "same dataset name, same path");
     assert_eq!(cmd("cat", [format!("{mp}/data/f")]).out(), "2", "the host sees the rolled-back files at the same path");
     podman("planarian", &["rm", "-f", "-t", "0", &name]).ok();
+    let ours = || snapshots_matching(&pool, &format!("@planarian-{}-", &id[..12]));
     assert!(
-        wait_for(Duration::from_secs(120), || snapshots_matching(&pool, &format!("@planarian-{}-", &id[..12]))
-            .is_empty()),
-        "planarian's snapshots go with the container"
+        wait_for(Duration::from_secs(120), || ours().is_empty()),
+        "planarian's snapshots go with the container: left {:?}, gc said {:?}; holds {}",
+        ours(),
+        std::fs::read_to_string(format!("/var/lib/planarian/containers/{id}/gc-error")),
+        zfs(&[&["holds", "-H"], &ours().iter().map(String::as_str).collect::<Vec<_>>()[..]].concat()).stdout
     );
     assert!(exists(&ds), "the user's dataset stays");
     destroy(&["-r", &ds]);

@@ -1071,6 +1071,19 @@ pub fn remove_container(cfg: &Config, store: &ContainerStore) -> Result<()> {
     let old_prefix = format!("{d}.planarian-old-");
     let in_family =
         |fs: &str| fs == d || fs.starts_with(&old_prefix) || fs == format!("{d}.planarian-new") || fs == view_of(d);
+    // The container's dataset is a clone of a retired one's snapshot after a rollback that went
+    // forward by a restore (to a statepoint a retired dataset held): it takes that history back
+    // first, or the retired dataset, and planarian's snapshot the live one depends on, could not
+    // go. (Its own origin, an image base or the user's, stays.)
+    for _ in 0..64 {
+        let retired_origin = zfs.filesystems(pool)?.iter().any(|(fs, origin)| {
+            fs == d && origin.as_deref().is_some_and(|o| zfs::dataset_of(o).starts_with(&old_prefix))
+        });
+        if !retired_origin {
+            break;
+        }
+        zfs.promote(d)?;
+    }
     if map.owned {
         // Forks (or anything) cloned from the family's snapshots take them over first.
         for _ in 0..64 {
