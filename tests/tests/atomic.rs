@@ -55,26 +55,11 @@ fn a_failed_rollback_leaves_the_sandbox_and_the_database_together() {
         pg.psql("DELETE FROM reports");
         let n = name(if in_place { "atomic-inplace" } else { "atomic-restore" });
         let _c = Cleanup(n.clone());
-        podman(
-            "planarian",
-            &[
-                "run",
-                "-d",
-                "--name",
-                &n,
-                "--network",
-                "none",
-                "--annotation",
-                "io.planarian.mcp.service=pltest-atomic",
-                "--annotation",
-                &format!("io.planarian.checkpoint.rollback_in_place={in_place}"),
-                BUSYBOX,
-                "sleep",
-                "600",
-            ],
-        )
-        .ok();
-        let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
+        let id = start_with_service(
+            &n,
+            "pltest-atomic",
+            &[&format!("io.planarian.checkpoint.rollback_in_place={in_place}")],
+        );
         let mut agent = Harness::connect(&id);
         let ok = |r: Value| assert_ne!(r["isError"], json!(true), "{r}");
         ok(agent.sql("INSERT INTO reports VALUES (1, 'at the statepoint')"));

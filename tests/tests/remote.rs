@@ -74,24 +74,7 @@ fn end_to_end(pg: &Pg, service: &str, http: bool) {
     );
     let n = name("mcp");
     let _c = Cleanup(n.clone());
-    podman(
-        "planarian",
-        &[
-            "run",
-            "-d",
-            "--name",
-            &n,
-            "--network",
-            "none",
-            "--annotation",
-            "io.planarian.mcp.service=pltest",
-            BUSYBOX,
-            "sleep",
-            "600",
-        ],
-    )
-    .ok();
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
+    let id = start_with_service(&n, "pltest", &[]);
     assert!(sidecar_running(&id), "the sidecar starts with the container");
 
     if http {
@@ -276,24 +259,7 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
     );
     let n = name("kg");
     let _c = Cleanup(n.clone());
-    podman(
-        "planarian",
-        &[
-            "run",
-            "-d",
-            "--name",
-            &n,
-            "--network",
-            "none",
-            "--annotation",
-            "io.planarian.mcp.service=pltest-memory",
-            BUSYBOX,
-            "sleep",
-            "600",
-        ],
-    )
-    .ok();
-    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", &n]).out();
+    let id = start_with_service(&n, "pltest-memory", &[]);
     let mut agent = Harness::connect(&id);
     let ok = |r: &Value| assert_ne!(r["isError"], json!(true), "{r}");
     let e = |name: &str, obs: &[&str]| json!({"name": name, "entityType": "person", "observations": obs});
@@ -344,24 +310,7 @@ fn a_knowledge_graph_is_rolled_back_with_the_files_and_what_was_undone_is_not_of
     // A tool let through unrecorded: the statepoints after it say they do not cover it.
     let raw_n = name("kg-raw");
     let _cr = Cleanup(raw_n.clone());
-    podman(
-        "planarian",
-        &[
-            "run",
-            "-d",
-            "--name",
-            &raw_n,
-            "--network",
-            "none",
-            "--annotation",
-            "io.planarian.mcp.service=pltest-raw",
-            BUSYBOX,
-            "sleep",
-            "600",
-        ],
-    )
-    .ok();
-    let raw_id = podman("planarian", &["inspect", "--format", "{{.Id}}", &raw_n]).out();
+    let raw_id = start_with_service(&raw_n, "pltest-raw", &[]);
     let mut raw_agent = Harness::connect(&raw_id);
     let before = planarian(&["snapshot", &raw_n]).ok().out();
     ok(&raw_agent.call("create_entities", json!({"entities": [e("zed", &[])]})));

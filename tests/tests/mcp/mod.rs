@@ -270,3 +270,17 @@ impl Drop for DbhubHttp {
         let _ = self.child.wait();
     }
 }
+
+/// Starts container `name` (busybox, sleeping) with the MCP service `service` and the other
+/// `annotations`, and returns its ID. No network: the sidecar is the host's, reached through its
+/// socket, and Podman's bridge costs seconds at every create, restore, fork and removal under
+/// emulation.
+pub fn start_with_service(name: &str, service: &str, annotations: &[&str]) -> String {
+    let service = format!("io.planarian.mcp.service={service}");
+    let mut args = vec!["run", "-d", "--name", name, "--network", "none", "--annotation", &service];
+    for a in annotations {
+        args.extend(["--annotation", a]);
+    }
+    args.extend([BUSYBOX, "sleep", "600"]);
+    podman("planarian", &args).ok().out()
+}
