@@ -60,6 +60,11 @@ while True:
     publish()
 "#;
 
+/// How long the workload is given to answer (start, a command, its child): a backstop for a
+/// hang. The emulated test machines' speed moves 3-5x over a day, and zfs-fuse's daemon stalls
+/// for tens of seconds under load: a minute was too short there.
+const PATIENCE: Duration = Duration::from_secs(600);
+
 pub struct Sandbox {
     pub name: String,
     pub seq: u64,
@@ -97,7 +102,20 @@ impl Sandbox {
         args.extend_from_slice(&[DEBIAN, "python3", "-c", WORKLOAD, &mib]);
         podman("planarian", &args).ok();
         let sb = Sandbox { name: name.clone(), seq: 0, ctr: Ctr::new(&name), _cleanup: Cleanup(name) };
-        assert!(wait_for(Duration::from_secs(60), || sb.read().is_some()), "workload did not start");
+        // (a backstop for a hang, not a measure of speed: at a slow hour of the emulated test
+        // machines a start on zfs-fuse took more than a minute; a workload that died is said at once)
+        let mut gone = false;
+        wait_for(PATIENCE, || {
+            sb.read().is_some() || {
+                gone = sb.ctr.found().is_none();
+                gone
+            }
+        });
+        if sb.read().is_none() {
+            let logs = podman("planarian", &["logs", &sb.name]);
+            let why = if gone { "its container stopped" } else { "no state published in ten minutes" };
+            panic!("workload did not start ({why}); its output: {}{}", logs.stdout, logs.stderr);
+        }
         sb
     }
 
@@ -179,7 +197,7 @@ impl Sandbox {
         std::fs::rename(root.join("tmp/.cmd"), root.join("tmp/cmd")).unwrap();
         let mut last = None;
         assert!(
-            wait_for(Duration::from_secs(60), || {
+            wait_for(PATIENCE, || {
                 last = self.read();
                 last.as_ref().is_some_and(|(s, _)| *s == seq)
             }),
@@ -221,7 +239,7 @@ impl Sandbox {
         self.sh(&format!("echo {seq} > /tmp/.childcmd && mv /tmp/.childcmd /tmp/childcmd")).ok();
         let mut last = String::new();
         assert!(
-            wait_for(Duration::from_secs(60), || {
+            wait_for(PATIENCE, || {
                 last = self.sh("cat /tmp/childstate 2>/dev/null").stdout;
                 last.split_whitespace().next() == Some(&seq.to_string())
             }),
