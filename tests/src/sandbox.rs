@@ -102,18 +102,20 @@ impl Sandbox {
         args.extend_from_slice(&[DEBIAN, "python3", "-c", WORKLOAD, &mib]);
         podman("planarian", &args).ok();
         let sb = Sandbox { name: name.clone(), seq: 0, ctr: Ctr::new(&name), _cleanup: Cleanup(name) };
-        // (a backstop for a hang, not a measure of speed: at a slow hour of the emulated test
-        // machines a start on zfs-fuse took more than a minute; a workload that died is said at once)
+        // (a workload whose container stopped is said at once, not after the backstop)
         let mut gone = false;
-        wait_for(PATIENCE, || {
+        let started = wait_for(PATIENCE, || {
             sb.read().is_some() || {
                 gone = sb.ctr.found().is_none();
                 gone
             }
-        });
-        if sb.read().is_none() {
+        }) && !gone;
+        if !started {
             let logs = podman("planarian", &["logs", &sb.name]);
-            let why = if gone { "its container stopped" } else { "no state published in ten minutes" };
+            let why = match gone {
+                true => "its container stopped".to_string(),
+                false => format!("no state published in {} s", PATIENCE.as_secs()),
+            };
             panic!("workload did not start ({why}); its output: {}{}", logs.stdout, logs.stderr);
         }
         sb
