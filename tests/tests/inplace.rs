@@ -19,7 +19,7 @@ use std::time::Duration;
 /// `log TEXT` (appended, the offset moves), `pipefill` / `piperead` (a pipe holding data),
 /// `sigqueue` (SIGUSR1 and a real-time signal with a value queued, both blocked; a real timer and
 /// a SIGTERM handler) / `sigtake` (the signals taken, the timer and the handler changed).
-/// Publishes `SEQ COUNTER SHA256(memory, every mapping) MAPPINGS PIPE-DATA`, and the memory's
+/// Publishes `SEQ COUNTER MD5(memory, every mapping) (MD5: see sandbox::WORKLOAD) MAPPINGS PIPE-DATA`, and the memory's
 /// address in `/tmp/addr`.
 const WORKLOAD: &str = r#"
 import ctypes, hashlib, mmap, os, random, resource, signal, sys, threading, time
@@ -42,7 +42,7 @@ def ticker():
         time.sleep(0.2)
 threading.Thread(target=ticker, daemon=True).start()
 def publish():
-    h = hashlib.sha256(buf)
+    h = hashlib.md5(buf)
     for m in extra:
         h.update(m)
     with open("/tmp/.state", "w") as f:

@@ -268,7 +268,7 @@ for k in range(0, n, 2):
     assert libc.mprotect(ctypes.c_void_p(at + k * size), ctypes.c_size_t(size), 1) == 0
 def publish(seq):
     with open("/tmp/.sum", "w") as f:
-        f.write("%s %s\n" % (seq, hashlib.sha256(m[:]).hexdigest()))
+        f.write("%s %s\n" % (seq, hashlib.md5(m[:]).hexdigest()))
     os.rename("/tmp/.sum", "/tmp/sum")
 publish("start")
 while True:
