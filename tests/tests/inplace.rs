@@ -19,8 +19,8 @@ use std::time::Duration;
 /// `log TEXT` (appended, the offset moves), `pipefill` / `piperead` (a pipe holding data),
 /// `sigqueue` (SIGUSR1 and a real-time signal with a value queued, both blocked; a real timer and
 /// a SIGTERM handler) / `sigtake` (the signals taken, the timer and the handler changed).
-/// Publishes `SEQ COUNTER MD5(memory, every mapping) (MD5: see sandbox::WORKLOAD) MAPPINGS PIPE-DATA`, and the memory's
-/// address in `/tmp/addr`.
+/// Publishes `SEQ COUNTER MD5(memory, every mapping) MAPPINGS PIPE-DATA` (MD5: see
+/// sandbox::WORKLOAD), and the memory's address in `/tmp/addr`.
 const WORKLOAD: &str = r#"
 import ctypes, hashlib, mmap, os, random, resource, signal, sys, threading, time
 random.seed(7)
