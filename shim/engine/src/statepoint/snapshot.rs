@@ -77,7 +77,8 @@ pub fn take_then(
     for p in &m.local_state.outside_tree {
         crate::log::own_log("warning", &format!("statepoint {} does not hold {p}: {OUTSIDE_TREE}", t.id));
     }
-    let unchanged = t.unchanged(&pids);
+    // (read before a dump invalidates it; compared in the capture, beside the files)
+    let base = crate::chain::read_base(&ctx.store);
     let network_lock =
         criu::network_lock(&ctx.criu, ctx.cfg.checkpoint.network_lock, setting.netns.is_some(), req.tcp_established);
     // A CRIU that dies while the namespace is locked leaves its lock behind: removed on failure.
@@ -85,8 +86,8 @@ pub fn take_then(
         StaleNetworkLock { pid: t.pid, armed: network_lock == Some("nftables") && setting.netns.is_none() };
     // From CRIU's first dump on, a failure must make the next dump full.
     let dumping = crate::chain::DumpInProgress::start(&ctx.store, t.init_start);
-    let window = Window { frozen: &frozen, setting: &setting, network_lock, unchanged: &unchanged, pids: &pids };
-    m.measurements.rootfs_ms = t.capture(&mut m, &window)?;
+    let window = Window { frozen: &frozen, setting: &setting, network_lock, pids: &pids };
+    m.measurements.rootfs_ms = t.capture(&mut m, &window, base)?;
     if let Err(e) = t.commit(&mut m, tf) {
         t.rootfs.discard(&t.dir, &m.local_state);
         return Err(e);
@@ -140,7 +141,6 @@ struct Window<'w> {
     frozen: &'w FreezeGuard<'w>,
     setting: &'w DumpSetting,
     network_lock: Option<&'static str>,
-    unchanged: &'w Unchanged,
     /// The tree's processes, frozen: the same through the dump.
     pids: &'w [i32],
 }
@@ -217,35 +217,60 @@ impl<'a> Taking<'a> {
     }
 
     /// The frozen tree's fingerprint (only where it can serve: a plain snapshot left running,
-    /// whose dump becomes the base), and the base it is unchanged since, if any.
-    fn unchanged(&self, pids: &[i32]) -> Unchanged {
+    /// whose dump becomes the base), and the chain's `base` it is unchanged since, if any. When
+    /// no thread ran in user mode since the base (a cheap look), its memory is compared beside
+    /// the fingerprint.
+    fn unchanged(&self, pids: &[i32], base: Option<crate::chain::Base>) -> Unchanged {
+        use crate::local::unchanged;
         let (ctx, req) = (self.ctx, self.req);
-        let print = match ctx.cfg.checkpoint.skip_unchanged && req.leave_running && !req.internal {
-            true => crate::local::unchanged::fingerprint(pids, self.pid),
-            false => Err(crate::local::unchanged::Unfit("not a plain snapshot left running".into())),
-        };
-        self.mark("fingerprint");
-        let same_as = match unchanged_since_base(ctx, req, self.init_start, &print, pids) {
-            Ok(base) => Some(base),
-            Err(why) => {
-                if ctx.cfg.checkpoint.skip_unchanged && !req.internal {
-                    crate::log::own_log("info", &format!("statepoint {}: a memory dump ({why})", self.id));
-                }
-                None
+        if !ctx.cfg.checkpoint.skip_unchanged || !req.leave_running || req.internal {
+            let why = "not a plain snapshot left running";
+            if ctx.cfg.checkpoint.skip_unchanged && !req.internal {
+                crate::log::own_log("info", &format!("statepoint {}: a memory dump ({why})", self.id));
             }
-        };
+            self.mark("changed");
+            return Unchanged { print: Err(unchanged::Unfit(why.into())), same_as: None };
+        }
+        let candidate = base_dump(ctx, req, self.init_start, base).and_then(|(m, dir, recorded)| {
+            if recorded.user_time != Some(unchanged::user_times(pids).map_err(|u| u.0)?) {
+                return Err(format!("a thread ran since {}", m.statepoint_id));
+            }
+            Ok((m, dir, recorded))
+        });
+        let (print, compared) = std::thread::scope(|scope| {
+            let memory = candidate
+                .as_ref()
+                .ok()
+                .map(|(m, dir, _)| scope.spawn(move || memory_unchanged(pids, dir, &m.statepoint_id)));
+            let print = unchanged::fingerprint(pids, self.pid);
+            self.mark("fingerprint");
+            let compared = memory.map(|h| h.join().unwrap_or_else(|_| Err("the memory's comparison panicked".into())));
+            (print, compared)
+        });
+        let same_as = candidate.and_then(|(m, _, recorded)| {
+            if recorded.fingerprint != print.as_ref().map_err(|u| u.0.clone())?.to_string() {
+                return Err(format!("the processes changed since {}", m.statepoint_id));
+            }
+            compared.unwrap_or(Ok(()))?;
+            Ok(m)
+        });
+        let same_as = same_as
+            .map_err(|why| crate::log::own_log("info", &format!("statepoint {}: a memory dump ({why})", self.id)))
+            .ok();
         self.mark(if same_as.is_some() { "unchanged" } else { "changed" });
         Unchanged { print, same_as }
     }
 
     /// Memory and files, side by side, the container frozen: the files' time. On failure
-    /// neither is left.
-    fn capture(&self, m: &mut Manifest, w: &Window) -> Result<f64> {
+    /// neither is left. The memory is the chain's `base`'s when the tree did nothing since it.
+    fn capture(&self, m: &mut Manifest, w: &Window, base: Option<crate::chain::Base>) -> Result<f64> {
         std::thread::scope(|scope| -> Result<f64> {
-            // The files beside the memory: the container is frozen, and CRIU only reads its files.
+            // The files beside the memory (and beside the look for whether the tree did anything):
+            // the container is frozen, and neither CRIU nor that look writes its files.
             let local = m.local_state.clone();
             let files = scope.spawn(move || self.save_files(&local, w.setting.dev.as_ref()));
-            let memory = self.dump_memory(m, w);
+            let unchanged = self.unchanged(w.pids, base);
+            let memory = self.dump_memory(m, w, &unchanged);
             self.mark("memory");
             let files = files.join().map_err(|_| Error::FilesPanicked).and_then(|r| r);
             self.mark("files");
@@ -274,10 +299,10 @@ impl<'a> Taking<'a> {
 
     /// The memory: the last dump's images when nothing ran since it, else a CRIU dump
     /// (incremental on the chain's last; retried in full when CRIU refuses its parent).
-    fn dump_memory(&self, m: &mut Manifest, w: &Window) -> Result<()> {
+    fn dump_memory(&self, m: &mut Manifest, w: &Window, unchanged: &Unchanged) -> Result<()> {
         let (ctx, req, images) = (self.ctx, self.req, &self.images);
         let td = Instant::now();
-        if let Some(base) = &w.unchanged.same_as {
+        if let Some(base) = &unchanged.same_as {
             // Nothing ran: the last dump's images are this statepoint's (hard links).
             let from = ctx.store.statepoint_dir(&base.statepoint_id).join(&base.local_state.criu_checkpoint_path);
             link_dump(&from, images)?;
@@ -325,7 +350,7 @@ impl<'a> Taking<'a> {
             m.measurements.pages_written = st.pages_written;
             m.measurements.pages_skipped_parent = st.pages_skipped_parent;
         }
-        if let Ok(fp) = &w.unchanged.print {
+        if let Ok(fp) = &unchanged.print {
             // (the threads' user time once CRIU's parasite has run in them: any later is theirs)
             // (none read: recorded as none, which nothing later equals)
             let cpu = crate::local::unchanged::user_times(w.pids).ok();
@@ -402,23 +427,16 @@ impl<'a> Taking<'a> {
     }
 }
 
-/// The statepoint whose dump is the base of the next one, when the frozen tree did nothing since
-/// it (its fingerprint `print` is the one recorded at that dump, and no page is soft-dirty); and
-/// when this statepoint may take its images: a plain snapshot left running, the option on.
-/// Otherwise why not, for the log.
-fn unchanged_since_base(
+/// The statepoint whose dump is the base of the next one (the chain's `base`), where its
+/// images are, and what it recorded of the tree, when this statepoint may take that dump's
+/// images as its own should the tree have done nothing since. Otherwise why not, for the log.
+fn base_dump(
     ctx: &Ctx,
     req: &SnapshotRequest,
     init_start: u64,
-    print: &std::result::Result<u64, crate::local::unchanged::Unfit>,
-    pids: &[i32],
-) -> std::result::Result<Manifest, String> {
-    use crate::local::unchanged;
-    if !ctx.cfg.checkpoint.skip_unchanged || !req.leave_running || req.internal {
-        return Err("not a plain snapshot left running".into());
-    }
-    let print = print.as_ref().map_err(|u| u.0.clone())?;
-    let base = crate::chain::read_base(&ctx.store).ok_or("no base")?;
+    base: Option<crate::chain::Base>,
+) -> std::result::Result<(Manifest, PathBuf, crate::local::unchanged::Record), String> {
+    let base = base.ok_or("no base")?;
     let images = base.images.ok_or("no base images")?;
     let sp =
         images.strip_prefix("statepoints/").and_then(|s| s.strip_suffix("/criu")).ok_or("the base is a restore's")?;
@@ -430,24 +448,25 @@ fn unchanged_since_base(
         return Err("other dump options".into());
     }
     let dir = ctx.store.statepoint_dir(sp).join(&m.local_state.criu_checkpoint_path);
-    let recorded: unchanged::Record = std::fs::read(dir.join(unchanged::FILE))
+    let recorded = std::fs::read(dir.join(crate::local::unchanged::FILE))
         .ok()
         .and_then(|d| serde_json::from_slice(&d).ok())
         .ok_or_else(|| format!("{sp} recorded no fingerprint"))?;
-    if recorded.fingerprint != print.to_string() {
-        return Err(format!("the processes changed since {sp}"));
-    }
-    if recorded.user_time != Some(unchanged::user_times(pids).map_err(|u| u.0)?) {
-        return Err(format!("a thread ran since {sp}"));
-    }
-    if unchanged::timers_armed(&dir).map_err(|u| u.0)? {
+    Ok((m, dir, recorded))
+}
+
+/// Whether the memory of the tree `pids` is still what the dump in `dir` (of statepoint `sp`)
+/// holds: no timer armed at the dump, and every soft-dirty page the same. Otherwise why not.
+fn memory_unchanged(pids: &[i32], dir: &Path, sp: &str) -> std::result::Result<(), String> {
+    use crate::local::unchanged;
+    if unchanged::timers_armed(dir).map_err(|u| u.0)? {
         return Err(format!("a timer was armed at {sp}"));
     }
     if !sys::proc::pagemap::soft_dirty_kept() {
         return Err("this kernel keeps no soft-dirty bits".into());
     }
-    match unchanged::memory_differs(pids, &dir) {
-        Ok(None) => Ok(m),
+    match unchanged::memory_differs(pids, dir) {
+        Ok(None) => Ok(()),
         Ok(Some(what)) => Err(format!("memory was written since {sp}: {what}")),
         Err(u) => Err(u.0),
     }
