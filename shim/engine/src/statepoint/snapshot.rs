@@ -247,13 +247,17 @@ impl<'a> Taking<'a> {
             let compared = memory.map(|h| h.join().unwrap_or_else(|_| Err("the memory's comparison panicked".into())));
             (print, compared)
         });
-        let same_as = candidate.and_then(|(m, _, recorded)| {
-            if recorded.fingerprint != print.as_ref().map_err(|u| u.0.clone())?.to_string() {
-                return Err(format!("the processes changed since {}", m.statepoint_id));
-            }
-            compared.unwrap_or(Ok(()))?;
-            Ok(m)
-        });
+        // (a tree that can have no fingerprint says why first: no base of it says nothing)
+        let same_as = match &print {
+            Err(unfit) => Err(unfit.0.clone()),
+            Ok(print) => candidate.and_then(|(m, _, recorded)| {
+                if recorded.fingerprint != print.to_string() {
+                    return Err(format!("the processes changed since {}", m.statepoint_id));
+                }
+                compared.unwrap_or_else(|| Err("the memory was not compared".into()))?;
+                Ok(m)
+            }),
+        };
         let same_as = same_as
             .map_err(|why| crate::log::own_log("info", &format!("statepoint {}: a memory dump ({why})", self.id)))
             .ok();
