@@ -412,13 +412,14 @@ fn try_in_place(
         return Ok(InPlace::Refused("turned off (checkpoint.rollback_in_place = false)".into()));
     }
     let pod = rb.pc.cri.then(|| NOT_BY_RESTORE.to_string());
-    // (why not, waited for; or, not waiting, also that it is not known yet)
+    // (why not, asked and waited for; or, `wait` false, waited for only where it was asked
+    // beside the rollback: a question asked only when wanted is not asked, and is a reason)
     let mut blocked = |wait: bool| {
         pod.clone().or_else(|| match wait {
             true => full_path.get().as_ref().err().map(|e| e.to_string()),
-            false => match full_path.answered() {
+            false => match full_path.started() {
                 Some(r) => r.as_ref().err().map(|e| e.to_string()),
-                None => Some("not known yet".into()),
+                None => Some("not asked beside the rollback".into()),
             },
         })
     };
@@ -609,13 +610,14 @@ fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<(
 /// the rollback goes forward: a step that fails makes it stop the sandbox and restore the
 /// statepoint, as the journal's next reader would ([`Phase::Forward`]). `blocked(wait)`: why the
 /// stop-and-restore path cannot run, if it cannot: asked when it refuses (waiting for the
-/// answer), and before pages are written ahead (not waiting: not known yet is a reason too).
+/// answer), and before pages are written ahead (beside the files' comparison: waiting only for a
+/// question asked beside the rollback, one asked only when wanted is a reason).
 /// (Its later phases are functions of their own: [`compensate_in_place`], [`write_in_place`], [`done_in_place`],
 /// [`in_place_forward`]. This one holds the freeze's guard from its first line and hands it on.)
 fn in_place(
     ctx: &Ctx,
     rb: &mut Parts,
-    blocked: &mut dyn FnMut(bool) -> Option<String>,
+    blocked: &mut (dyn FnMut(bool) -> Option<String> + Send),
     progress: &mut dyn Progress,
     prepared: Option<crate::local::files::InPlaceStart>,
 ) -> Result<InPlace> {
@@ -664,15 +666,17 @@ fn in_place(
     let compared = AtomicBool::new(false);
     // (a rollback killed from the first page written ahead goes forward: a restore of the target,
     // which must be known to be possible, as it is once written in place)
-    let ahead_wanted = ctx.cfg.checkpoint.write_ahead && blocked(false).is_none();
+    let ahead_wanted = ctx.cfg.checkpoint.write_ahead;
     let mut ahead = Ahead::default();
     let mut journal = rb.journal.take();
     let (planned, compared_files) = std::thread::scope(|scope| {
-        let (compared, ahead, journal) = (&compared, &mut ahead, &mut journal);
+        let (compared, ahead, journal, blocked) = (&compared, &mut ahead, &mut journal, &mut *blocked);
         let planning = scope.spawn(move || -> std::result::Result<inplace::Plan, String> {
             let mut plan = shape.plan(base.as_deref()).map_err(|e| e.to_string())?;
             crate::log::mark("pages planned");
-            let wanted = ahead_wanted && plan.pages_written > 0 && !compared.load(Ordering::Acquire);
+            // (the answer waited for here, beside the comparison, which may end first)
+            let wanted =
+                ahead_wanted && plan.pages_written > 0 && blocked(false).is_none() && !compared.load(Ordering::Acquire);
             if let Some(j) = journal.as_mut().filter(|_| wanted) {
                 j.phase(Phase::Forward).map_err(|e| e.to_string())?;
                 crate::fault::point("rollback.in-place.ahead").map_err(|e| e.to_string())?;
@@ -1036,9 +1040,9 @@ impl<T: Send + 'static> Beside<T> {
         Beside { handle: None, later: Some(Box::new(f)), value: None }
     }
 
-    /// The answer, when it is there without waiting for it.
-    fn answered(&mut self) -> Option<&T> {
-        if self.handle.as_ref().is_some_and(|h| h.is_finished()) {
+    /// The answer of a question asked beside (waited for), not one asked only when wanted.
+    fn started(&mut self) -> Option<&T> {
+        if self.handle.is_some() {
             self.get();
         }
         self.value.as_ref()
