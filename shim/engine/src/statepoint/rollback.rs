@@ -674,9 +674,10 @@ fn in_place(
         let planning = scope.spawn(move || -> std::result::Result<inplace::Plan, String> {
             let mut plan = shape.plan(base.as_deref()).map_err(|e| e.to_string())?;
             crate::log::mark("pages planned");
-            // (the answer waited for here, beside the comparison, which may end first)
-            let wanted =
-                ahead_wanted && plan.pages_written > 0 && blocked(false).is_none() && !compared.load(Ordering::Acquire);
+            // (the answer waited for here, beside the comparison, which may end first: not
+            // waited for once it has, which would hold the frozen sandbox for nothing)
+            let running = || !compared.load(Ordering::Acquire);
+            let wanted = ahead_wanted && plan.pages_written > 0 && running() && blocked(false).is_none() && running();
             if let Some(j) = journal.as_mut().filter(|_| wanted) {
                 j.phase(Phase::Forward).map_err(|e| e.to_string())?;
                 crate::fault::point("rollback.in-place.ahead").map_err(|e| e.to_string())?;
