@@ -179,8 +179,9 @@ fn queued(pid: i32, fd: u32) -> Result<i32, Unfit> {
 /// ran since, even without writing memory (a loop in registers), has more. It is the kernel's own
 /// count, sampled at each tick in user mode, read through the process's CPU clock
 /// (`CPUCLOCK_VIRT`). Not `/proc`'s user time: that one is the process's whole run time scaled by
-/// the share of user ticks, so a thaw (the system call the freeze interrupted, restarted in the
-/// kernel) could move it with no instruction run in user mode.
+/// the share of user ticks, so a thaw could move it by any share of the kernel's work. (A thaw
+/// itself does return to user mode, for the one instruction that restarts the system call the
+/// freeze interrupted: see [`ran_since`].)
 pub fn user_times(pids: &[i32]) -> Result<std::collections::BTreeMap<String, u64>, Unfit> {
     use nix::libc;
     let mut out = std::collections::BTreeMap::new();
@@ -195,6 +196,41 @@ pub fn user_times(pids: &[i32]) -> Result<std::collections::BTreeMap<String, u64
         out.insert(pid.to_string(), ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64);
     }
     Ok(out)
+}
+
+/// Which process of `pids` ran in user mode since its threads' user times were `then`, if any.
+/// A thaw returns each thread blocked in a system call to user mode for the one instruction
+/// that restarts it, and a tick that came while the kernel was returning is counted there: so a
+/// process whose time moved by at most one tick for each of its threads ran nothing more (a
+/// statepoint that takes no dump records the times it saw, so thaws do not add up). What such
+/// a tick could hide, a run shorter than a tick, is what the sampled count never sees; the
+/// fingerprint (the system call each thread waits in, its stack and instruction pointers) and
+/// the memory's comparison are what says the tree did nothing.
+pub fn ran_since(
+    pids: &[i32],
+    then: &std::collections::BTreeMap<String, u64>,
+    now: &std::collections::BTreeMap<String, u64>,
+) -> Option<i32> {
+    let tick = tick_ns();
+    pids.iter().copied().find(|pid| {
+        let key = pid.to_string();
+        let threads = Proc::of(*pid).threads().map_or(0, |t| t.len() as u64);
+        match (then.get(&key), now.get(&key)) {
+            (Some(&a), Some(&b)) => b < a || b - a > tick.saturating_mul(threads),
+            _ => true,
+        }
+    })
+}
+
+/// The kernel's tick (ns): the resolution of its coarse clock, which moves once a tick.
+fn tick_ns() -> u64 {
+    use nix::libc;
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_getres writes one timespec through the pointer, which points at `ts`.
+    if unsafe { libc::clock_getres(libc::CLOCK_MONOTONIC_COARSE, &mut ts) } != 0 {
+        return 0;
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// The container's SysV IPC objects and host name, read from inside its namespaces.
@@ -467,6 +503,20 @@ mod tests {
             std::thread::yield_now();
         }
         assert!(at() > first, "a loop in user mode counts");
+        let then = user_times(&[pid]).unwrap();
+        assert_eq!(ran_since(&[pid], &then, &then), None, "the same times: it ran nothing");
+        let t = std::time::Instant::now();
+        // (more than the one tick a thaw can count: a loop that ran on)
+        while ran_since(&[pid], &then, &user_times(&[pid]).unwrap()).is_none() && t.elapsed().as_secs() < 60 {
+            std::thread::yield_now();
+        }
+        assert_eq!(ran_since(&[pid], &then, &user_times(&[pid]).unwrap()), Some(pid));
+        let tick = tick_ns();
+        assert!((1_000_000..=10_000_000).contains(&tick), "a tick of 100 to 1000 Hz: {tick} ns");
+        let one_more: std::collections::BTreeMap<_, _> = then.iter().map(|(k, v)| (k.clone(), v + tick)).collect();
+        assert_eq!(ran_since(&[pid], &then, &one_more), None, "one tick of one thread is a thaw's");
+        let back: std::collections::BTreeMap<_, _> = then.iter().map(|(k, v)| (k.clone(), v - 1)).collect();
+        assert_eq!(ran_since(&[pid], &then, &back), Some(pid), "a time that went back is another process's");
     }
 
     #[test]

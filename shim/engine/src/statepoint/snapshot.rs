@@ -134,6 +134,8 @@ struct Taking<'a> {
 struct Unchanged {
     print: std::result::Result<u64, crate::local::unchanged::Unfit>,
     same_as: Option<Manifest>,
+    /// The threads' user times seen, when compared with the base's.
+    times: Option<std::collections::BTreeMap<String, u64>>,
 }
 
 /// What the capture of a frozen tree works with.
@@ -229,12 +231,17 @@ impl<'a> Taking<'a> {
                 crate::log::own_log("info", &format!("statepoint {}: a memory dump ({why})", self.id));
             }
             self.mark("changed");
-            return Unchanged { print: Err(unchanged::Unfit(why.into())), same_as: None };
+            return Unchanged { print: Err(unchanged::Unfit(why.into())), same_as: None, times: None };
         }
+        let mut times = None;
         let candidate = base_dump(ctx, req, self.init_start, base).and_then(|(m, dir, recorded)| {
-            if recorded.user_time != Some(unchanged::user_times(pids).map_err(|u| u.0)?) {
-                return Err(format!("a thread ran since {}", m.statepoint_id));
+            let now = unchanged::user_times(pids).map_err(|u| u.0)?;
+            let then =
+                recorded.user_time.as_ref().ok_or_else(|| format!("{} recorded no user times", m.statepoint_id))?;
+            if let Some(pid) = unchanged::ran_since(pids, then, &now) {
+                return Err(format!("process {pid} ran since {}", m.statepoint_id));
             }
+            times = Some(now);
             Ok((m, dir, recorded))
         });
         let (print, compared) = std::thread::scope(|scope| {
@@ -262,7 +269,7 @@ impl<'a> Taking<'a> {
             .map_err(|why| crate::log::own_log("info", &format!("statepoint {}: a memory dump ({why})", self.id)))
             .ok();
         self.mark(if same_as.is_some() { "unchanged" } else { "changed" });
-        Unchanged { print, same_as }
+        Unchanged { print, same_as, times }
     }
 
     /// Memory and files, side by side, the container frozen: the files' time. On failure
@@ -310,6 +317,18 @@ impl<'a> Taking<'a> {
             // Nothing ran: the last dump's images are this statepoint's (hard links).
             let from = ctx.store.statepoint_dir(&base.statepoint_id).join(&base.local_state.criu_checkpoint_path);
             link_dump(&from, images)?;
+            // (what this statepoint saw of the tree, for the next one to compare with: the
+            // base's times with one more thaw's tick counted)
+            if let (Ok(fp), Some(times)) = (&unchanged.print, &unchanged.times) {
+                let record =
+                    crate::local::unchanged::Record { fingerprint: fp.to_string(), user_time: Some(times.clone()) };
+                let text = serde_json::to_string(&record).expect("strings and numbers encode");
+                // (the base's is a link to its own: replaced, not written through; a record
+                // torn by a crash only makes the next statepoint dump)
+                let file = images.join(crate::local::unchanged::FILE);
+                let _ = std::fs::remove_file(&file);
+                std::fs::write(&file, text).at("write", &file)?;
+            }
             m.chain = store::Chain { same_as: Some(base.statepoint_id.clone()), ..base.chain.clone() };
             m.measurements.criu_dump_ms = ms(td);
             return self.still_frozen(w.frozen);
