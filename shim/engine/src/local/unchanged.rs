@@ -201,25 +201,37 @@ pub fn user_times(pids: &[i32]) -> Result<std::collections::BTreeMap<String, u64
 /// Which process of `pids` ran in user mode since its threads' user times were `then`, if any.
 /// A thaw returns each thread blocked in a system call to user mode for the one instruction
 /// that restarts it, and a tick that came while the kernel was returning is counted there: so a
-/// process whose time moved by at most one tick for each of its threads ran nothing more (a
-/// statepoint that takes no dump records the times it saw, so thaws do not add up). What such
-/// a tick could hide, a run shorter than a tick, is what the sampled count never sees; the
-/// fingerprint (the system call each thread waits in, its stack and instruction pointers) and
-/// the memory's comparison are what says the tree did nothing.
+/// process whose time moved by at most one tick for each of its threads waiting in a system call
+/// (none for a thread frozen in user mode) ran nothing else that the count can see. A statepoint
+/// that takes no dump records the times it saw, so thaws do not add up; what each interval may
+/// hide is a run of less than a tick beyond that instruction, where the sampled count sees none
+/// of a short run anyway. The fingerprint (the system call each thread waits in, its stack and
+/// instruction pointers) and the memory's comparison say the rest.
 pub fn ran_since(
     pids: &[i32],
     then: &std::collections::BTreeMap<String, u64>,
     now: &std::collections::BTreeMap<String, u64>,
 ) -> Option<i32> {
     let tick = tick_ns();
-    pids.iter().copied().find(|pid| {
+    pids.iter().copied().find(|&pid| {
         let key = pid.to_string();
-        let threads = Proc::of(*pid).threads().map_or(0, |t| t.len() as u64);
         match (then.get(&key), now.get(&key)) {
-            (Some(&a), Some(&b)) => b < a || b - a > tick.saturating_mul(threads),
+            (Some(&a), Some(&b)) => b < a || b - a > tick.saturating_mul(in_system_calls(pid)),
             _ => true,
         }
     })
+}
+
+/// How many threads of process `pid` wait in a system call (`/proc`'s `syscall` names one: not
+/// `-1`, in the kernel for another reason, nor `running`).
+fn in_system_calls(pid: i32) -> u64 {
+    let proc = Proc::of(pid);
+    let waiting = |tid: &i32| {
+        proc.task(*tid)
+            .read("syscall")
+            .is_ok_and(|s| s.split_whitespace().next().and_then(|n| n.parse::<i64>().ok()).is_some_and(|n| n >= 0))
+    };
+    proc.threads().map_or(0, |t| t.iter().filter(|tid| waiting(tid)).count() as u64)
 }
 
 /// The kernel's tick (ns): the resolution of its coarse clock, which moves once a tick.
@@ -505,18 +517,28 @@ mod tests {
         assert!(at() > first, "a loop in user mode counts");
         let then = user_times(&[pid]).unwrap();
         assert_eq!(ran_since(&[pid], &then, &then), None, "the same times: it ran nothing");
-        let t = std::time::Instant::now();
-        // (more than the one tick a thaw can count: a loop that ran on)
-        while ran_since(&[pid], &then, &user_times(&[pid]).unwrap()).is_none() && t.elapsed().as_secs() < 60 {
-            std::thread::yield_now();
-        }
-        assert_eq!(ran_since(&[pid], &then, &user_times(&[pid]).unwrap()), Some(pid));
+        let plus = |t: &std::collections::BTreeMap<String, u64>, ns: u64| -> std::collections::BTreeMap<String, u64> {
+            t.iter().map(|(k, v)| (k.clone(), v + ns)).collect()
+        };
         let tick = tick_ns();
         assert!((1_000_000..=10_000_000).contains(&tick), "a tick of 100 to 1000 Hz: {tick} ns");
-        let one_more: std::collections::BTreeMap<_, _> = then.iter().map(|(k, v)| (k.clone(), v + tick)).collect();
-        assert_eq!(ran_since(&[pid], &then, &one_more), None, "one tick of one thread is a thaw's");
+        // A thread in user mode restarts no system call at a thaw: no tick is a thaw's.
+        assert_eq!(ran_since(&[pid], &then, &plus(&then, 1)), Some(pid));
         let back: std::collections::BTreeMap<_, _> = then.iter().map(|(k, v)| (k.clone(), v - 1)).collect();
         assert_eq!(ran_since(&[pid], &then, &back), Some(pid), "a time that went back is another process's");
+        drop(busy);
+
+        // One waiting in a system call: one tick may be the thaw's, more is a run.
+        let sleeping = Busy(std::process::Command::new("sleep").arg("600").spawn().unwrap());
+        let pid = sleeping.0.id() as i32;
+        let t = std::time::Instant::now();
+        while in_system_calls(pid) == 0 && t.elapsed() < std::time::Duration::from_secs(60) {
+            std::thread::yield_now();
+        }
+        assert_eq!(in_system_calls(pid), 1, "sleep waits in one system call");
+        let then = user_times(&[pid]).unwrap();
+        assert_eq!(ran_since(&[pid], &then, &plus(&then, tick)), None, "one tick of one waiting thread is a thaw's");
+        assert_eq!(ran_since(&[pid], &then, &plus(&then, tick + 1)), Some(pid), "more is a run");
     }
 
     #[test]

@@ -323,11 +323,8 @@ impl<'a> Taking<'a> {
                 let record =
                     crate::local::unchanged::Record { fingerprint: fp.to_string(), user_time: Some(times.clone()) };
                 let text = serde_json::to_string(&record).expect("strings and numbers encode");
-                // (the base's is a link to its own: replaced, not written through; a record
-                // torn by a crash only makes the next statepoint dump)
-                let file = images.join(crate::local::unchanged::FILE);
-                let _ = std::fs::remove_file(&file);
-                std::fs::write(&file, text).at("write", &file)?;
+                // (the base's is a link to its own: replaced, never written through)
+                sys::write_atomic(&images.join(crate::local::unchanged::FILE), text.as_bytes(), 0o644)?;
             }
             m.chain = store::Chain { same_as: Some(base.statepoint_id.clone()), ..base.chain.clone() };
             m.measurements.criu_dump_ms = ms(td);
