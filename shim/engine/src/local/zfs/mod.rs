@@ -1059,6 +1059,15 @@ pub fn receive_statepoint(
 
 /// Removes everything planarian made in ZFS for a container: its datasets (after promoting the
 /// forks that depend on them), its snapshots; its statepoints are discarded. The mapping goes.
+/// A dataset or snapshot of removed container `id`'s that could not be destroyed: a warning
+/// that names it and the command that removes it.
+fn left_behind(id: &str, what: &str, e: &impl std::fmt::Display) {
+    crate::log::own_log(
+        "warning",
+        &format!("container {} removed, but not its {what} ({e}); `zfs destroy -r {what}` removes it", short(id)),
+    );
+}
+
 pub fn remove_container(cfg: &Config, store: &ContainerStore) -> Result<()> {
     let Some(map) = mapping(store) else { return Ok(()) };
     let zfs = zfs_from(cfg)?;
@@ -1104,13 +1113,18 @@ pub fn remove_container(cfg: &Config, store: &ContainerStore) -> Result<()> {
             zfs.destroy(&fs, true)?;
         }
     } else {
+        // (the container goes whatever stays: what does is named where an operator finds it)
         for (fs, _) in zfs.filesystems(pool)?.iter().filter(|(n, _)| n.starts_with(&old_prefix)) {
-            let _ = zfs.destroy(fs, true);
+            if let Err(e) = zfs.destroy(fs, true) {
+                left_behind(&id, fs, &e);
+            }
         }
     }
     // Its snapshots that a promote moved elsewhere, or on the user's own dataset.
     for s in zfs.snapshots(pool)?.iter().filter(|s| s.contains(&ours)) {
-        let _ = zfs.destroy_snapshot(s);
+        if let Err(e) = zfs.destroy_snapshot(s) {
+            left_behind(&id, s, &e);
+        }
     }
     for mut m in store.manifests() {
         if m.local_state.zfs_snapshot.is_some() && m.status != crate::store::Status::Discarded {
