@@ -207,6 +207,20 @@ fn image_inodes(ctr: &str, sp: &str) -> Vec<(String, u64)> {
     v
 }
 
+/// What statepoint `sp` recorded of its tree beside its memory images (`unchanged.json`), and
+/// that file's inode.
+fn record_of(ctr: &str, sp: &str) -> (serde_json::Value, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let id = podman("planarian", &["inspect", "--format", "{{.Id}}", ctr]).ok().out();
+    let f = std::path::Path::new("/var/lib/planarian/containers")
+        .join(id)
+        .join("statepoints")
+        .join(sp)
+        .join("criu/unchanged.json");
+    let text = std::fs::read(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+    (serde_json::from_slice(&text).unwrap(), std::fs::metadata(&f).unwrap().ino())
+}
+
 /// Why planarian's log says statepoint `sp` took a memory dump.
 fn why_dumped(sp: &str) -> String {
     let log = std::fs::read_to_string("/var/log/planarian.log").unwrap_or_default();
@@ -243,6 +257,16 @@ fn a_statepoint_of_a_sandbox_that_did_nothing_takes_no_dump() {
     assert_eq!(mb["chain"]["same-as"], a.as_str(), "nothing ran: no dump ({}; {mb})", why_dumped(&b));
     assert_eq!(image_inodes(&n, &b), image_inodes(&n, &a), "b's memory images are a's (hard links)");
     assert!(!image_inodes(&n, &a).is_empty());
+    // b records what it saw of the tree, in a file of its own (the next statepoint compares with
+    // b, one thaw since, not with a: a thaw may count a tick of user time), a's left as it was.
+    let (ra, rb) = (record_of(&n, &a), record_of(&n, &b));
+    assert_ne!(ra.1, rb.1, "b's record is its own file");
+    assert_eq!(ra.0["fingerprint"], rb.0["fingerprint"]);
+    let times = |r: &serde_json::Value| r["user-time"].as_object().cloned().unwrap_or_default();
+    assert!(!times(&rb.0).is_empty(), "b recorded user times: {}", rb.0);
+    for (pid, t) in times(&ra.0) {
+        assert!(times(&rb.0)[&pid].as_u64() >= t.as_u64(), "{pid}: b's time is not before a's");
+    }
 
     // A command that came and went and wrote a file: the processes still did nothing, and the
     // file is in the statepoint.
