@@ -146,11 +146,13 @@ fn passthrough(inv: &Invocation) -> Failure {
         let err = Command::new(&crun).args(&inv.args).exec();
         return format!("cannot execute {}: {err}", crun.display()).into();
     };
-    drop(unfrozen);
+    // (crun refuses a frozen container: no window of planarian's until it has started the
+    // command and returned, which `--detach` makes quick; then a `pause` need not wait)
     let status = match Command::new(&crun).args(&inv.args).status() {
         Ok(s) => s,
         Err(e) => return format!("cannot execute {}: {e}", crun.display()).into(),
     };
+    drop(unfrozen);
     if status.success() {
         if let Some(pid) = std::fs::read_to_string(&pid_file).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
             let what = cli::exec_process_file(inv.verb_args())

@@ -249,9 +249,10 @@ impl Engine {
 
     /// For `exec` in container `id`: its freeze lock, once planarian does not hold the container
     /// frozen (a snapshot's window, a page server's settling after a fork or a restore on
-    /// demand), which crun would refuse ("is paused"). Close-on-exec: let go as crun starts, so
-    /// that a `pause` during a long tool call does not wait for it (a container `podman pause`
-    /// froze holds no lock: crun says it is paused, as it would). None without a store.
+    /// demand), which crun would refuse ("is paused"). Close-on-exec: held until crun returns
+    /// from conmon's `exec --detach` (the command started), or let go as crun starts, so that a
+    /// `pause` during a long tool call does not wait for it (a container `podman pause` froze
+    /// holds no lock: crun says it is paused, as it would). None without a store.
     pub fn exec_freeze_lock(&self, id: &str) -> Result<Option<std::fs::File>, statepoint::Error> {
         let store = self.store(id);
         if !store.dir.exists() {
