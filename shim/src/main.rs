@@ -114,7 +114,8 @@ fn passthrough(inv: &Invocation) -> Failure {
         Ok(l) => l.flatten(),
         Err(e) => return e.into(),
     };
-    // (and, until crun starts, no window of planarian's with the container frozen)
+    // (and no window of planarian's with the container frozen until crun has started the
+    // command: `--detach`, below; otherwise until crun starts)
     let unfrozen = match exec_id.map(|id| engine.exec_freeze_lock(id)).transpose() {
         Ok(l) => l.flatten(),
         Err(e) => return e.into(),
