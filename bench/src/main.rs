@@ -71,7 +71,9 @@ fn main() {
             eprintln!("       planarian-bench chains [--mem MiB] [--files MiB] [--pool POOL] [--repeat N]");
             eprintln!("       planarian-bench files [--files MiB] [--pool POOL]");
             eprintln!("       planarian-bench unchanged [--mem MiB] [--files MiB] [--iterations N]");
-            eprintln!("       planarian-bench forks [--mem MiB,MiB] [--files MiB] [--count N] [--count-mem MiB]");
+            eprintln!(
+                "       planarian-bench forks [--mem MiB,MiB] [--files MiB] [--repeat N] [--count N] [--count-mem MiB]"
+            );
             eprintln!("       planarian-bench mcp [--iterations N] [--proxy PATH]");
             eprintln!("       planarian-bench e2e [--scales 1,0.5,0.25|native] [--traces NAME,...]");
             eprintln!("       planarian-bench calibrate");
@@ -933,39 +935,71 @@ time.sleep(1e9)
 
 /// Forks of one statepoint, with memory restored whole (eager) and on demand (lazy,
 /// `checkpoint.lazy_pages`), side by side in one run: the time until a fork answers `podman
-/// exec` at each size of `--mem` (and the largest against the smallest), then one fork against
-/// `fork --count N` at `--count-mem`. Each fork is checked at the statepoint (the workload's
-/// memory checksum) after it was timed, and snapshotted (a lazy one's pages all in and settled)
-/// before anything else is timed: its server would otherwise run beside it.
+/// exec` at each size of `--mem` (and the largest against the smallest), and the same for a
+/// rollback that has to restore (`checkpoint.rollback_in_place=false`: the sandbox changed 1 %
+/// since the statepoint, stopped and restored); each the median of `--repeat` runs, eager and
+/// lazy alternating. Then one fork against `fork --count N` at `--count-mem` (`--count 0`: not).
+/// Each fork or rolled back sandbox is checked at the statepoint (the workload's memory checksum)
+/// after it was timed, and snapshotted (a lazy one's pages all in and settled) before anything else
+/// is timed: its server would otherwise run beside it.
 fn forks(args: &[String]) -> i32 {
     let mems: Vec<u32> =
         flag(args, "--mem").unwrap_or("64,1024").split(',').filter_map(|m| m.trim().parse().ok()).collect();
     let files: u32 = flag(args, "--files").and_then(|s| s.parse().ok()).unwrap_or(16);
     let count: usize = flag(args, "--count").and_then(|s| s.parse().ok()).unwrap_or(8);
     let count_mem: u32 = flag(args, "--count-mem").and_then(|s| s.parse().ok()).unwrap_or(256);
+    let repeat: usize = flag(args, "--repeat").and_then(|s| s.parse().ok()).unwrap_or(3).max(1);
     let tag = std::process::id();
     let mut made: Vec<String> = Vec::new();
     let result = (|| -> Result<(), String> {
-        let mut single: Vec<(u32, f64, f64)> = Vec::new();
+        // Per size: (fork eager, fork lazy, rollback eager, rollback lazy), each run's seconds.
+        let mut single: Vec<(u32, [Vec<f64>; 4])> = Vec::new();
         for &mem in &mems {
             let e = ForkSource::start(&format!("plbench-forks-{tag}-e{mem}"), mem, files, false, &mut made)?;
             let l = ForkSource::start(&format!("plbench-forks-{tag}-l{mem}"), mem, files, true, &mut made)?;
-            let eager = e.forks(&format!("{}-f", e.name), 1, &mut made)?;
-            let lazy = l.forks(&format!("{}-f", l.name), 1, &mut made)?;
-            single.push((mem, eager, lazy));
+            let mut runs: [Vec<f64>; 4] = Default::default();
+            for k in 1..=repeat {
+                runs[0].push(e.forks(&format!("{}-f{k}-", e.name), 1, &mut made)?);
+                runs[1].push(l.forks(&format!("{}-f{k}-", l.name), 1, &mut made)?);
+                runs[2].push(e.rollback_restored()?);
+                runs[3].push(l.rollback_restored()?);
+            }
+            single.push((mem, runs));
             for n in [&e.name, &l.name] {
                 let _ = run_quiet("podman", &["rm", "-f", "-t", "0", n]);
             }
         }
-        println!("one fork, until it answers `podman exec` ({files} MiB of files; each checked at the statepoint's memory checksum):");
-        println!("{:<10} {:>12} {:>12} {:>14}", "memory", "eager s", "lazy s", "lazy / eager");
-        for (mem, e, l) in &single {
-            println!("{:<10} {e:>12.1} {l:>12.1} {:>14.2}", format!("{mem} MiB"), l / e);
-        }
-        if let (Some(a), Some(b)) = (single.first(), single.last()) {
-            if a.0 != b.0 {
-                println!("{} MiB against {} MiB: eager {:.2}×, lazy {:.2}×", b.0, a.0, b.1 / a.1, b.2 / a.2);
+        let median = |v: &[f64]| {
+            let mut v = v.to_vec();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        for (i, what) in [(0, "one fork"), (2, "a rollback that has to restore (1 % changed since the statepoint)")] {
+            println!(
+                "{what}, until it answers `podman exec` ({files} MiB of files; each checked at the statepoint's memory checksum; median of {repeat}):"
+            );
+            println!("{:<10} {:>12} {:>12} {:>14}   runs eager | lazy", "memory", "eager s", "lazy s", "lazy / eager");
+            for (mem, runs) in &single {
+                let (e, l) = (median(&runs[i]), median(&runs[i + 1]));
+                let each = |v: &[f64]| v.iter().map(|x| format!("{x:.1}")).collect::<Vec<_>>().join(" ");
+                println!(
+                    "{:<10} {e:>12.1} {l:>12.1} {:>14.2}   {} | {}",
+                    format!("{mem} MiB"),
+                    l / e,
+                    each(&runs[i]),
+                    each(&runs[i + 1])
+                );
             }
+            if let (Some(a), Some(b)) = (single.first(), single.last()) {
+                if a.0 != b.0 {
+                    let r = |j: usize| median(&b.1[j]) / median(&a.1[j]);
+                    println!("{} MiB against {} MiB: eager {:.2}×, lazy {:.2}×", b.0, a.0, r(i), r(i + 1));
+                }
+            }
+            println!();
+        }
+        if count == 0 {
+            return Ok(());
         }
         let e = ForkSource::start(&format!("plbench-forks-{tag}-ce"), count_mem, files, false, &mut made)?;
         let l = ForkSource::start(&format!("plbench-forks-{tag}-cl"), count_mem, files, true, &mut made)?;
@@ -973,7 +1007,6 @@ fn forks(args: &[String]) -> i32 {
         let l1 = l.forks(&format!("{}-one", l.name), 1, &mut made)?;
         let en = e.forks(&format!("{}-n", e.name), count, &mut made)?;
         let ln = l.forks(&format!("{}-n", l.name), count, &mut made)?;
-        println!();
         println!(
             "fork --count {count} of {count_mem} MiB ({files} MiB of files), until every fork answers `podman exec`:"
         );
@@ -1011,13 +1044,37 @@ impl ForkSource {
         // (lazy: on demand at every size, the threshold too, to measure both sides at each)
         let on =
             if lazy { "io.planarian.checkpoint.lazy_pages=true" } else { "io.planarian.checkpoint.lazy_pages=false" };
-        let extra: &[&str] = &["--annotation", on, "--annotation", "io.planarian.checkpoint.lazy_pages_min_mib=0"];
+        // (a rollback of it restores: the case of a fork's restore that #31 names beside forks)
+        let extra: &[&str] = &[
+            "--annotation",
+            on,
+            "--annotation",
+            "io.planarian.checkpoint.lazy_pages_min_mib=0",
+            "--annotation",
+            "io.planarian.checkpoint.rollback_in_place=false",
+        ];
         start_script_with("planarian", name, WORKLOAD, mem, files, extra)?;
         run_quiet(PLANARIAN, &["snapshot", name])?;
         dirty(name)?;
         let sp = run_quiet(PLANARIAN, &["snapshot", name])?;
         let want = checksum(name)?;
         Ok(ForkSource { name: name.to_string(), sp, want })
+    }
+
+    /// The sandbox changed 1 % since the statepoint, then rolled back to it by a restore, until it
+    /// answers `podman exec`: seconds. Then it is checked and snapshotted.
+    fn rollback_restored(&self) -> Result<f64, String> {
+        dirty(&self.name)?;
+        let t = Instant::now();
+        run_quiet(PLANARIAN, &["rollback", self.name.as_str(), self.sp.as_str()])?;
+        run_quiet("podman", &["exec", self.name.as_str(), "true"])?;
+        let secs = t.elapsed().as_secs_f64();
+        let got = checksum(&self.name)?;
+        if got != self.want {
+            return Err(format!("{} rolled back: memory checksum {got}, the statepoint's is {}", self.name, self.want));
+        }
+        run_quiet(PLANARIAN, &["snapshot", self.name.as_str()])?;
+        Ok(secs)
     }
 
     /// `n` forks in one call, until each answers `podman exec`: seconds. Then each is checked,
