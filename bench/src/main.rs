@@ -1150,7 +1150,19 @@ fn unchanged(args: &[String]) -> i32 {
                 median(v, |c| c.pages as f64)
             );
         }
-        println!("ratio unchanged / incremental: {:.2}", median(&free, |c| c.ms) / median(&inc, |c| c.ms));
+        let (f, i) = (median(&free, |c| c.ms), median(&inc, |c| c.ms));
+        println!("ratio unchanged / incremental: {:.2}", f / i);
+        // What any planarian command costs here before it does anything: its process started and
+        // ended (`--version`), which both statepoints pay.
+        let mut floor = Vec::new();
+        for _ in 0..iterations {
+            floor.push(timed_cost(&mut || run_quiet(PLANARIAN, &["--version"]).map(|_| ()))?);
+        }
+        let floor = median(&floor, |c| c.ms);
+        println!(
+            "a planarian command that does nothing (`planarian --version`, median of {iterations}): {floor:.0} ms; the ratio without it: {:.2}",
+            (f - floor) / (i - floor)
+        );
         // Where the last of each went, as planarian's log has it.
         for (what, n) in [("unchanged", &idle), ("incremental", &busy)] {
             let id = run_quiet("podman", &["inspect", "--format", "{{.Id}}", n])?;
