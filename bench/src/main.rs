@@ -1153,14 +1153,15 @@ fn unchanged(args: &[String]) -> i32 {
         let (f, i) = (median(&free, |c| c.ms), median(&inc, |c| c.ms));
         println!("ratio unchanged / incremental: {:.2}", f / i);
         // What any planarian command costs here before it does anything: its process started and
-        // ended (`--version`), which both statepoints pay.
+        // ended, which both statepoints pay. (`snapshot --help`: one process that reads nothing;
+        // `--version` would also run crun's.)
         let mut floor = Vec::new();
         for _ in 0..iterations {
-            floor.push(timed_cost(&mut || run_quiet(PLANARIAN, &["--version"]).map(|_| ()))?);
+            floor.push(timed_cost(&mut || run_quiet(PLANARIAN, &["snapshot", "--help"]).map(|_| ()))?);
         }
         let floor = median(&floor, |c| c.ms);
         println!(
-            "a planarian command that does nothing (`planarian --version`, median of {iterations}): {floor:.0} ms; the ratio without it: {:.2}",
+            "a planarian command that does nothing (`planarian snapshot --help`, median of {iterations}): {floor:.0} ms; the ratio without it: {:.2}",
             (f - floor) / (i - floor)
         );
         // Where the last of each went, as planarian's log has it.
