@@ -472,24 +472,67 @@ fn a_rollback_in_place_equals_the_statepoint_and_a_restore_of_it() {
 }
 
 #[test]
-fn shapes_a_rollback_in_place_cannot_restore_stop_and_restore() {
+fn processes_started_since_the_statepoint_end_in_a_rollback_in_place() {
     require_stack!();
-    let mut sb = start("inplace-shape", 8, &[]);
+    let _d = Disarm;
+    let mut sb = start("inplace-later", 8, &[]);
     sb.send("tick");
     let at_sp = line(&sb);
     let sp = sb.snapshot("one-process");
-    // A process started after the statepoint: the tree changed.
+    let init = podman("planarian", &["inspect", "--format", "{{.State.Pid}}", &sb.name]).ok().out();
     let comms = |sb: &Sandbox| sb.sh("cat /proc/[0-9]*/comm").stdout;
-    // (a server started with `podman exec -d`: the sandbox's own work, which the rollback does not
-    // wait for, as it would for a tool call in flight)
+    let states = |sb: &Sandbox| sb.sh("cat /proc/[0-9]*/stat").stdout;
+    // Since the statepoint: a server started with `podman exec -d` (which the rollback does not
+    // wait for, as it would for a tool call in flight); a job a command left in the background
+    // (orphaned); a command that ended and was never waited for (a zombie: init, the workload,
+    // waits for no child); and memory changed.
     podman("planarian", &["exec", "-d", &sb.name, "sleep", "1000"]).ok();
-    assert!(wait_for(Duration::from_secs(30), || comms(&sb).contains("sleep")), "the later process did not start");
-    let ctx = rollback(&mut sb, &sp);
-    assert_eq!(ctx["how"]["path"], "stop-and-restore", "{ctx}");
-    assert!(ctx["how"]["not-in-place"].as_str().unwrap().contains("started after the statepoint"), "{ctx}");
-    assert_eq!(line(&sb), at_sp);
-    assert!(!comms(&sb).contains("sleep"), "the later process is gone");
+    sb.exec("sleep 1001 </dev/null >/dev/null 2>&1 &").ok();
+    sb.exec("true &").ok();
+    // (`podman exec` starts its command as a child of init: the `sh` that ran `true &` is the
+    // zombie, once both ended)
+    let zombie = |sb: &Sandbox| states(sb).lines().any(|l| l.contains(") Z "));
+    assert!(
+        wait_for(Duration::from_secs(30), || comms(&sb).matches("sleep").count() == 2 && zombie(&sb)),
+        "the later processes did not start: {}",
+        states(&sb)
+    );
+    sb.send("dirty 0 65536");
+    assert_ne!(line(&sb), at_sp);
 
+    let oracle = PathBuf::from("/var/tmp/planarian-oracle-later");
+    arm_oracle(&oracle);
+    let ctx = rollback(&mut sb, &sp);
+    assert_eq!(ctx["how"]["path"], "in-place", "{ctx}");
+    let ended = ctx["how"]["processes-ended"].as_array().cloned().unwrap_or_default();
+    assert_eq!(ended.len(), 2, "the two sleeps, named: {ctx}");
+    assert!(ended.iter().all(|e| e.as_str().unwrap().ends_with("(sleep)")), "{ctx}");
+    // Right after the rollback, before anything ran: the statepoint's tree, no zombie, its pages.
+    assert!(!Path::new("/run/planarian/oracle").exists(), "the oracle dump was not taken");
+    assert_dump_equals(&images_of(&sb, &sp), &oracle);
+    let _ = std::fs::remove_dir_all(&oracle);
+    assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Pid}}", &sb.name]).ok().out(), init);
+    assert!(!comms(&sb).contains("sleep"), "the later processes are gone: {}", comms(&sb));
+    assert!(!states(&sb).contains(") Z"), "no zombie is left: {}", states(&sb));
+    assert_eq!(line(&sb), at_sp);
+    let after = sb.send("tick");
+
+    // The reference: the same by stopping and restoring ends in the same state.
+    sb.exec("sleep 1002 </dev/null >/dev/null 2>&1 &").ok();
+    let ref_ctx = {
+        let _off = DropIn::new("in-place-off", "[checkpoint]\nrollback_in_place = false\n");
+        rollback(&mut sb, &sp)
+    };
+    assert_eq!(ref_ctx["how"]["path"], "stop-and-restore", "{ref_ctx}");
+    assert_eq!(line(&sb), at_sp);
+    assert_eq!(sb.send("tick"), after, "a restore of the statepoint and the rollback in place agree");
+    assert!(!comms(&sb).contains("sleep"), "{}", comms(&sb));
+}
+
+#[test]
+fn shapes_a_rollback_in_place_cannot_restore_stop_and_restore() {
+    require_stack!();
+    let mut sb = start("inplace-shape", 8, &[]);
     // A pipe that held data at the statepoint: only a restore puts the data back.
     sb.send("pipefill");
     let sp2 = sb.snapshot("pipe");

@@ -295,6 +295,10 @@ pub struct How {
     /// Why the rollback did not run in place, when it did not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_in_place: Option<String>,
+    /// The processes started since the statepoint that a rollback in place ended
+    /// (`process 12 (sleep)`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub processes_ended: Vec<String>,
 }
 
 /// One container's part of the store.

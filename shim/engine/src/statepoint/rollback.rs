@@ -293,7 +293,7 @@ fn rollback(
                     from,
                     safety_positions: positions,
                     files_backend: rb.rootfs.backend(),
-                    how,
+                    how: *how,
                     leftover,
                 })
             }
@@ -583,7 +583,7 @@ fn back_to_safety(rb: &mut Parts, e: Error, s: &Manifest, progress: &mut dyn Pro
 
 enum InPlace {
     Done {
-        how: How,
+        how: Box<How>,
         /// Each service's position before the rollback.
         positions: Vec<crate::store::RemoteState>,
         leftover: Option<Leftover>,
@@ -888,8 +888,12 @@ fn done_in_place(
     crate::log::mark("chain");
     drop(frozen);
     crate::log::mark("thawed");
+    let ended = match a.ended.as_slice() {
+        [] => String::new(),
+        e => format!("; ended, as started since: {}", e.join(", ")),
+    };
     progress.done(&format!(
-        "{} pages written, {} dropped, {} system calls, {n} files",
+        "{} pages written, {} dropped, {} system calls, {n} files{ended}",
         a.pages_written, a.pages_dropped, a.system_calls
     ));
     let (places_examined, places_from) = (files.sync.places, files.sync.located_by);
@@ -903,8 +907,9 @@ fn done_in_place(
         places_examined: places_examined.map(|p| p as u64),
         places_from: places_from.map(String::from),
         not_in_place: None,
+        processes_ended: a.ended,
     };
-    Ok(InPlace::Done { how, positions, leftover })
+    Ok(InPlace::Done { how: Box::new(how), positions, leftover })
 }
 
 /// A rollback in place that failed after its compensation (`e`) goes forward: the sandbox,
@@ -928,7 +933,7 @@ fn in_place_forward(
                 not_in_place: Some(format!("writing in place failed: {e}")),
                 ..How::default()
             };
-            Ok(InPlace::Done { how, positions, leftover: None })
+            Ok(InPlace::Done { how: Box::new(how), positions, leftover: None })
         }
         Err(b) => {
             if let Some(j) = rb.journal.take() {

@@ -14,6 +14,8 @@ pub struct Applied {
     pub pages_written: u64,
     pub pages_dropped: u64,
     pub system_calls: u64,
+    /// The processes started since the statepoint that it ended (`process 12 (sleep)`).
+    pub ended: Vec<String>,
 }
 
 impl Plan {
@@ -35,11 +37,17 @@ impl Plan {
                 );
             }
         }
+        // What started since the statepoint is killed while frozen: it runs no more, and ends
+        // once thawed (a cgroup v1 freezer holds even a killed task).
+        let ending = end_later(&self.shape.later)?;
         // Held by ptrace, the threads do not run when the cgroup thaws; they must be thawed to
         // step over a system call (CRIU does the same between its seize and its dump).
         freezer.thaw().map_err(|e| Error::Failed(format!("thaw for the system calls: {e}")))?;
         crate::log::mark("held");
-        let r = self.apply_held(&tracees);
+        let r = ended(&ending).and_then(|()| self.apply_held(&tracees)).map(|mut a| {
+            a.ended = self.shape.later.iter().map(|l| format!("process {} ({})", l.vpid, l.comm)).collect();
+            a
+        });
         let refrozen = freezer.freeze();
         let now = cgroup_pids(freezer.dir());
         drop(tracees);
@@ -66,6 +74,7 @@ impl Plan {
             let main = &tracees[ti];
             crate::fault::point("rollback.in-place.memory").map_err(|e| Error::Failed(e.to_string()))?;
             let insn = ptrace::syscall_instruction(p.host).map_err(io(format!("process {}", p.vpid)))?;
+            self.reap_later(p, main, insn, &mut applied)?;
             let thp_off = put_back_memory(p, pages, main, insn, &mut applied)?;
             crate::log::mark("memory");
             held.push((ti, insn, thp_off));
@@ -80,6 +89,45 @@ impl Plan {
         crate::fault::point("rollback.in-place.registers").map_err(|e| Error::Failed(e.to_string()))?;
         self.finish(tracees, &held, &mut applied)?;
         Ok(applied)
+    }
+
+    /// The children of process `p` that are not the statepoint's — processes started since,
+    /// ended, or ended before the rollback and not yet waited for — taken by `p` itself
+    /// (`wait4`, run by its main thread `main`), as the statepoint had none of them. One still
+    /// running fails.
+    fn reap_later(&self, p: &Process, main: &ptrace::Tracee, insn: u64, applied: &mut Applied) -> Result<()> {
+        let ours = &self.shape.pids;
+        let proc = Proc::of(p.host);
+        let mut children = Vec::new();
+        for tid in proc.threads()? {
+            let text = proc.task(tid).read("children")?;
+            children.extend(text.split_whitespace().filter_map(|c| c.parse::<i32>().ok()));
+        }
+        for child in children.into_iter().filter(|c| !ours.contains(c)) {
+            let st = Proc::of(child).status()?;
+            let vpid = st.number("NSpid").filter(|&v| v > 0).ok_or_else(|| {
+                Error::Failed(format!("process {}: its child {child} has no PID in the container", p.vpid))
+            })?;
+            if st.state() != 'Z' {
+                return Err(Error::Failed(format!(
+                    "process {vpid}, a child of process {} the statepoint does not have, still runs",
+                    p.vpid
+                )));
+            }
+            applied.system_calls += 1;
+            let got = ptrace::call(
+                main,
+                insn,
+                "wait4",
+                libc::SYS_wait4,
+                &[vpid, 0, (libc::WNOHANG | libc::__WALL) as u64, 0],
+            )
+            .map_err(io(format!("process {}", p.vpid)))?;
+            if got != vpid as i64 {
+                return Err(Error::Failed(format!("process {}: wait4 for its child {vpid} gave {got}", p.vpid)));
+            }
+        }
+        Ok(())
     }
 
     /// Last, for every process: soft-dirty bits cleared, transparent huge pages back on where
@@ -261,6 +309,62 @@ fn set_thread(t: &ptrace::Tracee, th: &Thread, core: &images::Core) -> std::io::
     let me = Proc::of(th.host);
     if !core.comm.is_empty() && me.read("comm").map(|c| c.trim_end().to_string()).unwrap_or_default() != core.comm {
         me.write("comm", &core.comm).map_err(|e| std::io::Error::new(e.kind(), e.to_string()))?;
+    }
+    Ok(())
+}
+
+/// The processes started since the statepoint, each killed (`pidfd_send_signal`, SIGKILL); their
+/// pidfds, to wait for their end. One already gone, or whose PID another process has since, is
+/// not waited for.
+fn end_later(later: &[super::shape::Later]) -> Result<Vec<(std::os::fd::OwnedFd, String)>> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let mut out = Vec::new();
+    for l in later {
+        let what = format!("process {} ({}), started after the statepoint", l.vpid, l.comm);
+        // SAFETY: pidfd_open(2) takes a PID and flags and returns a new descriptor or -1.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, l.host, 0) };
+        if raw < 0 {
+            continue;
+        }
+        // SAFETY: a descriptor pidfd_open just returned, owned here alone.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+        if Proc::of(l.host).state_and_start().map(|s| s.1) != Some(l.start) {
+            continue;
+        }
+        // SAFETY: pidfd_send_signal(2) with a pidfd, a signal, no siginfo and no flags.
+        if unsafe { libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), libc::SIGKILL, 0, 0) } < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ESRCH) {
+                return Err(Error::Failed(format!("killing {what}: {e}")));
+            }
+        }
+        out.push((fd, what));
+    }
+    Ok(out)
+}
+
+/// How long a killed process may take to end (a task in an uninterruptible wait, a slow disk).
+const ENDING: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Waits until each process of [`end_later`] has ended.
+fn ended(ending: &[(std::os::fd::OwnedFd, String)]) -> Result<()> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let deadline = std::time::Instant::now() + ENDING;
+    for (fd, what) in ending {
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut fds, PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)) {
+                Ok(0) => return Err(Error::Failed(format!("{what} did not end within {} s", ENDING.as_secs()))),
+                Ok(_) => break,
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(Error::Failed(format!("waiting for {what} to end: {e}"))),
+            }
+        }
+    }
+    if !ending.is_empty() {
+        crate::log::mark("later processes ended");
     }
     Ok(())
 }

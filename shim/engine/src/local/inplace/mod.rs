@@ -4,8 +4,11 @@
 //! It applies when the frozen process tree has the *shape* it had at the statepoint
 //! ([`check`], the rules, every one a refusal that sends the rollback down the stop-and-restore
 //! path):
-//! * the same processes and threads (PIDs and TIDs in the container's PID namespace), with the
-//!   same parents, process groups and sessions, none a zombie, stopped or traced;
+//! * the statepoint's processes and threads, each still there (PIDs and TIDs in the container's
+//!   PID namespace), with the same parents, process groups and sessions, none a zombie, stopped
+//!   or traced; processes started since are ended ([`Plan::apply`]: killed while frozen, once
+//!   the rollback goes forward; a child of the statepoint's processes that is not the
+//!   statepoint's, ended, taken by its parent with `wait4`);
 //! * 64-bit tasks, none being killed; signals and timers as [`signals`] allows (queued signals,
 //!   dispositions, interval and POSIX timers, alternate stacks are put back);
 //! * the same file-backed mappings (addresses, protection, offset, file name), the same stack

@@ -52,12 +52,18 @@ fn check_live_thread(status: &Status, what: &str) -> Result<()> {
     Ok(())
 }
 
-fn live_tree(pids: &[i32]) -> Result<Vec<LiveProcess>> {
+/// The processes of the cgroup; those of the statepoint (`then`, their PIDs in the container)
+/// checked: what started since is ended whatever its state.
+fn live_tree(pids: &[i32], then: &BTreeSet<u32>) -> Result<Vec<LiveProcess>> {
     let mut out = Vec::new();
     for &pid in pids {
         let st = Proc::of(pid).status()?;
         let num = |k: &str| st.number(k);
         let vpid = num("NSpid").ok_or_else(|| Error::Failed(format!("process {pid}: no NSpid")))? as u32;
+        if !then.contains(&vpid) {
+            out.push(LiveProcess { host: pid, vpid, host_ppid: 0, pgid: 0, sid: 0, threads: Vec::new() });
+            continue;
+        }
         check_live_thread(&st, &format!("process {vpid}"))?;
         let mut threads = Vec::new();
         for tid in Proc::of(pid).threads()? {
@@ -141,12 +147,25 @@ pub(super) struct Process {
     pub(super) attrs: attrs::Attrs,
 }
 
-/// A tree whose shape matches the statepoint's.
+/// A process of the container that started after the statepoint: the rollback ends it
+/// ([`super::Plan::apply`]), as a restore of the statepoint would not have it.
+#[derive(Debug)]
+pub(super) struct Later {
+    pub(super) host: i32,
+    pub(super) vpid: u32,
+    /// Its start time (clock ticks since boot): the same process when it is ended.
+    pub(super) start: u64,
+    pub(super) comm: String,
+}
+
+/// A tree whose shape matches the statepoint's, but for processes started since.
 #[derive(Debug)]
 pub struct Shape {
     pub(super) images: PathBuf,
     pub(super) procs: Vec<Process>,
+    /// The statepoint's processes (host PIDs, in order): the container's after the rollback.
     pub(super) pids: Vec<i32>,
+    pub(super) later: Vec<Later>,
 }
 
 /// Compares the frozen tree of cgroup `cgroup` with the statepoint whose CRIU images are in
@@ -156,15 +175,23 @@ pub fn check(images: &Path, cgroup: &Path, stdio: &[(String, String)]) -> Result
     if pids.is_empty() {
         return refuse("no process in the container's cgroup");
     }
-    let live = live_tree(&pids)?;
     let tree = images::pstree(images)?;
+    let then: BTreeSet<u32> = tree.iter().map(|p| p.pid).collect();
+    let live = live_tree(&pids, &then)?;
     let host_to_v: BTreeMap<i32, u32> = live.iter().map(|p| (p.host, p.vpid)).collect();
     let by_vpid: BTreeMap<u32, &LiveProcess> = live.iter().map(|p| (p.vpid, p)).collect();
-    let then: BTreeSet<u32> = tree.iter().map(|p| p.pid).collect();
-    if let Some(p) = live.iter().find(|p| !then.contains(&p.vpid)) {
-        let comm = Proc::of(p.host).read("comm").unwrap_or_default();
-        return refuse(format!("process {} ({}) started after the statepoint", p.vpid, comm.trim()));
+    // (what started since is ended once the rollback goes forward; its parent, one of the
+    // statepoint's processes or conmon, finds it ended)
+    let mut later = Vec::new();
+    for p in live.iter().filter(|p| !then.contains(&p.vpid)) {
+        let comm = Proc::of(p.host).read("comm").unwrap_or_default().trim().to_string();
+        let start = Proc::of(p.host)
+            .state_and_start()
+            .ok_or_else(|| Error::Failed(format!("process {} ({comm}): no start time", p.vpid)))?
+            .1;
+        later.push(Later { host: p.host, vpid: p.vpid, start, comm });
     }
+    let pids: Vec<i32> = pids.into_iter().filter(|h| !later.iter().any(|l| l.host == *h)).collect();
     let mut objects = descriptors::Objects::new(images, stdio)?;
     let files = images::files(images)?;
     let mut procs = Vec::new();
@@ -210,7 +237,7 @@ pub fn check(images: &Path, cgroup: &Path, stdio: &[(String, String)]) -> Result
         };
         procs.push(Process { host: l.host, vpid: t.pid, threads, signals, layout, target_anon, special, fixes, attrs });
     }
-    Ok(Shape { images: images.to_path_buf(), procs, pids })
+    Ok(Shape { images: images.to_path_buf(), procs, pids, later })
 }
 
 /// A file mapping: start, end, prot, shared, file offset, file name.
