@@ -295,8 +295,8 @@ pub struct How {
     /// Why the rollback did not run in place, when it did not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_in_place: Option<String>,
-    /// The processes started since the statepoint that a rollback in place ended
-    /// (`process 12 (sleep)`).
+    /// The processes a rollback in place ended, as the statepoint does not have them (started
+    /// since, or outside the tree it holds): `process 12 (sleep)`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub processes_ended: Vec<String>,
 }

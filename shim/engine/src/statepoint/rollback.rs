@@ -890,7 +890,7 @@ fn done_in_place(
     crate::log::mark("thawed");
     let ended = match a.ended.as_slice() {
         [] => String::new(),
-        e => format!("; ended, as started since: {}", e.join(", ")),
+        e => format!("; ended, as the statepoint does not have them: {}", e.join(", ")),
     };
     progress.done(&format!(
         "{} pages written, {} dropped, {} system calls, {n} files{ended}",

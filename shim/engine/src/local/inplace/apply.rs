@@ -14,7 +14,7 @@ pub struct Applied {
     pub pages_written: u64,
     pub pages_dropped: u64,
     pub system_calls: u64,
-    /// The processes started since the statepoint that it ended (`process 12 (sleep)`).
+    /// The processes it ended, as the statepoint does not have them (`process 12 (sleep)`).
     pub ended: Vec<String>,
 }
 
@@ -37,15 +37,15 @@ impl Plan {
                 );
             }
         }
-        // What started since the statepoint is killed while frozen: it runs no more, and ends
-        // once thawed (a cgroup v1 freezer holds even a killed task).
+        // What the statepoint does not have is killed while frozen: it runs no more, and ends at
+        // once (cgroup v2) or once thawed (a cgroup v1 freezer holds even a killed task).
         let ending = end_later(&self.shape.later)?;
         // Held by ptrace, the threads do not run when the cgroup thaws; they must be thawed to
         // step over a system call (CRIU does the same between its seize and its dump).
         freezer.thaw().map_err(|e| Error::Failed(format!("thaw for the system calls: {e}")))?;
         crate::log::mark("held");
         let r = ended(&ending).and_then(|()| self.apply_held(&tracees)).map(|mut a| {
-            a.ended = self.shape.later.iter().map(|l| format!("process {} ({})", l.vpid, l.comm)).collect();
+            a.ended = ending.into_iter().map(|(_, what)| what).collect();
             a
         });
         let refrozen = freezer.freeze();
@@ -91,8 +91,8 @@ impl Plan {
         Ok(applied)
     }
 
-    /// The children of process `p` that are not the statepoint's — processes started since,
-    /// ended, or ended before the rollback and not yet waited for — taken by `p` itself
+    /// The children of process `p` that are not the statepoint's — processes it ended, or that
+    /// ended before the rollback and were never waited for — taken by `p` itself
     /// (`wait4`, run by its main thread `main`), as the statepoint had none of them. One still
     /// running fails.
     fn reap_later(&self, p: &Process, main: &ptrace::Tracee, insn: u64, applied: &mut Applied) -> Result<()> {
@@ -105,9 +105,18 @@ impl Plan {
         }
         for child in children.into_iter().filter(|c| !ours.contains(c)) {
             let st = Proc::of(child).status()?;
-            let vpid = st.number("NSpid").filter(|&v| v > 0).ok_or_else(|| {
-                Error::Failed(format!("process {}: its child {child} has no PID in the container", p.vpid))
-            })?;
+            // (its PID in the parent's namespace: the parent's own level, not a nested one)
+            let level = nspid_len(p.host)?;
+            let vpid = st
+                .raw("NSpid")
+                .unwrap_or("")
+                .split_whitespace()
+                .nth(level.saturating_sub(1))
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|&v| v > 0 && level > 0)
+                .ok_or_else(|| {
+                    Error::Failed(format!("process {}: its child {child} has no PID in the container", p.vpid))
+                })?;
             if st.state() != 'Z' {
                 return Err(Error::Failed(format!(
                     "process {vpid}, a child of process {} the statepoint does not have, still runs",
@@ -313,18 +322,22 @@ fn set_thread(t: &ptrace::Tracee, th: &Thread, core: &images::Core) -> std::io::
     Ok(())
 }
 
-/// The processes started since the statepoint, each killed (`pidfd_send_signal`, SIGKILL); their
-/// pidfds, to wait for their end. One already gone, or whose PID another process has since, is
-/// not waited for.
+/// The processes the statepoint does not have, each killed (`pidfd_send_signal`, SIGKILL): their
+/// pidfds, to wait for their end, and their names (`process 12 (sleep)`). One already gone, or
+/// whose PID another process has since, is neither.
 fn end_later(later: &[super::shape::Later]) -> Result<Vec<(std::os::fd::OwnedFd, String)>> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let mut out = Vec::new();
     for l in later {
-        let what = format!("process {} ({}), started after the statepoint", l.vpid, l.comm);
+        let what = format!("process {} ({})", l.vpid, l.comm);
         // SAFETY: pidfd_open(2) takes a PID and flags and returns a new descriptor or -1.
         let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, l.host, 0) };
         if raw < 0 {
-            continue;
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ESRCH) {
+                continue;
+            }
+            return Err(Error::Failed(format!("pidfd_open of {what}, which the statepoint does not have: {e}")));
         }
         // SAFETY: a descriptor pidfd_open just returned, owned here alone.
         let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
@@ -335,7 +348,7 @@ fn end_later(later: &[super::shape::Later]) -> Result<Vec<(std::os::fd::OwnedFd,
         if unsafe { libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), libc::SIGKILL, 0, 0) } < 0 {
             let e = std::io::Error::last_os_error();
             if e.raw_os_error() != Some(libc::ESRCH) {
-                return Err(Error::Failed(format!("killing {what}: {e}")));
+                return Err(Error::Failed(format!("killing {what}, which the statepoint does not have: {e}")));
             }
         }
         out.push((fd, what));
@@ -356,7 +369,12 @@ fn ended(ending: &[(std::os::fd::OwnedFd, String)]) -> Result<()> {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
             match poll(&mut fds, PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)) {
-                Ok(0) => return Err(Error::Failed(format!("{what} did not end within {} s", ENDING.as_secs()))),
+                Ok(0) => {
+                    return Err(Error::Failed(format!(
+                        "{what}, which the statepoint does not have, did not end within {} s",
+                        ENDING.as_secs()
+                    )))
+                }
                 Ok(_) => break,
                 Err(nix::errno::Errno::EINTR) => continue,
                 Err(e) => return Err(Error::Failed(format!("waiting for {what} to end: {e}"))),
@@ -367,4 +385,9 @@ fn ended(ending: &[(std::os::fd::OwnedFd, String)]) -> Result<()> {
         crate::log::mark("later processes ended");
     }
     Ok(())
+}
+
+/// How many PID namespaces process `host` is in (its `NSpid` values).
+fn nspid_len(host: i32) -> Result<usize> {
+    Ok(Proc::of(host).status()?.raw("NSpid").unwrap_or("").split_whitespace().count())
 }

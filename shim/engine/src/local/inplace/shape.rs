@@ -52,15 +52,34 @@ fn check_live_thread(status: &Status, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// A process's PIDs, from the host's PID namespace inward (`NSpid`).
+fn ns_pids(st: &Status) -> Vec<u32> {
+    st.raw("NSpid").unwrap_or("").split_whitespace().filter_map(|v| v.parse().ok()).collect()
+}
+
 /// The processes of the cgroup; those of the statepoint (`then`, their PIDs in the container)
-/// checked: what started since is ended whatever its state.
+/// checked: what it does not have is ended whatever its state. A process's PID is the one in
+/// the container's PID namespace (init's, the outermost of the cgroup's), not in one nested in
+/// it, where PIDs start again at 1.
 fn live_tree(pids: &[i32], then: &BTreeSet<u32>) -> Result<Vec<LiveProcess>> {
+    let statuses = pids.iter().map(|&pid| Ok((pid, Proc::of(pid).status()?))).collect::<Result<Vec<_>>>()?;
+    let level = statuses.iter().map(|(_, st)| ns_pids(st).len()).min().unwrap_or(0);
     let mut out = Vec::new();
-    for &pid in pids {
-        let st = Proc::of(pid).status()?;
+    for (pid, st) in statuses {
         let num = |k: &str| st.number(k);
-        let vpid = num("NSpid").ok_or_else(|| Error::Failed(format!("process {pid}: no NSpid")))? as u32;
+        let ns = ns_pids(&st);
+        let vpid = level
+            .checked_sub(1)
+            .and_then(|l| ns.get(l).copied())
+            .ok_or_else(|| Error::Failed(format!("process {pid}: no NSpid")))?;
+        if then.contains(&vpid) && ns.len() > level {
+            return refuse(format!("process {vpid} is in a PID namespace of its own"));
+        }
         if !then.contains(&vpid) {
+            // (one traced by another would be that one's to wait for: its tracer's state changes)
+            if st.field("TracerPid").is_some_and(|t| t != "0") {
+                return refuse(format!("process {vpid}, which the statepoint does not have, is traced"));
+            }
             out.push(LiveProcess { host: pid, vpid, host_ppid: 0, pgid: 0, sid: 0, threads: Vec::new() });
             continue;
         }
@@ -147,8 +166,9 @@ pub(super) struct Process {
     pub(super) attrs: attrs::Attrs,
 }
 
-/// A process of the container that started after the statepoint: the rollback ends it
-/// ([`super::Plan::apply`]), as a restore of the statepoint would not have it.
+/// A process of the container the statepoint does not have — started since, or one it could not
+/// hold (an exec's command outside the tree): the rollback ends it ([`super::Plan::apply`]), as a
+/// restore of the statepoint would not have it.
 #[derive(Debug)]
 pub(super) struct Later {
     pub(super) host: i32,
@@ -158,7 +178,7 @@ pub(super) struct Later {
     pub(super) comm: String,
 }
 
-/// A tree whose shape matches the statepoint's, but for processes started since.
+/// A tree whose shape matches the statepoint's, but for processes the statepoint does not have.
 #[derive(Debug)]
 pub struct Shape {
     pub(super) images: PathBuf,
@@ -180,8 +200,8 @@ pub fn check(images: &Path, cgroup: &Path, stdio: &[(String, String)]) -> Result
     let live = live_tree(&pids, &then)?;
     let host_to_v: BTreeMap<i32, u32> = live.iter().map(|p| (p.host, p.vpid)).collect();
     let by_vpid: BTreeMap<u32, &LiveProcess> = live.iter().map(|p| (p.vpid, p)).collect();
-    // (what started since is ended once the rollback goes forward; its parent, one of the
-    // statepoint's processes or conmon, finds it ended)
+    // (what the statepoint does not have is ended once the rollback goes forward; its parent,
+    // one of the statepoint's processes or conmon, finds it ended)
     let mut later = Vec::new();
     for p in live.iter().filter(|p| !then.contains(&p.vpid)) {
         let comm = Proc::of(p.host).read("comm").unwrap_or_default().trim().to_string();
