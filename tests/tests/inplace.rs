@@ -507,6 +507,9 @@ fn processes_started_since_the_statepoint_end_in_a_rollback_in_place() {
     let ended = ctx["how"]["processes-ended"].as_array().cloned().unwrap_or_default();
     assert_eq!(ended.len(), 2, "the two sleeps, named: {ctx}");
     assert!(ended.iter().all(|e| e.as_str().unwrap().ends_with("(sleep)")), "{ctx}");
+    // (and the text the agent reads says so)
+    let restored = ctx["restored"][0].as_str().unwrap();
+    assert!(restored.contains("ended, as the statepoint does not have them: process"), "{ctx}");
     // Right after the rollback, before anything ran: the statepoint's tree, no zombie, its pages.
     assert!(!Path::new("/run/planarian/oracle").exists(), "the oracle dump was not taken");
     assert_dump_equals(&images_of(&sb, &sp), &oracle);

@@ -183,10 +183,16 @@ fn what_happened(done: &Done, left: &[String], calls: u64, reason: Option<&str>)
 /// What the rollback put back, as the restore context says it.
 fn restored_parts(done: &Done) -> Vec<String> {
     match done.how.pages_written {
-        Some(p) => vec![
-            format!("processes and memory (in place: {p} pages written)"),
-            format!("files ({}, in place)", done.files_backend),
-        ],
+        Some(p) => {
+            let ended = match done.how.processes_ended.as_slice() {
+                [] => String::new(),
+                e => format!("; ended, as the statepoint does not have them: {}", e.join(", ")),
+            };
+            vec![
+                format!("processes and memory (in place: {p} pages written{ended})"),
+                format!("files ({}, in place)", done.files_backend),
+            ]
+        }
         None => vec!["processes and memory (CRIU restore)".into(), format!("files ({})", done.files_backend)],
     }
 }
