@@ -183,17 +183,20 @@ fn what_happened(done: &Done, left: &[String], calls: u64, reason: Option<&str>)
 /// What the rollback put back, as the restore context says it.
 fn restored_parts(done: &Done) -> Vec<String> {
     match done.how.pages_written {
-        Some(p) => {
-            let ended = match done.how.processes_ended.as_slice() {
-                [] => String::new(),
-                e => format!("; ended, as the statepoint does not have them: {}", e.join(", ")),
-            };
-            vec![
-                format!("processes and memory (in place: {p} pages written{ended})"),
-                format!("files ({}, in place)", done.files_backend),
-            ]
-        }
+        Some(p) => vec![
+            format!("processes and memory (in place: {p} pages written{})", ended(&done.how.processes_ended)),
+            format!("files ({}, in place)", done.files_backend),
+        ],
         None => vec!["processes and memory (CRIU restore)".into(), format!("files ({})", done.files_backend)],
+    }
+}
+
+/// The processes a rollback in place ended, as its progress and restore context say them
+/// (`; ended, …`), or nothing.
+fn ended(processes: &[String]) -> String {
+    match processes {
+        [] => String::new(),
+        e => format!("; ended, as the statepoint does not have them: {}", e.join(", ")),
     }
 }
 
@@ -894,13 +897,12 @@ fn done_in_place(
     crate::log::mark("chain");
     drop(frozen);
     crate::log::mark("thawed");
-    let ended = match a.ended.as_slice() {
-        [] => String::new(),
-        e => format!("; ended, as the statepoint does not have them: {}", e.join(", ")),
-    };
     progress.done(&format!(
-        "{} pages written, {} dropped, {} system calls, {n} files{ended}",
-        a.pages_written, a.pages_dropped, a.system_calls
+        "{} pages written, {} dropped, {} system calls, {n} files{}",
+        a.pages_written,
+        a.pages_dropped,
+        a.system_calls,
+        ended(&a.ended)
     ));
     let (places_examined, places_from) = (files.sync.places, files.sync.located_by);
     let zfs = files.hand_off();
