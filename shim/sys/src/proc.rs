@@ -244,6 +244,12 @@ impl Status {
         self.0.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(':')).map(str::trim)
     }
 
+    /// The process's PIDs from the reader's PID namespace inward (`NSpid`): the last its own
+    /// namespace's.
+    pub fn ns_pids(&self) -> Vec<u32> {
+        self.raw("NSpid").unwrap_or("").split_whitespace().filter_map(|v| v.parse().ok()).collect()
+    }
+
     /// The state letter (`State:`), `?` when absent.
     pub fn state(&self) -> char {
         self.raw("State").and_then(|s| s.chars().next()).unwrap_or('?')
@@ -517,6 +523,7 @@ mod tests {
         assert_eq!(status_field("NSpid:\t4242\t7\nPPid:\t1\n", "NSpid").as_deref(), Some("7"));
         let st = Status("State:\tS (sleeping)\nNSpid:\t4242\t7\nUid:\t0\t0\t0\t0\n".into());
         assert_eq!((st.state(), st.number("NSpid"), st.raw("Uid")), ('S', Some(7), Some("0\t0\t0\t0")));
+        assert_eq!(st.ns_pids(), vec![4242, 7]);
     }
 
     #[test]

@@ -103,17 +103,15 @@ impl Plan {
             let text = proc.task(tid).read("children")?;
             children.extend(text.split_whitespace().filter_map(|c| c.parse::<i32>().ok()));
         }
+        // (a child's PID in the parent's namespace: at the parent's own level, not a nested one)
+        let level = proc.status()?.ns_pids().len();
         for child in children.into_iter().filter(|c| !ours.contains(c)) {
             let st = Proc::of(child).status()?;
-            // (its PID in the parent's namespace: the parent's own level, not a nested one)
-            let level = nspid_len(p.host)?;
-            let vpid = st
-                .raw("NSpid")
-                .unwrap_or("")
-                .split_whitespace()
-                .nth(level.saturating_sub(1))
-                .and_then(|v| v.parse::<u64>().ok())
-                .filter(|&v| v > 0 && level > 0)
+            let vpid = level
+                .checked_sub(1)
+                .and_then(|l| st.ns_pids().get(l).copied())
+                .filter(|&v| v > 0)
+                .map(u64::from)
                 .ok_or_else(|| {
                     Error::Failed(format!("process {}: its child {child} has no PID in the container", p.vpid))
                 })?;
@@ -385,9 +383,4 @@ fn ended(ending: &[(std::os::fd::OwnedFd, String)]) -> Result<()> {
         crate::log::mark("later processes ended");
     }
     Ok(())
-}
-
-/// How many PID namespaces process `host` is in (its `NSpid` values).
-fn nspid_len(host: i32) -> Result<usize> {
-    Ok(Proc::of(host).status()?.raw("NSpid").unwrap_or("").split_whitespace().count())
 }

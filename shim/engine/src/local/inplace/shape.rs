@@ -52,22 +52,17 @@ fn check_live_thread(status: &Status, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// A process's PIDs, from the host's PID namespace inward (`NSpid`).
-fn ns_pids(st: &Status) -> Vec<u32> {
-    st.raw("NSpid").unwrap_or("").split_whitespace().filter_map(|v| v.parse().ok()).collect()
-}
-
 /// The processes of the cgroup; those of the statepoint (`then`, their PIDs in the container)
 /// checked: what it does not have is ended whatever its state. A process's PID is the one in
 /// the container's PID namespace (init's, the outermost of the cgroup's), not in one nested in
 /// it, where PIDs start again at 1.
 fn live_tree(pids: &[i32], then: &BTreeSet<u32>) -> Result<Vec<LiveProcess>> {
     let statuses = pids.iter().map(|&pid| Ok((pid, Proc::of(pid).status()?))).collect::<Result<Vec<_>>>()?;
-    let level = statuses.iter().map(|(_, st)| ns_pids(st).len()).min().unwrap_or(0);
+    let level = statuses.iter().map(|(_, st)| st.ns_pids().len()).min().unwrap_or(0);
     let mut out = Vec::new();
     for (pid, st) in statuses {
         let num = |k: &str| st.number(k);
-        let ns = ns_pids(&st);
+        let ns = st.ns_pids();
         let vpid = level
             .checked_sub(1)
             .and_then(|l| ns.get(l).copied())
