@@ -12,8 +12,13 @@
 //! dump relies on to leave it out.
 
 use super::shape::Shape;
-use super::{io, Result};
+use super::{io, Error, Result};
+use crate::local::lazy::server::DumpFiles;
 use criu_hooks::images::{self, PageRun, PAGE_SIZE};
+use nix::errno::Errno;
+use nix::sys::uio::{process_vm_writev, RemoteIoVec};
+use nix::unistd::Pid;
+use std::io::IoSlice;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use sys::proc::pagemap::{PRESENT, SOFT_DIRTY, SWAPPED};
@@ -244,31 +249,99 @@ fn now_runs(clean: &[(u64, u64)], dirty: &[(u64, u64)], base: &[PageRun]) -> Vec
     out
 }
 
-/// Writes the statepoint's pages into process `pid`; how many.
+/// Writes the statepoint's pages into process `pid`; how many. From the images' mappings, up to
+/// `UIO_MAXIOV` runs a system call (`process_vm_writev`): a page at a time through
+/// `/proc/PID/mem`, read into a buffer first, cost two system calls a page, most of a rollback's
+/// memory step under emulation. What that call does not write — a run in memory the process may
+/// not write (`/proc/PID/mem` may: the kernel forces it), or from an image that does not map —
+/// goes through `/proc/PID/mem`.
 pub(super) fn write_pages(pid: i32, runs: &[PageRun]) -> Result<u64> {
-    let mem = Proc::of(pid).open_mem_rw()?;
-    let mut buf = vec![0u8; 4 << 20];
-    let mut open: Option<(PathBuf, std::fs::File)> = None;
-    let mut n = 0;
+    let mut files = DumpFiles::default();
+    let mut slow = Slow { pid, mem: None, buf: Vec::new() };
+    // (each run with where its content is mapped, or written the slow way at once)
+    let mut mapped: Vec<(&PageRun, u64)> = Vec::with_capacity(runs.len());
     for r in runs {
-        if open.as_ref().is_none_or(|(p, _)| *p != r.file) {
-            let f = std::fs::File::open(&r.file).map_err(io(format!("open {}", r.file.display())))?;
-            open = Some((r.file.clone(), f));
+        match files.mapped(std::slice::from_ref(r), r.vaddr, (r.nr_pages * PAGE_SIZE) as usize) {
+            Ok(Some(src)) => mapped.push((r, src)),
+            _ => slow.write(&mut files, r)?,
         }
-        let src = &open.as_ref().unwrap().1;
+    }
+    let mut rest = &mapped[..];
+    while !rest.is_empty() {
+        let batch = &rest[..rest.len().min(UIO_MAXIOV)];
+        // SAFETY: each source lies inside an image's mapping (checked by `mapped`), which lives,
+        // read-only, as long as `files`.
+        let local: Vec<IoSlice> = batch
+            .iter()
+            .map(|&(r, src)| IoSlice::new(unsafe { std::slice::from_raw_parts(src as *const u8, run_len(r)) }))
+            .collect();
+        let remote: Vec<RemoteIoVec> =
+            batch.iter().map(|&(r, _)| RemoteIoVec { base: r.vaddr as usize, len: run_len(r) }).collect();
+        let (whole, failed) = match process_vm_writev(Pid::from_raw(pid), &local, &remote) {
+            Ok(n) => whole_runs(batch, n),
+            // (the first run could not be written: the slow way)
+            Err(Errno::EFAULT) => (0, true),
+            Err(e) => return Err(Error::Io { what: format!("write process {pid}'s memory"), source: e.into() }),
+        };
+        if failed {
+            slow.write(&mut files, batch[whole].0)?;
+        }
+        rest = &rest[whole + usize::from(failed)..];
+    }
+    Ok(runs.iter().map(|r| r.nr_pages).sum())
+}
+
+/// The kernel's most iovecs a call (`UIO_MAXIOV`).
+const UIO_MAXIOV: usize = 1024;
+
+fn run_len(r: &PageRun) -> usize {
+    (r.nr_pages * PAGE_SIZE) as usize
+}
+
+/// Of `batch`, after `n` bytes written: how many runs were written whole, and whether the next
+/// one was not (written in part or not at all: the call stopped there).
+fn whole_runs(batch: &[(&PageRun, u64)], mut n: usize) -> (usize, bool) {
+    let mut k = 0;
+    while k < batch.len() && n >= run_len(batch[k].0) {
+        n -= run_len(batch[k].0);
+        k += 1;
+    }
+    (k, k < batch.len())
+}
+
+/// Runs written through `/proc/PID/mem`, read from the images into a buffer.
+struct Slow {
+    pid: i32,
+    mem: Option<std::fs::File>,
+    buf: Vec<u8>,
+}
+
+impl Slow {
+    fn write(&mut self, files: &mut DumpFiles, r: &PageRun) -> Result<()> {
+        let pid = self.pid;
+        if self.mem.is_none() {
+            self.mem = Some(Proc::of(pid).open_mem_rw()?);
+        }
+        let mem = self.mem.as_ref().expect("opened");
+        if self.buf.is_empty() {
+            self.buf = vec![0u8; 4 << 20];
+        }
         let total = r.nr_pages * PAGE_SIZE;
         let mut done = 0;
         while done < total {
-            let len = (total - done).min(buf.len() as u64) as usize;
-            src.read_exact_at(&mut buf[..len], r.loc.offset + done)
-                .map_err(io(format!("read {}", r.file.display())))?;
-            mem.write_all_at(&buf[..len], r.vaddr + done)
-                .map_err(io(format!("write process {pid}'s memory at {:#x}", r.vaddr + done)))?;
+            let len = (total - done).min(self.buf.len() as u64) as usize;
+            let at = r.vaddr + done;
+            let read = files
+                .read(std::slice::from_ref(r), at, &mut self.buf[..len])
+                .map_err(|e| Error::Failed(e.to_string()))?;
+            if !read {
+                return Err(Error::Failed(format!("no image holds the page at {at:#x} of process {pid}")));
+            }
+            mem.write_all_at(&self.buf[..len], at).map_err(io(format!("write process {pid}'s memory at {at:#x}")))?;
             done += len as u64;
         }
-        n += r.nr_pages;
+        Ok(())
     }
-    Ok(n)
 }
 
 /// The ranges of private anonymous memory of process `pid` where it has pages (present or
@@ -287,6 +360,7 @@ pub(super) fn strays(pid: i32, had: &[(u64, u64)]) -> Result<Vec<(u64, u64)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nix::libc;
     use std::collections::BTreeSet;
 
     fn run(v: u64, n: u64, ino: u64, off: u64) -> PageRun {
@@ -297,6 +371,62 @@ mod tests {
             loc: images::Location { dev: 1, ino, offset: off },
             lazy: false,
         }
+    }
+
+    /// Pages written into this very process: 1,500 one-page runs into writable memory (more
+    /// than one call takes), a run of three into read-only memory between them (the call stops
+    /// there; `/proc/PID/mem` writes it), and each page exactly the image's.
+    #[test]
+    fn pages_are_written_in_batches_and_where_the_process_may_not_write() {
+        let p = PAGE_SIZE as usize;
+        let n = 1500;
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("pages-1.img");
+        let content: Vec<u8> = (0..(n + 3) * p).map(|i| (i / p * 7 + i % 251) as u8).collect();
+        std::fs::write(&image, &content).unwrap();
+        let map = |len: usize| {
+            // SAFETY: a new anonymous mapping, ours (leaked: the test's process ends).
+            let a = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(a, libc::MAP_FAILED);
+            a as u64
+        };
+        let rw = map(2 * n * p);
+        let ro = map(3 * p);
+        // (present, then read-only: the kernel writes it only when forced)
+        // SAFETY: the mapping just made, 3 pages.
+        unsafe {
+            std::ptr::write_bytes(ro as *mut u8, 0, 3 * p);
+            assert_eq!(libc::mprotect(ro as *mut libc::c_void, 3 * p, libc::PROT_READ), 0);
+        }
+        let at =
+            |v: u64, pages: usize, off: usize| PageRun { file: image.clone(), ..run(v, pages as u64, 1, off as u64) };
+        // every other page of `rw`, the read-only run in the middle
+        let mut runs: Vec<PageRun> = (0..n).map(|i| at(rw + (2 * i * p) as u64, 1, i * p)).collect();
+        runs.insert(700, at(ro, 3, n * p));
+        let me = std::process::id() as i32;
+        assert_eq!(write_pages(me, &runs).unwrap(), n as u64 + 3);
+        for r in &runs {
+            let len = r.nr_pages as usize * p;
+            // SAFETY: inside the mappings above.
+            let now = unsafe { std::slice::from_raw_parts(r.vaddr as *const u8, len) };
+            let off = r.loc.offset as usize;
+            assert!(now == &content[off..off + len], "the page at {:#x}", r.vaddr);
+        }
+        // SAFETY: the page between the first two runs, which nothing wrote.
+        assert_eq!(unsafe { *((rw + PAGE_SIZE) as *const u8) }, 0);
+        // An image that is not there: one line naming it.
+        let gone = PageRun { file: dir.path().join("pages-9.img"), ..runs[0].clone() };
+        let e = write_pages(me, &[gone]).unwrap_err().to_string();
+        assert!(e.contains("pages-9.img"), "{e}");
     }
 
     #[test]

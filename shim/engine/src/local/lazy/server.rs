@@ -125,7 +125,7 @@ struct Contents {
 /// The image files a dump's pages are read from, each opened once, and mapped (read-only) once
 /// pages are installed straight from it.
 #[derive(Default)]
-pub(super) struct DumpFiles {
+pub(crate) struct DumpFiles {
     files: HashMap<PathBuf, DumpFile>,
     /// An image mapped but did not read through its mapping: none is mapped any more.
     read_only: bool,
@@ -171,7 +171,7 @@ impl DumpFiles {
 
     /// Reads into `buf` the dump's content from address `addr` on, by `runs` (a process's, from
     /// [`images::memory`]); false when part of it is in no image (then `buf` is not all read).
-    pub(super) fn read(&mut self, runs: &[PageRun], addr: u64, buf: &mut [u8]) -> Result<bool, Error> {
+    pub(crate) fn read(&mut self, runs: &[PageRun], addr: u64, buf: &mut [u8]) -> Result<bool, Error> {
         let mut done = 0usize;
         while done < buf.len() {
             let a = addr + done as u64;
@@ -196,7 +196,7 @@ impl DumpFiles {
     /// consecutive in one image and it maps: the kernel then copies them from the page cache
     /// into the restored process once (read into a buffer first, they would be copied twice).
     /// `None`: read them.
-    fn mapped(&mut self, runs: &[PageRun], addr: u64, len: usize) -> Result<Option<u64>, Error> {
+    pub(crate) fn mapped(&mut self, runs: &[PageRun], addr: u64, len: usize) -> Result<Option<u64>, Error> {
         let at = runs.partition_point(|r| r.end() <= addr);
         let end = addr.checked_add(len as u64);
         let Some(r) = runs.get(at).filter(|r| r.vaddr <= addr && end.is_some_and(|e| e <= r.end())) else {
