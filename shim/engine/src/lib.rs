@@ -37,6 +37,7 @@ pub mod engine;
 pub(crate) mod fault;
 pub mod fsck;
 pub mod log;
+pub(crate) mod pidfd;
 pub mod tools;
 
 pub(crate) mod chain;

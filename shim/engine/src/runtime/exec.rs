@@ -175,23 +175,15 @@ pub fn rewrite_process_file(file: &Path, wrap: impl FnOnce(&Value) -> Option<Vec
 /// Blocks until process `pid` has exited (a pidfd's poll; a process not there has), at most
 /// `max`. Without pidfds (kernels before 5.3), a short wait, the caller looking again.
 pub fn wait_for_exit(pid: i32, max: Option<std::time::Duration>) {
-    use std::os::fd::OwnedFd;
-    // SAFETY: pidfd_open(2) takes a PID and flags and returns a new descriptor or -1.
-    let fd = unsafe { nix::libc::syscall(nix::libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        if nix::errno::Errno::last() == nix::errno::Errno::ENOSYS {
-            std::thread::sleep(std::time::Duration::from_millis(50));
+    match crate::pidfd::open(pid) {
+        Ok(fd) => {
+            let _ = crate::pidfd::wait(&fd, max);
         }
-        return;
+        Err(e) if e.raw_os_error() == Some(nix::libc::ENOSYS) => {
+            std::thread::sleep(std::time::Duration::from_millis(50))
+        }
+        Err(_) => {}
     }
-    // SAFETY: a descriptor pidfd_open just returned, owned here alone.
-    let fd: OwnedFd = unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) };
-    let mut fds = [nix::poll::PollFd::new(std::os::fd::AsFd::as_fd(&fd), nix::poll::PollFlags::POLLIN)];
-    let timeout = match max {
-        Some(m) => nix::poll::PollTimeout::try_from(m).unwrap_or(nix::poll::PollTimeout::MAX),
-        None => nix::poll::PollTimeout::NONE,
-    };
-    while let Err(nix::errno::Errno::EINTR) = nix::poll::poll(&mut fds, timeout) {}
 }
 
 /// The command of an exec's process file, as one line (for messages).

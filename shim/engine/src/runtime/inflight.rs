@@ -38,15 +38,8 @@ fn dir(store_dir: &Path) -> PathBuf {
 /// already.
 pub fn hold_until_exit(lock: File, pid: i32, store_dir: &Path, what: &str, max: Duration) -> Result<(), String> {
     use nix::libc;
-    use std::os::fd::{FromRawFd, OwnedFd};
-    // SAFETY: pidfd_open(2) with a pid and no flags; the result is a new descriptor or -1.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if raw < 0 {
-        // (it exited already: nothing to wait for)
-        return Ok(());
-    }
-    // SAFETY: a descriptor pidfd_open just returned, owned here.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+    // (it exited already: nothing to wait for)
+    let Ok(pidfd) = crate::pidfd::open(pid) else { return Ok(()) };
     let note = dir(store_dir).join(pid.to_string());
     std::fs::create_dir_all(dir(store_dir)).map_err(|e| format!("cannot create {}: {e}", dir(store_dir).display()))?;
     std::fs::write(&note, what).map_err(|e| format!("cannot write {}: {e}", note.display()))?;

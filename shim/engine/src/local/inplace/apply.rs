@@ -4,6 +4,7 @@
 use super::pages::{strays, write_pages, Pages, Plan};
 use super::shape::{coverage, Process, Segments};
 use super::{cgroup_pids, descriptors, io, ptrace, signals, Error, Result, Thread};
+use crate::pidfd;
 use criu_hooks::images::{self, PAGE_SIZE};
 use nix::libc;
 use sys::proc::Proc;
@@ -76,7 +77,7 @@ impl Plan {
             let insn = ptrace::syscall_instruction(p.host).map_err(io(format!("process {}", p.vpid)))?;
             self.reap_later(p, main, insn, &mut applied)?;
             let thp_off = put_back_memory(p, pages, main, insn, &mut applied)?;
-            crate::log::mark("memory");
+            crate::log::mark("memory checked");
             held.push((ti, insn, thp_off));
             let threads = p.threads.iter().enumerate().map(|(i, (th, _))| (&tracees[ti + i], th.vtid)).collect();
             let mut h = signals::Held { vpid: p.vpid, host: p.host, insn, threads, calls: &mut applied.system_calls };
@@ -220,7 +221,9 @@ fn put_back_memory(
         sys("madvise", libc::SYS_madvise, &[s, e - s, libc::MADV_DONTNEED as u64])?;
         dropped += (e - s) / PAGE_SIZE;
     }
+    crate::log::mark("layout");
     let written = write_pages(p.host, &pages.write)?;
+    crate::log::mark("pages written");
     // Pages present now that neither the statepoint nor the dump of the current state
     // had (a range khugepaged collapsed after that dump, filling its holes): left, they
     // read the same (zeros), but the process holds memory the statepoint did not.
@@ -324,27 +327,20 @@ fn set_thread(t: &ptrace::Tracee, th: &Thread, core: &images::Core) -> std::io::
 /// pidfds, to wait for their end, and their names (`process 12 (sleep)`). One already gone, or
 /// whose PID another process has since, is neither.
 fn end_later(later: &[super::shape::Later]) -> Result<Vec<(std::os::fd::OwnedFd, String)>> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let mut out = Vec::new();
     for l in later {
         let what = format!("process {} ({})", l.vpid, l.comm);
-        // SAFETY: pidfd_open(2) takes a PID and flags and returns a new descriptor or -1.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, l.host, 0) };
-        if raw < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ESRCH) {
-                continue;
+        let fd = match pidfd::open(l.host) {
+            Ok(fd) => fd,
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => continue,
+            Err(e) => {
+                return Err(Error::Failed(format!("pidfd_open of {what}, which the statepoint does not have: {e}")))
             }
-            return Err(Error::Failed(format!("pidfd_open of {what}, which the statepoint does not have: {e}")));
-        }
-        // SAFETY: a descriptor pidfd_open just returned, owned here alone.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+        };
         if Proc::of(l.host).state_and_start().map(|s| s.1) != Some(l.start) {
             continue;
         }
-        // SAFETY: pidfd_send_signal(2) with a pidfd, a signal, no siginfo and no flags.
-        if unsafe { libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), libc::SIGKILL, 0, 0) } < 0 {
-            let e = std::io::Error::last_os_error();
+        if let Err(e) = pidfd::kill(&fd) {
             if e.raw_os_error() != Some(libc::ESRCH) {
                 return Err(Error::Failed(format!("killing {what}, which the statepoint does not have: {e}")));
             }
@@ -359,24 +355,17 @@ const ENDING: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Waits until each process of [`end_later`] has ended.
 fn ended(ending: &[(std::os::fd::OwnedFd, String)]) -> Result<()> {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    use std::os::fd::AsFd;
     let deadline = std::time::Instant::now() + ENDING;
     for (fd, what) in ending {
-        loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
-            match poll(&mut fds, PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)) {
-                Ok(0) => {
-                    return Err(Error::Failed(format!(
-                        "{what}, which the statepoint does not have, did not end within {} s",
-                        ENDING.as_secs()
-                    )))
-                }
-                Ok(_) => break,
-                Err(nix::errno::Errno::EINTR) => continue,
-                Err(e) => return Err(Error::Failed(format!("waiting for {what} to end: {e}"))),
+        match pidfd::wait(fd, Some(deadline.saturating_duration_since(std::time::Instant::now()))) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(Error::Failed(format!(
+                    "{what}, which the statepoint does not have, did not end within {} s",
+                    ENDING.as_secs()
+                )))
             }
+            Err(e) => return Err(Error::Failed(format!("waiting for {what} to end: {e}"))),
         }
     }
     if !ending.is_empty() {

@@ -238,18 +238,7 @@ pub fn syscall_instruction(pid: i32) -> io::Result<u64> {
 /// A duplicate of descriptor `fd` of process `pid` (the same open file description: seeking it
 /// moves the process's offset).
 pub fn dup_fd(pid: i32, fd: u32) -> io::Result<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd;
-    // SAFETY: plain system calls; the returned descriptors are owned here.
-    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if pidfd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let pidfd = unsafe { std::os::fd::OwnedFd::from_raw_fd(pidfd as i32) };
-    let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, std::os::fd::AsRawFd::as_raw_fd(&pidfd), fd, 0) };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(r as i32) })
+    crate::pidfd::get_fd(&crate::pidfd::open(pid)?, fd)
 }
 
 #[cfg(test)]
