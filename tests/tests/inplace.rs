@@ -489,11 +489,17 @@ fn processes_started_since_the_statepoint_end_in_a_rollback_in_place() {
     podman("planarian", &["exec", "-d", &sb.name, "sleep", "1000"]).ok();
     sb.exec("sleep 1001 </dev/null >/dev/null 2>&1 &").ok();
     sb.exec("true &").ok();
+    // (and a server of four threads: killed, all of them end)
+    const THREADS: &str = "import threading, time\nfor _ in range(3): threading.Thread(target=time.sleep, args=(1000,)).start()\ntime.sleep(1000)";
+    podman("planarian", &["exec", "-d", &sb.name, "python3", "-c", THREADS]).ok();
+    let threads = |sb: &Sandbox| sb.sh("grep -h Threads /proc/[0-9]*/status").stdout;
     // (`podman exec` starts its command as a child of init: the `sh` that ran `true &` is the
     // zombie, once both ended)
     let zombie = |sb: &Sandbox| states(sb).lines().any(|l| l.contains(") Z "));
     assert!(
-        wait_for(Duration::from_secs(30), || comms(&sb).matches("sleep").count() == 2 && zombie(&sb)),
+        wait_for(Duration::from_secs(30), || comms(&sb).matches("sleep").count() == 2
+            && zombie(&sb)
+            && threads(&sb).lines().any(|l| l.ends_with("\t4"))),
         "the later processes did not start: {}",
         states(&sb)
     );
@@ -505,8 +511,9 @@ fn processes_started_since_the_statepoint_end_in_a_rollback_in_place() {
     let ctx = rollback(&mut sb, &sp);
     assert_eq!(ctx["how"]["path"], "in-place", "{ctx}");
     let ended = ctx["how"]["processes-ended"].as_array().cloned().unwrap_or_default();
-    assert_eq!(ended.len(), 2, "the two sleeps, named: {ctx}");
-    assert!(ended.iter().all(|e| e.as_str().unwrap().ends_with("(sleep)")), "{ctx}");
+    assert_eq!(ended.len(), 3, "the two sleeps and the server, named: {ctx}");
+    let named = |comm: &str| ended.iter().filter(|e| e.as_str().unwrap().ends_with(comm)).count();
+    assert_eq!((named("(sleep)"), named("(python3)")), (2, 1), "{ctx}");
     // (and the text the agent reads says so)
     let restored = ctx["restored"][0].as_str().unwrap();
     assert!(restored.contains("ended, as the statepoint does not have them: process"), "{ctx}");
@@ -517,6 +524,9 @@ fn processes_started_since_the_statepoint_end_in_a_rollback_in_place() {
     assert_eq!(podman("planarian", &["inspect", "--format", "{{.State.Pid}}", &sb.name]).ok().out(), init);
     assert!(!comms(&sb).contains("sleep"), "the later processes are gone: {}", comms(&sb));
     assert!(!states(&sb).contains(") Z"), "no zombie is left: {}", states(&sb));
+    let left = threads(&sb);
+    assert!(!left.lines().any(|l| l.ends_with("\t4")), "the server's threads are gone: {left}");
+    assert_eq!(comms(&sb).matches("python3").count(), 1, "the workload alone: {}", comms(&sb));
     assert_eq!(line(&sb), at_sp);
     let after = sb.send("tick");
 

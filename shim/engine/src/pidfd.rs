@@ -39,20 +39,26 @@ pub fn get_fd(pidfd: &OwnedFd, fd: u32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(raw as i32) })
 }
 
-/// Waits until the process has ended, at most `max` (none: for ever); whether it has.
+/// Waits until the process has ended, at most `max` (none, or one past any clock: for ever);
+/// whether it has.
 pub fn wait(pidfd: &OwnedFd, max: Option<Duration>) -> io::Result<bool> {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    let deadline = max.map(|m| Instant::now() + m);
+    let deadline = max.and_then(|m| Instant::now().checked_add(m));
     loop {
         let timeout = match deadline {
-            Some(d) => PollTimeout::try_from(d.saturating_duration_since(Instant::now())).unwrap_or(PollTimeout::MAX),
+            // (rounded up: a wait that ends a little early would say "not ended" too soon)
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                let ms = left.as_micros().div_ceil(1000);
+                PollTimeout::try_from(ms.min(i32::MAX as u128) as i32).unwrap_or(PollTimeout::MAX)
+            }
             None => PollTimeout::NONE,
         };
         let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, timeout) {
-            Ok(0) => return Ok(false),
+            Ok(0) if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(false),
+            Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
             Ok(_) => return Ok(true),
-            Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => return Err(e.into()),
         }
     }
@@ -64,13 +70,20 @@ mod tests {
 
     #[test]
     fn a_child_is_killed_and_waited_for_through_its_descriptor() {
-        let mut child = std::process::Command::new("sleep").arg("1000").spawn().unwrap();
-        let fd = open(child.id() as i32).unwrap();
+        struct Child(std::process::Child);
+        impl Drop for Child {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let mut child = Child(std::process::Command::new("sleep").arg("1000").spawn().unwrap());
+        let fd = open(child.0.id() as i32).unwrap();
         assert!(!wait(&fd, Some(Duration::ZERO)).unwrap(), "still running");
         kill(&fd).unwrap();
         assert!(wait(&fd, None).unwrap());
         use std::os::unix::process::ExitStatusExt;
-        assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert_eq!(child.0.wait().unwrap().signal(), Some(libc::SIGKILL));
         // (reaped: the descriptor still names it, and no other process)
         assert_eq!(kill(&fd).unwrap_err().raw_os_error(), Some(libc::ESRCH));
         let own = open(std::process::id() as i32).unwrap();

@@ -95,7 +95,7 @@ impl Plan {
             let (now, later) = split(&pages.write, &fit);
             let (before, _) = split(&pages.clean, &fit);
             ahead.before.push((p.host, before));
-            let n = write_pages(p.host, &now)?;
+            let n = write_pages(p.host, &now)?.pages;
             if n != pages_in(&fit) {
                 return Err(Error::Failed(format!("process {}: {n} pages written ahead, not the {fit:x?}", p.vpid)));
             }

@@ -222,7 +222,7 @@ fn put_back_memory(
         dropped += (e - s) / PAGE_SIZE;
     }
     crate::log::mark("layout");
-    let written = write_pages(p.host, &pages.write)?;
+    let written = write_pages(p.host, &pages.write)?.pages;
     crate::log::mark("pages written");
     // Pages present now that neither the statepoint nor the dump of the current state
     // had (a range khugepaged collapsed after that dump, filling its holes): left, they

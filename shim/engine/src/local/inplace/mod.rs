@@ -34,7 +34,8 @@
 //! dump (each process's page map against the base the next dump would build on, see [`pages`]):
 //! a page is written when its content comes from another image location than the statepoint's,
 //! dropped (`MADV_DONTNEED`) when it was not there at the statepoint. [`Plan::apply`] holds every thread with ptrace, writes the pages
-//! through `/proc/PID/mem` (transparent huge pages off meanwhile), drops any page the process
+//! (`process_vm_writev` from the images' mappings; `/proc/PID/mem` where that cannot; transparent
+//! huge pages off meanwhile), drops any page the process
 //! has that the statepoint has not (`/proc/PID/pagemap`: khugepaged may have filled holes since
 //! the dump), puts signals and timers back ([`signals`]), sets registers (`orig_ax = -1`: no
 //! system-call restart on top of CRIU's own fix-ups), FPU state, signal masks, names and file

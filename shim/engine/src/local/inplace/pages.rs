@@ -1,6 +1,6 @@
 //! The pages of a rollback in place: which of the statepoint's pages differ from the current
-//! state's, which the process has that the statepoint has not, and writing them through
-//! `/proc/PID/mem`.
+//! state's, which the process has that the statepoint has not, and writing them
+//! (`process_vm_writev`, or `/proc/PID/mem` where that cannot).
 //!
 //! The current state is read where CRIU's next incremental dump would read it, without a dump:
 //! each process's page map. A page it has (present or swapped out, not the zero page, not a
@@ -16,9 +16,7 @@ use super::{io, Error, Result};
 use crate::local::lazy::server::DumpFiles;
 use criu_hooks::images::{self, PageRun, PAGE_SIZE};
 use nix::errno::Errno;
-use nix::sys::uio::{process_vm_writev, RemoteIoVec};
-use nix::unistd::Pid;
-use std::io::IoSlice;
+use nix::libc;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use sys::proc::pagemap::{PRESENT, SOFT_DIRTY, SWAPPED};
@@ -249,64 +247,131 @@ fn now_runs(clean: &[(u64, u64)], dirty: &[(u64, u64)], base: &[PageRun]) -> Vec
     out
 }
 
-/// Writes the statepoint's pages into process `pid`; how many. From the images' mappings, up to
-/// `UIO_MAXIOV` runs a system call (`process_vm_writev`): a page at a time through
-/// `/proc/PID/mem`, read into a buffer first, cost two system calls a page, most of a rollback's
-/// memory step under emulation. What that call does not write — a run in memory the process may
-/// not write (`/proc/PID/mem` may: the kernel forces it), or from an image that does not map —
-/// goes through `/proc/PID/mem`.
-pub(super) fn write_pages(pid: i32, runs: &[PageRun]) -> Result<u64> {
+/// Writes the statepoint's pages into process `pid`; how many, and how many runs went the slow
+/// way. From the images' mappings, up to `UIO_MAXIOV` runs a system call (`process_vm_writev`):
+/// through `/proc/PID/mem`, a run at a time read into a buffer first, an agent's scattered pages
+/// cost two system calls each, most of a rollback's memory step under emulation. What that call
+/// does not write goes through `/proc/PID/mem`: a run in memory the process may not write (the
+/// kernel forces a write there), and everything left once the call fails otherwise, or once an
+/// image turns out not to read through its mapping.
+pub(super) fn write_pages(pid: i32, runs: &[PageRun]) -> Result<Written> {
     let mut files = DumpFiles::default();
-    let mut slow = Slow { pid, mem: None, buf: Vec::new() };
-    // (each run with where its content is mapped, or written the slow way at once)
+    let mut slow = Slow { pid, mem: None, buf: Vec::new(), runs: 0 };
+    // (each run with where its content is mapped; those that do not map written at once)
     let mut mapped: Vec<(&PageRun, u64)> = Vec::with_capacity(runs.len());
     for r in runs {
-        match files.mapped(std::slice::from_ref(r), r.vaddr, (r.nr_pages * PAGE_SIZE) as usize) {
+        match files.mapped(std::slice::from_ref(r), r.vaddr, run_len(r)) {
             Ok(Some(src)) => mapped.push((r, src)),
-            _ => slow.write(&mut files, r)?,
+            _ => slow.write(&mut files, r, 0)?,
         }
     }
-    let mut rest = &mapped[..];
-    while !rest.is_empty() {
-        let batch = &rest[..rest.len().min(UIO_MAXIOV)];
-        // SAFETY: each source lies inside an image's mapping (checked by `mapped`), which lives,
-        // read-only, as long as `files`.
-        let local: Vec<IoSlice> = batch
-            .iter()
-            .map(|&(r, src)| IoSlice::new(unsafe { std::slice::from_raw_parts(src as *const u8, run_len(r)) }))
-            .collect();
-        let remote: Vec<RemoteIoVec> =
-            batch.iter().map(|&(r, _)| RemoteIoVec { base: r.vaddr as usize, len: run_len(r) }).collect();
-        let (whole, failed) = match process_vm_writev(Pid::from_raw(pid), &local, &remote) {
-            Ok(n) => whole_runs(batch, n),
-            // (the first run could not be written: the slow way)
-            Err(Errno::EFAULT) => (0, true),
-            Err(e) => return Err(Error::Io { what: format!("write process {pid}'s memory"), source: e.into() }),
+    // The next byte to write: run `k`, `off` bytes into it.
+    let (mut k, mut off) = (0, 0);
+    let mut local: Vec<libc::iovec> = Vec::with_capacity(UIO_MAXIOV);
+    let mut remote: Vec<libc::iovec> = Vec::with_capacity(UIO_MAXIOV);
+    while k < mapped.len() {
+        local.clear();
+        remote.clear();
+        let mut total = 0;
+        for (i, &(r, src)) in mapped[k..].iter().enumerate().take(UIO_MAXIOV) {
+            let skip = if i == 0 { off } else { 0 };
+            let len = (run_len(r) - skip).min(CALL_MAX - total);
+            local.push(libc::iovec { iov_base: (src as usize + skip) as *mut libc::c_void, iov_len: len });
+            remote.push(libc::iovec { iov_base: (r.vaddr as usize + skip) as *mut libc::c_void, iov_len: len });
+            total += len;
+            if total == CALL_MAX {
+                break;
+            }
+        }
+        // SAFETY: the local ranges lie inside the images' mappings (checked by `mapped`), which
+        // live as long as `files`, and are only read; the remote ones are the other process's,
+        // which the kernel checks; both arrays hold `local.len()` entries.
+        let n = unsafe {
+            libc::process_vm_writev(
+                pid,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
+            )
         };
-        if failed {
-            slow.write(&mut files, batch[whole].0)?;
+        let written = if n < 0 {
+            match Errno::last() {
+                Errno::EFAULT => 0,
+                Errno::ESRCH => {
+                    return Err(Error::Io {
+                        what: format!("write process {pid}'s memory"),
+                        source: Errno::ESRCH.into(),
+                    })
+                }
+                // (refused, as a filter of system calls may, or short of memory: the old way, all
+                // of it)
+                _ => {
+                    for &(r, _) in &mapped[k..] {
+                        slow.write(&mut files, r, off)?;
+                        off = 0;
+                    }
+                    break;
+                }
+            }
+        } else {
+            // (whole pages: a page the call wrote in part is written again)
+            n as usize / PAGE_SIZE as usize * PAGE_SIZE as usize
+        };
+        if written == 0 {
+            // Nothing written at run `k`: memory the process may not write, or our side.
+            let (r, _) = mapped[k];
+            let at = r.vaddr + off as u64;
+            slow.write(&mut files, r, off)?;
+            (k, off) = (k + 1, 0);
+            if writable(pid, at) {
+                // (the process may write there: the image's mapping did not read, so no other
+                // will: the rest the old way)
+                for &(r, _) in &mapped[k..] {
+                    slow.write(&mut files, r, 0)?;
+                }
+                break;
+            }
+            continue;
         }
-        rest = &rest[whole + usize::from(failed)..];
+        let mut left = written;
+        while left > 0 {
+            let rest = run_len(mapped[k].0) - off;
+            if left < rest {
+                off += left;
+                left = 0;
+            } else {
+                left -= rest;
+                (k, off) = (k + 1, 0);
+            }
+        }
     }
-    Ok(runs.iter().map(|r| r.nr_pages).sum())
+    Ok(Written { pages: runs.iter().map(|r| r.nr_pages).sum(), slow_runs: slow.runs })
+}
+
+/// What [`write_pages`] wrote: pages, and the runs written through `/proc/PID/mem`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Written {
+    pub pages: u64,
+    pub slow_runs: usize,
 }
 
 /// The kernel's most iovecs a call (`UIO_MAXIOV`).
 const UIO_MAXIOV: usize = 1024;
+/// The most bytes one call is given: the kernel cuts a call at `MAX_RW_COUNT` (just under
+/// 2 GiB) without a fault. (16 pages in the unit tests, so that their runs are cut too.)
+const CALL_MAX: usize = if cfg!(test) { 16 * PAGE_SIZE as usize } else { 1 << 30 };
 
 fn run_len(r: &PageRun) -> usize {
     (r.nr_pages * PAGE_SIZE) as usize
 }
 
-/// Of `batch`, after `n` bytes written: how many runs were written whole, and whether the next
-/// one was not (written in part or not at all: the call stopped there).
-fn whole_runs(batch: &[(&PageRun, u64)], mut n: usize) -> (usize, bool) {
-    let mut k = 0;
-    while k < batch.len() && n >= run_len(batch[k].0) {
-        n -= run_len(batch[k].0);
-        k += 1;
-    }
-    (k, k < batch.len())
+/// Whether process `pid` may write at `addr` (a writable mapping holds it).
+fn writable(pid: i32, addr: u64) -> bool {
+    Proc::of(pid)
+        .maps()
+        .is_ok_and(|maps| maps.iter().any(|m| m.start <= addr && addr < m.end && m.prot & libc::PROT_WRITE as u32 != 0))
 }
 
 /// Runs written through `/proc/PID/mem`, read from the images into a buffer.
@@ -314,10 +379,12 @@ struct Slow {
     pid: i32,
     mem: Option<std::fs::File>,
     buf: Vec<u8>,
+    runs: usize,
 }
 
 impl Slow {
-    fn write(&mut self, files: &mut DumpFiles, r: &PageRun) -> Result<()> {
+    /// Writes run `r` from `from` bytes into it on.
+    fn write(&mut self, files: &mut DumpFiles, r: &PageRun, from: usize) -> Result<()> {
         let pid = self.pid;
         if self.mem.is_none() {
             self.mem = Some(Proc::of(pid).open_mem_rw()?);
@@ -327,7 +394,7 @@ impl Slow {
             self.buf = vec![0u8; 4 << 20];
         }
         let total = r.nr_pages * PAGE_SIZE;
-        let mut done = 0;
+        let mut done = from as u64;
         while done < total {
             let len = (total - done).min(self.buf.len() as u64) as usize;
             let at = r.vaddr + done;
@@ -340,6 +407,7 @@ impl Slow {
             mem.write_all_at(&self.buf[..len], at).map_err(io(format!("write process {pid}'s memory at {at:#x}")))?;
             done += len as u64;
         }
+        self.runs += 1;
         Ok(())
     }
 }
@@ -360,7 +428,6 @@ pub(super) fn strays(pid: i32, had: &[(u64, u64)]) -> Result<Vec<(u64, u64)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use nix::libc;
     use std::collections::BTreeSet;
 
     fn run(v: u64, n: u64, ino: u64, off: u64) -> PageRun {
@@ -375,14 +442,15 @@ mod tests {
 
     /// Pages written into this very process: 1,500 one-page runs into writable memory (more
     /// than one call takes), a run of three into read-only memory between them (the call stops
-    /// there; `/proc/PID/mem` writes it), and each page exactly the image's.
+    /// there; `/proc/PID/mem` writes it), a run of 40 (cut across calls), and each page exactly
+    /// the image's.
     #[test]
     fn pages_are_written_in_batches_and_where_the_process_may_not_write() {
         let p = PAGE_SIZE as usize;
         let n = 1500;
         let dir = tempfile::tempdir().unwrap();
         let image = dir.path().join("pages-1.img");
-        let content: Vec<u8> = (0..(n + 3) * p).map(|i| (i / p * 7 + i % 251) as u8).collect();
+        let content: Vec<u8> = (0..(n + 43) * p).map(|i| (i / p * 7 + i % 251) as u8).collect();
         std::fs::write(&image, &content).unwrap();
         let map = |len: usize| {
             // SAFETY: a new anonymous mapping, ours (leaked: the test's process ends).
@@ -412,8 +480,11 @@ mod tests {
         // every other page of `rw`, the read-only run in the middle
         let mut runs: Vec<PageRun> = (0..n).map(|i| at(rw + (2 * i * p) as u64, 1, i * p)).collect();
         runs.insert(700, at(ro, 3, n * p));
+        let long = map(40 * p);
+        runs.insert(1000, at(long, 40, (n + 3) * p));
         let me = std::process::id() as i32;
-        assert_eq!(write_pages(me, &runs).unwrap(), n as u64 + 3);
+        // (the read-only run alone the slow way)
+        assert_eq!(write_pages(me, &runs).unwrap(), Written { pages: n as u64 + 43, slow_runs: 1 });
         for r in &runs {
             let len = r.nr_pages as usize * p;
             // SAFETY: inside the mappings above.
