@@ -65,18 +65,20 @@ pub fn wait(pidfd: &OwnedFd, max: Option<Duration>) -> io::Result<bool> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// A child process of a test, killed and reaped however the test ends.
+    pub(crate) struct Child(pub std::process::Child);
+    impl Drop for Child {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
 
     #[test]
     fn a_child_is_killed_and_waited_for_through_its_descriptor() {
-        struct Child(std::process::Child);
-        impl Drop for Child {
-            fn drop(&mut self) {
-                let _ = self.0.kill();
-                let _ = self.0.wait();
-            }
-        }
         let mut child = Child(std::process::Command::new("sleep").arg("1000").spawn().unwrap());
         let fd = open(child.0.id() as i32).unwrap();
         assert!(!wait(&fd, Some(Duration::ZERO)).unwrap(), "still running");

@@ -497,14 +497,9 @@ mod tests {
     /// A process's user time is readable by another, and moves when it runs in user mode.
     #[test]
     fn a_process_that_runs_in_user_mode_has_more_user_time() {
-        struct Busy(std::process::Child);
-        impl Drop for Busy {
-            fn drop(&mut self) {
-                let _ = self.0.kill();
-                let _ = self.0.wait();
-            }
-        }
-        let busy = Busy(std::process::Command::new("sh").args(["-c", "while :; do :; done"]).spawn().unwrap());
+        let busy = crate::pidfd::tests::Child(
+            std::process::Command::new("sh").args(["-c", "while :; do :; done"]).spawn().unwrap(),
+        );
         let pid = busy.0.id() as i32;
         let at = || user_times(&[pid]).unwrap()[&pid.to_string()];
         let first = at();
@@ -529,7 +524,7 @@ mod tests {
         drop(busy);
 
         // One waiting in a system call: one tick may be the thaw's, more is a run.
-        let sleeping = Busy(std::process::Command::new("sleep").arg("600").spawn().unwrap());
+        let sleeping = crate::pidfd::tests::Child(std::process::Command::new("sleep").arg("600").spawn().unwrap());
         let pid = sleeping.0.id() as i32;
         let t = std::time::Instant::now();
         while in_system_calls(pid) == 0 && t.elapsed() < std::time::Duration::from_secs(60) {
