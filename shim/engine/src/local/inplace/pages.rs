@@ -305,15 +305,9 @@ pub(super) fn write_pages(pid: i32, runs: &[PageRun]) -> Result<Written> {
                         source: Errno::ESRCH.into(),
                     })
                 }
-                // (refused, as a filter of system calls may, or short of memory: the old way, all
-                // of it)
-                _ => {
-                    for &(r, _) in &mapped[k..] {
-                        slow.write(&mut files, r, off)?;
-                        off = 0;
-                    }
-                    break;
-                }
+                // (refused, as a filter of system calls may, or short of memory: the rest the old
+                // way, below)
+                _ => break,
             }
         } else {
             // (whole pages: a page the call wrote in part is written again)
@@ -327,10 +321,7 @@ pub(super) fn write_pages(pid: i32, runs: &[PageRun]) -> Result<Written> {
             (k, off) = (k + 1, 0);
             if writable(pid, at) {
                 // (the process may write there: the image's mapping did not read, so no other
-                // will: the rest the old way)
-                for &(r, _) in &mapped[k..] {
-                    slow.write(&mut files, r, 0)?;
-                }
+                // will: the rest the old way, below)
                 break;
             }
             continue;
@@ -346,6 +337,10 @@ pub(super) fn write_pages(pid: i32, runs: &[PageRun]) -> Result<Written> {
                 (k, off) = (k + 1, 0);
             }
         }
+    }
+    // What the loop left when it gave up on `process_vm_writev` (nothing once it got through).
+    for (i, &(r, _)) in mapped.iter().enumerate().skip(k) {
+        slow.write(&mut files, r, if i == k { off } else { 0 })?;
     }
     Ok(Written { pages: runs.iter().map(|r| r.nr_pages).sum(), slow_runs: slow.runs })
 }
