@@ -94,6 +94,44 @@ pub fn upperdir_mounted(upper: &Path) -> bool {
     sys::proc::Proc::own().mounts().is_ok_and(|ms| sys::proc::upperdir_in_use(&ms, upper))
 }
 
+/// Waits until no overlay uses `upper` as its upper directory, or until `deadline`; whether none
+/// does.
+pub fn wait_upperdir_unmounted(upper: &Path, deadline: std::time::Instant) -> bool {
+    wait_mounts(deadline, |ms| !sys::proc::upperdir_in_use(ms, upper))
+}
+
+/// Waits until this process's mounts satisfy `done`, or until `deadline`; whether they do. The
+/// kernel wakes a poll of `/proc/self/mountinfo` at every mount and unmount (proc(5)), so the
+/// wait costs nothing in between.
+fn wait_mounts(deadline: std::time::Instant, done: impl Fn(&[sys::proc::Mount]) -> bool) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::io::{Read, Seek};
+    use std::os::fd::AsFd;
+    let now = || sys::proc::Proc::own().mounts().is_ok_and(|ms| done(&ms));
+    // (opened before the first read: a change after the open wakes the poll at once)
+    let Ok(mut f) = std::fs::File::open("/proc/self/mountinfo") else { return now() };
+    loop {
+        let mut text = String::new();
+        if f.rewind().and_then(|_| f.read_to_string(&mut text)).is_err() {
+            return now();
+        }
+        if done(&sys::proc::parse_mountinfo(&text)) {
+            return true;
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        // (rounded up: woken a little early, it would look once more and wait again)
+        let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+        let mut fds = [PollFd::new(f.as_fd(), PollFlags::POLLPRI)];
+        match poll(&mut fds, PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(_) => return now(),
+        }
+    }
+}
+
 /// Writes crun's record of a running container (`<root>/<id>/status` and the config), as crun
 /// itself does after a restore, so later crun verbs know it.
 pub fn register_with_crun(globals: &Globals, id: &str, pid: i32, bundle: &Path, spec: &Spec) -> Result<()> {
@@ -123,6 +161,17 @@ pub fn register_with_crun(globals: &Globals, id: &str, pid: i32, bundle: &Path, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_wait_for_mounts_ends_once_they_are_so_or_at_its_deadline() {
+        use std::time::{Duration, Instant};
+        // (this process has mounts: true at once, whatever the deadline)
+        assert!(wait_mounts(Instant::now(), |ms| !ms.is_empty()));
+        assert!(wait_upperdir_unmounted(Path::new("/no/such/upper"), Instant::now()));
+        let t = Instant::now();
+        assert!(!wait_mounts(t + Duration::from_millis(50), |_| false));
+        assert!(t.elapsed() >= Duration::from_millis(50), "not before its deadline");
+    }
 
     #[test]
     fn a_running_container_from_cruns_record() {

@@ -168,9 +168,16 @@ fn output(args: &[&str]) -> Result<String> {
 }
 
 /// Waits until Podman has cleaned up after the container's processes ended (storage unmounted).
+/// Where its files are an overlay, the wait is for that overlay's unmount, which Podman's
+/// cleanup does after it has recorded the container exited: then one `podman inspect` confirms
+/// it. (Asking Podman every 100 ms meant a Podman process each time, competing for the CPUs
+/// with the very cleanup waited for.)
 pub fn wait_stopped(id: &str, upperdir: Option<&Path>, timeout: Duration) -> Result<()> {
     let end = Instant::now() + timeout;
     loop {
+        if let Some(u) = upperdir {
+            super::container::wait_upperdir_unmounted(u, end);
+        }
         let c = inspect(id)?;
         let unmounted = upperdir.is_none_or(|u| !super::container::upperdir_mounted(u));
         if matches!(c.status.as_str(), "exited" | "stopped" | "configured" | "created") && unmounted {

@@ -475,6 +475,7 @@ fn take_safety(rb: &Parts, safety_id: &str, progress: &mut dyn Progress) -> Resu
             ..SnapshotRequest::default()
         },
     )?;
+    crate::log::mark("safety dumped");
     let stopped = match frozen {
         Some(frozen) => stop_frozen(&ctx, pc, frozen),
         None => Ok(podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?),
@@ -483,6 +484,7 @@ fn take_safety(rb: &Parts, safety_id: &str, progress: &mut dyn Progress) -> Resu
         let _ = super::remove(rb.cfg, store, &m.statepoint_id);
         return Err(e);
     }
+    crate::log::mark("stopped");
     progress.done(&m.statepoint_id);
     Ok(Some(m))
 }
@@ -503,10 +505,12 @@ fn restore_target(rb: &mut Parts, compensated: bool, progress: &mut dyn Progress
     }
     progress.phase(&format!("files ({})", rb.rootfs.backend()));
     let files = rb.rootfs.restore(&store.statepoint_dir(&target.statepoint_id), &target.local_state)?;
+    crate::log::mark("files restored");
     progress.phase("processes (podman container restore)");
     let restored = crate::fault::point("rollback.files-restored")
         .map_err(Error::from)
         .and_then(|()| podman_restore(store, pc, target));
+    crate::log::mark("podman restored");
     match restored {
         Ok(Some(s)) => progress.done(&s.breakdown()),
         Ok(None) => {}
@@ -605,6 +609,7 @@ enum InPlace {
 fn stop_frozen(ctx: &Ctx, pc: &PodmanContainer, frozen: FreezeGuard) -> Result<()> {
     ctx.crun().kill(&ctx.ctr.id, false);
     drop(frozen);
+    crate::log::mark("killed");
     Ok(podman::wait_stopped(&pc.id, pc.upperdir.as_deref(), Duration::from_secs(60))?)
 }
 
