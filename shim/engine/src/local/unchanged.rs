@@ -417,20 +417,33 @@ fn soft_dirty_pages(pid: i32) -> Result<Option<Vec<(u64, bool)>>, Unfit> {
     let mut out = Vec::new();
     let maps = Proc::of(pid).read("maps")?;
     let pagemap = Proc::of(pid).open("pagemap")?;
+    use std::ops::ControlFlow;
+    use sys::proc::pagemap::category as c;
     for (lo, hi) in maps.lines().filter(|l| !l.ends_with("[vsyscall]")).filter_map(range) {
         let Some(left) = budget.checked_sub((hi - lo) / PAGE) else { return Ok(None) };
         budget = left;
-        let scanned = scan(&pagemap, lo, hi, |a, e| {
-            if e & SOFT_DIRTY == 0 {
-                return std::ops::ControlFlow::Continue(());
-            }
+        let mut dirty = |a: u64, present: bool| {
             if out.len() == MAX_COMPARED {
-                return std::ops::ControlFlow::Break(());
+                return ControlFlow::Break(());
             }
-            out.push((a, e & (PRESENT | SWAPPED) != 0));
-            std::ops::ControlFlow::Continue(())
+            out.push((a, present));
+            ControlFlow::Continue(())
+        };
+        // (the kernel says where the soft-dirty pages are, or each page's entry is read)
+        let shown = c::PRESENT | c::SWAPPED | c::SOFT_DIRTY;
+        let asked = sys::proc::pagemap::regions(&pagemap, lo, hi, (c::SOFT_DIRTY, 0, shown), |s, e, k| {
+            let present = k & (c::PRESENT | c::SWAPPED) != 0;
+            (s..e).step_by(PAGE as usize).try_for_each(|a| dirty(a, present))
         })
-        .map_err(|e| Unfit(format!("/proc/{pid}/pagemap: {e}")))?;
+        .map_err(|e| Unfit(format!("PAGEMAP_SCAN /proc/{pid}/pagemap: {e}")))?;
+        let scanned = match asked {
+            Some(done) => done,
+            None => scan(&pagemap, lo, hi, |a, e| match e & SOFT_DIRTY {
+                0 => ControlFlow::Continue(()),
+                _ => dirty(a, e & (PRESENT | SWAPPED) != 0),
+            })
+            .map_err(|e| Unfit(format!("/proc/{pid}/pagemap: {e}")))?,
+        };
         if scanned.is_break() {
             return Ok(None);
         }
