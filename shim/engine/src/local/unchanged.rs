@@ -539,8 +539,14 @@ mod tests {
         // One waiting in a system call: one tick may be the thaw's, more is a run.
         let sleeping = crate::pidfd::tests::Child(std::process::Command::new("sleep").arg("600").spawn().unwrap());
         let pid = sleeping.0.id() as i32;
+        // (until it sleeps: while it starts, it may be met in another system call, or running)
+        let asleep = || {
+            let call = Proc::of(pid).read("syscall").unwrap_or_default();
+            let n = call.split_whitespace().next().and_then(|n| n.parse::<i64>().ok());
+            matches!(n, Some(n) if n == nix::libc::SYS_nanosleep || n == nix::libc::SYS_clock_nanosleep)
+        };
         let t = std::time::Instant::now();
-        while in_system_calls(pid) == 0 && t.elapsed() < std::time::Duration::from_secs(60) {
+        while !asleep() && t.elapsed() < std::time::Duration::from_secs(60) {
             std::thread::yield_now();
         }
         assert_eq!(in_system_calls(pid), 1, "sleep waits in one system call");
@@ -562,6 +568,20 @@ mod tests {
         };
         let first = fp(&d);
         assert_eq!(fp(&d), first);
+        // (a file's times come from the kernel's coarse clock, which moves once a tick: the
+        // write below is made once it has moved past the first one's, as any write is that
+        // comes after a freeze, a fingerprint and a thaw)
+        let written = std::fs::metadata(d.join("a/f")).unwrap();
+        let was = (written.ctime(), written.ctime_nsec());
+        let coarse = || {
+            let mut ts = nix::libc::timespec { tv_sec: 0, tv_nsec: 0 };
+            // SAFETY: clock_gettime writes one timespec through the pointer, which points at `ts`.
+            unsafe { nix::libc::clock_gettime(nix::libc::CLOCK_REALTIME_COARSE, &mut ts) };
+            (ts.tv_sec, ts.tv_nsec)
+        };
+        while coarse() <= was {
+            std::thread::yield_now();
+        }
         std::fs::write(d.join("a/f"), "y").unwrap();
         let second = fp(&d);
         assert_ne!(second, first, "a write of the same size");
