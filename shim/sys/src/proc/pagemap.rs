@@ -197,6 +197,8 @@ mod tests {
     /// A page's flags as either way tells them: present, swapped, file, the zero page,
     /// soft-dirty.
     type Flags = (bool, bool, bool, bool, bool);
+    /// Pages and their flags, in order.
+    type Pages = Vec<(u64, Flags)>;
 
     /// A child process, killed and reaped however the test ends.
     struct Reaped(std::process::Child);
@@ -237,7 +239,7 @@ mod tests {
         let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap")).unwrap();
         let zero = zero_pfn();
         let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
-        let (mut read, mut asked): (Vec<(u64, Flags)>, Vec<(u64, Flags)>) = Default::default();
+        let (mut read, mut asked): (Pages, Pages) = Default::default();
         for line in maps.lines().filter(|l| !l.ends_with("[vsyscall]")) {
             let (lo, hi) = line.split_whitespace().next().unwrap().split_once('-').unwrap();
             let (lo, hi) = (u64::from_str_radix(lo, 16).unwrap(), u64::from_str_radix(hi, 16).unwrap());
