@@ -579,7 +579,9 @@ mod tests {
             unsafe { nix::libc::clock_gettime(nix::libc::CLOCK_REALTIME_COARSE, &mut ts) };
             (ts.tv_sec, ts.tv_nsec)
         };
-        while coarse() <= was {
+        // (bounded: a clock stepped back would otherwise hold the test until it caught up)
+        let t = std::time::Instant::now();
+        while coarse() <= was && t.elapsed() < std::time::Duration::from_secs(1) {
             std::thread::yield_now();
         }
         std::fs::write(d.join("a/f"), "y").unwrap();
