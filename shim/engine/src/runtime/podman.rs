@@ -175,11 +175,8 @@ fn output(args: &[&str]) -> Result<String> {
 pub fn wait_stopped(id: &str, upperdir: Option<&Path>, timeout: Duration) -> Result<()> {
     let end = Instant::now() + timeout;
     loop {
-        if let Some(u) = upperdir {
-            super::container::wait_upperdir_unmounted(u, end);
-        }
+        let unmounted = upperdir.is_none_or(|u| super::container::wait_upperdir_unmounted(u, end));
         let c = inspect(id)?;
-        let unmounted = upperdir.is_none_or(|u| !super::container::upperdir_mounted(u));
         if matches!(c.status.as_str(), "exited" | "stopped" | "configured" | "created") && unmounted {
             return Ok(());
         }
