@@ -127,37 +127,43 @@ pub fn after_dump(store: &ContainerStore, m: &Manifest, init_start: u64) -> Resu
 
 /// A dump that CRIU started but that was not committed: CRIU may have cleared the soft-dirty bits
 /// of some or all tasks, so the pages written since the current base are in no image that will
-/// be kept. Until this guard is disarmed, dropping it makes the next dump of the tree full
-/// (an incremental one would silently miss those pages).
+/// be kept. From [`DumpInProgress::begin`] until the guard is disarmed, dropping it makes the next
+/// dump of the tree full (an incremental one would silently miss those pages). A statepoint that
+/// takes no dump (its tree did nothing) never begins it: nothing clears the bits.
 pub struct DumpInProgress<'a> {
     store: &'a ContainerStore,
     init_start: u64,
-    armed: bool,
+    armed: std::sync::atomic::AtomicBool,
 }
 
 impl<'a> DumpInProgress<'a> {
-    /// Written at once, not only when dropped: a planarian killed during the dump runs no
-    /// destructor, and its successor must not dump incrementally (nor take the tree as unchanged)
-    /// against a base whose soft-dirty bits CRIU may have cleared.
-    pub fn start(store: &'a ContainerStore, init_start: u64) -> DumpInProgress<'a> {
-        let g = DumpInProgress { store, init_start, armed: true };
-        g.invalidate("the last dump was not committed (CRIU may have cleared the soft-dirty bits)");
-        g
+    /// The guard of a dump that may come, not yet begun (nothing written).
+    pub fn ready(store: &'a ContainerStore, init_start: u64) -> DumpInProgress<'a> {
+        DumpInProgress { store, init_start, armed: std::sync::atomic::AtomicBool::new(false) }
+    }
+
+    /// CRIU is about to run. Written at once, not only when dropped: a planarian killed during
+    /// the dump runs no destructor, and its successor must not dump incrementally (nor take the
+    /// tree as unchanged) against a base whose soft-dirty bits CRIU may have cleared.
+    pub fn begin(&self) {
+        self.armed.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.invalidate("the last dump was not committed (CRIU may have cleared the soft-dirty bits)");
     }
 
     fn invalidate(&self, why: &str) {
         invalidate_base(self.store, self.init_start, why);
     }
 
-    /// The dump was committed and its own base written ([`after_dump`]).
+    /// The dump (or the statepoint without one) was committed and its own base written
+    /// ([`after_dump`]).
     pub fn committed(mut self) {
-        self.armed = false;
+        *self.armed.get_mut() = false;
     }
 }
 
 impl Drop for DumpInProgress<'_> {
     fn drop(&mut self) {
-        if self.armed {
+        if *self.armed.get_mut() {
             self.invalidate("the last dump was not committed (CRIU may have cleared the soft-dirty bits)");
         }
     }
@@ -527,7 +533,12 @@ mod tests {
         let m = dump(&s, "sp1", None, 0);
         after_dump(&s, &m, 42).unwrap();
         assert!(plan(&s, "sp2", 42, 8).prev_images_dir.is_some());
-        let g = DumpInProgress::start(&s, 42);
+        // (a guard never begun, as a statepoint that took no dump has: the base stays)
+        drop(DumpInProgress::ready(&s, 42));
+        assert_eq!(plan(&s, "sp2", 42, 8).prev_images_dir.as_deref(), Some("../../sp1/criu"), "no dump began");
+        let g = DumpInProgress::ready(&s, 42);
+        assert!(plan(&s, "sp2", 42, 8).prev_images_dir.is_some(), "nothing written before the dump begins");
+        g.begin();
         // (while it runs, a planarian killed now leaves no base: the next dump is full)
         assert_eq!(plan(&s, "sp2", 42, 8).prev_images_dir, None, "no base during a dump");
         let m2 = dump(&s, "sp2", Some("../../sp1/criu"), 1);
@@ -538,7 +549,7 @@ mod tests {
             Some("../../sp2/criu"),
             "a committed dump is the base"
         );
-        drop(DumpInProgress::start(&s, 42));
+        DumpInProgress::ready(&s, 42).begin();
         let p = plan(&s, "sp3", 42, 8);
         assert_eq!(p.prev_images_dir, None);
         assert!(p.full_reason.unwrap().contains("not committed"));

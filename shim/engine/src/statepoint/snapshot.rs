@@ -85,8 +85,8 @@ pub fn take_then(
     let lock_guard =
         StaleNetworkLock { pid: t.pid, armed: network_lock == Some("nftables") && setting.netns.is_none() };
     // From CRIU's first dump on, a failure must make the next dump full.
-    let dumping = crate::chain::DumpInProgress::start(&ctx.store, t.init_start);
-    let window = Window { frozen: &frozen, setting: &setting, network_lock, pids: &pids };
+    let dumping = crate::chain::DumpInProgress::ready(&ctx.store, t.init_start);
+    let window = Window { frozen: &frozen, setting: &setting, network_lock, pids: &pids, dumping: &dumping };
     m.measurements.rootfs_ms = t.capture(&mut m, &window, base)?;
     if let Err(e) = t.commit(&mut m, tf) {
         t.rootfs.discard(&t.dir, &m.local_state);
@@ -145,6 +145,8 @@ struct Window<'w> {
     network_lock: Option<&'static str>,
     /// The tree's processes, frozen: the same through the dump.
     pids: &'w [i32],
+    /// Begun when CRIU is about to run.
+    dumping: &'w crate::chain::DumpInProgress<'w>,
 }
 
 impl<'a> Taking<'a> {
@@ -330,6 +332,7 @@ impl<'a> Taking<'a> {
             m.measurements.criu_dump_ms = ms(td);
             return self.still_frozen(w.frozen);
         }
+        w.dumping.begin();
         let incremental = criu::DumpPlan {
             pid: self.pid,
             images_dir: images,
