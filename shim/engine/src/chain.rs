@@ -549,7 +549,12 @@ mod tests {
             Some("../../sp2/criu"),
             "a committed dump is the base"
         );
-        DumpInProgress::ready(&s, 42).begin();
+        // (begun, then dropped before it was committed, even after its base was written: the
+        // invalidation comes from the drop, not only from the begin)
+        let g = DumpInProgress::ready(&s, 42);
+        g.begin();
+        after_dump(&s, &m2, 42).unwrap();
+        drop(g);
         let p = plan(&s, "sp3", 42, 8);
         assert_eq!(p.prev_images_dir, None);
         assert!(p.full_reason.unwrap().contains("not committed"));
