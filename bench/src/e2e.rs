@@ -295,7 +295,6 @@ fn replay(trace: &Trace, system: System, scale: f64, db: Option<&Db>) -> Result<
 }
 
 const PROXY: &str = "/usr/local/bin/planarian-mcp-proxy";
-const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
 
 /// The database of the database traces: a PostgreSQL for the run, and the MCP service a sandbox
 /// names (`[mcp.services.plbench]`: DBHub under node, over stdio).
@@ -329,7 +328,7 @@ impl Db {
                 "-u",
                 "postgres",
                 "--",
-                &format!("{PG_BIN}/initdb"),
+                &format!("{}/initdb", crate::pg_bin()),
                 "-D",
                 &format!("{d}/data"),
                 "-A",
@@ -346,7 +345,7 @@ impl Db {
                 "-u",
                 "postgres",
                 "--",
-                &format!("{PG_BIN}/pg_ctl"),
+                &format!("{}/pg_ctl", crate::pg_bin()),
                 "-D",
                 &format!("{d}/data"),
                 "-w",
@@ -407,7 +406,7 @@ impl Drop for Db {
                 "-u",
                 "postgres",
                 "--",
-                &format!("{PG_BIN}/pg_ctl"),
+                &format!("{}/pg_ctl", crate::pg_bin()),
                 "-D",
                 &format!("{d}/data"),
                 "-m",

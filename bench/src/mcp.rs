@@ -13,8 +13,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
-
 struct Pg {
     dir: PathBuf,
     port: u16,
@@ -43,12 +41,12 @@ impl Pg {
             std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
         let d = dir.display().to_string();
         as_postgres(
-            &format!("{PG_BIN}/initdb"),
+            &format!("{}/initdb", crate::pg_bin()),
             &["-D", &format!("{d}/data"), "-A", "trust", "-U", "postgres", "--no-sync"],
         )?;
         let opts = format!("-k {d} -c listen_addresses=127.0.0.1 -p {port}");
         as_postgres(
-            &format!("{PG_BIN}/pg_ctl"),
+            &format!("{}/pg_ctl", crate::pg_bin()),
             &["-D", &format!("{d}/data"), "-w", "-l", &format!("{d}/log"), "-o", &opts, "start"],
         )?;
         Ok(Pg { dir, port })
@@ -58,7 +56,10 @@ impl Pg {
 impl Drop for Pg {
     fn drop(&mut self) {
         let d = self.dir.display().to_string();
-        let _ = as_postgres(&format!("{PG_BIN}/pg_ctl"), &["-D", &format!("{d}/data"), "-m", "immediate", "stop"]);
+        let _ = as_postgres(
+            &format!("{}/pg_ctl", crate::pg_bin()),
+            &["-D", &format!("{d}/data"), "-m", "immediate", "stop"],
+        );
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
