@@ -50,10 +50,10 @@ mod mcp;
 
 /// The server binaries of the newest PostgreSQL installed (Debian 12 has 15, Debian 13 17).
 fn pg_bin() -> String {
-    let versions = std::fs::read_dir("/usr/lib/postgresql")
+    let newest = std::fs::read_dir("/usr/lib/postgresql")
         .map(|d| d.flatten().filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok()).max())
         .unwrap_or_default();
-    format!("/usr/lib/postgresql/{}/bin", versions.unwrap_or(15))
+    format!("/usr/lib/postgresql/{}/bin", newest.unwrap_or(15))
 }
 
 use std::process::{Command, Stdio};
